@@ -1,0 +1,34 @@
+# kvhost: `make test` sets up .venv and runs the suite; nothing else needs installing by hand.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch that pip takes from this machine's disk; override on a GPU runner,
+# e.g. `make test TORCH=torch` there.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup test lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy kvhost
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

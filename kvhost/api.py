@@ -1,0 +1,177 @@
+"""The public calls: receive, copy_blocks, and KVHost for caches registered once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from kvhost.backend import Backend, Completion
+from kvhost.batch import IndexBuffers, Incoming, Uploader, plan_copy_batch, plan_receive_batch, upload
+from kvhost.caches import CacheSet, Layer
+from kvhost.errors import LayoutError
+from kvhost.registry import get_backend
+from kvhost.stats import CopyResult, ReceiveStats
+
+Requests = Mapping[str, Sequence[int] | np.ndarray | Incoming]
+Ids = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def receive(
+    caches: Mapping[str, Layer],
+    requests: Requests,
+    *,
+    axes: str,
+    remote_order: str | None = None,
+    remote_block_size: int | None = None,
+    backend: str | Backend | None = None,
+) -> ReceiveStats:
+    """Post-process, in place, the blocks of ``requests`` that hold the sender's wire bytes.
+
+    ``requests`` maps a request id to its local block ids in token order, or to an
+    ``Incoming`` naming its own remote order and block size. The whole batch is checked
+    before any byte moves; requests sharing a transform are done in one backend call.
+    """
+    cache_set = CacheSet(caches, axes)
+    return _receive(cache_set, requests, remote_order, remote_block_size, _backend(backend, cache_set.device), upload)
+
+
+def copy_blocks(
+    src: Mapping[str, Layer],
+    dst: Mapping[str, Layer],
+    src_ids: Ids,
+    dst_ids: Ids,
+    *,
+    axes: str,
+    dst_axes: str | None = None,
+    non_blocking: bool = False,
+    backend: str | Backend | None = None,
+) -> CopyResult:
+    """Block ``dst_ids[i]`` of every layer of ``dst`` receives block ``src_ids[i]`` of ``src``.
+
+    ``dst_axes`` names dst's dims when its layout differs (the copy rearranges on the
+    way); devices may differ (host staging, either way).
+    """
+    source = CacheSet(src, axes, role="src")
+    dest = CacheSet(dst, dst_axes or axes, role="dst")
+    return _copy(source, dest, src_ids, dst_ids, non_blocking, backend)
+
+
+class KVHost:
+    """A set of caches registered once, as a connector holds them for its lifetime.
+
+    Layouts are read once; index buffers on the device are reused across calls (one set
+    per thread, so two threads may work on disjoint blocks at once).
+    """
+
+    def __init__(self, caches: Mapping[str, Layer], *, axes: str, backend: str | Backend | None = None) -> None:
+        self.caches = CacheSet(caches, axes)
+        self.backend = _backend(backend, self.caches.device)
+        self._index_buffers = IndexBuffers()
+
+    @property
+    def device(self) -> torch.device:
+        return self.caches.device
+
+    def receive(
+        self, requests: Requests, *, remote_order: str | None = None, remote_block_size: int | None = None
+    ) -> ReceiveStats:
+        """Like ``kvhost.receive`` on the registered caches."""
+        return _receive(self.caches, requests, remote_order, remote_block_size, self.backend, self._index_buffers)
+
+    def copy_to(
+        self,
+        dst: Mapping[str, Layer],
+        src_ids: Ids,
+        dst_ids: Ids,
+        *,
+        dst_axes: str | None = None,
+        non_blocking: bool = False,
+    ) -> CopyResult:
+        """Copy registered blocks ``src_ids`` out to ``dst`` (e.g. save to a host buffer)."""
+        dest = CacheSet(dst, dst_axes or self.caches.axes, role="dst")
+        return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, self._copy_backend(dest.device))
+
+    def copy_from(
+        self,
+        src: Mapping[str, Layer],
+        src_ids: Ids,
+        dst_ids: Ids,
+        *,
+        src_axes: str | None = None,
+        non_blocking: bool = False,
+    ) -> CopyResult:
+        """Copy blocks ``src_ids`` of ``src`` into registered blocks ``dst_ids`` (a load)."""
+        source = CacheSet(src, src_axes or self.caches.axes, role="src")
+        return _copy(source, self.caches, src_ids, dst_ids, non_blocking, self._copy_backend(source.device))
+
+    def _copy_backend(self, other: torch.device) -> Backend | None:
+        """The registered backend, unless the other side is the accelerator of a host cache."""
+        return self.backend if other.type in ("cpu", self.device.type) else None
+
+
+def _receive(
+    caches: CacheSet,
+    requests: Requests,
+    remote_order: str | None,
+    remote_block_size: int | None,
+    backend: Backend,
+    uploader: Uploader,
+) -> ReceiveStats:
+    start = time.perf_counter()
+    batch = plan_receive_batch(caches, requests, remote_order, remote_block_size, uploader)
+    for job in batch.jobs:
+        backend.receive(job)
+    return ReceiveStats(
+        blocks=batch.blocks,
+        bytes_moved=batch.bytes_moved,
+        groups=batch.groups,
+        backend=backend.name,
+        requests=batch.requests,
+        skipped_blocks=batch.skipped_blocks,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _copy(
+    source: CacheSet, dest: CacheSet, src_ids: Ids, dst_ids: Ids, non_blocking: bool, backend: str | Backend | None
+) -> CopyResult:
+    chosen = _backend(backend, _copy_device(source.device, dest.device))
+    batch = plan_copy_batch(source, dest, src_ids, dst_ids, non_blocking)
+    completions = [chosen.copy(job) for job in batch.jobs]
+    return CopyResult(
+        blocks=batch.blocks,
+        bytes_moved=batch.bytes_moved,
+        runs=batch.runs,
+        backend=chosen.name,
+        completion=_AllOf(completions),
+    )
+
+
+class _AllOf(Completion):
+    def __init__(self, parts: list[Completion]) -> None:
+        self.parts = parts
+
+    def done(self) -> bool:
+        return all(part.done() for part in self.parts)
+
+    def wait(self) -> None:
+        for part in self.parts:
+            part.wait()
+
+
+def _copy_device(src: torch.device, dst: torch.device) -> torch.device:
+    """The device whose backend runs a copy: the accelerator side, when one side is the host."""
+    if src.type == "cpu":
+        return dst
+    if dst.type in ("cpu", src.type):
+        return src
+    raise LayoutError(f"cannot copy between {src} and {dst}: stage through host memory")
+
+
+def _backend(backend: str | Backend | None, device: torch.device) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    return get_backend(device, backend)

@@ -1,0 +1,56 @@
+"""The ``kvhost`` command: ``kvhost info``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from kvhost.errors import KVHostError
+from kvhost.registry import registry
+
+
+def visible_devices() -> list[str]:
+    """Devices torch can see here, one per accelerator index, the host first."""
+    devices = ["cpu"]
+    for device_type in ("cuda", "xpu"):
+        module = getattr(torch, device_type, None)
+        if module is not None and module.is_available():
+            devices += [f"{device_type}:{i}" for i in range(module.device_count())]
+    if "torch_xla" in sys.modules:
+        import torch_xla.core.xla_model as xm
+
+        devices += [str(d) for d in xm.get_xla_supported_devices()]
+    return devices
+
+
+def info(args: argparse.Namespace) -> int:
+    rows = registry.info()
+    print(f"kvhost backends (torch {torch.__version__})")
+    print(f"  {'name':<10} {'devices':<12} {'priority':>8}  status")
+    for row in rows:
+        status = "available" if row.available else f"unavailable: {row.unavailable}"
+        print(f"  {row.name:<10} {','.join(row.device_types) or '-':<12} {row.priority:>8}  {status}")
+    print("chosen per visible device:")
+    for device in visible_devices():
+        try:
+            backend = registry.for_device(device)
+            detail = backend.describe()
+            print(f"  {device:<10} -> {backend.name}" + (f" ({detail})" if detail else ""))
+        except KVHostError as err:
+            print(f"  {device:<10} -> none: {err}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvhost", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="backends, their availability, and the choice per device").set_defaults(run=info)
+    args = parser.parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

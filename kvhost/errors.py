@@ -1,0 +1,23 @@
+"""Errors kvhost raises. Every one derives from KVHostError and names the value at fault.
+
+All validation happens before any byte moves, so catching one of these means no cache
+memory was touched.
+"""
+
+from __future__ import annotations
+
+
+class KVHostError(Exception):
+    """Base class of every error kvhost raises on purpose."""
+
+
+class LayoutError(KVHostError, ValueError):
+    """A tensor or its axis letters describe a cache kvhost cannot handle."""
+
+
+class RequestError(KVHostError, ValueError):
+    """A request's block ids or remote spec are invalid (range, duplicates, groups, letters)."""
+
+
+class BackendError(KVHostError, RuntimeError):
+    """No usable backend for a device, or a backend failed to load."""

@@ -1,0 +1,187 @@
+"""Layouts: a KV tensor's dims named by axis letters, with the physical order read from strides.
+
+Letters (DESIGN.md, "Words"): ``L`` layers, ``K`` the key/value pair, ``B`` blocks, ``N``
+tokens in a block, ``H`` KV heads, ``C`` channels. ``axes`` names a tensor's dims in shape
+order; the physical order is the order of decreasing stride. The axes physically after
+``B`` form a block's *region*, which must be one contiguous run of bytes; the axes
+physically before ``B`` are *outer*: every outer index has its own region per block.
+
+A Layout holds only shape, strides and item size, never data, so it can key plan caches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from kvhost.errors import LayoutError
+
+AXIS_LETTERS = "LKBNHC"
+REQUIRED_LETTERS = "BNC"
+
+
+def check_letters(letters: str, *, what: str) -> None:
+    """Reject unknown, repeated or missing letters; ``what`` says where they came from."""
+    unknown = sorted(set(letters) - set(AXIS_LETTERS))
+    if unknown:
+        raise LayoutError(
+            f"{what} {letters!r} has unknown letter(s) {''.join(unknown)!r}; "
+            f"known letters are {AXIS_LETTERS!r}"
+        )
+    repeated = sorted({a for a in letters if letters.count(a) > 1})
+    if repeated:
+        raise LayoutError(f"{what} {letters!r} repeats letter(s) {''.join(repeated)!r}")
+
+
+_known: dict[tuple[str, tuple[int, ...], tuple[int, ...], int], Layout] = {}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape, strides (in elements) and item size of one KV tensor, its dims named by letters."""
+
+    axes: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, axes: str, *, name: str = "tensor") -> Layout:
+        """The layout of ``tensor`` whose dims, in shape order, are named by ``axes``."""
+        # XLA tensors have no strides: their memory order is their shape order.
+        shape = tuple(tensor.shape)
+        strides = contiguous_strides(shape) if _strideless(tensor) else tensor.stride()
+        key = (axes, shape, strides, tensor.element_size())
+        layout = _known.get(key)
+        if layout is None:
+            check_letters(axes, what=f"{name}: axes")
+            missing = [a for a in REQUIRED_LETTERS if a not in axes]
+            if missing:
+                raise LayoutError(f"{name}: axes {axes!r} lack required letter(s) {''.join(missing)!r}")
+            if len(shape) != len(axes):
+                raise LayoutError(
+                    f"{name}: axes {axes!r} name {len(axes)} dims but the tensor has {len(shape)} (shape {shape})"
+                )
+            layout = cls(*key)
+            layout.validate(name)
+            _known[key] = layout  # only valid layouts are remembered; a miss validates again
+        return layout
+
+    # --- derived facts ---------------------------------------------------------------
+
+    def size(self, letter: str) -> int:
+        return self.shape[self.axes.index(letter)] if letter in self.axes else 1
+
+    def stride(self, letter: str) -> int:
+        return self.strides[self.axes.index(letter)]
+
+    @cached_property
+    def physical(self) -> str:
+        """Letters in memory order, largest stride first.
+
+        A size-1 dim has no meaningful stride; on a tie it goes inside its partner.
+        """
+        order = sorted(
+            range(len(self.axes)),
+            key=lambda i: (-self.strides[i], self.shape[i] == 1, i),
+        )
+        return "".join(self.axes[i] for i in order)
+
+    @cached_property
+    def outer(self) -> str:
+        """Letters physically before ``B``: each index of them has its own region per block."""
+        return self.physical[: self.physical.index("B")]
+
+    @cached_property
+    def region(self) -> str:
+        """Letters physically after ``B``, in memory order: one block's contiguous region."""
+        return self.physical[self.physical.index("B") + 1 :]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.size("B")
+
+    @property
+    def block_size(self) -> int:
+        return self.size("N")
+
+    @cached_property
+    def region_numel(self) -> int:
+        return int(np.prod([self.size(a) for a in self.region], dtype=np.int64))
+
+    @property
+    def region_bytes(self) -> int:
+        return self.region_numel * self.itemsize
+
+    @property
+    def block_stride_bytes(self) -> int:
+        return self.stride("B") * self.itemsize
+
+    @cached_property
+    def outer_count(self) -> int:
+        return int(np.prod([self.size(a) for a in self.outer], dtype=np.int64))
+
+    @cached_property
+    def outer_offsets_bytes(self) -> np.ndarray:
+        """Byte offset of every outer index's block-0 region, in row-major outer order."""
+        offsets = np.zeros(1, dtype=np.int64)
+        for letter in self.outer:
+            steps = np.arange(self.size(letter), dtype=np.int64) * self.stride(letter) * self.itemsize
+            offsets = (offsets[:, None] + steps[None, :]).reshape(-1)
+        return offsets
+
+    def logical_sizes(self) -> dict[str, int]:
+        """Size of every letter but ``B``: what one block holds, layout aside."""
+        return {a: self.size(a) for a in self.axes if a != "B"}
+
+    # --- validation ------------------------------------------------------------------
+
+    def validate(self, name: str) -> None:
+        """Raise LayoutError unless every block's region is one contiguous run of bytes."""
+        if "N" in self.outer:
+            raise LayoutError(
+                f"{name}: tokens (N) must lie inside the block region, but physical order "
+                f"{self.physical!r} puts N before B (strides {self.strides})"
+            )
+        if "C" in self.outer:
+            raise LayoutError(
+                f"{name}: channels (C) must lie inside the block region, but physical order "
+                f"{self.physical!r} puts C before B (strides {self.strides})"
+            )
+        dense = 1
+        for letter in reversed(self.region):
+            if self.size(letter) == 1:
+                continue
+            if self.stride(letter) != dense:
+                raise LayoutError(
+                    f"{name}: block region {self.region!r} is not contiguous: axis {letter} "
+                    f"has stride {self.stride(letter)}, a dense region needs {dense} "
+                    f"(shape {self.shape}, strides {self.strides})"
+                )
+            dense *= self.size(letter)
+        if self.num_blocks > 1 and self.stride("B") < dense:
+            raise LayoutError(
+                f"{name}: block stride {self.stride('B')} is smaller than the region "
+                f"({dense} elements): blocks would overlap"
+            )
+        sized = [(self.strides[i], a) for i, a in enumerate(self.axes) if self.shape[i] > 1]
+        for (s1, a1), (s2, a2) in itertools.combinations(sized, 2):
+            if s1 == s2:
+                raise LayoutError(f"{name}: axes {a1} and {a2} share stride {s1}: memory overlaps")
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides, in elements, of a dense array of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _strideless(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "xla"

@@ -1,0 +1,182 @@
+"""The conformance oracle: truth in logical axes, wire bytes as a sender writes them.
+
+Used by kvhost's own suite and by any backend or integration that wants the same
+checks. It is written from DESIGN.md's wire model, not from kvhost's planner: per outer
+index, a request's local block regions concatenated in block order hold the sender's
+blocks concatenated in token order, each sender block laid out in the remote order.
+All comparisons are on raw bytes, so NaN payloads and fp8 compare exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from kvhost.caches import CacheSet, Layer
+from kvhost.layout import Layout
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers of the same item size (same shape and strides)."""
+    return tensor.view(_RAW[tensor.element_size()])
+
+
+def make_cache(
+    axes: str,
+    physical: str,
+    sizes: Mapping[str, int],
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """An uninitialised tensor whose dims in shape order are ``axes``, in memory ``physical``."""
+    memory = torch.empty([sizes[a] for a in physical], dtype=dtype, device=device)
+    return memory.permute([physical.index(a) for a in axes])
+
+
+def fill_random(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """Fill every byte of ``tensor`` from ``seed``; returns the tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 256, tuple(tensor.shape) + (tensor.element_size(),), dtype=torch.uint8, generator=generator)
+    host = values.view(_RAW[tensor.element_size()]).squeeze(-1)
+    raw(tensor).copy_(host.to(tensor.device))
+    return tensor
+
+
+def block_letters(layout: Layout) -> str:
+    """Letters of one block other than B and N, in the fixed order used for truth tensors."""
+    return "".join(a for a in "LKHC" if a in layout.axes)
+
+
+def read_tokens(tensor: torch.Tensor, layout: Layout, block_ids: Sequence[int]) -> torch.Tensor:
+    """Raw ``[tokens, *block_letters]`` of the given blocks, read through the local layout."""
+    letters = block_letters(layout)
+    view = raw(tensor).permute([layout.axes.index(a) for a in "BN" + letters])
+    index = torch.as_tensor(list(block_ids), dtype=torch.int64, device=tensor.device)
+    picked = view.index_select(0, index).cpu()
+    return picked.reshape(-1, *picked.shape[2:])
+
+
+def wire_stream(truth: torch.Tensor, letters: str, remote_order: str, remote_block_size: int) -> torch.Tensor:
+    """The sender's bytes for ``truth`` ``[tokens, *letters]``: its blocks back to back.
+
+    Each sender block holds ``remote_block_size`` tokens laid out in ``remote_order``.
+    """
+    tokens = truth.shape[0]
+    blocks = truth.reshape(tokens // remote_block_size, remote_block_size, *truth.shape[1:])
+    named = "BN" + letters
+    order = [named.index(a) for a in "B" + remote_order]
+    return blocks.permute(order).contiguous().view(torch.uint8).reshape(-1)
+
+
+def write_wire(
+    tensor: torch.Tensor,
+    layout: Layout,
+    block_ids: Sequence[int],
+    truth: torch.Tensor,
+    remote_order: str,
+    remote_block_size: int,
+) -> None:
+    """Leave in ``block_ids``' regions what NIXL would after moving ``truth`` from the sender.
+
+    ``truth`` is ``[tokens, *block_letters(layout)]``; outer letters select which region.
+    """
+    letters = block_letters(layout)
+    host = raw(tensor).cpu() if tensor.device.type != "cpu" else raw(tensor)
+    physical = host.permute([layout.axes.index(a) for a in layout.physical])
+    outer_sizes = [layout.size(a) for a in layout.outer]
+    for outer_index in _indices(outer_sizes):
+        picked = truth
+        kept = letters
+        for letter, i in zip(layout.outer, outer_index):
+            picked = picked.select(1 + kept.index(letter), i)
+            kept = kept.replace(letter, "")
+        stream = wire_stream(picked, kept, remote_order, remote_block_size)
+        region_bytes = layout.region_bytes
+        regions = physical[tuple(outer_index)]
+        for j, block in enumerate(block_ids):
+            region = regions[block].reshape(-1).view(torch.uint8)
+            region.copy_(stream[j * region_bytes : (j + 1) * region_bytes])
+    if host is not tensor and tensor.device.type != "cpu":
+        raw(tensor).copy_(host.to(tensor.device))
+
+
+def _indices(sizes: list[int]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for size in sizes:
+        out = [prefix + (i,) for prefix in out for i in range(size)]
+    return out
+
+
+@dataclass
+class Wired:
+    """A request written to the wire: its ids, sender spec and, per member, the truth."""
+
+    block_ids: list[int]
+    remote_order: str
+    remote_block_size: int
+    truths: dict[tuple[str, int], torch.Tensor]
+
+
+class ReceiveCase:
+    """Caches filled with sentinel bytes, requests written as wire bytes, and the checks.
+
+    ``send(name, ids, order, size)`` writes a request; ``check()`` asserts every request
+    reads back as its truth through the local layout and every other block kept its bytes.
+    """
+
+    def __init__(self, caches: Mapping[str, Layer], axes: str, seed: int = 0) -> None:
+        self.caches = caches
+        self.axes = axes
+        self.set = CacheSet(caches, axes)
+        self.seed = seed
+        for i, member in enumerate(self.set.members):
+            fill_random(member.tensor, seed * 1000 + i)
+        self.before = [raw(m.tensor).cpu().clone() for m in self.set.members]
+        self.requests: dict[str, Wired] = {}
+
+    def send(self, name: str, block_ids: Sequence[int], remote_order: str, remote_block_size: int) -> None:
+        truths = {}
+        for i, member in enumerate(self.set.members):
+            layout = member.layout
+            letters = block_letters(layout)
+            shape = [len(block_ids) * layout.block_size] + [layout.size(a) for a in letters]
+            seed = zlib.crc32(f"{self.seed}/{name}/{i}".encode())
+            truth = fill_random(torch.empty(shape, dtype=member.tensor.dtype), seed)
+            truth = raw(truth)
+            write_wire(member.tensor, layout, block_ids, truth, remote_order, remote_block_size)
+            truths[member.layer, member.index] = truth
+        self.requests[name] = Wired(list(block_ids), remote_order, remote_block_size, truths)
+
+    def check(self) -> None:
+        claimed = {b for wired in self.requests.values() for b in wired.block_ids}
+        for i, member in enumerate(self.set.members):
+            for name, wired in self.requests.items():
+                got = read_tokens(member.tensor, member.layout, wired.block_ids)
+                want = wired.truths[member.layer, member.index]
+                if not torch.equal(got, want):
+                    bad = (got != want).nonzero()[0].tolist()
+                    raise AssertionError(
+                        f"layer {member.layer!r}[{member.index}] request {name!r}: token/letters index {bad} "
+                        f"is {got[tuple(bad)].item()} but the sender sent {want[tuple(bad)].item()}"
+                    )
+            self.check_untouched(i, claimed)
+
+    def check_untouched(self, member_index: int, claimed: set[int]) -> None:
+        member = self.set.members[member_index]
+        b = member.layout.axes.index("B")
+        now = raw(member.tensor).cpu()
+        for block in range(member.layout.num_blocks):
+            if block not in claimed and not torch.equal(now.select(b, block), self.before[member_index].select(b, block)):
+                raise AssertionError(f"layer {member.layer!r}[{member.index}]: untouched block {block} changed")
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Every cache's bytes now, to show later that a rejected call changed nothing."""
+        return [raw(m.tensor).cpu().clone() for m in self.set.members]
+
+    def same_as(self, snapshot: list[torch.Tensor]) -> bool:
+        return all(torch.equal(raw(m.tensor).cpu(), saved) for m, saved in zip(self.set.members, snapshot))

@@ -1,0 +1,79 @@
+"""The pure-torch backend: device-generic tensor ops, for any device type.
+
+Receive is gather -> permute -> scatter on a view of each tensor in physical order
+(outer axes, ``B``, region). Copies move runs of consecutive ids with one ``copy_`` each,
+or gather/scatter when ids are scattered. Bytes are moved as integers of the same size,
+so fp8 (whose index ops torch may lack) and NaN payloads pass through untouched.
+
+It is the fallback where no device backend is installed, the reference the others are
+tested against, and the base that device backends specialise.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kvhost.backend import Backend, Completion
+from kvhost.batch import CopyJob, ReceiveJob
+from kvhost.layout import Layout
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory, same shape and strides, as integers of the same item size."""
+    return tensor.view(_SAME_SIZE_INT[tensor.element_size()])
+
+
+def physical_view(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``tensor`` with its dims in memory order: outer axes, then ``B``, then the region."""
+    return tensor.permute([layout.axes.index(a) for a in layout.physical])
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    device_types = ("*",)
+    priority = -100
+    # Units per gather/scatter pass; None means the whole group in one pass.
+    chunk_bytes: ClassVar[int | None] = None
+    # Up to this many runs, copies are one copy_ per run; beyond, one gather/scatter.
+    max_run_copies: ClassVar[int] = 64
+
+    def receive(self, job: ReceiveJob) -> None:
+        plan = job.rearrangement
+        layout = job.layout
+        outer = len(layout.outer)
+        region_shape = [layout.size(a) for a in layout.region]
+        ids = job.device_ids
+        units = job.unit_ids.shape[0]
+        per_unit = plan.unit_bytes * layout.outer_count
+        step = units if self.chunk_bytes is None else max(1, self.chunk_bytes // per_unit)
+        for member in job.members:
+            view = physical_view(as_raw(member.tensor), layout)
+            outer_shape = list(view.shape[:outer])
+            for start in range(0, units, step):
+                count = min(step, units - start)
+                chunk = ids[start * plan.parts : (start + count) * plan.parts]
+                wire = view.index_select(outer, chunk).reshape(*outer_shape, count, *plan.src_shape)
+                dims = list(range(outer + 1)) + [outer + 1 + p for p in plan.perm]
+                local = wire.permute(dims).reshape(*outer_shape, count * plan.parts, *region_shape)
+                view.index_copy_(outer, chunk, local)
+
+    def copy(self, job: CopyJob) -> Completion:
+        plan = job.plan
+        runs = job.runs.tolist()
+        for src, dst in job.pairs:
+            source = as_raw(src.tensor).permute(plan.src_to_dst)
+            dest = as_raw(dst.tensor)
+            b = dst.layout.axes.index("B")
+            if len(runs) <= self.max_run_copies:
+                for s0, d0, count in runs:
+                    dest.narrow(b, d0, count).copy_(source.narrow(b, s0, count), non_blocking=job.non_blocking)
+            else:
+                src_index = torch.from_numpy(job.src_ids).to(source.device)
+                dst_index = torch.from_numpy(job.dst_ids).to(dest.device)
+                gathered = source.index_select(b, src_index).to(dest.device, non_blocking=job.non_blocking)
+                dest.index_copy_(b, dst_index, gathered)
+        return Completion()

@@ -1,0 +1,238 @@
+"""Transforms derived from axis letters: the receive rearrangement and the copy plan.
+
+Receive. A *unit* is the set of local block regions one remote sender block touches:
+one region when the local block is r >= 1 times the remote one, a group of g regions
+when the remote block is g > 1 times the local one. Seen as one byte space (the unit's
+regions back to back) the wire bytes and the wanted local bytes are two orders of the
+same elements; the token axis ``N`` splits into ``P`` (sub-block or part, size r or g)
+and ``n`` (the smaller block's tokens):
+
+    local = r x remote:  wire  [P, remote order with N -> n]
+                         local [local order with N -> P n]
+    remote = g x local:  wire  [remote order with N -> P n]
+                         local [P, local order with N -> n]
+
+One permutation between the two, with size-1 axes dropped and neighbours merged, is the
+whole transform; when it is the identity nothing is copied. The same mechanism covers
+every layout pair, so there is no case per pair.
+
+Copy. Block ``dst_ids[i]`` receives block ``src_ids[i]``, both read through their own
+layouts; the plan is a strided copy over the letters other than ``B``.
+
+Plans only read shapes and strides, never tensor data, and are cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache, cached_property
+from math import prod
+
+from kvhost.errors import LayoutError, RequestError
+from kvhost.layout import Layout, check_letters, contiguous_strides
+
+PART = "P"  # the split-off share of the token axis: which sub-block (r) or part (g)
+TOKENS = "n"  # the tokens of the smaller of the two block sizes
+
+
+@dataclass(frozen=True)
+class Loops:
+    """A strided byte copy: for every index of ``shape``, copy ``run_bytes`` bytes."""
+
+    shape: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    run_bytes: int
+
+
+@dataclass(frozen=True)
+class Rearrangement:
+    """Turns the wire bytes of one unit into the local layout, in place.
+
+    ``src_shape`` is the unit's wire bytes as an array of elements (dims merged);
+    destination dim ``i`` is source dim ``perm[i]``. With ``parts > 1`` destination dim 0
+    is the part: which of the unit's ``parts`` local regions the rest lands in.
+    """
+
+    parts: int
+    region_bytes: int
+    itemsize: int
+    src_shape: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.parts * self.region_bytes
+
+    @cached_property
+    def write_back(self) -> WriteBack:
+        """The byte loops that turn a unit's wire bytes, copied to a scratch, into local bytes.
+
+        Leading dims that both orders share cut the unit into independent pieces, each
+        rearranged within its own bytes: a smaller scratch that stays in cache.
+        """
+        common = 0
+        while common < len(self.perm) and self.perm[common] == common:
+            common += 1
+        pieces = prod(self.src_shape[:common])
+        src_shape = self.src_shape[common:]
+        perm = [p - common for p in self.perm[common:]]
+        dst_shape = [src_shape[p] for p in perm]
+        src_contig = contiguous_strides(src_shape)
+        shape = list(dst_shape)
+        src = [src_contig[p] * self.itemsize for p in perm]
+        dst = [s * self.itemsize for s in contiguous_strides(tuple(dst_shape))]
+        part_stride = 0
+        if self.parts > 1 and common == 0:
+            part_stride = src.pop(0)
+            shape.pop(0)
+            dst.pop(0)
+        run = self.itemsize
+        if shape and src[-1] == self.itemsize:
+            run = shape.pop() * self.itemsize
+            src.pop()
+            dst.pop()
+        return WriteBack(
+            pieces=pieces,
+            piece_bytes=self.unit_bytes // pieces,
+            loops=Loops(tuple(shape), tuple(src), tuple(dst), run),
+            part_stride=part_stride,
+        )
+
+
+@dataclass(frozen=True)
+class WriteBack:
+    """Execution form of a Rearrangement for kernels that work on raw bytes.
+
+    A unit is ``pieces`` pieces of ``piece_bytes``, piece ``i`` being bytes
+    ``[i * piece_bytes, (i + 1) * piece_bytes)`` of the unit's regions back to back, and
+    each piece is rearranged within itself: copy it to a scratch, then run ``loops``
+    from the scratch to the piece's bytes. A piece larger than a region (one piece, g
+    regions) is written region by region, region ``k`` from scratch offset
+    ``k * part_stride``.
+    """
+
+    pieces: int
+    piece_bytes: int
+    loops: Loops
+    part_stride: int
+
+
+@cache
+def plan_receive(layout: Layout, remote_order: str, remote_block_size: int) -> Rearrangement | None:
+    """The rearrangement from the sender's bytes to ``layout``; None when nothing changes."""
+    region = layout.region
+    check_letters(remote_order, what="remote order")
+    if sorted(remote_order) != sorted(region):
+        raise RequestError(
+            f"remote order {remote_order!r} does not match the local block region "
+            f"{region!r} (local physical order {layout.physical!r}): it must use the same letters"
+        )
+    local_size = layout.block_size
+    if remote_block_size <= 0:
+        raise RequestError(f"remote block size {remote_block_size} must be positive")
+    if local_size % remote_block_size == 0:
+        parts, split, tokens = 1, local_size // remote_block_size, remote_block_size
+    elif remote_block_size % local_size == 0:
+        parts = split = remote_block_size // local_size
+        tokens = local_size
+    else:
+        raise RequestError(
+            f"remote block size {remote_block_size} and local block size {local_size} "
+            "do not divide one another"
+        )
+    sizes = {a: layout.size(a) for a in region if a != "N"} | {PART: split, TOKENS: tokens}
+
+    def with_tokens(order: str, token_axes: list[str]) -> list[str]:
+        return [x for a in order for x in (token_axes if a == "N" else [a])]
+
+    if parts == 1:
+        src = [PART, *with_tokens(remote_order, [TOKENS])]
+        dst = with_tokens(region, [PART, TOKENS])
+    else:
+        src = with_tokens(remote_order, [PART, TOKENS])
+        dst = [PART, *with_tokens(region, [TOKENS])]
+    src = [a for a in src if sizes[a] > 1]
+    dst = [a for a in dst if sizes[a] > 1]
+    if src == dst:
+        return None
+
+    # Merge axes that are neighbours in both orders; with parts the part axis stays alone
+    # because it selects a region, not an offset inside one.
+    groups: list[list[str]] = [[dst[0]]]
+    for axis in dst[1:]:
+        previous = groups[-1][-1]
+        keep_apart = parts > 1 and PART in (axis, previous)
+        if src.index(axis) == src.index(previous) + 1 and not keep_apart:
+            groups[-1].append(axis)
+        else:
+            groups.append([axis])
+    src_groups = sorted(groups, key=lambda g: src.index(g[0]))
+    return Rearrangement(
+        parts=parts,
+        region_bytes=layout.region_bytes,
+        itemsize=layout.itemsize,
+        src_shape=tuple(prod(sizes[a] for a in g) for g in src_groups),
+        perm=tuple(src_groups.index(g) for g in groups),
+    )
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Per block pair, a strided byte copy over the letters other than ``B``.
+
+    ``merge_blocks``: every block is one run at the same stride on both sides, so a run
+    of consecutive ids is a single copy of ``count * run_bytes`` per loop index.
+    """
+
+    loops: Loops
+    src_block_stride: int
+    dst_block_stride: int
+    merge_blocks: bool
+    src_to_dst: tuple[int, ...]  # dims of the source, permuted into the destination's shape order
+
+    @property
+    def block_bytes(self) -> int:
+        return prod(self.loops.shape) * self.loops.run_bytes
+
+
+@cache
+def plan_copy(src: Layout, dst: Layout) -> CopyPlan:
+    """The copy from blocks in layout ``src`` to blocks in layout ``dst``."""
+    if src.logical_sizes() != dst.logical_sizes():
+        raise LayoutError(
+            f"source axes {src.axes!r} sizes {src.logical_sizes()} do not match destination "
+            f"axes {dst.axes!r} sizes {dst.logical_sizes()}"
+        )
+    if src.itemsize != dst.itemsize:
+        raise LayoutError(f"source item size {src.itemsize} != destination item size {dst.itemsize}")
+    item = src.itemsize
+    # Walk in the destination's memory order so writes are sequential.
+    letters = [a for a in dst.physical if a != "B" and dst.size(a) > 1]
+    shape: list[int] = []
+    src_strides: list[int] = []
+    dst_strides: list[int] = []
+    for letter in letters:
+        size, s, d = dst.size(letter), src.stride(letter) * item, dst.stride(letter) * item
+        if shape and src_strides[-1] == s * size and dst_strides[-1] == d * size:
+            shape[-1] *= size
+            src_strides[-1], dst_strides[-1] = s, d
+        else:
+            shape.append(size)
+            src_strides.append(s)
+            dst_strides.append(d)
+    run = item
+    if shape and src_strides[-1] == item and dst_strides[-1] == item:
+        run = shape.pop() * item
+        src_strides.pop()
+        dst_strides.pop()
+    src_block, dst_block = src.block_stride_bytes, dst.block_stride_bytes
+    inner = [i for i in range(len(shape)) if src_strides[i] < src_block or dst_strides[i] < dst_block]
+    merge = not inner and run == src_block == dst_block
+    return CopyPlan(
+        loops=Loops(tuple(shape), tuple(src_strides), tuple(dst_strides), run),
+        src_block_stride=src_block,
+        dst_block_stride=dst_block,
+        merge_blocks=merge,
+        src_to_dst=tuple(src.axes.index(a) for a in dst.axes),
+    )

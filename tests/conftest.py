@@ -1,0 +1,55 @@
+"""Every conformance test runs on every backend present: the targets below.
+
+A target is a backend name and the device its caches live on. Accelerator targets carry
+a marker (cuda, xpu, xla) and skip with the reason when their device is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+
+@dataclass(frozen=True)
+class Target:
+    backend: str
+    device: str
+
+    def __str__(self) -> str:
+        return f"{self.backend}@{self.device}"
+
+
+def _targets() -> list[object]:
+    cuda = torch.cuda.is_available()
+    xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+    xla = importlib.util.find_spec("torch_xla") is not None
+    return [
+        pytest.param(Target("cpu", "cpu"), id="cpu"),
+        pytest.param(Target("torch", "cpu"), id="torch-cpu"),
+        pytest.param(
+            Target("cuda", "cuda"),
+            id="cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not cuda, reason="no CUDA device")],
+        ),
+        pytest.param(
+            Target("xpu", "xpu"),
+            id="xpu",
+            marks=[pytest.mark.xpu, pytest.mark.skipif(not xpu, reason="no XPU device")],
+        ),
+        pytest.param(
+            Target("tpu", "xla"),
+            id="xla",
+            marks=[pytest.mark.xla, pytest.mark.skipif(not xla, reason="torch_xla not installed")],
+        ),
+    ]
+
+
+TARGETS = _targets()
+
+
+@pytest.fixture(params=TARGETS)
+def target(request: pytest.FixtureRequest) -> Target:
+    return request.param  # type: ignore[no-any-return]

@@ -1,0 +1,221 @@
+"""Receive conformance: truth in logical axes, wire bytes from the oracle, every backend."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import kvhost
+from kvhost.testing import ReceiveCase, make_cache
+
+# (axes in shape order, physical order in memory, sizes). Local block size N = 8.
+LAYOUTS = {
+    "KBNHC/NHD": ("KBNHC", "KBNHC", dict(K=2, B=12, N=8, H=2, C=4)),
+    "KBNHC/HND": ("KBNHC", "KBHNC", dict(K=2, B=12, N=8, H=2, C=4)),
+    "BKNHC": ("BKNHC", "BKNHC", dict(K=2, B=12, N=8, H=2, C=4)),
+    "BKNHC/BKHNC": ("BKNHC", "BKHNC", dict(K=2, B=12, N=8, H=2, C=4)),
+    "BHNC/BNHC": ("BHNC", "BNHC", dict(B=12, N=8, H=3, C=4)),
+    "BHNC/BHNC": ("BHNC", "BHNC", dict(B=12, N=8, H=3, C=4)),
+    "BHNC/HBNC": ("BHNC", "HBNC", dict(B=12, N=8, H=3, C=4)),
+    "BNC/MLA": ("BNC", "BNC", dict(B=12, N=8, C=12)),
+    "LBHNC/BLHNC": ("LBHNC", "BLHNC", dict(L=3, B=12, N=8, H=2, C=4)),
+    "LBHNC/LBHNC": ("LBHNC", "LBHNC", dict(L=3, B=12, N=8, H=2, C=4)),
+    "BNHKC": ("BNHKC", "BNHKC", dict(B=12, N=8, H=2, K=2, C=4)),
+}
+RATIOS = [("r", 1), ("r", 2), ("r", 4), ("r", 8), ("g", 2), ("g", 4)]
+
+
+def region_of(physical: str) -> str:
+    return physical[physical.index("B") + 1 :]
+
+
+def remote_orders(region: str) -> list[str]:
+    """Every permutation of the region's letters with C last."""
+    others = [a for a in region if a != "C"]
+    return ["".join(p) + "C" for p in itertools.permutations(others)]
+
+
+def request_ids(g: int) -> dict[str, list[int]]:
+    """Three requests over scattered blocks, in whole groups of g."""
+    pool = [9, 2, 7, 0, 11, 4, 5, 10]
+    sizes = {"a": 1, "b": 2, "c": 1} if g == 1 else {"a": 1, "b": 1}
+    out, at = {}, 0
+    for name, groups in sizes.items():
+        out[name] = pool[at : at + groups * g]
+        at += groups * g
+    return out
+
+
+CASES = [
+    pytest.param(name, kind, k, order, id=f"{name}-{kind}{k}-{order}")
+    for name, (axes, physical, sizes) in LAYOUTS.items()
+    for kind, k in RATIOS
+    for order in remote_orders(region_of(physical))
+]
+
+
+@pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES)
+def test_receive_matches_sender(target, layout, kind, k, order):
+    axes, physical, sizes = LAYOUTS[layout]
+    caches = {f"layer{i}": make_cache(axes, physical, sizes, torch.bfloat16, target.device) for i in range(2)}
+    remote_size = sizes["N"] // k if kind == "r" else sizes["N"] * k
+    g = k if kind == "g" else 1
+    case = ReceiveCase(caches, axes, seed=k)
+    for name, ids in request_ids(g).items():
+        case.send(name, ids, order, remote_size)
+    requests = {name: wired.block_ids for name, wired in case.requests.items()}
+    stats = kvhost.receive(
+        caches, requests, axes=axes, remote_order=order, remote_block_size=remote_size, backend=target.backend
+    )
+    case.check()
+    assert stats.blocks == sum(len(ids) for ids in requests.values())
+    assert stats.backend == target.backend
+    if stats.bytes_moved == 0:
+        assert stats.skipped_blocks == stats.blocks and stats.groups == 0
+
+
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.uint8,
+    torch.int8,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("kind", "k"), [("r", 4), ("g", 2)])
+def test_every_kv_dtype(target, dtype, kind, k):
+    # C = 16 makes fp16/bf16 rows 32 bytes: the kernels' vector path; 1-byte types take the other.
+    sizes = dict(K=2, B=10, N=8, H=2, C=16)
+    caches = {"l0": make_cache("KBNHC", "KBNHC", sizes, dtype, target.device)}
+    remote = 8 // k if kind == "r" else 8 * k
+    case = ReceiveCase(caches, "KBNHC", seed=3)
+    case.send("x", [6, 1, 3, 8][: 2 * (k if kind == "g" else 1)], "HNC", remote)
+    kvhost.receive(caches, {"x": case.requests["x"].block_ids}, axes="KBNHC", remote_order="HNC",
+                   remote_block_size=remote, backend=target.backend)
+    case.check()
+
+
+def test_kv_tuples(target):
+    """K and V as separate tensors (as Gaudi keeps them): axes name each member, K the tuple index."""
+    sizes = dict(B=10, N=8, H=2, C=4)
+    caches = {
+        f"layer{i}": (make_cache("BNHC", "BNHC", sizes, device=target.device),
+                      make_cache("BNHC", "BNHC", sizes, device=target.device))
+        for i in range(3)
+    }
+    case = ReceiveCase(caches, "KBNHC", seed=5)
+    case.send("p", [4, 2], "HNC", 2)
+    case.send("q", [9], "HNC", 2)
+    stats = kvhost.receive(caches, {"p": [4, 2], "q": [9]}, axes="KBNHC", remote_order="HNC",
+                           remote_block_size=2, backend=target.backend)
+    case.check()
+    assert stats.bytes_moved == 3 * 2 * 3 * (8 * 2 * 4 * 2)  # blocks x members x layers x region bytes
+
+
+def test_mixed_remote_specs_in_one_batch(target):
+    """Each request names its own sender layout; one call serves them all, one group per key."""
+    sizes = dict(K=2, B=16, N=8, H=2, C=4)
+    caches = {f"l{i}": make_cache("KBNHC", "KBNHC", sizes, device=target.device) for i in range(2)}
+    case = ReceiveCase(caches, "KBNHC", seed=7)
+    specs = {
+        "hnd16": ([3, 1, 7, 2][:2], "HNC", 16),
+        "hnd2": ([5], "HNC", 2),
+        "hnd2b": ([0, 12], "HNC", 2),
+        "nhd4": ([9], "NHC", 4),
+        "nhd8": ([10, 11], "NHC", 8),
+        "hnd8": ([14], "HNC", 8),
+    }
+    for name, (ids, order, size) in specs.items():
+        case.send(name, ids, order, size)
+    requests = {name: kvhost.Incoming(ids, order, size) for name, (ids, order, size) in specs.items()}
+    stats = kvhost.receive(caches, requests, axes="KBNHC", backend=target.backend)
+    case.check()
+    # HNC/16, HNC/2, HNC/8 have work; both NHC specs are token-major on both sides: identity.
+    assert stats.groups == 3
+    assert stats.skipped_blocks == 3
+    assert stats.requests == 6
+
+
+def test_call_defaults_and_request_overrides(target):
+    sizes = dict(K=2, B=8, N=8, H=2, C=4)
+    caches = {"l": make_cache("KBNHC", "KBHNC", sizes, device=target.device)}
+    case = ReceiveCase(caches, "KBNHC", seed=9)
+    case.send("plain", [1, 2], "NHC", 4)
+    case.send("own", [5], "HNC", 2)
+    kvhost.receive(caches, {"plain": [1, 2], "own": kvhost.Incoming([5], remote_block_size=2, remote_order="HNC")},
+                   axes="KBNHC", remote_order="NHC", remote_block_size=4, backend=target.backend)
+    case.check()
+
+
+class Recorder(kvhost.Backend):
+    """A backend that records calls: identity transforms must not reach any backend."""
+
+    name = "recorder"
+    device_types = ("*",)
+
+    def __init__(self) -> None:
+        self.jobs: list[object] = []
+
+    def receive(self, job):
+        self.jobs.append(job)
+
+    def copy(self, job):
+        self.jobs.append(job)
+        return kvhost.Completion()
+
+
+@pytest.mark.parametrize(
+    ("axes", "physical", "sizes", "order", "remote"),
+    [
+        ("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=4), "NHC", 8),  # same order, same size
+        ("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=4), "NHC", 2),  # token-major both sides, r = 4
+        ("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=4), "NHC", 32),  # token-major both sides, g = 4
+        ("KBNHC", "KBHNC", dict(K=2, B=8, N=8, H=2, C=4), "HNC", 8),  # head-major, same size
+        ("BNC", "BNC", dict(B=8, N=8, C=12), "NC", 2),  # MLA
+        ("BNC", "BNC", dict(B=8, N=8, C=12), "NC", 16),
+        ("BHNC", "HBNC", dict(B=8, N=8, H=2, C=4), "NC", 4),  # per-head regions
+        ("KBNHC", "KBHNC", dict(K=2, B=8, N=8, H=1, C=4), "NHC", 2),  # one head: orders look alike
+    ],
+)
+def test_identity_transforms_copy_nothing(axes, physical, sizes, order, remote):
+    caches = {"l": make_cache(axes, physical, sizes)}
+    case = ReceiveCase(caches, axes, seed=11)
+    ids = [3, 4, 5, 6][: max(remote // sizes["N"], 1) * 2]
+    case.send("r", ids, order, remote)
+    recorder = Recorder()
+    stats = kvhost.receive(caches, {"r": ids}, axes=axes, remote_order=order, remote_block_size=remote,
+                           backend=recorder)
+    assert recorder.jobs == []
+    assert stats.bytes_moved == 0 and stats.groups == 0 and stats.skipped_blocks == len(ids)
+    case.check()  # the bytes as they landed are already the local layout
+
+
+def test_empty_batch_is_a_no_op(target):
+    caches = {"l": make_cache("KBNHC", "KBHNC", dict(K=2, B=4, N=8, H=2, C=4), device=target.device)}
+    case = ReceiveCase(caches, "KBNHC")
+    before = case.snapshot()
+    stats = kvhost.receive(caches, {}, axes="KBNHC", remote_order="NHC", remote_block_size=2,
+                           backend=target.backend)
+    assert stats.blocks == 0 and stats.bytes_moved == 0 and stats.groups == 0
+    stats = kvhost.receive(caches, {"empty": []}, axes="KBNHC", remote_order="NHC", remote_block_size=2,
+                           backend=target.backend)
+    assert stats.blocks == 0 and stats.bytes_moved == 0
+    assert case.same_as(before)
+
+
+def test_kvhost_object_reuses_and_matches(target):
+    sizes = dict(K=2, B=12, N=8, H=2, C=4)
+    caches = {f"l{i}": make_cache("KBNHC", "KBNHC", sizes, device=target.device) for i in range(2)}
+    host = kvhost.KVHost(caches, axes="KBNHC", backend=target.backend)
+    for round_, ids in enumerate(([1, 5], [7], [0, 2, 3])):
+        case = ReceiveCase(caches, "KBNHC", seed=20 + round_)
+        case.send("r", ids, "HNC", 4)
+        stats = host.receive({"r": ids}, remote_order="HNC", remote_block_size=4)
+        case.check()
+        assert stats.backend == target.backend
