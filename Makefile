@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # e.g. `make test TORCH=torch` there.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test lint format clean
+.PHONY: setup test lint format demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,12 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy kvhost
+
+demo: setup
+	$(VENV)/bin/kvhost demo
+
+bench: setup
+	$(VENV)/bin/kvhost bench
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

@@ -1,8 +1,9 @@
-"""The ``kvhost`` command: ``kvhost info``."""
+"""The ``kvhost`` command: ``info``, ``demo``, ``bench``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -44,10 +45,23 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+# Subcommands that own their options live in their own modules, loaded only when run.
+DELEGATED = {
+    "demo": ("kvhost.demo", "prefill -> decode hand-off over real NIXL, verified bit for bit"),
+    "bench": ("kvhost.bench", "memcpy roofline, the per-request baseline and kvhost, side by side"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        module = importlib.import_module(DELEGATED[argv[0]][0])
+        return int(module.main(argv[1:]))
     parser = argparse.ArgumentParser(prog="kvhost", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="backends, their availability, and the choice per device").set_defaults(run=info)
+    for name, (_, summary) in DELEGATED.items():
+        commands.add_parser(name, help=summary, add_help=False)
     args = parser.parse_args(argv)
     return int(args.run(args))
 
