@@ -9,14 +9,13 @@ import numpy as np
 import torch
 
 from kvhost.backend import Backend, Completion
-from kvhost.batch import IndexBuffers, Incoming, Uploader, plan_copy_batch, plan_receive_batch, upload
+from kvhost.batch import Ids, Incoming, IndexBuffers, Uploader, plan_copy_batch, plan_receive_batch, upload
 from kvhost.caches import CacheSet, Layer
 from kvhost.errors import LayoutError
 from kvhost.registry import get_backend
 from kvhost.stats import CopyResult, ReceiveStats
 
 Requests = Mapping[str, Sequence[int] | np.ndarray | Incoming]
-Ids = Sequence[int] | np.ndarray | torch.Tensor
 
 
 def receive(

@@ -24,6 +24,7 @@ from kvhost.layout import Layout
 from kvhost.transform import CopyPlan, Rearrangement, plan_copy, plan_receive
 
 Uploader = Callable[[np.ndarray, torch.device], torch.Tensor]
+Ids = Sequence[int] | np.ndarray | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class ReceiveJob:
 
     @property
     def bytes_moved(self) -> int:
-        units = self.unit_ids.shape[0]
+        units = int(self.unit_ids.shape[0])
         return units * self.rearrangement.unit_bytes * self.layout.outer_count * len(self.members)
 
 
@@ -204,8 +205,8 @@ class CopyBatch:
 def plan_copy_batch(
     src: CacheSet,
     dst: CacheSet,
-    src_ids: Sequence[int] | np.ndarray,
-    dst_ids: Sequence[int] | np.ndarray,
+    src_ids: Ids,
+    dst_ids: Ids,
     non_blocking: bool,
 ) -> CopyBatch:
     """Validate a copy and pair up every source tensor with its destination."""

@@ -90,8 +90,7 @@ class CacheSet:
             return self
         k_dim = self.member_axes.index("K")
         split = {
-            name: tuple(t for m in members for t in m.tensor.unbind(k_dim))
-            for name, members in self.layers.items()
+            name: tuple(t for m in members for t in m.tensor.unbind(k_dim)) for name, members in self.layers.items()
         }
         return CacheSet(split, self.member_axes, role=self.role)
 

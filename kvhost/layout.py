@@ -29,8 +29,7 @@ def check_letters(letters: str, *, what: str) -> None:
     unknown = sorted(set(letters) - set(AXIS_LETTERS))
     if unknown:
         raise LayoutError(
-            f"{what} {letters!r} has unknown letter(s) {''.join(unknown)!r}; "
-            f"known letters are {AXIS_LETTERS!r}"
+            f"{what} {letters!r} has unknown letter(s) {''.join(unknown)!r}; known letters are {AXIS_LETTERS!r}"
         )
     repeated = sorted({a for a in letters if letters.count(a) > 1})
     if repeated:
@@ -142,6 +141,13 @@ class Layout:
 
     def validate(self, name: str) -> None:
         """Raise LayoutError unless every block's region is one contiguous run of bytes."""
+        sized = [(self.strides[i], a) for i, a in enumerate(self.axes) if self.shape[i] > 1]
+        for stride, letter in sized:
+            if stride == 0:
+                raise LayoutError(f"{name}: axis {letter} has stride 0 (a broadcast view): memory overlaps")
+        for (s1, a1), (s2, a2) in itertools.combinations(sized, 2):
+            if s1 == s2:
+                raise LayoutError(f"{name}: axes {a1} and {a2} share stride {s1}: memory overlaps")
         if "N" in self.outer:
             raise LayoutError(
                 f"{name}: tokens (N) must lie inside the block region, but physical order "
@@ -168,10 +174,6 @@ class Layout:
                 f"{name}: block stride {self.stride('B')} is smaller than the region "
                 f"({dense} elements): blocks would overlap"
             )
-        sized = [(self.strides[i], a) for i, a in enumerate(self.axes) if self.shape[i] > 1]
-        for (s1, a1), (s2, a2) in itertools.combinations(sized, 2):
-            if s1 == s2:
-                raise LayoutError(f"{name}: axes {a1} and {a2} share stride {s1}: memory overlaps")
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -104,7 +104,9 @@ class Registry:
         classes = self.classes()
         if override is not None:
             if override not in classes:
-                raise BackendError(f"{ENV_OVERRIDE}={override!r} names no registered backend ({', '.join(sorted(classes))})")
+                raise BackendError(
+                    f"{ENV_OVERRIDE}={override!r} names no registered backend ({', '.join(sorted(classes))})"
+                )
             if _serves(classes[override], device_type):
                 return self.instance(override)
         candidates = sorted(
@@ -117,7 +119,9 @@ class Registry:
             if reason is None:
                 return self.instance(cls.name)
             reasons.append(f"{cls.name}: {reason}")
-        raise BackendError(f"no usable backend for device type {device_type!r} ({'; '.join(reasons) or 'none registered'})")
+        raise BackendError(
+            f"no usable backend for device type {device_type!r} ({'; '.join(reasons) or 'none registered'})"
+        )
 
     def clear(self) -> None:
         """Forget every choice (for tests that change the environment)."""

@@ -9,8 +9,8 @@ All comparisons are on raw bytes, so NaN payloads and fp8 compare exactly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,9 @@ def make_cache(
 def fill_random(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     """Fill every byte of ``tensor`` from ``seed``; returns the tensor."""
     generator = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 256, tuple(tensor.shape) + (tensor.element_size(),), dtype=torch.uint8, generator=generator)
+    values = torch.randint(
+        0, 256, (*tuple(tensor.shape), tensor.element_size()), dtype=torch.uint8, generator=generator
+    )
     host = values.view(_RAW[tensor.element_size()]).squeeze(-1)
     raw(tensor).copy_(host.to(tensor.device))
     return tensor
@@ -70,7 +72,7 @@ def wire_stream(truth: torch.Tensor, letters: str, remote_order: str, remote_blo
     blocks = truth.reshape(tokens // remote_block_size, remote_block_size, *truth.shape[1:])
     named = "BN" + letters
     order = [named.index(a) for a in "B" + remote_order]
-    return blocks.permute(order).contiguous().view(torch.uint8).reshape(-1)
+    return blocks.permute(order).contiguous().reshape(-1).view(torch.uint8)
 
 
 def write_wire(
@@ -108,7 +110,7 @@ def write_wire(
 def _indices(sizes: list[int]) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = [()]
     for size in sizes:
-        out = [prefix + (i,) for prefix in out for i in range(size)]
+        out = [(*prefix, i) for prefix in out for i in range(size)]
     return out
 
 
@@ -171,7 +173,9 @@ class ReceiveCase:
         b = member.layout.axes.index("B")
         now = raw(member.tensor).cpu()
         for block in range(member.layout.num_blocks):
-            if block not in claimed and not torch.equal(now.select(b, block), self.before[member_index].select(b, block)):
+            if block not in claimed and not torch.equal(
+                now.select(b, block), self.before[member_index].select(b, block)
+            ):
                 raise AssertionError(f"layer {member.layer!r}[{member.index}]: untouched block {block} changed")
 
     def snapshot(self) -> list[torch.Tensor]:

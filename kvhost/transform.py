@@ -138,8 +138,7 @@ def plan_receive(layout: Layout, remote_order: str, remote_block_size: int) -> R
         tokens = local_size
     else:
         raise RequestError(
-            f"remote block size {remote_block_size} and local block size {local_size} "
-            "do not divide one another"
+            f"remote block size {remote_block_size} and local block size {local_size} do not divide one another"
         )
     sizes = {a: layout.size(a) for a in region if a != "N"} | {PART: split, TOKENS: tokens}
 

@@ -96,8 +96,14 @@ def test_every_kv_dtype(target, dtype, kind, k):
     remote = 8 // k if kind == "r" else 8 * k
     case = ReceiveCase(caches, "KBNHC", seed=3)
     case.send("x", [6, 1, 3, 8][: 2 * (k if kind == "g" else 1)], "HNC", remote)
-    kvhost.receive(caches, {"x": case.requests["x"].block_ids}, axes="KBNHC", remote_order="HNC",
-                   remote_block_size=remote, backend=target.backend)
+    kvhost.receive(
+        caches,
+        {"x": case.requests["x"].block_ids},
+        axes="KBNHC",
+        remote_order="HNC",
+        remote_block_size=remote,
+        backend=target.backend,
+    )
     case.check()
 
 
@@ -105,15 +111,18 @@ def test_kv_tuples(target):
     """K and V as separate tensors (as Gaudi keeps them): axes name each member, K the tuple index."""
     sizes = dict(B=10, N=8, H=2, C=4)
     caches = {
-        f"layer{i}": (make_cache("BNHC", "BNHC", sizes, device=target.device),
-                      make_cache("BNHC", "BNHC", sizes, device=target.device))
+        f"layer{i}": (
+            make_cache("BNHC", "BNHC", sizes, device=target.device),
+            make_cache("BNHC", "BNHC", sizes, device=target.device),
+        )
         for i in range(3)
     }
     case = ReceiveCase(caches, "KBNHC", seed=5)
     case.send("p", [4, 2], "HNC", 2)
     case.send("q", [9], "HNC", 2)
-    stats = kvhost.receive(caches, {"p": [4, 2], "q": [9]}, axes="KBNHC", remote_order="HNC",
-                           remote_block_size=2, backend=target.backend)
+    stats = kvhost.receive(
+        caches, {"p": [4, 2], "q": [9]}, axes="KBNHC", remote_order="HNC", remote_block_size=2, backend=target.backend
+    )
     case.check()
     assert stats.bytes_moved == 3 * 2 * 3 * (8 * 2 * 4 * 2)  # blocks x members x layers x region bytes
 
@@ -148,8 +157,14 @@ def test_call_defaults_and_request_overrides(target):
     case = ReceiveCase(caches, "KBNHC", seed=9)
     case.send("plain", [1, 2], "NHC", 4)
     case.send("own", [5], "HNC", 2)
-    kvhost.receive(caches, {"plain": [1, 2], "own": kvhost.Incoming([5], remote_block_size=2, remote_order="HNC")},
-                   axes="KBNHC", remote_order="NHC", remote_block_size=4, backend=target.backend)
+    kvhost.receive(
+        caches,
+        {"plain": [1, 2], "own": kvhost.Incoming([5], remote_block_size=2, remote_order="HNC")},
+        axes="KBNHC",
+        remote_order="NHC",
+        remote_block_size=4,
+        backend=target.backend,
+    )
     case.check()
 
 
@@ -189,8 +204,9 @@ def test_identity_transforms_copy_nothing(axes, physical, sizes, order, remote):
     ids = [3, 4, 5, 6][: max(remote // sizes["N"], 1) * 2]
     case.send("r", ids, order, remote)
     recorder = Recorder()
-    stats = kvhost.receive(caches, {"r": ids}, axes=axes, remote_order=order, remote_block_size=remote,
-                           backend=recorder)
+    stats = kvhost.receive(
+        caches, {"r": ids}, axes=axes, remote_order=order, remote_block_size=remote, backend=recorder
+    )
     assert recorder.jobs == []
     assert stats.bytes_moved == 0 and stats.groups == 0 and stats.skipped_blocks == len(ids)
     case.check()  # the bytes as they landed are already the local layout
@@ -200,11 +216,11 @@ def test_empty_batch_is_a_no_op(target):
     caches = {"l": make_cache("KBNHC", "KBHNC", dict(K=2, B=4, N=8, H=2, C=4), device=target.device)}
     case = ReceiveCase(caches, "KBNHC")
     before = case.snapshot()
-    stats = kvhost.receive(caches, {}, axes="KBNHC", remote_order="NHC", remote_block_size=2,
-                           backend=target.backend)
+    stats = kvhost.receive(caches, {}, axes="KBNHC", remote_order="NHC", remote_block_size=2, backend=target.backend)
     assert stats.blocks == 0 and stats.bytes_moved == 0 and stats.groups == 0
-    stats = kvhost.receive(caches, {"empty": []}, axes="KBNHC", remote_order="NHC", remote_block_size=2,
-                           backend=target.backend)
+    stats = kvhost.receive(
+        caches, {"empty": []}, axes="KBNHC", remote_order="NHC", remote_block_size=2, backend=target.backend
+    )
     assert stats.blocks == 0 and stats.bytes_moved == 0
     assert case.same_as(before)
 

@@ -140,7 +140,12 @@ def copy_runs(src_addresses, dst_addresses, counts, src_block, dst_block, merge,
         else:
             for b in range(count):
                 _strided_copy(
-                    dst_addresses[i] + b * dst_block, src_addresses[i] + b * src_block, shape, dst_strides, src_strides, run
+                    dst_addresses[i] + b * dst_block,
+                    src_addresses[i] + b * src_block,
+                    shape,
+                    dst_strides,
+                    src_strides,
+                    run,
                 )
 
 

@@ -1,0 +1,146 @@
+"""Copy conformance: block dst_ids[i] of every layer holds block src_ids[i], read logically."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvhost
+from kvhost.caches import CacheSet
+from kvhost.testing import fill_random, make_cache, raw, read_tokens
+
+SIZES = dict(K=2, B=12, N=8, H=2, C=16)
+
+# (axes, physical) pairs for the two sides of a copy.
+PAIRS = {
+    "same-NHD": (("KBNHC", "KBNHC"), ("KBNHC", "KBNHC")),
+    "HND->NHD": (("KBNHC", "KBHNC"), ("KBNHC", "KBNHC")),
+    "NHD->HND": (("KBNHC", "KBNHC"), ("KBNHC", "KBHNC")),
+    "KBNHC->BKHNC": (("KBNHC", "KBNHC"), ("BKNHC", "BKHNC")),
+    "BHNC/HBNC->BNHC": (("BHNC", "HBNC"), ("BNHC", "BNHC")),
+    "MLA": (("BNC", "BNC"), ("BNC", "BNC")),
+    "cross-layer": (("LBHNC", "BLHNC"), ("LBNHC", "LBNHC")),
+}
+IDS = {
+    "runs": ([0, 1, 2, 3, 8, 9, 10], [4, 5, 6, 7, 0, 1, 2]),  # allocator-like runs
+    "scattered": ([11, 3, 7, 0], [2, 9, 4, 6]),
+    "one": ([5], [5]),
+}
+
+
+def sizes_for(axes: str, blocks: int) -> dict[str, int]:
+    sizes = dict(SIZES, B=blocks, L=3)
+    return {a: sizes[a] for a in axes}
+
+
+def check_copied(src, dst, src_axes, dst_axes, src_ids, dst_ids, before) -> None:
+    src_set, dst_set = CacheSet(src, src_axes), CacheSet(dst, dst_axes)
+    for s, d, saved in zip(src_set.members, dst_set.members, before):
+        for si, di in zip(src_ids, dst_ids):
+            assert torch.equal(read_tokens(d.tensor, d.layout, [di]), read_tokens(s.tensor, s.layout, [si])), (
+                f"layer {d.layer!r}: block {di} does not hold source block {si}"
+            )
+        b = d.layout.axes.index("B")
+        now = raw(d.tensor).cpu()
+        for block in set(range(d.layout.num_blocks)) - set(dst_ids):
+            assert torch.equal(now.select(b, block), saved.select(b, block)), f"untouched block {block} changed"
+
+
+def build(axes, physical, blocks, device, seed, dtype=torch.bfloat16):
+    caches = {f"layer{i}": make_cache(axes, physical, sizes_for(axes, blocks), dtype, device) for i in range(2)}
+    for i, t in enumerate(caches.values()):
+        fill_random(t, seed + i)
+    return caches
+
+
+@pytest.mark.parametrize("ids", list(IDS), ids=list(IDS))
+@pytest.mark.parametrize("pair", list(PAIRS), ids=list(PAIRS))
+@pytest.mark.parametrize("direction", ["host->device", "device->host", "device->device"])
+def test_copy_between_layouts_and_devices(target, pair, ids, direction):
+    (src_axes, src_phys), (dst_axes, dst_phys) = PAIRS[pair]
+    src_dev, dst_dev = {
+        "host->device": ("cpu", target.device),
+        "device->host": (target.device, "cpu"),
+        "device->device": (target.device, target.device),
+    }[direction]
+    src = build(src_axes, src_phys, 12, src_dev, 1)
+    dst = build(dst_axes, dst_phys, 10, dst_dev, 100)
+    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, dst_axes).members]
+    src_ids, dst_ids = IDS[ids]
+    result = kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=src_axes, dst_axes=dst_axes, backend=target.backend)
+    result.wait()
+    assert result.done()
+    check_copied(src, dst, src_axes, dst_axes, src_ids, dst_ids, before)
+    block_bytes = 2  # bf16
+    for a in src_axes.replace("B", ""):
+        block_bytes *= sizes_for(src_axes, 12)[a]
+    assert result.blocks == len(src_ids)
+    assert result.bytes_moved == len(src_ids) * block_bytes * 2  # two layers
+    assert result.backend == target.backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float32, torch.int8], ids=str)
+def test_copy_dtypes(target, dtype):
+    src = build("KBNHC", "KBHNC", 12, "cpu", 3, dtype)
+    dst = build("KBNHC", "KBNHC", 10, target.device, 4, dtype)
+    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, "KBNHC").members]
+    kvhost.copy_blocks(src, dst, [3, 4, 9], [0, 1, 7], axes="KBNHC", backend=target.backend).wait()
+    check_copied(src, dst, "KBNHC", "KBNHC", [3, 4, 9], [0, 1, 7], before)
+
+
+def test_copy_kv_tuple_to_k_axis_and_back(target):
+    """Separate K and V tensors on one side, one tensor with a K axis on the other."""
+    sizes = dict(B=10, N=8, H=2, C=16)
+    pairs = {
+        f"layer{i}": (
+            make_cache("BNHC", "BNHC", sizes, device=target.device),
+            make_cache("BNHC", "BNHC", sizes, device=target.device),
+        )
+        for i in range(2)
+    }
+    for i, (k, v) in enumerate(pairs.values()):
+        fill_random(k, 10 + i)
+        fill_random(v, 20 + i)
+    host = build("KBNHC", "KBHNC", 6, "cpu", 30)
+    kvhost.copy_blocks(pairs, host, [7, 2, 3], [0, 4, 5], axes="KBNHC", backend=target.backend).wait()
+    for name, (k, v) in pairs.items():
+        for s, d in zip([7, 2, 3], [0, 4, 5]):
+            assert torch.equal(raw(host[name][0, d]).cpu(), raw(k[s]).cpu())
+            assert torch.equal(raw(host[name][1, d]).cpu(), raw(v[s]).cpu())
+    fresh = build("KBNHC", "KBNHC", 6, "cpu", 40)
+    kvhost.copy_blocks(fresh, pairs, [1, 2], [9, 0], axes="KBNHC", backend=target.backend).wait()
+    for name, (k, v) in pairs.items():
+        assert torch.equal(raw(k[9]).cpu(), raw(fresh[name][0, 1]))
+        assert torch.equal(raw(v[0]).cpu(), raw(fresh[name][1, 2]))
+
+
+def test_kvhost_copy_to_and_from(target):
+    device_caches = build("KBNHC", "KBNHC", 12, target.device, 50)
+    host = kvhost.KVHost(device_caches, axes="KBNHC", backend=target.backend)
+    host_buffer = build("KBNHC", "KBHNC", 8, "cpu", 60)
+    before = [raw(m.tensor).cpu().clone() for m in CacheSet(host_buffer, "KBNHC").members]
+    host.copy_to(host_buffer, [10, 11, 4], [0, 1, 2]).wait()
+    check_copied(device_caches, host_buffer, "KBNHC", "KBNHC", [10, 11, 4], [0, 1, 2], before)
+    before = [raw(m.tensor).cpu().clone() for m in CacheSet(device_caches, "KBNHC").members]
+    host.copy_from(host_buffer, [5, 6], [1, 2]).wait()
+    check_copied(host_buffer, device_caches, "KBNHC", "KBNHC", [5, 6], [1, 2], before)
+
+
+def test_non_blocking_copy_completes(target):
+    src = build("KBNHC", "KBNHC", 12, "cpu", 70)
+    dst = build("KBNHC", "KBNHC", 12, target.device, 80)
+    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, "KBNHC").members]
+    result = kvhost.copy_blocks(
+        src, dst, [0, 1, 2, 3], [8, 9, 10, 11], axes="KBNHC", non_blocking=True, backend=target.backend
+    )
+    assert result.wait() is result and result.done()
+    check_copied(src, dst, "KBNHC", "KBNHC", [0, 1, 2, 3], [8, 9, 10, 11], before)
+
+
+def test_empty_copy_is_a_no_op(target):
+    src = build("KBNHC", "KBNHC", 4, "cpu", 90)
+    dst = build("KBNHC", "KBNHC", 4, target.device, 91)
+    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, "KBNHC").members]
+    result = kvhost.copy_blocks(src, dst, [], [], axes="KBNHC", backend=target.backend)
+    assert result.blocks == 0 and result.bytes_moved == 0 and result.done()
+    check_copied(src, dst, "KBNHC", "KBNHC", [], [], before)

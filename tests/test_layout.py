@@ -1,0 +1,108 @@
+"""Layouts read from strides, regions, and plans derived from letters alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvhost.layout import Layout
+from kvhost.testing import make_cache
+from kvhost.transform import plan_copy, plan_receive
+
+SIZES = dict(L=3, K=2, B=10, N=16, H=4, C=8)
+
+
+@pytest.mark.parametrize(
+    ("axes", "physical", "outer", "region"),
+    [
+        ("KBNHC", "KBNHC", "K", "NHC"),  # FlashAttention NHD
+        ("KBNHC", "KBHNC", "K", "HNC"),  # logical NHD over HND memory
+        ("BKNHC", "BKNHC", "", "KNHC"),  # FlashInfer
+        ("BHNC", "HBNC", "H", "NC"),  # per-head regions
+        ("BNC", "BNC", "", "NC"),  # MLA
+        ("LBHNC", "BLHNC", "", "LHNC"),  # cross-layer blocks
+        ("LBHNC", "LBNHC", "L", "NHC"),
+        ("BNHKC", "BNHKC", "", "NHKC"),  # K/V interleaved per head
+    ],
+)
+def test_physical_order_outer_and_region(axes, physical, outer, region):
+    layout = Layout.of(make_cache(axes, physical, SIZES, device="meta"), axes)
+    assert layout.physical == physical
+    assert layout.outer == outer
+    assert layout.region == region
+    sizes = {a: SIZES[a] for a in axes}
+    assert layout.region_bytes == 2 * torch.tensor([sizes[a] for a in region]).prod().item()
+
+
+def test_size_one_axes_fall_inside_their_partner():
+    # One KV head in HND memory: H ties with B in stride and must land in the region.
+    tensor = torch.empty(10, 1, 16, 8).permute(0, 2, 1, 3)  # shape B N H C over B H N C memory
+    layout = Layout.of(tensor, "BNHC")
+    assert layout.region in ("HNC", "NHC")
+    assert layout.outer == ""
+
+
+def test_outer_offsets_for_every_outer_index():
+    tensor = make_cache("LBHNC", "LKBNHC".replace("K", ""), SIZES, device="meta")
+    layout = Layout.of(tensor, "LBHNC")
+    per_layer = 10 * 16 * 4 * 8 * 2  # bytes of one layer's blocks
+    assert layout.outer == "L"
+    assert layout.outer_offsets_bytes.tolist() == [0, per_layer, 2 * per_layer]
+
+
+def test_layouts_are_interned_and_planning_never_reads_data():
+    # "meta" tensors have shape and strides but no data: planning works on them alone.
+    a = Layout.of(make_cache("KBNHC", "KBHNC", SIZES, device="meta"), "KBNHC")
+    b = Layout.of(make_cache("KBNHC", "KBHNC", SIZES, device="meta"), "KBNHC")
+    assert a is b
+    assert plan_receive(a, "HNC", 4) is plan_receive(b, "HNC", 4)  # cached
+    assert plan_copy(a, b) is plan_copy(a, b)
+
+
+@pytest.mark.parametrize(
+    ("physical", "order", "remote", "identity"),
+    [
+        ("KBNHC", "NHC", 16, True),
+        ("KBNHC", "NHC", 4, True),  # token-major both sides, any r
+        ("KBNHC", "NHC", 64, True),  # and any g
+        ("KBNHC", "HNC", 16, False),
+        ("KBHNC", "HNC", 16, True),
+        ("KBHNC", "HNC", 4, False),  # head-major both sides but sizes differ: heads interleave
+        ("KBHNC", "NHC", 16, False),
+    ],
+)
+def test_identity_detection(physical, order, remote, identity):
+    layout = Layout.of(make_cache("KBNHC", physical, SIZES, device="meta"), "KBNHC")
+    assert (plan_receive(layout, order, remote) is None) == identity
+
+
+def test_hnd16_to_nhd64_plan_is_a_transpose_per_sub_block():
+    sizes = dict(K=2, B=4, N=64, H=8, C=128)
+    layout = Layout.of(make_cache("KBNHC", "KBNHC", sizes, device="meta"), "KBNHC")
+    plan = plan_receive(layout, "HNC", 16)
+    assert plan is not None
+    assert plan.parts == 1
+    assert plan.src_shape == (4, 8, 16, 128)  # sub-block, head, token, channel
+    assert plan.perm == (0, 2, 1, 3)  # sub-block, token, head, channel
+    write_back = plan.write_back
+    assert write_back.pieces == 4 and write_back.piece_bytes == 16 * 8 * 128 * 2
+    assert write_back.loops.run_bytes == 256
+    assert write_back.loops.shape == (16, 8)
+
+
+def test_remote_larger_plan_spans_a_group_of_regions():
+    sizes = dict(K=2, B=8, N=16, H=8, C=128)
+    layout = Layout.of(make_cache("KBNHC", "KBNHC", sizes, device="meta"), "KBNHC")
+    plan = plan_receive(layout, "HNC", 64)
+    assert plan is not None and plan.parts == 4
+    assert plan.unit_bytes == 4 * layout.region_bytes
+    assert plan.write_back.pieces == 1 and plan.write_back.part_stride == 16 * 128 * 2
+
+
+def test_copy_plan_merges_whole_blocks_when_layouts_agree():
+    layout = Layout.of(make_cache("KBNHC", "KBNHC", SIZES, device="meta"), "KBNHC")
+    plan = plan_copy(layout, layout)
+    assert plan.merge_blocks
+    assert plan.loops.shape == (2,) and plan.loops.run_bytes == layout.region_bytes
+    other = Layout.of(make_cache("KBNHC", "KBHNC", SIZES, device="meta"), "KBNHC")
+    assert not plan_copy(layout, other).merge_blocks
