@@ -1,0 +1,347 @@
+"""kvhost in vLLM's words: the worker side of a KV connector, one kvhost call per step.
+
+vLLM hands a connector its caches as a dict of per-layer tensors, named in one of two
+vocabularies:
+
+- **Cache formats** of the attention backends: ``"flash_attn"``
+  ``[2, num_blocks, block_size, heads, head_dim]``, ``"flashinfer"``
+  ``[num_blocks, 2, block_size, heads, head_dim]`` and ``"mla"``
+  ``[num_blocks, block_size, latent]``. A heads-first ("HND") cache has the same shape
+  with permuted strides; kvhost reads the memory order from the strides.
+- **KVCacheLayout names** (``LBHNC`` ``LBNHC`` ``LHBNC`` ``BLHNC`` ``BLNHC`` ``BHLNC``):
+  the logical ``[L, B, H, N, C]`` of a cache group (C holds one head's K and V for one
+  token) stored in the named memory order. A layer's cache is the view ``[B, H, N, C]``;
+  ``cross_layer_view`` gives back the group's ``[L, B, H, N, C]``.
+
+A remote engine is what its handshake says: its layout name (a KVCacheLayout name, or
+``"NHD"``/``"HND"`` for a cache like ours with tokens or heads first) and its block size.
+``VllmCaches`` then does the connector's three worker-side steps for a whole batch at
+once: save blocks to the host buffer, load them back, and post-process received blocks.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvhost.api import KVHost
+from kvhost.backend import Backend
+from kvhost.batch import Incoming
+from kvhost.caches import CacheSet, Layer, Member
+from kvhost.errors import LayoutError, RequestError
+from kvhost.layout import Layout
+from kvhost.stats import CopyResult, ReceiveStats
+
+KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+CACHE_FORMATS = {"flash_attn": "KBNHC", "flashinfer": "BKNHC", "mla": "BNC"}  # format -> axes in shape order
+TOKEN_HEAD_ORDERS = ("NHD", "HND")
+GROUP_AXES = "LBHNC"  # a KVCacheLayout group in shape order; a layer view drops L
+
+BlockIds = Sequence[int] | np.ndarray
+
+
+def kv_cache_axes(layout: str, shape: Sequence[int]) -> str:
+    """The ``axes`` kvhost needs for a vLLM cache of ``shape`` described by ``layout``.
+
+    ``layout`` is a cache format (``flash_attn``, ``flashinfer``, ``mla``) or a KVCacheLayout
+    name; a KVCacheLayout cache is a layer view ``[B, H, N, C]`` or a group ``[L, B, H, N, C]``.
+    """
+    dims = tuple(int(d) for d in shape)
+    if layout in CACHE_FORMATS:
+        axes = CACHE_FORMATS[layout]
+        if len(dims) != len(axes):
+            raise LayoutError(
+                f"a {layout} cache is [{', '.join(axes)}] ({len(axes)} dims), but shape {dims} has {len(dims)}"
+            )
+        if "K" in axes and dims[axes.index("K")] != 2:
+            raise LayoutError(
+                f"a {layout} cache holds K and V in dim {axes.index('K')}, which must be 2; "
+                f"shape {dims} has {dims[axes.index('K')]}"
+            )
+        return axes
+    if layout in KV_CACHE_LAYOUTS:
+        if len(dims) == len(GROUP_AXES):
+            return GROUP_AXES
+        if len(dims) == len(GROUP_AXES) - 1:
+            if layout == "BHLNC" and dims[1] > 1:
+                raise LayoutError(
+                    f"a BHLNC layer view {dims} has no contiguous block region (each head's tokens are a "
+                    "run of their own, with the other layers between them); describe the group's "
+                    "[L, B, H, N, C] tensor instead (cross_layer_view)"
+                )
+            return GROUP_AXES[1:]
+        raise LayoutError(
+            f"a {layout} cache is a layer view [B, H, N, C] or a group [L, B, H, N, C]; "
+            f"shape {dims} has {len(dims)} dims"
+        )
+    known = ", ".join([*CACHE_FORMATS, *KV_CACHE_LAYOUTS])
+    raise LayoutError(f"unknown vLLM cache layout {layout!r}; known: {known}")
+
+
+def remote_order(axes: str, region: str, remote_layout: str) -> str:
+    """The sender's order of the bytes NIXL leaves in one local block region.
+
+    ``axes`` and ``region`` describe the local caches (``region``: the letters of one block
+    region in memory order). ``"NHD"``/``"HND"`` name a sender laid out like us with tokens
+    or heads first; a KVCacheLayout name gives the sender's memory order, of which a region
+    sees only its own letters.
+    """
+    if remote_layout in TOKEN_HEAD_ORDERS:
+        if "N" not in region or "H" not in region:
+            return region  # one head, or heads outside the region: nothing to order
+        first, second = ("N", "H") if remote_layout == "NHD" else ("H", "N")
+        slots = sorted((region.index("N"), region.index("H")))
+        letters = list(region)
+        letters[slots[0]], letters[slots[1]] = first, second
+        return "".join(letters)
+    if remote_layout in KV_CACHE_LAYOUTS:
+        if "K" in axes:
+            raise RequestError(
+                f"remote layout {remote_layout!r} keeps K and V together in C, but the local caches "
+                f"({axes!r}) keep them apart in K: such engines cannot exchange blocks"
+            )
+        return "".join(a for a in remote_layout if a in region)
+    known = ", ".join([*TOKEN_HEAD_ORDERS, *KV_CACHE_LAYOUTS])
+    raise RequestError(f"unknown remote layout {remote_layout!r}; known: {known}")
+
+
+def cross_layer_view(kv_caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The group's ``[L, B, H, N, C]`` tensor behind vLLM's per-layer views, without a copy.
+
+    vLLM cuts one buffer into layer views at a constant layer stride; this undoes the cut,
+    so a layout whose layer views have no contiguous block region (``BHLNC``) can be
+    described whole. Layers, in dict order, must share storage, shape, strides and dtype.
+    """
+    views = list(kv_caches.items())
+    if not views:
+        raise LayoutError("kv_caches: no layers given")
+    first_name, first = views[0]
+    for name, view in views:
+        if not isinstance(view, torch.Tensor):
+            raise LayoutError(f"layer {name!r} is a {type(view).__name__}, not a tensor view")
+        if (view.shape, view.stride(), view.dtype) != (first.shape, first.stride(), first.dtype):
+            raise LayoutError(
+                f"layer {name!r} is {tuple(view.shape)} {view.dtype} with strides {view.stride()}, but layer "
+                f"{first_name!r} is {tuple(first.shape)} {first.dtype} with strides {first.stride()}"
+            )
+        if view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            raise LayoutError(f"layer {name!r} is not a view of the buffer that holds layer {first_name!r}")
+    offsets = [view.storage_offset() for _, view in views]
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else 1
+    uneven = [i for i in range(1, len(offsets)) if offsets[i] - offsets[i - 1] != step]
+    if step <= 0 or uneven:
+        raise LayoutError(f"layer offsets {offsets} (in elements) are not evenly spaced upwards")
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), offsets[0])
+
+
+@dataclass(frozen=True)
+class RemoteEngine:
+    """A remote engine as its handshake describes it: layout name and tokens per block."""
+
+    kv_cache_layout: str
+    block_size: int
+
+
+class VllmCaches:
+    """A vLLM worker's caches, registered once; each connector step is one kvhost call.
+
+    ``kv_caches`` is vLLM's per-layer dict (or ``{name: group tensor}``), and ``layout``
+    names it in vLLM's words (see ``kv_cache_axes``). Caches vLLM has no name for, such as
+    a platform plugin's, give kvhost's letters as ``axes`` instead.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, Layer],
+        layout: str | None = None,
+        *,
+        axes: str | None = None,
+        backend: str | Backend | None = None,
+    ) -> None:
+        if (layout is None) == (axes is None):
+            raise LayoutError("give exactly one of layout (a vLLM name) and axes (kvhost letters)")
+        if layout is not None:
+            axes = kv_cache_axes(layout, _first_tensor(kv_caches, layout).shape)
+        assert axes is not None
+        self.layout_name = layout
+        self.axes = axes
+        self._kvhost = KVHost(kv_caches, axes=axes, backend=backend)
+        if layout in KV_CACHE_LAYOUTS:
+            self._check_memory_order(layout)
+        self._orders: dict[str, str] = {}
+
+    @property
+    def caches(self) -> CacheSet:
+        return self._kvhost.caches
+
+    @property
+    def backend(self) -> Backend:
+        return self._kvhost.backend
+
+    @property
+    def num_blocks(self) -> int:
+        return self.caches.num_blocks
+
+    def remote_order(self, remote_layout: str) -> str:
+        """The order NIXL leaves a ``remote_layout`` sender's bytes in our block regions."""
+        if remote_layout not in self._orders:
+            self._orders[remote_layout] = remote_order(self.axes, self.caches.layout.region, remote_layout)
+        return self._orders[remote_layout]
+
+    # --- the three worker-side steps ----------------------------------------------------
+
+    def save_to_host(
+        self,
+        host_buffers: Mapping[str, Layer],
+        block_ids: Mapping[str, BlockIds],
+        *,
+        host_axes: str | None = None,
+        non_blocking: bool = False,
+    ) -> CopyResult:
+        """Copy every request's blocks to the same block ids of the host buffers, in one call.
+
+        ``block_ids`` maps request id to block ids; blocks shared by several requests (a
+        common prefix) are copied once. ``host_axes`` names the host buffers' dims when
+        they differ from ours: the copy rearranges on the way.
+        """
+        ids = self._batch_ids(block_ids)
+        return self._kvhost.copy_to(host_buffers, ids, ids, dst_axes=host_axes, non_blocking=non_blocking)
+
+    def load_from_host(
+        self,
+        host_buffers: Mapping[str, Layer],
+        block_ids: Mapping[str, BlockIds],
+        *,
+        host_axes: str | None = None,
+        non_blocking: bool = False,
+    ) -> CopyResult:
+        """Copy every request's blocks from the host buffers into the same block ids here."""
+        ids = self._batch_ids(block_ids)
+        return self._kvhost.copy_from(host_buffers, ids, ids, src_axes=host_axes, non_blocking=non_blocking)
+
+    def post_process(
+        self,
+        received: Mapping[str, Mapping[str, BlockIds]],
+        remote_engines: Mapping[str, RemoteEngine],
+    ) -> ReceiveStats:
+        """Rearrange, in place, every received block from its sender's layout into ours.
+
+        ``received`` maps remote engine id to request id to the request's local block ids
+        in token order; ``remote_engines`` says how each engine lays out its blocks. The
+        whole batch is checked before any byte moves, and requests whose senders share a
+        layout and block size are rearranged together.
+        """
+        requests: dict[str, Incoming] = {}
+        engine_of: dict[str, str] = {}
+        for engine_id, by_request in received.items():
+            remote = remote_engines.get(engine_id)
+            if remote is None:
+                known = ", ".join(map(repr, remote_engines)) or "none"
+                raise RequestError(f"engine {engine_id!r} sent blocks but has no RemoteEngine (known: {known})")
+            if isinstance(remote.block_size, bool) or not isinstance(remote.block_size, int) or remote.block_size <= 0:
+                raise RequestError(f"engine {engine_id!r}: block size {remote.block_size!r} must be a positive integer")
+            try:
+                order = self.remote_order(remote.kv_cache_layout)
+            except RequestError as err:
+                raise RequestError(f"engine {engine_id!r}: {err}") from None
+            for request_id, ids in by_request.items():
+                if request_id in engine_of:
+                    raise RequestError(
+                        f"request {request_id!r} is listed under engine {engine_of[request_id]!r} "
+                        f"and engine {engine_id!r}"
+                    )
+                engine_of[request_id] = engine_id
+                requests[request_id] = Incoming(ids, order, remote.block_size)
+        return self._kvhost.receive(requests)
+
+    # --- host buffers ---------------------------------------------------------------------
+
+    def host_buffers(self, *, physical: str | None = None, num_blocks: int | None = None) -> dict[str, Layer]:
+        """Host tensors shaped like our caches, laid out in memory as ``physical``.
+
+        ``physical`` uses our letters (``K`` is dropped for tuple layers, whose tuple index
+        stands for it); by default each buffer keeps its cache's memory order, made dense.
+        ``num_blocks`` defaults to ours, as vLLM maps host blocks one to one.
+        """
+        blocks = self.num_blocks if num_blocks is None else num_blocks
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
+            raise LayoutError(f"num_blocks {num_blocks!r} must be a positive integer")
+        buffers: dict[str, Layer] = {}
+        for name, members in self.caches.layers.items():
+            tensors = tuple(_host_tensor(member, physical, blocks) for member in members)
+            is_tuple = len(members) > 1 or _member_is_tuple(members[0], self.axes)
+            buffers[name] = tensors if is_tuple else tensors[0]
+        return buffers
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _batch_ids(self, block_ids: Mapping[str, BlockIds]) -> np.ndarray:
+        """Every request's ids, checked and named by request, each block once, ascending."""
+        arrays = []
+        limit = self.num_blocks
+        for request_id, ids in block_ids.items():
+            array = np.asarray(ids)
+            if array.size == 0:
+                continue
+            if array.ndim != 1 or array.dtype.kind not in "iu":
+                raise RequestError(
+                    f"request {request_id!r}: block ids must be a flat sequence of integers, "
+                    f"got {array.dtype} {array.shape}"
+                )
+            bad = np.flatnonzero((array < 0) | (array >= limit))
+            if bad.size:
+                raise RequestError(
+                    f"request {request_id!r}: block id {int(array[bad[0]])} is out of range [0, {limit})"
+                )
+            arrays.append(array.astype(np.int64, copy=False))
+        # Ascending ids make the longest runs of consecutive blocks: fewer, larger copies.
+        return np.unique(np.concatenate(arrays)) if arrays else np.zeros(0, dtype=np.int64)
+
+    def _check_memory_order(self, name: str) -> None:
+        """Refuse caches whose strides say another KVCacheLayout than ``name``."""
+        for layout, members in self.caches.by_layout():
+            expected = "".join(a for a in name if a in layout.axes)
+            if _sized(layout, layout.physical) != _sized(layout, expected):
+                raise LayoutError(
+                    f"layer {members[0].layer!r} is stored {layout.physical} (strides {layout.strides}), "
+                    f"but layout {name!r} stores a {layout.axes} cache as {expected}"
+                )
+
+
+def _member_is_tuple(member: Member, axes: str) -> bool:
+    """Whether ``member`` came from a tuple layer (its letters lack the caches' ``K``)."""
+    return "K" in axes and "K" not in member.layout.axes
+
+
+def _sized(layout: Layout, order: str) -> str:
+    """``order`` without size-1 letters, whose place in memory order strides cannot show."""
+    return "".join(a for a in order if layout.size(a) > 1)
+
+
+def _first_tensor(kv_caches: Mapping[str, Layer], layout: str) -> torch.Tensor:
+    if not kv_caches:
+        raise LayoutError("kv_caches: no layers given")
+    name, first = next(iter(kv_caches.items()))
+    if not isinstance(first, torch.Tensor):
+        raise LayoutError(
+            f"layer {name!r} is a {type(first).__name__}; layout {layout!r} describes single tensors, "
+            "describe tuple layers with axes= (e.g. 'KBNHC' for (K, V) pairs of [B, N, H, C])"
+        )
+    return first
+
+
+def _host_tensor(member: Member, physical: str | None, num_blocks: int) -> torch.Tensor:
+    layout = member.layout
+    order = layout.physical
+    if physical is not None:
+        order = physical if "K" in layout.axes else physical.replace("K", "")
+        if sorted(order) != sorted(layout.axes):
+            raise LayoutError(f"host layout {physical!r} must use the letters of the caches' axes ({layout.axes!r})")
+    sizes = dict(zip(layout.axes, layout.shape))
+    sizes["B"] = num_blocks
+    memory = torch.empty([sizes[a] for a in order], dtype=member.tensor.dtype)
+    return memory.permute([order.index(a) for a in layout.axes])
