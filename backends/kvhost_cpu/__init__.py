@@ -7,6 +7,7 @@ temporary falls out of cache). numba is imported on first use, not with kvhost.
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 from types import ModuleType
 
@@ -17,6 +18,9 @@ from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.torch_backend import TorchBackend
 
 MAX_ITEM_BYTES = 1 << 21  # copies are split into items of at most this much, to share cores
+# One kernel launch at a time: each launch already uses every core, and numba's fallback
+# threading layer (workqueue, where no OpenMP or TBB is found) aborts on concurrent launches.
+_launch = threading.Lock()
 
 
 @cache
@@ -53,18 +57,19 @@ class CpuBackend(TorchBackend):
             + job.unit_ids[None, None] * layout.block_stride_bytes
         ).reshape(-1, plan.parts)
         shape, src_strides, dst_strides = kernels.padded(loops.shape, loops.src_strides, loops.dst_strides)
-        kernels.rearrange_units(
-            addresses,
-            plan.region_bytes,
-            write_back.pieces,
-            write_back.piece_bytes,
-            write_back.part_stride,
-            shape,
-            src_strides,
-            dst_strides,
-            loops.run_bytes,
-            kernels.threads(),
-        )
+        with _launch:
+            kernels.rearrange_units(
+                addresses,
+                plan.region_bytes,
+                write_back.pieces,
+                write_back.piece_bytes,
+                write_back.part_stride,
+                shape,
+                src_strides,
+                dst_strides,
+                loops.run_bytes,
+                kernels.threads(),
+            )
         return None
 
     def copy(self, job: CopyJob) -> Completion:
@@ -81,18 +86,19 @@ class CpuBackend(TorchBackend):
         item_counts = np.tile(counts, len(job.pairs))
         loops = plan.loops
         shape, src_strides, dst_strides = kernels.padded(loops.shape, loops.src_strides, loops.dst_strides)
-        kernels.copy_runs(
-            src_addresses,
-            dst_addresses,
-            item_counts,
-            plan.src_block_stride,
-            plan.dst_block_stride,
-            plan.merge_blocks,
-            shape,
-            src_strides,
-            dst_strides,
-            loops.run_bytes,
-        )
+        with _launch:
+            kernels.copy_runs(
+                src_addresses,
+                dst_addresses,
+                item_counts,
+                plan.src_block_stride,
+                plan.dst_block_stride,
+                plan.merge_blocks,
+                shape,
+                src_strides,
+                dst_strides,
+                loops.run_bytes,
+            )
         return Completion()
 
 
