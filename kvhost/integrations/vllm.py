@@ -82,31 +82,38 @@ def kv_cache_axes(layout: str, shape: Sequence[int]) -> str:
     raise LayoutError(f"unknown vLLM cache layout {layout!r}; known: {known}")
 
 
-def remote_order(axes: str, region: str, remote_layout: str) -> str:
-    """The sender's order of the bytes NIXL leaves in one local block region.
+def remote_order(axes: str, physical: str, remote_layout: str) -> str:
+    """The sender's order of the bytes NIXL leaves in one of our block regions.
 
-    ``axes`` and ``region`` describe the local caches (``region``: the letters of one block
-    region in memory order). ``"NHD"``/``"HND"`` name a sender laid out like us with tokens
-    or heads first; a KVCacheLayout name gives the sender's memory order, of which a region
-    sees only its own letters.
+    ``axes`` and ``physical`` describe our caches (shape order, memory order). A
+    KVCacheLayout name is the sender's memory order; ``"NHD"``/``"HND"`` name an engine
+    that keeps layers apart and, inside a layer, our memory order with tokens or heads
+    first. A region sees the sender's order of its own letters only.
     """
+    region = physical[physical.index("B") + 1 :]
     if remote_layout in TOKEN_HEAD_ORDERS:
-        if "N" not in region or "H" not in region:
-            return region  # one head, or heads outside the region: nothing to order
-        first, second = ("N", "H") if remote_layout == "NHD" else ("H", "N")
-        slots = sorted((region.index("N"), region.index("H")))
-        letters = list(region)
-        letters[slots[0]], letters[slots[1]] = first, second
-        return "".join(letters)
-    if remote_layout in KV_CACHE_LAYOUTS:
+        sender = "L" + _tokens_heads(physical.replace("L", ""), remote_layout)
+    elif remote_layout in KV_CACHE_LAYOUTS:
         if "K" in axes:
             raise RequestError(
                 f"remote layout {remote_layout!r} keeps K and V together in C, but the local caches "
                 f"({axes!r}) keep them apart in K: such engines cannot exchange blocks"
             )
-        return "".join(a for a in remote_layout if a in region)
-    known = ", ".join([*TOKEN_HEAD_ORDERS, *KV_CACHE_LAYOUTS])
-    raise RequestError(f"unknown remote layout {remote_layout!r}; known: {known}")
+        sender = remote_layout
+    else:
+        known = ", ".join([*TOKEN_HEAD_ORDERS, *KV_CACHE_LAYOUTS])
+        raise RequestError(f"unknown remote layout {remote_layout!r}; known: {known}")
+    return "".join(a for a in sender if a in region)
+
+
+def _tokens_heads(order: str, name: str) -> str:
+    """``order`` with N and H trading places if needed, so that they read as ``name`` (NHD/HND)."""
+    if "N" not in order or "H" not in order:
+        return order
+    slots = sorted((order.index("N"), order.index("H")))
+    letters = list(order)
+    letters[slots[0]], letters[slots[1]] = (name[0], name[1])
+    return "".join(letters)
 
 
 def cross_layer_view(kv_caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -189,7 +196,7 @@ class VllmCaches:
     def remote_order(self, remote_layout: str) -> str:
         """The order NIXL leaves a ``remote_layout`` sender's bytes in our block regions."""
         if remote_layout not in self._orders:
-            self._orders[remote_layout] = remote_order(self.axes, self.caches.layout.region, remote_layout)
+            self._orders[remote_layout] = remote_order(self.axes, self.caches.layout.physical, remote_layout)
         return self._orders[remote_layout]
 
     # --- the three worker-side steps ----------------------------------------------------

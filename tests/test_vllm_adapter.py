@@ -1,0 +1,419 @@
+"""kvhost.integrations.vllm against caches built the way vLLM builds them.
+
+Every local cache below is allocated as vLLM allocates it: KVCacheLayout caches as one
+byte buffer viewed ``[L, B, H, N, C]`` with the layout's strides and cut into per-layer
+``[B, H, N, C]`` views; attention-backend caches in their stride order and permuted back
+to their logical shape. Senders are real caches in their own layout and block size; NIXL's
+region-by-region read is played by ``nixl_read`` from the sender's strides, and the result
+is checked token by token and, for every block outside the batch, byte by byte.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import kvhost
+from kvhost.integrations.testing import assert_same_tokens, nixl_read
+from kvhost.integrations.vllm import (
+    CACHE_FORMATS,
+    KV_CACHE_LAYOUTS,
+    RemoteEngine,
+    VllmCaches,
+    cross_layer_view,
+    kv_cache_axes,
+    remote_order,
+)
+from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
+from kvhost.torch_backend import TorchBackend
+
+LAYERS, HEADS, CONTENT, BLOCK = 3, 2, 4, 4  # C holds K and V of head_dim 2; local blocks of 4 tokens
+REMOTE_BLOCK_SIZES = (2, 4, 8)  # 2 sender blocks per local block, the same size, one over 2 local blocks
+
+
+def kv_layout_group(name: str, *, blocks: int, block_size: int, dtype=torch.bfloat16):
+    """Per-layer views and the group tensor, cut from one int8 buffer as vLLM cuts it."""
+    sizes = dict(L=LAYERS, B=blocks, H=HEADS, N=block_size, C=CONTENT * dtype.itemsize)
+    strides, step = {}, 1
+    for letter in reversed(name):  # the name spells the memory order, outermost first
+        strides[letter] = step
+        step *= sizes[letter]
+    buffer = torch.empty(step, dtype=torch.int8)
+    group = buffer.as_strided([sizes[a] for a in "LBHNC"], [strides[a] for a in "LBHNC"]).view(dtype)
+    views = {f"model.layers.{i}.self_attn.attn": group[i] for i in range(LAYERS)}
+    return views, group
+
+
+def attention_caches(fmt: str, order: str, *, blocks: int, block_size: int, dtype=torch.bfloat16):
+    """FlashAttention/FlashInfer/MLA caches, NHD or HND strides, allocated in stride order."""
+    axes = CACHE_FORMATS[fmt]
+    physical = axes.replace("NH", "HN") if order == "HND" else axes
+    sizes = dict(K=2, B=blocks, N=block_size, H=HEADS, C=CONTENT)
+    return {f"model.layers.{i}.self_attn.attn": make_cache(axes, physical, sizes, dtype) for i in range(LAYERS)}
+
+
+def fill(caches, seed):
+    for i, layer in enumerate(caches.values()):
+        for j, tensor in enumerate(layer if isinstance(layer, tuple) else (layer,)):
+            fill_random(tensor, seed * 100 + i * 10 + j)
+
+
+class Sender:
+    """One remote engine: its caches, the blocks it sends and the local blocks they land in."""
+
+    def __init__(self, caches, axes, remote_ids, local_ids):
+        self.caches, self.axes, self.remote_ids, self.local_ids = caches, axes, remote_ids, local_ids
+
+
+def local_id_plan(count: int, blocks: int) -> list[int]:
+    """``count`` scattered local block ids out of ``blocks``."""
+    generator = torch.Generator().manual_seed(count * 7919 + blocks)
+    return torch.randperm(blocks, generator=generator)[:count].tolist()
+
+
+def run_batch(kv: VllmCaches, caches, senders: dict[str, Sender], engines: dict[str, RemoteEngine]):
+    """NIXL-read every sender, post-process the batch in one call, check every block."""
+    case = ReceiveCase(caches, kv.axes, seed=1)  # random sentinels everywhere
+    for sender in senders.values():
+        nixl_read(sender.caches, sender.axes, sender.remote_ids, caches, kv.axes, sender.local_ids)
+    received = {engine: {f"req-{engine}": sender.local_ids} for engine, sender in senders.items()}
+    stats = kv.post_process(received, engines)
+    for sender in senders.values():
+        assert_same_tokens(caches, kv.axes, sender.local_ids, sender.caches, sender.axes, sender.remote_ids)
+    claimed = {b for sender in senders.values() for b in sender.local_ids}
+    for i in range(len(case.set.members)):
+        case.check_untouched(i, claimed)
+    assert stats.requests == len(senders)
+    assert stats.blocks == len(claimed)
+    return stats
+
+
+def engine_blocks(remote_size: int) -> tuple[int, int]:
+    """(sender blocks, local blocks) of one request: two local blocks, or one when r = 2."""
+    if remote_size < BLOCK:
+        return BLOCK // remote_size, 1
+    if remote_size == BLOCK:
+        return 2, 2
+    return 1, remote_size // BLOCK
+
+
+# --- axes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "axes"),
+    [
+        ("flash_attn", (2, 100, 16, 8, 128), "KBNHC"),
+        ("flashinfer", (100, 2, 16, 8, 128), "BKNHC"),
+        ("mla", (100, 16, 576), "BNC"),
+        *[(name, (100, 8, 16, 256), "BHNC") for name in KV_CACHE_LAYOUTS if name != "BHLNC"],
+        *[(name, (32, 100, 8, 16, 256), "LBHNC") for name in KV_CACHE_LAYOUTS],
+        ("BHLNC", (100, 1, 16, 576), "BHNC"),  # one head slot (MLA): the layer view is one run
+    ],
+)
+def test_kv_cache_axes(layout, shape, axes):
+    assert kv_cache_axes(layout, shape) == axes
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "message"),
+    [
+        ("flash_attn", (100, 2, 16, 8, 128), "holds K and V in dim 0, which must be 2; shape .* has 100"),
+        ("flashinfer", (2, 100, 16, 8, 128), "holds K and V in dim 1, which must be 2; shape .* has 100"),
+        ("flash_attn", (100, 16, 8, 128), r"\[K, B, N, H, C\] \(5 dims\), but shape \(100, 16, 8, 128\) has 4"),
+        ("mla", (100, 1, 16, 576), "a mla cache is .* but shape .* has 4"),
+        ("LBNHC", (100, 16, 256), "shape \\(100, 16, 256\\) has 3 dims"),
+        ("BHLNC", (100, 8, 16, 256), "a BHLNC layer view .* no contiguous block region.*cross_layer_view"),
+        ("NHD", (2, 100, 16, 8, 128), "unknown vLLM cache layout 'NHD'"),
+    ],
+)
+def test_kv_cache_axes_rejects(layout, shape, message):
+    with pytest.raises(kvhost.LayoutError, match=message):
+        kv_cache_axes(layout, shape)
+
+
+@pytest.mark.parametrize(
+    ("axes", "physical", "remote", "order"),
+    [
+        ("KBNHC", "KBNHC", "HND", "HNC"),
+        ("KBNHC", "KBHNC", "NHD", "NHC"),
+        ("KBNHC", "KBNHC", "NHD", "NHC"),
+        ("BKNHC", "BKNHC", "HND", "KHNC"),
+        ("BNHKC", "BNHKC", "HND", "HNKC"),  # TPU-style K/V interleaved per head
+        ("BNC", "BNC", "HND", "NC"),
+        ("BHNC", "HBNC", "HND", "NC"),  # LHBNC layer view: heads are outer, regions hold tokens
+        ("BHNC", "BNHC", "LBHNC", "HNC"),
+        ("BHNC", "BHNC", "BLNHC", "NHC"),
+        ("BHNC", "HBNC", "LBNHC", "NC"),
+        ("LBHNC", "BLHNC", "BHLNC", "HLNC"),
+        ("LBHNC", "BHLNC", "LBNHC", "LNHC"),
+        ("LBHNC", "BHLNC", "NHD", "LNHC"),  # an NHD engine keeps layers apart: L leads
+        ("LBHNC", "BLNHC", "HND", "LHNC"),
+    ],
+)
+def test_remote_order(axes, physical, remote, order):
+    assert remote_order(axes, physical, remote) == order
+
+
+def test_remote_order_rejects_mixed_vocabularies_and_unknown_names():
+    with pytest.raises(kvhost.RequestError, match=r"keeps K and V together in C.*'KBNHC'"):
+        remote_order("KBNHC", "KBNHC", "LBHNC")
+    with pytest.raises(kvhost.RequestError, match="unknown remote layout 'NDH'"):
+        remote_order("BHNC", "BHNC", "NDH")
+
+
+# --- post-process: every KVCacheLayout, per-layer views and whole groups -----------------
+
+LAYOUT_CASES = [
+    pytest.param(name, view, id=f"{name}-{view}")
+    for name in KV_CACHE_LAYOUTS
+    for view in ("layer", "group")
+    if (name, view) != ("BHLNC", "layer")
+]
+
+
+@pytest.mark.parametrize(("name", "view"), LAYOUT_CASES)
+def test_post_process_every_kv_cache_layout(name, view):
+    """24 senders (6 layouts + NHD/HND, 3 block sizes each) in one batch, into one local layout."""
+    local_views, local_group = kv_layout_group(name, blocks=56, block_size=BLOCK)
+    caches = local_views if view == "layer" else {"group": local_group}
+    kv = VllmCaches(caches, name)
+    assert kv.axes == ("BHNC" if view == "layer" else "LBHNC")
+
+    senders, engines = {}, {}
+    needed = [engine_blocks(size) for _ in range(8) for size in REMOTE_BLOCK_SIZES]
+    local_ids = iter(local_id_plan(sum(n for _, n in needed), 56))
+    for remote_name, size in itertools.product((*KV_CACHE_LAYOUTS, "NHD", "HND"), REMOTE_BLOCK_SIZES):
+        engine = f"{remote_name}/{size}"
+        # A NHD/HND sender is an older engine with tokens/heads first: LBNHC/LBHNC memory.
+        memory = {"NHD": "LBNHC", "HND": "LBHNC"}.get(remote_name, remote_name)
+        remote_views, remote_group = kv_layout_group(memory, blocks=6, block_size=size)
+        remote = remote_views if view == "layer" else {"group": remote_group}
+        fill(remote, seed=len(senders) + 2)
+        their, ours = engine_blocks(size)
+        remote_ids = [5, 0, 3, 2][:their]
+        senders[engine] = Sender(remote, kv.axes, remote_ids, [next(local_ids) for _ in range(ours)])
+        engines[engine] = RemoteEngine(remote_name, size)
+    stats = run_batch(kv, caches, senders, engines)
+    if kv.caches.layout.region == "NC":
+        # LHBNC keeps one region per (layer, head, block): token-major whatever the sender, so
+        # every block already reads right and none may be copied.
+        assert stats.groups == 0 and stats.skipped_blocks == stats.blocks
+    else:
+        assert stats.groups >= 1
+
+
+def test_bhlnc_layer_views_point_to_the_group():
+    views, group = kv_layout_group("BHLNC", blocks=4, block_size=BLOCK)
+    with pytest.raises(kvhost.LayoutError, match=r"BHLNC layer view .*cross_layer_view"):
+        VllmCaches(views, "BHLNC")
+    whole = cross_layer_view(views)
+    assert whole.shape == group.shape and whole.stride() == group.stride()
+    assert whole.data_ptr() == group.data_ptr()
+    assert VllmCaches({"group": whole}, "BHLNC").caches.layout.region == "HLNC"
+
+
+def test_cross_layer_view_rejects_layers_of_different_buffers():
+    views, _ = kv_layout_group("LBHNC", blocks=4, block_size=BLOCK)
+    other, _ = kv_layout_group("LBHNC", blocks=4, block_size=BLOCK)
+    mixed = dict(views)
+    mixed["model.layers.1.self_attn.attn"] = other["model.layers.1.self_attn.attn"]
+    with pytest.raises(kvhost.LayoutError, match=r"'model.layers.1.self_attn.attn' is not a view of the buffer"):
+        cross_layer_view(mixed)
+    reordered = dict(reversed(list(views.items())))
+    with pytest.raises(kvhost.LayoutError, match="not evenly spaced upwards"):
+        cross_layer_view(reordered)
+
+
+def test_layout_name_must_match_the_strides():
+    views, _ = kv_layout_group("LBNHC", blocks=4, block_size=BLOCK)
+    with pytest.raises(kvhost.LayoutError, match=r"stored BNHC .* but layout 'LBHNC' stores a BHNC cache as BHNC"):
+        VllmCaches(views, "LBHNC")
+
+
+# --- post-process: attention-backend cache formats, NHD and HND -------------------------
+
+
+@pytest.mark.parametrize("local_order", ["NHD", "HND"])
+@pytest.mark.parametrize("fmt", ["flash_attn", "flashinfer", "mla"])
+def test_post_process_attention_formats(fmt, local_order):
+    caches = attention_caches(fmt, local_order, blocks=24, block_size=BLOCK)
+    kv = VllmCaches(caches, fmt)
+    assert kv.axes == CACHE_FORMATS[fmt]
+    senders, engines = {}, {}
+    local_ids = iter(local_id_plan(12, 24))
+    for remote_order_name, size in itertools.product(("NHD", "HND"), REMOTE_BLOCK_SIZES):
+        engine = f"{remote_order_name}/{size}"
+        remote = attention_caches(fmt, remote_order_name, blocks=6, block_size=size)
+        fill(remote, seed=len(senders) + 2)
+        their, ours = engine_blocks(size)
+        senders[engine] = Sender(remote, kv.axes, [4, 1, 2][:their], [next(local_ids) for _ in range(ours)])
+        engines[engine] = RemoteEngine(remote_order_name, size)
+    stats = run_batch(kv, caches, senders, engines)
+    # Identity, nothing copied: the same order and size; token-major on both sides at any
+    # size when K is outside the region (FlashAttention); always for MLA (no heads).
+    identity = {"mla": 10, "flash_attn": 5 if local_order == "NHD" else 2, "flashinfer": 2}
+    assert stats.skipped_blocks == identity[fmt]
+
+
+class CountingBackend(TorchBackend):
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def receive(self, job):
+        self.calls += 1
+        super().receive(job)
+
+
+def test_one_backend_call_per_transform_group_not_per_request():
+    """Forty requests from four engines, two of which share a layout and block size."""
+    caches = attention_caches("flash_attn", "NHD", blocks=64, block_size=BLOCK)
+    backend = CountingBackend()
+    kv = VllmCaches(caches, "flash_attn", backend=backend)
+    engines = {
+        "p0": RemoteEngine("HND", 2),
+        "p1": RemoteEngine("HND", 2),  # same key as p0: same group
+        "p2": RemoteEngine("HND", 8),
+        "p3": RemoteEngine("NHD", 2),  # token-major both sides: identity, never reaches the backend
+    }
+    ids = iter(range(64))
+    received = {
+        engine: {f"{engine}-r{i}": [next(ids), next(ids)] for i in range(10)} if engine != "p2" else {}
+        for engine in engines
+    }
+    received["p2"] = {f"p2-r{i}": [next(ids), next(ids)] for i in range(2)}
+    stats = kv.post_process(received, engines)
+    assert stats.requests == 32 and stats.blocks == 64
+    assert stats.groups == 2 and backend.calls == 2
+    assert stats.skipped_blocks == 20
+
+
+# --- bad input: a clear error naming the value, nothing changed --------------------------
+
+
+def test_post_process_rejects_bad_batches_before_moving_a_byte():
+    caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
+    kv = VllmCaches(caches, "flash_attn")
+    case = ReceiveCase(caches, kv.axes, seed=3)
+    before = case.snapshot()
+    good = RemoteEngine("HND", 2)
+    bad_batches = [
+        ({"p": {"a": [1]}, "q": {"b": [2]}}, {"p": good}, "engine 'q' sent blocks but has no RemoteEngine"),
+        ({"p": {"a": [1]}}, {"p": RemoteEngine("HND", 0)}, "engine 'p': block size 0 must be a positive"),
+        ({"p": {"a": [1]}}, {"p": RemoteEngine("XYZ", 2)}, "engine 'p': unknown remote layout 'XYZ'"),
+        ({"p": {"a": [1]}}, {"p": RemoteEngine("LBHNC", 2)}, "engine 'p': remote layout 'LBHNC' keeps K and V"),
+        ({"p": {"a": [1]}, "q": {"a": [2]}}, {"p": good, "q": good}, "'a' is listed under engine 'p' and engine 'q'"),
+        ({"p": {"a": [1, 9]}}, {"p": good}, "request 'a': block id 9 at position 1 is out of range"),
+        ({"p": {"a": [1]}, "q": {"b": [1]}}, {"p": good, "q": good}, "block id 1 is claimed by request 'a'"),
+        ({"p": {"a": [1]}}, {"p": RemoteEngine("HND", 8)}, "request 'a': 1 block ids are not whole groups of 2"),
+        ({"p": {"a": [1]}}, {"p": RemoteEngine("HND", 3)}, "request 'a': remote block size 3 and local"),
+    ]
+    for received, engines, message in bad_batches:
+        with pytest.raises(kvhost.RequestError, match=message):
+            kv.post_process({"ok": {"fine": [0, 3]}, **received}, {"ok": good, **engines})
+        assert case.same_as(before), message
+
+
+def test_constructor_errors():
+    caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
+    with pytest.raises(kvhost.LayoutError, match="give exactly one of layout"):
+        VllmCaches(caches)
+    with pytest.raises(kvhost.LayoutError, match="give exactly one of layout"):
+        VllmCaches(caches, "flash_attn", axes="KBNHC")
+    with pytest.raises(kvhost.LayoutError, match="kv_caches: no layers given"):
+        VllmCaches({}, "flash_attn")
+    pairs = {name: tuple(t.unbind(0)) for name, t in caches.items()}
+    with pytest.raises(kvhost.LayoutError, match="is a tuple; layout 'flash_attn' describes single tensors"):
+        VllmCaches(pairs, "flash_attn")
+    assert VllmCaches(pairs, axes="KBNHC").caches.layout.axes == "BNHC"
+
+
+# --- host staging ------------------------------------------------------------------------
+
+
+def test_save_and_load_through_a_host_buffer_in_another_layout():
+    """FlashAttention NHD on the device, HND ([K, B, H, N, C] memory) on the host, both ways."""
+    device = attention_caches("flash_attn", "NHD", blocks=16, block_size=BLOCK)
+    fill(device, seed=4)
+    kv = VllmCaches(device, "flash_attn")
+    host = kv.host_buffers(physical="KBHNC")
+    first = next(iter(host.values()))
+    assert first.shape == (2, 16, BLOCK, HEADS, CONTENT)
+    assert kvhost.Layout.of(first, "KBNHC").physical == "KBHNC"
+    fill(host, seed=5)
+    host_before = [raw(t).clone() for t in host.values()]
+
+    # Two requests share a prefix block (3): it is copied once.
+    requests = {"a": [3, 4, 5], "b": [3, 9], "c": []}
+    result = kv.save_to_host(host, requests).wait()
+    assert result.blocks == 4 and result.runs == 2  # ids 3, 4, 5, 9: two runs
+    saved = [3, 4, 5, 9]
+    assert_same_tokens(host, "KBNHC", saved, device, "KBNHC", saved)
+    for tensor, before in zip(host.values(), host_before):
+        for block in set(range(16)) - set(saved):
+            assert torch.equal(raw(tensor)[:, block], before[:, block])
+
+    # Load into other device blocks' worth of data: clear the device blocks, load them back.
+    truth = {name: read_tokens(t, kvhost.Layout.of(t, "KBNHC"), saved) for name, t in device.items()}
+    for tensor in device.values():
+        tensor[:, saved] = 0
+    kv.load_from_host(host, {"a": [3, 4, 5], "b": [9]}).wait()
+    for name, tensor in device.items():
+        assert torch.equal(read_tokens(tensor, kvhost.Layout.of(tensor, "KBNHC"), saved), truth[name])
+
+
+def test_save_rejects_bad_ids_by_request_and_changes_nothing():
+    device = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
+    kv = VllmCaches(device, "flash_attn")
+    host = kv.host_buffers()
+    fill(host, seed=6)
+    before = [raw(t).clone() for t in host.values()]
+    with pytest.raises(kvhost.RequestError, match="request 'b': block id 8 is out of range"):
+        kv.save_to_host(host, {"a": [1, 2], "b": [3, 8]})
+    with pytest.raises(kvhost.RequestError, match="request 'a': block ids must be a flat sequence of integers"):
+        kv.save_to_host(host, {"a": [1.5]})
+    small = kv.host_buffers(num_blocks=4)
+    with pytest.raises(kvhost.RequestError, match="destination block id 5"):
+        kv.save_to_host(small, {"a": [5]})
+    with pytest.raises(kvhost.LayoutError, match="host layout 'KBNC' must use the letters"):
+        kv.host_buffers(physical="KBNC")
+    assert all(torch.equal(raw(t), b) for t, b in zip(host.values(), before))
+
+
+def test_host_buffer_mode_end_to_end_with_a_tpu_style_sender():
+    """Prefill on a TPU-style cache, decode on a FlashAttention one, both through host buffers.
+
+    The prefill engine keeps [num_blocks, block_size, 2 * heads, head_dim] with K and V
+    interleaved per head (viewed as B N H K C) and stages to a head-major host buffer; NIXL
+    moves host regions; the decode engine post-processes its own host buffer (blocks twice
+    as large, token-major) and loads it to the device.
+    """
+    prefill_device = {
+        f"model.layers.{i}.self_attn.attn": torch.empty(10, 2, HEADS * 2, CONTENT, dtype=torch.bfloat16).unflatten(
+            2, (HEADS, 2)
+        )
+        for i in range(LAYERS)
+    }
+    fill(prefill_device, seed=7)
+    prefill = VllmCaches(prefill_device, axes="BNHKC")
+    prefill_host = prefill.host_buffers(physical="KBHNC")
+    prefill.save_to_host(prefill_host, {"r1": [6, 2, 7, 3], "r2": [0, 1]}).wait()
+
+    decode_device = attention_caches("flash_attn", "NHD", blocks=12, block_size=BLOCK)
+    fill(decode_device, seed=8)
+    decode = VllmCaches(decode_device, "flash_attn")
+    decode_host = decode.host_buffers()  # the device's token-major layout, on the host
+    decode_host_kv = VllmCaches(decode_host, "flash_attn")
+    received = {"r1": [9, 4], "r2": [11]}
+    nixl_read(prefill_host, "BNHKC", [6, 2, 7, 3], decode_host, "KBNHC", received["r1"])
+    nixl_read(prefill_host, "BNHKC", [0, 1], decode_host, "KBNHC", received["r2"])
+
+    stats = decode_host_kv.post_process({"prefill": received}, {"prefill": RemoteEngine("HND", 2)})
+    assert stats.groups == 1 and stats.blocks == 3 and stats.backend == "cpu"
+    decode.load_from_host(decode_host, received).wait()
+    assert_same_tokens(decode_device, "KBNHC", [9, 4], prefill_device, "BNHKC", [6, 2, 7, 3])
+    assert_same_tokens(decode_device, "KBNHC", [11], prefill_device, "BNHKC", [0, 1])
