@@ -1,0 +1,44 @@
+"""Demo kvhost backends, found through the ``kvhost.backends`` entry points of this package.
+
+``DemoBackend`` serves CPU tensors and torch's ``meta`` device at priority 10, above
+kvhost's own ``cpu`` (0) and ``torch`` (-100) backends, so auto-selection picks it for
+both. It counts its calls, so a test can see that it ran, and does the work with kvhost's
+device-generic torch path. ``AbsentDeviceBackend`` claims CPU tensors at priority 100
+but says it cannot run here: selection passes over it and keeps its reason.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvhost.backend import Completion
+from kvhost.batch import CopyJob, ReceiveJob
+from kvhost.torch_backend import TorchBackend
+
+
+class DemoBackend(TorchBackend):
+    name = "demo"
+    device_types = ("cpu", "meta")
+    priority = 10
+    calls: ClassVar[dict[str, int]] = {"receive": 0, "copy": 0}
+
+    def describe(self) -> str:
+        return "torch ops, counting calls"
+
+    def receive(self, job: ReceiveJob) -> None:
+        DemoBackend.calls["receive"] += 1
+        super().receive(job)
+
+    def copy(self, job: CopyJob) -> Completion:
+        DemoBackend.calls["copy"] += 1
+        return super().copy(job)
+
+
+class AbsentDeviceBackend(TorchBackend):
+    name = "demo-absent"
+    device_types = ("cpu",)
+    priority = 100
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return "the demo accelerator is not installed"

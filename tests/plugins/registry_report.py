@@ -1,0 +1,58 @@
+"""What kvhost's registry sees in this environment, as JSON on stdout.
+
+Run in a subprocess by tests/test_plugin_contract.py, with and without the demo plugin
+on ``PYTHONPATH``: entry points are read once per process, so each environment needs a
+fresh interpreter. Nothing here touches the registry's internals.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import torch
+
+import kvhost
+from kvhost.registry import registry
+from kvhost.testing import ReceiveCase, make_cache
+
+
+def main() -> None:
+    report: dict[str, object] = {}
+    report["info"] = {
+        row.name: {
+            "device_types": list(row.device_types),
+            "priority": row.priority,
+            "source": row.source,
+            "unavailable": row.unavailable,
+        }
+        for row in registry.info()
+    }
+    report["chosen"] = {device: kvhost.get_backend(device).name for device in ("cpu", "meta")}
+    report["named_cpu"] = kvhost.get_backend("cpu", "cpu").name
+
+    # No backend named: the registry picks by the caches' device type and priority.
+    caches = {"l0": make_cache("KBNHC", "KBNHC", dict(K=2, B=6, N=4, H=2, C=4))}
+    case = ReceiveCase(caches, "KBNHC", seed=1)
+    case.send("r", [4, 1], "HNC", 2)
+    stats = kvhost.receive(caches, {"r": [4, 1]}, axes="KBNHC", remote_order="HNC", remote_block_size=2)
+    case.check()  # the bytes are right, whichever backend ran
+    host = {"l0": torch.zeros(2, 2, 4, 2, 4, dtype=caches["l0"].dtype)}
+    copied = kvhost.copy_blocks(caches, host, [4, 1], [0, 1], axes="KBNHC").wait()
+    report["receive_backend"], report["copy_backend"] = stats.backend, copied.backend
+    assert torch.equal(host["l0"][:, 0], caches["l0"][:, 4])
+
+    if importlib.util.find_spec("kvhost_demo_plugin") is not None:
+        from kvhost_demo_plugin import DemoBackend
+
+        report["demo_calls"] = dict(DemoBackend.calls)
+    try:
+        kvhost.get_backend("cpu", "demo-absent")
+        report["absent_error"] = None
+    except kvhost.BackendError as err:
+        report["absent_error"] = str(err)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
