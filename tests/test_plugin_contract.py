@@ -84,7 +84,7 @@ def test_the_plugin_is_an_installed_distribution(site):
 def test_without_the_plugin_in_tree_backends_serve(without_plugin):
     assert without_plugin["chosen"] == {"cpu": "cpu", "meta": "torch"}
     assert without_plugin["receive_backend"] == without_plugin["copy_backend"] == "cpu"
-    assert not {"demo", "demo-absent", "demo-broken"} & set(without_plugin["info"])
+    assert not {name for name in without_plugin["info"] if name.startswith("demo")}
     assert "is not registered" in without_plugin["absent_error"]
 
 
@@ -114,10 +114,19 @@ def test_a_backend_that_cannot_run_is_passed_over_with_its_reason(with_plugin):
     )
 
 
-def test_a_broken_entry_point_is_reported_and_breaks_nothing_else(with_plugin):
+def test_an_availability_check_that_raises_counts_as_a_reason(with_plugin):
+    raising = with_plugin["info"]["demo-raising"]
+    assert raising["priority"] == 50
+    assert raising["unavailable"] == "availability check failed: RuntimeError: driver query failed"
+    assert with_plugin["chosen"]["cpu"] == "demo"
+
+
+def test_broken_entry_points_are_reported_and_break_nothing_else(with_plugin):
     broken = with_plugin["info"]["demo-broken"]
     assert broken["source"] == "kvhost_demo_plugin.missing:Nothing"
     assert broken["unavailable"].startswith("failed to load: ModuleNotFoundError")
+    wrong = with_plugin["info"]["demo-not-a-backend"]
+    assert wrong["unavailable"] == "kvhost_demo_plugin:NOT_A_BACKEND is not a kvhost Backend"
     assert with_plugin["chosen"]["cpu"] == "demo"
 
 

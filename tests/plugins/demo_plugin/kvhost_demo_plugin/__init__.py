@@ -5,6 +5,8 @@ kvhost's own ``cpu`` (0) and ``torch`` (-100) backends, so auto-selection picks 
 both. It counts its calls, so a test can see that it ran, and does the work with kvhost's
 device-generic torch path. ``AbsentDeviceBackend`` claims CPU tensors at priority 100
 but says it cannot run here: selection passes over it and keeps its reason.
+``RaisingCheckBackend`` (priority 50) fails its own availability check, which counts as
+a reason too. ``NOT_A_BACKEND`` is what a wrong entry point might name.
 """
 
 from __future__ import annotations
@@ -42,3 +44,16 @@ class AbsentDeviceBackend(TorchBackend):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return "the demo accelerator is not installed"
+
+
+class RaisingCheckBackend(TorchBackend):
+    name = "demo-raising"
+    device_types = ("cpu",)
+    priority = 50
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        raise RuntimeError("driver query failed")
+
+
+NOT_A_BACKEND = "a string, not a Backend subclass"
