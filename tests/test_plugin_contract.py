@@ -40,12 +40,11 @@ def pip_install_target(source: Path, workdir: Path) -> Path:
     return site
 
 
-def registry_report(site: Path | None, **env: str) -> dict:
+def registry_report(site: Path | None) -> dict:
     """Run the report script in a fresh interpreter, with ``site`` on PYTHONPATH if given."""
     environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVHOST_BACKEND")}
     if site is not None:
         environment["PYTHONPATH"] = str(site)
-    environment.update(env)
     done = subprocess.run(
         [sys.executable, str(REPORT)], env=environment, capture_output=True, text=True, timeout=120, check=False
     )
@@ -130,8 +129,10 @@ def test_broken_entry_points_are_reported_and_break_nothing_else(with_plugin):
     assert with_plugin["chosen"]["cpu"] == "demo"
 
 
-def test_the_in_tree_backend_stays_reachable_by_name(site, with_plugin):
+def test_the_in_tree_backend_stays_reachable_by_name_and_by_kvhost_backend(with_plugin, without_plugin):
     assert with_plugin["named_cpu"] == "cpu"
-    overridden = registry_report(site, KVHOST_BACKEND="cpu")
+    overridden = with_plugin["override_cpu"]
     assert overridden["chosen"] == {"cpu": "cpu", "meta": "demo"}  # cpu does not serve meta
-    assert overridden["receive_backend"] == "cpu" and overridden["demo_calls"] == {"receive": 0, "copy": 0}
+    assert overridden["receive_backend"] == "cpu"
+    assert overridden["demo_calls"] == with_plugin["demo_calls"]  # demo did not run again
+    assert without_plugin["override_cpu"]["chosen"] == {"cpu": "cpu", "meta": "torch"}

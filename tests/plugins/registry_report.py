@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import torch
 
 import kvhost
 from kvhost.registry import registry
 from kvhost.testing import ReceiveCase, make_cache
+
+
+def demo_calls() -> dict[str, int] | None:
+    """How often the demo plugin's backend ran in this process; None without the plugin."""
+    if importlib.util.find_spec("kvhost_demo_plugin") is None:
+        return None
+    from kvhost_demo_plugin import DemoBackend
+
+    return dict(DemoBackend.calls)
 
 
 def main() -> None:
@@ -41,11 +51,20 @@ def main() -> None:
     copied = kvhost.copy_blocks(caches, host, [4, 1], [0, 1], axes="KBNHC").wait()
     report["receive_backend"], report["copy_backend"] = stats.backend, copied.backend
     assert torch.equal(host["l0"][:, 0], caches["l0"][:, 4])
+    report["demo_calls"] = demo_calls()
 
-    if importlib.util.find_spec("kvhost_demo_plugin") is not None:
-        from kvhost_demo_plugin import DemoBackend
-
-        report["demo_calls"] = dict(DemoBackend.calls)
+    # KVHOST_BACKEND names a backend for the device types it serves; choices are made per
+    # (device type, KVHOST_BACKEND), so setting it now takes effect for the next lookup.
+    os.environ["KVHOST_BACKEND"] = "cpu"
+    case.send("s", [2, 5], "HNC", 2)
+    stats = kvhost.receive(caches, {"s": [2, 5]}, axes="KBNHC", remote_order="HNC", remote_block_size=2)
+    case.check()
+    report["override_cpu"] = {
+        "chosen": {device: kvhost.get_backend(device).name for device in ("cpu", "meta")},
+        "receive_backend": stats.backend,
+        "demo_calls": demo_calls(),
+    }
+    del os.environ["KVHOST_BACKEND"]
     try:
         kvhost.get_backend("cpu", "demo-absent")
         report["absent_error"] = None
