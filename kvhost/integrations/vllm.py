@@ -14,7 +14,8 @@ vocabularies:
   ``cross_layer_view`` gives back the group's ``[L, B, H, N, C]``.
 
 A remote engine is what its handshake says: its layout name (a KVCacheLayout name, or
-``"NHD"``/``"HND"`` for a cache like ours with tokens or heads first) and its block size.
+``"NHD"``/``"HND"`` for an engine that keeps layers apart and lays a layer's blocks out
+like ours, tokens or heads first) and its block size.
 ``VllmCaches`` then does the connector's three worker-side steps for a whole batch at
 once: save blocks to the host buffer, load them back, and post-process received blocks.
 Nothing here imports vLLM.
