@@ -26,6 +26,10 @@ def _targets() -> list[object]:
     cuda = torch.cuda.is_available()
     xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
     xla = importlib.util.find_spec("torch_xla") is not None
+    from kvhost_cuda.interpret import TritonInterpretBackend
+
+    triton_interpret = TritonInterpretBackend()
+    triton_reason = triton_interpret.unavailable_reason()
     return [
         pytest.param(Target("cpu", "cpu"), id="cpu"),
         pytest.param(Target("torch", "cpu"), id="torch-cpu"),
@@ -43,6 +47,13 @@ def _targets() -> list[object]:
             Target("tpu", "xla"),
             id="xla",
             marks=[pytest.mark.xla, pytest.mark.skipif(not xla, reason="torch_xla not installed")],
+        ),
+        # The CUDA/XPU Triton kernels on CPU tensors in Triton's interpreter: a Backend
+        # instance (equal to its name), not a registered backend. ci/cpu.sh sets TRITON_INTERPRET=1.
+        pytest.param(
+            Target(triton_interpret, "cpu"),  # type: ignore[arg-type]
+            id="triton-interpret",
+            marks=[pytest.mark.skipif(triton_reason is not None, reason=str(triton_reason))],
         ),
     ]
 

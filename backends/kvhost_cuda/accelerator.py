@@ -1,0 +1,352 @@
+"""The accelerator backend that CUDA and XPU share: Triton kernels or torch ops, staged host copies.
+
+One class serves both devices; ``CudaBackend`` and ``XpuBackend`` only name their device
+and the Triton compiler that targets it. Everything device-specific goes through
+``DeviceRuntime`` (torch's device-generic streams and events).
+
+- Receive runs on the caller's current stream: one Triton launch per job (every layer of
+  the group at once), or the torch path's gather -> permute -> scatter where Triton is
+  not usable here. No host round trip: addresses and ids go up in one non-blocking copy
+  from pinned memory.
+- Copies run on a dedicated side stream that first waits for the caller's stream, and
+  complete through an event. Contiguous runs with the same block bytes on both sides are
+  one ``copy_(non_blocking=True)`` each (the *direct* way). Otherwise a host <-> device
+  copy is *staged*: the device side is gathered or scattered on the device into a compact
+  staging buffer in the host's letters, which crosses the bus as one copy to or from a
+  pinned bounce buffer, and the CPU backend moves the host side between the bounce buffer
+  and the host blocks (for a save, once the event has fired: on ``done()``/``wait()``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import cache, cached_property
+from types import ModuleType
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from kvhost.backend import Completion
+from kvhost.batch import CopyJob, ReceiveJob
+from kvhost.caches import Member
+from kvhost.layout import Layout
+from kvhost.registry import get_backend
+from kvhost.torch_backend import TorchBackend
+from kvhost.transform import plan_copy
+from kvhost_cuda.launch import Limits, next_pow2, plan_copy_launch, plan_receive_launch
+from kvhost_cuda.runtime import DeviceRuntime, Event
+
+
+@cache
+def load_kernels() -> ModuleType | str:
+    """The Triton kernels module, or why it cannot load (imported on first use only)."""
+    try:
+        from kvhost_cuda import kernels
+    except ImportError as err:
+        return f"triton unavailable: {err}"
+    return kernels
+
+
+class EventCompletion(Completion):
+    """Done once the device has passed ``event`` and ``finish`` (host work after it) has run.
+
+    ``keep`` holds the buffers the device still reads or writes until then.
+    """
+
+    def __init__(self, event: Event, keep: Sequence[Any] = (), finish: Callable[[], None] | None = None) -> None:
+        self.event = event
+        self.keep = list(keep)
+        self.finish = finish
+        self._finished = False
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        if self._finished:
+            return True
+        if not self.event.query():
+            return False
+        self._complete()
+        return True
+
+    def wait(self) -> None:
+        if not self._finished:
+            self.event.synchronize()
+            self._complete()
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            if self.finish is not None:
+                self.finish()
+            self.keep = []
+            self._finished = True
+
+
+class AcceleratorBackend(TorchBackend):
+    """Receive and copies on one accelerator type through torch's device-generic calls.
+
+    Subclasses set ``name`` and ``device_types`` and say which Triton compiler backends
+    target the device; nothing else differs between devices.
+    """
+
+    priority = 10
+    chunk_bytes = 64 << 20  # torch path: bounded temporaries
+    max_run_copies = 64  # direct copy_ calls at most; beyond, one kernel (or gather/scatter)
+    limits: ClassVar[Limits] = Limits()
+    programs_per_processor: ClassVar[int] = 4
+
+    def __init__(self, *, use_triton: bool = True) -> None:
+        self.use_triton = use_triton
+
+    def triton_compilers(self) -> tuple[str, ...]:
+        """Names of the Triton compiler backends (``triton.backends``) that target this device."""
+        raise NotImplementedError
+
+    @cached_property
+    def runtime(self) -> DeviceRuntime:
+        return DeviceRuntime(self.device_types[0])
+
+    @cached_property
+    def kernels(self) -> ModuleType | str:
+        """The Triton kernels when this device runs them, else why the torch path runs."""
+        if not self.use_triton:
+            return "Triton switched off"
+        kernels = load_kernels()
+        if isinstance(kernels, str):
+            return kernels
+        if kernels.interpreted():
+            return "TRITON_INTERPRET=1 is set: interpreted kernels cannot reach device memory"
+        compilers, wanted = kernels.compiler_targets(), self.triton_compilers()
+        if not set(wanted) & set(compilers):
+            return f"triton here compiles for {', '.join(compilers)}, not {' or '.join(wanted)}"
+        return kernels
+
+    def describe(self) -> str:
+        kernels = self.kernels
+        path = "Triton kernels" if isinstance(kernels, ModuleType) else f"torch ops ({kernels})"
+        return f"receive and scattered copies: {path}; host copies: pinned staging on a side stream, events"
+
+    def limits_for(self, device: torch.device) -> Limits:
+        programs = self.runtime.processors(device) * self.programs_per_processor
+        return replace(self.limits, programs=min(self.limits.programs, programs))
+
+    # --- receive -------------------------------------------------------------------------
+
+    def receive(self, job: ReceiveJob) -> None:
+        kernels = self.kernels
+        if isinstance(kernels, str):
+            return super().receive(job)
+        layout = job.layout
+        bases = np.array([m.tensor.data_ptr() for m in job.members], dtype=np.int64)
+        outer = layout.outer_offsets_bytes
+        units = int(job.unit_ids.shape[0])
+        alignment = int(np.bitwise_or.reduce(np.concatenate([bases, outer]))) | layout.block_stride_bytes
+        launch = plan_receive_launch(
+            job.rearrangement,
+            members=bases.size,
+            outer=outer.size,
+            units=units,
+            alignment=alignment,
+            limits=self.limits_for(job.device),
+        )
+        with self.runtime.guard(job.device):
+            keep: list[torch.Tensor] = []
+            base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.reshape(-1)], job.device, keep)
+            scratch = torch.empty(
+                max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes], device=job.device
+            )
+            call = kernels.receive_call(
+                launch,
+                bases=base_table,
+                outer_offsets=outer_table,
+                ids=ids,
+                scratch=scratch,
+                units=units,
+                block_stride=layout.block_stride_bytes,
+            )
+            call.launch()
+        return None
+
+    # --- copies --------------------------------------------------------------------------
+
+    def copy(self, job: CopyJob) -> Completion:
+        src_device = job.pairs[0][0].tensor.device
+        dst_device = job.pairs[0][1].tensor.device
+        mine = self.device_types
+        if src_device.type in mine and dst_device.type in mine and src_device != dst_device:
+            return self._copy_between_devices(job)
+        device = src_device if src_device.type in mine else dst_device
+        runtime = self.runtime
+        side = runtime.side_stream(device)
+        runtime.wait(side, runtime.current_stream(device))  # read what the caller's stream wrote first
+        keep: list[Any] = []
+        finish = None
+        with runtime.guard(device), runtime.using(side):
+            if src_device == dst_device:
+                self.copy_on_device(job, keep)
+            else:
+                finish = self.copy_host(job, to_device=dst_device == device, keep=keep)
+            event = runtime.record(side)
+        # The caller's tensors stay referenced until the copy is done (record_stream would
+        # fail on memory the caching allocator did not hand out, such as imported buffers).
+        keep += [t for pair in job.pairs for t in (pair[0].tensor, pair[1].tensor)]
+        completion = EventCompletion(event, keep, finish)
+        if not job.non_blocking:
+            completion.wait()
+        return completion
+
+    def copy_on_device(self, job: CopyJob, keep: list[Any]) -> None:
+        """Both sides on this device, work issued on the current stream."""
+        if self.direct_copies(job) <= self.max_run_copies:
+            self.copy_direct(job)
+            return
+        kernels = self.kernels
+        if isinstance(kernels, str):
+            TorchBackend.copy(self, job)
+            return
+        device = job.pairs[0][0].tensor.device
+        src_bases = np.array([s.tensor.data_ptr() for s, _ in job.pairs], dtype=np.int64)
+        dst_bases = np.array([d.tensor.data_ptr() for _, d in job.pairs], dtype=np.int64)
+        alignment = int(np.bitwise_or.reduce(np.concatenate([src_bases, dst_bases])))
+        blocks = int(job.src_ids.size)
+        launch = plan_copy_launch(
+            job.plan, pairs=len(job.pairs), blocks=blocks, alignment=alignment, limits=self.limits_for(device)
+        )
+        src_indexed = not _is_arange(job.src_ids)
+        dst_indexed = not _is_arange(job.dst_ids)
+        arrays = [src_bases, dst_bases]
+        arrays += [job.src_ids] if src_indexed else []
+        arrays += [job.dst_ids] if dst_indexed else []
+        tables = self._upload(arrays, device, keep)
+        call = kernels.copy_call(
+            launch,
+            src_bases=tables[0],
+            dst_bases=tables[1],
+            src_ids=tables[2] if src_indexed else None,
+            dst_ids=tables[-1] if dst_indexed else None,
+            blocks=blocks,
+            src_block_stride=job.plan.src_block_stride,
+            dst_block_stride=job.plan.dst_block_stride,
+        )
+        call.launch()
+
+    def copy_host(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> Callable[[], None] | None:
+        """Between host memory and this device; returns host work to run once the device is done."""
+        host = [s if to_device else d for s, d in job.pairs]
+        pinned = all(self.runtime.is_pinned(m.tensor) for m in host)
+        if self.direct_copies(job) <= self.max_run_copies and (pinned or not job.non_blocking):
+            self.copy_direct(job)
+            return None
+        count = int(job.src_ids.size)
+        positions = np.arange(count, dtype=np.int64)
+        device_side = [d if to_device else s for s, d in job.pairs]
+        device = device_side[0].tensor.device
+        bounce, bounce_members = self.staging(host, count, None)
+        staged, staged_members = self.staging(host, count, device)
+        keep += [bounce, staged]
+        cpu = get_backend(torch.device("cpu"))
+        if to_device:
+            cpu.copy(_job(list(zip(host, bounce_members)), job.src_ids, positions)).wait()
+            staged[:count].copy_(bounce[:count], non_blocking=True)
+            self.copy_on_device(_job(list(zip(staged_members, device_side)), positions, job.dst_ids), keep)
+            return None
+        self.copy_on_device(_job(list(zip(device_side, staged_members)), job.src_ids, positions), keep)
+        bounce[:count].copy_(staged[:count], non_blocking=True)
+        into_host = _job(list(zip(bounce_members, host)), positions, job.dst_ids)
+        return lambda: cpu.copy(into_host).wait()
+
+    def staging(self, like: list[Member], count: int, device: torch.device | None) -> tuple[torch.Tensor, list[Member]]:
+        """A compact buffer for ``count`` blocks of every tensor in ``like``, in its letters.
+
+        Block-major (``[blocks, tensors, block bytes]``) so the first ``count`` blocks of
+        every tensor are one contiguous span: one copy crosses the bus. Pinned host memory
+        when ``device`` is None. Rounded up to a power of two of blocks, so layouts (and
+        compiled kernels) repeat across calls.
+        """
+        layout = like[0].layout
+        letters = layout.physical.replace("B", "")
+        shape = [next_pow2(count), len(like)] + [layout.size(a) for a in letters]
+        dtype = like[0].tensor.dtype
+        if device is None:
+            buffer = self.runtime.host_buffer(shape, dtype)
+        else:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+        order = [("B" + letters).index(a) for a in layout.axes]
+        members = []
+        for i, member in enumerate(like):
+            view = buffer[:, i].permute(order)
+            members.append(Member(member.layer, member.index, view, Layout.of(view, layout.axes, name="staging")))
+        return buffer, members
+
+    def direct_copies(self, job: CopyJob) -> int:
+        """How many ``copy_`` calls the direct way takes; a large number when it cannot be used."""
+        if not job.plan.merge_blocks:
+            return 1 << 62
+        loops = int(np.prod(job.plan.loops.shape, dtype=np.int64))
+        return len(job.pairs) * loops * int(job.runs.shape[0])
+
+    def copy_direct(self, job: CopyJob) -> None:
+        """One ``copy_`` per contiguous span: per tensor pair, outer index and run of ids."""
+        plan = job.plan
+        loops = plan.loops
+        offsets = [
+            (sum(i * s for i, s in zip(index, loops.src_strides)), sum(i * d for i, d in zip(index, loops.dst_strides)))
+            for index in itertools.product(*(range(n) for n in loops.shape))
+        ]
+        for src, dst in job.pairs:
+            src_bytes, dst_bytes = _byte_view(src.tensor), _byte_view(dst.tensor)
+            for src_offset, dst_offset in offsets:
+                for s0, d0, count in job.runs.tolist():
+                    a = src_offset + s0 * plan.src_block_stride
+                    b = dst_offset + d0 * plan.dst_block_stride
+                    n = count * loops.run_bytes
+                    dst_bytes[b : b + n].copy_(src_bytes[a : a + n], non_blocking=True)
+
+    def _copy_between_devices(self, job: CopyJob) -> Completion:
+        """Two devices of this type: torch's peer copies, complete on return."""
+        TorchBackend.copy(self, job)
+        for device in {job.pairs[0][0].tensor.device, job.pairs[0][1].tensor.device}:
+            self.runtime.record(self.runtime.current_stream(device)).synchronize()
+        return Completion()
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _upload(self, arrays: list[np.ndarray], device: torch.device, keep: list[Any]) -> list[torch.Tensor]:
+        """int64 arrays onto ``device`` in one non-blocking copy from pinned memory."""
+        sizes = [a.size for a in arrays]
+        host = self.runtime.host_buffer([max(sum(sizes), 1)], torch.int64)
+        host.numpy()[: sum(sizes)] = np.concatenate(arrays) if arrays else []
+        table = host.to(device, non_blocking=True)
+        keep += [host, table]
+        out, at = [], 0
+        for size in sizes:
+            out.append(table[at : at + size])
+            at += size
+        return out
+
+
+def _job(pairs: list[tuple[Member, Member]], src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyJob:
+    """A copy between tensors of one layout pair, for the steps of a staged copy."""
+    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [src_ids.size])))
+    runs = np.stack([src_ids[starts], dst_ids[starts], counts], axis=1)
+    plan = plan_copy(pairs[0][0].layout, pairs[0][1].layout)
+    return CopyJob(pairs, plan, src_ids, dst_ids, runs, non_blocking=False)
+
+
+def _is_arange(ids: np.ndarray) -> bool:
+    return bool(ids.size and ids[0] == 0 and (np.diff(ids) == 1).all())
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view from ``tensor``'s first byte to its last (same memory, no copy)."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    offset = tensor.storage_offset() * tensor.element_size()
+    return flat.set_(tensor.untyped_storage(), offset, (extent * tensor.element_size(),), (1,))

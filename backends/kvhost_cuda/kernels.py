@@ -1,0 +1,274 @@
+"""Triton kernels: receive in place, and block copies (gather/scatter for staging).
+
+Imported only when a backend first needs them (importing ``kvhost_cuda`` does not import
+triton). With ``TRITON_INTERPRET=1`` set before this import, Triton's interpreter runs
+them on CPU tensors: that is how the conformance suite tests them without a GPU.
+
+Kernels take int64 byte addresses from small tables, one entry per tensor, so a single
+launch serves every layer of a job whatever its dtype: data moves as raw words (see
+``launch.py``). Programs are persistent: program ``p`` takes items ``p, p + programs, ...``.
+Addresses come from ids the front end validated, and the caller keeps the tensors alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kvhost_cuda.launch import WORD_TYPES, CopyLaunch, ReceiveLaunch
+
+TRITON_WORDS = {size: getattr(tl, name) for size, name in WORD_TYPES.items()}
+TORCH_WORDS = {size: getattr(torch, name) for size, name in WORD_TYPES.items()}
+
+
+@triton.jit
+def _placed(rows, DIMS: tl.constexpr, STRIDES: tl.constexpr):
+    """Word offset of each row on a side: its row-major index over DIMS dotted with STRIDES."""
+    offset = tl.zeros_like(rows)
+    rest = rows
+    for k in tl.static_range(len(DIMS) - 1, -1, -1):
+        if DIMS[k] > 1:
+            offset += (rest % DIMS[k]) * STRIDES[k]
+            rest = rest // DIMS[k]
+    return offset
+
+
+@triton.jit
+def _rows_at(addresses, ALIGN: tl.constexpr, WORD: tl.constexpr):
+    """Row start byte addresses as word pointers, saying how they are aligned (so loads widen)."""
+    # The hint goes on the pointers: through the int-to-pointer cast it would be lost.
+    return tl.multiple_of(addresses.to(tl.pointer_type(WORD)), ALIGN)
+
+
+@triton.jit
+def _unit_rows(
+    bases, outer_offsets, ids, member, outer, unit, offsets, ok, block_stride,
+    PARTS: tl.constexpr, REGION_WORDS: tl.constexpr, ALIGN: tl.constexpr, WORD: tl.constexpr,
+):  # fmt: skip
+    """Pointers to the rows starting at words ``offsets`` of a unit (its ``PARTS`` regions back to back)."""
+    base = tl.load(bases + member) + tl.load(outer_offsets + outer)
+    word_bytes: tl.constexpr = WORD.primitive_bitwidth // 8
+    if PARTS == 1:
+        addresses = base + tl.load(ids + unit) * block_stride + offsets.to(tl.int64) * word_bytes
+    else:
+        blocks = tl.load(ids + unit * PARTS + offsets // REGION_WORDS, mask=ok, other=0)
+        addresses = base + blocks * block_stride + (offsets % REGION_WORDS).to(tl.int64) * word_bytes
+    return _rows_at(addresses, ALIGN, WORD)
+
+
+@triton.jit
+def receive_kernel(
+    bases, outer_offsets, ids, scratch, items, units, outer_count, block_stride,
+    PARTS: tl.constexpr, PIECES: tl.constexpr, REGION_WORDS: tl.constexpr,
+    DIMS: tl.constexpr, STRIDES: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
+    TILE_ROWS: tl.constexpr, TILE_RUN: tl.constexpr, IN_REGISTERS: tl.constexpr,
+    ALIGN: tl.constexpr, WORD: tl.constexpr,
+):  # fmt: skip
+    """Rewrite every piece of every unit in place, from the wire order to the local order.
+
+    Item = (member, outer index, unit, piece). Row ``r`` of a piece lands at ``r * RUN``
+    and comes from ``_placed(r, DIMS, STRIDES)``. A piece in registers is read whole,
+    then (after a barrier, so no thread overwrites words another has yet to read) written
+    back. A larger piece is copied to this program's scratch slot, then written back from
+    it; the second barrier keeps the next item from refilling the slot too early.
+    """
+    program = tl.program_id(0)
+    tile_rows = tl.arange(0, TILE_ROWS)
+    tile_cols = tl.arange(0, TILE_RUN)
+    for item in range(program, items, tl.num_programs(0)):
+        piece = item % PIECES
+        rest = item // PIECES
+        unit = rest % units
+        rest = rest // units
+        outer = rest % outer_count
+        member = rest // outer_count
+        start = piece * (ROWS * RUN)
+        if IN_REGISTERS:
+            ok = tile_rows < ROWS
+            mask = ok[:, None] & (tile_cols < RUN)[None, :]
+            wire = start + _placed(tile_rows, DIMS, STRIDES)
+            source = _unit_rows(
+                bases, outer_offsets, ids, member, outer, unit, wire, ok, block_stride,
+                PARTS, REGION_WORDS, ALIGN, WORD,
+            )  # fmt: skip
+            words = tl.load(source[:, None] + tile_cols[None, :], mask=mask)
+            tl.debug_barrier()
+            local = start + tile_rows * RUN
+            target = _unit_rows(
+                bases, outer_offsets, ids, member, outer, unit, local, ok, block_stride,
+                PARTS, REGION_WORDS, ALIGN, WORD,
+            )  # fmt: skip
+            tl.store(target[:, None] + tile_cols[None, :], words, mask=mask)
+        else:
+            slot = scratch + program.to(tl.int64) * (ROWS * RUN)
+            for first in range(0, ROWS, TILE_ROWS):
+                rows = first + tile_rows
+                ok = rows < ROWS
+                source = _unit_rows(
+                    bases, outer_offsets, ids, member, outer, unit, start + rows * RUN, ok, block_stride,
+                    PARTS, REGION_WORDS, ALIGN, WORD,
+                )  # fmt: skip
+                for column in range(0, RUN, TILE_RUN):
+                    cols = column + tile_cols
+                    mask = ok[:, None] & (cols < RUN)[None, :]
+                    words = tl.load(source[:, None] + cols[None, :], mask=mask)
+                    tl.store(slot + (rows * RUN)[:, None] + cols[None, :], words, mask=mask)
+            tl.debug_barrier()
+            for first in range(0, ROWS, TILE_ROWS):
+                rows = first + tile_rows
+                ok = rows < ROWS
+                wire = _placed(rows, DIMS, STRIDES)
+                target = _unit_rows(
+                    bases, outer_offsets, ids, member, outer, unit, start + rows * RUN, ok, block_stride,
+                    PARTS, REGION_WORDS, ALIGN, WORD,
+                )  # fmt: skip
+                for column in range(0, RUN, TILE_RUN):
+                    cols = column + tile_cols
+                    mask = ok[:, None] & (cols < RUN)[None, :]
+                    words = tl.load(slot + wire[:, None] + cols[None, :], mask=mask)
+                    tl.store(target[:, None] + cols[None, :], words, mask=mask)
+            tl.debug_barrier()
+
+
+@triton.jit
+def copy_kernel(
+    src_bases, dst_bases, src_ids, dst_ids, items, blocks, src_block_stride, dst_block_stride,
+    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr,
+    DIMS: tl.constexpr, SRC_STRIDES: tl.constexpr, DST_STRIDES: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
+    TILE_ROWS: tl.constexpr, TILE_RUN: tl.constexpr, ALIGN: tl.constexpr, WORD: tl.constexpr,
+):  # fmt: skip
+    """Block ``dst_ids[i]`` of pair ``p`` receives block ``src_ids[i]`` of pair ``p``.
+
+    Item = (pair, i). A side that is not indexed (a staging buffer) uses block ``i``.
+    Row offsets are int64: outer strides of a large cache pass 2**31 words.
+    """
+    word_bytes: tl.constexpr = WORD.primitive_bitwidth // 8
+    program = tl.program_id(0)
+    tile_rows = tl.arange(0, TILE_ROWS).to(tl.int64)
+    tile_cols = tl.arange(0, TILE_RUN)
+    for item in range(program, items, tl.num_programs(0)):
+        i = item % blocks
+        pair = item // blocks
+        src_block = tl.load(src_ids + i) if SRC_INDEXED else i.to(tl.int64)
+        dst_block = tl.load(dst_ids + i) if DST_INDEXED else i.to(tl.int64)
+        source = tl.load(src_bases + pair) + src_block * src_block_stride
+        target = tl.load(dst_bases + pair) + dst_block * dst_block_stride
+        for first in range(0, ROWS, TILE_ROWS):
+            rows = first + tile_rows
+            ok = rows < ROWS
+            src_rows = _rows_at(source + _placed(rows, DIMS, SRC_STRIDES) * word_bytes, ALIGN, WORD)
+            dst_rows = _rows_at(target + _placed(rows, DIMS, DST_STRIDES) * word_bytes, ALIGN, WORD)
+            for column in range(0, RUN, TILE_RUN):
+                cols = column + tile_cols
+                mask = ok[:, None] & (cols < RUN)[None, :]
+                words = tl.load(src_rows[:, None] + cols[None, :], mask=mask)
+                tl.store(dst_rows[:, None] + cols[None, :], words, mask=mask)
+
+
+@dataclass
+class KernelCall:
+    """One launch, fully decided: the kernel, its grid, arguments and compile-time constants."""
+
+    kernel: Any
+    grid: tuple[int]
+    args: tuple[Any, ...]
+    constants: dict[str, Any] = field(default_factory=dict)
+
+    def launch(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constants)
+
+
+def receive_call(
+    launch: ReceiveLaunch,
+    *,
+    bases: torch.Tensor,
+    outer_offsets: torch.Tensor,
+    ids: torch.Tensor,
+    scratch: torch.Tensor,
+    units: int,
+    block_stride: int,
+) -> KernelCall:
+    """The receive launch for tables already on the device (int64 addresses and block ids)."""
+    rows = launch.rows
+    return KernelCall(
+        receive_kernel,
+        (launch.programs,),
+        (bases, outer_offsets, ids, scratch, launch.items, units, outer_offsets.numel(), block_stride),
+        dict(
+            PARTS=launch.parts,
+            PIECES=launch.pieces,
+            REGION_WORDS=launch.region_words,
+            DIMS=rows.dims,
+            STRIDES=rows.src_strides,
+            ROWS=rows.rows,
+            RUN=rows.run,
+            TILE_ROWS=launch.tile.rows,
+            TILE_RUN=launch.tile.run,
+            IN_REGISTERS=launch.in_registers,
+            ALIGN=launch.align_bytes,
+            WORD=TRITON_WORDS[launch.word_bytes],
+            num_warps=launch.num_warps,
+            # One stage: no load of a later step is hoisted above a barrier.
+            num_stages=1,
+        ),
+    )
+
+
+def copy_call(
+    launch: CopyLaunch,
+    *,
+    src_bases: torch.Tensor,
+    dst_bases: torch.Tensor,
+    src_ids: torch.Tensor | None,
+    dst_ids: torch.Tensor | None,
+    blocks: int,
+    src_block_stride: int,
+    dst_block_stride: int,
+) -> KernelCall:
+    """The copy launch; an id table that is None means block ``i`` on that side (a staging buffer)."""
+    rows = launch.rows
+    any_ids = src_ids if src_ids is not None else dst_ids if dst_ids is not None else src_bases
+    return KernelCall(
+        copy_kernel,
+        (launch.programs,),
+        (
+            src_bases,
+            dst_bases,
+            src_ids if src_ids is not None else any_ids,
+            dst_ids if dst_ids is not None else any_ids,
+            launch.items,
+            blocks,
+            src_block_stride,
+            dst_block_stride,
+        ),
+        dict(
+            SRC_INDEXED=src_ids is not None,
+            DST_INDEXED=dst_ids is not None,
+            DIMS=rows.dims,
+            SRC_STRIDES=rows.src_strides,
+            DST_STRIDES=rows.dst_strides,
+            ROWS=rows.rows,
+            RUN=rows.run,
+            TILE_ROWS=launch.tile.rows,
+            TILE_RUN=launch.tile.run,
+            ALIGN=launch.align_bytes,
+            WORD=TRITON_WORDS[launch.word_bytes],
+            num_warps=launch.num_warps,
+        ),
+    )
+
+
+def interpreted() -> bool:
+    """True when these kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(receive_kernel, triton.runtime.JITFunction)
+
+
+def compiler_targets() -> list[str]:
+    """The Triton compiler backends installed here (``nvidia``, ``amd``, ``intel``...)."""
+    from triton.backends import backends
+
+    return sorted(backends)

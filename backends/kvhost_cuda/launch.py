@@ -1,0 +1,253 @@
+"""Launch plans for the Triton kernels, worked out on the host from a transform or a copy plan.
+
+Pure arithmetic on shapes and strides (no device, no triton), so it is tested anywhere.
+The kernels move *words*: the widest of 1, 2, 4 or 8 bytes that divides every address,
+stride and run they touch, so one load moves as much as the layout allows whatever the
+dtype. Work is cut into *rows*: a row is ``run`` words that are consecutive on both
+sides; row ``r``'s place on the gathered side is its row-major index over ``dims``
+dotted with per-dim strides (in words). A program moves a tile of ``tile.rows x
+tile.run`` words per step, and loops over work *items* (persistent programs), so a
+launch needs only as many programs as the device runs at once.
+
+Receive, per item (one piece of one unit of one outer index of one member tensor):
+either the whole piece fits in one tile and stays in registers (read it all, barrier,
+write it back rearranged: one read and one write of every byte), or it goes through a
+per-program scratch slot in device memory (copy in, barrier, copy out rearranged): one
+scratch pass that stays in the device's cache, since only ``programs`` slots exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from kvhost.errors import BackendError
+from kvhost.layout import contiguous_strides
+from kvhost.transform import CopyPlan, Rearrangement
+
+MAX_DIMS = 6  # region letters (L K H N C) with N split in two: at most six row dims
+WORD_TYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def widest_word(*quantities: int, most: int = 8) -> int:
+    """The widest power of two, at most ``most``, dividing every quantity (bytes)."""
+    bits = 0
+    for quantity in quantities:
+        bits |= quantity
+    return min(most, bits & -bits) if bits else most
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one program may hold, in bytes, and how many programs a launch may have.
+
+    ``register_bytes``: the largest receive piece kept in registers; ``tile_bytes``: a
+    step of the tiled loops (a power of two); ``programs``: the persistent grid's cap
+    (a few per multiprocessor on a GPU; the interpreter runs programs one by one);
+    ``scratch_bytes``: all scratch slots together, so they stay in the device's cache.
+    """
+
+    register_bytes: int = 32 << 10
+    tile_bytes: int = 16 << 10
+    programs: int = 1024
+    scratch_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class Tile:
+    rows: int
+    run: int
+
+    @property
+    def words(self) -> int:
+        return self.rows * self.run
+
+
+@dataclass(frozen=True)
+class Rows:
+    """``rows`` rows of ``run`` words; row ``r`` sits at index ``r`` over ``dims``.
+
+    ``src_strides``/``dst_strides`` (words) place a row on each side; a side whose rows
+    are consecutive (``r * run``) has strides that say so.
+    """
+
+    dims: tuple[int, ...]  # always MAX_DIMS long, padded in front with 1
+    src_strides: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    run: int
+
+    @property
+    def rows(self) -> int:
+        return prod(self.dims)
+
+    @property
+    def words(self) -> int:
+        return self.rows * self.run
+
+    def offsets(self, row: int) -> tuple[int, int]:
+        """(source, destination) word offset of row ``row`` (the kernels' index arithmetic)."""
+        src = dst = 0
+        for size, s, d in zip(reversed(self.dims), reversed(self.src_strides), reversed(self.dst_strides)):
+            index = row % size
+            row //= size
+            src += index * s
+            dst += index * d
+        return src, dst
+
+
+def _rows(dims: list[int], src: list[int], dst: list[int], run: int) -> Rows:
+    if len(dims) > MAX_DIMS:
+        raise BackendError(f"the Triton kernels take at most {MAX_DIMS} row dims, this transform needs {dims}")
+    pad = MAX_DIMS - len(dims)
+    return Rows((1,) * pad + tuple(dims), (0,) * pad + tuple(src), (0,) * pad + tuple(dst), run)
+
+
+def _tile(rows: Rows, word: int, tile_bytes: int) -> Tile:
+    words = max(1, tile_bytes // word)
+    run = min(next_pow2(rows.run), words)
+    return Tile(min(next_pow2(rows.rows), max(1, words // run)), run)
+
+
+def _warps(tile: Tile, word: int) -> int:
+    return 8 if tile.words * word > (8 << 10) else 4
+
+
+def _piece_rows(shape: list[int], perm: tuple[int, ...], cut: int, keeps_run: bool) -> Rows:
+    """Rows of one piece when the unit is cut into pieces along its first ``cut`` (shared) dims."""
+    sizes = shape[cut:]
+    order = [p - cut for p in perm[cut:]]
+    gathered = contiguous_strides(tuple(sizes))
+    dims = [sizes[p] for p in order]
+    src = [gathered[p] for p in order]
+    run = 1
+    if keeps_run:
+        run = dims.pop()
+        src.pop()
+    dst = contiguous_strides(tuple(dims))
+    return _rows(dims, src, [d * run for d in dst], run)
+
+
+@dataclass(frozen=True)
+class ReceiveLaunch:
+    """One receive launch: every piece of every unit, outer index and member tensor of a job.
+
+    Offsets are words into a unit's regions back to back (region ``k`` of a unit is its
+    ``k``-th block); a piece is ``rows.words`` consecutive words of it, moved in place
+    from the wire order to the local order. Row ``r`` of a piece is written at
+    ``r * run`` and read from ``rows.offsets(r)[0]``.
+    """
+
+    word_bytes: int
+    align_bytes: int  # every row starts at a multiple of this (up to 16): lets loads widen
+    parts: int
+    region_words: int
+    pieces: int
+    rows: Rows
+    tile: Tile
+    in_registers: bool
+    items: int
+    programs: int
+    num_warps: int
+
+    @property
+    def piece_words(self) -> int:
+        return self.rows.words
+
+    @property
+    def scratch_words(self) -> int:
+        return 0 if self.in_registers else self.programs * self.piece_words
+
+
+def plan_receive_launch(
+    plan: Rearrangement, *, members: int, outer: int, units: int, alignment: int, limits: Limits
+) -> ReceiveLaunch:
+    """The launch that applies ``plan`` to ``units`` units of ``outer x members`` regions each.
+
+    ``alignment`` is the OR of every base address, outer offset and block stride (bytes):
+    the word may not be wider than its lowest set bit.
+    """
+    shape = list(plan.src_shape)
+    keeps_run = plan.perm[-1] == len(shape) - 1  # the last dim is contiguous on both sides
+    run_bytes = shape[-1] * plan.itemsize if keeps_run else plan.itemsize
+    word = widest_word(alignment, run_bytes, plan.region_bytes)
+    if keeps_run:
+        shape[-1] = run_bytes // word
+    common = 0
+    while common < len(shape) - 1 and plan.perm[common] == common:  # shared leading dims: independent pieces
+        common += 1
+    # Fewest pieces whose piece fits in registers; failing that, the smallest pieces (least scratch).
+    for cut in range(common + 1):
+        rows = _piece_rows(shape, plan.perm, cut, keeps_run)
+        whole = Tile(next_pow2(rows.rows), next_pow2(rows.run))
+        in_registers = whole.words * word <= limits.register_bytes
+        if in_registers:
+            break
+    pieces = prod(shape[:cut])
+    # The kernel trusts these: a row read past its piece would touch another block.
+    reach = sum((d - 1) * s for d, s in zip(rows.dims, rows.src_strides)) + rows.run
+    if rows.words * word * pieces != plan.unit_bytes or reach > rows.words:
+        raise BackendError(f"receive launch does not tile its unit: {plan}, {rows}, {pieces} pieces of {word} B words")
+    tile = whole if in_registers else _tile(rows, word, limits.tile_bytes)
+    items = members * outer * units * pieces
+    programs = min(items, limits.programs)
+    if not in_registers:
+        programs = min(programs, limits.scratch_bytes // (rows.words * word))
+    return ReceiveLaunch(
+        word_bytes=word,
+        # Rows start at multiples of the run (row strides are), so alignment is shared.
+        align_bytes=widest_word(alignment, rows.run * word, plan.region_bytes, most=16),
+        parts=plan.parts,
+        region_words=plan.region_bytes // word,
+        pieces=pieces,
+        rows=rows,
+        tile=tile,
+        in_registers=in_registers,
+        items=items,
+        programs=max(1, programs),
+        num_warps=_warps(tile, word),
+    )
+
+
+@dataclass(frozen=True)
+class CopyLaunch:
+    """One copy launch: block ``dst_ids[i]`` of pair ``p`` gets block ``src_ids[i]`` of pair ``p``.
+
+    A block is ``rows`` rows placed by ``rows.src_strides``/``rows.dst_strides`` from the
+    block's address on each side; block addresses are ``base + id * block stride``.
+    """
+
+    word_bytes: int
+    align_bytes: int
+    rows: Rows
+    tile: Tile
+    items: int
+    programs: int
+    num_warps: int
+
+
+def plan_copy_launch(plan: CopyPlan, *, pairs: int, blocks: int, alignment: int, limits: Limits) -> CopyLaunch:
+    """The launch that copies ``blocks`` blocks for each of ``pairs`` tensor pairs through ``plan``."""
+    loops = plan.loops
+    strides = (plan.src_block_stride, plan.dst_block_stride, *loops.src_strides, *loops.dst_strides)
+    word = widest_word(alignment, loops.run_bytes, *strides)
+    rows = _rows(
+        list(loops.shape),
+        [s // word for s in loops.src_strides],
+        [d // word for d in loops.dst_strides],
+        loops.run_bytes // word,
+    )
+    tile = _tile(rows, word, limits.tile_bytes)
+    items = pairs * blocks
+    return CopyLaunch(
+        word_bytes=word,
+        align_bytes=widest_word(alignment, *strides, most=16),
+        rows=rows,
+        tile=tile,
+        items=items,
+        programs=max(1, min(items, limits.programs)),
+        num_warps=_warps(tile, word),
+    )

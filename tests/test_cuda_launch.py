@@ -1,0 +1,226 @@
+"""Launch planning for the CUDA/XPU Triton kernels, checked without a device or Triton.
+
+``run_receive_launch`` and ``run_copy_launch`` carry out a launch plan with NumPy using
+the same index arithmetic as the kernels (words, pieces, rows placed by dims and
+strides, regions back to back); the conformance oracle then checks the bytes. So a plan
+that would make the kernels move the wrong words fails here, on any machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kvhost_cuda.accelerator import _byte_view
+from kvhost_cuda.launch import (
+    MAX_DIMS,
+    Limits,
+    Rows,
+    next_pow2,
+    plan_copy_launch,
+    plan_receive_launch,
+    widest_word,
+)
+from test_receive import LAYOUTS, RATIOS, remote_orders, request_ids
+
+from kvhost.batch import plan_copy_batch, plan_receive_batch
+from kvhost.caches import CacheSet
+from kvhost.layout import Layout
+from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
+from kvhost.transform import plan_copy, plan_receive
+
+WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+SCRATCH_ONLY = Limits(register_bytes=0, tile_bytes=64, programs=3)
+
+
+def row_offsets(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) word offset of every row, as the kernels compute them."""
+    pairs = np.array([rows.offsets(r) for r in range(rows.rows)], dtype=np.int64).reshape(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def run_receive_launch(job, limits: Limits) -> None:
+    """Carry out the receive launch for ``job`` on CPU tensors, item by item like the kernel."""
+    layout = job.layout
+    bases = [m.tensor.data_ptr() for m in job.members]
+    outer = layout.outer_offsets_bytes
+    alignment = int(np.bitwise_or.reduce(np.array(bases + outer.tolist()))) | layout.block_stride_bytes
+    units = job.unit_ids.shape[0]
+    launch = plan_receive_launch(
+        job.rearrangement, members=len(bases), outer=outer.size, units=units, alignment=alignment, limits=limits
+    )
+    word = WORDS[launch.word_bytes]
+    src_rows, dst_rows = row_offsets(launch.rows)
+    run = launch.rows.run
+    region = job.rearrangement.region_bytes
+    columns = np.arange(run)
+    assert launch.items == len(bases) * outer.size * units * launch.pieces
+    for member in job.members:
+        memory = _byte_view(member.tensor).numpy()
+        for outer_offset in outer:
+            for blocks in job.unit_ids:
+                starts = [int(outer_offset) + int(b) * layout.block_stride_bytes for b in blocks]
+                unit = np.concatenate([memory[s : s + region] for s in starts]).view(word)
+                for piece in range(launch.pieces):
+                    words = unit[piece * launch.piece_words : (piece + 1) * launch.piece_words]
+                    gathered = words[src_rows[:, None] + columns[None, :]]
+                    words[dst_rows[:, None] + columns[None, :]] = gathered
+                unit_bytes = unit.view(np.uint8)
+                for k, s in enumerate(starts):
+                    memory[s : s + region] = unit_bytes[k * region : (k + 1) * region]
+
+
+def receive_cases() -> list[object]:
+    cases = []
+    for name, (_, physical, _) in LAYOUTS.items():
+        region = physical[physical.index("B") + 1 :]
+        for kind, k in RATIOS:
+            for order in remote_orders(region):
+                cases.append(pytest.param(name, kind, k, order, id=f"{name}-{kind}{k}-{order}"))
+    return cases
+
+
+@pytest.mark.parametrize("limits", [Limits(), SCRATCH_ONLY], ids=["registers", "scratch"])
+@pytest.mark.parametrize(("layout", "kind", "k", "order"), receive_cases())
+def test_receive_launch_moves_what_the_sender_sent(layout, kind, k, order, limits):
+    axes, physical, sizes = LAYOUTS[layout]
+    caches = {f"layer{i}": make_cache(axes, physical, sizes) for i in range(2)}
+    remote = sizes["N"] // k if kind == "r" else sizes["N"] * k
+    case = ReceiveCase(caches, axes, seed=k)
+    for name, ids in request_ids(k if kind == "g" else 1).items():
+        case.send(name, ids, order, remote)
+    requests = {name: wired.block_ids for name, wired in case.requests.items()}
+    batch = plan_receive_batch(CacheSet(caches, axes), requests, order, remote)
+    for job in batch.jobs:
+        run_receive_launch(job, limits)
+    case.check()
+
+
+def vllm_cache(physical: str, blocks: int = 16, tokens: int = 64) -> Layout:
+    return Layout.of(make_cache("KBNHC", physical, dict(K=2, B=blocks, N=tokens, H=8, C=128)), "KBNHC")
+
+
+def test_head_major_16_to_token_major_64_stays_in_registers():
+    """The common case (HND sender, block 16 -> NHD, block 64): 32 KB pieces, one read and one write."""
+    layout = vllm_cache("KBNHC")
+    plan = plan_receive(layout, "HNC", 16)
+    launch = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=Limits(programs=528))
+    assert launch.in_registers and launch.scratch_words == 0
+    assert launch.word_bytes == 8 and launch.align_bytes == 16  # bf16 rows of 128 channels move as 16-byte pairs
+    assert launch.pieces == 4  # the four remote sub-blocks rearrange independently
+    assert launch.piece_words * launch.word_bytes == 32 << 10
+    assert (launch.rows.rows, launch.rows.run) == (16 * 8, 32)  # rows: (token, head) in local order
+    assert launch.items == 32 * 2 * 100 * 4 and launch.programs == 528
+
+
+def test_grouped_receive_uses_a_bounded_scratch():
+    """Remote block 64 -> local 16 (g = 4): one 128 KB piece spans four blocks; scratch stays in cache."""
+    layout = vllm_cache("KBNHC", tokens=16)
+    plan = plan_receive(layout, "HNC", 64)
+    limits = Limits(programs=528, scratch_bytes=16 << 20)
+    launch = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=limits)
+    assert not launch.in_registers and launch.pieces == 1 and launch.parts == 4
+    assert launch.piece_words * launch.word_bytes == 4 * (32 << 10)
+    assert launch.scratch_words * launch.word_bytes <= limits.scratch_bytes
+    assert launch.programs == (16 << 20) // (128 << 10)
+    assert launch.tile.words * launch.word_bytes <= limits.tile_bytes
+
+
+@pytest.mark.parametrize(
+    ("alignment", "word", "align"),
+    [(256, 8, 16), (4096 + 8, 8, 8), (4096 + 4, 4, 4), (2, 2, 2)],
+)
+def test_word_narrows_to_the_least_aligned_address(alignment, word, align):
+    plan = plan_receive(vllm_cache("KBHNC"), "NHC", 16)
+    launch = plan_receive_launch(plan, members=1, outer=2, units=1, alignment=alignment, limits=Limits())
+    assert (launch.word_bytes, launch.align_bytes) == (word, align)
+
+
+def test_a_transposed_last_axis_moves_single_items():
+    """When channels do not stay innermost (an NCH cache), rows are single items."""
+    cache = make_cache("BNHC", "BNCH", dict(B=4, N=8, H=2, C=4), torch.float16)
+    plan = plan_receive(Layout.of(cache, "BNHC"), "HNC", 8)
+    assert plan is not None
+    launch = plan_receive_launch(plan, members=1, outer=1, units=1, alignment=256, limits=Limits())
+    assert launch.word_bytes == 2 and launch.rows.run == 1
+
+
+def test_rows_are_padded_to_max_dims():
+    plan = plan_receive(vllm_cache("KBHNC"), "NHC", 16)
+    launch = plan_receive_launch(plan, members=1, outer=2, units=1, alignment=256, limits=Limits())
+    assert len(launch.rows.dims) == len(launch.rows.src_strides) == len(launch.rows.dst_strides) == MAX_DIMS
+    src, dst = row_offsets(launch.rows)
+    assert sorted(src.tolist()) == dst.tolist() == list(range(0, launch.piece_words, launch.rows.run))
+
+
+def test_helpers():
+    assert [next_pow2(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    assert widest_word(256, 64) == 8 and widest_word(6) == 2 and widest_word(256, most=16) == 16
+    assert widest_word() == 8
+
+
+def run_copy_launch(job, limits: Limits) -> None:
+    """Carry out a copy launch with NumPy, block by block like the kernel."""
+    src_bases = [s.tensor.data_ptr() for s, _ in job.pairs]
+    dst_bases = [d.tensor.data_ptr() for _, d in job.pairs]
+    alignment = int(np.bitwise_or.reduce(np.array(src_bases + dst_bases)))
+    launch = plan_copy_launch(
+        job.plan, pairs=len(job.pairs), blocks=job.src_ids.size, alignment=alignment, limits=limits
+    )
+    word, run = WORDS[launch.word_bytes], launch.rows.run
+    src_rows, dst_rows = row_offsets(launch.rows)
+    columns = np.arange(run)
+    for src, dst in job.pairs:
+        source = _byte_view(src.tensor).numpy()
+        target = _byte_view(dst.tensor).numpy()
+        for s, d in zip(job.src_ids, job.dst_ids):
+            s0 = int(s) * job.plan.src_block_stride // launch.word_bytes
+            d0 = int(d) * job.plan.dst_block_stride // launch.word_bytes
+            usable = source.size // launch.word_bytes * launch.word_bytes
+            words = source[:usable].view(word)[s0 + src_rows[:, None] + columns[None, :]]
+            target[: target.size // launch.word_bytes * launch.word_bytes].view(word)[
+                d0 + dst_rows[:, None] + columns[None, :]
+            ] = words
+
+
+@pytest.mark.parametrize(
+    ("src_axes", "src_phys", "dst_axes", "dst_phys"),
+    [
+        ("KBNHC", "KBHNC", "KBNHC", "KBNHC"),
+        ("KBNHC", "KBNHC", "BKNHC", "BKHNC"),
+        ("BHNC", "HBNC", "BNHC", "BNHC"),
+        ("LBHNC", "BLHNC", "LBNHC", "LBNHC"),
+        ("BNC", "BNC", "BNC", "BNC"),
+    ],
+)
+def test_copy_launch_copies_blocks_between_layouts(src_axes, src_phys, dst_axes, dst_phys):
+    sizes = dict(L=3, K=2, N=8, H=2, C=16)
+    src = {f"l{i}": make_cache(src_axes, src_phys, {**sizes, "B": 12}) for i in range(2)}
+    dst = {f"l{i}": make_cache(dst_axes, dst_phys, {**sizes, "B": 10}) for i in range(2)}
+    for i, t in enumerate([*src.values(), *dst.values()]):
+        fill_random(t, 40 + i)
+    before = [raw(t).clone() for t in dst.values()]
+    src_ids, dst_ids = [11, 3, 7, 0], [2, 9, 4, 6]
+    batch = plan_copy_batch(CacheSet(src, src_axes), CacheSet(dst, dst_axes), src_ids, dst_ids, False)
+    for job in batch.jobs:
+        run_copy_launch(job, Limits())
+    src_set, dst_set = CacheSet(src, src_axes), CacheSet(dst, dst_axes)
+    for s, d, saved in zip(src_set.members, dst_set.members, before):
+        for si, di in zip(src_ids, dst_ids):
+            assert torch.equal(read_tokens(d.tensor, d.layout, [di]), read_tokens(s.tensor, s.layout, [si]))
+        b = d.layout.axes.index("B")
+        for block in set(range(10)) - set(dst_ids):
+            assert torch.equal(raw(d.tensor).select(b, block), saved.select(b, block))
+
+
+def test_copy_launch_of_a_large_cache_keeps_outer_strides():
+    """K-outer caches: the K stride is a row stride; a tile never exceeds its budget."""
+    src = Layout.of(make_cache("KBNHC", "KBHNC", dict(K=2, B=4096, N=16, H=8, C=128)), "KBNHC")
+    dst = Layout.of(make_cache("KBNHC", "KBNHC", dict(K=2, B=64, N=16, H=8, C=128)), "KBNHC")
+    plan = plan_copy(src, dst)
+    launch = plan_copy_launch(plan, pairs=64, blocks=300, alignment=512, limits=Limits(programs=528))
+    assert launch.word_bytes == 8 and launch.align_bytes == 16
+    assert launch.rows.run == 32  # one head's 128 bf16 channels
+    assert src.stride("K") * 2 // 8 in launch.rows.src_strides
+    assert launch.items == 64 * 300 and launch.programs == 528
+    assert launch.tile.words * launch.word_bytes <= Limits().tile_bytes

@@ -1,0 +1,118 @@
+"""The Triton kernels in Triton's interpreter, in the modes the default target rarely reaches.
+
+The conformance suite runs the kernels through the ``triton-interpret`` target with
+settings where most pieces fit in registers. Here the same conformance test bodies run
+with every piece forced through the scratch slot and tiles so small that every loop and
+mask is used, plus cases the suite's shapes do not produce: misaligned tensors (narrow
+words), sizes that are not powers of two, and a staged host copy with kernels on both
+device-side steps. Needs TRITON_INTERPRET=1 (ci/cpu.sh sets it); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import Target
+from kvhost_cuda.interpret import TritonInterpretBackend
+from kvhost_cuda.launch import Limits, plan_receive_launch
+from test_copy import test_copy_between_layouts_and_devices as copy_conformance
+from test_receive import CASES
+from test_receive import test_receive_matches_sender as receive_conformance
+
+import kvhost
+from kvhost.batch import plan_copy_batch, plan_receive_batch
+from kvhost.caches import CacheSet
+from kvhost.testing import ReceiveCase, fill_random, raw, read_tokens
+
+pytestmark = pytest.mark.skipif(
+    TritonInterpretBackend.unavailable_reason() is not None, reason=str(TritonInterpretBackend.unavailable_reason())
+)
+
+TINY = Limits(register_bytes=0, tile_bytes=64, programs=3)  # scratch slots, tiles of a few words: every loop runs
+
+
+def tiny_target() -> Target:
+    return Target(TritonInterpretBackend(TINY), "cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[::11])
+def test_receive_through_scratch_in_tiny_tiles(layout, kind, k, order):
+    receive_conformance(tiny_target(), layout, kind, k, order)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ids", ["runs", "scattered"])
+@pytest.mark.parametrize("pair", ["HND->NHD", "BHNC/HBNC->BNHC"])
+def test_copy_in_tiny_tiles(pair, ids):
+    copy_conformance(tiny_target(), pair, ids, "device->device")
+
+
+def offset_cache(shape_in_memory: list[int], order: list[int], dtype: torch.dtype, skip: int) -> torch.Tensor:
+    """A cache that starts ``skip`` items into its allocation: addresses only that aligned."""
+    count = int(np.prod(shape_in_memory))
+    memory = torch.empty(count + skip, dtype=dtype)[skip:].view(shape_in_memory)
+    return memory.permute(order)
+
+
+@pytest.mark.parametrize(("dtype", "skip", "word"), [(torch.bfloat16, 1, 2), (torch.float8_e4m3fn, 3, 1)])
+def test_misaligned_caches_move_narrow_words(dtype, skip, word):
+    # KBHNC memory seen as KBNHC: head-major local blocks of 8 tokens, senders token-major with 4.
+    caches = {f"l{i}": offset_cache([2, 10, 2, 8, 16], [0, 1, 3, 2, 4], dtype, skip + i) for i in range(2)}
+    case = ReceiveCase(caches, "KBNHC", seed=21)
+    case.send("r", [7, 2, 5], "NHC", 4)
+    backend = TritonInterpretBackend()
+    kvhost.receive(caches, {"r": [7, 2, 5]}, axes="KBNHC", remote_order="NHC", remote_block_size=4, backend=backend)
+    case.check()
+    job = plan_receive_batch(CacheSet(caches, "KBNHC"), {"r": [7, 2, 5]}, "NHC", 4).jobs[0]
+    bases = np.array([m.tensor.data_ptr() for m in job.members])
+    alignment = int(np.bitwise_or.reduce(np.concatenate([bases, job.layout.outer_offsets_bytes])))
+    launch = plan_receive_launch(job.rearrangement, members=2, outer=2, units=3, alignment=alignment, limits=Limits())
+    assert launch.word_bytes == word
+
+
+@pytest.mark.parametrize("limits", [None, TINY], ids=["default", "tiny"])
+@pytest.mark.parametrize(("remote", "order"), [(2, "HNC"), (18, "HNC"), (6, "NHC")])
+def test_sizes_that_are_not_powers_of_two(remote, order, limits):
+    """Local blocks of 6 tokens, 3 heads of 12 channels: r = 3, g = 3 and masks everywhere."""
+    sizes = [10, 6, 3, 12]  # B N H C, physical BHNC for head-major local blocks
+    caches = {"l": torch.empty([sizes[0], sizes[2], sizes[1], sizes[3]], dtype=torch.float16).permute(0, 2, 1, 3)}
+    case = ReceiveCase(caches, "BNHC", seed=remote)
+    ids = [4, 8, 1] if remote == 18 else [4, 8]
+    case.send("r", ids, order, remote)
+    backend = TritonInterpretBackend(limits)
+    stats = kvhost.receive(caches, {"r": ids}, axes="BNHC", remote_order=order, remote_block_size=remote,
+                           backend=backend)  # fmt: skip
+    case.check()
+    assert stats.bytes_moved == len(ids) * 6 * 3 * 12 * 2
+
+
+@pytest.mark.parametrize("to_device", [True, False], ids=["load", "save"])
+def test_staged_host_copy_with_kernels_on_the_device_side(to_device):
+    """A staged copy: CPU step, one bulk copy, and the kernel gathers or scatters the device side."""
+    backend = TritonInterpretBackend()
+    device_caches = {f"l{i}": torch.empty([2, 12, 2, 8, 16], dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+                     for i in range(3)}  # fmt: skip
+    host = {f"l{i}": torch.empty([7, 2, 8, 2, 16], dtype=torch.bfloat16) for i in range(3)}  # BKNHC
+    for i, t in enumerate([*device_caches.values(), *host.values()]):
+        fill_random(t, 60 + i)
+    device_ids, host_ids = [9, 2, 11, 5], [6, 0, 3, 1]
+    if to_device:
+        src, dst, src_axes, dst_axes, src_ids, dst_ids = host, device_caches, "BKNHC", "KBNHC", host_ids, device_ids
+    else:
+        src, dst, src_axes, dst_axes, src_ids, dst_ids = device_caches, host, "KBNHC", "BKNHC", device_ids, host_ids
+    before = [raw(m.tensor).clone() for m in CacheSet(dst, dst_axes).members]
+    job = plan_copy_batch(CacheSet(src, src_axes), CacheSet(dst, dst_axes), src_ids, dst_ids, True).jobs[0]
+    keep: list[object] = []
+    finish = backend.copy_host(job, to_device=to_device, keep=keep)
+    staging = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() == 6]  # [blocks, tensors, K N H C]
+    assert [tuple(t.shape[:2]) for t in staging] == [(4, 3), (4, 3)]  # the bounce buffer and the device staging
+    if finish is not None:
+        finish()
+    for s, d, saved in zip(CacheSet(src, src_axes).members, CacheSet(dst, dst_axes).members, before):
+        for si, di in zip(src_ids, dst_ids):
+            assert torch.equal(read_tokens(d.tensor, d.layout, [di]), read_tokens(s.tensor, s.layout, [si]))
+        b = d.layout.axes.index("B")
+        for block in set(range(d.layout.num_blocks)) - set(dst_ids):
+            assert torch.equal(raw(d.tensor).select(b, block), saved.select(b, block))
