@@ -144,3 +144,19 @@ def test_empty_copy_is_a_no_op(target):
     result = kvhost.copy_blocks(src, dst, [], [], axes="KBNHC", backend=target.backend)
     assert result.blocks == 0 and result.bytes_moved == 0 and result.done()
     check_copied(src, dst, "KBNHC", "KBNHC", [], [], before)
+
+
+@pytest.mark.parametrize("ids", ["runs", "scattered"])
+def test_copy_large_enough_for_every_core(target, ids):
+    """Over a megabyte per job: the CPU backend's parallel kernels, not the serial ones."""
+    sizes = dict(K=2, B=24, N=64, H=8, C=128)
+    src = {"l": fill_random(make_cache("KBNHC", "KBHNC", sizes, device="cpu"), 1)}
+    dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes, device=target.device), 2)}
+    before = [raw(dst["l"]).cpu().clone()]
+    src_ids, dst_ids = {
+        "runs": (list(range(2, 14)), list(range(8, 20))),
+        "scattered": ([5, 1, 22, 9, 14], [0, 23, 7, 12, 3]),
+    }[ids]
+    result = kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=target.backend).wait()
+    assert result.bytes_moved > 1 << 20
+    check_copied(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)

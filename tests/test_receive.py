@@ -235,3 +235,23 @@ def test_kvhost_object_reuses_and_matches(target):
         stats = host.receive({"r": ids}, remote_order="HNC", remote_block_size=4)
         case.check()
         assert stats.backend == target.backend
+
+
+@pytest.mark.parametrize(("order", "remote"), [("HNC", 16), ("HNC", 128)])
+def test_jobs_large_enough_for_every_core(target, order, remote):
+    """Over a megabyte per job: the CPU backend's parallel kernels, not the serial ones."""
+    sizes = dict(K=2, B=24, N=64, H=8, C=128)
+    caches = {"l0": make_cache("KBNHC", "KBNHC", sizes, torch.bfloat16, target.device)}
+    case = ReceiveCase(caches, "KBNHC", seed=13)
+    case.send("big", [3, 17, 5, 8, 20, 1, 11, 14], order, remote)
+    case.send("small", [0, 2], order, remote)
+    stats = kvhost.receive(
+        caches,
+        {"big": [3, 17, 5, 8, 20, 1, 11, 14], "small": [0, 2]},
+        axes="KBNHC",
+        remote_order=order,
+        remote_block_size=remote,
+        backend=target.backend,
+    )
+    assert stats.bytes_moved > 1 << 20
+    case.check()

@@ -57,8 +57,9 @@ class CpuBackend(TorchBackend):
             + job.unit_ids[None, None] * layout.block_stride_bytes
         ).reshape(-1, plan.parts)
         shape, src_strides, dst_strides = kernels.padded(loops.shape, loops.src_strides, loops.dst_strides)
+        kernel, threads = kernels.launcher("rearrange_units", job.bytes_moved)
         with _launch:
-            kernels.rearrange_units(
+            kernel(
                 addresses,
                 plan.region_bytes,
                 write_back.pieces,
@@ -68,7 +69,7 @@ class CpuBackend(TorchBackend):
                 src_strides,
                 dst_strides,
                 loops.run_bytes,
-                kernels.threads(),
+                threads,
             )
         return None
 
@@ -86,8 +87,9 @@ class CpuBackend(TorchBackend):
         item_counts = np.tile(counts, len(job.pairs))
         loops = plan.loops
         shape, src_strides, dst_strides = kernels.padded(loops.shape, loops.src_strides, loops.dst_strides)
+        kernel, threads = kernels.launcher("copy_runs", job.bytes_moved)
         with _launch:
-            kernels.copy_runs(
+            kernel(
                 src_addresses,
                 dst_addresses,
                 item_counts,
@@ -98,6 +100,7 @@ class CpuBackend(TorchBackend):
                 src_strides,
                 dst_strides,
                 loops.run_bytes,
+                threads,
             )
         return Completion()
 

@@ -18,6 +18,7 @@ from numba.extending import intrinsic
 
 MAX_DIMS = 6  # region letters (L K N H C) with N split in two, less nothing: at most six loops
 SHORT_RUN = 1024  # runs up to this many bytes are copied inline
+SERIAL_BYTES = 1 << 20  # jobs below this run on the calling thread
 SKEW = 2048  # scratch and region differ by this modulo 4 KiB: no false store-to-load aliasing
 
 
@@ -94,6 +95,31 @@ def _strided_copy(dst, src, shape, dst_strides, src_strides, run):  # type: igno
                 _copy_run(d4 + i5 * dst_strides[5], s4 + i5 * src_strides[5], run)
 
 
+@njit(inline="always")
+def _rearrange_span(  # type: ignore[no-untyped-def]
+    unit_addresses, first, last, region_bytes, pieces, piece_bytes, part_stride, shape, src_strides, dst_strides, run
+):
+    """Rewrite units ``first .. last - 1`` in place through one scratch of their own."""
+    parts = unit_addresses.shape[1]
+    span = parts if pieces == 1 else 1  # regions one piece covers
+    scratch = np.empty(piece_bytes + 4096, dtype=np.uint8)  # one piece is at most one unit
+    start = _address_of(scratch)
+    for unit in range(first, last):
+        if span == 1:
+            for piece in range(pieces):
+                offset = piece * piece_bytes
+                address = unit_addresses[unit, offset // region_bytes] + offset % region_bytes
+                base = start + ((address - start + SKEW) & 4095)
+                _memcpy(base, address, piece_bytes)
+                _strided_copy(address, base, shape, dst_strides, src_strides, run)
+        else:
+            base = start + ((unit_addresses[unit, 0] - start + SKEW) & 4095)
+            for k in range(parts):
+                _memcpy(base + k * region_bytes, unit_addresses[unit, k], region_bytes)
+            for k in range(parts):
+                _strided_copy(unit_addresses[unit, k], base + k * part_stride, shape, dst_strides, src_strides, run)
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def rearrange_units(  # type: ignore[no-untyped-def]
     unit_addresses, region_bytes, pieces, piece_bytes, part_stride, shape, src_strides, dst_strides, run, threads
@@ -104,36 +130,51 @@ def rearrange_units(  # type: ignore[no-untyped-def]
     written back through the loops. ``threads`` comes from the caller (numba's own query
     would defeat caching).
     """
-    units, parts = unit_addresses.shape
+    units = unit_addresses.shape[0]
     threads = min(threads, max(units, 1))
     share = (units + threads - 1) // threads
-    span = parts if pieces == 1 else 1  # regions one piece covers
     for thread in prange(threads):
-        scratch = np.empty(piece_bytes + 4096, dtype=np.uint8)  # one piece is at most one unit
-        start = _address_of(scratch)
-        for unit in range(thread * share, min(units, (thread + 1) * share)):
-            if span == 1:
-                for piece in range(pieces):
-                    offset = piece * piece_bytes
-                    address = unit_addresses[unit, offset // region_bytes] + offset % region_bytes
-                    base = start + ((address - start + SKEW) & 4095)
-                    _memcpy(base, address, piece_bytes)
-                    _strided_copy(address, base, shape, dst_strides, src_strides, run)
-            else:
-                base = start + ((unit_addresses[unit, 0] - start + SKEW) & 4095)
-                for k in range(parts):
-                    _memcpy(base + k * region_bytes, unit_addresses[unit, k], region_bytes)
-                for k in range(parts):
-                    _strided_copy(unit_addresses[unit, k], base + k * part_stride, shape, dst_strides, src_strides, run)
+        first, last = thread * share, min(units, (thread + 1) * share)
+        _rearrange_span(
+            unit_addresses,
+            first,
+            last,
+            region_bytes,
+            pieces,
+            piece_bytes,
+            part_stride,
+            shape,
+            src_strides,
+            dst_strides,
+            run,
+        )
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def copy_runs(src_addresses, dst_addresses, counts, src_block, dst_block, merge, shape, src_strides, dst_strides, run):  # type: ignore[no-untyped-def]
-    """Copy ``counts[i]`` consecutive blocks from ``src_addresses[i]`` to ``dst_addresses[i]``.
+@njit(nogil=True, cache=True)
+def rearrange_units_serial(  # type: ignore[no-untyped-def]
+    unit_addresses, region_bytes, pieces, piece_bytes, part_stride, shape, src_strides, dst_strides, run, threads
+):
+    """``rearrange_units`` on the calling thread alone (``threads`` is ignored)."""
+    _rearrange_span(
+        unit_addresses,
+        0,
+        unit_addresses.shape[0],
+        region_bytes,
+        pieces,
+        piece_bytes,
+        part_stride,
+        shape,
+        src_strides,
+        dst_strides,
+        run,
+    )
 
-    With ``merge`` each loop index of a run is a single copy of ``count * run`` bytes.
-    """
-    for i in prange(counts.shape[0]):
+
+@njit(inline="always")
+def _copy_span(  # type: ignore[no-untyped-def]
+    first, last, src_addresses, dst_addresses, counts, src_block, dst_block, merge, shape, src_strides, dst_strides, run
+):
+    for i in range(first, last):
         count = counts[i]
         if merge:
             _strided_copy(dst_addresses[i], src_addresses[i], shape, dst_strides, src_strides, count * run)
@@ -149,8 +190,70 @@ def copy_runs(src_addresses, dst_addresses, counts, src_block, dst_block, merge,
                 )
 
 
+@njit(parallel=True, nogil=True, cache=True)
+def copy_runs(  # type: ignore[no-untyped-def]
+    src_addresses, dst_addresses, counts, src_block, dst_block, merge, shape, src_strides, dst_strides, run, threads
+):
+    """Copy ``counts[i]`` consecutive blocks from ``src_addresses[i]`` to ``dst_addresses[i]``.
+
+    With ``merge`` each loop index of a run is a single copy of ``count * run`` bytes.
+    """
+    items = counts.shape[0]
+    threads = min(threads, max(items, 1))
+    share = (items + threads - 1) // threads
+    for thread in prange(threads):
+        first, last = thread * share, min(items, (thread + 1) * share)
+        _copy_span(
+            first,
+            last,
+            src_addresses,
+            dst_addresses,
+            counts,
+            src_block,
+            dst_block,
+            merge,
+            shape,
+            src_strides,
+            dst_strides,
+            run,
+        )
+
+
+@njit(nogil=True, cache=True)
+def copy_runs_serial(  # type: ignore[no-untyped-def]
+    src_addresses, dst_addresses, counts, src_block, dst_block, merge, shape, src_strides, dst_strides, run, threads
+):
+    """``copy_runs`` on the calling thread alone (``threads`` is ignored)."""
+    _copy_span(
+        0,
+        counts.shape[0],
+        src_addresses,
+        dst_addresses,
+        counts,
+        src_block,
+        dst_block,
+        merge,
+        shape,
+        src_strides,
+        dst_strides,
+        run,
+    )
+
+
 def threads() -> int:
     return int(numba.get_num_threads())
+
+
+def launcher(kernel_name: str, nbytes: int) -> tuple[object, int]:
+    """The kernel for a job of ``nbytes`` and its thread count.
+
+    Small jobs run on the calling thread: a parallel launch costs microseconds on an idle
+    machine and up to a scheduler time slice (milliseconds) on a busy one, more than the
+    copy itself.
+    """
+    if nbytes < SERIAL_BYTES or threads() == 1:
+        return globals()[kernel_name + "_serial"], 1
+    return globals()[kernel_name], threads()
 
 
 def padded(shape: tuple[int, ...], *strides: tuple[int, ...]) -> list[tuple[int, ...]]:
