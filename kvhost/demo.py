@@ -1,0 +1,841 @@
+"""``kvhost demo``: a prefill engine hands a batch of requests to a decode engine over real NIXL.
+
+Two OS processes, each with its own NIXL agent over UCX on loopback. Decode (this process)
+listens on 127.0.0.1 only, starts prefill, and receives its agent metadata, block table and
+requests over that socket (``kvhost.wire_protocol``). Prefill fills its KV cache with values
+that are a seeded function of (request, layer, K/V, token, head, channel). Decode allocates
+blocks, pulls every request with NIXL (``kvhost.nixl``), post-processes the whole batch in
+one ``kvhost.receive`` call, and checks every token bit for bit against the same function.
+
+``--via-host`` lands the bytes in a registered host buffer in the sender's order instead, and
+``kvhost.copy_blocks`` rearranges them into the decode cache on the way: the path of decode
+engines whose memory NIXL cannot reach. ``--kill-prefill-after N`` kills prefill once N
+requests have arrived: decode reports the requests that failed, post-processes and verifies
+only those that arrived whole, and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+import kvhost
+from kvhost.caches import CacheSet
+from kvhost.errors import KVHostError
+from kvhost.layout import Layout
+from kvhost.nixl import Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
+from kvhost.testing import make_cache, raw
+from kvhost.wire_protocol import Fields, Message, ProtocolError, receive, send
+
+AXES = "KBNHC"  # shape order of every cache here; the layout name sets the memory order
+LAYOUTS = {"NHD": "KBNHC", "HND": "KBHNC"}  # token-major, head-major
+DTYPES = {
+    name: getattr(torch, name)
+    for name in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+}
+SENTINEL_BYTE = 0xA5  # what every decode block holds before anything lands in it
+EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+
+
+class DemoError(KVHostError, RuntimeError):
+    """The hand-off could not run: prefill failed to start, or a pool is too small."""
+
+
+# --- what both processes agree on ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """The batch and the model, from the command line; both processes derive the same values."""
+
+    requests: int
+    min_tokens: int
+    max_tokens: int
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Config:
+        return cls(
+            args.requests,
+            args.min_tokens,
+            args.max_tokens,
+            args.layers,
+            args.heads,
+            args.head_dim,
+            DTYPES[args.dtype],
+            args.seed,
+        )
+
+    def lengths(self) -> list[int]:
+        """Token counts of the requests: log-uniform in [min_tokens, max_tokens], seeded."""
+        rng = np.random.default_rng([self.seed, 1])
+        logs = rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens + 1), self.requests)
+        return [min(int(math.exp(x)), self.max_tokens) for x in logs]
+
+    def sizes(self, num_blocks: int, block_size: int) -> dict[str, int]:
+        return dict(K=2, B=num_blocks, N=block_size, H=self.heads, C=self.head_dim)
+
+    def caches(self, layout: str, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
+        sizes = self.sizes(num_blocks, block_size)
+        return {f"layer{i}": make_cache(AXES, LAYOUTS[layout], sizes, self.dtype) for i in range(self.layers)}
+
+
+def token_values(
+    seed: int, request: int, layer: int, tokens: int, heads: int, head_dim: int, itemsize: int
+) -> torch.Tensor:
+    """Raw ``[tokens, K, H, C]`` values of one request's layer: a hash of every index, seeded.
+
+    Each element is a bijective 32-bit mix of its flat index and a key from (seed, request,
+    layer), so no two elements of a request's layer agree in 32 bits and a misplaced byte
+    shows; the low ``itemsize`` bytes are kept.
+    """
+    key = np.uint32(zlib.crc32(f"{seed}/{request}/{layer}".encode()))
+    x = np.arange(tokens * 2 * heads * head_dim, dtype=np.uint32)
+    x *= np.uint32(0x9E3779B1)
+    x += key
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        x ^= x >> np.uint32(shift)
+        x *= np.uint32(multiplier)
+    x ^= x >> np.uint32(16)
+    kept = {1: (np.uint8, np.uint8), 2: (np.uint16, np.int16), 4: (np.uint32, np.int32)}[itemsize]
+    values = x.astype(kept[0]).view(kept[1]) if itemsize < 4 else x.view(np.int32)
+    return torch.from_numpy(values).reshape(tokens, 2, heads, head_dim)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+# --- prefill ------------------------------------------------------------------------
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    """Fill the cache, register it, send the hello, then hold the memory until decode is done."""
+    config = Config.from_args(args)
+    block_size = args.prefill_block_size
+    lengths = config.lengths()
+    needed = [blocks_for(t, block_size) for t in lengths]
+    pool = sum(needed) + max(4, sum(needed) // 8)
+    free = np.random.default_rng([config.seed, 2]).permutation(pool).tolist()
+    caches = config.caches(args.prefill_layout, pool, block_size)
+    started = time.perf_counter()
+    cache_set = CacheSet(caches, AXES)
+    for member in cache_set.members:
+        raw(member.tensor).zero_()
+    requests = []
+    for number, (tokens, count) in enumerate(zip(lengths, needed)):
+        ids, free = free[:count], free[count:]
+        for layer, member in enumerate(cache_set.members):
+            values = token_values(
+                config.seed, number, layer, tokens, config.heads, config.head_dim, member.layout.itemsize
+            )
+            write_tokens(member.tensor, AXES, ids, values)
+        requests.append({"name": f"req-{number:03d}", "number": number, "tokens": tokens, "block_ids": ids})
+    fill_seconds = time.perf_counter() - started
+
+    with Agent(f"prefill-{os.getpid()}") as agent:
+        table = agent.register(caches, AXES)
+        with socket.create_connection(("127.0.0.1", args.port), timeout=args.connect_timeout) as sock:
+            hello = {"pid": os.getpid(), "table": table.to_dict(), "requests": requests, "fill_seconds": fill_seconds}
+            send(sock, "hello", hello, agent.metadata())
+            # The memory must stay registered until decode has read it all.
+            try:
+                receive(sock, timeout=args.hold_timeout, expect="done")
+            except ProtocolError as err:
+                print(f"prefill: decode went away: {err}", file=sys.stderr)
+                return EXIT_FAILED
+    return EXIT_OK
+
+
+def write_tokens(tensor: torch.Tensor, axes: str, block_ids: Sequence[int], values: torch.Tensor) -> None:
+    """Store raw ``[tokens, K, H, C]`` values in ``block_ids`` (the last block may be partly used)."""
+    memory, letters = memory_order(tensor, axes)
+    block_size = memory.shape[letters.index("N")]
+    padded = torch.zeros((len(block_ids) * block_size, *values.shape[1:]), dtype=values.dtype)
+    padded[: values.shape[0]] = values
+    blocks = padded.reshape(len(block_ids), block_size, *values.shape[1:])  # B N K H C
+    source = blocks.permute(["BNKHC".index(a) for a in letters])
+    memory.index_copy_(letters.index("B"), torch.as_tensor(block_ids), source)
+
+
+def read_tokens_fast(tensor: torch.Tensor, axes: str, block_ids: Sequence[int]) -> torch.Tensor:
+    """Raw ``[tokens, K, H, C]`` of ``block_ids``, gathered in memory order (fast for any layout)."""
+    memory, letters = memory_order(tensor, axes)
+    picked = memory.index_select(letters.index("B"), torch.as_tensor(block_ids))
+    tokens = picked.permute([letters.index(a) for a in "BNKHC"])
+    return tokens.reshape(-1, *tokens.shape[2:])
+
+
+def memory_order(tensor: torch.Tensor, axes: str) -> tuple[torch.Tensor, str]:
+    """The raw bytes of ``tensor`` with its dims in memory order, and their letters."""
+    letters = Layout.of(tensor, axes).physical
+    return raw(tensor).permute([axes.index(a) for a in letters]), letters
+
+
+# --- decode -------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One request as prefill announced it, and what became of it here."""
+
+    name: str
+    number: int
+    tokens: int
+    remote_ids: list[int]
+    local_ids: list[int] = field(default_factory=list)
+    staging_ids: list[int] = field(default_factory=list)
+    transfer: Transfer | None = None
+    deadline: float = 0.0
+    arrived: bool = False
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class Hello:
+    pid: int
+    table: RegionTable
+    requests: list[Request]
+    fill_seconds: float
+    metadata: bytes
+
+
+def parse_hello(message: Message) -> Hello:
+    """Prefill's hello, every field checked: a malformed one is a ProtocolError."""
+    fields = Fields(message.header, "hello")
+    table = RegionTable.from_dict(fields.fields("table").data, "hello.table")
+    raw_requests = fields.items("requests", max_length=1 << 16)
+    if not raw_requests:
+        raise ProtocolError("hello.requests: empty")
+    requests, names = [], set()
+    for i, item in enumerate(raw_requests):
+        entry = Fields(item, f"hello.requests[{i}]")
+        name = entry.text("name", max_length=64)
+        tokens = entry.integer("tokens", minimum=1, maximum=1 << 24)
+        ids = entry.integers("block_ids", maximum=table.num_blocks - 1)
+        if len(ids) != blocks_for(tokens, table.block_size):
+            raise ProtocolError(
+                f"hello.requests[{i}]: {tokens} tokens need {blocks_for(tokens, table.block_size)} blocks of "
+                f"{table.block_size}, got {len(ids)} block ids"
+            )
+        if name in names:
+            raise ProtocolError(f"hello.requests[{i}]: request name {name!r} appears twice")
+        names.add(name)
+        requests.append(Request(name, entry.integer("number", maximum=1 << 31), tokens, ids))
+    fill = fields.data.get("fill_seconds", 0.0)
+    if not message.blob:
+        raise ProtocolError("hello: no agent metadata")
+    return Hello(
+        fields.integer("pid", minimum=1, maximum=1 << 31),
+        table,
+        requests,
+        float(fill) if isinstance(fill, (int, float)) else 0.0,
+        message.blob,
+    )
+
+
+def accept_hello(
+    listener: socket.socket, prefill: subprocess.Popen[bytes] | None, timeout: float
+) -> tuple[socket.socket, Hello]:
+    """Wait for prefill to connect and say hello; a prefill that dies first is a DemoError."""
+    deadline = time.monotonic() + timeout
+    listener.settimeout(0.1)
+    while True:
+        if prefill is not None and prefill.poll() is not None:
+            raise DemoError(f"prefill exited with code {prefill.returncode} before it connected")
+        if time.monotonic() > deadline:
+            raise ProtocolError(f"prefill did not connect within {timeout:g} s")
+        try:
+            sock, _ = listener.accept()
+            break
+        except TimeoutError:
+            continue
+    try:
+        return sock, parse_hello(receive(sock, timeout=max(deadline - time.monotonic(), 1.0), expect="hello"))
+    except BaseException:
+        sock.close()
+        raise
+
+
+class ProgressBar:
+    """``label [#####-----] done/total detail`` on one terminal line; silent when not on a terminal."""
+
+    def __init__(self, label: str, total: int, stream: TextIO, enabled: bool) -> None:
+        self.label, self.total, self.stream, self.enabled = label, max(total, 1), stream, enabled
+        self.shown = 0.0
+
+    def update(self, done: int, detail: str = "", *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self.shown < 0.05):
+            return
+        self.shown = now
+        filled = round(24 * done / self.total)
+        self.stream.write(f"\r{self.label:<9} [{'#' * filled}{'-' * (24 - filled)}] {done}/{self.total} {detail}\x1b[K")
+        self.stream.flush()
+
+    def close(self, done: int, detail: str = "") -> None:
+        if self.enabled:
+            self.update(done, detail, force=True)
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+@dataclass
+class Outcome:
+    """What the decode side measured and found: the report prints it, ``--json`` saves it."""
+
+    figures: dict[str, Any] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    received: list[str] = field(default_factory=list)
+    verified: list[str] = field(default_factory=list)
+    mismatched: dict[str, str] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not (self.failed or self.mismatched or self.error) and len(self.verified) == self.figures.get("requests")
+
+
+def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Start prefill, pull the batch, post-process it, verify it, report."""
+    begun = time.perf_counter()
+    config = Config.from_args(args)
+    outcome = Outcome()
+    prefill: subprocess.Popen[bytes] | None = None
+    sock: socket.socket | None = None
+    agent: Agent | None = None
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            prefill = started = start_prefill(listener.getsockname()[1], argv)
+            local_blocks = [
+                blocks_for(blocks_for(t, args.prefill_block_size) * args.prefill_block_size, args.decode_block_size)
+                for t in config.lengths()
+            ]
+            pool = sum(local_blocks) + max(4, sum(local_blocks) // 8)
+            caches = config.caches(args.decode_layout, pool, args.decode_block_size)
+            for tensor in caches.values():
+                raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
+            agent = Agent(f"decode-{os.getpid()}")
+            sock, hello = accept_hello(listener, prefill, args.connect_timeout)
+            outcome.figures["hello_seconds"] = time.perf_counter() - begun
+        peer = agent.add_peer(hello.metadata)
+        handoff(args, config, agent, peer, hello, caches, pool, started, outcome)
+        with contextlib.suppress(ProtocolError):  # a prefill that was killed cannot be told
+            send(sock, "done", {"ok": outcome.ok})
+    except KVHostError as err:
+        outcome.error = f"{type(err).__name__}: {err}"
+    finally:
+        if sock is not None:
+            sock.close()
+        if agent is not None:
+            agent.close()
+        if prefill is not None:
+            stop_prefill(prefill, frozen=args.freeze_prefill_after is not None)
+    print_report(outcome, sys.stdout)
+    if args.json:
+        write_json(args.json, outcome)
+    if outcome.error:
+        return EXIT_ERROR
+    return EXIT_OK if outcome.ok else EXIT_FAILED
+
+
+def handoff(
+    args: argparse.Namespace,
+    config: Config,
+    agent: Agent,
+    peer: str,
+    hello: Hello,
+    caches: dict[str, torch.Tensor],
+    pool: int,
+    prefill: subprocess.Popen[bytes],
+    outcome: Outcome,
+) -> None:
+    """Plan, allocate, pull, post-process, verify: the decode side of one batch."""
+    remote = hello.table
+    staging: dict[str, torch.Tensor] | None = None
+    if args.via_host:
+        # The host buffer keeps the sender's memory order at the local block size; NIXL moves
+        # runs of tokens into it (token_runs), and copy_blocks rearranges into the cache.
+        staging_order = remote.outer + "B" + remote.order
+        sizes = config.sizes(pool, args.decode_block_size)
+        staging = {name: make_cache(AXES, staging_order, sizes, config.dtype) for name in caches}
+        plan = plan_transfer(agent.register(staging, AXES).token_runs(), remote.token_runs())
+    else:
+        plan = plan_transfer(agent.register(caches, AXES), remote)
+    reader = agent.reader(plan, peer)
+
+    free = np.random.default_rng([config.seed, 3]).permutation(pool).tolist()
+    next_staging = 0
+    for request in hello.requests:
+        count = plan.local_blocks_for(len(request.remote_ids))
+        if count > len(free):
+            raise DemoError(f"request {request.name!r} needs {count} decode blocks, only {len(free)} are free")
+        request.local_ids, free = free[:count], free[count:]
+        request.staging_ids = list(range(next_staging, next_staging + count))
+        next_staging += count
+
+    figures = outcome.figures
+    figures.update(
+        requests=len(hello.requests),
+        tokens=sum(r.tokens for r in hello.requests),
+        prefill_blocks=sum(len(r.remote_ids) for r in hello.requests),
+        decode_blocks=sum(len(r.local_ids) for r in hello.requests),
+        spare_blocks=len(free),
+        pool=pool,
+        descriptors=len(plan.local_descriptors()),
+        prefill_pid=hello.pid,
+        fill_seconds=hello.fill_seconds,
+    )
+    describe_setup(args, config, plan, hello, outcome)
+
+    pull(args, reader, hello.requests, prefill, outcome)
+    arrived = [r for r in hello.requests if r.arrived]
+    outcome.failed = {r.name: r.failure or "did not arrive" for r in hello.requests if not r.arrived}
+    if arrived:
+        post_process(args, config, caches, staging, plan, arrived, outcome)
+    verify(args, config, caches, arrived, free, outcome)
+
+
+def pull(
+    args: argparse.Namespace,
+    reader: kvhost.nixl.Reader,
+    requests: list[Request],
+    prefill: subprocess.Popen[bytes],
+    outcome: Outcome,
+) -> None:
+    """Read every request with up to ``--inflight`` transfers at once, each bounded by ``--timeout``.
+
+    Once the peer fails, nothing new is started: transfers already posted finish or fail
+    (each within its deadline), and the requests never started fail with the cause.
+    """
+    pending = deque(requests)
+    inflight: list[Request] = []
+    peer_lost: str | None = None
+    arrived_bytes = 0
+    bar = ProgressBar("transfer", len(requests), sys.stderr, not args.no_progress and sys.stderr.isatty())
+    started = time.perf_counter()
+    done = 0
+
+    fault_after = args.kill_prefill_after if args.kill_prefill_after is not None else args.freeze_prefill_after
+    faulted = False
+
+    def fault_if_due() -> None:
+        """Kill (SIGKILL) or freeze (SIGSTOP) prefill once ``fault_after`` requests have arrived."""
+        nonlocal faulted
+        if fault_after is None or faulted or done < fault_after or prefill.poll() is not None:
+            return
+        faulted = True
+        if args.kill_prefill_after is not None:
+            prefill.send_signal(signal.SIGKILL)
+            prefill.wait(timeout=10)
+            what = "killed"
+        else:
+            prefill.send_signal(signal.SIGSTOP)
+            wait_until_stopped(prefill.pid)
+            what = "froze (SIGSTOP)"
+        outcome.figures["fault_after"] = done
+        outcome.lines.append(f"fault     {what} prefill (pid {prefill.pid}) after {done} requests had arrived")
+
+    fault_if_due()
+    while pending or inflight:
+        while pending and len(inflight) < args.inflight and peer_lost is None:
+            request = pending.popleft()
+            try:
+                request.transfer = reader.read(
+                    request.staging_ids if args.via_host else request.local_ids, request.remote_ids
+                )
+            except TransferError as err:
+                request.failure = peer_lost = str(err)
+                break
+            request.deadline = time.monotonic() + args.timeout
+            inflight.append(request)
+        progressed = False
+        for request in list(inflight):
+            transfer = request.transfer
+            assert transfer is not None
+            try:
+                if transfer.poll():
+                    request.arrived, progressed = True, True
+                    arrived_bytes += transfer.nbytes
+                    done += 1
+                elif time.monotonic() > request.deadline:
+                    raise TransferError(f"no completion within {args.timeout:g} s", timed_out=True)
+                else:
+                    continue
+            except TransferError as err:
+                request.failure = str(err)
+                peer_lost = peer_lost or str(err)
+                progressed = True
+            transfer.release()
+            inflight.remove(request)
+            fault_if_due()
+        if peer_lost is not None:
+            for request in pending:
+                request.failure = "not started: the peer had failed"
+            pending.clear()
+        elapsed = time.perf_counter() - started
+        bar.update(done, f"{arrived_bytes / 1e6:,.0f} MB {arrived_bytes / max(elapsed, 1e-9) / 1e9:.2f} GB/s")
+        if not progressed:
+            time.sleep(5e-4)
+    seconds = time.perf_counter() - started
+    bar.close(done, f"{arrived_bytes / 1e6:,.0f} MB in {seconds:.2f} s")
+    outcome.figures.update(transfer_bytes=arrived_bytes, transfer_seconds=seconds)
+
+
+def post_process(
+    args: argparse.Namespace,
+    config: Config,
+    caches: dict[str, torch.Tensor],
+    staging: dict[str, torch.Tensor] | None,
+    plan: TransferPlan,
+    arrived: list[Request],
+    outcome: Outcome,
+) -> None:
+    """One call for the whole batch: receive in place, or copy_blocks out of the host buffer.
+
+    A first call on a few scratch blocks comes before it, so the figure measures the work
+    and not the backend's one-time start (kernel compilation); that time is reported apart.
+    """
+    started = time.perf_counter()
+    first = plan.local_blocks_for(1)
+    scratch = config.caches(args.decode_layout, first, args.decode_block_size)
+    scratch_ids = list(range(first))
+    if staging is None:
+        kvhost.receive(
+            scratch,
+            {"warm-up": scratch_ids},
+            axes=AXES,
+            remote_order=plan.remote_order,
+            remote_block_size=plan.remote_block_size,
+            backend=args.backend,
+        )
+        warm_up = time.perf_counter() - started
+        started = time.perf_counter()
+        stats = kvhost.receive(
+            caches,
+            {r.name: r.local_ids for r in arrived},
+            axes=AXES,
+            remote_order=plan.remote_order,
+            remote_block_size=plan.remote_block_size,
+            backend=args.backend,
+        )
+        nbytes, backend, what = stats.bytes_moved, stats.backend, f"kvhost.receive, {stats.groups} group(s)"
+        if stats.bytes_moved == 0:
+            what = "kvhost.receive: identity, nothing to move"
+    else:
+        # The host buffer, seen in its memory order, is copied into the cache's order (dst_axes).
+        staging_axes = plan.remote.outer + "B" + plan.remote.order
+        source = {name: t.permute([AXES.index(a) for a in staging_axes]) for name, t in staging.items()}
+        sizes = config.sizes(first, args.decode_block_size)
+        warm_source = {
+            name: make_cache(AXES, staging_axes, sizes, config.dtype).permute([AXES.index(a) for a in staging_axes])
+            for name in scratch
+        }
+        kvhost.copy_blocks(
+            warm_source, scratch, scratch_ids, scratch_ids, axes=staging_axes, dst_axes=AXES, backend=args.backend
+        ).wait()
+        warm_up = time.perf_counter() - started
+        started = time.perf_counter()
+        result = kvhost.copy_blocks(
+            source,
+            caches,
+            [i for r in arrived for i in r.staging_ids],
+            [i for r in arrived for i in r.local_ids],
+            axes=staging_axes,
+            dst_axes=AXES,
+            backend=args.backend,
+        ).wait()
+        nbytes, backend = result.bytes_moved, result.backend
+        what = f"kvhost.copy_blocks, memory {staging_axes} -> {LAYOUTS[args.decode_layout]} ({result.runs} runs)"
+    seconds = time.perf_counter() - started
+    outcome.received = [r.name for r in arrived]
+    outcome.figures.update(
+        post_bytes=nbytes, post_seconds=seconds, backend=backend, post_what=what, warm_up_seconds=warm_up
+    )
+
+
+def verify(
+    args: argparse.Namespace,
+    config: Config,
+    caches: dict[str, torch.Tensor],
+    arrived: list[Request],
+    spare: list[int],
+    outcome: Outcome,
+) -> None:
+    """Every token of every arrived request, bit for bit; spare blocks must hold the sentinel."""
+    started = time.perf_counter()
+    cache_set = CacheSet(caches, AXES)
+    bar = ProgressBar("verify", len(arrived), sys.stderr, not args.no_progress and sys.stderr.isatty())
+    for done, request in enumerate(arrived, 1):
+        problem = None
+        for layer, member in enumerate(cache_set.members):
+            got = read_tokens_fast(member.tensor, AXES, request.local_ids)[: request.tokens]
+            want = token_values(
+                config.seed,
+                request.number,
+                layer,
+                request.tokens,
+                config.heads,
+                config.head_dim,
+                member.layout.itemsize,
+            )
+            if not torch.equal(got, want):
+                bad = (got != want).nonzero()[0].tolist()
+                problem = f"{member.layer} token {bad[0]} K/V {bad[1]} head {bad[2]} channel {bad[3]} differs"
+                break
+        if problem is None:
+            outcome.verified.append(request.name)
+        else:
+            outcome.mismatched[request.name] = problem
+        bar.update(done)
+    bar.close(len(arrived))
+    untouched = True
+    if spare:
+        index = torch.as_tensor(spare)
+        for member in cache_set.members:
+            blocks = raw(member.tensor).index_select(AXES.index("B"), index).contiguous().view(torch.uint8)
+            untouched &= bool((blocks == SENTINEL_BYTE).all())
+    if not untouched:
+        outcome.mismatched["spare blocks"] = "a block no request owns was written"
+    outcome.figures.update(
+        verify_seconds=time.perf_counter() - started,
+        spare_untouched=untouched,
+        verified_tokens=sum(r.tokens for r in arrived if r.name in outcome.verified),
+        layers=config.layers,
+    )
+
+
+# --- process management and output --------------------------------------------------
+
+
+def start_prefill(port: int, argv: Sequence[str]) -> subprocess.Popen[bytes]:
+    """Run prefill as its own OS process, with this command's options and the socket's port."""
+    env = dict(os.environ)
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    command = [sys.executable, "-m", "kvhost.demo", *argv, "--role", "prefill", "--port", str(port)]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+
+
+def stop_prefill(prefill: subprocess.Popen[bytes], frozen: bool) -> None:
+    """Let prefill exit on its own after ``done``; kill it if it lingers or was frozen."""
+    try:
+        prefill.wait(timeout=0.1 if frozen else 10)
+    except subprocess.TimeoutExpired:
+        prefill.kill()
+        prefill.wait()
+
+
+def wait_until_stopped(pid: int, timeout: float = 2.0) -> None:
+    """Return once ``pid`` shows as stopped (Linux /proc), or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in "Tt":
+                    return
+        except OSError:
+            return
+        time.sleep(0.005)
+
+
+def describe_setup(
+    args: argparse.Namespace, config: Config, plan: TransferPlan, hello: Hello, outcome: Outcome
+) -> None:
+    f = outcome.figures
+    lengths = [r.tokens for r in hello.requests]
+    local, remote = plan.local, plan.remote
+    ratio = local.block_size / remote.block_size
+    if ratio > 1:
+        relation = f"r = {int(ratio)} sender blocks per decode block"
+    elif ratio < 1:
+        relation = f"g = {round(1 / ratio)} decode blocks per sender block"
+    else:
+        relation = "same block size"
+    mode = "via a host buffer, then kvhost.copy_blocks" if args.via_host else "straight into the decode cache"
+    outcome.lines += [
+        f"prefill   pid {hello.pid}: {args.prefill_layout} (memory {LAYOUTS[args.prefill_layout]}), "
+        f"block {remote.block_size} tokens, {remote.num_blocks} blocks; filled in {hello.fill_seconds:.2f} s, "
+        f"said hello {f['hello_seconds']:.2f} s after the start",
+        f"decode    pid {os.getpid()}: {args.decode_layout} (memory {LAYOUTS[args.decode_layout]}), "
+        f"block {args.decode_block_size} tokens, {f['pool']} blocks",
+        f"model     {config.layers} layers x K/V x {config.heads} heads x {config.head_dim} channels, "
+        f"{str(config.dtype).removeprefix('torch.')}",
+        f"requests  {f['requests']} ({min(lengths)}..{max(lengths)} tokens, {f['tokens']:,} in all)",
+        f"blocks    {f['prefill_blocks']:,} prefill -> {f['decode_blocks']:,} decode ({relation}); "
+        f"{f['descriptors']:,} descriptors of {plan.chunk_bytes:,} bytes, {mode}",
+    ]
+
+
+def print_report(outcome: Outcome, stream: TextIO) -> None:
+    f = outcome.figures
+    stream.write("kvhost demo: prefill -> decode over NIXL (UCX, 127.0.0.1), two processes\n")
+    for line in outcome.lines:
+        stream.write(f"  {line}\n")
+    if "transfer_seconds" in f:
+        stream.write(
+            f"  transfer  {_gb(f['transfer_bytes'])} in {f['transfer_seconds']:.3f} s = "
+            f"{_rate(f['transfer_bytes'], f['transfer_seconds'])} (NIXL READ)\n"
+        )
+    if "post_seconds" in f:
+        stream.write(
+            f"  post      {f['post_what']}, backend {f['backend']}: {_gb(f['post_bytes'])} in "
+            f"{f['post_seconds']:.3f} s = {_rate(f['post_bytes'], f['post_seconds'])} "
+            f"(first call on scratch blocks before it: {f['warm_up_seconds']:.2f} s)\n"
+        )
+    if "verify_seconds" in f:
+        spare = "untouched" if f["spare_untouched"] else "CHANGED"
+        stream.write(
+            f"  verify    {len(outcome.verified)}/{f['requests']} requests, {f['verified_tokens']:,} tokens x "
+            f"{f['layers']} layers x K/V bit for bit in {f['verify_seconds']:.2f} s; "
+            f"{f['spare_blocks']} spare blocks {spare}\n"
+        )
+    causes: dict[str, list[str]] = {}
+    for name, why in outcome.failed.items():
+        causes.setdefault(why, []).append(name)
+    for why, names in causes.items():
+        stream.write(f"  failed    {_names(names)}: {why}\n")
+    for name, why in outcome.mismatched.items():
+        stream.write(f"  MISMATCH  {name}: {why}\n")
+    if outcome.error:
+        stream.write(f"  error     {outcome.error}\n")
+        stream.write("  result    FAILED: the hand-off did not run\n")
+    elif outcome.ok:
+        stream.write("  result    OK: every byte of every request verified\n")
+    else:
+        stream.write(
+            f"  result    FAILED: {len(outcome.failed)} of {f.get('requests')} requests did not arrive "
+            f"(not marked received), {len(outcome.mismatched)} mismatched; the {len(outcome.verified)} that "
+            "arrived were verified bit for bit\n"
+        )
+    stream.flush()
+
+
+def write_json(path: str, outcome: Outcome) -> None:
+    data = {
+        "ok": outcome.ok,
+        "error": outcome.error,
+        "figures": outcome.figures,
+        "received": outcome.received,
+        "verified": outcome.verified,
+        "failed": outcome.failed,
+        "mismatched": outcome.mismatched,
+    }
+    with open(path, "w") as out:
+        json.dump(data, out, indent=1)
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])} ... {names[-1]}"
+    return f"{shown} ({len(names)} request{'s' if len(names) > 1 else ''})"
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.1f} MB"
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s"
+
+
+# --- command line -------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvhost demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--prefill-block-size", type=int, default=16, help="tokens per prefill block (default 16)")
+    p.add_argument("--decode-block-size", type=int, default=64, help="tokens per decode block (default 64)")
+    p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default="HND", help="prefill cache layout (HND)")
+    p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default="NHD", help="decode cache layout (NHD)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--min-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default=None, help="kvhost backend for the post-process (default: chosen by device)")
+    p.add_argument("--via-host", action="store_true", help="land bytes in a host buffer, then copy_blocks")
+    faults = p.add_mutually_exclusive_group()
+    faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill after N requests arrived")
+    faults.add_argument(
+        "--freeze-prefill-after", type=int, metavar="N", help="stop prefill (SIGSTOP) after N arrived: transfers hang"
+    )
+    p.add_argument("--inflight", type=int, default=8, help="transfers in flight at once (default 8)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds a transfer may take (default 10)")
+    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds for prefill to start and say hello")
+    p.add_argument("--json", metavar="PATH", help="also write the outcome as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # Set by decode when it starts prefill; not for people.
+    p.add_argument("--role", choices=["decode", "prefill"], default="decode", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--hold-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    positive = [
+        "prefill_block_size",
+        "decode_block_size",
+        "layers",
+        "heads",
+        "head_dim",
+        "requests",
+        "min_tokens",
+        "inflight",
+    ]
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    big, small = sorted((args.prefill_block_size, args.decode_block_size), reverse=True)
+    if big % small:
+        p.error(f"block sizes {args.prefill_block_size} and {args.decode_block_size} must divide one another")
+    if args.max_tokens < args.min_tokens:
+        p.error(f"--max-tokens {args.max_tokens} is below --min-tokens {args.min_tokens}")
+    if args.timeout <= 0:
+        p.error(f"--timeout must be positive, got {args.timeout}")
+    for name in ("kill_prefill_after", "freeze_prefill_after"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.role == "prefill":
+        try:
+            return run_prefill(args)
+        except KVHostError as err:
+            print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
+            return EXIT_ERROR
+    return run_decode(args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
