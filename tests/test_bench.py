@@ -1,0 +1,206 @@
+"""kvhost bench: the quick preset end to end, its verdicts, and the baseline as a correct implementation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kvhost
+from kvhost import bench
+from kvhost.baseline import PerRequestReceiver, PerRequestStager, wire_view
+from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
+
+TARGET_SCENARIOS = {"receive-r4", "receive-g4", "stage-runs", "stage-scattered", "identity", "front-end"}
+
+
+@pytest.mark.timeout(240)
+def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = bench.main(["--quick", "--json", str(out_json), "--png", str(out_png)])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+
+    result = json.loads(out_json.read_text())
+    assert result["preset"] == "quick" and result["device"] == "cpu" and result["cache"] == "cold"
+    assert result["verified"] is True
+    assert {s["name"] for s in result["scenarios"]} >= TARGET_SCENARIOS
+    assert {t["scenario"] for t in result["targets"]} == TARGET_SCENARIOS
+    assert all(isinstance(t["passed"], bool) and t["checks"] for t in result["targets"])
+
+    roofline_rows = [r for r in result["points"] if bench.ROOFLINE in r["methods"]]
+    assert roofline_rows
+    for row in roofline_rows:
+        methods = row["methods"]
+        assert {bench.ROOFLINE, bench.BASELINE, bench.KVHOST, bench.KVHOST_FN} <= set(methods)
+        block_bytes = bench.Geometry(**{**row["geometry"]}).block_bytes
+        assert row["bytes"] == row["blocks"] * block_bytes > 0
+        assert methods[bench.ROOFLINE]["fraction"] == pytest.approx(1.0)
+        for entry in methods.values():
+            assert len(entry["samples_s"]) == row["rounds"] >= 3
+            assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
+            assert entry["gbps"] == pytest.approx(row["bytes"] / entry["median_s"] / 1e9)
+        best = methods[row["baseline_best"]]["median_s"]
+        assert methods[bench.KVHOST]["speedup"] == pytest.approx(best / methods[bench.KVHOST]["median_s"])
+    # Every scenario's first point was checked against the baseline, bit for bit.
+    firsts = {}
+    for row in roofline_rows:
+        firsts.setdefault(row["scenario"], row)
+    assert all(row["verified_against_baseline"] is True for row in firsts.values())
+    identity = [r for r in result["points"] if r["kind"] == "identity"]
+    assert identity and all(r["bytes"] == 0 for r in identity)
+
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(str(out_png)).shape[:2]
+    assert width > 600 and height > 300
+
+    header = next(line for line in out.splitlines() if line.startswith("scenario "))
+    assert all(column in header for column in bench.TABLE_COLUMNS)
+    assert result["table"].splitlines()[0] == header
+    assert "[  1/" in err  # progress while it runs
+
+
+def test_bench_reports_a_baseline_that_disagrees(tmp_path, monkeypatch, capfd):
+    """The bench's own check can fail: a baseline that leaves the wire bytes is caught."""
+    monkeypatch.setattr(bench.PerRequestReceiver, "receive", lambda self, requests, **kw: 0)
+    argv = ["--quick", "--in-process", "--only", "receive-r4", "--requests", "1", "--rounds", "1"]
+    code = bench.main([*argv, "--json", str(tmp_path / "b.json"), "--png", str(tmp_path / "b.png")])
+    assert code == 2
+    assert "MISMATCH" in capfd.readouterr().err
+    assert json.loads((tmp_path / "b.json").read_text())["verified"] is False
+
+
+def _rows(fraction: float, speedup: float) -> list[dict]:
+    return [
+        {"requests": n, "methods": {bench.KVHOST: {"fraction": f, "speedup": s}}}
+        for n, f, s in ((1, 0.95, 9.0), (256, fraction, speedup))
+    ]
+
+
+def test_targets_pass_and_fail_on_the_figures():
+    target = bench.Target("t", min_fraction=0.8, min_speedup=4.0)
+    scenario = bench.Scenario("s", "s", (), target)
+    assert bench.evaluate(scenario, _rows(0.85, 5.0))["passed"] is True
+    failed = bench.evaluate(scenario, _rows(0.79, 5.0))
+    assert failed["passed"] is False
+    assert [(c["point"], c["what"]) for c in failed["checks"] if not c["passed"]] == [("256 requests", "kvhost/memcpy")]
+    assert bench.evaluate(scenario, _rows(0.9, 3.9))["passed"] is False
+
+    front = bench.Scenario("f", "f", (), bench.Target("f", max_front_share=0.05))
+    rows = [{"requests": 1024, "methods": {"front end": {"median_s": 0.004}, "transform": {"median_s": 0.1}}}]
+    assert bench.evaluate(front, rows)["passed"] is True
+    rows[0]["methods"]["front end"]["median_s"] = 0.006
+    assert bench.evaluate(front, rows)["passed"] is False
+
+    identity = bench.Scenario("i", "i", (), bench.Target("i", identity=True))
+
+    def identity_row(moved: int, extra: float) -> list[dict]:
+        spread = {"p25_s": 1e-5, "p75_s": 2e-5}
+        methods = {"empty": {"median_s": 1.5e-5, **spread}, bench.KVHOST: {"median_s": 1.5e-5 + extra, **spread}}
+        return [{"requests": 4, "bytes": moved, "methods": methods}]
+
+    assert bench.evaluate(identity, identity_row(0, 5e-6))["passed"] is True
+    assert bench.evaluate(identity, identity_row(0, 5e-5))["passed"] is False
+    assert bench.evaluate(identity, identity_row(64, 0.0))["passed"] is False
+
+
+def test_allocator_ids():
+    rng = np.random.default_rng(1)
+    runs = bench.allocator_ids(1000, 600, "runs", rng)
+    scattered = bench.allocator_ids(1000, 600, "scattered", rng)
+    for ids in (runs, scattered):
+        assert ids.size == 600 and np.unique(ids).size == 600 and ids.min() >= 0 and ids.max() < 1000
+    assert np.mean(np.diff(runs) == 1) > 0.5  # mostly runs of consecutive ids
+    assert np.mean(np.diff(scattered) == 1) < 0.02
+
+
+# --- the baseline is a correct implementation ------------------------------------------------
+
+LAYOUTS = [
+    ("KBNHC", "KBNHC", dict(K=2, B=12, N=8, H=2, C=4), "HNC"),
+    ("KBNHC", "KBHNC", dict(K=2, B=12, N=8, H=2, C=4), "NHC"),
+    ("BKNHC", "BKNHC", dict(K=2, B=12, N=8, H=2, C=4), "HKNC"),
+    ("BHNC", "HBNC", dict(B=12, N=8, H=3, C=4), "NC"),
+    ("LBHNC", "BLHNC", dict(L=3, B=12, N=8, H=2, C=4), "HNLC"),
+]
+RATIOS = [("r", 1), ("r", 2), ("r", 8), ("g", 2), ("g", 4)]
+
+
+def _clone(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in caches.items():
+        copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        raw(copy).copy_(raw(tensor))
+        out[name] = copy
+    return out
+
+
+@pytest.mark.parametrize(("kind", "k"), RATIOS, ids=[f"{kind}{k}" for kind, k in RATIOS])
+@pytest.mark.parametrize(("axes", "physical", "sizes", "order"), LAYOUTS, ids=[f"{a}/{p}" for a, p, *_ in LAYOUTS])
+def test_baseline_receive_matches_the_sender_and_kvhost_bit_for_bit(axes, physical, sizes, order, kind, k):
+    remote = sizes["N"] // k if kind == "r" else sizes["N"] * k
+    g = k if kind == "g" else 1
+    caches = {f"l{i}": make_cache(axes, physical, sizes) for i in range(2)}
+    case = ReceiveCase(caches, axes, seed=k)
+    requests = {"a": [9, 2, 7, 0][:g], "b": [11, 4, 5, 10, 1, 3, 6, 8][: 2 * g]}
+    for name, ids in requests.items():
+        case.send(name, ids, order, remote)
+    with_kvhost = _clone(caches)
+
+    moved = PerRequestReceiver(caches, axes).receive(requests, remote_order=order, remote_block_size=remote)
+    stats = kvhost.receive(with_kvhost, requests, axes=axes, remote_order=order, remote_block_size=remote)
+
+    case.check()  # the baseline leaves what the sender sent, in the local layout
+    assert all(torch.equal(raw(caches[n]), raw(with_kvhost[n])) for n in caches)
+    if stats.bytes_moved:
+        assert moved == stats.bytes_moved
+
+
+def test_baseline_takes_each_request_s_own_sender():
+    sizes = dict(K=2, B=16, N=8, H=2, C=4)
+    caches = {"l": make_cache("KBNHC", "KBNHC", sizes)}
+    case = ReceiveCase(caches, "KBNHC", seed=4)
+    specs = {"x": ([3, 1], "HNC", 2), "y": ([5, 6], "HNC", 16), "z": ([9], "NHC", 4)}
+    for name, (ids, order, size) in specs.items():
+        case.send(name, ids, order, size)
+    PerRequestReceiver(caches, "KBNHC").receive({n: kvhost.Incoming(*spec) for n, spec in specs.items()})
+    case.check()
+
+
+@pytest.mark.parametrize(
+    ("src_physical", "dst_physical"), [("KBNHC", "KBNHC"), ("KBNHC", "KBHNC"), ("KBHNC", "BKNHC")], ids=str
+)
+def test_baseline_staging_matches_copy_blocks(src_physical, dst_physical):
+    sizes = dict(K=2, B=10, N=8, H=2, C=4)
+    src = {f"l{i}": fill_random(make_cache("KBNHC", src_physical, sizes), i) for i in range(2)}
+    dst = {f"l{i}": fill_random(make_cache("KBNHC", dst_physical, sizes), 9 + i) for i in range(2)}
+    expected = _clone(dst)
+    requests = [([3, 4], [0, 1]), ([7], [5]), ([9, 0, 1], [2, 8, 9])]
+    moved = PerRequestStager(src, dst, axes="KBNHC").copy(requests)
+    src_ids = [i for s, _ in requests for i in s]
+    dst_ids = [i for _, d in requests for i in d]
+    result = kvhost.copy_blocks(src, expected, src_ids, dst_ids, axes="KBNHC")
+    assert all(torch.equal(raw(dst[n]), raw(expected[n])) for n in dst)
+    assert moved == result.bytes_moved
+    assert torch.equal(dst["l1"][:, 8], src["l1"][:, 0])
+
+
+def test_baseline_staging_between_a_k_axis_and_k_v_tuples():
+    sizes = dict(K=2, B=6, N=4, H=2, C=4)
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes), 1)}
+    dst = {"l": (torch.zeros(6, 4, 2, 4, dtype=torch.bfloat16), torch.zeros(6, 4, 2, 4, dtype=torch.bfloat16))}
+    PerRequestStager(src, dst, axes="KBNHC").copy([([2, 3], [0, 5])])
+    assert torch.equal(dst["l"][1][5], src["l"][1, 3]) and torch.equal(dst["l"][0][0], src["l"][0, 2])
+
+
+def test_wire_view_rejects_what_it_cannot_mean():
+    with pytest.raises(kvhost.RequestError, match="'HNLC'"):
+        wire_view("NHC", dict(N=8, H=2, C=4), "HNLC", 4)
+    with pytest.raises(kvhost.RequestError, match="remote block size 3"):
+        wire_view("NHC", dict(N=8, H=2, C=4), "HNC", 3)
+    view = wire_view("NHC", dict(N=8, H=2, C=4), "HNC", 2)
+    assert (view.wire_shape, view.perm, view.parts) == ((4, 2, 2, 4), (0, 2, 1, 3), 1)
