@@ -1,0 +1,311 @@
+"""kvhost.nixl: descriptors checked against the wire model, tables, and real NIXL agents.
+
+Descriptor tests move bytes with ``memmove`` row by row (what NIXL does with each pair)
+and compare the local caches with ``kvhost.testing.write_wire``, the oracle written from
+DESIGN.md; then ``kvhost.receive`` must turn them into the sender's tokens. The agent
+tests move the same bytes with NIXL over UCX between two agents in this process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import kvhost
+from kvhost.caches import CacheSet
+from kvhost.errors import KVHostError, LayoutError, RequestError
+from kvhost.nixl import RegionTable, TransferError, memory_spans, plan_transfer, region_table
+from kvhost.testing import fill_random, make_cache, raw, read_tokens, write_wire
+from kvhost.wire_protocol import ProtocolError
+
+# (axes, remote memory order, local memory order, sizes but B and N)
+LAYOUT_PAIRS = {
+    "HND->NHD": ("KBNHC", "KBHNC", "KBNHC", dict(K=2, H=2, C=4)),
+    "NHD->HND": ("KBNHC", "KBNHC", "KBHNC", dict(K=2, H=3, C=4)),
+    "HND->HND": ("KBNHC", "KBHNC", "KBHNC", dict(K=2, H=2, C=8)),
+    "blockfirst": ("BKNHC", "BKHNC", "BKNHC", dict(K=2, H=2, C=4)),
+    "per-head": ("BHNC", "HBNC", "HBNC", dict(H=3, C=4)),
+    "MLA": ("BNC", "BNC", "BNC", dict(C=12)),
+    "layers-in-one": ("LBHNC", "BLHNC", "BLNHC", dict(L=2, H=2, C=4)),
+}
+# (remote block size, local block size, remote blocks in the request)
+SIZES = {"r4": (4, 16, 8), "r2-partial": (8, 16, 5), "same": (8, 8, 3), "g4": (32, 8, 2), "g2": (16, 8, 3)}
+REMOTE_IDS = [7, 3, 12, 0, 5, 9, 1, 14]
+LOCAL_IDS = [20, 2, 11, 4, 17, 6, 22, 8, 1, 13, 15, 3]
+
+
+def caches_for(axes, memory, sizes, block_size, blocks, seed, layers=2):
+    full = dict(sizes, N=block_size, B=blocks)
+    return {f"l{i}": fill_random(make_cache(axes, memory, full), seed + i) for i in range(layers)}
+
+
+def memmove_rows(local_rows, remote_rows):
+    """What NIXL does with a READ: for each pair, the remote row's bytes into the local row."""
+    assert local_rows.shape == remote_rows.shape
+    assert (local_rows[:, 1] == remote_rows[:, 1]).all()
+    for (dst, length, _), (src, _, _) in zip(local_rows.tolist(), remote_rows.tolist()):
+        ctypes.memmove(dst, src, length)
+
+
+def outer_streams(tensor, layout, ids):
+    """Per outer index, the regions of ``ids`` back to back, as bytes (what the wire model speaks of)."""
+    physical = raw(tensor).permute([layout.axes.index(a) for a in layout.physical])
+    return [
+        torch.cat([physical[outer][b].reshape(-1).view(torch.uint8) for b in ids])
+        for outer in np.ndindex(*[layout.size(a) for a in layout.outer])
+    ]
+
+
+def untouched_blocks_same(tensor, before, layout, ids):
+    b = layout.axes.index("B")
+    others = [i for i in range(layout.num_blocks) if i not in set(ids)]
+    index = torch.tensor(others)
+    return torch.equal(raw(tensor).index_select(b, index), before.index_select(b, index))
+
+
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize("pair", LAYOUT_PAIRS)
+def test_descriptors_land_wire_bytes(pair, sizes_name):
+    axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
+    remote_size, local_size, count = SIZES[sizes_name]
+    remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
+    local = caches_for(axes, local_memory, sizes, local_size, 24, seed=50)
+    before = {name: raw(t).clone() for name, t in local.items()}
+    plan = plan_transfer(region_table(local, axes), region_table(remote, axes))
+    remote_ids = REMOTE_IDS[:count]
+    local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
+    assert plan.local_parts == max(local_size // remote_size, 1)
+    assert plan.remote_parts == max(remote_size // local_size, 1)
+    assert len(local_ids) * local_size >= count * remote_size > (len(local_ids) - 1) * local_size
+
+    local_rows, remote_rows = plan.descriptor_pairs(local_ids, remote_ids)
+    memmove_rows(local_rows, remote_rows)
+    assert int(local_rows[:, 1].sum()) == plan.bytes_for(count)
+
+    remote_set, local_set = CacheSet(remote, axes), CacheSet(local, axes)
+    tokens = count * remote_size
+    for r, lo in zip(remote_set.members, local_set.members):
+        truth = read_tokens(r.tensor, r.layout, remote_ids)
+        # The oracle fills whole local blocks: pad the truth, then hold only the sender's prefix to it.
+        pad = fill_random(torch.empty((len(local_ids) * local_size - tokens, *truth.shape[1:]), dtype=truth.dtype), 9)
+        expected = before[lo.layer].clone()
+        write_wire(expected, lo.layout, local_ids, torch.cat([truth, pad]), plan.remote_order, remote_size)
+        sent = count * r.layout.region_bytes
+        got_streams = outer_streams(lo.tensor, lo.layout, local_ids)
+        want_streams = outer_streams(expected, lo.layout, local_ids)
+        old_streams = outer_streams(before[lo.layer], lo.layout, local_ids)
+        for got, want, old in zip(got_streams, want_streams, old_streams):
+            assert torch.equal(got[:sent], want[:sent]), f"{lo.layer}: wire bytes differ from the oracle"
+            assert torch.equal(got[sent:], old[sent:]), f"{lo.layer}: bytes past the sender's were written"
+        assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
+
+    kvhost.receive(local, {"x": local_ids}, axes=axes, remote_order=plan.remote_order, remote_block_size=remote_size)
+    for r, lo in zip(remote_set.members, local_set.members):
+        got = read_tokens(lo.tensor, lo.layout, local_ids)[:tokens]
+        assert torch.equal(got, read_tokens(r.tensor, r.layout, remote_ids))
+
+
+@pytest.mark.parametrize(("remote_size", "local_size", "count"), [(4, 16, 7), (32, 8, 2), (8, 8, 3)])
+@pytest.mark.parametrize("memory", ["KBHNC", "KBNHC"])
+def test_token_runs_land_in_the_local_layout(memory, remote_size, local_size, count):
+    """Tables cut at N pair token runs: the bytes arrive already in local order, no post-process."""
+    sizes = dict(K=2, H=3, C=4)
+    remote = caches_for("KBNHC", memory, sizes, remote_size, 16, seed=3)
+    local = caches_for("KBNHC", memory, sizes, local_size, 24, seed=30)
+    before = {name: raw(t).clone() for name, t in local.items()}
+    local_table, remote_table = region_table(local, "KBNHC").token_runs(), region_table(remote, "KBNHC").token_runs()
+    assert local_table.split == ("H" if memory == "KBHNC" else "")
+    plan = plan_transfer(local_table, remote_table)
+    local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
+    memmove_rows(*plan.descriptor_pairs(local_ids, REMOTE_IDS[:count]))
+    tokens = count * remote_size
+    for r, lo in zip(CacheSet(remote, "KBNHC").members, CacheSet(local, "KBNHC").members):
+        got = read_tokens(lo.tensor, lo.layout, local_ids)
+        assert torch.equal(got[:tokens], read_tokens(r.tensor, r.layout, REMOTE_IDS[:count]))
+        old = read_tokens(before[lo.layer], lo.layout, local_ids)
+        assert torch.equal(got[tokens:], old[tokens:])
+        assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
+
+
+def test_k_as_tuple_pairs_with_k_as_axis():
+    """A sender with one [2, B, H, N, C] tensor per layer, a receiver with (K, V) tensors per layer."""
+    sizes = dict(H=2, C=4)
+    remote = caches_for("KBNHC", "KBHNC", dict(sizes, K=2), 4, 12, seed=5)
+    local = {
+        name: tuple(fill_random(make_cache("BNHC", "BNHC", dict(sizes, N=8, B=10)), 60 + k) for k in range(2))
+        for name in remote
+    }
+    plan = plan_transfer(region_table(local, "KBNHC"), region_table(remote, "KBNHC"))
+    memmove_rows(*plan.descriptor_pairs([6, 2], [9, 4, 1, 7]))
+    kvhost.receive(local, {"x": [6, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    for name, tensor in remote.items():
+        layout = CacheSet({name: tensor}, "KBNHC").layout
+        truth = read_tokens(tensor, layout, [9, 4, 1, 7])  # [tokens, K, H, C]
+        for k, member in enumerate(local[name]):
+            member_layout = CacheSet({name: member}, "BNHC").layout
+            assert torch.equal(read_tokens(member, member_layout, [6, 2]), truth[:, k])
+
+
+def test_tables_and_plans_reject_mismatches():
+    small = dict(K=2, H=2, C=4)
+    hnd = region_table(caches_for("KBNHC", "KBHNC", small, 4, 8, seed=0), "KBNHC")
+    nhd16 = region_table(caches_for("KBNHC", "KBNHC", small, 16, 8, seed=0), "KBNHC")
+    with pytest.raises(LayoutError, match=r"sizes .* differ beyond N"):
+        plan_transfer(region_table(caches_for("KBNHC", "KBNHC", dict(K=2, H=3, C=4), 16, 8, seed=0), "KBNHC"), hnd)
+    with pytest.raises(LayoutError, match="do not divide"):
+        plan_transfer(region_table(caches_for("KBNHC", "KBNHC", small, 6, 8, seed=0), "KBNHC"), hnd)
+    with pytest.raises(LayoutError, match="hold different letters"):
+        plan_transfer(region_table(caches_for("BKNHC", "BKNHC", small, 16, 8, seed=0), "BKNHC"), hnd)
+    with pytest.raises(LayoutError, match="token runs pair only"):
+        plan_transfer(nhd16, hnd.token_runs())
+    with pytest.raises(LayoutError, match="no partner"):
+        renamed = caches_for("KBNHC", "KBNHC", small, 16, 8, seed=0)
+        plan_transfer(region_table({"other": renamed["l0"], "l1": renamed["l1"]}, "KBNHC"), hnd)
+    with pytest.raises(LayoutError, match="item size"):
+        plan_transfer(
+            region_table({"l0": make_cache("KBNHC", "KBNHC", dict(small, N=16, B=8), torch.float32)}, "KBNHC"),
+            region_table({"l0": make_cache("KBNHC", "KBHNC", dict(small, N=4, B=8))}, "KBNHC"),
+        )
+    plan = plan_transfer(nhd16, hnd)
+    with pytest.raises(RequestError, match="need 1 local blocks"):
+        plan.indices([1, 2], [0, 1])
+    with pytest.raises(RequestError, match="out of range"):
+        plan.indices([1], [0, 8])
+    with pytest.raises(RequestError, match="appears twice"):
+        plan.indices([1], [3, 3])
+    with pytest.raises(RequestError, match="empty"):
+        plan.indices([], [])
+    with pytest.raises(LayoutError, match="not meta"):
+        region_table({"l": make_cache("KBNHC", "KBNHC", dict(small, N=4, B=2), device="meta")}, "KBNHC")
+
+
+def test_table_round_trip_and_strict_parsing():
+    caches = caches_for("KBNHC", "KBHNC", dict(K=2, H=2, C=4), 4, 8, seed=0)
+    table = region_table(caches, "KBNHC")
+    again = RegionTable.from_dict(table.to_dict())
+    assert again == table
+    assert RegionTable.from_dict(table.token_runs().to_dict()) == table.token_runs()
+    assert table.outer == "K" and table.order == "HNC" and table.block_size == 4
+    assert len(table.streams) == 2 * 2  # layers x K
+    data = table.to_dict()
+    data["streams"][1] = data["streams"][0]
+    with pytest.raises(ProtocolError, match=r"appears twice"):
+        RegionTable.from_dict(data)
+
+
+def test_memory_spans_merge_shared_memory():
+    whole = torch.zeros(4, 2, 8, 3, dtype=torch.float16)  # one tensor, layers along dim 0
+    layers = list(whole.unbind(0))
+    spans = memory_spans(layers)
+    assert spans == [(whole.data_ptr(), whole.numel() * 2)]
+    apart = [torch.zeros(10), torch.zeros(10)]
+    assert sorted(memory_spans(apart)) == sorted((t.data_ptr(), 40) for t in apart)
+    permuted = torch.zeros(2, 3, 5).permute(2, 0, 1)
+    assert memory_spans([permuted]) == [(permuted.data_ptr(), 30 * 4)]
+
+
+def test_importing_kvhost_does_not_import_nixl():
+    code = "import sys, kvhost, kvhost.nixl, kvhost.demo; print(sorted(m for m in sys.modules if 'nixl' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "['kvhost.nixl']"
+
+
+# --- real NIXL, two agents in this process ------------------------------------------------------
+
+nixl_api = pytest.importorskip("nixl_cu12._api", reason="nixl-cu12 is not installed")
+
+
+@pytest.fixture(scope="module")
+def agents():
+    from kvhost.nixl import Agent
+
+    with Agent("test-prefill") as sender, Agent("test-decode") as receiver:
+        yield sender, receiver
+
+
+def expose(sender, receiver, caches):
+    """Register ``caches`` with the sender and (re)load its metadata into the receiver."""
+    table = sender.register(caches, "KBNHC")
+    return receiver.add_peer(sender.metadata()), table
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("remote_size", "local_size", "count"), [(4, 16, 6), (32, 8, 2)])
+def test_nixl_read_lands_what_the_descriptors_say(agents, remote_size, local_size, count):
+    sender, receiver = agents
+    sizes = dict(K=2, H=2, C=8)
+    remote = caches_for("KBNHC", "KBHNC", sizes, remote_size, 16, seed=7, layers=3)
+    local = caches_for("KBNHC", "KBNHC", sizes, local_size, 24, seed=70, layers=3)
+    simulated = {name: t.clone() for name, t in local.items()}
+    peer, remote_table = expose(sender, receiver, remote)
+    plan = plan_transfer(receiver.register(local, "KBNHC"), remote_table)
+    local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
+    transfer = receiver.reader(plan, peer).read(local_ids, REMOTE_IDS[:count])
+    transfer.wait(timeout=20)
+    assert transfer.poll() and transfer.nbytes == plan.bytes_for(count)
+    transfer.release()
+    sim_plan = plan_transfer(region_table(simulated, "KBNHC"), remote_table)
+    memmove_rows(*sim_plan.descriptor_pairs(local_ids, REMOTE_IDS[:count]))
+    for name in local:
+        assert torch.equal(raw(local[name]), raw(simulated[name])), name
+    kvhost.receive(local, {"x": local_ids}, axes="KBNHC", remote_order="HNC", remote_block_size=remote_size)
+    for (name, r), lo in zip(remote.items(), local.values()):
+        got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, local_ids)[: count * remote_size]
+        assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, REMOTE_IDS[:count]))
+
+
+@pytest.mark.timeout(60)
+def test_nixl_write_pushes_token_runs_into_the_peer_layout(agents):
+    """The pushing side: head-major blocks of 16 written into the peer's head-major blocks of 4."""
+    sender, receiver = agents
+    sizes = dict(K=2, H=2, C=8)
+    target = caches_for("KBNHC", "KBHNC", sizes, 4, 12, seed=9)
+    source = caches_for("KBNHC", "KBHNC", sizes, 16, 4, seed=90)
+    before = {name: raw(t).clone() for name, t in target.items()}
+    peer, target_table = expose(sender, receiver, target)
+    plan = plan_transfer(receiver.register(source, "KBNHC").token_runs(), target_table.token_runs())
+    target_ids = [11, 0, 6, 3, 8, 5]
+    source_ids = [2, 0]  # 32 tokens hold the 6 x 4 = 24 target tokens, and 8 more that stay home
+    receiver.reader(plan, peer).write(source_ids, target_ids).wait(timeout=20)
+    for (name, t), s in zip(target.items(), source.values()):
+        layout = CacheSet({name: t}, "KBNHC").layout
+        sent = read_tokens(s, CacheSet({name: s}, "KBNHC").layout, source_ids)[:24]
+        assert torch.equal(read_tokens(t, layout, target_ids), sent)
+        assert untouched_blocks_same(t, before[name], layout, target_ids)
+
+
+@pytest.mark.timeout(60)
+def test_nixl_errors_are_kvhost_errors(agents):
+    sender, receiver = agents
+    sizes = dict(K=2, H=2, C=8)
+    registered = caches_for("KBNHC", "KBNHC", sizes, 8, 4, seed=11)
+    never_registered = caches_for("KBNHC", "KBNHC", sizes, 8, 4, seed=12)
+    peer, _ = expose(sender, receiver, registered)
+    local_table = receiver.register(caches_for("KBNHC", "KBNHC", sizes, 8, 4, seed=13), "KBNHC")
+    with pytest.raises(TransferError, match="has not registered"):
+        receiver.reader(plan_transfer(local_table, region_table(never_registered, "KBNHC")), peer)
+    with pytest.raises(TransferError, match="no peer 'nobody'"):
+        receiver.reader(plan_transfer(local_table, region_table(registered, "KBNHC")), "nobody")
+    with pytest.raises(ProtocolError, match="rejected by NIXL"):
+        receiver.add_peer(b"nixlSerDes|" + bytes(range(64)))
+    reader = receiver.reader(plan_transfer(local_table, region_table(registered, "KBNHC")), peer)
+    with pytest.raises(RequestError):
+        reader.read([0, 1], [2])  # one remote block of 8 fills one local block of 8, not two
+    reader.close()
+    with pytest.raises(TransferError, match="closed"):
+        reader.read([0], [1])
+
+
+def test_a_closed_agent_refuses_work():
+    from kvhost.nixl import Agent
+
+    agent = Agent("closing")
+    agent.close()
+    agent.close()  # twice is fine
+    with pytest.raises(KVHostError, match="closed"):
+        agent.metadata()
