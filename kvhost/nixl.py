@@ -191,7 +191,7 @@ class RegionTable:
         sizes_field = fields.fields("sizes")
         sizes = {}
         for letter in sizes_field.data:
-            if letter not in AXIS_LETTERS or letter == "B":
+            if len(letter) != 1 or letter not in AXIS_LETTERS or letter == "B":
                 raise ProtocolError(f"{where}.sizes: unknown letter {letter!r} (letters are {AXIS_LETTERS!r} but B)")
             sizes[letter] = sizes_field.integer(letter, minimum=1, maximum=1 << 24)
         order = _letters(fields.text("order", max_length=8), f"{where}.order", sizes)
@@ -244,9 +244,9 @@ def _stream_from_list(item: Any, where: str, table: RegionTable) -> Stream:
         raise ProtocolError(f"{where}: coords must be a list of [letter, index] pairs, got {raw_coords!r:.60}")
     coords: dict[str, int] = {}
     for pair in raw_coords:
-        if not (isinstance(pair, list) and len(pair) == 2 and pair[0] in COORD_LETTERS and pair[0] not in coords):
+        letter = pair[0] if isinstance(pair, list) and len(pair) == 2 else None
+        if not (isinstance(letter, str) and len(letter) == 1 and letter in COORD_LETTERS and letter not in coords):
             raise ProtocolError(f"{where}: bad coordinate {pair!r:.60}")
-        letter = pair[0]
         if letter != "#" and letter not in table.sizes:
             raise ProtocolError(f"{where}: coordinate {letter} has no size")
         if letter in table.run_order:

@@ -49,7 +49,10 @@ class Message:
 
 def encode(kind: str, header: Mapping[str, Any], blob: bytes = b"") -> bytes:
     """The frame for a message; ``header`` must be JSON-serialisable and not name ``kind``."""
-    body = json.dumps({"kind": kind, **header}, separators=(",", ":"), allow_nan=False).encode()
+    try:
+        body = json.dumps({"kind": kind, **header}, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as err:
+        raise ProtocolError(f"message {kind!r} cannot be sent as JSON: {err}") from None
     if len(body) > MAX_JSON_BYTES or len(blob) > MAX_BLOB_BYTES:
         raise ProtocolError(f"message {kind!r} too large: {len(body)} JSON bytes, {len(blob)} blob bytes")
     crc = zlib.crc32(blob, zlib.crc32(body))
