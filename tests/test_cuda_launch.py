@@ -23,6 +23,7 @@ from kvhost_cuda.launch import (
 )
 from test_receive import LAYOUTS, RATIOS, remote_orders, request_ids
 
+import kvhost
 from kvhost.batch import plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet
 from kvhost.layout import Layout
@@ -224,3 +225,9 @@ def test_copy_launch_of_a_large_cache_keeps_outer_strides():
     assert src.stride("K") * 2 // 8 in launch.rows.src_strides
     assert launch.items == 64 * 300 and launch.programs == 528
     assert launch.tile.words * launch.word_bytes <= Limits().tile_bytes
+
+
+def test_launches_too_large_for_int32_items_are_refused():
+    plan = plan_receive(vllm_cache("KBHNC"), "NHC", 16)
+    with pytest.raises(kvhost.BackendError, match="work items in one launch"):
+        plan_receive_launch(plan, members=1 << 12, outer=2, units=1 << 20, alignment=256, limits=Limits())

@@ -88,9 +88,14 @@ def test_sizes_that_are_not_powers_of_two(remote, order, limits):
     assert stats.bytes_moved == len(ids) * 6 * 3 * 12 * 2
 
 
+@pytest.mark.parametrize(
+    ("non_blocking", "buffers"),
+    [(True, [(4, 3), (4, 3)]), (False, [(3, 4)])],  # bounce: [blocks, layers] twice; host spans: [layers, blocks]
+    ids=["bounce", "host-spans"],
+)
 @pytest.mark.parametrize("to_device", [True, False], ids=["load", "save"])
-def test_staged_host_copy_with_kernels_on_the_device_side(to_device):
-    """A staged copy: CPU step, one bulk copy, and the kernel gathers or scatters the device side."""
+def test_staged_host_copy_with_kernels_on_the_device_side(to_device, non_blocking, buffers):
+    """Host copies that stage: the kernel gathers or scatters the device side into a staging buffer."""
     backend = TritonInterpretBackend()
     device_caches = {f"l{i}": torch.empty([2, 12, 2, 8, 16], dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
                      for i in range(3)}  # fmt: skip
@@ -103,11 +108,11 @@ def test_staged_host_copy_with_kernels_on_the_device_side(to_device):
     else:
         src, dst, src_axes, dst_axes, src_ids, dst_ids = device_caches, host, "KBNHC", "BKNHC", device_ids, host_ids
     before = [raw(m.tensor).clone() for m in CacheSet(dst, dst_axes).members]
-    job = plan_copy_batch(CacheSet(src, src_axes), CacheSet(dst, dst_axes), src_ids, dst_ids, True).jobs[0]
+    job = plan_copy_batch(CacheSet(src, src_axes), CacheSet(dst, dst_axes), src_ids, dst_ids, non_blocking).jobs[0]
     keep: list[object] = []
     finish = backend.copy_host(job, to_device=to_device, keep=keep)
-    staging = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() == 6]  # [blocks, tensors, K N H C]
-    assert [tuple(t.shape[:2]) for t in staging] == [(4, 3), (4, 3)]  # the bounce buffer and the device staging
+    staging = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() == 6]
+    assert [tuple(t.shape[:2]) for t in staging] == buffers
     if finish is not None:
         finish()
     for s, d, saved in zip(CacheSet(src, src_axes).members, CacheSet(dst, dst_axes).members, before):

@@ -96,7 +96,9 @@ class AcceleratorBackend(TorchBackend):
 
     priority = 10
     chunk_bytes = 64 << 20  # torch path: bounded temporaries
-    max_run_copies = 64  # direct copy_ calls at most; beyond, one kernel (or gather/scatter)
+    max_run_copies = 64  # on the device: direct copy_ calls at most; beyond, one kernel (or gather/scatter)
+    max_host_copies: ClassVar[int] = 64  # across the bus: copy_ calls at most, unless each is large:
+    direct_span_bytes: ClassVar[int] = 512 << 10  # a host copy this large is worth its own call
     limits: ClassVar[Limits] = Limits()
     programs_per_processor: ClassVar[int] = 4
 
@@ -236,15 +238,72 @@ class AcceleratorBackend(TorchBackend):
         call.launch()
 
     def copy_host(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> Callable[[], None] | None:
-        """Between host memory and this device; returns host work to run once the device is done."""
+        """Between host memory and this device; returns host work to run once the device is done.
+
+        Three ways, cheapest first. *Direct*: runs of ids with the same block bytes on both
+        sides, one ``copy_`` each. *Host spans*: the device side is gathered (or scattered)
+        by one launch into a device staging buffer laid out like the host tensors, which
+        crosses the bus as one ``copy_`` per run of host ids (the usual offload: scattered
+        device blocks, consecutive host slots). *Bounce*: anything else, or pageable host
+        memory with ``non_blocking``: the device staging buffer crosses as one copy to or
+        from a pinned bounce buffer, and the CPU backend moves the host side.
+        """
         host = [s if to_device else d for s, d in job.pairs]
+        host_ids = job.src_ids if to_device else job.dst_ids
         pinned = all(self.runtime.is_pinned(m.tensor) for m in host)
-        if self.direct_copies(job) <= self.max_run_copies and (pinned or not job.non_blocking):
+        can_transfer = pinned or not job.non_blocking  # pageable memory: copy_ waits, so only when blocking
+        if can_transfer and self.few_spans(job.bytes_moved, self.direct_copies(job)):
             self.copy_direct(job)
             return None
+        spans = host_spans(host[0].layout, host_ids)
+        transfers = len(host) * host[0].layout.outer_count * (len(spans) if spans is not None else 1 << 40)
+        if can_transfer and self.few_spans(job.bytes_moved, transfers):
+            self._copy_host_spans(job, to_device=to_device, keep=keep)
+            return None
+        return self._copy_bounced(job, to_device=to_device, keep=keep)
+
+    def few_spans(self, nbytes: int, copies: int) -> bool:
+        """Whether ``copies`` separate ``copy_`` calls are cheap for ``nbytes``: few, or each large."""
+        return copies <= self.max_host_copies or nbytes >= copies * self.direct_span_bytes
+
+    def _copy_host_spans(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> None:
+        host = [s if to_device else d for s, d in job.pairs]
+        device_side = [d if to_device else s for s, d in job.pairs]
+        host_ids = job.src_ids if to_device else job.dst_ids
+        device_ids = job.dst_ids if to_device else job.src_ids
+        count = int(host_ids.size)
+        # Staging position of a block: its rank among the host ids, so host runs are staging runs.
+        order = np.argsort(host_ids, kind="stable")
+        positions = np.empty(count, dtype=np.int64)
+        positions[order] = np.arange(count)
+        staged, staged_members = self.staging(host, count, device_side[0].tensor.device, block_major=False)
+        keep.append(staged)
+        sorted_ids = host_ids[order]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(sorted_ids) != 1) + 1))
+        lengths = np.diff(np.concatenate((starts, [count])))
+        spans = [(int(sorted_ids[a]), int(a), int(n)) for a, n in zip(starts, lengths)]
+        if not to_device:
+            self.copy_on_device(_job(list(zip(device_side, staged_members)), device_ids, positions), keep)
+        layout, staged_layout = host[0].layout, staged_members[0].layout
+        for member, staged_member in zip(host, staged_members):
+            host_bytes, staged_bytes = _byte_view(member.tensor), _byte_view(staged_member.tensor)
+            for host_outer, staged_outer in zip(layout.outer_offsets_bytes, staged_layout.outer_offsets_bytes):
+                for host_start, position, length in spans:
+                    h = int(host_outer) + host_start * layout.block_stride_bytes
+                    b = int(staged_outer) + position * staged_layout.block_stride_bytes
+                    n = length * layout.region_bytes
+                    if to_device:
+                        staged_bytes[b : b + n].copy_(host_bytes[h : h + n], non_blocking=True)
+                    else:
+                        host_bytes[h : h + n].copy_(staged_bytes[b : b + n], non_blocking=True)
+        if to_device:
+            self.copy_on_device(_job(list(zip(staged_members, device_side)), positions, device_ids), keep)
+
+    def _copy_bounced(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> Callable[[], None] | None:
+        host = [s if to_device else d for s, d in job.pairs]
+        device_side = [d if to_device else s for s, d in job.pairs]
         count = int(job.src_ids.size)
         positions = np.arange(count, dtype=np.int64)
-        device_side = [d if to_device else s for s, d in job.pairs]
         device = device_side[0].tensor.device
         bounce, bounce_members = self.staging(host, count, None)
         staged, staged_members = self.staging(host, count, device)
@@ -260,26 +319,34 @@ class AcceleratorBackend(TorchBackend):
         into_host = _job(list(zip(bounce_members, host)), positions, job.dst_ids)
         return lambda: cpu.copy(into_host).wait()
 
-    def staging(self, like: list[Member], count: int, device: torch.device | None) -> tuple[torch.Tensor, list[Member]]:
+    def staging(
+        self, like: list[Member], count: int, device: torch.device | None, *, block_major: bool = True
+    ) -> tuple[torch.Tensor, list[Member]]:
         """A compact buffer for ``count`` blocks of every tensor in ``like``, in its letters.
 
-        Block-major (``[blocks, tensors, block bytes]``) so the first ``count`` blocks of
-        every tensor are one contiguous span: one copy crosses the bus. Pinned host memory
-        when ``device`` is None. Rounded up to a power of two of blocks, so layouts (and
-        compiled kernels) repeat across calls.
+        ``block_major``: ``[blocks, tensors, block]``, so the first ``count`` blocks of every
+        tensor are one span (one copy crosses the bus); else ``[tensors, like's memory
+        order]``, so each tensor's outer index holds its blocks back to back as the host
+        does. Pinned host memory when ``device`` is None. Rounded up to a power of two of
+        blocks, so layouts (and plans, and compiled kernels) repeat across calls.
         """
         layout = like[0].layout
-        letters = layout.physical.replace("B", "")
-        shape = [next_pow2(count), len(like)] + [layout.size(a) for a in letters]
+        blocks = next_pow2(count)
         dtype = like[0].tensor.dtype
+        if block_major:
+            letters = "B" + layout.physical.replace("B", "")
+            shape = [blocks, len(like)] + [layout.size(a) for a in letters[1:]]
+        else:
+            letters = layout.physical
+            shape = [len(like)] + [blocks if a == "B" else layout.size(a) for a in letters]
         if device is None:
             buffer = self.runtime.host_buffer(shape, dtype)
         else:
             buffer = torch.empty(shape, dtype=dtype, device=device)
-        order = [("B" + letters).index(a) for a in layout.axes]
+        order = [letters.index(a) for a in layout.axes]
         members = []
         for i, member in enumerate(like):
-            view = buffer[:, i].permute(order)
+            view = (buffer[:, i] if block_major else buffer[i]).permute(order)
             members.append(Member(member.layer, member.index, view, Layout.of(view, layout.axes, name="staging")))
         return buffer, members
 
@@ -338,6 +405,16 @@ def _job(pairs: list[tuple[Member, Member]], src_ids: np.ndarray, dst_ids: np.nd
     runs = np.stack([src_ids[starts], dst_ids[starts], counts], axis=1)
     plan = plan_copy(pairs[0][0].layout, pairs[0][1].layout)
     return CopyJob(pairs, plan, src_ids, dst_ids, runs, non_blocking=False)
+
+
+def host_spans(layout: Layout, ids: np.ndarray) -> list[tuple[int, int]] | None:
+    """Runs (first id, count) of the sorted ``ids``; None when a block is not one span per outer index."""
+    if layout.block_stride_bytes != layout.region_bytes:
+        return None
+    ordered = np.sort(ids)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(ordered) != 1) + 1))
+    counts = np.diff(np.concatenate((starts, [ordered.size])))
+    return [(int(ordered[a]), int(n)) for a, n in zip(starts, counts)]
 
 
 def _is_arange(ids: np.ndarray) -> bool:

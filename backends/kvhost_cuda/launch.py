@@ -112,6 +112,13 @@ def _tile(rows: Rows, word: int, tile_bytes: int) -> Tile:
     return Tile(min(next_pow2(rows.rows), max(1, words // run)), run)
 
 
+def _items(count: int) -> int:
+    """Work items are counted in int32 by the kernels."""
+    if count >= 1 << 31:
+        raise BackendError(f"{count} work items in one launch; the kernels count items in int32 (split the call)")
+    return count
+
+
 def _warps(tile: Tile, word: int) -> int:
     return 8 if tile.words * word > (8 << 10) else 4
 
@@ -192,7 +199,7 @@ def plan_receive_launch(
     if rows.words * word * pieces != plan.unit_bytes or reach > rows.words:
         raise BackendError(f"receive launch does not tile its unit: {plan}, {rows}, {pieces} pieces of {word} B words")
     tile = whole if in_registers else _tile(rows, word, limits.tile_bytes)
-    items = members * outer * units * pieces
+    items = _items(members * outer * units * pieces)
     programs = min(items, limits.programs)
     if not in_registers:
         programs = min(programs, limits.scratch_bytes // (rows.words * word))
@@ -241,7 +248,7 @@ def plan_copy_launch(plan: CopyPlan, *, pairs: int, blocks: int, alignment: int,
         loops.run_bytes // word,
     )
     tile = _tile(rows, word, limits.tile_bytes)
-    items = pairs * blocks
+    items = _items(pairs * blocks)
     return CopyLaunch(
         word_bytes=word,
         align_bytes=widest_word(alignment, *strides, most=16),

@@ -1,0 +1,303 @@
+"""The CUDA/XPU backends' behaviour that needs no device, and device checks that skip without one.
+
+Here: availability messages, lazy imports, which path (Triton or torch) each device
+takes, completion handles, and the host-copy routes (direct runs, staged save and load)
+run by the shared accelerator class with the CPU standing in for the device. The
+conformance suite runs the ``cuda``/``xpu`` targets where the devices exist.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from functools import cached_property
+
+import numpy as np
+import pytest
+import torch
+from kvhost_cuda import CudaBackend, EventCompletion
+from kvhost_cuda.accelerator import AcceleratorBackend, load_kernels
+from kvhost_cuda.gpucheck import Sizes, measure, table
+from kvhost_cuda.gpucheck import main as gpucheck_main
+from kvhost_cuda.runtime import DeviceRuntime, SynchronousRuntime
+from kvhost_xpu import XpuBackend, load_ipex_if_needed
+
+import kvhost
+from kvhost.batch import plan_copy_batch
+from kvhost.caches import CacheSet
+from kvhost.registry import registry
+from kvhost.stats import CopyResult
+from kvhost.testing import fill_random, make_cache, raw, read_tokens
+
+CUDA = torch.cuda.is_available()
+XPU = hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+# --- availability and laziness -------------------------------------------------------
+
+
+@pytest.mark.skipif(CUDA, reason="a CUDA device is present")
+def test_cuda_says_why_it_cannot_run():
+    assert CudaBackend.unavailable_reason() == "no CUDA device"
+    with pytest.raises(kvhost.BackendError, match="backend 'cuda' cannot run here: no CUDA device"):
+        kvhost.get_backend("cuda", "cuda")
+    rows = {row.name: row for row in registry.info()}
+    assert rows["cuda"].unavailable == "no CUDA device" and rows["cuda"].device_types == ("cuda",)
+
+
+@pytest.mark.skipif(XPU, reason="an XPU device is present")
+def test_xpu_says_why_it_cannot_run():
+    assert XpuBackend.unavailable_reason() == "no XPU device"
+    with pytest.raises(kvhost.BackendError, match="no XPU device"):
+        kvhost.get_backend("xpu", "xpu")
+    assert {row.name: row for row in registry.info()}["xpu"].unavailable == "no XPU device"
+
+
+def test_importing_the_backends_imports_no_triton():
+    code = (
+        "import sys, kvhost, kvhost_cuda, kvhost_xpu\n"
+        "kvhost.registry.registry.info()\n"
+        "kvhost_cuda.CudaBackend.unavailable_reason(); kvhost_xpu.XpuBackend.unavailable_reason()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'intel_extension_for_pytorch')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
+def test_intel_extension_is_not_imported_on_native_xpu_torch():
+    assert tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+    assert load_ipex_if_needed() is False
+    assert "intel_extension_for_pytorch" not in sys.modules
+
+
+def test_each_device_says_which_path_runs():
+    assert (
+        CudaBackend(use_triton=False)
+        .describe()
+        .startswith("receive and scattered copies: torch ops (Triton switched off)")
+    )
+    kernels = load_kernels()
+    if isinstance(kernels, str):
+        assert kernels in CudaBackend().describe()
+        return
+    if kernels.interpreted():
+        assert "TRITON_INTERPRET=1 is set" in CudaBackend().describe()
+        assert "TRITON_INTERPRET=1 is set" in XpuBackend().describe()
+        return
+    compilers = kernels.compiler_targets()
+    cuda_compiler = "amd" if torch.version.hip else "nvidia"
+    assert ("Triton kernels" in CudaBackend().describe()) == (cuda_compiler in compilers)
+    if "intel" not in compilers:
+        assert "not intel" in XpuBackend().describe() and "torch ops" in XpuBackend().describe()
+
+
+# --- completion handles --------------------------------------------------------------
+
+
+class ManualEvent:
+    """An event that fires when the test says so (or when someone waits on it)."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self.waits = 0
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.fired = True
+
+
+def test_completion_is_done_only_after_the_event_and_the_host_step():
+    event, steps = ManualEvent(), []
+    buffer = torch.empty(4)
+    completion = EventCompletion(event, keep=[buffer], finish=lambda: steps.append("host"))
+    assert not completion.done() and steps == [] and completion.keep == [buffer]
+    event.fired = True
+    assert completion.done() and steps == ["host"] and completion.keep == []
+    assert completion.done() and steps == ["host"]  # the host step runs once
+    completion.wait()
+    assert event.waits == 0 and steps == ["host"]
+
+
+def test_wait_blocks_on_the_event_then_runs_the_host_step_once():
+    event, steps = ManualEvent(), []
+    completion = EventCompletion(event, finish=lambda: steps.append("host"))
+    result = CopyResult(blocks=1, bytes_moved=8, runs=1, backend="cuda", completion=completion)
+    assert result.wait() is result
+    assert event.waits == 1 and steps == ["host"] and result.done()
+    result.wait()
+    assert event.waits == 1 and steps == ["host"]
+
+
+# --- host copies through the shared class, the CPU standing in for the device ------------
+
+
+class CpuStandIn(AcceleratorBackend):
+    """The CUDA/XPU class with the CPU as its device: torch ops (or kernels) on the device side."""
+
+    name = "accelerator-on-cpu"
+    device_types = ("cpu",)
+
+    def triton_compilers(self) -> tuple[str, ...]:
+        return ()
+
+    @cached_property
+    def runtime(self) -> DeviceRuntime:
+        return SynchronousRuntime()
+
+
+def caches(axes: str, physical: str, blocks: int, seed: int, layers: int = 2) -> dict[str, torch.Tensor]:
+    sizes = dict(K=2, B=blocks, N=8, H=2, C=16)
+    out = {f"l{i}": make_cache(axes, physical, {a: sizes[a] for a in axes}) for i in range(layers)}
+    for i, t in enumerate(out.values()):
+        fill_random(t, seed + i)
+    return out
+
+
+def check_blocks(src, dst, src_axes, dst_axes, src_ids, dst_ids, before) -> None:
+    for s, d, saved in zip(CacheSet(src, src_axes).members, CacheSet(dst, dst_axes).members, before):
+        for si, di in zip(src_ids, dst_ids):
+            assert torch.equal(read_tokens(d.tensor, d.layout, [di]), read_tokens(s.tensor, s.layout, [si]))
+        b = d.layout.axes.index("B")
+        for block in set(range(d.layout.num_blocks)) - set(dst_ids):
+            assert torch.equal(raw(d.tensor).select(b, block), saved.select(b, block))
+
+
+def host_job(src, dst, src_axes, dst_axes, src_ids, dst_ids, non_blocking):
+    return plan_copy_batch(CacheSet(src, src_axes), CacheSet(dst, dst_axes), src_ids, dst_ids, non_blocking).jobs[0]
+
+
+@pytest.mark.parametrize("layouts", [("KBNHC", "KBHNC", "KBNHC", "KBNHC"), ("KBNHC", "KBNHC", "BKNHC", "BKNHC")])
+def test_staged_save_lands_only_when_completed(layouts):
+    device_axes, device_phys, host_axes, host_phys = layouts
+    device, host = caches(device_axes, device_phys, 12, 1), caches(host_axes, host_phys, 9, 50)
+    before = [raw(m.tensor).clone() for m in CacheSet(host, host_axes).members]
+    src_ids, dst_ids = [11, 2, 7, 3, 4], [0, 8, 5, 1, 2]
+    job = host_job(device, host, device_axes, host_axes, src_ids, dst_ids, non_blocking=True)
+    backend, keep = CpuStandIn(use_triton=False), []
+    finish = backend.copy_host(job, to_device=False, keep=keep)
+    assert finish is not None  # pageable host memory, non-blocking: staged
+    assert all(torch.equal(raw(m.tensor), saved) for m, saved in zip(CacheSet(host, host_axes).members, before))
+    finish()
+    check_blocks(device, host, device_axes, host_axes, src_ids, dst_ids, before)
+    bounce, staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
+    assert bounce.shape[:2] == staged.shape[:2] == (8, 2)  # five blocks rounded up to eight, two layers
+
+
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_host_to_device_takes_runs_directly_or_stages(non_blocking):
+    host, device = caches("KBNHC", "KBNHC", 12, 3), caches("KBNHC", "KBNHC", 10, 70)  # K strides differ
+    before = [raw(m.tensor).clone() for m in CacheSet(device, "KBNHC").members]
+    src_ids, dst_ids = [0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 0, 1]  # two runs, same layout both sides
+    job = host_job(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking)
+    backend, keep = CpuStandIn(use_triton=False), []
+    assert backend.direct_copies(job) == 2 * 2 * 2  # layers x K x runs
+    assert backend.copy_host(job, to_device=True, keep=keep) is None
+    staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
+    # Blocking: copy_ per run. Non-blocking from pageable memory: staged, so the call need not wait.
+    assert len(staged) == (2 if non_blocking else 0)
+    check_blocks(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+
+
+@pytest.mark.parametrize("to_device", [True, False], ids=["load", "save"])
+def test_scattered_device_blocks_and_host_runs_cross_as_host_spans(to_device):
+    """The offload pattern: device blocks anywhere, host slots in runs, layouts differ (no direct way)."""
+    device, host = caches("KBNHC", "KBHNC", 16, 20, layers=3), caches("KBNHC", "KBNHC", 12, 30, layers=3)
+    device_ids, host_ids = [13, 2, 7, 9, 0, 4], [6, 7, 3, 4, 5, 8]  # host runs 3..8 in a shuffled order
+    src, dst = (host, device) if to_device else (device, host)
+    src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
+    before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+    job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
+    backend, keep = CpuStandIn(use_triton=False), []
+    assert backend.direct_copies(job) > backend.max_run_copies
+    assert backend.copy_host(job, to_device=to_device, keep=keep) is None
+    staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
+    assert [tuple(t.shape) for t in staged] == [(3, 2, 8, 8, 2, 16)]  # layers, then the host order K B N H C
+    check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+
+
+def test_direct_copies_need_the_same_block_bytes_on_both_sides():
+    host, device = caches("KBNHC", "KBHNC", 12, 5), caches("KBNHC", "KBNHC", 12, 6)
+    job = host_job(host, device, "KBNHC", "KBNHC", [0, 1], [0, 1], False)
+    backend = CpuStandIn(use_triton=False)
+    assert backend.direct_copies(job) > backend.max_run_copies
+    keep: list[object] = []
+    before = [raw(m.tensor).clone() for m in CacheSet(device, "KBNHC").members]
+    backend.copy_host(job, to_device=True, keep=keep)
+    check_blocks(host, device, "KBNHC", "KBNHC", [0, 1], [0, 1], before)
+
+
+def test_copy_on_one_device_completes_through_an_event():
+    src, dst = caches("KBNHC", "KBHNC", 12, 7), caches("KBNHC", "KBNHC", 10, 8)
+    before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+    result = kvhost.copy_blocks(src, dst, [3, 9, 1], [0, 7, 2], axes="KBNHC", non_blocking=True,
+                                backend=CpuStandIn(use_triton=False))  # fmt: skip
+    assert isinstance(result.completion.parts[0], EventCompletion)  # type: ignore[attr-defined]
+    assert result.wait().done()
+    check_blocks(src, dst, "KBNHC", "KBNHC", [3, 9, 1], [0, 7, 2], before)
+
+
+def test_receive_on_the_torch_path_matches_the_sender():
+    from kvhost.testing import ReceiveCase
+
+    cache = caches("KBNHC", "KBNHC", 12, 9)
+    case = ReceiveCase(cache, "KBNHC", seed=4)
+    case.send("r", [5, 1, 8], "HNC", 2)
+    stats = kvhost.receive(cache, {"r": [5, 1, 8]}, axes="KBNHC", remote_order="HNC", remote_block_size=2,
+                           backend=CpuStandIn(use_triton=False))  # fmt: skip
+    case.check()
+    assert stats.backend == "accelerator-on-cpu"
+
+
+def test_gpu_check_measures_every_workload(capsys):
+    """The GPU check's measurements on the CPU stand-in, at toy sizes: every row, sane numbers."""
+    sizes = Sizes(layers=1, heads=2, channels=16, receive_units=4, staging_blocks=4, repeats=1)
+    rows = measure(torch.device("cpu"), {"torch": CpuStandIn(use_triton=False)}, sizes)
+    workloads = sorted({row.workload for row in rows})
+    assert len(workloads) == 3 + 4  # two receives, one device copy, staging {runs, scattered} x {load, save}
+    for workload in workloads:
+        assert sorted(row.method for row in rows if row.workload == workload) == ["memcpy", "torch"]
+    first = next(row for row in rows if row.workload == "receive HND16->NHD64")
+    assert first.bytes == 4 * (64 * 2 * 16 * 2) * 2  # units x region bytes x K, one layer
+    assert all(row.seconds > 0 and row.fraction > 0 for row in rows)
+    assert len(table(rows).splitlines()) == len(rows) + 1
+    if not CUDA:
+        assert gpucheck_main(["--device", "cuda"]) == 1
+        assert "the cuda backend cannot run here" in capsys.readouterr().err
+
+
+# --- on a device ---------------------------------------------------------------------
+
+DEVICES = [
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA device")]),
+    pytest.param("xpu", marks=[pytest.mark.xpu, pytest.mark.skipif(not XPU, reason="no XPU device")]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_non_blocking_copies_complete_through_events(device, pinned):
+    host = caches("KBNHC", "KBNHC", 64, 11)
+    if pinned:
+        host = {name: t.pin_memory() for name, t in host.items()}
+    on_device = {name: torch.zeros_like(t, device=device) for name, t in host.items()}
+    src_ids = np.random.default_rng(0).permutation(64)[:40]
+    dst_ids = np.random.default_rng(1).permutation(64)[:40]
+    load = kvhost.copy_blocks(host, on_device, src_ids, dst_ids, axes="KBNHC", non_blocking=True)
+    assert isinstance(load.completion.parts[0], EventCompletion)  # type: ignore[attr-defined]
+    load.wait()
+    back = {name: torch.zeros_like(t) for name, t in host.items()}
+    save = kvhost.copy_blocks(on_device, back, dst_ids, src_ids, axes="KBNHC", non_blocking=True)
+    while not save.done():
+        pass
+    for name in host:
+        assert torch.equal(raw(back[name])[:, src_ids], raw(host[name])[:, src_ids])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_backend_is_picked_and_says_its_path(device):
+    backend = kvhost.get_backend(torch.device(device, 0))
+    assert backend.name == device
+    assert backend.describe().startswith("receive and scattered copies:")
