@@ -1,0 +1,230 @@
+"""``kvhost demo``: real two-process hand-offs over NIXL/UCX, and the demo's own checks.
+
+The two-process runs (direct, via the host buffer, prefill killed, prefill frozen) are
+started together by one fixture, since each spends most of its time starting Python and
+torch; every test then waits for its own run (bounded) and checks the outcome the run
+wrote as JSON. The in-process tests show that the verification itself can fail.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvhost import demo
+from kvhost.testing import raw
+
+pytest.importorskip("nixl_cu12._api", reason="nixl-cu12 is not installed")
+
+SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "16", "--min-tokens", "5", "--max-tokens", "150"]
+RUNS = {
+    # Head-major blocks of 4 into token-major blocks of 16: r = 4, receive rearranges in place.
+    "direct": [*SMALL, "--requests", "8", "--prefill-block-size", "4", "--decode-block-size", "16"],
+    # Token-major blocks of 32 into head-major blocks of 8 through the host buffer: g = 4.
+    "via-host": [
+        *SMALL,
+        *["--requests", "8", "--via-host", "--prefill-layout", "NHD", "--decode-layout", "HND"],
+        *["--prefill-block-size", "32", "--decode-block-size", "8", "--backend", "torch"],
+    ],
+    # Prefill killed once 3 requests arrived, with 3 transfers in flight at a time.
+    "kill": [*SMALL, "--requests", "12", "--inflight", "3", "--kill-prefill-after", "3", "--backend", "torch"],
+    # Prefill frozen (SIGSTOP) once 2 arrived; over TCP alone its memory cannot be read, so transfers hang.
+    "freeze": [*SMALL, "--requests", "10", "--inflight", "2", "--freeze-prefill-after", "2", "--timeout", "2"],
+}
+ENV = {"freeze": {"UCX_TLS": "tcp,self"}}
+RUN_SECONDS = 150
+
+
+class Run:
+    def __init__(self, name, directory):
+        self.name = name
+        self.json = directory / f"{name}.json"
+        self.out = open(directory / f"{name}.out", "w+")  # noqa: SIM115 - closed in result()
+        command = [sys.executable, "-m", "kvhost.cli", "demo", *RUNS[name], "--json", str(self.json)]
+        env = dict(os.environ, **ENV.get(name, {}))
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(command, stdout=self.out, stderr=subprocess.STDOUT, env=env)
+        self.outcome = None
+
+    def result(self):
+        if self.outcome is None:
+            try:
+                self.process.wait(timeout=RUN_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                pytest.fail(f"kvhost demo ({self.name}) did not finish within {RUN_SECONDS} s")
+            self.seconds = time.monotonic() - self.started
+            self.out.seek(0)
+            self.text = self.out.read()
+            self.out.close()
+            assert self.json.exists(), f"no JSON outcome; output:\n{self.text}"
+            self.outcome = json.loads(self.json.read_text())
+        return self.process.returncode, self.outcome, self.text
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("demo")
+    started = {name: Run(name, directory) for name in RUNS}
+    yield started
+    for run in started.values():
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.wait()
+
+
+def check_complete(code, outcome, text):
+    assert code == 0, text
+    figures = outcome["figures"]
+    assert outcome["ok"] and outcome["error"] is None
+    assert outcome["verified"] == outcome["received"] == [f"req-{i:03d}" for i in range(figures["requests"])]
+    assert outcome["failed"] == {} and outcome["mismatched"] == {}
+    assert figures["spare_untouched"] and figures["spare_blocks"] > 0
+    assert figures["transfer_bytes"] > 0 and figures["post_bytes"] > 0
+    assert "result    OK: every byte of every request verified" in text
+
+
+@pytest.mark.timeout(RUN_SECONDS + 30)
+def test_direct_handoff_verifies_every_byte(runs):
+    code, outcome, text = runs["direct"].result()
+    check_complete(code, outcome, text)
+    figures = outcome["figures"]
+    assert figures["decode_blocks"] * 4 >= figures["prefill_blocks"]  # r = 4
+    assert figures["post_what"].startswith("kvhost.receive") and figures["backend"] == "cpu"
+    assert "HND (memory KBHNC), block 4 tokens" in text and "NHD (memory KBNHC), block 16 tokens" in text
+
+
+@pytest.mark.timeout(RUN_SECONDS + 30)
+def test_via_host_handoff_verifies_every_byte(runs):
+    code, outcome, text = runs["via-host"].result()
+    check_complete(code, outcome, text)
+    figures = outcome["figures"]
+    assert figures["decode_blocks"] == 4 * figures["prefill_blocks"]  # g = 4: whole groups
+    assert figures["post_what"].startswith("kvhost.copy_blocks, memory KBNHC -> KBHNC")
+    assert figures["backend"] == "torch"
+
+
+def check_partial(code, outcome, text):
+    """A failed hand-off: non-zero, failures named, nothing failed marked received, the rest verified."""
+    assert code == demo.EXIT_FAILED, text
+    failed, received = set(outcome["failed"]), set(outcome["received"])
+    assert failed and not failed & received
+    assert outcome["verified"] == outcome["received"] and outcome["mismatched"] == {}
+    assert len(failed) + len(received) == outcome["figures"]["requests"]
+    assert outcome["figures"]["spare_untouched"]
+    assert f"FAILED: {len(failed)} of {outcome['figures']['requests']} requests did not arrive" in text
+    return failed, received
+
+
+@pytest.mark.timeout(RUN_SECONDS + 30)
+def test_killed_prefill_fails_the_rest_and_verifies_what_arrived(runs):
+    code, outcome, text = runs["kill"].result()
+    _, received = check_partial(code, outcome, text)
+    assert outcome["figures"]["fault_after"] == 3
+    assert 3 <= len(received) <= 6  # those that arrived, and at most the 3 then in flight
+    assert "killed prefill" in text
+    assert any("REMOTE_DISCONNECT" in why or "failed" in why for why in outcome["failed"].values())
+    assert "not started: the peer had failed" in outcome["failed"].values()
+
+
+@pytest.mark.timeout(RUN_SECONDS + 30)
+def test_frozen_prefill_times_out_instead_of_hanging(runs):
+    code, outcome, text = runs["freeze"].result()
+    _, received = check_partial(code, outcome, text)
+    assert len(received) >= 2
+    assert any("no completion within 2 s" in why for why in outcome["failed"].values())
+    # Decode gave up on the hung transfers after the timeout: a bounded run, not a hang.
+    assert outcome["figures"]["transfer_seconds"] < 2 + 10
+    assert "froze (SIGSTOP) prefill" in text
+
+
+# --- in process --------------------------------------------------------------------------------
+
+
+def args_for(*extra):
+    return demo.parser().parse_args([*SMALL, "--no-progress", *extra])
+
+
+def test_verification_catches_a_flipped_byte_and_a_stray_write():
+    args = args_for()
+    config = demo.Config.from_args(args)
+    caches = config.caches("HND", 6, 8)
+    for tensor in caches.values():
+        raw(tensor).view(torch.uint8).fill_(demo.SENTINEL_BYTE)
+    request = demo.Request("req-000", 0, 13, remote_ids=[], local_ids=[4, 1])
+    for layer, tensor in enumerate(caches.values()):
+        values = demo.token_values(config.seed, 0, layer, 13, config.heads, config.head_dim, 2)
+        demo.write_tokens(tensor, demo.AXES, request.local_ids, values)
+
+    outcome = demo.Outcome()
+    demo.verify(args, config, caches, [request], [0, 2, 3, 5], outcome)
+    assert outcome.verified == ["req-000"] and outcome.mismatched == {}
+
+    layer1 = caches["layer1"]
+    raw(layer1)[1, 1, 12 - 8, 1, 3] ^= 1  # V, block 1 holds tokens 8..15: token 12, head 1, channel 3
+    raw(caches["layer0"])[0, 5, 0, 0, 0] ^= 1  # a spare block
+    outcome = demo.Outcome()
+    demo.verify(args, config, caches, [request], [0, 2, 3, 5], outcome)
+    assert outcome.verified == []
+    assert outcome.mismatched["req-000"] == "layer1 token 12 K/V 1 head 1 channel 3 differs"
+    assert outcome.mismatched["spare blocks"] == "a block no request owns was written"
+    assert outcome.figures["spare_untouched"] is False
+
+
+def test_values_differ_by_every_index():
+    values = demo.token_values(7, 3, 1, 20, 4, 8, 4)  # 32-bit: every element of a request's layer differs
+    assert values.shape == (20, 2, 4, 8)
+    assert values.unique().numel() == values.numel()
+    other_layer = demo.token_values(7, 3, 2, 20, 4, 8, 4)
+    other_request = demo.token_values(7, 4, 1, 20, 4, 8, 4)
+    other_seed = demo.token_values(8, 3, 1, 20, 4, 8, 4)
+    for other in (other_layer, other_request, other_seed):
+        assert (other != values).float().mean() > 0.99
+    assert torch.equal(values, demo.token_values(7, 3, 1, 20, 4, 8, 4))
+    assert demo.token_values(7, 3, 1, 20, 4, 8, 2).dtype == torch.int16
+
+
+def test_request_lengths_are_mixed_and_seeded():
+    config = demo.Config.from_args(demo.parser().parse_args([]))
+    lengths = config.lengths()
+    assert len(lengths) == 40 and lengths == config.lengths()
+    assert min(lengths) >= 16 and max(lengths) <= 2048
+    assert min(lengths) < 64 and max(lengths) > 512  # short and long requests in one batch
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    stream = io.StringIO()
+    bar = demo.ProgressBar("transfer", 4, stream, enabled=True)
+    bar.update(2, "1 MB", force=True)
+    bar.close(4, "done")
+    assert "transfer  [############------------] 2/4 1 MB" in stream.getvalue()
+    assert stream.getvalue().endswith("[########################] 4/4 done\x1b[K\n")
+    quiet = io.StringIO()
+    demo.ProgressBar("transfer", 4, quiet, enabled=False).close(4)
+    assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill-block-size", "6", "--decode-block-size", "16"], "must divide one another"),
+        (["--layers", "0"], "--layers must be at least 1"),
+        (["--max-tokens", "3", "--min-tokens", "4"], "below --min-tokens"),
+        (["--kill-prefill-after", "-1"], "--kill-prefill-after must be 0 or more"),
+        (["--kill-prefill-after", "1", "--freeze-prefill-after", "1"], "not allowed with argument"),
+        (["--dtype", "float64"], "invalid choice"),
+    ],
+)
+def test_bad_options_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
