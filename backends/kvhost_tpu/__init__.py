@@ -71,20 +71,22 @@ class TpuBackend(Backend):
         size = bucket_size(count, self.min_bucket)
         src_ids, dst_ids = pad_rows(job.src_ids, size), pad_rows(job.dst_ids, size)
         to_host: list[tuple[Member, torch.Tensor]] = []
+        dst_index: torch.Tensor | None = None  # uploaded once: every destination is on one device
         for src, dst in job.pairs:
             # Gather first, permute after: a permute of the whole cache would copy it.
             picked = _gather(src, src_ids).permute(job.plan.src_to_dst)
             if dst.tensor.device.type == "xla":
                 # The padded rows repeat the last real pair, byte for byte.
-                rows = _moved_to(picked, dst.tensor)
-                _write_rows(dst.tensor, block_dim(dst.layout), _upload(dst_ids, dst.tensor.device), rows)
+                dst_index = _upload(dst_ids, dst.tensor.device) if dst_index is None else dst_index
+                _write_rows(dst.tensor, block_dim(dst.layout), dst_index, _moved_to(picked, dst.tensor))
             else:
                 to_host.append((dst, _as_integers(picked)))
         xla.sync()  # everything above is one graph: gathers, permutes, writes
         for dst, picked in to_host:
             b = dst.layout.axes.index("B")
-            rows = picked.cpu().narrow(b, 0, count)  # the real rows; host writes need no padding
-            dst.tensor.view(xla.raw_dtype(dst.tensor.dtype)).index_copy_(b, torch.from_numpy(job.dst_ids), rows)
+            rows = picked.cpu().numpy()[(slice(None),) * b + (slice(0, count),)]  # the real rows
+            dest = dst.tensor.view(xla.raw_dtype(dst.tensor.dtype)).numpy()
+            dest[(slice(None),) * b + (job.dst_ids,)] = rows
         return Completion()
 
 
@@ -138,9 +140,10 @@ def _gather(member: Member, ids: np.ndarray) -> torch.Tensor:
     if tensor.device.type == "xla":
         work = xla.bitcast(tensor, write_dtype(tensor))
         return work.index_select(block_dim(member.layout), _upload(ids, tensor.device))
-    # Host indexing on the raw bytes: CPU index ops lack some KV dtypes (fp8).
-    raw = tensor.view(xla.raw_dtype(tensor.dtype))
-    return raw.index_select(member.layout.axes.index("B"), torch.from_numpy(ids))
+    # Host indexing on the raw bytes, in numpy: CPU index ops lack some KV dtypes (fp8),
+    # and torch's worker threads would contend with the XLA runtime's for the same cores.
+    raw = tensor.view(xla.raw_dtype(tensor.dtype)).numpy()
+    return torch.from_numpy(np.take(raw, ids, axis=member.layout.axes.index("B")))
 
 
 def _moved_to(picked: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

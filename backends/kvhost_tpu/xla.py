@@ -63,7 +63,8 @@ def _load() -> ModuleType | str:
         import torch_xla.debug.metrics  # compile counts
     except Exception as err:  # a torch/torch_xla version mismatch fails in many ways
         return f"torch_xla failed to import: {type(err).__name__}: {err}"
-    return torch_xla
+    loaded: ModuleType = torch_xla
+    return loaded
 
 
 def missing() -> str | None:

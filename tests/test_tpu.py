@@ -1,0 +1,306 @@
+"""The TPU backend on a real XLA device (torch_xla; ``PJRT_DEVICE=CPU`` runs it on the host).
+
+Compile counts stay within the buckets, padding never writes a block outside the
+request, updates rewrite the cache where it lies (same device buffer, O(n) time), one
+graph per call, bytes exact for every KV dtype, host <-> XLA copies both ways across
+layouts. Run by ``ci/tpu.sh``; skipped where torch_xla is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+torch_xla = pytest.importorskip("torch_xla")  # importing it also registers the XLA device with torch
+import torch_xla.debug.metrics as metrics  # noqa: E402
+from kvhost_tpu import TpuBackend, write_dtype, xla  # noqa: E402
+from kvhost_tpu.buckets import bucket_size, buckets_up_to  # noqa: E402
+from kvhost_tpu.scaling import growth, measure_scaling  # noqa: E402
+
+import kvhost  # noqa: E402
+from kvhost.testing import ReceiveCase, make_cache  # noqa: E402
+
+pytestmark = [pytest.mark.xla, pytest.mark.timeout(300)]
+
+ON_CPU = xla.hardware(torch_xla.device()) == "CPU"
+KV_DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.uint8,
+    torch.int8,
+]
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch_xla.device()
+
+
+def random_bytes(shape: list[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A host tensor whose every byte is random (NaN payloads included)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(*shape, dtype.itemsize), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).squeeze(-1)
+
+
+def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """An XLA tensor's bytes on the host, as integers, read with a bitcast on the device.
+
+    ``tensor.cpu()`` would move fp16 through f32 and rewrite NaN payloads.
+    """
+    return xla.bitcast(tensor, xla.raw_dtype(tensor.dtype)).cpu()
+
+
+def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(xla.raw_dtype(tensor.dtype))
+
+
+def kv_cache(blocks: int, dtype: torch.dtype, seed: int, device: torch.device, shape=(8, 2, 16)) -> torch.Tensor:
+    """A KBNHC cache ``[2, blocks, N, H, C]`` of random bytes on ``device``."""
+    return random_bytes([2, blocks, *shape], dtype, seed).to(device)
+
+
+def executions() -> int:
+    data = metrics.metric_data("ExecuteTime")
+    return int(data[0]) if data else 0
+
+
+# --- graphs ------------------------------------------------------------------------------
+
+
+def test_compile_count_over_200_random_batches_stays_within_the_buckets(device):
+    """Receive and both copies, 200 random batches each: compiles grow with log(batch), not per batch."""
+    caches = {f"l{i}": kv_cache(256, torch.bfloat16, i, device) for i in range(2)}
+    host = kvhost.KVHost(caches, axes="KBNHC", backend="tpu")
+    staging = {name: random_bytes([2, 128, 8, 2, 16], torch.bfloat16, 9) for name in caches}
+    rng = np.random.default_rng(0)
+    most = 100
+    sizes_seen: dict[str, set[int]] = {"receive": set(), "load": set(), "save": set()}
+    for operation in sizes_seen:
+        before = xla.compile_count()
+        for _ in range(200):
+            count = int(rng.integers(1, most + 1))
+            sizes_seen[operation].add(count)
+            ids = rng.choice(256, count, replace=False)
+            if operation == "receive":
+                # Several requests of one key; HND senders of 4 tokens -> NHD blocks of 8.
+                cut = np.sort(rng.choice(np.arange(1, count), min(3, count - 1), replace=False)) if count > 1 else []
+                requests = {f"r{i}": part for i, part in enumerate(np.split(ids, cut))}
+                host.receive(requests, remote_order="HNC", remote_block_size=4)
+            elif operation == "load":
+                host.copy_from(staging, rng.choice(128, min(count, 128), replace=False), ids[:128])
+            else:
+                host.copy_to(staging, ids[:128], rng.choice(128, min(count, 128), replace=False))
+        compiled = xla.compile_count() - before
+        allowed = len(buckets_up_to(most))  # 16, 32, 64, 128: 4 graphs
+        assert len(sizes_seen[operation]) > 3 * allowed  # many distinct batch sizes...
+        assert 1 <= compiled <= allowed, f"{operation}: {compiled} graphs compiled for 200 batches"
+
+
+def test_one_call_is_one_graph(device):
+    caches = {f"l{i}": kv_cache(64, torch.float16, i, device) for i in range(3)}
+    host = kvhost.KVHost(caches, axes="KBNHC", backend="tpu")
+    staging = {name: random_bytes([2, 8, 8, 2, 16], torch.float16, 5) for name in caches}
+    calls = [
+        lambda: host.receive({"a": [3, 9], "b": [40]}, remote_order="HNC", remote_block_size=2),
+        lambda: host.copy_from(staging, [0, 1, 2], [5, 6, 60]),
+        lambda: host.copy_to(staging, [7, 8, 33], [4, 5, 6]),
+    ]
+    for call in calls:
+        call()  # compiles
+        before = executions()
+        call()
+        assert executions() - before == 1  # every layer's work in one execution
+
+
+# --- padding -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int16, torch.float32], ids=str)
+@pytest.mark.parametrize(("ids", "g"), [([0], 1), ([63], 1), ([31, 2, 63], 1), ([62, 63], 2), ([10, 11, 0, 1], 2)])
+def test_padding_never_writes_a_block_outside_the_request(device, dtype, ids, g):
+    """1 to 4 blocks pad to 16: the padded entries repeat the last real one, at either end of the cache."""
+    sizes = dict(K=2, B=64, N=8, H=2, C=16)
+    caches = {f"l{i}": make_cache("KBNHC", "KBNHC", sizes, dtype, device) for i in range(2)}
+    case = ReceiveCase(caches, "KBNHC", seed=len(ids))  # sentinels in every block
+    remote = 4 if g == 1 else 16
+    case.send("r", ids, "HNC", remote)
+    kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=remote, backend="tpu")
+    case.check()  # the request reads back as sent; every other block kept its sentinel
+
+
+@pytest.mark.parametrize("dst_ids", [[0], [63], [17, 63, 0]])
+def test_padded_copies_write_only_their_destinations(device, dst_ids):
+    cache = kv_cache(64, torch.float16, 1, device)
+    before = device_bytes(cache)
+    host = random_bytes([2, 4, 8, 2, 16], torch.float16, 2)
+    src_ids = [3, 1, 2][: len(dst_ids)]
+    kvhost.copy_blocks({"l": host}, {"l": cache}, src_ids, dst_ids, axes="KBNHC", backend="tpu")
+    after = device_bytes(cache)
+    want = before.clone()
+    want[:, dst_ids] = host_bytes(host)[:, src_ids]
+    assert torch.equal(after, want)
+
+
+# --- in place ----------------------------------------------------------------------------
+
+
+IN_PLACE_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch_xla, kvhost
+    from kvhost_tpu import xla
+    d = torch_xla.device()
+    cache = torch.zeros(2, 4096, 8, 2, 16, dtype=torch.{dtype}).to(d)
+    xla.sync()
+    address = xla.buffer_address(cache)
+    kvhost.receive({{"l": cache}}, {{"r": [5, 9, 4000]}}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    kvhost.copy_blocks({{"l": torch.ones(2, 3, 8, 2, 16, dtype=torch.{dtype})}}, {{"l": cache}}, [0, 1, 2], [7, 8, 9],
+                       axes="KBNHC")
+    print("in place" if xla.buffer_address(cache) == address else "moved")
+    """
+)
+
+
+def run_in_place_script(dtype: str, **env: str) -> str:
+    script = IN_PLACE_SCRIPT.format(dtype=dtype)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env={**os.environ, **env}
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_updates_keep_the_cache_buffer(device, dtype):
+    """After receive and copy-in, the cache lives in the same device buffer: donated, updated in place."""
+    cache = kv_cache(512, dtype, 3, device)
+    xla.sync()
+    address = xla.buffer_address(cache)
+    host = kvhost.KVHost({"l": cache}, axes="KBNHC", backend="tpu")
+    host.receive({"r": [5, 9, 500]}, remote_order="HNC", remote_block_size=4)
+    assert xla.buffer_address(cache) == address
+    host.copy_from({"l": random_bytes([2, 3, 8, 2, 16], dtype, 4)}, [0, 1, 2], [7, 8, 9])
+    assert xla.buffer_address(cache) == address
+
+
+def test_the_buffer_check_sees_a_whole_cache_copy():
+    """With torch_xla's buffer donation switched off, the same calls move the cache: the check can fail."""
+    assert run_in_place_script("float16") == "in place"
+    assert run_in_place_script("float16", XLA_ENABLE_PARAM_ALIASING="0") == "moved"
+
+
+@pytest.mark.skipif(not ON_CPU, reason="figures for XLA:CPU")
+def test_cost_is_o_n_not_o_cache(device):
+    """16x the cache, same n: time stays flat, while one whole-cache pass grows ~16x."""
+    rows = measure_scaling((256, 4096), (64,), dtype=torch.float16, block_tokens=16, heads=4, repeats=9)
+    for operation in ("receive", "load", "save"):
+        assert growth(rows, operation, 64) < 4.0, [r for r in rows if r.operation == operation]
+        largest = max((r for r in rows if r.operation == operation), key=lambda r: r.cache_blocks)
+        assert largest.seconds < largest.cache_clone_seconds / 3, largest
+
+
+@pytest.mark.skipif(not ON_CPU, reason="XLA:CPU upcasts bf16 scatters; a TPU does not")
+def test_scaling_check_sees_a_whole_cache_pass():
+    """bf16 on XLA:CPU is written through a bitcast of the whole cache (exact, O(cache)): the check sees it."""
+    rows = measure_scaling((256, 4096), (64,), dtype=torch.bfloat16, operations=("receive",), repeats=5)
+    assert growth(rows, "receive", 64) > 4.0, rows
+
+
+def test_write_types():
+    device = torch_xla.device()
+    assert write_dtype(torch.zeros(2, dtype=torch.float32).to(device)) == torch.float32
+    assert write_dtype(torch.zeros(2, dtype=torch.int8).to(device)) == torch.int8
+    if ON_CPU:
+        assert write_dtype(torch.zeros(2, dtype=torch.float16).to(device)) == torch.float16
+        assert write_dtype(torch.zeros(2, dtype=torch.bfloat16).to(device)) == torch.int16
+        assert write_dtype(torch.zeros(2, dtype=torch.float8_e5m2).to(device)) == torch.uint8
+
+
+# --- bytes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize(("remote_size", "ids"), [(2, [6, 1]), (16, [4, 5, 0, 1])])
+def test_receive_is_byte_exact_for_every_kv_dtype(device, dtype, remote_size, ids):
+    """Random bytes (NaN payloads included) read back exactly, through a bitcast on the device."""
+    sizes = [2, 10, 8, 2, 16]  # KBNHC, local block 8
+    host = random_bytes(sizes, dtype, 7)
+    cache = host.to(device)
+    # What the sender's HND blocks of remote_size tokens leave in the request's regions:
+    truth = host_bytes(host)[:, ids].reshape(2, -1, 2, 16)  # [K, tokens, H, C]
+    senders = truth.reshape(2, -1, remote_size, 2, 16).permute(0, 1, 3, 2, 4)  # [K, sender block, H, n, C]
+    wire = senders.reshape(2, len(ids), 8, 2, 16)
+    staged = host_bytes(host).clone()
+    staged[:, ids] = wire
+    cache = staged.view(dtype).to(device)
+    kvhost.receive({"l": cache}, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=remote_size)
+    assert torch.equal(device_bytes(cache), host_bytes(host))  # the request is the truth; the rest untouched
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_host_xla_copies_both_ways_across_layouts(device, dtype):
+    """Host HND (KBHNC memory) -> XLA KBNHC, XLA -> host BKNHC with heads first (BKHNC memory)."""
+    xla_cache = kv_cache(12, dtype, 11, device)
+    hnd = make_cache("KBNHC", "KBHNC", dict(K=2, B=6, N=8, H=2, C=16), dtype, "cpu")
+    host_bytes(hnd).copy_(host_bytes(random_bytes([2, 6, 8, 2, 16], dtype, 12)))
+    before = device_bytes(xla_cache)
+    kvhost.copy_blocks({"l": hnd}, {"l": xla_cache}, [5, 0, 3], [11, 2, 3], axes="KBNHC", backend="tpu").wait()
+    want = before.clone()
+    want[:, [11, 2, 3]] = host_bytes(hnd)[:, [5, 0, 3]]  # read through the host view's logical order
+    assert torch.equal(device_bytes(xla_cache), want)
+
+    out = make_cache("BKNHC", "BKHNC", dict(K=2, B=5, N=8, H=2, C=16), dtype, "cpu")
+    host_bytes(out).zero_()
+    result = kvhost.copy_blocks(
+        {"l": xla_cache}, {"l": out}, [11, 7, 2], [4, 0, 1], axes="KBNHC", dst_axes="BKNHC", backend="tpu"
+    )
+    assert result.done() and result.backend == "tpu"
+    got = host_bytes(out)
+    for s, d in zip([11, 7, 2], [4, 0, 1]):
+        assert torch.equal(got[d], want[:, s])
+    assert torch.equal(got[[2, 3]], torch.zeros_like(got[[2, 3]]))  # blocks not written stay as they were
+
+
+def test_xla_to_xla_copy_and_tuples(device):
+    """Within the device, K and V as separate tensors on one side and a K axis on the other."""
+    source = kv_cache(8, torch.bfloat16, 21, device)
+    pair = (random_bytes([8, 8, 2, 16], torch.bfloat16, 22).to(device), torch.zeros(8, 8, 2, 16).bfloat16().to(device))
+    kvhost.copy_blocks({"l": source}, {"l": pair}, [1, 6], [7, 0], axes="KBNHC", backend="tpu")
+    for k in range(2):
+        assert torch.equal(device_bytes(pair[k])[[7, 0]], device_bytes(source)[k, [1, 6]])
+
+
+def test_receive_on_an_xla_cache_through_the_public_api(device):
+    sizes = dict(K=2, B=16, N=8, H=2, C=16)
+    caches = {f"layer{i}": make_cache("KBNHC", "KBNHC", sizes, torch.bfloat16, device) for i in range(2)}
+    case = ReceiveCase(caches, "KBNHC", seed=4)
+    case.send("short", [3, 12], "HNC", 2)  # r = 4
+    case.send("long", [8, 9], "HNC", 16)  # g = 2
+    stats = kvhost.receive(
+        caches,
+        {"short": kvhost.Incoming([3, 12], "HNC", 2), "long": kvhost.Incoming([8, 9], "HNC", 16)},
+        axes="KBNHC",
+    )
+    case.check()
+    assert stats.backend == "tpu" and stats.groups == 2 and stats.blocks == 4
+    assert isinstance(kvhost.get_backend(caches["layer0"]), TpuBackend)
+
+
+def test_bucket_choice_matches_the_padded_graph(device):
+    """A batch of 17 blocks runs the 32-bucket graph: no new compile after one batch of 30."""
+    cache = kv_cache(64, torch.float32, 31, device)
+    host = kvhost.KVHost({"l": cache}, axes="KBNHC", backend="tpu")
+    host.receive({"r": list(range(30))}, remote_order="HNC", remote_block_size=4)
+    before = xla.compile_count()
+    host.receive({"r": list(range(40, 57))}, remote_order="HNC", remote_block_size=4)
+    assert bucket_size(17) == bucket_size(30) == 32
+    assert xla.compile_count() == before

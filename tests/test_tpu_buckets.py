@@ -1,0 +1,99 @@
+"""The TPU backend's pure-Python parts: bucket sizes, padding, availability. No torch_xla needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from kvhost_tpu import TpuBackend, xla
+from kvhost_tpu.buckets import MIN_BUCKET, bucket_size, buckets_up_to, pad_rows
+
+import kvhost
+from kvhost.registry import Registry
+
+
+@pytest.mark.parametrize(
+    ("count", "size"),
+    [(0, 16), (1, 16), (15, 16), (16, 16), (17, 32), (32, 32), (33, 64), (1000, 1024), (1024, 1024), (1025, 2048)],
+)
+def test_bucket_is_the_next_power_of_two_from_the_floor(count, size):
+    assert bucket_size(count) == size
+
+
+def test_bucket_floor_is_configurable_and_checked():
+    assert bucket_size(3, min_bucket=4) == 4 and bucket_size(5, min_bucket=4) == 8
+    with pytest.raises(ValueError, match="power of two"):
+        bucket_size(3, min_bucket=12)
+    with pytest.raises(ValueError, match="negative"):
+        bucket_size(-1)
+
+
+def test_buckets_grow_with_the_log_of_the_batch():
+    assert buckets_up_to(16) == [16]
+    assert buckets_up_to(200) == [16, 32, 64, 128, 256]
+    # Every size from 1 to 4096 lands in one of log2(4096 / 16) + 1 = 9 buckets.
+    used = {bucket_size(n) for n in range(1, 4097)}
+    assert used == set(buckets_up_to(4096)) and len(used) == 9
+
+
+def test_padding_repeats_the_last_row_only():
+    ids = np.array([7, 3, 11])
+    padded = pad_rows(ids, 16)
+    assert padded.tolist() == [7, 3, 11] + [11] * 13
+    groups = np.array([[4, 5], [0, 1]])  # units of g = 2 blocks: the whole last unit repeats
+    assert pad_rows(groups, 4).tolist() == [[4, 5], [0, 1], [0, 1], [0, 1]]
+    assert pad_rows(ids, 3) is ids
+
+
+def test_padding_names_no_block_outside_the_request():
+    rng = np.random.default_rng(1)
+    for count in range(1, 70):
+        ids = rng.choice(1000, count, replace=False)
+        padded = pad_rows(ids, bucket_size(count))
+        assert set(padded.tolist()) == set(ids.tolist())
+        assert padded.size == bucket_size(count) >= count
+
+
+def test_padding_rejects_what_it_cannot_pad():
+    with pytest.raises(ValueError, match="empty"):
+        pad_rows(np.zeros(0, dtype=np.int64), 16)
+    with pytest.raises(ValueError, match="shorter"):
+        pad_rows(np.arange(20), 16)
+
+
+def test_backend_contract():
+    assert TpuBackend.name == "tpu" and TpuBackend.device_types == ("xla",)
+    assert TpuBackend.min_bucket == MIN_BUCKET
+    assert "powers of two from 16" in TpuBackend().describe()
+
+
+def test_missing_torch_xla_is_named(monkeypatch):
+    xla._load.cache_clear()
+    monkeypatch.setattr(xla.importlib.util, "find_spec", lambda name: None)
+    try:
+        assert TpuBackend.unavailable_reason() == "torch_xla not installed"
+        with pytest.raises(ImportError, match="torch_xla not installed"):
+            xla.module()
+    finally:
+        xla._load.cache_clear()
+
+
+def test_registry_says_why_tpu_is_unavailable(monkeypatch):
+    xla._load.cache_clear()
+    monkeypatch.setattr(xla.importlib.util, "find_spec", lambda name: None)
+    try:
+        rows = {row.name: row for row in Registry().info()}
+        assert rows["tpu"].device_types == ("xla",)
+        assert rows["tpu"].unavailable == "torch_xla not installed"
+        with pytest.raises(kvhost.KVHostError, match="backend 'tpu' cannot run here: torch_xla not installed"):
+            Registry().instance("tpu")
+    finally:
+        xla._load.cache_clear()
+
+
+def test_importing_the_backend_does_not_import_torch_xla():
+    code = "import sys, kvhost_tpu, kvhost_tpu.buckets, kvhost_tpu.scaling; print('torch_xla' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
