@@ -11,7 +11,9 @@ one ``kvhost.receive`` call, and checks every token bit for bit against the same
 ``kvhost.copy_blocks`` rearranges them into the decode cache on the way: the path of decode
 engines whose memory NIXL cannot reach. ``--kill-prefill-after N`` kills prefill once N
 requests have arrived: decode reports the requests that failed, post-processes and verifies
-only those that arrived whole, and exits non-zero.
+only those that arrived whole, and exits non-zero. ``--freeze-prefill-after N`` stops it
+(SIGSTOP) instead: where the transport needs the peer to answer (UCX over TCP alone), the
+transfers hang and decode's per-transfer timeout ends them.
 """
 
 from __future__ import annotations
@@ -351,7 +353,8 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if agent is not None:
             agent.close()
         if prefill is not None:
-            stop_prefill(prefill, frozen=args.freeze_prefill_after is not None)
+            frozen = args.freeze_prefill_after is not None and "fault_after" in outcome.figures
+            stop_prefill(prefill, frozen=frozen)
     print_report(outcome, sys.stdout)
     if args.json:
         write_json(args.json, outcome)
@@ -403,7 +406,7 @@ def handoff(
         decode_blocks=sum(len(r.local_ids) for r in hello.requests),
         spare_blocks=len(free),
         pool=pool,
-        descriptors=len(plan.local_descriptors()),
+        descriptors=sum(plan.bytes_for(len(r.remote_ids)) for r in hello.requests) // plan.chunk_bytes,
         prefill_pid=hello.pid,
         fill_seconds=hello.fill_seconds,
     )
@@ -725,8 +728,8 @@ def print_report(outcome: Outcome, stream: TextIO) -> None:
     else:
         stream.write(
             f"  result    FAILED: {len(outcome.failed)} of {f.get('requests')} requests did not arrive "
-            f"(not marked received), {len(outcome.mismatched)} mismatched; the {len(outcome.verified)} that "
-            "arrived were verified bit for bit\n"
+            f"(not marked received); {len(outcome.verified)} of the {len(outcome.received)} that arrived "
+            f"verified bit for bit, {len(outcome.mismatched)} mismatched\n"
         )
     stream.flush()
 
@@ -831,7 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role == "prefill":
         try:
             return run_prefill(args)
-        except KVHostError as err:
+        except (KVHostError, OSError) as err:  # OSError: decode's socket was gone
             print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
             return EXIT_ERROR
     return run_decode(args, argv)

@@ -214,7 +214,10 @@ class RegionTable:
         letters = {tuple(a for a, _ in s.coords) for s in streams}
         if len(letters) > 1:
             raise ProtocolError(f"{where}.streams: streams are indexed by different letters {sorted(letters)}")
-        covered = set(order) | set(letters.pop()) - {"#"}
+        coordinates = set(letters.pop())
+        if not set(split) <= coordinates:
+            raise ProtocolError(f"{where}.streams: split letters {split!r} must index the streams")
+        covered = set(order) | coordinates - {"#"}
         if covered != set(sizes):
             raise ProtocolError(
                 f"{where}: sizes name {''.join(sorted(sizes))} but order and stream coordinates name "
@@ -264,18 +267,19 @@ def _stream_from_list(item: Any, where: str, table: RegionTable) -> Stream:
     return Stream(layer, canonical, address, stride)
 
 
+def _cache_set(caches: Mapping[str, Layer], axes: str | None) -> CacheSet:
+    if axes is None:
+        raise LayoutError("axes are required with a layer dict (as for kvhost.receive)")
+    return CacheSet(caches, axes)
+
+
 def _canonical(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple((a, coords[a]) for a in COORD_LETTERS if a in coords)
 
 
 def region_table(caches: Mapping[str, Layer] | CacheSet, axes: str | None = None) -> RegionTable:
     """The table of a layer dict (``axes`` as for ``kvhost.receive``): where its regions live."""
-    if isinstance(caches, CacheSet):
-        cache_set = caches
-    else:
-        if axes is None:
-            raise LayoutError("region_table: axes are required with a layer dict")
-        cache_set = CacheSet(caches, axes)
+    cache_set = caches if isinstance(caches, CacheSet) else _cache_set(caches, axes)
     device = cache_set.device
     memory = MEMORY_OF_DEVICE.get(device.type)
     if memory is None:
@@ -491,8 +495,8 @@ class Agent:
     def register(self, caches: Mapping[str, Layer] | CacheSet, axes: str | None = None) -> RegionTable:
         """Register every tensor of a layer dict with NIXL; returns its table."""
         self._check_open()
-        table = region_table(caches, axes)
-        cache_set = caches if isinstance(caches, CacheSet) else CacheSet(caches, axes or "")
+        cache_set = caches if isinstance(caches, CacheSet) else _cache_set(caches, axes)
+        table = region_table(cache_set)
         tensors = [m.tensor for m in cache_set.members]
         spans = memory_spans(tensors)
         rows = [(start, length, table.device_id, "") for start, length in spans]

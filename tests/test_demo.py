@@ -120,7 +120,9 @@ def check_partial(code, outcome, text):
     assert outcome["verified"] == outcome["received"] and outcome["mismatched"] == {}
     assert len(failed) + len(received) == outcome["figures"]["requests"]
     assert outcome["figures"]["spare_untouched"]
-    assert f"FAILED: {len(failed)} of {outcome['figures']['requests']} requests did not arrive" in text
+    requests = outcome["figures"]["requests"]
+    assert f"FAILED: {len(failed)} of {requests} requests did not arrive (not marked received); " in text
+    assert f"{len(received)} of the {len(received)} that arrived verified bit for bit, 0 mismatched" in text
     return failed, received
 
 

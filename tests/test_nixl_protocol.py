@@ -132,6 +132,7 @@ FIELD_CASES = {
     "order-repeated": (set_path([T, "order"], "HNN"), r"must be distinct letters"),
     "order-no-C": (set_path([T, "order"], "HN"), r"lacks C"),
     "split-wrong": (set_path([T, "split"], "C"), r"split: 'C' must be empty or 'H'"),
+    "split-not-streams": (set_path([T, "split"], "H"), r"split letters 'H' must index the streams"),
     "sizes-letter-B": (set_path([T, "sizes", "B"], 4), r"unknown letter 'B'"),
     "sizes-zero": (set_path([T, "sizes", "H"], 0), r"sizes\.H: expected an integer in \[1,"),
     "sizes-bool": (set_path([T, "sizes", "N"], True), r"sizes\.N: expected an integer .* got True"),
