@@ -91,6 +91,14 @@ def test_each_device_says_which_path_runs():
         assert "not intel" in XpuBackend().describe() and "torch ops" in XpuBackend().describe()
 
 
+def test_a_triton_too_old_for_the_kernels_means_torch_ops(monkeypatch):
+    kernels = load_kernels()
+    if isinstance(kernels, str) or kernels.interpreted():
+        pytest.skip("needs compiled Triton kernels")
+    monkeypatch.setattr(kernels.triton, "__version__", "3.1.0")
+    assert "torch ops (triton 3.1.0 is older than 3.2)" in CudaBackend().describe()
+
+
 # --- completion handles --------------------------------------------------------------
 
 

@@ -30,19 +30,29 @@ pytestmark = [
 
 
 def compile_call(call, backend_name: str, arch: int | str, warp_size: int):
-    """Compile ``call`` (a KernelCall) for a GPU target exactly as a launch would."""
+    """Compile ``call`` (a KernelCall) for a GPU target exactly as a launch would (Triton 3.3 and later)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from triton.runtime.jit import create_function_from_signature, find_paths_if, get_iterable_path
 
     target = GPUTarget(backend_name, arch, warp_size)
     fn = call.kernel
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*call.args, **call.constants)
-    launch_options = {k: v for k, v in call.constants.items() if k in ("num_warps", "num_stages")}
-    options, signature, constexprs, attrs = fn._pack_args(backend, launch_options, bound, specialization, options)
+    bound, specialization, _ = binder(*call.args, **call.constants)
+    options = backend.parse_options({k: v for k, v in call.constants.items() if k in ("num_warps", "num_stages")})
+    kinds = [kind for kind, _ in specialization]
+    signature = {param.name: kind for param, kind in zip(fn.params, kinds)}
+    constexprs = {
+        path: get_iterable_path(list(bound.values()), path)
+        for path in find_paths_if(kinds, lambda _, kind: kind == "constexpr")
+    }
+    hints = ["" if kind == "constexpr" else hint for kind, hint in specialization]
+    attrs = {
+        path: backend.parse_attr(get_iterable_path(hints, path))
+        for path in find_paths_if(hints, lambda _, hint: isinstance(hint, str))
+    }
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
@@ -94,6 +104,8 @@ def test_scratch_mode_has_a_barrier_between_its_phases():
         first, last = ops.index("bar.sync"), len(ops) - 1 - ops[::-1].index("bar.sync")
         assert any(op.startswith("st.global") for op in ops[:first])  # into the slot
         assert any(op.startswith("st.global") for op in ops[first:last])  # back into the cache
+        # The slot is written and read by one kernel: its loads must not take the non-coherent path.
+        assert not any(".nc" in op for op in ops)
 
 
 @pytest.mark.parametrize("staging", [False, True], ids=["indexed", "staging-side"])
@@ -120,5 +132,10 @@ def test_copy_kernel_compiles_with_wide_accesses(staging):
 def test_kernels_compile_for_rocm():
     for physical, tokens, order, remote in (("KBNHC", 64, "HNC", 16), ("KBNHC", 16, "HNC", 64)):
         _, call = receive_call(physical, tokens, order, remote, Limits(programs=1216))
-        assembly = compile_call(call, "hip", "gfx942", 64).asm["amdgcn"]
+        try:
+            assembly = compile_call(call, "hip", "gfx942", 64).asm["amdgcn"]
+        except Exception as err:  # older Triton wheels leave the final link to a ROCm install
+            if "ld.lld not found" in str(err):
+                pytest.skip(f"no ROCm linker for this Triton: {err}")
+            raise
         assert "s_barrier" in assembly

@@ -123,6 +123,8 @@ class AcceleratorBackend(TorchBackend):
             return kernels
         if kernels.interpreted():
             return "TRITON_INTERPRET=1 is set: interpreted kernels cannot reach device memory"
+        if (old := kernels.too_old()) is not None:
+            return old
         compilers, wanted = kernels.compiler_targets(), self.triton_compilers()
         if not set(wanted) & set(compilers):
             return f"triton here compiles for {', '.join(compilers)}, not {' or '.join(wanted)}"
@@ -157,6 +159,8 @@ class AcceleratorBackend(TorchBackend):
             limits=self.limits_for(job.device),
         )
         with self.runtime.guard(job.device):
+            # Dropping these after the launch is safe: the caching allocators hold a freed
+            # block back until the stream that used it (pinned: its copy's event) moves on.
             keep: list[torch.Tensor] = []
             base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.reshape(-1)], job.device, keep)
             scratch = torch.empty(

@@ -21,19 +21,36 @@ import triton.language as tl
 
 from kvhost_cuda.launch import WORD_TYPES, CopyLaunch, ReceiveLaunch
 
+OLDEST_TRITON = (3, 2)  # compiled and checked with 3.2.0, 3.3.1 and 3.9.0
 TRITON_WORDS = {size: getattr(tl, name) for size, name in WORD_TYPES.items()}
 TORCH_WORDS = {size: getattr(torch, name) for size, name in WORD_TYPES.items()}
 
 
 @triton.jit
-def _placed(rows, DIMS: tl.constexpr, STRIDES: tl.constexpr):
-    """Word offset of each row on a side: its row-major index over DIMS dotted with STRIDES."""
-    offset = tl.zeros_like(rows)
-    rest = rows
-    for k in tl.static_range(len(DIMS) - 1, -1, -1):
-        if DIMS[k] > 1:
-            offset += (rest % DIMS[k]) * STRIDES[k]
-            rest = rest // DIMS[k]
+def _placed(
+    rows, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, D4: tl.constexpr, D5: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, S4: tl.constexpr, S5: tl.constexpr,
+):  # fmt: skip
+    """Word offset of each row on a side: its row-major index over D0..D5 dotted with S0..S5.
+
+    One scalar per dim (not a tuple) so that older Triton (3.3, as torch 2.7 ships) compiles it.
+    """
+    offset = (rows % D5) * S5
+    rest = rows // D5
+    if D4 > 1:
+        offset += (rest % D4) * S4
+        rest = rest // D4
+    if D3 > 1:
+        offset += (rest % D3) * S3
+        rest = rest // D3
+    if D2 > 1:
+        offset += (rest % D2) * S2
+        rest = rest // D2
+    if D1 > 1:
+        offset += (rest % D1) * S1
+        rest = rest // D1
+    if D0 > 1:
+        offset += (rest % D0) * S0
     return offset
 
 
@@ -47,31 +64,31 @@ def _rows_at(addresses, ALIGN: tl.constexpr, WORD: tl.constexpr):
 @triton.jit
 def _unit_rows(
     bases, outer_offsets, ids, member, outer, unit, offsets, ok, block_stride,
-    PARTS: tl.constexpr, REGION_WORDS: tl.constexpr, ALIGN: tl.constexpr, WORD: tl.constexpr,
+    PARTS: tl.constexpr, REGION_WORDS: tl.constexpr, ALIGN: tl.constexpr, WORD: tl.constexpr, WORD_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Pointers to the rows starting at words ``offsets`` of a unit (its ``PARTS`` regions back to back)."""
     base = tl.load(bases + member) + tl.load(outer_offsets + outer)
-    word_bytes: tl.constexpr = WORD.primitive_bitwidth // 8
     if PARTS == 1:
-        addresses = base + tl.load(ids + unit) * block_stride + offsets.to(tl.int64) * word_bytes
+        addresses = base + tl.load(ids + unit) * block_stride + offsets.to(tl.int64) * WORD_BYTES
     else:
         blocks = tl.load(ids + unit * PARTS + offsets // REGION_WORDS, mask=ok, other=0)
-        addresses = base + blocks * block_stride + (offsets % REGION_WORDS).to(tl.int64) * word_bytes
+        addresses = base + blocks * block_stride + (offsets % REGION_WORDS).to(tl.int64) * WORD_BYTES
     return _rows_at(addresses, ALIGN, WORD)
 
 
 @triton.jit
 def receive_kernel(
     bases, outer_offsets, ids, scratch, items, units, outer_count, block_stride,
-    PARTS: tl.constexpr, PIECES: tl.constexpr, REGION_WORDS: tl.constexpr,
-    DIMS: tl.constexpr, STRIDES: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
+    PARTS: tl.constexpr, PIECES: tl.constexpr, REGION_WORDS: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, D4: tl.constexpr, D5: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, S4: tl.constexpr, S5: tl.constexpr,
     TILE_ROWS: tl.constexpr, TILE_RUN: tl.constexpr, IN_REGISTERS: tl.constexpr,
-    ALIGN: tl.constexpr, WORD: tl.constexpr,
+    ALIGN: tl.constexpr, WORD: tl.constexpr, WORD_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Rewrite every piece of every unit in place, from the wire order to the local order.
 
     Item = (member, outer index, unit, piece). Row ``r`` of a piece lands at ``r * RUN``
-    and comes from ``_placed(r, DIMS, STRIDES)``. A piece in registers is read whole,
+    and comes from ``_placed(r, D.., S..)``. A piece in registers is read whole,
     then (after a barrier, so no thread overwrites words another has yet to read) written
     back. A larger piece is copied to this program's scratch slot, then written back from
     it; the second barrier keeps the next item from refilling the slot too early.
@@ -90,17 +107,17 @@ def receive_kernel(
         if IN_REGISTERS:
             ok = tile_rows < ROWS
             mask = ok[:, None] & (tile_cols < RUN)[None, :]
-            wire = start + _placed(tile_rows, DIMS, STRIDES)
+            wire = start + _placed(tile_rows, D0, D1, D2, D3, D4, D5, S0, S1, S2, S3, S4, S5)
             source = _unit_rows(
                 bases, outer_offsets, ids, member, outer, unit, wire, ok, block_stride,
-                PARTS, REGION_WORDS, ALIGN, WORD,
+                PARTS, REGION_WORDS, ALIGN, WORD, WORD_BYTES,
             )  # fmt: skip
             words = tl.load(source[:, None] + tile_cols[None, :], mask=mask)
             tl.debug_barrier()
             local = start + tile_rows * RUN
             target = _unit_rows(
                 bases, outer_offsets, ids, member, outer, unit, local, ok, block_stride,
-                PARTS, REGION_WORDS, ALIGN, WORD,
+                PARTS, REGION_WORDS, ALIGN, WORD, WORD_BYTES,
             )  # fmt: skip
             tl.store(target[:, None] + tile_cols[None, :], words, mask=mask)
         else:
@@ -110,7 +127,7 @@ def receive_kernel(
                 ok = rows < ROWS
                 source = _unit_rows(
                     bases, outer_offsets, ids, member, outer, unit, start + rows * RUN, ok, block_stride,
-                    PARTS, REGION_WORDS, ALIGN, WORD,
+                    PARTS, REGION_WORDS, ALIGN, WORD, WORD_BYTES,
                 )  # fmt: skip
                 for column in range(0, RUN, TILE_RUN):
                     cols = column + tile_cols
@@ -121,10 +138,10 @@ def receive_kernel(
             for first in range(0, ROWS, TILE_ROWS):
                 rows = first + tile_rows
                 ok = rows < ROWS
-                wire = _placed(rows, DIMS, STRIDES)
+                wire = _placed(rows, D0, D1, D2, D3, D4, D5, S0, S1, S2, S3, S4, S5)
                 target = _unit_rows(
                     bases, outer_offsets, ids, member, outer, unit, start + rows * RUN, ok, block_stride,
-                    PARTS, REGION_WORDS, ALIGN, WORD,
+                    PARTS, REGION_WORDS, ALIGN, WORD, WORD_BYTES,
                 )  # fmt: skip
                 for column in range(0, RUN, TILE_RUN):
                     cols = column + tile_cols
@@ -137,16 +154,17 @@ def receive_kernel(
 @triton.jit
 def copy_kernel(
     src_bases, dst_bases, src_ids, dst_ids, items, blocks, src_block_stride, dst_block_stride,
-    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr,
-    DIMS: tl.constexpr, SRC_STRIDES: tl.constexpr, DST_STRIDES: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
-    TILE_ROWS: tl.constexpr, TILE_RUN: tl.constexpr, ALIGN: tl.constexpr, WORD: tl.constexpr,
+    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, D4: tl.constexpr, D5: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, S4: tl.constexpr, S5: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr, T5: tl.constexpr,
+    TILE_ROWS: tl.constexpr, TILE_RUN: tl.constexpr, ALIGN: tl.constexpr, WORD: tl.constexpr, WORD_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Block ``dst_ids[i]`` of pair ``p`` receives block ``src_ids[i]`` of pair ``p``.
 
     Item = (pair, i). A side that is not indexed (a staging buffer) uses block ``i``.
     Row offsets are int64: outer strides of a large cache pass 2**31 words.
     """
-    word_bytes: tl.constexpr = WORD.primitive_bitwidth // 8
     program = tl.program_id(0)
     tile_rows = tl.arange(0, TILE_ROWS).to(tl.int64)
     tile_cols = tl.arange(0, TILE_RUN)
@@ -160,8 +178,10 @@ def copy_kernel(
         for first in range(0, ROWS, TILE_ROWS):
             rows = first + tile_rows
             ok = rows < ROWS
-            src_rows = _rows_at(source + _placed(rows, DIMS, SRC_STRIDES) * word_bytes, ALIGN, WORD)
-            dst_rows = _rows_at(target + _placed(rows, DIMS, DST_STRIDES) * word_bytes, ALIGN, WORD)
+            src_words = _placed(rows, D0, D1, D2, D3, D4, D5, S0, S1, S2, S3, S4, S5)
+            dst_words = _placed(rows, D0, D1, D2, D3, D4, D5, T0, T1, T2, T3, T4, T5)
+            src_rows = _rows_at(source + src_words * WORD_BYTES, ALIGN, WORD)
+            dst_rows = _rows_at(target + dst_words * WORD_BYTES, ALIGN, WORD)
             for column in range(0, RUN, TILE_RUN):
                 cols = column + tile_cols
                 mask = ok[:, None] & (cols < RUN)[None, :]
@@ -202,15 +222,16 @@ def receive_call(
             PARTS=launch.parts,
             PIECES=launch.pieces,
             REGION_WORDS=launch.region_words,
-            DIMS=rows.dims,
-            STRIDES=rows.src_strides,
             ROWS=rows.rows,
             RUN=rows.run,
+            **_each("D", rows.dims),
+            **_each("S", rows.src_strides),
             TILE_ROWS=launch.tile.rows,
             TILE_RUN=launch.tile.run,
             IN_REGISTERS=launch.in_registers,
             ALIGN=launch.align_bytes,
             WORD=TRITON_WORDS[launch.word_bytes],
+            WORD_BYTES=launch.word_bytes,
             num_warps=launch.num_warps,
             # One stage: no load of a later step is hoisted above a barrier.
             num_stages=1,
@@ -248,18 +269,32 @@ def copy_call(
         dict(
             SRC_INDEXED=src_ids is not None,
             DST_INDEXED=dst_ids is not None,
-            DIMS=rows.dims,
-            SRC_STRIDES=rows.src_strides,
-            DST_STRIDES=rows.dst_strides,
             ROWS=rows.rows,
             RUN=rows.run,
+            **_each("D", rows.dims),
+            **_each("S", rows.src_strides),
+            **_each("T", rows.dst_strides),
             TILE_ROWS=launch.tile.rows,
             TILE_RUN=launch.tile.run,
             ALIGN=launch.align_bytes,
             WORD=TRITON_WORDS[launch.word_bytes],
+            WORD_BYTES=launch.word_bytes,
             num_warps=launch.num_warps,
         ),
     )
+
+
+def _each(prefix: str, values: tuple[int, ...]) -> dict[str, int]:
+    """A per-dim tuple as the kernels' scalar constants: D0..D5 and so on."""
+    return {f"{prefix}{i}": value for i, value in enumerate(values)}
+
+
+def too_old() -> str | None:
+    """Why this Triton cannot compile the kernels, or None."""
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    if version < OLDEST_TRITON:
+        return f"triton {triton.__version__} is older than {'.'.join(map(str, OLDEST_TRITON))}"
+    return None
 
 
 def interpreted() -> bool:

@@ -54,7 +54,7 @@ class Limits:
     register_bytes: int = 32 << 10
     tile_bytes: int = 16 << 10
     programs: int = 1024
-    scratch_bytes: int = 64 << 20
+    scratch_bytes: int = 32 << 20  # within L2 (40 MB on A100, 50-60 MB on H100/H200)
 
 
 @dataclass(frozen=True)
