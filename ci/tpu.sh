@@ -19,6 +19,12 @@ venv="$cache_root/venv-tpu-torch$TORCH_VERSION-xla$TORCH_XLA_VERSION-py$py_versi
 ready="$venv/.kvhost-ready"
 
 mkdir -p "$cache_root"
+log="$cache_root/venv-tpu-install.log"
+
+# pip is chatty (and setuptools warns about this project's metadata); show it only on failure.
+quiet() {
+    "$@" >"$log" 2>&1 || { cat "$log"; echo "tpu: failed: $*" >&2; return 1; }
+}
 # One job at a time builds or uses the environment (two clones on one runner share it).
 exec 9>"$cache_root/venv-tpu.lock"
 flock 9
@@ -27,9 +33,9 @@ if [[ ! -f "$ready" ]]; then
     echo "tpu: building $venv (torch $TORCH_VERSION, torch_xla $TORCH_XLA_VERSION; a few GB, once)"
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet --upgrade pip
-    "$venv/bin/python" -m pip install --quiet "torch==$TORCH_VERSION" "torch_xla==$TORCH_XLA_VERSION"
-    "$venv/bin/python" -m pip install --quiet numpy "numba>=0.59" "pytest>=7" "pytest-timeout>=2" "hypothesis>=6"
+    quiet "$venv/bin/python" -m pip install --upgrade pip
+    quiet "$venv/bin/python" -m pip install "torch==$TORCH_VERSION" "torch_xla==$TORCH_XLA_VERSION"
+    quiet "$venv/bin/python" -m pip install numpy "numba>=0.59" "pytest>=7" "pytest-timeout>=2" "hypothesis>=6"
     touch "$ready"
 else
     echo "tpu: reusing $venv"
@@ -37,7 +43,7 @@ fi
 
 # kvhost itself changes with every clone: point the environment at this one (no deps:
 # the torch above must stay).
-"$venv/bin/python" -m pip install --quiet --no-deps -e .
+quiet "$venv/bin/python" -m pip install --no-deps -e .
 
 export PJRT_DEVICE=CPU
 "$venv/bin/python" - <<'EOF'
@@ -49,5 +55,6 @@ print(f"tpu: torch {torch.__version__}, torch_xla {torch_xla.__version__}, devic
 EOF
 
 # -m xla: the conformance suite on the xla target and tests/test_tpu*.py, nothing else.
-# Bounded per test; a hang fails the job instead of eating the CI budget.
-"$venv/bin/python" -m pytest -q -m xla -p no:cacheprovider --timeout=300 "$@"
+# `-p torch_xla` imports torch_xla before any test builds an XLA tensor (torch learns the
+# device from that import). Bounded per test: a hang fails the job instead of eating CI time.
+"$venv/bin/python" -m pytest -q -m xla -p no:cacheprovider -p torch_xla --timeout=300 "$@"

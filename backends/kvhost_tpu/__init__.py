@@ -27,6 +27,7 @@ torch_xla is imported on first use, never with this module.
 
 from __future__ import annotations
 
+import threading
 from typing import ClassVar
 
 import numpy as np
@@ -42,6 +43,10 @@ from kvhost_tpu import xla
 from kvhost_tpu.buckets import MIN_BUCKET, bucket_size, pad_rows
 
 __all__ = ["TpuBackend", "block_dim", "write_dtype"]
+
+# torch_xla's lazy tensors are not safe to update from two threads at once (a sync in one
+# thread can catch the other's half-built graph); the device runs one graph at a time anyway.
+_GRAPH_LOCK = threading.Lock()
 
 
 class TpuBackend(Backend):
@@ -59,6 +64,14 @@ class TpuBackend(Backend):
         return f"torch_xla, one graph per call, indices padded to powers of two from {self.min_bucket}"
 
     def receive(self, job: ReceiveJob) -> None:
+        with _GRAPH_LOCK:
+            self._receive(job)
+
+    def copy(self, job: CopyJob) -> Completion:
+        with _GRAPH_LOCK:
+            return self._copy(job)
+
+    def _receive(self, job: ReceiveJob) -> None:
         units = job.unit_ids
         padded = pad_rows(units, bucket_size(units.shape[0], self.min_bucket)).reshape(-1)
         ids = _upload(padded, job.device)
@@ -66,7 +79,7 @@ class TpuBackend(Backend):
             _rearrange(member.tensor, block_dim(member.layout), job.rearrangement, ids)
         xla.sync()
 
-    def copy(self, job: CopyJob) -> Completion:
+    def _copy(self, job: CopyJob) -> Completion:
         count = job.src_ids.size
         size = bucket_size(count, self.min_bucket)
         src_ids, dst_ids = pad_rows(job.src_ids, size), pad_rows(job.dst_ids, size)
