@@ -6,7 +6,7 @@
 # default python3) with its torch, triton, pytest and numpy, and makes kvhost's backend entry
 # points visible through a generated dist-info on PYTHONPATH.
 #
-#   bash ci/gpu-check.sh            # results also land in $OUT (or ./gpu-check-out)
+#   bash ci/gpu-check.sh            # results also land in $OUT (or /tmp/kvhost-gpu-check)
 #   GPU_CHECK_QUICK=1 bash ci/gpu-check.sh   # small sizes for the figures
 #
 # Exit status: non-zero if the device is missing, a conformance test fails, or the
@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-out=${OUT:-gpu-check-out}
+out=${OUT:-/tmp/kvhost-gpu-check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 started=$SECONDS

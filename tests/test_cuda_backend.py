@@ -99,6 +99,17 @@ def test_a_triton_too_old_for_the_kernels_means_torch_ops(monkeypatch):
     assert "torch ops (triton 3.1.0 is older than 3.2)" in CudaBackend().describe()
 
 
+def test_cuda_and_xpu_share_one_runtime_and_differ_only_in_names():
+    """Same class, same device-generic calls; only the device type and the Triton compiler differ."""
+    assert type(CudaBackend()).__mro__[1] is AcceleratorBackend is type(XpuBackend()).__mro__[1]
+    for backend, module in ((CudaBackend(), torch.cuda), (XpuBackend(), torch.xpu)):
+        runtime = backend.runtime
+        assert type(runtime) is DeviceRuntime and runtime.module is module
+        assert runtime.generic == hasattr(torch.accelerator, "set_stream")  # torch >= 2.6: torch.accelerator
+    assert CudaBackend().triton_compilers() == (("amd",) if torch.version.hip else ("nvidia",))
+    assert XpuBackend().triton_compilers() == ("intel",)
+
+
 # --- completion handles --------------------------------------------------------------
 
 
