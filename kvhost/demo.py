@@ -417,7 +417,20 @@ def handoff(
     outcome.failed = {r.name: r.failure or "did not arrive" for r in hello.requests if not r.arrived}
     if arrived:
         post_process(args, config, caches, staging, plan, arrived, outcome)
+    outcome.figures["memcpy_gbps"] = memcpy_gbps(outcome.figures.get("transfer_bytes", 0))
     verify(args, config, caches, arrived, free, outcome)
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """This machine's copy rate right now (median of a few): the yardstick for the figures above."""
+    size = min(max(nbytes, 1 << 20), 64 << 20)
+    source, target = torch.ones(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - started)
+    return size / sorted(times)[repeats // 2] / 1e9
 
 
 def pull(
@@ -698,14 +711,16 @@ def print_report(outcome: Outcome, stream: TextIO) -> None:
     if "transfer_seconds" in f:
         stream.write(
             f"  transfer  {_gb(f['transfer_bytes'])} in {f['transfer_seconds']:.3f} s = "
-            f"{_rate(f['transfer_bytes'], f['transfer_seconds'])} (NIXL READ)\n"
+            f"{_rate(f['transfer_bytes'], f['transfer_seconds'])}{_ratio(f, 'transfer')} (NIXL READ)\n"
         )
     if "post_seconds" in f:
         stream.write(
             f"  post      {f['post_what']}, backend {f['backend']}: {_gb(f['post_bytes'])} in "
-            f"{f['post_seconds']:.3f} s = {_rate(f['post_bytes'], f['post_seconds'])} "
+            f"{f['post_seconds']:.3f} s = {_rate(f['post_bytes'], f['post_seconds'])}{_ratio(f, 'post')} "
             f"(first call on scratch blocks before it: {f['warm_up_seconds']:.2f} s)\n"
         )
+    if "memcpy_gbps" in f:
+        stream.write(f"  memcpy    {f['memcpy_gbps']:.2f} GB/s on this machine now (median of 5 copies)\n")
     if "verify_seconds" in f:
         spare = "untouched" if f["spare_untouched"] else "CHANGED"
         stream.write(
@@ -751,6 +766,13 @@ def write_json(path: str, outcome: Outcome) -> None:
 def _names(names: list[str]) -> str:
     shown = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])} ... {names[-1]}"
     return f"{shown} ({len(names)} request{'s' if len(names) > 1 else ''})"
+
+
+def _ratio(f: dict[str, Any], what: str) -> str:
+    """`` = 0.12 x memcpy``: a rate as a share of this run's own copy rate."""
+    if not f.get("memcpy_gbps") or not f[f"{what}_seconds"]:
+        return ""
+    return f" = {f[f'{what}_bytes'] / f[f'{what}_seconds'] / 1e9 / f['memcpy_gbps']:.2f} x memcpy"
 
 
 def _gb(nbytes: int) -> str:
