@@ -51,7 +51,7 @@ PY
 
 # The suite: every module that runs the conformance targets or the backends' device tests.
 # xdist spreads Triton's first compiles (one per transform shape) over the cores.
-mapfile -t modules < <(grep -l -E "\(target|mark\.cuda|DEVICES" tests/test_*.py)
+mapfile -t modules < <(grep -l -E "def test_[a-z0-9_]+\(target" tests/test_*.py; echo tests/test_cuda_backend.py)
 parallel=()
 "$PYTHON" -c 'import xdist' 2>/dev/null && parallel=(-n 8)
 timeout 330 "$PYTHON" -m pytest -q -rs -m cuda -p no:cacheprovider "${parallel[@]}" "${modules[@]}" 2>&1 |
