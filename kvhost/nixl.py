@@ -14,8 +14,8 @@ regions: when both sides share a region order, the bytes then land in the receiv
 layout at its own block size. That is how a host staging buffer in the sender's order is
 filled (``kvhost demo --via-host``).
 
-NIXL is imported on first use (``load_nixl``), never with kvhost: the ``nixl`` package
-when installed, else ``nixl_cu12``.
+NIXL is imported on first use (``load_nixl``), never with kvhost: the ``nixl`` meta
+package when installed, else ``nixl_cu13`` or ``nixl_cu12``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from kvhost.errors import BackendError, KVHostError, LayoutError, RequestError
 from kvhost.layout import AXIS_LETTERS
 from kvhost.wire_protocol import Fields, ProtocolError, check_int
 
-NIXL_MODULES = ("nixl._api", "nixl_cu12._api")
+# The ``nixl`` meta package forwards ``nixl._api`` to whichever CUDA build is installed.
+NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 # Letters that may index a stream: outer letters, letters cut from the region, and "#" for
 # the place in a layer's tuple when that place is not K.
 COORD_LETTERS = "#LKHNC"

@@ -309,3 +309,18 @@ def test_a_closed_agent_refuses_work():
     agent.close()  # twice is fine
     with pytest.raises(KVHostError, match="closed"):
         agent.metadata()
+
+
+def test_missing_nixl_or_backend_is_a_clear_error(monkeypatch):
+    from kvhost import nixl
+    from kvhost.nixl import Agent, NixlUnavailableError
+
+    with pytest.raises(NixlUnavailableError, match="unknown-transport"):
+        Agent("no-such-backend", backends=("unknown-transport",))
+    monkeypatch.setattr(nixl, "NIXL_MODULES", ("no_such_nixl._api",))
+    nixl.load_nixl.cache_clear()
+    try:
+        with pytest.raises(NixlUnavailableError, match=r"NIXL is not installed .*kvhost\[nixl\]"):
+            Agent("nowhere")
+    finally:
+        nixl.load_nixl.cache_clear()
