@@ -76,4 +76,34 @@ class TorchBackend(Backend):
                 dst_index = torch.from_numpy(job.dst_ids).to(dest.device)
                 gathered = source.index_select(b, src_index).to(dest.device, non_blocking=job.non_blocking)
                 dest.index_copy_(b, dst_index, gathered)
+        return _completion(job)
+
+
+class _StreamCompletion(Completion):
+    """Done when the device passes an event recorded after the copy on its current stream."""
+
+    def __init__(self, event: torch.Event) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+def _completion(job: CopyJob) -> Completion:
+    """A non-blocking copy on an accelerator finishes later: track it with a device event."""
+    devices = {t.device for pair in job.pairs for t in (pair[0].tensor, pair[1].tensor)} - {torch.device("cpu")}
+    if not job.non_blocking or not devices:
         return Completion()
+    device = devices.pop()
+    try:
+        event = torch.Event(device=device)
+        event.record()
+    except (RuntimeError, AttributeError, TypeError):
+        # No event for this device in this torch: let the device finish before returning.
+        if device.type in ("cuda", "xpu") and hasattr(torch, "accelerator"):
+            torch.accelerator.synchronize(device)
+        return Completion()
+    return _StreamCompletion(event)

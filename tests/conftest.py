@@ -12,14 +12,21 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import kvhost
+
 
 @dataclass(frozen=True)
 class Target:
-    backend: str
+    backend: str | kvhost.Backend  # a registered name, or a test-only instance
     device: str
 
+    @property
+    def name(self) -> str:
+        """The backend's name, as ReceiveStats and CopyResult report it."""
+        return self.backend if isinstance(self.backend, str) else self.backend.name
+
     def __str__(self) -> str:
-        return f"{self.backend}@{self.device}"
+        return f"{self.name}@{self.device}"
 
 
 def _targets() -> list[object]:
@@ -49,9 +56,9 @@ def _targets() -> list[object]:
             marks=[pytest.mark.xla, pytest.mark.skipif(not xla, reason="torch_xla not installed")],
         ),
         # The CUDA/XPU Triton kernels on CPU tensors in Triton's interpreter: a Backend
-        # instance (equal to its name), not a registered backend. ci/cpu.sh sets TRITON_INTERPRET=1.
+        # instance, not a registered backend. ci/cpu.sh sets TRITON_INTERPRET=1.
         pytest.param(
-            Target(triton_interpret, "cpu"),  # type: ignore[arg-type]
+            Target(triton_interpret, "cpu"),
             id="triton-interpret",
             marks=[pytest.mark.skipif(triton_reason is not None, reason=str(triton_reason))],
         ),

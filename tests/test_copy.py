@@ -76,7 +76,7 @@ def test_copy_between_layouts_and_devices(target, pair, ids, direction):
         block_bytes *= sizes_for(src_axes, 12)[a]
     assert result.blocks == len(src_ids)
     assert result.bytes_moved == len(src_ids) * block_bytes * 2  # two layers
-    assert result.backend == target.backend
+    assert result.backend == target.name
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float32, torch.int8], ids=str)

@@ -71,7 +71,7 @@ def test_receive_matches_sender(target, layout, kind, k, order):
     )
     case.check()
     assert stats.blocks == sum(len(ids) for ids in requests.values())
-    assert stats.backend == target.backend
+    assert stats.backend == target.name
     if stats.bytes_moved == 0:
         assert stats.skipped_blocks == stats.blocks and stats.groups == 0
 
@@ -234,7 +234,7 @@ def test_kvhost_object_reuses_and_matches(target):
         case.send("r", ids, "HNC", 4)
         stats = host.receive({"r": ids}, remote_order="HNC", remote_block_size=4)
         case.check()
-        assert stats.backend == target.backend
+        assert stats.backend == target.name
 
 
 @pytest.mark.parametrize(("order", "remote"), [("HNC", 16), ("HNC", 128)])
