@@ -786,34 +786,34 @@ def _rate(nbytes: int, seconds: float) -> str:
 # --- command line -------------------------------------------------------------------
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default."""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvhost demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prefill-block-size", type=int, default=16, help="tokens per prefill block (default 16)")
-    p.add_argument("--decode-block-size", type=int, default=64, help="tokens per decode block (default 64)")
-    p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default="HND", help="prefill cache layout (HND)")
-    p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default="NHD", help="decode cache layout (NHD)")
-    p.add_argument("--layers", type=int, default=4)
+    p = argparse.ArgumentParser(prog="kvhost demo", description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--prefill-block-size", type=int, default=16, metavar="N", help="tokens per prefill block")
+    p.add_argument("--decode-block-size", type=int, default=64, metavar="N", help="tokens per decode block")
+    p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default="HND", help="prefill cache layout")
+    p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default="NHD", help="decode cache layout")
+    p.add_argument("--layers", type=int, default=4, help="layers, each a [2, blocks, N, heads, head_dim] cache")
     p.add_argument("--heads", type=int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--min-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default=None, help="kvhost backend for the post-process (default: chosen by device)")
+    p.add_argument("--head-dim", type=int, default=64, help="channels per head")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="cache dtype")
+    p.add_argument("--requests", type=int, default=40, help="requests in the batch")
+    p.add_argument("--min-tokens", type=int, default=16, help="shortest request")
+    p.add_argument("--max-tokens", type=int, default=2048, help="longest request (lengths are log-uniform)")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, block ids and values")
+    p.add_argument("--backend", default=None, help="kvhost backend for the post-process (None: chosen by device)")
     p.add_argument("--via-host", action="store_true", help="land bytes in a host buffer, then copy_blocks")
     faults = p.add_mutually_exclusive_group()
     faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill after N requests arrived")
-    faults.add_argument(
-        "--freeze-prefill-after", type=int, metavar="N", help="stop prefill (SIGSTOP) after N arrived: transfers hang"
-    )
-    p.add_argument("--inflight", type=int, default=8, help="transfers in flight at once (default 8)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds a transfer may take (default 10)")
+    faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill (SIGSTOP) after N arrived")
+    p.add_argument("--inflight", type=int, default=8, help="transfers in flight at once")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds one transfer may take")
     p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds for prefill to start and say hello")
     p.add_argument("--json", metavar="PATH", help="also write the outcome as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     # Set by decode when it starts prefill; not for people.
     p.add_argument("--role", choices=["decode", "prefill"], default="decode", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
