@@ -160,14 +160,15 @@ def _gather(member: Member, ids: np.ndarray) -> torch.Tensor:
 
 
 def _moved_to(picked: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """``picked`` on ``cache``'s device, in ``write_dtype(cache)``: bytes crossing devices go as integers."""
+    """``picked`` on ``cache``'s device, in ``write_dtype(cache)``: bytes cross devices as integers."""
     wanted = write_dtype(cache)
-    if picked.device == cache.device:
-        return xla.bitcast(picked, wanted)
     if picked.device.type == "xla":
-        picked = _as_integers(picked)
-    # Host bytes reinterpreted for free on the host; the upload carries them unchanged.
-    return picked.contiguous().view(wanted).to(cache.device)
+        if picked.device != cache.device:
+            picked = _as_integers(picked).to(cache.device)
+        return xla.bitcast(picked, wanted)
+    # Host bytes: made contiguous by numpy (torch's threads would contend with XLA's) and
+    # reinterpreted for free; the upload carries them unchanged.
+    return torch.from_numpy(np.ascontiguousarray(picked.numpy())).view(wanted).to(cache.device)
 
 
 def _as_integers(picked: torch.Tensor) -> torch.Tensor:
