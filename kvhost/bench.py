@@ -708,38 +708,34 @@ def _same_copy(
 
 @dataclass
 class Measured:
-    """Every round's samples, and which rounds the medians use."""
+    """Every round's samples, and per method which of them its median uses."""
 
     samples: dict[str, Sample]
-    used: list[bool]  # per round: undisturbed (or every round, when too few were)
-    disturbed_rounds: int
+    used: dict[str, list[bool]]  # per method and round: undisturbed (or every round, when too few were)
 
     def used_samples(self) -> dict[str, Sample]:
         return {
             name: Sample(
-                [t for t, keep in zip(sample.seconds, self.used) if keep],
-                [w for w, keep in zip(sample.waits, self.used) if keep],
+                [t for t, keep in zip(sample.seconds, self.used[name]) if keep],
+                [w for w, keep in zip(sample.waits, self.used[name]) if keep],
             )
             for name, sample in self.samples.items()
         }
 
 
-DISTURBANCE_S = 1e-3  # waiting this much longer for a core than a method ever needs marks its round
+DISTURBANCE_S = 1e-3  # waiting this much longer for a core than a method usually does marks a call
 
 
-def disturbed(samples: dict[str, Sample]) -> list[bool]:
-    """Per round: did some call wait for a core clearly longer than that method's least wait?
+def disturbed(sample: Sample) -> list[bool]:
+    """Per call: did it wait for a core clearly longer than this method usually waits?
 
-    Waking a worker costs some run-queue wait on every call; on a shared machine a call
-    also waits whole scheduler time slices (4 ms here) for a core another process holds.
+    Waking a worker costs some run-queue wait on every call, and more while the machine
+    is busy (the usual wait: the lower quartile); a call that also waited a scheduler time
+    slice (4 ms here) for a core another process held is disturbed.
     """
-    rounds = len(next(iter(samples.values())).seconds)
-    flags = [False] * rounds
-    for sample in samples.values():
-        limit = min(sample.waits) + max(DISTURBANCE_S, 0.05 * min(sample.seconds))
-        for i, wait in enumerate(sample.waits):
-            flags[i] = flags[i] or wait > limit
-    return flags
+    usual = float(np.quantile(sample.waits, 0.25))
+    limit = usual + max(DISTURBANCE_S, 0.05 * min(sample.seconds))
+    return [wait > limit for wait in sample.waits]
 
 
 def measure(
@@ -747,9 +743,9 @@ def measure(
 ) -> Measured:
     """Methods interleaved in a random order per round, each call from a cold cache.
 
-    Rounds in which a call waited for a core (``disturbed``) are run again, up to three
-    times the rounds planned; the medians use the undisturbed rounds when at least half
-    the planned number are, else every round.
+    While some method has fewer undisturbed calls than the rounds planned, rounds go on,
+    up to three times the plan. Each method's median uses its undisturbed calls when
+    there are at least half the planned number, else all of them.
     """
     estimate = 0.0
     for method in methods.values():  # warm up (compile, plan caches), and time a call to plan the rounds
@@ -783,14 +779,14 @@ def measure(
             samples[name].waits.append(run_queue_wait() - waited)
         if run < rounds:
             continue
-        clean = run - sum(disturbed(samples))
-        extended_long_enough = time.perf_counter() - began > 3 * preset.seconds_per_point and run >= rounds
-        if clean >= rounds or run >= 3 * rounds or extended_long_enough:
+        fewest = min(run - sum(disturbed(sample)) for sample in samples.values())
+        if fewest >= rounds or run >= 3 * rounds or time.perf_counter() - began > 3 * preset.seconds_per_point:
             break
-    flags = disturbed(samples)
-    clean = run - sum(flags)
-    used = [not flag for flag in flags] if clean >= max(3, rounds // 2) else [True] * run
-    return Measured(samples, used, sum(flags))
+    used = {}
+    for name, sample in samples.items():
+        clean = [not flag for flag in disturbed(sample)]
+        used[name] = clean if sum(clean) >= max(3, rounds // 2) else [True] * run
+    return Measured(samples, used)
 
 
 def run_queue_wait() -> float:
@@ -828,19 +824,23 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
         "ids": point.ids,
         "direction": point.direction if point.kind == "stage" else None,
         "host_physical": point.host_physical or None,
-        "rounds": len(next(iter(samples.values())).seconds),
-        "rounds_run": len(measured.used),
-        "rounds_disturbed": measured.disturbed_rounds,
-        "rounds_used": measured.used,
+        "rounds_run": len(next(iter(measured.samples.values())).seconds),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         **prepared.stats,
         "methods": {},
     }
-    roof = samples.get(ROOFLINE)
     baselines = [name for name in samples if name in (BASELINE, BASELINE_1T)]
     best = min(baselines, key=lambda name: samples[name].median) if baselines else None
-    base = samples[best] if best else None
     row["baseline_best"] = best
+
+    def per_round(top: str, bottom: str) -> list[float]:
+        """``top / bottom`` in each round where both calls count: the spread of a ratio."""
+        pairs = zip(
+            measured.samples[top].seconds, measured.samples[bottom].seconds, measured.used[top], measured.used[bottom]
+        )
+        ratios = [t / b for t, b, keep_t, keep_b in pairs if keep_t and keep_b]
+        return [float(np.quantile(ratios, q)) for q in (0.25, 0.75)] if ratios else []
+
     for name, sample in samples.items():
         entry: dict[str, Any] = {
             "median_s": sample.median,
@@ -848,19 +848,19 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
             "p75_s": sample.quantile(0.75),
             "min_s": min(sample.seconds),
             "max_s": max(sample.seconds),
-            "samples_s": measured.samples[name].seconds,  # every round run; rounds_used marks those counted
+            "rounds": len(sample.seconds),
+            "samples_s": measured.samples[name].seconds,  # every call; "used" marks those the figures count
             "run_queue_wait_s": measured.samples[name].waits,
+            "used": measured.used[name],
         }
         if prepared.nbytes:
             entry["gbps"] = prepared.nbytes / sample.median / 1e9
-        if roof is not None:
-            per_round = [r / s for r, s in zip(roof.seconds, sample.seconds)]
-            entry["fraction"] = roof.median / sample.median
-            entry["fraction_rounds_p25_p75"] = [float(np.quantile(per_round, q)) for q in (0.25, 0.75)]
-        if base is not None:
-            per_round = [b / s for b, s in zip(base.seconds, sample.seconds)]
-            entry["speedup"] = base.median / sample.median
-            entry["speedup_rounds_p25_p75"] = [float(np.quantile(per_round, q)) for q in (0.25, 0.75)]
+        if ROOFLINE in samples:
+            entry["fraction"] = samples[ROOFLINE].median / sample.median
+            entry["fraction_rounds_p25_p75"] = per_round(ROOFLINE, name)
+        if best is not None:
+            entry["speedup"] = samples[best].median / sample.median
+            entry["speedup_rounds_p25_p75"] = per_round(best, name)
         row["methods"][name] = entry
     return row
 

@@ -39,10 +39,10 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
         block_bytes = bench.Geometry(**{**row["geometry"]}).block_bytes
         assert row["bytes"] == row["blocks"] * block_bytes > 0
         assert methods[bench.ROOFLINE]["fraction"] == pytest.approx(1.0)
-        assert row["rounds_run"] == len(row["rounds_used"]) and sum(row["rounds_used"]) == row["rounds"] >= 3
         for entry in methods.values():
-            assert len(entry["samples_s"]) == len(entry["run_queue_wait_s"]) == row["rounds_run"]
-            used = [t for t, keep in zip(entry["samples_s"], row["rounds_used"]) if keep]
+            assert len(entry["samples_s"]) == len(entry["run_queue_wait_s"]) == len(entry["used"]) == row["rounds_run"]
+            used = [t for t, keep in zip(entry["samples_s"], entry["used"]) if keep]
+            assert len(used) == entry["rounds"] >= 3
             assert entry["median_s"] == pytest.approx(float(np.median(used)))
             assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
             assert entry["gbps"] == pytest.approx(row["bytes"] / entry["median_s"] / 1e9)
@@ -112,22 +112,23 @@ def test_targets_pass_and_fail_on_the_figures():
     assert bench.evaluate(identity, identity_row(64, 0.0))["passed"] is False
 
 
-def test_rounds_that_waited_for_a_core_are_marked_and_left_out():
-    # Method b waited 4 ms for a core in round 2 (a scheduler time slice); its usual wake-up wait is 0.2 ms.
-    samples = {
-        "a": bench.Sample([1e-3, 1.1e-3, 1e-3, 1e-3], [0.0, 1e-4, 0.0, 0.0]),
-        "b": bench.Sample([2e-3, 2e-3, 6e-3, 2.1e-3], [2e-4, 2e-4, 4.2e-3, 3e-4]),
-    }
-    assert bench.disturbed(samples) == [False, False, True, False]
-    measured = bench.Measured(samples, [not d for d in bench.disturbed(samples)], 1)
+def test_calls_that_waited_for_a_core_are_marked_and_left_out():
+    # b waited 4 ms for a core in round 2 (a scheduler time slice); its usual wake-up wait is 0.2 ms.
+    a = bench.Sample([1e-3, 1.1e-3, 1e-3, 1e-3], [0.0, 1e-4, 0.0, 0.0])
+    b = bench.Sample([2e-3, 2e-3, 6e-3, 2.1e-3], [2e-4, 2e-4, 4.2e-3, 3e-4])
+    assert bench.disturbed(a) == [False] * 4
+    assert bench.disturbed(b) == [False, False, True, False]
+    measured = bench.Measured({"a": a, "b": b}, {"a": [True] * 4, "b": [not d for d in bench.disturbed(b)]})
     assert measured.used_samples()["b"].seconds == [2e-3, 2e-3, 2.1e-3]
+    assert measured.used_samples()["a"].seconds == a.seconds
 
     ticks = iter(range(1000))
     methods = {"x": lambda: next(ticks), "y": lambda: None}
     device = bench.Device("cpu", cold=False)
     result = bench.measure(methods, device, bench.PRESETS["quick"], 5, random.Random(0))
-    assert len(result.used) >= 5 and sum(result.used) >= 3
-    assert all(len(s.seconds) == len(s.waits) == len(result.used) for s in result.samples.values())
+    for name, sample in result.samples.items():
+        assert len(sample.seconds) == len(sample.waits) == len(result.used[name]) >= 5
+        assert sum(result.used[name]) >= 3
 
 
 def test_allocator_ids():
