@@ -1,11 +1,12 @@
-"""The TPU backend: torch_xla tensors (device type ``xla``), one compiled graph per call.
+"""The TPU backend: torch_xla tensors (device type ``xla``), one compiled graph per job.
 
 XLA tensors have no strides: their memory order is their shape order (``Layout.of``
 reads them that way), so every cache here is ``[*outer, B, *region]`` in shape order and
 the work is indexed ops on the cache tensor itself, never on a view of it:
 
 - receive: gather the units' regions, permute them into the local order and write them
-  back, for every member, then one sync, so the job is one graph;
+  back, for every member, then one sync, so the job is one graph (a call is one job per
+  transform group: one graph unless requests name several sender layouts);
 - copy: host <-> XLA (bytes reach an XLA device only through host staging) and XLA <->
   XLA: the source blocks are gathered where they lie, permuted into the destination's
   shape order, moved, and written into the destination.
@@ -18,8 +19,10 @@ Writes are one ``index_put_`` whose indices cover the outer dims and ``B``, the 
 dims: XLA scatters them where they lie (a scatter along an inner dim makes XLA:CPU
 transpose the whole cache, twice). The sync is a step barrier, where torch_xla donates
 the cache's buffer to the graph, so a call costs O(blocks moved), not O(cache size).
-Element types a device would upcast (bf16 and fp8 on XLA:CPU) are written through an
-integer bitcast instead, byte-exact (see ``xla.native_writes``).
+Element types a device would upcast (bf16 and fp8 on XLA:CPU, which converts the whole
+operand and rewrites NaN payloads) are written through an integer bitcast instead:
+byte-exact, but on XLA:CPU that bitcast is a pass over the whole cache, so there those
+writes cost O(cache) (see ``xla.native_writes``; reads stay O(n)).
 
 Copies block until the bytes are in place (``non_blocking`` too: done on return).
 torch_xla is imported on first use, never with this module.
