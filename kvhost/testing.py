@@ -22,8 +22,25 @@ _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as integers of the same item size (same shape and strides)."""
+    """The tensor's bytes as integers of the same item size (same shape and strides).
+
+    XLA tensors have no byte views: for them this is a copy, made on the device with a
+    bitcast (``view(dtype)`` would move fp16 through f32 and rewrite NaN payloads). Write
+    bytes with ``set_raw``.
+    """
+    if tensor.device.type == "xla":
+        from kvhost_tpu.xla import bitcast  # the only device whose bytes need its backend
+
+        return bitcast(tensor, _RAW[tensor.element_size()])
     return tensor.view(_RAW[tensor.element_size()])
+
+
+def set_raw(tensor: torch.Tensor, host_raw: torch.Tensor) -> None:
+    """Write ``host_raw`` (integers of ``tensor``'s item size and shape) into ``tensor``'s bytes."""
+    if tensor.device.type == "cpu":
+        raw(tensor).copy_(host_raw)
+    else:
+        tensor.copy_(host_raw.contiguous().view(tensor.dtype).to(tensor.device))
 
 
 def make_cache(
@@ -45,7 +62,7 @@ def fill_random(tensor: torch.Tensor, seed: int) -> torch.Tensor:
         0, 256, (*tuple(tensor.shape), tensor.element_size()), dtype=torch.uint8, generator=generator
     )
     host = values.view(_RAW[tensor.element_size()]).squeeze(-1)
-    raw(tensor).copy_(host.to(tensor.device))
+    set_raw(tensor, host)
     return tensor
 
 
@@ -103,8 +120,8 @@ def write_wire(
         for j, block in enumerate(block_ids):
             region = regions[block].reshape(-1).view(torch.uint8)
             region.copy_(stream[j * region_bytes : (j + 1) * region_bytes])
-    if host is not tensor and tensor.device.type != "cpu":
-        raw(tensor).copy_(host.to(tensor.device))
+    if tensor.device.type != "cpu":
+        set_raw(tensor, host)
 
 
 def _indices(sizes: list[int]) -> list[tuple[int, ...]]:

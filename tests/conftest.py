@@ -70,4 +70,6 @@ TARGETS = _targets()
 
 @pytest.fixture(params=TARGETS)
 def target(request: pytest.FixtureRequest) -> Target:
+    if request.param.device == "xla":
+        import torch_xla  # noqa: F401  (torch knows the XLA device only once torch_xla is imported)
     return request.param  # type: ignore[no-any-return]

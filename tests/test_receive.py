@@ -59,6 +59,8 @@ CASES = [
 @pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES)
 def test_receive_matches_sender(target, layout, kind, k, order):
     axes, physical, sizes = LAYOUTS[layout]
+    if target.device == "xla" and physical != axes:
+        pytest.skip("XLA tensors have no strides: their memory order is their shape order")
     caches = {f"layer{i}": make_cache(axes, physical, sizes, torch.bfloat16, target.device) for i in range(2)}
     remote_size = sizes["N"] // k if kind == "r" else sizes["N"] * k
     g = k if kind == "g" else 1
