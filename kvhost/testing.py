@@ -31,7 +31,8 @@ def raw(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "xla":
         from kvhost_tpu.xla import bitcast  # the only device whose bytes need its backend
 
-        return bitcast(tensor, _RAW[tensor.element_size()])
+        on_device: torch.Tensor = bitcast(tensor, _RAW[tensor.element_size()])
+        return on_device
     return tensor.view(_RAW[tensor.element_size()])
 
 
