@@ -5,8 +5,8 @@
 #
 # Environment: its own virtual environment (VENV, default .venv-cuda) with a GPU build of
 # torch (TORCH, default `torch`, which is a CUDA build on Linux x86-64; for ROCm point pip
-# at the ROCm wheels, e.g. PIP_INDEX_URL=https://download.pytorch.org/whl/rocm6.4 with
-# PIP_EXTRA_INDEX_URL=https://pypi.org/simple). Extra pytest arguments pass through.
+# at PyTorch's ROCm wheel index with PIP_INDEX_URL, keeping the default index as
+# PIP_EXTRA_INDEX_URL for the rest). Extra pytest arguments pass through.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-cuda}
