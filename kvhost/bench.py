@@ -1097,6 +1097,20 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def to_json(value: Any) -> str:
+    """Indented JSON with every list of numbers on one line, and floats to 5 significant digits."""
+    if isinstance(value, dict):
+        items = [f"{json.dumps(key)}: {to_json(item)}" for key, item in value.items()]
+        return "{\n" + ",\n".join(" " + line for item in items for line in [item.replace("\n", "\n ")]) + "\n}"
+    if isinstance(value, list) and value and all(isinstance(v, (int, float, bool)) for v in value):
+        return "[" + ", ".join(to_json(v) for v in value) + "]"
+    if isinstance(value, list):
+        return "[\n" + ",\n".join(" " + to_json(v).replace("\n", "\n ") for v in value) + "\n]"
+    if isinstance(value, float) and math.isfinite(value):
+        return json.dumps(float(f"{value:.5g}"))
+    return json.dumps(value)
+
+
 def allocation_order(chosen: list[Scenario]) -> list[Scenario]:
     """Scenarios that start on the same cache geometry run one after another: fewer large allocations."""
     first_seen: dict[Geometry, int] = {}
@@ -1168,7 +1182,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     xla_scaling = measure_xla_scaling() if args.xla_scaling else None
     result = {
         "kvhost_bench": 1,
-        "command": "kvhost bench " + " ".join(a for a in argv if a != "--in-process"),
+        "command": " ".join(["kvhost bench", *(a for a in argv if a != "--in-process")]),
         "preset": preset.name,
         "device": args.device,
         "cache": "warm" if args.warm else "cold",
@@ -1195,7 +1209,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "table": table(rows, [f"kvhost[{b}]" for b in args.backend]),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    args.json.write_text(to_json(result) + "\n")
     plot(result, args.png)
     print(result["table"])
     extra = other_tables(rows)
