@@ -3,7 +3,8 @@
 For every workload point the methods run in one process on the same bytes, interleaved
 in a random order per round, each call starting from a cold cache (a large read evicts
 the last level cache first: small batches would otherwise be served from this
-machine's 32 MiB L3 for one method and not another). Results are medians over rounds.
+machine's 32 MiB L3 for one method and not another). Results are medians over rounds,
+leaving out calls that waited for a core another process held (see ``disturbed``).
 
 - ``memcpy``: one plain copy of the same number of bytes between two buffers, on the
   same device(s) and threads: an in-place rearrangement needs one read and one write of
@@ -1077,7 +1078,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="torch device of the caches (default cpu)")
     parser.add_argument("--requests", help="batch sizes to sweep, comma-separated (default 1..256 doubling)")
     parser.add_argument("--only", action="append", default=[], help="run scenarios whose name starts with this")
-    parser.add_argument("--rounds", type=int, help="rounds per point (default: adaptive, odd, at least 5)")
+    parser.add_argument("--rounds", type=int, help="rounds per point (default: adaptive, odd, 7 to 31)")
     parser.add_argument("--backend", action="append", default=[], help="also time KVHost with this backend")
     parser.add_argument("--warm", action="store_true", help="do not flush caches before each timed call")
     parser.add_argument("--no-sweeps", action="store_true", help="only the target scenarios")
@@ -1090,6 +1091,24 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--in-process", action="store_true", help="measure in this process (see module docstring)")
     args = parser.parse_args(argv)
+    if args.requests is not None:
+        given = args.requests
+        try:
+            args.requests = tuple(int(n) for n in given.split(","))
+        except ValueError:
+            parser.error(f"--requests {given!r}: give batch sizes as integers separated by commas")
+        if min(args.requests) < 1:
+            parser.error(f"--requests {given!r}: batch sizes must be at least 1")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least one round")
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a torch device")
+    names = sorted(s.name for s in scenarios(PRESETS["full"], (1,)))
+    for prefix in args.only:
+        if not any(name.startswith(prefix) for name in names):
+            parser.error(f"--only {prefix!r} matches no scenario ({', '.join(names)})")
     default_dir = Path("bench-results") if args.quick else Path("docs")
     stem = "bench-quick" if args.quick else "bench"
     args.json = args.json or default_dir / f"{stem}.json"
@@ -1101,7 +1120,7 @@ def to_json(value: Any) -> str:
     """Indented JSON with every list of numbers on one line, and floats to 5 significant digits."""
     if isinstance(value, dict):
         items = [f"{json.dumps(key)}: {to_json(item)}" for key, item in value.items()]
-        return "{\n" + ",\n".join(" " + line for item in items for line in [item.replace("\n", "\n ")]) + "\n}"
+        return "{\n" + ",\n".join(" " + item.replace("\n", "\n ") for item in items) + "\n}"
     if isinstance(value, list) and value and all(isinstance(v, (int, float, bool)) for v in value):
         return "[" + ", ".join(to_json(v) for v in value) + "]"
     if isinstance(value, list):
@@ -1145,7 +1164,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     preset = PRESETS["quick" if args.quick else "full"]
     if args.no_sweeps:
         preset = replace(preset, sweeps=False)
-    requests = tuple(int(n) for n in args.requests.split(",")) if args.requests else preset.requests
+    requests = args.requests or preset.requests
     chosen = [s for s in scenarios(preset, requests) if not args.only or any(s.name.startswith(o) for o in args.only)]
     device = Device(args.device, cold=not args.warm)
     space = Workspace(device)
@@ -1195,6 +1214,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             {
                 "name": s.name,
                 "title": s.title,
+                "cache": s.points[0].geometry.describe(),
                 "plot": s.plot,
                 "target": asdict(s.target) if s.target else None,
                 "points": len(s.points),

@@ -78,6 +78,23 @@ def test_bench_reports_a_baseline_that_disagrees(tmp_path, monkeypatch, capfd):
     assert json.loads((tmp_path / "b.json").read_text())["verified"] is False
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--requests", "1,x"], "--requests '1,x'"),
+        (["--requests", "0"], "--requests '0'"),
+        (["--only", "nope"], "--only 'nope' matches no scenario"),
+        (["--device", "nodev"], "--device 'nodev'"),
+        (["--rounds", "0"], "--rounds 0"),
+    ],
+)
+def test_bad_options_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def _rows(fraction: float, speedup: float) -> list[dict]:
     return [
         {"requests": n, "methods": {bench.KVHOST: {"fraction": f, "speedup": s}}}
