@@ -78,6 +78,20 @@ def test_bench_reports_a_baseline_that_disagrees(tmp_path, monkeypatch, capfd):
     assert json.loads((tmp_path / "b.json").read_text())["verified"] is False
 
 
+def test_bench_without_matplotlib_still_writes_its_figures(tmp_path, monkeypatch, capfd):
+    def no_matplotlib(result, path):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(bench, "plot", no_matplotlib)
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    argv = ["--quick", "--in-process", "--only", "front-end", "--rounds", "1", "--xla-scaling"]
+    assert bench.main([*argv, "--json", str(out_json), "--png", str(out_png)]) == 0
+    result = json.loads(out_json.read_text())
+    assert not out_png.exists() and "no plot" in capfd.readouterr().err
+    assert result["points"][0]["kind"] == "frontend" and result["points"][0]["front_end_share"] > 0
+    assert set(result["xla_scaling"]) <= {"rows", "skipped"} and result["xla_scaling"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
