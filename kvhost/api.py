@@ -69,6 +69,7 @@ class KVHost:
         self.caches = CacheSet(caches, axes)
         self.backend = _backend(backend, self.caches.device)
         self._index_buffers = IndexBuffers()
+        self._peers: dict[tuple[int, str, str], CacheSet] = {}
 
     @property
     def device(self) -> torch.device:
@@ -90,7 +91,7 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy registered blocks ``src_ids`` out to ``dst`` (e.g. save to a host buffer)."""
-        dest = CacheSet(dst, dst_axes or self.caches.axes, role="dst")
+        dest = self._peer(dst, dst_axes or self.caches.axes, "dst")
         return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, self._copy_backend(dest.device))
 
     def copy_from(
@@ -103,8 +104,24 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy blocks ``src_ids`` of ``src`` into registered blocks ``dst_ids`` (a load)."""
-        source = CacheSet(src, src_axes or self.caches.axes, role="src")
+        source = self._peer(src, src_axes or self.caches.axes, "src")
         return _copy(source, self.caches, src_ids, dst_ids, non_blocking, self._copy_backend(source.device))
+
+    def _peer(self, caches: Mapping[str, Layer], axes: str, role: str) -> CacheSet:
+        """The other side of a copy, read once while the same mapping holds the same tensors.
+
+        A connector's host buffer is allocated once and passed on every call; its layouts
+        need not be read again. A few peers are remembered (and kept alive).
+        """
+        key = (id(caches), axes, role)
+        known = self._peers.get(key)
+        if known is not None and known.describes(caches):
+            return known
+        peer = CacheSet(caches, axes, role=role)
+        if len(self._peers) >= 4:
+            self._peers.pop(next(iter(self._peers)))
+        self._peers[key] = peer
+        return peer
 
     def _copy_backend(self, other: torch.device) -> Backend | None:
         """The registered backend, unless the other side is the accelerator of a host cache."""
@@ -143,9 +160,9 @@ def _copy(
     return CopyResult(
         blocks=batch.blocks,
         bytes_moved=batch.bytes_moved,
-        runs=batch.runs,
         backend=chosen.name,
         completion=_AllOf(completions),
+        ids=(batch.jobs[0].src_ids, batch.jobs[0].dst_ids) if batch.jobs else None,
     )
 
 

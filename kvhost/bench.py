@@ -404,20 +404,40 @@ def machine() -> dict[str, Any]:
 
 
 class Device:
-    """What timing needs from a device: synchronisation and a cache flush."""
+    """What timing needs from a device: synchronisation and a cache flush before each call.
 
-    def __init__(self, name: str, cold: bool) -> None:
+    ``cache`` says what a flush evicts:
+
+    - ``data`` (default): exactly the bytes the methods read or write (``clflush`` of each
+      64-byte line), as in a serving process whose KV bytes just arrived from the network
+      while its interpreter and code stay warm. Where lines cannot be flushed one by one
+      (not x86, not the host, numba missing) it falls back to ``all``; ranges larger than
+      four times the last level cache are left alone (they evict themselves).
+    - ``all``: everything, by reading three times the last level cache: data and code are
+      cold, which also charges every Python-level step of a call with cache misses.
+    - ``warm``: nothing.
+    """
+
+    def __init__(self, name: str, cache: str = "data") -> None:
         self.device = torch.device(name)
-        self.cold = cold
         module = getattr(torch, self.device.type, None)
         self._sync: Callable[[], None] = getattr(module, "synchronize", None) or (lambda: None)
         if self.device.type == "cpu":
             self._sync = lambda: None
-        # Reading three times the largest cache evicts what the last call left there.
-        flush_bytes = max(3 * last_level_cache_bytes(), 64 * MiB)
-        self._flush = [torch.ones(flush_bytes // 8, dtype=torch.int64)] if cold else []
-        if cold and self.device.type != "cpu":
-            self._flush.append(torch.ones(256 * MiB // 8, dtype=torch.int64, device=self.device))
+        self._evict = line_evictor() if cache == "data" and self.device.type == "cpu" else None
+        self.cache = "all" if cache == "data" and self._evict is None else cache
+        self._flush: list[torch.Tensor] = []
+        if self.cache in ("all", "data"):
+            # Reading three times the largest cache evicts what the last call left there.
+            flush_bytes = max(3 * last_level_cache_bytes(), 64 * MiB)
+            self._flush = [torch.ones(flush_bytes // 8, dtype=torch.int64)]
+            if self.device.type != "cpu":
+                self._flush.append(torch.ones(256 * MiB // 8, dtype=torch.int64, device=self.device))
+        self._self_evicting = 4 * last_level_cache_bytes()
+
+    @property
+    def cold(self) -> bool:
+        return self.cache != "warm"
 
     @property
     def is_host(self) -> bool:
@@ -426,10 +446,75 @@ class Device:
     def synchronize(self) -> None:
         self._sync()
 
-    def flush(self) -> None:
+    def flush(self, touched: np.ndarray | None = None) -> None:
+        """Evict what ``cache`` says; ``touched`` rows are (address, bytes) the methods use."""
+        if self.cache == "warm":
+            return
+        if self.cache == "data" and self._evict is not None and touched is not None:
+            if int(touched[:, 1].sum()) <= self._self_evicting:
+                self._evict(touched)
+            return
         for buffer in self._flush:
             buffer.sum()
         self.synchronize()
+
+
+def line_evictor() -> Callable[[np.ndarray], None] | None:
+    """A compiled ``clflush`` loop over (address, bytes) rows, or None where there is none."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        from llvmlite import ir
+        from numba import njit, types
+        from numba.extending import intrinsic
+    except ImportError:
+        return None
+
+    @intrinsic
+    def clflush(typingctx, address):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            byte_ptr = ir.IntType(8).as_pointer()
+            flush = builder.module.declare_intrinsic(
+                "llvm.x86.sse2.clflush", fnty=ir.FunctionType(ir.VoidType(), [byte_ptr])
+            )
+            builder.call(flush, [builder.inttoptr(args[0], byte_ptr)])
+
+        return types.void(types.int64), codegen
+
+    @intrinsic
+    def fence(typingctx):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            mfence = builder.module.declare_intrinsic("llvm.x86.sse2.mfence", fnty=ir.FunctionType(ir.VoidType(), []))
+            builder.call(mfence, [])
+
+        return types.void(), codegen
+
+    @njit(nogil=True)
+    def evict(ranges):  # type: ignore[no-untyped-def]
+        for row in range(ranges.shape[0]):
+            first = ranges[row, 0] - ranges[row, 0] % 64
+            for line in range(first, ranges[row, 0] + ranges[row, 1], 64):
+                clflush(line)  # type: ignore[call-arg]
+        fence()  # type: ignore[call-arg]
+
+    try:
+        evict(np.zeros((0, 2), dtype=np.int64))
+    except Exception:  # an LLVM without the x86 intrinsics
+        return None
+    result: Callable[[np.ndarray], None] = evict
+    return result
+
+
+def block_ranges(caches: dict[str, torch.Tensor], axes: str, ids: np.ndarray) -> np.ndarray:
+    """(address, bytes) of every region of blocks ``ids`` in every layer of ``caches``."""
+    rows = []
+    for member in CacheSet(caches, axes).members:
+        layout = member.layout
+        starts = (
+            member.tensor.data_ptr() + layout.outer_offsets_bytes[:, None] + ids[None, :] * layout.block_stride_bytes
+        )
+        rows.append(np.stack([starts.reshape(-1), np.full(starts.size, layout.region_bytes)], axis=1))
+    return np.concatenate(rows).astype(np.int64)
 
 
 # --- methods -------------------------------------------------------------------------------
@@ -487,14 +572,7 @@ class Workspace:
 
     def memcpy(self, nbytes: int, src: torch.device, dst: torch.device) -> Callable[[], None]:
         """A plain copy of ``nbytes`` from a buffer on ``src`` to one on ``dst``, in ring-sized pieces."""
-        key = (str(src), str(dst))
-        if key not in self._rings:
-            pinned = not self.device.is_host
-            self._rings[key] = tuple(  # type: ignore[assignment]
-                torch.ones(self.RING, dtype=torch.uint8, device=d, pin_memory=pinned and d.type == "cpu")
-                for d in (src, dst)
-            )
-        source, dest = self._rings[key]
+        source, dest = self._ring(src, dst)
 
         def copy() -> None:
             for start in range(0, nbytes, self.RING):
@@ -502,6 +580,21 @@ class Workspace:
                 dest[:count].copy_(source[:count])
 
         return copy
+
+    def memcpy_ranges(self, nbytes: int, src: torch.device, dst: torch.device) -> np.ndarray:
+        """(address, bytes) of what ``memcpy(nbytes, src, dst)`` reads and writes (host buffers only)."""
+        rows = [(t.data_ptr(), min(nbytes, self.RING)) for t in self._ring(src, dst) if t.device.type == "cpu"]
+        return np.array(rows, dtype=np.int64).reshape(-1, 2)
+
+    def _ring(self, src: torch.device, dst: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (str(src), str(dst))
+        if key not in self._rings:
+            pinned = not self.device.is_host
+            self._rings[key] = tuple(  # type: ignore[assignment]
+                torch.ones(self.RING, dtype=torch.uint8, device=d, pin_memory=pinned and d.type == "cpu")
+                for d in (src, dst)
+            )
+        return self._rings[key]
 
 
 @dataclass
@@ -512,6 +605,7 @@ class Prepared:
     nbytes: int
     verify: Callable[[], bool] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    touched: np.ndarray | None = None  # (address, bytes) rows the methods read or write
 
 
 def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_blocks: int, seed: int) -> Prepared:
@@ -525,6 +619,7 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
     requests = {f"req-{i}": chunk.tolist() for i, chunk in enumerate(chunks)}
     order, size = point.remote_order, point.remote_block_size
     host = kvhost.KVHost(caches, axes=geometry.axes)
+    touched = block_ranges(caches, geometry.axes, ids)
     if point.kind == "identity":
         return Prepared(
             {
@@ -535,6 +630,7 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
                 ),
             },
             nbytes=0,
+            touched=touched,
         )
     if point.kind == "frontend":
         planned: list[ReceiveBatch] = [plan_receive_batch(host.caches, requests, order, size, upload)]
@@ -553,6 +649,7 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
                 KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
             },
             nbytes=planned[0].bytes_moved,
+            touched=touched,
         )
     baseline = PerRequestReceiver(caches, geometry.axes)
     methods: dict[str, Callable[[], object]] = {
@@ -573,7 +670,9 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
             caches, geometry.axes, ids, methods[BASELINE], [methods[KVHOST], methods[KVHOST_FN]], seed=seed
         )
 
-    return Prepared(methods, nbytes=stats.bytes_moved, verify=verify, stats={"groups": stats.groups})
+    here = space.device.device
+    touched = np.concatenate([touched, space.memcpy_ranges(point.blocks * geometry.block_bytes, here, here)])
+    return Prepared(methods, nbytes=stats.bytes_moved, verify=verify, stats={"groups": stats.groups}, touched=touched)
 
 
 def _add_single_threaded(methods: dict[str, Callable[[], object]], device: Device) -> None:
@@ -639,7 +738,15 @@ def _prepare_stage(
     def verify() -> bool:
         return _same_copy(src, dst, axes, src_ids, dst_ids, methods[BASELINE], [methods[KVHOST], methods[KVHOST_FN]])
 
-    return Prepared(methods, nbytes=result.bytes_moved, verify=verify, stats={"runs": result.runs})
+    ends = devices if save else devices[::-1]
+    touched = np.concatenate(
+        [
+            block_ranges(cache, axes, cache_ids) if space.device.is_host else np.zeros((0, 2), dtype=np.int64),
+            block_ranges(buffer, axes, buffer_ids),
+            space.memcpy_ranges(point.blocks * geometry.block_bytes, *ends),
+        ]
+    )
+    return Prepared(methods, nbytes=result.bytes_moved, verify=verify, stats={"runs": result.runs}, touched=touched)
 
 
 def _block_bytes(caches: dict[str, torch.Tensor], axes: str, ids: np.ndarray) -> list[torch.Tensor]:
@@ -740,7 +847,12 @@ def disturbed(sample: Sample) -> list[bool]:
 
 
 def measure(
-    methods: dict[str, Callable[[], object]], device: Device, preset: Preset, rounds: int | None, rng: random.Random
+    methods: dict[str, Callable[[], object]],
+    device: Device,
+    preset: Preset,
+    rounds: int | None,
+    rng: random.Random,
+    touched: np.ndarray | None = None,
 ) -> Measured:
     """Methods interleaved in a random order per round, each call from a cold cache.
 
@@ -751,7 +863,7 @@ def measure(
     estimate = 0.0
     for method in methods.values():  # warm up (compile, plan caches), and time a call to plan the rounds
         for _ in range(2):
-            device.flush()
+            device.flush(touched)
             start = time.perf_counter()
             method()
             device.synchronize()
@@ -771,7 +883,7 @@ def measure(
         run += 1
         rng.shuffle(names)
         for name in names:
-            device.flush()
+            device.flush(touched)
             waited = run_queue_wait()
             start = time.perf_counter()
             methods[name]()
@@ -1080,7 +1192,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--only", action="append", default=[], help="run scenarios whose name starts with this")
     parser.add_argument("--rounds", type=int, help="rounds per point (default: adaptive, odd, 7 to 31)")
     parser.add_argument("--backend", action="append", default=[], help="also time KVHost with this backend")
-    parser.add_argument("--warm", action="store_true", help="do not flush caches before each timed call")
+    parser.add_argument(
+        "--cache",
+        choices=("data", "all", "warm"),
+        default="data",
+        help="what to evict before each timed call: the bytes the methods touch (default), everything, or nothing",
+    )
     parser.add_argument("--no-sweeps", action="store_true", help="only the target scenarios")
     parser.add_argument("--json", type=Path, help="where to write the results (default docs/bench.json)")
     parser.add_argument("--png", type=Path, help="where to write the plot (default docs/bench.png)")
@@ -1190,13 +1307,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         preset = replace(preset, sweeps=False)
     requests = args.requests or preset.requests
     chosen = [s for s in scenarios(preset, requests) if not args.only or any(s.name.startswith(o) for o in args.only)]
-    device = Device(args.device, cold=not args.warm)
+    device = Device(args.device, args.cache)
     space = Workspace(device)
     rng = random.Random(args.seed)
     total = sum(len(s.points) for s in chosen)
     print(
         f"kvhost bench ({preset.name}): {total} points, device {args.device}, "
-        f"{'warm' if args.warm else 'cold'} cache, backend {kvhost.get_backend(device.device).name}",
+        f"cache {device.cache}, backend {kvhost.get_backend(device.device).name}",
         file=sys.stderr,
     )
     by_scenario: dict[str, list[dict[str, Any]]] = {}
@@ -1210,7 +1327,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             started = time.perf_counter()
             prepared = prepare(point, space, args.backend, num_blocks, seed=args.seed + i)
             verified = prepared.verify() if prepared.verify is not None and i == 0 else None
-            measured = measure(prepared.methods, device, preset, args.rounds, rng)
+            measured = measure(prepared.methods, device, preset, args.rounds, rng, prepared.touched)
             row = summarise(point, prepared, measured)
             row["verified_against_baseline"] = verified
             scenario_rows.append(row)
@@ -1228,7 +1345,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "command": " ".join(["kvhost bench", *(a for a in argv if a != "--in-process")]),
         "preset": preset.name,
         "device": args.device,
-        "cache": "warm" if args.warm else "cold",
+        "cache": device.cache,
         "backend": kvhost.get_backend(device.device).name,
         "backend_detail": kvhost.get_backend(device.device).describe(),
         "machine": machine(),

@@ -48,15 +48,21 @@ class Layout:
     strides: tuple[int, ...]
     itemsize: int
 
+    def __hash__(self) -> int:
+        # Layouts key every plan cache; hash the fields once, not on every lookup.
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.axes, self.shape, self.strides, self.itemsize))
+
     @classmethod
     def of(cls, tensor: torch.Tensor, axes: str, *, name: str = "tensor") -> Layout:
         """The layout of ``tensor`` whose dims, in shape order, are named by ``axes``."""
-        # XLA tensors have no strides: their memory order is their shape order.
-        shape = tuple(tensor.shape)
-        strides = contiguous_strides(shape) if _strideless(tensor) else tensor.stride()
-        key = (axes, shape, strides, tensor.element_size())
+        key = _key(tensor, axes)
         layout = _known.get(key)
         if layout is None:
+            shape = key[1]
             check_letters(axes, what=f"{name}: axes")
             missing = [a for a in REQUIRED_LETTERS if a not in axes]
             if missing:
@@ -69,6 +75,11 @@ class Layout:
             layout.validate(name)
             _known[key] = layout  # only valid layouts are remembered; a miss validates again
         return layout
+
+    @staticmethod
+    def known(tensor: torch.Tensor, axes: str) -> Layout | None:
+        """The layout already validated for a tensor of this shape and strides, if any."""
+        return _known.get(_key(tensor, axes))
 
     # --- derived facts ---------------------------------------------------------------
 
@@ -185,5 +196,8 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _strideless(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "xla"
+def _key(tensor: torch.Tensor, axes: str) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:
+    shape = tuple(tensor.shape)
+    # XLA tensors have no strides: their memory order is their shape order.
+    strides = contiguous_strides(shape) if tensor.device.type == "xla" else tensor.stride()
+    return (axes, shape, strides, tensor.element_size())

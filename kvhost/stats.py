@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 from kvhost.backend import Completion
+from kvhost.batch import find_runs
 
 
 @dataclass(frozen=True)
@@ -27,13 +31,20 @@ class ReceiveStats:
 
 @dataclass(frozen=True)
 class CopyResult:
-    """One copy_blocks call; ``wait()`` returns once the bytes are in place."""
+    """One copy_blocks call; ``wait()`` returns once the bytes are in place.
+
+    ``runs``: runs of ids consecutive on both sides (counted on first read).
+    """
 
     blocks: int
     bytes_moved: int
-    runs: int  # runs of consecutive ids on both sides
     backend: str
     completion: Completion = field(default_factory=Completion, repr=False, compare=False)
+    ids: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def runs(self) -> int:
+        return 0 if self.ids is None or self.ids[0].size == 0 else int(find_runs(*self.ids).shape[0])
 
     def done(self) -> bool:
         return self.completion.done()

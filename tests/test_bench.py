@@ -25,7 +25,7 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
     assert code == 0, err[-2000:]
 
     result = json.loads(out_json.read_text())
-    assert result["preset"] == "quick" and result["device"] == "cpu" and result["cache"] == "cold"
+    assert result["preset"] == "quick" and result["device"] == "cpu" and result["cache"] in ("data", "all")
     assert result["verified"] is True
     assert {s["name"] for s in result["scenarios"]} >= TARGET_SCENARIOS
     assert {t["scenario"] for t in result["targets"]} == TARGET_SCENARIOS
@@ -155,7 +155,7 @@ def test_calls_that_waited_for_a_core_are_marked_and_left_out():
 
     ticks = iter(range(1000))
     methods = {"x": lambda: next(ticks), "y": lambda: None}
-    device = bench.Device("cpu", cold=False)
+    device = bench.Device("cpu", "warm")
     result = bench.measure(methods, device, bench.PRESETS["quick"], 5, random.Random(0))
     for name, sample in result.samples.items():
         assert len(sample.seconds) == len(sample.waits) == len(result.used[name]) >= 5
@@ -258,3 +258,20 @@ def test_wire_view_rejects_what_it_cannot_mean():
         wire_view("NHC", dict(N=8, H=2, C=4), "HNC", 3)
     view = wire_view("NHC", dict(N=8, H=2, C=4), "HNC", 2)
     assert (view.wire_shape, view.perm, view.parts) == ((4, 2, 2, 4), (0, 2, 1, 3), 1)
+
+
+def test_block_ranges_are_the_regions_of_the_blocks():
+    sizes = dict(K=2, B=6, N=4, H=2, C=8)
+    caches = {"a": make_cache("KBNHC", "KBHNC", sizes), "b": make_cache("KBNHC", "KBHNC", sizes)}
+    ranges = bench.block_ranges(caches, "KBNHC", np.array([4, 1]))
+    expected = {(t[k, block].data_ptr(), 4 * 2 * 8 * 2) for t in caches.values() for k in range(2) for block in (4, 1)}
+    assert {tuple(row) for row in ranges.tolist()} == expected
+
+
+def test_data_eviction_flushes_ranges_or_falls_back():
+    device = bench.Device("cpu", "data")
+    buffer = torch.ones(1 << 16, dtype=torch.uint8)
+    device.flush(np.array([[buffer.data_ptr() + 3, 5000]], dtype=np.int64))  # unaligned start: whole lines
+    assert buffer.sum().item() == 1 << 16  # eviction writes back, never loses bytes
+    assert device.cache in ("data", "all")
+    assert bench.Device("cpu", "warm").cache == "warm" and not bench.Device("cpu", "warm").cold

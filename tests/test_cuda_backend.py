@@ -143,7 +143,7 @@ def test_completion_is_done_only_after_the_event_and_the_host_step():
 def test_wait_blocks_on_the_event_then_runs_the_host_step_once():
     event, steps = ManualEvent(), []
     completion = EventCompletion(event, finish=lambda: steps.append("host"))
-    result = CopyResult(blocks=1, bytes_moved=8, runs=1, backend="cuda", completion=completion)
+    result = CopyResult(blocks=1, bytes_moved=8, backend="cuda", completion=completion)
     assert result.wait() is result
     assert event.waits == 1 and steps == ["host"] and result.done()
     result.wait()

@@ -1,13 +1,20 @@
 """Compiled CPU kernels (numba): one pass over memory, work shared by all cores.
 
-Kernels take absolute byte addresses, so one call serves every tensor of every layer and
-any dtype. Receive copies a unit's regions into a small per-thread scratch (it stays in
-cache) and writes them back rearranged: one read and one write of every byte, the same
-memory traffic as a memcpy. Addresses come from validated ids (the front end checks them
-before any call) and the caller keeps the tensors alive.
+Kernels work on raw bytes at absolute addresses (each tensor's base address, its outer
+offsets, block ids times the block stride), so one call serves every tensor of every
+layer and any dtype. Receive copies a piece of a unit into a small per-thread scratch (it
+stays in cache) and writes it back rearranged: one read and one write of every byte, the
+traffic of a memcpy. Ids come validated from the front end and the caller keeps the
+tensors alive.
+
+Each kernel takes its integer parameters packed in one int64 array (``receive_params``,
+``copy_params``): a call then costs one dispatch over a handful of arrays, which matters
+for small batches.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import numba
 import numpy as np
@@ -15,6 +22,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from kvhost.transform import Loops
 
 MAX_DIMS = 6  # region letters (L K N H C) with N split in two, less nothing: at most six loops
 SHORT_RUN = 1024  # runs up to this many bytes are copied inline
@@ -96,151 +105,145 @@ def _strided_copy(dst, src, shape, dst_strides, src_strides, run):  # type: igno
 
 
 @njit(inline="always")
-def _rearrange_span(  # type: ignore[no-untyped-def]
-    unit_addresses, first, last, region_bytes, pieces, piece_bytes, part_stride, shape, src_strides, dst_strides, run
-):
-    """Rewrite units ``first .. last - 1`` in place through one scratch of their own."""
-    parts = unit_addresses.shape[1]
+def _loops(params, at):  # type: ignore[no-untyped-def]
+    """Loop shape and both strides, six dims each, from ``params[at:at + 18]``, as tuples.
+
+    Tuples live in registers; read from the array inside the loops they would be reloaded
+    after every copy (the copies might alias the array, as far as the compiler knows).
+    """
+    shape = (params[at], params[at + 1], params[at + 2], params[at + 3], params[at + 4], params[at + 5])
+    src = (params[at + 6], params[at + 7], params[at + 8], params[at + 9], params[at + 10], params[at + 11])
+    dst = (params[at + 12], params[at + 13], params[at + 14], params[at + 15], params[at + 16], params[at + 17])
+    return shape, src, dst
+
+
+@njit(nogil=True, cache=True)
+def _rearrange_span(bases, outer, unit_ids, params, first, last):  # type: ignore[no-untyped-def]
+    """Rewrite in place work items ``first .. last - 1``: one unit of one tensor's outer index.
+
+    Each piece (see ``kvhost.transform.WriteBack``) goes to a scratch of this span's own
+    and back through the loops. A function of its own, not inlined into the parallel
+    kernels: their array analysis would otherwise have to look through it.
+    """
+    block_stride, region_bytes, pieces, piece_bytes, part_stride, run = (
+        params[0],
+        params[1],
+        params[2],
+        params[3],
+        params[4],
+        params[5],
+    )
+    shape, src_strides, dst_strides = _loops(params, 6)
+    units, parts = unit_ids.shape
+    per_tensor = outer.shape[0] * units
     span = parts if pieces == 1 else 1  # regions one piece covers
     scratch = np.empty(piece_bytes + 4096, dtype=np.uint8)  # one piece is at most one unit
     start = _address_of(scratch)
-    for unit in range(first, last):
+    for item in range(first, last):
+        unit = item % units
+        origin = bases[item // per_tensor] + outer[(item // units) % outer.shape[0]]
         if span == 1:
             for piece in range(pieces):
                 offset = piece * piece_bytes
-                address = unit_addresses[unit, offset // region_bytes] + offset % region_bytes
+                address = origin + unit_ids[unit, offset // region_bytes] * block_stride + offset % region_bytes
                 base = start + ((address - start + SKEW) & 4095)
                 _memcpy(base, address, piece_bytes)
                 _strided_copy(address, base, shape, dst_strides, src_strides, run)
         else:
-            base = start + ((unit_addresses[unit, 0] - start + SKEW) & 4095)
+            base = start + ((origin + unit_ids[unit, 0] * block_stride - start + SKEW) & 4095)
             for k in range(parts):
-                _memcpy(base + k * region_bytes, unit_addresses[unit, k], region_bytes)
+                _memcpy(base + k * region_bytes, origin + unit_ids[unit, k] * block_stride, region_bytes)
             for k in range(parts):
-                _strided_copy(unit_addresses[unit, k], base + k * part_stride, shape, dst_strides, src_strides, run)
+                address = origin + unit_ids[unit, k] * block_stride
+                _strided_copy(address, base + k * part_stride, shape, dst_strides, src_strides, run)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def rearrange_units(  # type: ignore[no-untyped-def]
-    unit_addresses, region_bytes, pieces, piece_bytes, part_stride, shape, src_strides, dst_strides, run, threads
-):
-    """Rewrite every unit in place; row ``u`` of ``unit_addresses`` holds its region addresses.
+def rearrange_units(bases, outer, unit_ids, params, threads):  # type: ignore[no-untyped-def]
+    """Rewrite, in place, every unit of ``unit_ids`` at every outer offset of every tensor.
 
-    Each piece (see ``kvhost.transform.WriteBack``) is copied to a per-thread scratch and
-    written back through the loops. ``threads`` comes from the caller (numba's own query
-    would defeat caching).
+    ``bases``: tensor addresses; ``outer``: byte offsets of the outer indices; ``unit_ids``:
+    ``[units, parts]`` block ids; ``params``: ``receive_params``. ``threads`` comes from the
+    caller (numba's own query would defeat caching).
     """
-    units = unit_addresses.shape[0]
-    threads = min(threads, max(units, 1))
-    share = (units + threads - 1) // threads
+    items = bases.shape[0] * outer.shape[0] * unit_ids.shape[0]
+    threads = min(threads, max(items, 1))
+    share = (items + threads - 1) // threads
     for thread in prange(threads):
-        first, last = thread * share, min(units, (thread + 1) * share)
-        _rearrange_span(
-            unit_addresses,
-            first,
-            last,
-            region_bytes,
-            pieces,
-            piece_bytes,
-            part_stride,
-            shape,
-            src_strides,
-            dst_strides,
-            run,
-        )
+        _rearrange_span(bases, outer, unit_ids, params, thread * share, min(items, (thread + 1) * share))
 
 
 @njit(nogil=True, cache=True)
-def rearrange_units_serial(  # type: ignore[no-untyped-def]
-    unit_addresses, region_bytes, pieces, piece_bytes, part_stride, shape, src_strides, dst_strides, run, threads
-):
+def rearrange_units_serial(bases, outer, unit_ids, params, threads):  # type: ignore[no-untyped-def]
     """``rearrange_units`` on the calling thread alone (``threads`` is ignored)."""
-    _rearrange_span(
-        unit_addresses,
-        0,
-        unit_addresses.shape[0],
-        region_bytes,
-        pieces,
-        piece_bytes,
-        part_stride,
-        shape,
-        src_strides,
-        dst_strides,
-        run,
-    )
+    _rearrange_span(bases, outer, unit_ids, params, 0, bases.shape[0] * outer.shape[0] * unit_ids.shape[0])
 
 
-@njit(inline="always")
-def _copy_span(  # type: ignore[no-untyped-def]
-    first, last, src_addresses, dst_addresses, counts, src_block, dst_block, merge, shape, src_strides, dst_strides, run
-):
-    for i in range(first, last):
-        count = counts[i]
+@njit(nogil=True, cache=True)
+def _split_into_runs(src_ids, dst_ids, most):  # type: ignore[no-untyped-def]
+    """Positions and lengths of the runs of ids consecutive on both sides, at most ``most`` long."""
+    count = src_ids.shape[0]
+    starts = np.empty(count, dtype=np.int64)
+    lengths = np.empty(count, dtype=np.int64)
+    runs = 0
+    i = 0
+    while i < count:
+        j = i + 1
+        while j < count and j - i < most and src_ids[j] == src_ids[j - 1] + 1 and dst_ids[j] == dst_ids[j - 1] + 1:
+            j += 1
+        starts[runs] = i
+        lengths[runs] = j - i
+        runs += 1
+        i = j
+    return starts[:runs], lengths[:runs]
+
+
+@njit(nogil=True, cache=True)
+def _copy_span(src_bases, dst_bases, src_ids, dst_ids, starts, lengths, params, first, last):  # type: ignore[no-untyped-def]
+    """Copy work items ``first .. last - 1``: one run of blocks of one tensor pair."""
+    src_block, dst_block, merge, run = params[0], params[1], params[2], params[3]
+    shape, src_strides, dst_strides = _loops(params, 5)
+    runs = starts.shape[0]
+    for item in range(first, last):
+        pair, at = item // runs, starts[item % runs]
+        count = lengths[item % runs]
+        src = src_bases[pair] + src_ids[at] * src_block
+        dst = dst_bases[pair] + dst_ids[at] * dst_block
         if merge:
-            _strided_copy(dst_addresses[i], src_addresses[i], shape, dst_strides, src_strides, count * run)
+            _strided_copy(dst, src, shape, dst_strides, src_strides, count * run)
         else:
             for b in range(count):
-                _strided_copy(
-                    dst_addresses[i] + b * dst_block,
-                    src_addresses[i] + b * src_block,
-                    shape,
-                    dst_strides,
-                    src_strides,
-                    run,
-                )
+                _strided_copy(dst + b * dst_block, src + b * src_block, shape, dst_strides, src_strides, run)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def copy_runs(  # type: ignore[no-untyped-def]
-    src_addresses, dst_addresses, counts, src_block, dst_block, merge, shape, src_strides, dst_strides, run, threads
-):
-    """Copy ``counts[i]`` consecutive blocks from ``src_addresses[i]`` to ``dst_addresses[i]``.
+def copy_runs(src_bases, dst_bases, src_ids, dst_ids, params, threads):  # type: ignore[no-untyped-def]
+    """Block ``dst_ids[i]`` of every destination tensor receives ``src_ids[i]`` of its source.
 
-    With ``merge`` each loop index of a run is a single copy of ``count * run`` bytes.
+    Runs of ids consecutive on both sides are found here, cut to ``params[4]`` blocks so
+    the cores share the work; with ``merge`` (``params[2]``) each loop index of a run is a
+    single copy of ``count * run`` bytes.
     """
-    items = counts.shape[0]
+    starts, lengths = _split_into_runs(src_ids, dst_ids, params[4])
+    items = src_bases.shape[0] * starts.shape[0]
     threads = min(threads, max(items, 1))
     share = (items + threads - 1) // threads
     for thread in prange(threads):
         first, last = thread * share, min(items, (thread + 1) * share)
-        _copy_span(
-            first,
-            last,
-            src_addresses,
-            dst_addresses,
-            counts,
-            src_block,
-            dst_block,
-            merge,
-            shape,
-            src_strides,
-            dst_strides,
-            run,
-        )
+        _copy_span(src_bases, dst_bases, src_ids, dst_ids, starts, lengths, params, first, last)
 
 
 @njit(nogil=True, cache=True)
-def copy_runs_serial(  # type: ignore[no-untyped-def]
-    src_addresses, dst_addresses, counts, src_block, dst_block, merge, shape, src_strides, dst_strides, run, threads
-):
+def copy_runs_serial(src_bases, dst_bases, src_ids, dst_ids, params, threads):  # type: ignore[no-untyped-def]
     """``copy_runs`` on the calling thread alone (``threads`` is ignored)."""
-    _copy_span(
-        0,
-        counts.shape[0],
-        src_addresses,
-        dst_addresses,
-        counts,
-        src_block,
-        dst_block,
-        merge,
-        shape,
-        src_strides,
-        dst_strides,
-        run,
-    )
+    starts, lengths = _split_into_runs(src_ids, dst_ids, src_ids.shape[0])
+    items = src_bases.shape[0] * starts.shape[0]
+    _copy_span(src_bases, dst_bases, src_ids, dst_ids, starts, lengths, params, 0, items)
 
 
+@cache
 def threads() -> int:
+    """numba's thread count, read once (the query costs microseconds on every call)."""
     return int(numba.get_num_threads())
 
 
@@ -256,11 +259,19 @@ def launcher(kernel_name: str, nbytes: int) -> tuple[object, int]:
     return globals()[kernel_name], threads()
 
 
-def padded(shape: tuple[int, ...], *strides: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Loop shape and strides as tuples of MAX_DIMS, padded in front with size-1 dims.
+def receive_params(
+    block_stride: int, region_bytes: int, pieces: int, piece_bytes: int, part_stride: int, loops: Loops
+) -> np.ndarray:
+    """The int64 parameters of ``rearrange_units``."""
+    return np.array([block_stride, region_bytes, pieces, piece_bytes, part_stride, loops.run_bytes, *_padded(loops)])
 
-    Tuples, not arrays: they reach the kernel by value, so the compiler keeps them in
-    registers instead of reloading them after every copy (which might alias an array).
-    """
-    pad = MAX_DIMS - len(shape)
-    return [(1,) * pad + tuple(shape)] + [(0,) * pad + tuple(s) for s in strides]
+
+def copy_params(src_block: int, dst_block: int, merge: bool, most_blocks: int, loops: Loops) -> np.ndarray:
+    """The int64 parameters of ``copy_runs``: ``most_blocks`` caps one work item."""
+    return np.array([src_block, dst_block, int(merge), loops.run_bytes, most_blocks, *_padded(loops)])
+
+
+def _padded(loops: Loops) -> list[int]:
+    """Shape and both strides padded in front to MAX_DIMS dims (size 1, stride 0), flat."""
+    pad = MAX_DIMS - len(loops.shape)
+    return [1] * pad + list(loops.shape) + [0] * pad + list(loops.src_strides) + [0] * pad + list(loops.dst_strides)

@@ -32,7 +32,7 @@ import torch
 
 from kvhost.backend import Completion
 from kvhost.batch import CopyJob, ReceiveJob
-from kvhost.caches import Member
+from kvhost.caches import CopyGroup, Member
 from kvhost.layout import Layout
 from kvhost.registry import get_backend
 from kvhost.torch_backend import TorchBackend
@@ -403,12 +403,9 @@ class AcceleratorBackend(TorchBackend):
 
 def _job(pairs: list[tuple[Member, Member]], src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyJob:
     """A copy between tensors of one layout pair, for the steps of a staged copy."""
-    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [src_ids.size])))
-    runs = np.stack([src_ids[starts], dst_ids[starts], counts], axis=1)
-    plan = plan_copy(pairs[0][0].layout, pairs[0][1].layout)
-    return CopyJob(pairs, plan, src_ids, dst_ids, runs, non_blocking=False)
+    group = CopyGroup(plan_copy(pairs[0][0].layout, pairs[0][1].layout), pairs)
+    src, dst = pairs[0][0].tensor.device, pairs[0][1].tensor.device
+    return CopyJob(group, src_ids, dst_ids, non_blocking=False, src_device=src, dst_device=dst)
 
 
 def host_spans(layout: Layout, ids: np.ndarray) -> list[tuple[int, int]] | None:
