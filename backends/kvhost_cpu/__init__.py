@@ -38,7 +38,6 @@ class CpuBackend(TorchBackend):
     name = "cpu"
     device_types = ("cpu",)
     priority = 0
-    chunk_bytes = 1 << 20
 
     def describe(self) -> str:
         kernels = load_kernels()

@@ -95,7 +95,7 @@ class AcceleratorBackend(TorchBackend):
     """
 
     priority = 10
-    chunk_bytes = 64 << 20  # torch path: bounded temporaries
+    device_chunk_bytes = 64 << 20  # torch path: bounded temporaries
     max_run_copies = 64  # on the device: direct copy_ calls at most; beyond, one kernel (or gather/scatter)
     max_host_copies: ClassVar[int] = 64  # across the bus: copy_ calls at most, unless each is large:
     direct_span_bytes: ClassVar[int] = 512 << 10  # a host copy this large is worth its own call
