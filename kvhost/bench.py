@@ -1,10 +1,10 @@
 """``kvhost bench``: memcpy (the roofline), the per-request baseline and kvhost, side by side.
 
 For every workload point the methods run in one process on the same bytes, interleaved
-in a random order per round, each call starting from a cold cache (a large read evicts
-the last level cache first: small batches would otherwise be served from this
-machine's 32 MiB L3 for one method and not another). Results are medians over rounds,
-leaving out calls that waited for a core another process held (see ``disturbed``).
+in a random order per round, each call starting with the bytes the methods touch out of
+every cache (``--cache data``, see ``Device``: small batches would otherwise be served
+from this machine's 32 MiB L3 for one method and not another). Results are medians over
+rounds, leaving out calls that waited for a core another process held (see ``disturbed``).
 
 - ``memcpy``: one plain copy of the same number of bytes between two buffers, on the
   same device(s) and threads: an in-place rearrangement needs one read and one write of
