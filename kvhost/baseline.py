@@ -24,8 +24,8 @@ import torch
 from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
 from kvhost.errors import RequestError
+from kvhost.torch_backend import as_raw
 
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 Ids = Sequence[int] | np.ndarray
 
 
@@ -108,7 +108,7 @@ def _receive_member(member: Member, ids: Ids, remote_order: str | None, remote_b
     if len(ids) == 0:
         return 0
     index = torch.tensor(list(ids), dtype=torch.int64, device=member.tensor.device)
-    physical = _raw(member.tensor).permute([layout.axes.index(a) for a in layout.physical])
+    physical = as_raw(member.tensor).permute([layout.axes.index(a) for a in layout.physical])
     region_shape = [sizes[a] for a in region]
     outer = [range(layout.size(a)) for a in layout.outer]
     for outer_index in itertools.product(*outer):
@@ -150,8 +150,8 @@ class PerRequestStager:
 def _stage_member(src: Member, dst: Member, src_ids: Ids, dst_ids: Ids) -> int:
     # Both sides seen in one logical order: B, then the letters in dst's memory order.
     letters = [a for a in dst.layout.physical if a != "B"]
-    source = _raw(src.tensor).permute([src.layout.axes.index(a) for a in ["B", *letters]])
-    dest = _raw(dst.tensor).permute([dst.layout.axes.index(a) for a in ["B", *letters]])
+    source = as_raw(src.tensor).permute([src.layout.axes.index(a) for a in ["B", *letters]])
+    dest = as_raw(dst.tensor).permute([dst.layout.axes.index(a) for a in ["B", *letters]])
     src_index = torch.tensor(list(src_ids), dtype=torch.int64, device=src.tensor.device)
     dst_index = torch.tensor(list(dst_ids), dtype=torch.int64, device=dst.tensor.device)
     outer = src.layout.outer
@@ -162,7 +162,3 @@ def _stage_member(src: Member, dst: Member, src_ids: Ids, dst_ids: Ids) -> int:
             s, d = s.select(position, i), d.select(position, i)
         d[dst_index] = s[src_index].to(d.device)
     return len(src_ids) * src.layout.region_numel * src.layout.outer_count * src.layout.itemsize
-
-
-def _raw(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(_RAW[tensor.element_size()])

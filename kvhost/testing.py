@@ -17,8 +17,7 @@ import torch
 
 from kvhost.caches import CacheSet, Layer
 from kvhost.layout import Layout
-
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from kvhost.torch_backend import as_raw, raw_dtype
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -31,9 +30,9 @@ def raw(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "xla":
         from kvhost_tpu.xla import bitcast  # the only device whose bytes need its backend
 
-        on_device: torch.Tensor = bitcast(tensor, _RAW[tensor.element_size()])
+        on_device: torch.Tensor = bitcast(tensor, raw_dtype(tensor.dtype))
         return on_device
-    return tensor.view(_RAW[tensor.element_size()])
+    return as_raw(tensor)
 
 
 def set_raw(tensor: torch.Tensor, host_raw: torch.Tensor) -> None:
@@ -62,7 +61,7 @@ def fill_random(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     values = torch.randint(
         0, 256, (*tuple(tensor.shape), tensor.element_size()), dtype=torch.uint8, generator=generator
     )
-    host = values.view(_RAW[tensor.element_size()]).squeeze(-1)
+    host = values.view(raw_dtype(tensor.dtype)).squeeze(-1)
     set_raw(tensor, host)
     return tensor
 

@@ -19,12 +19,17 @@ from kvhost.backend import Backend, Completion
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.layout import Layout
 
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer type of ``dtype``'s item size: bytes move as these, untouched."""
+    return RAW_DTYPES[dtype.itemsize]
 
 
 def as_raw(tensor: torch.Tensor) -> torch.Tensor:
     """The same memory, same shape and strides, as integers of the same item size."""
-    return tensor.view(_SAME_SIZE_INT[tensor.element_size()])
+    return tensor.view(raw_dtype(tensor.dtype))
 
 
 def physical_view(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:

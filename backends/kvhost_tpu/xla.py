@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from kvhost.torch_backend import raw_dtype as raw_dtype  # kvhost_tpu callers use xla.raw_dtype
+
 INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool})
 
 # Element types each device kind scatters in place and bit for bit, by torch_xla's
@@ -119,11 +120,6 @@ def hardware(device: torch.device) -> str:
 def native_writes(device: torch.device, dtype: torch.dtype) -> bool:
     """True when ``device`` scatters ``dtype`` in place and bit for bit, as it is."""
     return dtype in NATIVE_WRITES.get(hardware(device), DEFAULT_NATIVE_WRITES)
-
-
-def raw_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer type of the same item size."""
-    return RAW_DTYPES[dtype.itemsize]
 
 
 @cache
