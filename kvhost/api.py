@@ -31,7 +31,8 @@ def receive(
 
     ``requests`` maps a request id to its local block ids in token order, or to an
     ``Incoming`` naming its own remote order and block size. The whole batch is checked
-    before any byte moves; requests sharing a transform are done in one backend call.
+    before any byte moves (a batch where none would move is only counted); requests
+    sharing a transform are done in one backend call.
     """
     cache_set = CacheSet(caches, axes)
     return _receive(cache_set, requests, remote_order, remote_block_size, _backend(backend, cache_set.device), upload)

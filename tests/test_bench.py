@@ -135,12 +135,29 @@ def test_targets_pass_and_fail_on_the_figures():
 
     def identity_row(moved: int, extra: float) -> list[dict]:
         spread = {"p25_s": 1e-5, "p75_s": 2e-5}
-        methods = {"empty": {"median_s": 1.5e-5, **spread}, bench.KVHOST: {"median_s": 1.5e-5 + extra, **spread}}
+        methods = {
+            "empty": {"median_s": 1.5e-5, **spread},
+            "visit": {"median_s": 2e-6, **spread},
+            bench.KVHOST: {"median_s": 1.5e-5 + extra, **spread},
+        }
         return [{"requests": 4, "bytes": moved, "methods": methods}]
 
     assert bench.evaluate(identity, identity_row(0, 5e-6))["passed"] is True
+    assert bench.evaluate(identity, identity_row(0, 1.1e-5))["passed"] is True  # noise 10 us + visit 2 us
+    assert bench.evaluate(identity, identity_row(0, 1.3e-5))["passed"] is False
     assert bench.evaluate(identity, identity_row(0, 5e-5))["passed"] is False
     assert bench.evaluate(identity, identity_row(64, 0.0))["passed"] is False
+
+
+def test_worst_check_is_the_one_with_least_headroom():
+    checks = [
+        bench._check("1", "fraction", 0.9, ">=", 0.8),  # 12% above
+        bench._check("2", "fraction", 0.84, ">=", 0.8),  # 5% above: the worst
+        bench._check("3", "bytes moved", 0, "<=", 0),  # exact, holds: nothing to report
+        bench._check("4", "extra us", -0.5, "<=", 0.3),  # 267% below
+    ]
+    assert bench._worst(checks)["point"] == "2"
+    assert bench._worst(checks[2:])["point"] == "4"
 
 
 def test_calls_that_waited_for_a_core_are_marked_and_left_out():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -212,6 +213,25 @@ def test_identity_transforms_copy_nothing(axes, physical, sizes, order, remote):
     assert recorder.jobs == []
     assert stats.bytes_moved == 0 and stats.groups == 0 and stats.skipped_blocks == len(ids)
     case.check()  # the bytes as they landed are already the local layout
+
+
+def test_identity_batches_are_counted_not_read():
+    """No byte moves, so the ids are not checked (the call costs about what an empty one
+    does); one request with work anywhere in the batch makes every id checked again."""
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=4))}
+    case = ReceiveCase(caches, "KBNHC", seed=5)
+    before = case.snapshot()
+    recorder = Recorder()
+    odd = {"a": [99, 99], "b": (-1,), "c": range(3), "d": np.array([7, 8])}
+    stats = kvhost.receive(caches, odd, axes="KBNHC", remote_order="NHC", remote_block_size=8, backend=recorder)
+    assert recorder.jobs == [] and case.same_as(before)
+    assert (stats.requests, stats.blocks, stats.skipped_blocks, stats.bytes_moved) == (4, 8, 8, 0)
+    with_work = {**odd, "e": kvhost.Incoming([1], "HNC", 8)}
+    with pytest.raises(kvhost.RequestError, match="request 'a': block id 99 at position 0 is out of range"):
+        kvhost.receive(caches, with_work, axes="KBNHC", remote_order="NHC", remote_block_size=8, backend=recorder)
+    with pytest.raises(kvhost.RequestError, match="request 'a': block id 99"):  # the call's transform has work
+        kvhost.receive(caches, odd, axes="KBNHC", remote_order="HNC", remote_block_size=8, backend=recorder)
+    assert recorder.jobs == [] and case.same_as(before)
 
 
 def test_empty_batch_is_a_no_op(target):
