@@ -292,6 +292,24 @@ def test_one_backend_call_per_transform_group_not_per_request():
     assert stats.skipped_blocks == 20
 
 
+def test_a_step_whose_senders_all_match_us_is_only_counted():
+    """Peers laid out like us (NHD, same block size): nothing moves, so ids are counted, not
+    checked; a second peer whose bytes need work makes every id of the step checked."""
+    caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
+    backend = CountingBackend()
+    kv = VllmCaches(caches, "flash_attn", backend=backend)
+    case = ReceiveCase(caches, kv.axes, seed=6)
+    before = case.snapshot()
+    alike = {"p0": RemoteEngine("NHD", BLOCK), "p1": RemoteEngine("NHD", BLOCK)}
+    received = {"p0": {"a": [1, 2]}, "p1": {"b": [3], "c": [99]}}
+    stats = kv.post_process(received, alike)
+    assert (stats.requests, stats.blocks, stats.skipped_blocks, stats.bytes_moved) == (3, 4, 4, 0)
+    assert backend.calls == 0 and case.same_as(before)
+    with pytest.raises(kvhost.RequestError, match="request 'c': block id 99 at position 0 is out of range"):
+        kv.post_process({**received, "p2": {"d": [5]}}, {**alike, "p2": RemoteEngine("HND", BLOCK)})
+    assert backend.calls == 0 and case.same_as(before)
+
+
 # --- bad input: a clear error naming the value, nothing changed --------------------------
 
 

@@ -243,8 +243,9 @@ class VllmCaches:
         whole batch is checked before any byte moves, and requests whose senders share a
         layout and block size are rearranged together.
         """
-        requests: dict[str, Incoming] = {}
+        requests: dict[str, BlockIds] = {}
         engine_of: dict[str, str] = {}
+        sender: dict[str, tuple[str, int]] = {}  # engine -> its remote order and block size
         for engine_id, by_request in received.items():
             remote = remote_engines.get(engine_id)
             if remote is None:
@@ -253,7 +254,7 @@ class VllmCaches:
             if isinstance(remote.block_size, bool) or not isinstance(remote.block_size, int) or remote.block_size <= 0:
                 raise RequestError(f"engine {engine_id!r}: block size {remote.block_size!r} must be a positive integer")
             try:
-                order = self.remote_order(remote.kv_cache_layout)
+                sender[engine_id] = (self.remote_order(remote.kv_cache_layout), remote.block_size)
             except RequestError as err:
                 raise RequestError(f"engine {engine_id!r}: {err}") from None
             for request_id, ids in by_request.items():
@@ -263,8 +264,14 @@ class VllmCaches:
                         f"and engine {engine_id!r}"
                     )
                 engine_of[request_id] = engine_id
-                requests[request_id] = Incoming(ids, order, remote.block_size)
-        return self._kvhost.receive(requests)
+                requests[request_id] = ids
+        layouts = {sender[engine] for engine in engine_of.values()}
+        if len(layouts) == 1:
+            # Every sender lays blocks out alike: say so once for the call, so that a step
+            # whose bytes already read right is only counted, not checked id by id.
+            ((order, size),) = layouts
+            return self._kvhost.receive(requests, remote_order=order, remote_block_size=size)
+        return self._kvhost.receive({r: Incoming(ids, *sender[engine_of[r]]) for r, ids in requests.items()})
 
     # --- host buffers ---------------------------------------------------------------------
 
