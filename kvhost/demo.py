@@ -7,9 +7,10 @@ that are a seeded function of (request, layer, K/V, token, head, channel). Decod
 blocks, pulls every request with NIXL (``kvhost.nixl``), post-processes the whole batch in
 one ``kvhost.receive`` call, and checks every token bit for bit against the same function.
 
-``--via-host`` lands the bytes in a registered host buffer in the sender's order instead, and
-``kvhost.copy_blocks`` rearranges them into the decode cache on the way: the path of decode
-engines whose memory NIXL cannot reach. ``--kill-prefill-after N`` kills prefill once N
+``--via-host`` lands the bytes in a registered host buffer shaped like the decode cache
+instead (the same descriptors), ``kvhost.copy_blocks`` loads them into the cache and
+``kvhost.receive`` rearranges them there: the path of decode engines whose memory NIXL
+cannot reach. ``--kill-prefill-after N`` kills prefill once N
 requests have arrived: decode reports the requests that failed, post-processes and verifies
 only those that arrived whole, and exits non-zero. ``--freeze-prefill-after N`` stops it
 (SIGSTOP) instead: where the transport needs the peer to answer (UCX over TCP alone), the
@@ -378,12 +379,11 @@ def handoff(
     remote = hello.table
     staging: dict[str, torch.Tensor] | None = None
     if args.via_host:
-        # The host buffer keeps the sender's memory order at the local block size; NIXL moves
-        # runs of tokens into it (token_runs), and copy_blocks rearranges into the cache.
-        staging_order = remote.outer + "B" + remote.order
-        sizes = config.sizes(pool, args.decode_block_size)
-        staging = {name: make_cache(AXES, staging_order, sizes, config.dtype) for name in caches}
-        plan = plan_transfer(agent.register(staging, AXES).token_runs(), remote.token_runs())
+        # The host buffer is shaped like the cache, so NIXL lands the same wire bytes in it,
+        # one descriptor per sender region, as it would in the cache itself; copy_blocks
+        # then loads the blocks and receive rearranges them where they will be read.
+        staging = config.caches(args.decode_layout, pool, args.decode_block_size)
+        plan = plan_transfer(agent.register(staging, AXES), remote)
     else:
         plan = plan_transfer(agent.register(caches, AXES), remote)
     reader = agent.reader(plan, peer)
@@ -528,62 +528,43 @@ def post_process(
     arrived: list[Request],
     outcome: Outcome,
 ) -> None:
-    """One call for the whole batch: receive in place, or copy_blocks out of the host buffer.
+    """One receive for the whole batch, in place; via the host buffer, one copy_blocks first.
 
-    A first call on a few scratch blocks comes before it, so the figure measures the work
-    and not the backend's one-time start (kernel compilation); that time is reported apart.
+    First calls on a few scratch blocks come before, so the figure measures the work and
+    not the backend's one-time start (kernel compilation); that time is reported apart.
     """
-    started = time.perf_counter()
+
+    def receive(caches: dict[str, torch.Tensor], requests: dict[str, list[int]]) -> kvhost.ReceiveStats:
+        order, size = plan.remote_order, plan.remote_block_size
+        return kvhost.receive(
+            caches, requests, axes=AXES, remote_order=order, remote_block_size=size, backend=args.backend
+        )
+
     first = plan.local_blocks_for(1)
     scratch = config.caches(args.decode_layout, first, args.decode_block_size)
     scratch_ids = list(range(first))
-    if staging is None:
-        kvhost.receive(
-            scratch,
-            {"warm-up": scratch_ids},
-            axes=AXES,
-            remote_order=plan.remote_order,
-            remote_block_size=plan.remote_block_size,
-            backend=args.backend,
-        )
-        warm_up = time.perf_counter() - started
-        started = time.perf_counter()
-        stats = kvhost.receive(
-            caches,
-            {r.name: r.local_ids for r in arrived},
-            axes=AXES,
-            remote_order=plan.remote_order,
-            remote_block_size=plan.remote_block_size,
-            backend=args.backend,
-        )
-        nbytes, backend, what = stats.bytes_moved, stats.backend, f"kvhost.receive, {stats.groups} group(s)"
-        if stats.bytes_moved == 0:
-            what = "kvhost.receive: identity, nothing to move"
-    else:
-        # The host buffer, seen in its memory order, is copied into the cache's order (dst_axes).
-        staging_axes = plan.remote.outer + "B" + plan.remote.order
-        source = {name: t.permute([AXES.index(a) for a in staging_axes]) for name, t in staging.items()}
-        sizes = config.sizes(first, args.decode_block_size)
-        warm_source = {
-            name: make_cache(AXES, staging_axes, sizes, config.dtype).permute([AXES.index(a) for a in staging_axes])
-            for name in scratch
-        }
-        kvhost.copy_blocks(
-            warm_source, scratch, scratch_ids, scratch_ids, axes=staging_axes, dst_axes=AXES, backend=args.backend
-        ).wait()
-        warm_up = time.perf_counter() - started
-        started = time.perf_counter()
-        result = kvhost.copy_blocks(
-            source,
+    started = time.perf_counter()
+    if staging is not None:
+        warm_source = config.caches(args.decode_layout, first, args.decode_block_size)
+        kvhost.copy_blocks(warm_source, scratch, scratch_ids, scratch_ids, axes=AXES, backend=args.backend).wait()
+    receive(scratch, {"warm-up": scratch_ids})
+    warm_up = time.perf_counter() - started
+    started = time.perf_counter()
+    what, nbytes = "", 0
+    if staging is not None:
+        loaded = kvhost.copy_blocks(
+            staging,
             caches,
             [i for r in arrived for i in r.staging_ids],
             [i for r in arrived for i in r.local_ids],
-            axes=staging_axes,
-            dst_axes=AXES,
+            axes=AXES,
             backend=args.backend,
         ).wait()
-        nbytes, backend = result.bytes_moved, result.backend
-        what = f"kvhost.copy_blocks, memory {staging_axes} -> {LAYOUTS[args.decode_layout]} ({result.runs} runs)"
+        what, nbytes = f"kvhost.copy_blocks from the host buffer ({loaded.runs} runs), then ", loaded.bytes_moved
+    stats = receive(caches, {r.name: r.local_ids for r in arrived})
+    nbytes, backend = nbytes + stats.bytes_moved, stats.backend
+    identity = not stats.bytes_moved
+    what += "kvhost.receive: identity, nothing to move" if identity else f"kvhost.receive, {stats.groups} group(s)"
     seconds = time.perf_counter() - started
     outcome.received = [r.name for r in arrived]
     outcome.figures.update(
@@ -688,7 +669,7 @@ def describe_setup(
         relation = f"g = {round(1 / ratio)} decode blocks per sender block"
     else:
         relation = "same block size"
-    mode = "via a host buffer, then kvhost.copy_blocks" if args.via_host else "straight into the decode cache"
+    mode = "into a host buffer shaped like the cache" if args.via_host else "straight into the decode cache"
     outcome.lines += [
         f"prefill   pid {hello.pid}: {args.prefill_layout} (memory {LAYOUTS[args.prefill_layout]}), "
         f"block {remote.block_size} tokens, {remote.num_blocks} blocks; filled in {hello.fill_seconds:.2f} s, "

@@ -113,7 +113,11 @@ def test_via_host_handoff_verifies_every_byte(runs):
     check_complete(code, outcome, text)
     figures = outcome["figures"]
     assert figures["decode_blocks"] == 4 * figures["prefill_blocks"]  # g = 4: whole groups
-    assert figures["post_what"].startswith("kvhost.copy_blocks, memory KBNHC -> KBHNC")
+    assert figures["post_what"].startswith("kvhost.copy_blocks from the host buffer (")
+    assert figures["post_what"].endswith("then kvhost.receive, 1 group(s)")
+    # Shaped like the cache, the host buffer takes the direct path's descriptors: each
+    # sender region (2 layers x K/V) in g = 4 chunks, one per decode block.
+    assert figures["descriptors"] == figures["prefill_blocks"] * 2 * 2 * 4
     assert figures["backend"] == "torch"
 
 
