@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # e.g. `make test TORCH=torch` there.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test lint format demo bench clean
+.PHONY: setup test lint format demo bench kernel-choice clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ demo: setup
 
 bench: setup
 	$(VENV)/bin/kvhost bench
+
+# numba against the same kernel in C++ (needs g++) and torch ops; see README.
+kernel-choice: setup
+	$(PY) experiments/cpu_kernel_choice/compare.py --requests 1,4,16,64,256
 
 format: setup
 	$(VENV)/bin/ruff check --fix .
