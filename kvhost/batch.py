@@ -34,7 +34,8 @@ class Incoming:
     """A finished request: its local block ids in token order, and the sender's layout.
 
     ``remote_order`` and ``remote_block_size`` default to the call's values, and those to
-    the local region order and block size.
+    the local region order and block size. It has no length, on purpose: the identity
+    check counts a batch's ids with ``len()`` and an Incoming must fail that count.
     """
 
     block_ids: Sequence[int] | np.ndarray
@@ -280,8 +281,8 @@ def _identity_block_count(caches: CacheSet, requests: Mapping[str, Any], call_ke
     except KVHostError:
         return None
     try:
-        # One pass at C speed. An Incoming has no length on purpose: it may name another
-        # transform, so a batch holding one fails here and takes the checked path.
+        # One pass at C speed; an Incoming has no length, so a batch holding one fails
+        # here and takes the checked path.
         return sum(map(len, requests.values()))
     except TypeError:
         return None
