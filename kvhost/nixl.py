@@ -26,7 +26,7 @@ import importlib
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from math import prod
 from types import ModuleType
@@ -169,6 +169,36 @@ class RegionTable:
         return RegionTable(
             self.memory, self.device_id, self.order, cut, self.sizes, self.itemsize, self.num_blocks, tuple(streams)
         )
+
+    def heads(self, first: int, count: int) -> RegionTable:
+        """The same memory narrowed to heads ``first .. first + count - 1``.
+
+        Heterogeneous tensor parallelism: a receiver rank that holds ``count`` of this
+        sender's heads reads only those, and they land as a sender with ``count`` heads
+        would have sent them. Heads must be streams of their own (per-head regions, token
+        runs) or lead the run (head-major blocks): token-major blocks scatter a share of
+        the heads over every token.
+        """
+        total = self.sizes.get("H")
+        if total is None:
+            raise LayoutError("this table has no heads (H) to share out")
+        if count < 1 or first < 0 or first + count > total:
+            raise LayoutError(f"heads {first}..{first + count - 1} are not within the {total} heads of this table")
+        if "H" in dict(self.streams[0].coords):
+            streams = tuple(
+                replace(s, coords=_canonical(dict(s.coords) | {"H": dict(s.coords)["H"] - first}))
+                for s in self.streams
+                if first <= dict(s.coords)["H"] < first + count
+            )
+        elif self.run_order.startswith("H"):
+            offset = first * self.stride_bytes("H")
+            streams = tuple(replace(s, address=s.address + offset) for s in self.streams)
+        else:
+            raise LayoutError(
+                f"a share of the heads of a {self.run_order!r} region is scattered over its tokens: "
+                "a sender that shares out its heads must keep them apart (head-major blocks, HND)"
+            )
+        return replace(self, sizes=self.sizes | {"H": count}, streams=streams)
 
     def to_dict(self) -> dict[str, Any]:
         """The table as JSON-ready data (``from_dict`` reads it back, checking every field)."""

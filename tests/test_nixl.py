@@ -29,7 +29,7 @@ from kvhost.nixl import (
     plan_transfer,
     region_table,
 )
-from kvhost.testing import fill_random, make_cache, raw, read_tokens, write_wire
+from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens, write_wire
 from kvhost.wire_protocol import ProtocolError
 
 # (axes, remote memory order, local memory order, sizes but B and N)
@@ -139,6 +139,79 @@ def test_token_runs_land_in_the_local_layout(memory, remote_size, local_size, co
         old = read_tokens(before[lo.layer], lo.layout, local_ids)
         assert torch.equal(got[tokens:], old[tokens:])
         assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
+
+
+# (axes, sender memory order, receiver memory order, sizes but B, N and H); the sender's 4
+# heads are shared out to 2 receiver ranks of 2 heads each.
+HEAD_SHARES = {
+    "HND->NHD": ("KBNHC", "KBHNC", "KBNHC", dict(K=2, C=4), False),
+    "HND->HND": ("KBNHC", "KBHNC", "KBHNC", dict(K=2, C=4), False),
+    "per-head": ("BHNC", "HBNC", "HBNC", dict(C=4), False),
+    "HND token runs": ("KBNHC", "KBHNC", "KBHNC", dict(K=2, C=4), True),
+}
+
+
+def heads_of(tokens, layout, first, count):
+    """``[tokens, *block_letters]`` cut to heads ``first .. first + count - 1``."""
+    h = 1 + block_letters(layout).index("H")
+    return tokens.narrow(h, first, count)
+
+
+@pytest.mark.parametrize(("remote_size", "local_size", "count"), [(4, 16, 7), (32, 8, 2), (8, 8, 3)])
+@pytest.mark.parametrize("share", HEAD_SHARES)
+def test_each_receiver_rank_reads_its_share_of_the_heads(share, remote_size, local_size, count):
+    """Heterogeneous tensor parallelism: every rank's blocks end up with the sender's tokens of its heads."""
+    axes, remote_memory, local_memory, sizes, token_runs = HEAD_SHARES[share]
+    remote = caches_for(axes, remote_memory, dict(sizes, H=4), remote_size, 16, seed=4)
+    remote_table = region_table(remote, axes)
+    remote_ids = REMOTE_IDS[:count]
+    for rank in range(2):
+        local = caches_for(axes, local_memory, dict(sizes, H=2), local_size, 24, seed=40 + rank)
+        before = {name: raw(t).clone() for name, t in local.items()}
+        local_table, share_table = region_table(local, axes), remote_table.heads(2 * rank, 2)
+        if token_runs:
+            local_table, share_table = local_table.token_runs(), remote_table.token_runs().heads(2 * rank, 2)
+        plan = plan_transfer(local_table, share_table)
+        local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
+        local_rows, remote_rows = plan.descriptor_pairs(local_ids, remote_ids)
+        memmove_rows(local_rows, remote_rows)
+        # Only the share moves: tokens x 2 heads x C x K x 2 layers x 2 bytes.
+        assert (
+            int(local_rows[:, 1].sum())
+            == plan.bytes_for(count)
+            == count * remote_size * 2 * sizes["C"] * (sizes.get("K", 1) * 2 * 2)
+        )
+        if not token_runs:
+            kvhost.receive(
+                local, {"x": local_ids}, axes=axes, remote_order=plan.remote_order, remote_block_size=remote_size
+            )
+        tokens = count * remote_size
+        for r, lo in zip(CacheSet(remote, axes).members, CacheSet(local, axes).members):
+            got = read_tokens(lo.tensor, lo.layout, local_ids)
+            want = heads_of(read_tokens(r.tensor, r.layout, remote_ids), r.layout, 2 * rank, 2)
+            assert torch.equal(got[:tokens], want), f"rank {rank}, {lo.layer}"
+            if token_runs:  # no post-process: the last block's tokens past the sender's stay
+                assert torch.equal(got[tokens:], read_tokens(before[lo.layer], lo.layout, local_ids)[tokens:])
+            assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
+
+
+def test_a_share_of_heads_needs_them_apart_and_in_range():
+    sizes = dict(K=2, H=4, C=4, N=8, B=4)
+    token_major = region_table({"l": make_cache("KBNHC", "KBNHC", sizes)}, "KBNHC")
+    with pytest.raises(LayoutError, match="heads of a 'NHC' region is scattered over its tokens"):
+        token_major.heads(0, 2)
+    head_major = region_table({"l": make_cache("KBNHC", "KBHNC", sizes)}, "KBNHC")
+    with pytest.raises(LayoutError, match=r"heads 3..4 are not within the 4 heads"):
+        head_major.heads(3, 2)
+    with pytest.raises(LayoutError, match=r"heads 0..-1"):
+        head_major.heads(0, 0)
+    assert head_major.heads(0, 4) == head_major
+    mla = region_table({"l": make_cache("BNC", "BNC", dict(B=4, N=8, C=12))}, "BNC")
+    with pytest.raises(LayoutError, match="no heads"):
+        mla.heads(0, 1)
+    # A rank's share does not pair with a receiver holding every head.
+    with pytest.raises(LayoutError, match="differ beyond N"):
+        plan_transfer(head_major, head_major.heads(0, 2))
 
 
 def test_k_as_tuple_pairs_with_k_as_axis():
@@ -269,6 +342,30 @@ def test_nixl_read_lands_what_the_descriptors_say(agents, remote_size, local_siz
     for (name, r), lo in zip(remote.items(), local.values()):
         got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, local_ids)[: count * remote_size]
         assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, REMOTE_IDS[:count]))
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_nixl_reads_a_share_of_the_heads_for_each_rank(agents):
+    """A sender with 4 heads, head-major blocks of 16; two receiver ranks of 2 heads, token-major blocks of 32."""
+    sender, receiver = agents
+    remote = caches_for("KBNHC", "KBHNC", dict(K=2, H=4, C=8), 16, 8, seed=12)
+    peer, remote_table = expose(sender, receiver, remote)
+    remote_ids = [5, 2, 7]
+    for rank in range(2):
+        local = caches_for("KBNHC", "KBNHC", dict(K=2, H=2, C=8), 32, 6, seed=120 + rank)
+        plan = plan_transfer(receiver.register(local, "KBNHC"), remote_table.heads(2 * rank, 2))
+        local_ids = [4, 1]
+        transfer = receiver.reader(plan, peer).read(local_ids, remote_ids)
+        transfer.wait(timeout=20)
+        assert transfer.nbytes == 3 * 16 * 2 * 8 * 2 * 2 * 2  # tokens x heads x C x K x layers x bytes
+        transfer.release()
+        kvhost.receive(local, {"x": local_ids}, axes="KBNHC", remote_order=plan.remote_order, remote_block_size=16)
+        for (name, r), lo in zip(remote.items(), local.values()):
+            layout = CacheSet({name: r}, "KBNHC").layout
+            want = heads_of(read_tokens(r, layout, remote_ids), layout, 2 * rank, 2)
+            got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, local_ids)[:48]
+            assert torch.equal(got, want), f"rank {rank}, {name}"
 
 
 @needs_nixl
