@@ -8,6 +8,8 @@ says: per outer index, the request's local regions back to back hold the sender'
 back to back. Regions are cut into chunks of the smaller of the two region sizes, so a
 local block r times larger takes r sub-block descriptors and a remote block g times larger
 takes g chunk descriptors; ``kvhost.receive`` then rearranges the wire bytes in place.
+A receiver rank holding a share of the sender's heads (heterogeneous tensor parallelism)
+narrows the sender's table first (``RegionTable.heads``).
 
 Tables cut at the token axis (``RegionTable.token_runs``) pair runs of tokens instead of
 regions: when both sides share a region order, the bytes then land in the receiver's own

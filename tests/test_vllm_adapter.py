@@ -258,6 +258,25 @@ def test_post_process_attention_formats(fmt, local_order):
     assert stats.skipped_blocks == identity[fmt]
 
 
+@pytest.mark.parametrize("remote_size", REMOTE_BLOCK_SIZES)
+@pytest.mark.parametrize("fmt", ["flash_attn", "flashinfer"])
+def test_post_process_of_a_share_of_the_senders_heads(fmt, remote_size):
+    """Heterogeneous TP: a head-major sender with twice our heads; each of two ranks reads
+    its half (what kvhost.nixl's RegionTable.heads plans) and post-processes it as usual."""
+    axes = CACHE_FORMATS[fmt]
+    sizes = dict(K=2, B=6, N=remote_size, H=2 * HEADS, C=CONTENT)
+    head_major = axes.replace("NH", "HN")
+    sender = {f"model.layers.{i}.self_attn.attn": make_cache(axes, head_major, sizes) for i in range(LAYERS)}
+    fill(sender, seed=8)
+    their, ours = engine_blocks(remote_size)
+    for rank in range(2):
+        caches = attention_caches(fmt, "NHD", blocks=12, block_size=BLOCK)
+        share = {name: t.narrow(axes.index("H"), rank * HEADS, HEADS) for name, t in sender.items()}
+        senders = {"p": Sender(share, axes, [4, 1, 2][:their], local_id_plan(ours, 12))}
+        stats = run_batch(VllmCaches(caches, fmt), caches, senders, {"p": RemoteEngine("HND", remote_size)})
+        assert stats.groups == 1
+
+
 class CountingBackend(TorchBackend):
     name = "counting"
 
