@@ -534,10 +534,10 @@ def post_process(
     not the backend's one-time start (kernel compilation); that time is reported apart.
     """
 
-    def receive(caches: dict[str, torch.Tensor], requests: dict[str, list[int]]) -> kvhost.ReceiveStats:
+    def receive(target: dict[str, torch.Tensor], requests: dict[str, list[int]]) -> kvhost.ReceiveStats:
         order, size = plan.remote_order, plan.remote_block_size
         return kvhost.receive(
-            caches, requests, axes=AXES, remote_order=order, remote_block_size=size, backend=args.backend
+            target, requests, axes=AXES, remote_order=order, remote_block_size=size, backend=args.backend
         )
 
     first = plan.local_blocks_for(1)
