@@ -10,11 +10,13 @@ one ``kvhost.receive`` call, and checks every token bit for bit against the same
 ``--via-host`` lands the bytes in a registered host buffer shaped like the decode cache
 instead (the same descriptors), ``kvhost.copy_blocks`` loads them into the cache and
 ``kvhost.receive`` rearranges them there: the path of decode engines whose memory NIXL
-cannot reach. ``--kill-prefill-after N`` kills prefill once N
-requests have arrived: decode reports the requests that failed, post-processes and verifies
-only those that arrived whole, and exits non-zero. ``--freeze-prefill-after N`` stops it
-(SIGSTOP) instead: where the transport needs the peer to answer (UCX over TCP alone), the
-transfers hang and decode's per-transfer timeout ends them.
+cannot reach. ``--decode-ranks R`` splits decode into R ranks of heads/R heads, each
+reading only its share of the sender's heads (heterogeneous tensor parallelism).
+``--kill-prefill-after N`` kills prefill once N requests have arrived: decode reports the
+requests that failed, post-processes and verifies only those that arrived whole, and
+exits non-zero. ``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the
+transport needs the peer to answer (UCX over TCP alone), the transfers hang and decode's
+per-transfer timeout ends them.
 """
 
 from __future__ import annotations
@@ -95,11 +97,11 @@ class Config:
         logs = rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens + 1), self.requests)
         return [min(int(math.exp(x)), self.max_tokens) for x in logs]
 
-    def sizes(self, num_blocks: int, block_size: int) -> dict[str, int]:
-        return dict(K=2, B=num_blocks, N=block_size, H=self.heads, C=self.head_dim)
-
-    def caches(self, layout: str, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
-        sizes = self.sizes(num_blocks, block_size)
+    def caches(
+        self, layout: str, num_blocks: int, block_size: int, heads: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Every layer's cache; ``heads`` less than the model's for one decode rank's share."""
+        sizes = dict(K=2, B=num_blocks, N=block_size, H=heads or self.heads, C=self.head_dim)
         return {f"layer{i}": make_cache(AXES, LAYOUTS[layout], sizes, self.dtype) for i in range(self.layers)}
 
 
@@ -208,10 +210,45 @@ class Request:
     remote_ids: list[int]
     local_ids: list[int] = field(default_factory=list)
     staging_ids: list[int] = field(default_factory=list)
-    transfer: Transfer | None = None
+    transfer: Transfers | None = None
     deadline: float = 0.0
     arrived: bool = False
     failure: str | None = None
+
+
+class Transfers:
+    """One request's reads, one per decode rank: arrived when every one has."""
+
+    def __init__(self, readers: Sequence[kvhost.nixl.Reader], local_ids: list[int], remote_ids: list[int]) -> None:
+        self.parts: list[Transfer] = []
+        try:
+            for reader in readers:
+                self.parts.append(reader.read(local_ids, remote_ids))
+        except TransferError:
+            self.release()
+            raise
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def poll(self) -> bool:
+        return all([part.poll() for part in self.parts])  # a list: every part reports its failure
+
+    def release(self) -> None:
+        for part in self.parts:
+            part.release()
+
+
+@dataclass(eq=False)
+class Rank:
+    """One decode rank: its caches, holding ``heads`` of the model's heads from
+    ``first_head``, and the host buffer it lands bytes in (``--via-host``)."""
+
+    caches: dict[str, torch.Tensor]
+    heads: int
+    first_head: int = 0
+    staging: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -336,14 +373,18 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 for t in config.lengths()
             ]
             pool = sum(local_blocks) + max(4, sum(local_blocks) // 8)
-            caches = config.caches(args.decode_layout, pool, args.decode_block_size)
-            for tensor in caches.values():
-                raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
+            heads = config.heads // args.decode_ranks
+            rank_caches = [
+                config.caches(args.decode_layout, pool, args.decode_block_size, heads) for _ in range(args.decode_ranks)
+            ]
+            for caches in rank_caches:
+                for tensor in caches.values():
+                    raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
             agent = Agent(f"decode-{os.getpid()}")
             sock, hello = accept_hello(listener, prefill, args.connect_timeout)
             outcome.figures["hello_seconds"] = time.perf_counter() - begun
         peer = agent.add_peer(hello.metadata)
-        handoff(args, config, agent, peer, hello, caches, pool, started, outcome)
+        handoff(args, config, agent, peer, hello, rank_caches, pool, started, outcome)
         with contextlib.suppress(ProtocolError):  # a prefill that was killed cannot be told
             send(sock, "done", {"ok": outcome.ok})
     except KVHostError as err:
@@ -370,23 +411,27 @@ def handoff(
     agent: Agent,
     peer: str,
     hello: Hello,
-    caches: dict[str, torch.Tensor],
+    rank_caches: list[dict[str, torch.Tensor]],
     pool: int,
     prefill: subprocess.Popen[bytes],
     outcome: Outcome,
 ) -> None:
     """Plan, allocate, pull, post-process, verify: the decode side of one batch."""
     remote = hello.table
-    staging: dict[str, torch.Tensor] | None = None
-    if args.via_host:
-        # The host buffer is shaped like the cache, so NIXL lands the same wire bytes in it,
-        # one descriptor per sender region, as it would in the cache itself; copy_blocks
-        # then loads the blocks and receive rearranges them where they will be read.
-        staging = config.caches(args.decode_layout, pool, args.decode_block_size)
-        plan = plan_transfer(agent.register(staging, AXES), remote)
-    else:
-        plan = plan_transfer(agent.register(caches, AXES), remote)
-    reader = agent.reader(plan, peer)
+    heads = config.heads // len(rank_caches)
+    ranks, readers = [], []
+    for index, caches in enumerate(rank_caches):
+        # With several ranks each reads its share of the sender's heads (RegionTable.heads).
+        share = remote.heads(index * heads, heads) if len(rank_caches) > 1 else remote
+        staging = None
+        if args.via_host:
+            # The host buffer is shaped like the cache, so NIXL lands the same wire bytes in
+            # it, one descriptor per sender region, as it would in the cache itself;
+            # copy_blocks then loads the blocks and receive rearranges them where they are read.
+            staging = config.caches(args.decode_layout, pool, args.decode_block_size, heads)
+        plan = plan_transfer(agent.register(staging or caches, AXES), share)  # alike for every rank
+        ranks.append(Rank(caches, heads, index * heads, staging))
+        readers.append(agent.reader(plan, peer))
 
     free = np.random.default_rng([config.seed, 3]).permutation(pool).tolist()
     next_staging = 0
@@ -404,21 +449,22 @@ def handoff(
         tokens=sum(r.tokens for r in hello.requests),
         prefill_blocks=sum(len(r.remote_ids) for r in hello.requests),
         decode_blocks=sum(len(r.local_ids) for r in hello.requests),
+        decode_ranks=len(ranks),
         spare_blocks=len(free),
         pool=pool,
-        descriptors=sum(plan.bytes_for(len(r.remote_ids)) for r in hello.requests) // plan.chunk_bytes,
+        descriptors=len(ranks) * sum(plan.bytes_for(len(r.remote_ids)) for r in hello.requests) // plan.chunk_bytes,
         prefill_pid=hello.pid,
         fill_seconds=hello.fill_seconds,
     )
     describe_setup(args, config, plan, hello, outcome)
 
-    pull(args, reader, hello.requests, prefill, outcome)
+    pull(args, readers, hello.requests, prefill, outcome)
     arrived = [r for r in hello.requests if r.arrived]
     outcome.failed = {r.name: r.failure or "did not arrive" for r in hello.requests if not r.arrived}
     if arrived:
-        post_process(args, config, caches, staging, plan, arrived, outcome)
+        post_process(args, config, ranks, plan, arrived, outcome)
     outcome.figures["memcpy_gbps"] = memcpy_gbps(outcome.figures.get("transfer_bytes", 0))
-    verify(args, config, caches, arrived, free, outcome)
+    verify(args, config, ranks, arrived, free, outcome)
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
@@ -435,12 +481,13 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
 
 def pull(
     args: argparse.Namespace,
-    reader: kvhost.nixl.Reader,
+    readers: list[kvhost.nixl.Reader],
     requests: list[Request],
     prefill: subprocess.Popen[bytes],
     outcome: Outcome,
 ) -> None:
-    """Read every request with up to ``--inflight`` transfers at once, each bounded by ``--timeout``.
+    """Read every request (one read per rank) with up to ``--inflight`` requests in flight,
+    each bounded by ``--timeout``.
 
     Once the peer fails, nothing new is started: transfers already posted finish or fail
     (each within its deadline), and the requests never started fail with the cause.
@@ -478,9 +525,8 @@ def pull(
         while pending and len(inflight) < args.inflight and peer_lost is None:
             request = pending.popleft()
             try:
-                request.transfer = reader.read(
-                    request.staging_ids if args.via_host else request.local_ids, request.remote_ids
-                )
+                local_ids = request.staging_ids if args.via_host else request.local_ids
+                request.transfer = Transfers(readers, local_ids, request.remote_ids)
             except TransferError as err:
                 request.failure = peer_lost = str(err)
                 break
@@ -522,13 +568,13 @@ def pull(
 def post_process(
     args: argparse.Namespace,
     config: Config,
-    caches: dict[str, torch.Tensor],
-    staging: dict[str, torch.Tensor] | None,
+    ranks: list[Rank],
     plan: TransferPlan,
     arrived: list[Request],
     outcome: Outcome,
 ) -> None:
-    """One receive for the whole batch, in place; via the host buffer, one copy_blocks first.
+    """One receive per rank for the whole batch, in place; via the host buffer, one
+    copy_blocks first.
 
     First calls on a few scratch blocks come before, so the figure measures the work and
     not the backend's one-time start (kernel compilation); that time is reported apart.
@@ -541,30 +587,35 @@ def post_process(
         )
 
     first = plan.local_blocks_for(1)
-    scratch = config.caches(args.decode_layout, first, args.decode_block_size)
+    heads = ranks[0].heads
+    scratch = config.caches(args.decode_layout, first, args.decode_block_size, heads)
     scratch_ids = list(range(first))
     started = time.perf_counter()
-    if staging is not None:
-        warm_source = config.caches(args.decode_layout, first, args.decode_block_size)
+    if args.via_host:
+        warm_source = config.caches(args.decode_layout, first, args.decode_block_size, heads)
         kvhost.copy_blocks(warm_source, scratch, scratch_ids, scratch_ids, axes=AXES, backend=args.backend).wait()
     receive(scratch, {"warm-up": scratch_ids})
     warm_up = time.perf_counter() - started
     started = time.perf_counter()
-    what, nbytes = "", 0
-    if staging is not None:
-        loaded = kvhost.copy_blocks(
-            staging,
-            caches,
-            [i for r in arrived for i in r.staging_ids],
-            [i for r in arrived for i in r.local_ids],
-            axes=AXES,
-            backend=args.backend,
-        ).wait()
-        what, nbytes = f"kvhost.copy_blocks from the host buffer ({loaded.runs} runs), then ", loaded.bytes_moved
-    stats = receive(caches, {r.name: r.local_ids for r in arrived})
-    nbytes, backend = nbytes + stats.bytes_moved, stats.backend
-    identity = not stats.bytes_moved
-    what += "kvhost.receive: identity, nothing to move" if identity else f"kvhost.receive, {stats.groups} group(s)"
+    loaded_bytes, runs, moved, groups, backend = 0, 0, 0, 0, ""
+    for rank in ranks:
+        if rank.staging is not None:
+            loaded = kvhost.copy_blocks(
+                rank.staging,
+                rank.caches,
+                [i for r in arrived for i in r.staging_ids],
+                [i for r in arrived for i in r.local_ids],
+                axes=AXES,
+                backend=args.backend,
+            ).wait()
+            loaded_bytes, runs = loaded_bytes + loaded.bytes_moved, loaded.runs
+        stats = receive(rank.caches, {r.name: r.local_ids for r in arrived})
+        moved, groups, backend = moved + stats.bytes_moved, stats.groups, stats.backend
+    what = f"kvhost.copy_blocks from the host buffer ({runs} runs), then " if args.via_host else ""
+    what += f"kvhost.receive, {groups} group(s)" if moved else "kvhost.receive: identity, nothing to move"
+    if len(ranks) > 1:
+        what += f", on each of {len(ranks)} ranks"
+    nbytes = loaded_bytes + moved
     seconds = time.perf_counter() - started
     outcome.received = [r.name for r in arrived]
     outcome.figures.update(
@@ -575,31 +626,41 @@ def post_process(
 def verify(
     args: argparse.Namespace,
     config: Config,
-    caches: dict[str, torch.Tensor],
+    ranks: list[Rank],
     arrived: list[Request],
     spare: list[int],
     outcome: Outcome,
 ) -> None:
-    """Every token of every arrived request, bit for bit; spare blocks must hold the sentinel."""
+    """Every token of every arrived request on every rank (its heads), bit for bit; spare
+    blocks must hold the sentinel."""
     started = time.perf_counter()
-    cache_set = CacheSet(caches, AXES)
+    cache_sets = [CacheSet(rank.caches, AXES) for rank in ranks]
     bar = ProgressBar("verify", len(arrived), sys.stderr, not args.no_progress and sys.stderr.isatty())
     for done, request in enumerate(arrived, 1):
         problem = None
-        for layer, member in enumerate(cache_set.members):
-            got = read_tokens_fast(member.tensor, AXES, request.local_ids)[: request.tokens]
-            want = token_values(
+        for layer in range(len(cache_sets[0].members)):
+            whole = token_values(
                 config.seed,
                 request.number,
                 layer,
                 request.tokens,
                 config.heads,
                 config.head_dim,
-                member.layout.itemsize,
+                cache_sets[0].members[layer].layout.itemsize,
             )
-            if not torch.equal(got, want):
-                bad = (got != want).nonzero()[0].tolist()
-                problem = f"{member.layer} token {bad[0]} K/V {bad[1]} head {bad[2]} channel {bad[3]} differs"
+            for number, (rank, cache_set) in enumerate(zip(ranks, cache_sets)):
+                member = cache_set.members[layer]
+                got = read_tokens_fast(member.tensor, AXES, request.local_ids)[: request.tokens]
+                want = whole.narrow(2, rank.first_head, rank.heads)  # [tokens, K, H, C]
+                if not torch.equal(got, want):
+                    bad = (got != want).nonzero()[0].tolist()
+                    where = f"rank {number} " if len(ranks) > 1 else ""
+                    problem = (
+                        f"{where}{member.layer} token {bad[0]} K/V {bad[1]} "
+                        f"head {rank.first_head + bad[2]} channel {bad[3]} differs"
+                    )
+                    break
+            if problem is not None:
                 break
         if problem is None:
             outcome.verified.append(request.name)
@@ -610,7 +671,7 @@ def verify(
     untouched = True
     if spare:
         index = torch.as_tensor(spare)
-        for member in cache_set.members:
+        for member in (m for cache_set in cache_sets for m in cache_set.members):
             blocks = raw(member.tensor).index_select(AXES.index("B"), index).contiguous().view(torch.uint8)
             untouched &= bool((blocks == SENTINEL_BYTE).all())
     if not untouched:
@@ -675,7 +736,12 @@ def describe_setup(
         f"block {remote.block_size} tokens, {remote.num_blocks} blocks; filled in {hello.fill_seconds:.2f} s, "
         f"said hello {f['hello_seconds']:.2f} s after the start",
         f"decode    pid {os.getpid()}: {args.decode_layout} (memory {LAYOUTS[args.decode_layout]}), "
-        f"block {args.decode_block_size} tokens, {f['pool']} blocks",
+        f"block {args.decode_block_size} tokens, {f['pool']} blocks"
+        + (
+            f"; {f['decode_ranks']} ranks of {config.heads // f['decode_ranks']} heads each"
+            if f["decode_ranks"] > 1
+            else ""
+        ),
         f"model     {config.layers} layers x K/V x {config.heads} heads x {config.head_dim} channels, "
         f"{str(config.dtype).removeprefix('torch.')}",
         f"requests  {f['requests']} ({min(lengths)}..{max(lengths)} tokens, {f['tokens']:,} in all)",
@@ -787,6 +853,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, block ids and values")
     p.add_argument("--backend", default=None, help="kvhost backend for the post-process (None: chosen by device)")
     p.add_argument("--via-host", action="store_true", help="land bytes in a host buffer, then copy_blocks")
+    p.add_argument(
+        "--decode-ranks",
+        type=int,
+        default=1,
+        metavar="R",
+        help="decode ranks per prefill rank (heterogeneous TP): each holds and reads heads/R heads",
+    )
     faults = p.add_mutually_exclusive_group()
     faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill after N requests arrived")
     faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill (SIGSTOP) after N arrived")
@@ -812,6 +885,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         "requests",
         "min_tokens",
         "inflight",
+        "decode_ranks",
     ]
     for name in positive:
         if getattr(args, name) < 1:
@@ -819,6 +893,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     big, small = sorted((args.prefill_block_size, args.decode_block_size), reverse=True)
     if big % small:
         p.error(f"block sizes {args.prefill_block_size} and {args.decode_block_size} must divide one another")
+    if args.heads % args.decode_ranks:
+        p.error(f"--heads {args.heads} cannot be shared out evenly to {args.decode_ranks} decode ranks")
+    if args.decode_ranks > 1 and args.prefill_layout != "HND":
+        p.error(
+            "--decode-ranks needs --prefill-layout HND: a token-major sender scatters a share of heads over every token"
+        )
     if args.max_tokens < args.min_tokens:
         p.error(f"--max-tokens {args.max_tokens} is below --min-tokens {args.min_tokens}")
     if args.timeout <= 0:

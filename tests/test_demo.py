@@ -36,6 +36,11 @@ RUNS = {
         *["--requests", "8", "--via-host", "--prefill-layout", "NHD", "--decode-layout", "HND"],
         *["--prefill-block-size", "32", "--decode-block-size", "8", "--backend", "torch"],
     ],
+    # Two decode ranks of two heads each read their share of a head-major sender (heterogeneous TP).
+    "ranks": [
+        *[*SMALL, "--heads", "4", "--requests", "6", "--decode-ranks", "2"],
+        *["--prefill-block-size", "4", "--decode-block-size", "8"],
+    ],
     # Prefill killed once 3 requests arrived, with 3 transfers in flight at a time.
     "kill": [*SMALL, "--requests", "12", "--inflight", "3", "--kill-prefill-after", "3", "--backend", "torch"],
     # Prefill frozen (SIGSTOP) once 2 arrived; over TCP alone its memory cannot be read, so transfers hang.
@@ -121,6 +126,19 @@ def test_via_host_handoff_verifies_every_byte(runs):
     assert figures["backend"] == "torch"
 
 
+@needs_nixl
+@pytest.mark.timeout(RUN_SECONDS + 30)
+def test_decode_ranks_each_read_their_share_of_the_heads(runs):
+    code, outcome, text = runs["ranks"].result()
+    check_complete(code, outcome, text)
+    figures = outcome["figures"]
+    assert figures["decode_ranks"] == 2
+    assert "2 ranks of 2 heads each" in text and "on each of 2 ranks" in figures["post_what"]
+    # Between them the ranks read every sender block once: 4 tokens x K/V x 4 heads x 16
+    # channels x 2 bytes x 2 layers per block.
+    assert figures["transfer_bytes"] == figures["prefill_blocks"] * 4 * 2 * 4 * 16 * 2 * 2
+
+
 def check_partial(code, outcome, text):
     """A failed hand-off: non-zero, failures named, nothing failed marked received, the rest verified."""
     assert code == demo.EXIT_FAILED, text
@@ -178,18 +196,43 @@ def test_verification_catches_a_flipped_byte_and_a_stray_write():
         demo.write_tokens(tensor, demo.AXES, request.local_ids, values)
 
     outcome = demo.Outcome()
-    demo.verify(args, config, caches, [request], [0, 2, 3, 5], outcome)
+    demo.verify(args, config, [demo.Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == ["req-000"] and outcome.mismatched == {}
 
     layer1 = caches["layer1"]
     raw(layer1)[1, 1, 12 - 8, 1, 3] ^= 1  # V, block 1 holds tokens 8..15: token 12, head 1, channel 3
     raw(caches["layer0"])[0, 5, 0, 0, 0] ^= 1  # a spare block
     outcome = demo.Outcome()
-    demo.verify(args, config, caches, [request], [0, 2, 3, 5], outcome)
+    demo.verify(args, config, [demo.Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == []
     assert outcome.mismatched["req-000"] == "layer1 token 12 K/V 1 head 1 channel 3 differs"
     assert outcome.mismatched["spare blocks"] == "a block no request owns was written"
     assert outcome.figures["spare_untouched"] is False
+
+
+def test_each_rank_is_verified_against_its_own_heads():
+    args = args_for("--decode-ranks", "2")  # SMALL has 2 heads: one per rank
+    config = demo.Config.from_args(args)
+    ranks = [demo.Rank(config.caches("NHD", 4, 8, heads=1), 1, first_head=rank) for rank in range(2)]
+    request = demo.Request("req-000", 0, 10, remote_ids=[], local_ids=[2, 0])
+    for rank in ranks:
+        for layer, tensor in enumerate(rank.caches.values()):
+            values = demo.token_values(config.seed, 0, layer, 10, config.heads, config.head_dim, 2)
+            demo.write_tokens(tensor, demo.AXES, request.local_ids, values.narrow(2, rank.first_head, 1))
+    outcome = demo.Outcome()
+    demo.verify(args, config, ranks, [request], [], outcome)
+    assert outcome.verified == ["req-000"]
+
+    raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1  # K, block 0 holds tokens 8..9: token 9
+    outcome = demo.Outcome()
+    demo.verify(args, config, ranks, [request], [], outcome)
+    assert outcome.mismatched == {"req-000": "rank 1 layer0 token 9 K/V 0 head 1 channel 2 differs"}
+    # A rank holding another rank's head is caught too.
+    raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1
+    ranks[0].first_head, ranks[1].first_head = 1, 0
+    outcome = demo.Outcome()
+    demo.verify(args, config, ranks, [request], [], outcome)
+    assert outcome.mismatched["req-000"].startswith("rank 0 layer0 token 0 K/V 0 head 1")
 
 
 def test_values_differ_by_every_index():
@@ -234,6 +277,8 @@ def test_progress_bar_draws_on_a_terminal_only():
         (["--kill-prefill-after", "-1"], "--kill-prefill-after must be 0 or more"),
         (["--kill-prefill-after", "1", "--freeze-prefill-after", "1"], "not allowed with argument"),
         (["--dtype", "float64"], "invalid choice"),
+        (["--decode-ranks", "3"], "--heads 8 cannot be shared out evenly to 3 decode ranks"),
+        (["--decode-ranks", "2", "--prefill-layout", "NHD"], "--decode-ranks needs --prefill-layout HND"),
     ],
 )
 def test_bad_options_are_refused(argv, message, capsys):
