@@ -68,7 +68,7 @@ def cxx_receiver(library: ctypes.CDLL) -> Callable[[ReceiveJob], None]:
         outer = job.layout.outer_offsets_bytes
         units = np.ascontiguousarray(job.unit_ids, dtype=np.int64)
         params = _receive_params(job.rearrangement, job.layout.block_stride_bytes)
-        threads = 1 if job.bytes_moved < kernels.SERIAL_BYTES else kernels.threads()
+        _, threads = kernels.launcher("rearrange_units", job.bytes_moved)  # numba's own thread rule
         library.rearrange_units(
             bases.ctypes.data,
             bases.size,
