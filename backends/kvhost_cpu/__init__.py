@@ -50,7 +50,8 @@ class CpuBackend(TorchBackend):
         params = _receive_params(job.rearrangement, job.layout.block_stride_bytes)
         kernel, threads = kernels.launcher("rearrange_units", job.bytes_moved)
         with _launch:
-            kernel(job.members.addresses, job.layout.outer_offsets_bytes, job.unit_ids, params, threads)
+            scratch = _scratch.rows(threads, kernels.scratch_bytes(params))
+            kernel(job.members.addresses, job.layout.outer_offsets_bytes, job.unit_ids, params, scratch, threads)
         return None
 
     def copy(self, job: CopyJob) -> Completion:
@@ -63,6 +64,31 @@ class CpuBackend(TorchBackend):
         with _launch:
             kernel(*addresses, job.src_ids, job.dst_ids, params, threads)
         return Completion()
+
+
+class _Scratch:
+    """The receive kernels' scratch: one row per thread, owned here for the whole call.
+
+    Kept between calls (launches are serialised by ``_launch``), so that a steady stream
+    of calls does not fault in fresh pages each time; grown when a call needs more, and
+    let go when one needs much less, so a single huge piece does not pin memory for ever.
+    """
+
+    KEEP_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._buffer = np.empty((0, 0), dtype=np.uint8)
+
+    def rows(self, threads: int, row_bytes: int) -> np.ndarray:
+        buffer = self._buffer
+        if buffer.shape[0] < threads or buffer.shape[1] < row_bytes or buffer.size > max(
+            self.KEEP_BYTES, 4 * threads * row_bytes
+        ):
+            buffer = self._buffer = np.empty((threads, row_bytes), dtype=np.uint8)
+        return buffer
+
+
+_scratch = _Scratch()
 
 
 @lru_cache(maxsize=256)

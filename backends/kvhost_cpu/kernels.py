@@ -118,12 +118,13 @@ def _loops(params, at):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _rearrange_span(bases, outer, unit_ids, params, first, last):  # type: ignore[no-untyped-def]
+def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):  # type: ignore[no-untyped-def]
     """Rewrite in place work items ``first .. last - 1``: one unit of one tensor's outer index.
 
-    Each piece (see ``kvhost.transform.WriteBack``) goes to a scratch of this span's own
-    and back through the loops. A function of its own, not inlined into the parallel
-    kernels: their array analysis would otherwise have to look through it.
+    Each piece (see ``kvhost.transform.WriteBack``) goes to ``scratch`` (this span's own
+    row of the caller's scratch, ``scratch_bytes`` long) and back through the loops. A
+    function of its own, not inlined into the parallel kernels: their array analysis
+    would otherwise have to look through it.
     """
     block_stride, region_bytes, pieces, piece_bytes, part_stride, run = (
         params[0],
@@ -137,7 +138,9 @@ def _rearrange_span(bases, outer, unit_ids, params, first, last):  # type: ignor
     units, parts = unit_ids.shape
     per_tensor = outer.shape[0] * units
     span = parts if pieces == 1 else 1  # regions one piece covers
-    scratch = np.empty(piece_bytes + 4096, dtype=np.uint8)  # one piece is at most one unit
+    # The scratch is an argument, owned by the Python caller for the whole call. An array
+    # made here would be released after its last use as an array, which is the address
+    # taken just below: every copy through that address would then write freed memory.
     start = _address_of(scratch)
     for item in range(first, last):
         unit = item % units
@@ -159,24 +162,27 @@ def _rearrange_span(bases, outer, unit_ids, params, first, last):  # type: ignor
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def rearrange_units(bases, outer, unit_ids, params, threads):  # type: ignore[no-untyped-def]
+def rearrange_units(bases, outer, unit_ids, params, scratch, threads):  # type: ignore[no-untyped-def]
     """Rewrite, in place, every unit of ``unit_ids`` at every outer offset of every tensor.
 
     ``bases``: tensor addresses; ``outer``: byte offsets of the outer indices; ``unit_ids``:
-    ``[units, parts]`` block ids; ``params``: ``receive_params``. ``threads`` comes from the
-    caller (numba's own query would defeat caching).
+    ``[units, parts]`` block ids; ``params``: ``receive_params``; ``scratch``: ``[threads,
+    scratch_bytes(params)]`` bytes, one row per thread, allocated and kept by the caller.
+    ``threads`` comes from the caller (numba's own query would defeat caching).
     """
     items = bases.shape[0] * outer.shape[0] * unit_ids.shape[0]
-    threads = min(threads, max(items, 1))
+    threads = min(threads, max(items, 1), scratch.shape[0])
     share = (items + threads - 1) // threads
     for thread in prange(threads):
-        _rearrange_span(bases, outer, unit_ids, params, thread * share, min(items, (thread + 1) * share))
+        first, last = thread * share, min(items, (thread + 1) * share)
+        _rearrange_span(bases, outer, unit_ids, params, scratch[thread], first, last)
 
 
 @njit(nogil=True, cache=True)
-def rearrange_units_serial(bases, outer, unit_ids, params, threads):  # type: ignore[no-untyped-def]
-    """``rearrange_units`` on the calling thread alone (``threads`` is ignored)."""
-    _rearrange_span(bases, outer, unit_ids, params, 0, bases.shape[0] * outer.shape[0] * unit_ids.shape[0])
+def rearrange_units_serial(bases, outer, unit_ids, params, scratch, threads):  # type: ignore[no-untyped-def]
+    """``rearrange_units`` on the calling thread alone, with ``scratch[0]`` (``threads`` is ignored)."""
+    items = bases.shape[0] * outer.shape[0] * unit_ids.shape[0]
+    _rearrange_span(bases, outer, unit_ids, params, scratch[0], 0, items)
 
 
 @njit(nogil=True, cache=True)
@@ -264,6 +270,12 @@ def receive_params(
 ) -> np.ndarray:
     """The int64 parameters of ``rearrange_units``."""
     return np.array([block_stride, region_bytes, pieces, piece_bytes, part_stride, loops.run_bytes, *_padded(loops)])
+
+
+def scratch_bytes(params: np.ndarray) -> int:
+    """Bytes of one thread's scratch row for ``rearrange_units``: a piece (at most one unit),
+    plus room to place it at a skew against the region it mirrors."""
+    return int(params[3]) + 4096
 
 
 def copy_params(src_block: int, dst_block: int, merge: bool, most_blocks: int, loops: Loops) -> np.ndarray:
