@@ -11,7 +11,8 @@ import torch
 from kvhost.backend import Backend, Completion
 from kvhost.batch import Ids, Incoming, IndexBuffers, Uploader, plan_copy_batch, plan_receive_batch, upload
 from kvhost.caches import CacheSet, Layer
-from kvhost.errors import LayoutError
+from kvhost.errors import BackendError, LayoutError, RequestError
+from kvhost.lru import LRU
 from kvhost.registry import get_backend
 from kvhost.stats import CopyResult, ReceiveStats
 
@@ -70,7 +71,7 @@ class KVHost:
         self.caches = CacheSet(caches, axes)
         self.backend = _backend(backend, self.caches.device)
         self._index_buffers = IndexBuffers()
-        self._peers: dict[tuple[int, str, str], CacheSet] = {}
+        self._peers: LRU[tuple[int, str, str], CacheSet] = LRU(4)
 
     @property
     def device(self) -> torch.device:
@@ -79,8 +80,10 @@ class KVHost:
     def receive(
         self, requests: Requests, *, remote_order: str | None = None, remote_block_size: int | None = None
     ) -> ReceiveStats:
-        """Like ``kvhost.receive`` on the registered caches."""
-        return _receive(self.caches, requests, remote_order, remote_block_size, self.backend, self._index_buffers)
+        """Like ``kvhost.receive`` on the registered caches (which must still be where they were)."""
+        return _receive(
+            self.caches, requests, remote_order, remote_block_size, self.backend, self._index_buffers, registered=True
+        )
 
     def copy_to(
         self,
@@ -92,6 +95,7 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy registered blocks ``src_ids`` out to ``dst`` (e.g. save to a host buffer)."""
+        self.caches.check_current()
         dest = self._peer(dst, dst_axes or self.caches.axes, "dst")
         return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, self._copy_backend(dest.device))
 
@@ -105,6 +109,7 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy blocks ``src_ids`` of ``src`` into registered blocks ``dst_ids`` (a load)."""
+        self.caches.check_current()
         source = self._peer(src, src_axes or self.caches.axes, "src")
         return _copy(source, self.caches, src_ids, dst_ids, non_blocking, self._copy_backend(source.device))
 
@@ -118,11 +123,7 @@ class KVHost:
         known = self._peers.get(key)
         if known is not None and known.describes(caches):
             return known
-        peer = CacheSet(caches, axes, role=role)
-        if len(self._peers) >= 4:
-            self._peers.pop(next(iter(self._peers)))
-        self._peers[key] = peer
-        return peer
+        return self._peers.put(key, CacheSet(caches, axes, role=role))
 
     def _copy_backend(self, other: torch.device) -> Backend | None:
         """The registered backend, unless the other side is the accelerator of a host cache."""
@@ -136,9 +137,13 @@ def _receive(
     remote_block_size: int | None,
     backend: Backend,
     uploader: Uploader,
+    *,
+    registered: bool = False,
 ) -> ReceiveStats:
     start = time.perf_counter()
     batch = plan_receive_batch(caches, requests, remote_order, remote_block_size, uploader)
+    if registered and batch.jobs:  # bytes will move: the caches must still be where they were
+        caches.check_current()
     for job in batch.jobs:
         backend.receive(job)
     return ReceiveStats(
@@ -155,6 +160,8 @@ def _receive(
 def _copy(
     source: CacheSet, dest: CacheSet, src_ids: Ids, dst_ids: Ids, non_blocking: bool, backend: str | Backend | None
 ) -> CopyResult:
+    if not isinstance(non_blocking, bool):
+        raise RequestError(f"non_blocking must be True or False, got {non_blocking!r}")
     chosen = _backend(backend, _copy_device(source.device, dest.device))
     batch = plan_copy_batch(source, dest, src_ids, dst_ids, non_blocking)
     completions = [chosen.copy(job) for job in batch.jobs]
@@ -189,6 +196,9 @@ def _copy_device(src: torch.device, dst: torch.device) -> torch.device:
 
 
 def _backend(backend: str | Backend | None, device: torch.device) -> Backend:
+    """The backend asked for: an instance (used as given), a name, or None (chosen by device)."""
     if isinstance(backend, Backend):
         return backend
+    if backend is not None and not isinstance(backend, str):
+        raise BackendError(f"backend must be a name, a kvhost.Backend or None, got {backend!r}")
     return get_backend(device, backend)

@@ -37,6 +37,11 @@ class Backend:
         """None when this backend can run here, else a short reason (``no XPU device``)."""
         return None
 
+    @classmethod
+    def serves(cls, device_type: str) -> bool:
+        """Whether this backend serves tensors on devices of ``device_type``."""
+        return device_type in cls.device_types or "*" in cls.device_types
+
     def describe(self) -> str:
         """A few words on how this backend does its work, for ``kvhost info``."""
         return ""

@@ -22,7 +22,8 @@ import torch
 
 from kvhost.caches import CacheSet, CopyGroup, Member, MemberList
 from kvhost.errors import KVHostError, RequestError
-from kvhost.layout import Layout
+from kvhost.layout import Layout, check_letters
+from kvhost.memory import first_shared
 from kvhost.transform import CopyPlan, Rearrangement, plan_receive
 
 Uploader = Callable[[np.ndarray, torch.device], torch.Tensor]
@@ -125,8 +126,13 @@ def plan_receive_batch(
     the checks to protect: its ids are counted, not read, and the call costs about what
     an empty one does (an engine calls it every step whatever the peer's layout).
     """
+    if not isinstance(requests, Mapping):
+        raise RequestError(f"requests must be a mapping of request id to block ids, got {type(requests).__name__}")
     local = caches.layout
-    call_key = (remote_order or local.region, int(remote_block_size or local.block_size))
+    call_key = (
+        _remote_order(remote_order, local.region, "remote_order"),
+        _remote_block_size(remote_block_size, local.block_size, "remote_block_size"),
+    )
     blocks = _identity_block_count(caches, requests, call_key)
     if blocks is not None:
         return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
@@ -134,12 +140,16 @@ def plan_receive_batch(
     keys: dict[tuple[str, int], int] = {}
     key_of_request: list[int] = []
     for name, request in requests.items():
+        subject = f"request {name!r}"
         if isinstance(request, Incoming):
-            key = (request.remote_order or call_key[0], int(request.remote_block_size or call_key[1]))
-            batch.add(name, request.block_ids)
+            key = (
+                _remote_order(request.remote_order, call_key[0], f"{subject}: remote_order"),
+                _remote_block_size(request.remote_block_size, call_key[1], f"{subject}: remote_block_size"),
+            )
+            batch.add(subject, request.block_ids)
         else:
             key = call_key
-            batch.add(name, request)
+            batch.add(subject, request)
         key_of_request.append(keys.setdefault(key, len(keys)))
     batch.check(caches.num_blocks, what="block id", unique=True)
 
@@ -151,15 +161,15 @@ def plan_receive_batch(
             try:
                 plans[layout, k] = plan_receive(layout, order, size)
             except KVHostError as err:
-                raise RequestError(f"request {batch.names[key_of_request.index(k)]!r}: {err}") from None
+                raise RequestError(f"{batch.subjects[key_of_request.index(k)]}: {err}") from None
 
     # Whole groups are owed even when the transform is the identity: a sender block spans g.
     parts = [max(size // local.block_size, 1) for _, size in key_list]
     if any(p > 1 for p in parts):
-        for name, length, k in zip(batch.names, batch.lengths, key_of_request):
+        for subject, length, k in zip(batch.subjects, batch.lengths, key_of_request):
             if length % parts[k]:
                 raise RequestError(
-                    f"request {name!r}: {length} block ids are not whole groups of {parts[k]} "
+                    f"{subject}: {length} block ids are not whole groups of {parts[k]} "
                     f"(remote block size {key_list[k][1]} = {parts[k]} x local block size {local.block_size})"
                 )
 
@@ -183,7 +193,9 @@ def plan_receive_batch(
                 jobs.append(
                     ReceiveJob(members, layout, plan, group_ids.reshape(-1, plan.parts), caches.device, uploader)
                 )
-    return ReceiveBatch(jobs, requests=len(batch.names), blocks=len(batch.flat), groups=groups, skipped_blocks=skipped)
+    return ReceiveBatch(
+        jobs, requests=len(batch.subjects), blocks=len(batch.flat), groups=groups, skipped_blocks=skipped
+    )
 
 
 @dataclass
@@ -246,7 +258,7 @@ def plan_copy_batch(
     non_blocking: bool,
 ) -> CopyBatch:
     """Validate a copy and hand each group of member pairs that share a plan to one job."""
-    groups = src.copy_groups(dst)
+    copy_groups = src.copy_groups(dst)
     sources, dests = _IdBatch(), _IdBatch()
     sources.add("src_ids", src_ids)
     dests.add("dst_ids", dst_ids)
@@ -256,16 +268,26 @@ def plan_copy_batch(
     dests.check(dst.num_blocks, what="destination block id", unique=True)
     if not sources.flat:
         return CopyBatch(jobs=[], blocks=0)
-    # A copy within one cache must not read a block it writes (the result would hang on order).
-    shared = [
-        s.layer for group in groups if group.shares_memory for s, d in group.pairs if _same_memory(s.tensor, d.tensor)
-    ]
-    both = set(sources.flat).intersection(dests.flat) if shared else set()
-    if both:
-        raise RequestError(f"layer {shared[0]!r}: block {min(both)} is both read and written by one copy")
     source, dest = sources.array(), dests.array()
-    jobs = [CopyJob(group, source, dest, non_blocking, src.device, dst.device) for group in groups]
+    _check_reads_apart_from_writes(copy_groups.meeting, source, dest)
+    jobs = [CopyJob(group, source, dest, non_blocking, src.device, dst.device) for group in copy_groups.groups]
     return CopyBatch(jobs=jobs, blocks=int(source.size))
+
+
+def _check_reads_apart_from_writes(meeting: list[tuple[Member, Member]], source: np.ndarray, dest: np.ndarray) -> None:
+    """Raise if a block a copy reads shares a byte with a block it writes: the bytes that
+    land would hang on the order the copy runs in (within one cache, crossed layers, two
+    tensors over one buffer)."""
+    for src, dst in meeting:
+        for read in src.layout.lanes(src.address, src.name):
+            for written in dst.layout.lanes(dst.address, dst.name):
+                overlap = first_shared(read, source, written, dest)
+                if overlap is not None:
+                    raise RequestError(
+                        f"one copy would both read and write the same memory: source {overlap.first.owner} "
+                        f"block {overlap.first_block} is destination {overlap.second.owner} "
+                        f"block {overlap.second_block}"
+                    )
 
 
 # --- helpers -------------------------------------------------------------------------
@@ -274,18 +296,40 @@ def plan_copy_batch(
 def _identity_block_count(caches: CacheSet, requests: Mapping[str, Any], call_key: tuple[str, int]) -> int | None:
     """How many blocks the batch names, when every request takes the call's transform and
     that transform is the identity for every layout; otherwise None (the checked path,
-    which also words any error)."""
+    which also words any error).
+
+    Only the id containers' types are checked here (two passes at C speed); an Incoming,
+    a tensor or anything that is not a list, tuple, range or numpy array takes the checked path.
+    """
     try:
         if any(plan_receive(layout, *call_key) for layout, _ in caches.by_layout()):
             return None
     except KVHostError:
         return None
-    try:
-        # One pass at C speed; an Incoming has no length, so a batch holding one fails
-        # here and takes the checked path.
-        return sum(map(len, requests.values()))
-    except TypeError:
+    if not set(map(type, requests.values())) <= _PLAIN_ID_LISTS:
         return None
+    return sum(map(len, requests.values()))
+
+
+_PLAIN_ID_LISTS = {list, tuple, range, np.ndarray}
+_ID_KINDS = "list, tuple, range, 1-D numpy array or 1-D tensor of integers"
+
+
+def _remote_order(order: object, default: str, what: str) -> str:
+    """A sender's region order as given (None: ``default``); anything but letters is refused."""
+    if order is None:
+        return default
+    check_letters(order, what=what, error=RequestError)  # type: ignore[arg-type]
+    return order  # type: ignore[return-value]
+
+
+def _remote_block_size(size: object, default: int, what: str) -> int:
+    """A sender's tokens per block as given (None: ``default``): a positive integer, never coerced."""
+    if size is None:
+        return default
+    if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise RequestError(f"{what} must be a positive integer, got {size!r}")
+    return int(size)
 
 
 class _IdBatch:
@@ -297,26 +341,32 @@ class _IdBatch:
     """
 
     def __init__(self) -> None:
-        self.names: list[str] = []
+        self.subjects: list[str] = []  # "request 'a'", or an argument's name
         self.lengths: list[int] = []
         self.flat: list[Any] = []
 
-    def add(self, name: str, ids: Any) -> None:
+    def add(self, subject: str, ids: Any) -> None:
         if isinstance(ids, (np.ndarray, torch.Tensor)):
             if ids.ndim != 1:
-                raise RequestError(f"{_subject(name)}: block ids must be a flat sequence, got shape {tuple(ids.shape)}")
+                raise RequestError(f"{subject}: block ids must be a flat sequence, got shape {tuple(ids.shape)}")
+            if not _integer_dtype(ids.dtype):
+                raise RequestError(f"{subject}: block ids must be integers, got an array of {ids.dtype}")
             ids = ids.tolist()
-        self.names.append(name)
+        elif not isinstance(ids, (list, tuple, range)):
+            # Sets and dict keys have no order, bytes and strings are not ids, an iterator
+            # would be used up: none of them is read as block ids.
+            raise RequestError(f"{subject}: block ids must be a {_ID_KINDS}, got {type(ids).__name__} {_short(ids)}")
+        self.subjects.append(subject)
         self.lengths.append(len(ids))
         self.flat.extend(ids)
 
     def check(self, limit: int, *, what: str, unique: bool) -> None:
-        """Raise unless every id is an integer in ``[0, limit)`` (and unique, if asked)."""
+        """Raise unless every id is an integer in ``[0, limit)`` (and unique, if asked); bools are not ids."""
         flat = self.flat
         if not flat:
             return
-        if not all(issubclass(kind, (int, np.integer)) for kind in set(map(type, flat))):
-            position = next(i for i, x in enumerate(flat) if not isinstance(x, (int, np.integer)))
+        if not all(_integer_type(kind) for kind in set(map(type, flat))):
+            position = next(i for i, x in enumerate(flat) if not _integer_type(type(x)))
             subject, at = self._where(position)
             raise RequestError(f"{subject}: block ids must be integers, got {flat[position]!r} at position {at}")
         if min(flat) < 0 or max(flat) >= limit:
@@ -330,10 +380,8 @@ class _IdBatch:
                 if earlier != position:
                     a, b = self._owner(earlier), self._owner(position)
                     if a == b:
-                        raise RequestError(f"{_subject(self.names[a])}: block id {block} appears twice")
-                    raise RequestError(
-                        f"block id {block} is claimed by request {self.names[a]!r} and request {self.names[b]!r}"
-                    )
+                        raise RequestError(f"{self.subjects[a]}: block id {block} appears twice")
+                    raise RequestError(f"block id {block} is claimed by {self.subjects[a]} and {self.subjects[b]}")
 
     def array(self) -> np.ndarray:
         """Every id, in order, as one int64 array (the batch's only numpy conversion)."""
@@ -345,15 +393,19 @@ class _IdBatch:
     def _where(self, position: int) -> tuple[str, int]:
         """Who holds flat ``position``, and where in its own list."""
         owner = self._owner(position)
-        return _subject(self.names[owner]), position - sum(self.lengths[:owner])
+        return self.subjects[owner], position - sum(self.lengths[:owner])
 
 
-def _subject(name: str) -> str:
-    """Requests are named by their id; a copy's two id lists by their argument name."""
-    return name if name in ("src_ids", "dst_ids") else f"request {name!r}"
+def _integer_type(kind: type) -> bool:
+    return issubclass(kind, (int, np.integer)) and not issubclass(kind, bool)
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.device.type == "xla":
-        return a is b
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _integer_dtype(dtype: np.dtype[Any] | torch.dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return dtype.kind in "iu"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

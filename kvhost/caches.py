@@ -9,14 +9,17 @@ lack, the tuple index stands for ``K``, so ``axes="KBNHC"`` describes both a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 
 import numpy as np
 import torch
 
 from kvhost.errors import KVHostError, LayoutError
 from kvhost.layout import Layout
+from kvhost.lru import LRU
+from kvhost.memory import find_overlap
 from kvhost.transform import CopyPlan, plan_copy
 
 Layer = torch.Tensor | tuple[torch.Tensor, ...]
@@ -24,17 +27,62 @@ Layer = torch.Tensor | tuple[torch.Tensor, ...]
 
 @dataclass(frozen=True)
 class Member:
-    """One tensor of one layer: ``index`` is its place in the layer's tuple (0 for a tensor)."""
+    """One tensor of one layer: ``index`` is its place in the layer's tuple (0 for a tensor).
+
+    ``address`` is the tensor's data address when the set was read (kernels work on
+    addresses); 0 for tensors whose memory has no host-visible address (XLA, meta).
+    """
 
     layer: str
     index: int
     tensor: torch.Tensor
     layout: Layout
+    address: int = field(init=False)
 
-    @cached_property
-    def address(self) -> int:
-        """The tensor's data address when the set was read (host kernels work on addresses)."""
-        return int(self.tensor.data_ptr())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "address", data_address(self.tensor))
+
+    @property
+    def name(self) -> str:
+        return f"layer {self.layer!r}[{self.index}]"
+
+    def is_current(self) -> bool:
+        """Whether the tensor is still where, and what, it was when read: same memory, shape, strides.
+
+        ``set_``, a growing ``resize_`` and a freed storage all move the data address; a
+        shrinking ``resize_`` or ``as_strided_`` changes the shape or strides.
+        """
+        tensor = self.tensor
+        if tensor.shape != self.layout.shape:
+            return False
+        return not has_address(tensor) or (tensor.data_ptr() == self.address and tensor.stride() == self.layout.strides)
+
+
+def has_address(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's memory has a data address a host can use (not so for XLA or meta)."""
+    return not (tensor.is_xla or tensor.is_meta)  # type: ignore[attr-defined]
+
+
+def data_address(tensor: torch.Tensor) -> int:
+    """A tensor's data address, or 0 where its memory has none a host can use (XLA, meta)."""
+    return int(tensor.data_ptr()) if has_address(tensor) else 0
+
+
+_shape = attrgetter("shape")
+
+
+def check_backed(tensor: torch.Tensor, layout: Layout, role: str, layer: str, index: int) -> None:
+    """Raise unless the tensor's storage holds every byte its view spans (a freed or shrunk
+    storage would have kernels write past its end)."""
+    if not has_address(tensor):
+        return
+    needed = tensor.storage_offset() * layout.itemsize + layout.extent_bytes
+    held = tensor.untyped_storage().nbytes()
+    if held < needed:
+        raise LayoutError(
+            f"{role}: layer {layer!r}[{index}]: its storage holds {held} bytes but the tensor spans {needed}: "
+            "freed or shrunk"
+        )
 
 
 class MemberList(list[Member]):
@@ -53,12 +101,18 @@ class CacheSet:
     """Layers by name, validated: one device, every member the same shape and letters."""
 
     def __init__(self, caches: Mapping[str, Layer], axes: str, *, role: str = "caches") -> None:
+        if not isinstance(caches, Mapping):
+            raise LayoutError(f"{role}: expected a mapping of layer name to tensor, got {type(caches).__name__}")
         if not caches:
             raise LayoutError(f"{role}: no layers given")
+        if not isinstance(axes, str):
+            raise LayoutError(f"{role}: axes must be a string of axis letters, got {axes!r}")
         self.role = role
         self.axes = axes
         self.layers: dict[str, tuple[Member, ...]] = {}
         for name, layer in caches.items():
+            if not isinstance(name, str):
+                raise LayoutError(f"{role}: layer names must be strings, got {name!r}")
             if isinstance(layer, torch.Tensor):
                 tensors: tuple[torch.Tensor, ...] = (layer,)
                 member_axes = axes
@@ -66,10 +120,15 @@ class CacheSet:
                 tensors = tuple(layer)
                 member_axes = _tuple_member_axes(axes, tensors)
             else:
-                raise LayoutError(f"{role}: layer {name!r} must be a tensor or a tuple of tensors")
-            self.layers[name] = tuple(
-                Member(name, i, t, _layout(t, member_axes, role, name, i)) for i, t in enumerate(tensors)
-            )
+                raise LayoutError(
+                    f"{role}: layer {name!r} must be a tensor or a tuple of tensors, got {type(layer).__name__}"
+                )
+            members = []
+            for i, tensor in enumerate(tensors):
+                layout = _layout(tensor, member_axes, role, name, i)
+                check_backed(tensor, layout, role, name, i)
+                members.append(Member(name, i, tensor, layout))
+            self.layers[name] = tuple(members)
         self.members: list[Member] = [m for ms in self.layers.values() for m in ms]
         first = self.members[0]
         first_device = first.tensor.device
@@ -94,20 +153,52 @@ class CacheSet:
         self.member_axes = first.layout.axes
         self.layout = first.layout
         self._by_layout: list[tuple[Layout, MemberList]] | None = None
-        self._copy_groups: dict[int, tuple[CacheSet, list[CopyGroup]]] = {}
+        self._copy_groups: LRU[int, tuple[CacheSet, CopyGroups]] = LRU(4)
+        check_owned_once(self.members, role)
+        self._addressed = has_address(first.tensor)
+        self._tensors = tuple(m.tensor for m in self.members)
+        self._addresses = tuple(m.address for m in self.members)
+        self._shapes = tuple(m.layout.shape for m in self.members)
+        self._strides = tuple(m.layout.strides for m in self.members)
 
     def describes(self, caches: Mapping[str, Layer]) -> bool:
-        """True while ``caches`` holds the very tensors this set was built from, in place."""
-        if caches.keys() != self.layers.keys():
+        """True while ``caches`` holds the very tensors this set was built from, unchanged."""
+        if not isinstance(caches, Mapping) or caches.keys() != self.layers.keys():
             return False
         for name, layer in caches.items():
             members = self.layers[name]
             tensors = layer if isinstance(layer, (tuple, list)) else (layer,)
             if len(tensors) != len(members) or any(
-                t is not m.tensor or t.data_ptr() != m.address for t, m in zip(tensors, members)
+                t is not m.tensor or not m.is_current() for t, m in zip(tensors, members)
             ):
                 return False
         return True
+
+    def check_current(self) -> None:
+        """Raise unless every tensor is still where, and what, it was when the set was read.
+
+        A registered cache that was re-pointed (``set_``), grown (``resize_``) or freed
+        would otherwise be written at its old address. Three passes at C speed (about
+        0.2 us per tensor each here); the slow path only words the error.
+        """
+        tensors = self._tensors
+        if tuple(map(_shape, tensors)) == self._shapes and (
+            not self._addressed
+            or (
+                tuple(map(torch.Tensor.data_ptr, tensors)) == self._addresses
+                and tuple(map(torch.Tensor.stride, tensors)) == self._strides
+            )
+        ):
+            return
+        for member in self.members:
+            if not member.is_current():
+                tensor = member.tensor
+                raise LayoutError(
+                    f"{self.role}: {member.name} changed since it was registered (address "
+                    f"{member.address:#x} -> {data_address(tensor):#x}, shape {member.layout.shape} -> "
+                    f"{tuple(tensor.shape)}, strides {member.layout.strides} -> {tuple(tensor.stride())}): "
+                    "register the caches again"
+                )
 
     @property
     def num_blocks(self) -> int:
@@ -122,7 +213,7 @@ class CacheSet:
             self._by_layout = list(groups.items())
         return self._by_layout
 
-    def copy_groups(self, dst: CacheSet) -> list[CopyGroup]:
+    def copy_groups(self, dst: CacheSet) -> CopyGroups:
         """Every member paired with its counterpart in ``dst``, grouped by the copy plan.
 
         Checked once per pair of sets (names, member counts, dtypes, letters) and kept, so
@@ -152,10 +243,8 @@ class CacheSet:
                     except KVHostError as err:
                         raise LayoutError(f"layer {name!r}: {err}") from None
                 groups[key].pairs.append((s, d))
-        result = list(groups.values())
-        if len(self._copy_groups) >= 4:
-            self._copy_groups.pop(next(iter(self._copy_groups)))
-        self._copy_groups[id(dst)] = (dst, result)
+        result = CopyGroups(list(groups.values()), _meeting_pairs(src.members, dest.members))
+        self._copy_groups.put(id(dst), (dst, result))  # the entry keeps dst alive: its id stays its own
         return result
 
     def split_k(self) -> CacheSet:
@@ -170,16 +259,42 @@ class CacheSet:
 
 
 @dataclass
+class CopyGroups:
+    """A copy's member pairs grouped by plan, and which source and destination tensors may
+    share memory (their spans meet): only for those must the blocks a copy reads be
+    compared with the blocks it writes."""
+
+    groups: list[CopyGroup]
+    meeting: list[tuple[Member, Member]]
+
+
+def _meeting_pairs(sources: list[Member], destinations: list[Member]) -> list[tuple[Member, Member]]:
+    """(source, destination) members whose byte spans meet; tensors without addresses
+    (XLA) meet only themselves."""
+    spans = [(m.address, m.address + m.layout.extent_bytes, 0, i) for i, m in enumerate(sources) if m.address]
+    spans += [(m.address, m.address + m.layout.extent_bytes, 1, i) for i, m in enumerate(destinations) if m.address]
+    spans.sort()
+    pairs = []
+    open_spans: list[tuple[int, int, int]] = []  # (end, side, index) of spans not yet passed
+    for start, end, side, index in spans:
+        open_spans = [span for span in open_spans if span[0] > start]
+        pairs += [
+            (sources[i], destinations[index]) if side else (sources[index], destinations[i])
+            for _, other, i in open_spans
+            if other != side
+        ]
+        open_spans.append((end, side, index))
+    pairs += [(s, d) for s in sources for d in destinations if not s.address and s.tensor is d.tensor]
+    order = {id(m): i for i, m in enumerate(sources + destinations)}
+    return sorted(pairs, key=lambda pair: (order[id(pair[0])], order[id(pair[1])]))
+
+
+@dataclass
 class CopyGroup:
     """Source and destination members that share one copy plan."""
 
     plan: CopyPlan
     pairs: list[tuple[Member, Member]]
-
-    @cached_property
-    def shares_memory(self) -> bool:
-        """Whether some pair reads and writes one storage (a copy within one cache)."""
-        return any(s.tensor.device == d.tensor.device for s, d in self.pairs)
 
     @cached_property
     def sources(self) -> MemberList:
@@ -188,6 +303,46 @@ class CopyGroup:
     @cached_property
     def destinations(self) -> MemberList:
         return MemberList(d for _, d in self.pairs)
+
+
+def check_owned_once(members: list[Member], role: str) -> None:
+    """Raise unless every block region of every member is memory no other region shares.
+
+    Two names for one tensor, a tuple holding one tensor twice, two tensors over one
+    buffer: each would be rewritten twice by one call. Members whose spans do not meet
+    (the usual case: a tensor per layer) are told apart without listing their blocks.
+    """
+    placed = sorted((m.address, m.address + m.layout.extent_bytes, i) for i, m in enumerate(members) if m.address)
+    meeting = _spans_that_meet(placed)
+    if meeting:
+        chosen = [members[i] for i in meeting]
+        overlap = find_overlap([lane for m in chosen for lane in m.layout.lanes(m.address, m.name)])
+        if overlap is not None:
+            raise LayoutError(f"{role}: {overlap.describe()} share memory: a call would rewrite it twice")
+    if len(placed) < len(members):  # no addresses (XLA): only the tensor objects can be told apart
+        _check_distinct_tensors(members, role)
+
+
+def _spans_that_meet(placed: list[tuple[int, int, int]]) -> list[int]:
+    """Indices of the spans (sorted ``(start, end, index)``) that meet another span."""
+    chosen: list[int] = []
+    reach, run = -1, list[int]()
+    for start, end, i in [*placed, (1 << 65, 1 << 65, -1)]:
+        if start >= reach:
+            if len(run) > 1:
+                chosen += run
+            run = []
+        run.append(i)
+        reach = max(reach, end)
+    return sorted(chosen)
+
+
+def _check_distinct_tensors(members: list[Member], role: str) -> None:
+    seen: dict[int, Member] = {}
+    for member in members:
+        first = seen.setdefault(id(member.tensor), member)
+        if first is not member:
+            raise LayoutError(f"{role}: {first.name} and {member.name} are one tensor: a call would rewrite it twice")
 
 
 def _check_dtypes(layer: str, src: torch.dtype, dst: torch.dtype) -> None:

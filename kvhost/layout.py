@@ -19,24 +19,29 @@ import numpy as np
 import torch
 
 from kvhost.errors import LayoutError
+from kvhost.lru import LRU
+from kvhost.memory import Lane, find_overlap
 
 AXIS_LETTERS = "LKBNHC"
 REQUIRED_LETTERS = "BNC"
 
 
-def check_letters(letters: str, *, what: str) -> None:
-    """Reject unknown, repeated or missing letters; ``what`` says where they came from."""
+def check_letters(letters: str, *, what: str, error: type[Exception] = LayoutError) -> None:
+    """Reject anything but a string of known, distinct letters; ``what`` says where they came from."""
+    if not isinstance(letters, str) or not letters:
+        raise error(f"{what} must be a non-empty string of axis letters from {AXIS_LETTERS!r}, got {letters!r}")
     unknown = sorted(set(letters) - set(AXIS_LETTERS))
     if unknown:
-        raise LayoutError(
+        raise error(
             f"{what} {letters!r} has unknown letter(s) {''.join(unknown)!r}; known letters are {AXIS_LETTERS!r}"
         )
     repeated = sorted({a for a in letters if letters.count(a) > 1})
     if repeated:
-        raise LayoutError(f"{what} {letters!r} repeats letter(s) {''.join(repeated)!r}")
+        raise error(f"{what} {letters!r} repeats letter(s) {''.join(repeated)!r}")
 
 
-_known: dict[tuple[str, tuple[int, ...], tuple[int, ...], int], Layout] = {}
+# Validated layouts by (axes, shape, strides, item size): a miss validates again.
+_known: LRU[tuple[str, tuple[int, ...], tuple[int, ...], int], Layout] = LRU(1024)
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,19 @@ class Layout:
     @classmethod
     def of(cls, tensor: torch.Tensor, axes: str, *, name: str = "tensor") -> Layout:
         """The layout of ``tensor`` whose dims, in shape order, are named by ``axes``."""
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise LayoutError(f"{name}: a {tensor.layout} tensor has no strides to address blocks by")
+        if tensor.is_conj() or tensor.is_neg():
+            raise LayoutError(f"{name}: a lazily conjugated or negated view's bytes are not its values")
+        if tensor.element_size() not in (1, 2, 4, 8):
+            raise LayoutError(f"{name}: item size {tensor.element_size()} of {tensor.dtype} is not 1, 2, 4 or 8 bytes")
+        check_letters(axes, what=f"{name}: axes")
         key = _key(tensor, axes)
         layout = _known.get(key)
         if layout is None:
             shape = key[1]
-            check_letters(axes, what=f"{name}: axes")
             missing = [a for a in REQUIRED_LETTERS if a not in axes]
             if missing:
                 raise LayoutError(f"{name}: axes {axes!r} lack required letter(s) {''.join(missing)!r}")
@@ -73,7 +86,7 @@ class Layout:
                 )
             layout = cls(*key)
             layout.validate(name)
-            _known[key] = layout  # only valid layouts are remembered; a miss validates again
+            _known.put(key, layout)  # only valid layouts are remembered
         return layout
 
     @staticmethod
@@ -144,6 +157,30 @@ class Layout:
             offsets = (offsets[:, None] + steps[None, :]).reshape(-1)
         return offsets
 
+    @cached_property
+    def extent_bytes(self) -> int:
+        """Bytes from the first element to the end of the last: what the tensor spans."""
+        last = sum((size - 1) * stride for size, stride in zip(self.shape, self.strides))
+        return (last + 1) * self.itemsize
+
+    def lanes(self, address: int, owner: str) -> list[Lane]:
+        """The tensor's block regions at ``address``: one lane per outer index (kvhost.memory)."""
+        offsets = self.outer_offsets_bytes.tolist()
+        return [
+            Lane(address + offset, self.block_stride_bytes, self.num_blocks, self.region_bytes, self._owner(owner, i))
+            for i, offset in enumerate(offsets)
+        ]
+
+    def _owner(self, owner: str, outer_index: int) -> str:
+        """``owner`` with the letters and values of one outer index, e.g. ``layer 'l0'[K=1]``."""
+        if not self.outer:
+            return owner
+        values = []
+        for letter in reversed(self.outer):
+            outer_index, value = divmod(outer_index, self.size(letter))
+            values.append(f"{letter}={value}")
+        return f"{owner}[{','.join(reversed(values))}]"
+
     def logical_sizes(self) -> dict[str, int]:
         """Size of every letter but ``B``: what one block holds, layout aside."""
         return {a: self.size(a) for a in self.axes if a != "B"}
@@ -152,6 +189,9 @@ class Layout:
 
     def validate(self, name: str) -> None:
         """Raise LayoutError unless every block's region is one contiguous run of bytes."""
+        empty = [f"{a}={n}" for a, n in zip(self.axes, self.shape) if n < 1]
+        if empty:
+            raise LayoutError(f"{name}: axes {', '.join(empty)} are empty (shape {self.shape}): a cache holds no bytes")
         sized = [(self.strides[i], a) for i, a in enumerate(self.axes) if self.shape[i] > 1]
         for stride, letter in sized:
             if stride == 0:
@@ -185,6 +225,12 @@ class Layout:
                 f"{name}: block stride {self.stride('B')} is smaller than the region "
                 f"({dense} elements): blocks would overlap"
             )
+        overlap = find_overlap(self.lanes(0, "region"))
+        if overlap is not None:
+            raise LayoutError(
+                f"{name}: strides {self.strides} (shape {self.shape}) make two block regions share memory: "
+                f"{overlap.describe()}"
+            )
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -199,5 +245,5 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _key(tensor: torch.Tensor, axes: str) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:
     shape = tuple(tensor.shape)
     # XLA tensors have no strides: their memory order is their shape order.
-    strides = contiguous_strides(shape) if tensor.device.type == "xla" else tensor.stride()
+    strides = contiguous_strides(shape) if tensor.is_xla else tensor.stride()  # type: ignore[attr-defined]
     return (axes, shape, strides, tensor.element_size())

@@ -107,10 +107,10 @@ class Registry:
                 raise BackendError(
                     f"{ENV_OVERRIDE}={override!r} names no registered backend ({', '.join(sorted(classes))})"
                 )
-            if _serves(classes[override], device_type):
+            if classes[override].serves(device_type):
                 return self.instance(override)
         candidates = sorted(
-            (cls for cls in classes.values() if _serves(cls, device_type)),
+            (cls for cls in classes.values() if cls.serves(device_type)),
             key=lambda cls: (-cls.priority, "*" in cls.device_types, cls.name),
         )
         reasons = []
@@ -129,10 +129,6 @@ class Registry:
             self._chosen.clear()
 
 
-def _serves(cls: type[Backend], device_type: str) -> bool:
-    return device_type in cls.device_types or "*" in cls.device_types
-
-
 def _reason(cls: type[Backend]) -> str | None:
     try:
         return cls.unavailable_reason()
@@ -149,7 +145,7 @@ def get_backend(device: torch.device | str | torch.Tensor, name: str | None = No
         device = device.device
     if name is not None:
         backend = registry.instance(name)
-        if not _serves(type(backend), torch.device(device).type):
+        if not backend.serves(torch.device(device).type):
             raise BackendError(f"backend {name!r} does not serve device type {torch.device(device).type!r}")
         return backend
     return registry.for_device(device)

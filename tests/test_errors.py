@@ -162,7 +162,7 @@ def test_copy_letters_and_dtypes_must_match():
 
 def test_copy_within_one_cache_must_not_overlap():
     caches = hnd_caches()
-    with pytest.raises(kvhost.RequestError, match=r"block 3 is both read and written"):
+    with pytest.raises(kvhost.RequestError, match=r"both read and write.*'layer0'.*block 3 is destination.*block 3"):
         kvhost.copy_blocks(caches, caches, [1, 3], [3, 4], axes="KBNHC")
     # Disjoint blocks of the same cache are fine (e.g. a block move within the device).
     fill_random(caches["layer0"], 7)

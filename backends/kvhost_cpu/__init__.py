@@ -45,7 +45,7 @@ class CpuBackend(TorchBackend):
 
     def receive(self, job: ReceiveJob) -> None:
         kernels = load_kernels()
-        if isinstance(kernels, str):
+        if isinstance(kernels, str) or job.device.type != "cpu":  # the kernels need host addresses
             return super().receive(job)
         params = _receive_params(job.rearrangement, job.layout.block_stride_bytes)
         kernel, threads = kernels.launcher("rearrange_units", job.bytes_moved)
@@ -81,8 +81,10 @@ class _Scratch:
 
     def rows(self, threads: int, row_bytes: int) -> np.ndarray:
         buffer = self._buffer
-        if buffer.shape[0] < threads or buffer.shape[1] < row_bytes or buffer.size > max(
-            self.KEEP_BYTES, 4 * threads * row_bytes
+        if (
+            buffer.shape[0] < threads
+            or buffer.shape[1] < row_bytes
+            or buffer.size > max(self.KEEP_BYTES, 4 * threads * row_bytes)
         ):
             buffer = self._buffer = np.empty((threads, row_bytes), dtype=np.uint8)
         return buffer

@@ -1,0 +1,57 @@
+"""A small thread-safe cache with a size bound, for everything kvhost remembers across calls.
+
+Keys come from callers' tensors and arguments, so every cache has a bound (least recently
+used entries go first), and connectors call from several threads, so every access holds
+a lock: one thread's eviction never makes another's lookup fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class LRU(Generic[K, V]):
+    """At most ``size`` entries; ``get`` refreshes an entry, ``put`` evicts the oldest beyond the bound."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"an LRU cache needs room for at least one entry, got {size}")
+        self.size = size
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        # No lock on the way in: a dict read is atomic, and a refresh that loses a race
+        # with an eviction only means the entry was the oldest.
+        value = self._entries.get(key)
+        if value is not None:
+            with contextlib.suppress(KeyError):
+                self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> V:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return value
+
+    def get_or_make(self, key: K, make: Callable[[], V]) -> V:
+        """The entry for ``key``, made (outside the lock) and kept when missing."""
+        value = self.get(key)
+        return value if value is not None else self.put(key, make())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()

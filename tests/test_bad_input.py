@@ -1,0 +1,226 @@
+"""Every bad input is a KVHostError naming the value at fault, and changes no byte.
+
+One table, one row per bad input: the call, the error type, a fragment of its message.
+Every receive row carries a valid request that needs work beside the bad part, so a front
+end that moved bytes before it had checked the whole call would be caught by the
+snapshot of every tensor; nothing may be coerced (a bool is not a block id, 4.9 is not a
+block size, "" is not an order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import kvhost
+from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
+
+SIZES = dict(K=2, B=8, N=8, H=2, C=4)
+GOOD = {"good": [1, 2]}  # wired as head-major blocks of 4 tokens: the call has work to do
+
+
+@dataclass
+class World:
+    """Caches wired with a valid request, a host buffer, and a registered KVHost."""
+
+    caches: dict[str, torch.Tensor]
+    host: dict[str, torch.Tensor]
+    kv: kvhost.KVHost
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [raw(t).clone() for t in [*self.caches.values(), *self.host.values()]]
+
+    def same_as(self, saved: list[torch.Tensor]) -> bool:
+        return all(torch.equal(raw(t), s) for t, s in zip([*self.caches.values(), *self.host.values()], saved))
+
+
+def world() -> World:
+    caches = {f"layer{i}": make_cache("KBNHC", "KBNHC", SIZES) for i in range(2)}
+    case = ReceiveCase(caches, "KBNHC", seed=4)
+    case.send("good", GOOD["good"], "HNC", 4)
+    host = {name: fill_random(make_cache("KBNHC", "KBHNC", SIZES), 9) for name in caches}
+    return World(caches, host, kvhost.KVHost(caches, axes="KBNHC"))
+
+
+def receive(requests: Any, **kwargs: Any) -> Callable[[World], object]:
+    call = dict(axes="KBNHC", remote_order="HNC", remote_block_size=4) | kwargs
+    return lambda w: kvhost.receive(w.caches, requests, **call)
+
+
+def registered_receive(requests: Any, **kwargs: Any) -> Callable[[World], object]:
+    call = dict(remote_order="HNC", remote_block_size=4) | kwargs
+    return lambda w: w.kv.receive(requests, **call)
+
+
+def copy(src_ids: Any, dst_ids: Any, **kwargs: Any) -> Callable[[World], object]:
+    call = dict(axes="KBNHC") | kwargs
+    return lambda w: kvhost.copy_blocks(w.caches, w.host, src_ids, dst_ids, **call)
+
+
+def gen() -> Any:
+    return (i for i in [3, 4])
+
+
+Row = tuple[Callable[[World], object], type[kvhost.KVHostError], str]
+ROWS: dict[str, Row] = {
+    # Block ids of the wrong kind: containers.
+    "ids None": (receive(GOOD | {"bad": None}), kvhost.RequestError, "request 'bad': block ids must be a list"),
+    "ids generator": (receive(GOOD | {"bad": gen()}), kvhost.RequestError, "got generator"),
+    "ids int": (receive(GOOD | {"bad": 3}), kvhost.RequestError, "got int 3"),
+    "ids bytes": (receive(GOOD | {"bad": b"\x03\x04"}), kvhost.RequestError, "got bytes b'\\x03\\x04'"),
+    "ids str": (receive(GOOD | {"bad": "34"}), kvhost.RequestError, "got str '34'"),
+    "ids set": (receive(GOOD | {"bad": {3, 4}}), kvhost.RequestError, "got set {3, 4}"),
+    "ids dict keys": (receive(GOOD | {"bad": {3: 0, 4: 0}.keys()}), kvhost.RequestError, "got dict_keys"),
+    "ids dict": (receive(GOOD | {"bad": {3: 0}}), kvhost.RequestError, "got dict {3: 0}"),
+    # Block ids of the wrong kind: elements.
+    "ids bools": (receive(GOOD | {"bad": [True, False]}), kvhost.RequestError, "got True at position 0"),
+    "ids numpy bool": (receive(GOOD | {"bad": [np.bool_(True)]}), kvhost.RequestError, "got np.True_ at position 0"),
+    "ids floats": (receive(GOOD | {"bad": [3.0]}), kvhost.RequestError, "got 3.0 at position 0"),
+    "ids None inside": (receive(GOOD | {"bad": [3, None]}), kvhost.RequestError, "got None at position 1"),
+    "ids bool array": (receive(GOOD | {"bad": np.array([True])}), kvhost.RequestError, "array of bool"),
+    "ids float array": (receive(GOOD | {"bad": np.array([3.0])}), kvhost.RequestError, "array of float64"),
+    "ids float tensor": (receive(GOOD | {"bad": torch.tensor([3.0])}), kvhost.RequestError, "torch.float32"),
+    "ids bool tensor": (receive(GOOD | {"bad": torch.tensor([True])}), kvhost.RequestError, "torch.bool"),
+    "ids 2-D": (receive(GOOD | {"bad": np.array([[3, 4]])}), kvhost.RequestError, "shape (1, 2)"),
+    "ids out of range": (receive(GOOD | {"bad": [3, 8]}), kvhost.RequestError, "block id 8 at position 1"),
+    "ids in an Incoming": (
+        receive(GOOD | {"bad": kvhost.Incoming({3, 4}, "HNC", 4)}),
+        kvhost.RequestError,
+        "request 'bad': block ids must be a list",
+    ),
+    # The call's shape.
+    "requests list": (receive([[1, 2]]), kvhost.RequestError, "requests must be a mapping"),
+    "requests None": (receive(None), kvhost.RequestError, "got NoneType"),
+    "caches list": (
+        lambda w: kvhost.receive(list(w.caches.values()), GOOD, axes="KBNHC", remote_order="HNC", remote_block_size=4),
+        kvhost.LayoutError,
+        "expected a mapping of layer name to tensor, got list",
+    ),
+    "caches None": (
+        lambda w: kvhost.receive(None, GOOD, axes="KBNHC"),  # type: ignore[arg-type]
+        kvhost.LayoutError,
+        "got NoneType",
+    ),
+    "layer not a tensor": (
+        lambda w: kvhost.receive(w.caches | {"x": np.zeros(3)}, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "layer 'x' must be a tensor or a tuple of tensors, got ndarray",
+    ),
+    "layer name not a string": (
+        lambda w: kvhost.receive(w.caches | {0: w.caches["layer0"].clone()}, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "layer names must be strings, got 0",
+    ),
+    "axes not a string": (receive(GOOD, axes=list("KBNHC")), kvhost.LayoutError, "axes must be a string"),
+    "axes None": (receive(GOOD, axes=None), kvhost.LayoutError, "got None"),
+    "axes empty": (receive(GOOD, axes=""), kvhost.LayoutError, "axes must be a non-empty string"),
+    # The sender's spec: never coerced.
+    "order empty": (receive(GOOD, remote_order=""), kvhost.RequestError, "remote_order must be a non-empty string"),
+    "order not a string": (receive(GOOD, remote_order=5), kvhost.RequestError, "got 5"),
+    "order a list": (receive(GOOD, remote_order=list("HNC")), kvhost.RequestError, "got ['H', 'N', 'C']"),
+    "order unknown letter": (receive(GOOD, remote_order="HXC"), kvhost.RequestError, "'X'"),
+    "order lowercase": (receive(GOOD, remote_order="hnc"), kvhost.RequestError, "'chn'"),
+    "block size 0": (receive(GOOD, remote_block_size=0), kvhost.RequestError, "must be a positive integer, got 0"),
+    "block size negative": (receive(GOOD, remote_block_size=-4), kvhost.RequestError, "got -4"),
+    "block size float": (receive(GOOD, remote_block_size=4.9), kvhost.RequestError, "got 4.9"),
+    "block size whole float": (receive(GOOD, remote_block_size=4.0), kvhost.RequestError, "got 4.0"),
+    "block size True": (receive(GOOD, remote_block_size=True), kvhost.RequestError, "got True"),
+    "block size string": (receive(GOOD, remote_block_size="4"), kvhost.RequestError, "got '4'"),
+    "block size does not divide": (receive(GOOD, remote_block_size=3), kvhost.RequestError, "do not divide"),
+    "Incoming size 0": (
+        receive(GOOD | {"bad": kvhost.Incoming([3], "HNC", 0)}),
+        kvhost.RequestError,
+        "request 'bad': remote_block_size must be a positive integer, got 0",
+    ),
+    "Incoming order empty": (
+        receive(GOOD | {"bad": kvhost.Incoming([3], "", 4)}),
+        kvhost.RequestError,
+        "request 'bad': remote_order must be a non-empty string",
+    ),
+    "Incoming size True": (
+        receive(GOOD | {"bad": kvhost.Incoming([3], "HNC", True)}),
+        kvhost.RequestError,
+        "request 'bad': remote_block_size must be a positive integer, got True",
+    ),
+    # Caches that cannot be addressed as blocks.
+    "zero tokens per block": (
+        lambda w: kvhost.receive({"z": torch.zeros(2, 8, 0, 2, 4)}, {"r": [1]}, axes="KBNHC"),
+        kvhost.LayoutError,
+        "N=0",
+    ),
+    "zero blocks": (
+        lambda w: kvhost.receive({"z": torch.zeros(2, 0, 8, 2, 4)}, {"r": [1]}, axes="KBNHC"),
+        kvhost.LayoutError,
+        "B=0",
+    ),
+    "sparse tensor": (
+        lambda w: kvhost.receive({"s": torch.zeros(2, 8, 8, 2, 4).to_sparse()}, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "torch.sparse_coo tensor",
+    ),
+    "conjugated view": (
+        lambda w: kvhost.receive({"c": torch.zeros(2, 8, 8, 2, 4, dtype=torch.complex64).conj()}, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "conjugated",
+    ),
+    # Backends.
+    "backend not a name": (receive(GOOD, backend=5), kvhost.BackendError, "got 5"),
+    "backend unknown": (receive(GOOD, backend="nonesuch"), kvhost.BackendError, "'nonesuch'"),
+    # The registered object.
+    "KVHost ids None": (registered_receive(GOOD | {"bad": None}), kvhost.RequestError, "request 'bad'"),
+    "KVHost size 4.9": (registered_receive(GOOD, remote_block_size=4.9), kvhost.RequestError, "got 4.9"),
+    "KVHost caches list": (
+        lambda w: kvhost.KVHost(list(w.caches.values()), axes="KBNHC"),  # type: ignore[arg-type]
+        kvhost.LayoutError,
+        "got list",
+    ),
+    # Copies.
+    "copy src ids None": (copy(None, [1]), kvhost.RequestError, "src_ids: block ids must be a list"),
+    "copy dst ids set": (copy([1], {2}), kvhost.RequestError, "dst_ids: block ids must be a list"),
+    "copy ids bools": (copy([True], [2]), kvhost.RequestError, "src_ids: block ids must be integers, got True"),
+    "copy ids generator": (copy(gen(), [1, 2]), kvhost.RequestError, "got generator"),
+    "copy ids int": (copy(1, 2), kvhost.RequestError, "got int 1"),
+    "copy lengths differ": (copy([1, 2], [3]), kvhost.RequestError, "src_ids has 2 ids but dst_ids has 1"),
+    "copy non_blocking string": (copy([1], [2], non_blocking="yes"), kvhost.RequestError, "got 'yes'"),
+    "copy dst axes not a string": (copy([1], [2], dst_axes=5), kvhost.LayoutError, "axes must be a string"),
+    "copy dst list": (
+        lambda w: kvhost.copy_blocks(w.caches, list(w.host.values()), [1], [2], axes="KBNHC"),
+        kvhost.LayoutError,
+        "dst: expected a mapping",
+    ),
+    "KVHost copy_to ids bytes": (
+        lambda w: w.kv.copy_to(w.host, b"\x01", [2], dst_axes="KBNHC"),
+        kvhost.RequestError,
+        "src_ids: block ids must be a list",
+    ),
+    "KVHost copy_from peer list": (
+        lambda w: w.kv.copy_from(list(w.host.values()), [1], [2]),  # type: ignore[arg-type]
+        kvhost.LayoutError,
+        "src: expected a mapping",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_bad_input_is_named_and_changes_nothing(name: str) -> None:
+    call, error, fragment = ROWS[name]
+    w = world()
+    before = w.snapshot()
+    with pytest.raises(kvhost.KVHostError) as raised:
+        call(w)
+    assert type(raised.value) is error or isinstance(raised.value, error), repr(raised.value)
+    assert fragment in str(raised.value), f"{fragment!r} not in {raised.value}"
+    assert w.same_as(before), "a rejected call changed bytes"
+
+
+def test_the_table_moves_bytes_when_the_bad_part_is_taken_out() -> None:
+    """The rows' valid part has work to do, so the snapshot check above can fail."""
+    w = world()
+    before = w.snapshot()
+    receive(GOOD)(w)
+    assert not w.same_as(before)
