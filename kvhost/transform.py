@@ -25,7 +25,7 @@ Plans only read shapes and strides, never tensor data, and are cached.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property, lru_cache
 from math import prod
 
 from kvhost.errors import LayoutError, RequestError
@@ -118,7 +118,7 @@ class WriteBack:
     part_stride: int
 
 
-@cache
+@lru_cache(maxsize=1024)
 def plan_receive(layout: Layout, remote_order: str, remote_block_size: int) -> Rearrangement | None:
     """The rearrangement from the sender's bytes to ``layout``; None when nothing changes."""
     region = layout.region
@@ -195,7 +195,7 @@ class CopyPlan:
         return prod(self.loops.shape) * self.loops.run_bytes
 
 
-@cache
+@lru_cache(maxsize=1024)
 def plan_copy(src: Layout, dst: Layout) -> CopyPlan:
     """The copy from blocks in layout ``src`` to blocks in layout ``dst``."""
     if src.logical_sizes() != dst.logical_sizes():

@@ -9,6 +9,7 @@ overlap named; layouts whose memory interleaves without overlapping are accepted
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 
 import numpy as np
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvhost
+from kvhost.lru import LRU
 from kvhost.memory import Lane, find_overlap, first_shared
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
 
@@ -208,29 +210,38 @@ def test_a_peer_replaced_or_repointed_between_calls_is_read_again():
 
 
 def test_threads_with_many_peers_never_collide():
+    """Peers and copy plans are remembered in small caches: their evictions race when
+    threads bring more peers than they hold (a thread switch every microsecond makes the
+    race likely)."""
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
     caches = {f"l{i}": cache() for i in range(2)}
     host = kvhost.KVHost(caches, axes="KBNHC")
-    peers = [{name: torch.zeros_like(t) for name, t in caches.items()} for _ in range(12)]  # the cache keeps 4
+    peers = [{name: torch.zeros_like(t) for name, t in caches.items()} for _ in range(16)]  # the caches keep 4
+    threads_count = 6
     errors: list[BaseException] = []
-    barrier = threading.Barrier(4)
+    barrier = threading.Barrier(threads_count)
 
     def work(thread: int) -> None:
         try:
             barrier.wait()
-            for round_ in range(40):
+            for round_ in range(200):
                 peer = peers[(thread * 5 + round_) % len(peers)]
                 host.copy_to(peer, [thread], [thread])
                 host.copy_from(peer, [thread], [thread])
         except BaseException as err:
             errors.append(err)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(threads_count)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old_interval)
     assert errors == []
-    for peer, thread in itertools.product(peers, range(4)):
+    for peer, thread in itertools.product(peers, range(threads_count)):
         if raw(peer["l0"][:, thread]).any():
             assert torch.equal(raw(peer["l0"][:, thread]), raw(caches["l0"][:, thread]))
 
@@ -285,3 +296,28 @@ def test_first_shared_agrees_with_listing_the_named_blocks(lanes, data):
         for j in ys.tolist()
     )
     assert (found is not None) == brute
+
+
+def test_lru_keeps_its_bound_and_survives_threads():
+    cache: LRU[int, int] = LRU(4)
+    for key in range(6):
+        cache.put(key, key)
+    assert len(cache) == 4 and cache.get(0) is None and cache.get(5) == 5
+    cache.get(2)  # refreshed: the oldest is now 3
+    cache.put(6, 6)
+    assert cache.get(3) is None and cache.get(2) == 2
+    errors: list[BaseException] = []
+
+    def hammer(offset: int) -> None:
+        try:
+            for key in range(5000):
+                cache.get_or_make((key + offset) % 9, lambda: key)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(cache) <= 4
