@@ -311,7 +311,7 @@ def test_lru_keeps_its_bound_and_survives_threads():
     def hammer(offset: int) -> None:
         try:
             for key in range(5000):
-                cache.get_or_make((key + offset) % 9, lambda: key)
+                cache.get_or_make((key + offset) % 9, lambda key=key: key)
         except BaseException as err:
             errors.append(err)
 
