@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvhost.backend import Backend, Completion
-from kvhost.batch import Ids, Incoming, IndexBuffers, Uploader, plan_copy_batch, plan_receive_batch, upload
+from kvhost.batch import Ids, Incoming, plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet, Layer
 from kvhost.errors import BackendError, LayoutError, RequestError
 from kvhost.lru import LRU
@@ -36,7 +36,7 @@ def receive(
     sharing a transform are done in one backend call.
     """
     cache_set = CacheSet(caches, axes)
-    return _receive(cache_set, requests, remote_order, remote_block_size, _backend(backend, cache_set.device), upload)
+    return _receive(cache_set, requests, remote_order, remote_block_size, _backend(backend, cache_set.device))
 
 
 def copy_blocks(
@@ -63,14 +63,13 @@ def copy_blocks(
 class KVHost:
     """A set of caches registered once, as a connector holds them for its lifetime.
 
-    Layouts are read once; index buffers on the device are reused across calls (one set
-    per thread, so two threads may work on disjoint blocks at once).
+    Layouts are read once, and checked to be still in place on every call that moves
+    bytes; two threads may work on disjoint blocks at once.
     """
 
     def __init__(self, caches: Mapping[str, Layer], *, axes: str, backend: str | Backend | None = None) -> None:
         self.caches = CacheSet(caches, axes)
         self.backend = _backend(backend, self.caches.device)
-        self._index_buffers = IndexBuffers()
         self._peers: LRU[tuple[int, str, str], CacheSet] = LRU(4)
 
     @property
@@ -81,9 +80,7 @@ class KVHost:
         self, requests: Requests, *, remote_order: str | None = None, remote_block_size: int | None = None
     ) -> ReceiveStats:
         """Like ``kvhost.receive`` on the registered caches (which must still be where they were)."""
-        return _receive(
-            self.caches, requests, remote_order, remote_block_size, self.backend, self._index_buffers, registered=True
-        )
+        return _receive(self.caches, requests, remote_order, remote_block_size, self.backend, registered=True)
 
     def copy_to(
         self,
@@ -136,12 +133,11 @@ def _receive(
     remote_order: str | None,
     remote_block_size: int | None,
     backend: Backend,
-    uploader: Uploader,
     *,
     registered: bool = False,
 ) -> ReceiveStats:
     start = time.perf_counter()
-    batch = plan_receive_batch(caches, requests, remote_order, remote_block_size, uploader)
+    batch = plan_receive_batch(caches, requests, remote_order, remote_block_size)
     if registered and batch.jobs:  # bytes will move: the caches must still be where they were
         caches.check_current()
     for job in batch.jobs:
@@ -170,7 +166,7 @@ def _copy(
         bytes_moved=batch.bytes_moved,
         backend=chosen.name,
         completion=_AllOf(completions),
-        ids=(batch.jobs[0].src_ids, batch.jobs[0].dst_ids) if batch.jobs else None,
+        job=batch.jobs[0] if batch.jobs else None,
     )
 
 

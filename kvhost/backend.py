@@ -1,15 +1,30 @@
 """The backend contract: what a device supplies to kvhost.
 
-A backend is a class registered in the ``kvhost.backends`` entry-point group. It names
-the torch device types it serves, a priority (highest usable wins), and says whether it
-can run here. It receives validated work from the front end, one job per group, and
-knows nothing of requests. Its module must import no device stack at import time: that
-happens on first use, so that importing kvhost stays light.
+A backend is a class registered in the ``kvhost.backends`` entry-point group. It names the
+torch device types it serves and a priority (highest usable wins), says whether it can run
+here, and does two things with validated work from the front end, one job per group:
+rearrange blocks in place (``receive``) and copy blocks (``copy``). It knows nothing of
+requests. It also answers for its device the facts the core and the conformance oracle
+must not guess from a device's name: how a tensor's bytes are read and written (``raw``,
+``write_raw``; a view on most devices, a bitcast on XLA).
+
+A backend package has a fixed shape (docs/design.md, "Backends"): ``backend.py`` holds
+the class, ``__init__.py`` exports it, and nothing imports the device stack until the
+backend is first used, so that importing kvhost stays light.
 """
 
 from __future__ import annotations
 
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from functools import cached_property
+from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvhost.raw import as_raw
 
 if TYPE_CHECKING:
     from kvhost.batch import CopyJob, ReceiveJob
@@ -25,8 +40,8 @@ class Completion:
         return None
 
 
-class Backend:
-    """Base class of every backend. Subclasses set the class variables and both methods."""
+class Backend(ABC):
+    """Base class of every backend: set the class variables, implement ``receive`` and ``copy``."""
 
     name: ClassVar[str]
     device_types: ClassVar[tuple[str, ...]]  # torch.device.type values; "*" serves any
@@ -46,13 +61,53 @@ class Backend:
         """A few words on how this backend does its work, for ``kvhost info``."""
         return ""
 
+    @abstractmethod
     def receive(self, job: ReceiveJob) -> None:
         """Rearrange, in place, every unit of ``job`` in every member tensor."""
-        raise NotImplementedError
 
+    @abstractmethod
     def copy(self, job: CopyJob) -> Completion:
         """Copy every block pair of ``job``; complete on return unless ``job.non_blocking``."""
-        raise NotImplementedError
+
+    # --- facts about the device's tensors --------------------------------------------------
+
+    def raw(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor's bytes as integers of its item size, same shape (a view where the device has one)."""
+        return as_raw(tensor)
+
+    def write_raw(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (host integers of the tensor's item size and shape) into its bytes."""
+        self.raw(tensor).copy_(values.to(tensor.device))
 
     def __repr__(self) -> str:
         return f"<kvhost backend {self.name!r} for {', '.join(self.device_types)}>"
+
+
+class OptionalKernels:
+    """A backend's compiled kernels, imported on first use, or why they cannot be.
+
+    ``module`` is None when the import (or ``check``, which may name a further reason,
+    such as a compiler that targets another device) fails; ``reason`` then says why, and
+    the backend runs its torch path instead.
+    """
+
+    def __init__(self, module_name: str, check: Callable[[ModuleType], str | None] | None = None) -> None:
+        self.module_name = module_name
+        self._check = check
+
+    @cached_property
+    def _loaded(self) -> tuple[ModuleType | None, str]:
+        try:
+            module = importlib.import_module(self.module_name)
+        except ImportError as err:
+            return None, f"{err}"
+        why = self._check(module) if self._check is not None else None
+        return (None, why) if why else (module, "")
+
+    @property
+    def module(self) -> ModuleType | None:
+        return self._loaded[0]
+
+    @property
+    def reason(self) -> str:
+        return self._loaded[1]

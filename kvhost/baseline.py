@@ -24,7 +24,7 @@ import torch
 from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
 from kvhost.errors import RequestError
-from kvhost.torch_backend import as_raw
+from kvhost.raw import as_raw
 
 Ids = Sequence[int] | np.ndarray
 

@@ -9,11 +9,8 @@ with the contiguous runs of ids found once.
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -22,12 +19,21 @@ import torch
 
 from kvhost.caches import CacheSet, CopyGroup, Member, MemberList
 from kvhost.errors import KVHostError, RequestError
+from kvhost.ids import IdBatch, Ids, find_runs
 from kvhost.layout import Layout, check_letters
 from kvhost.memory import first_shared
 from kvhost.transform import CopyPlan, Rearrangement, plan_receive
 
-Uploader = Callable[[np.ndarray, torch.device], torch.Tensor]
-Ids = Sequence[int] | np.ndarray | torch.Tensor
+__all__ = [
+    "CopyBatch",
+    "CopyJob",
+    "Ids",
+    "Incoming",
+    "ReceiveBatch",
+    "ReceiveJob",
+    "plan_copy_batch",
+    "plan_receive_batch",
+]
 
 
 @dataclass(frozen=True)
@@ -44,34 +50,6 @@ class Incoming:
     remote_block_size: int | None = None
 
 
-def upload(ids: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Index tensor on ``device`` (zero-copy on the CPU)."""
-    return torch.from_numpy(ids).to(device)
-
-
-class IndexBuffers:
-    """Grow-only index buffers on one device, one per thread, reused across calls.
-
-    Safe for work ordered on the thread's current stream; a caller whose work outlives
-    the call (a non-blocking copy) should take a fresh tensor instead.
-    """
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def __call__(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":
-            return upload(ids, device)
-        buffer: torch.Tensor | None = getattr(self._local, "buffer", None)
-        if buffer is None or buffer.numel() < ids.size or buffer.device != device:
-            capacity = max(1024, 1 << int(ids.size - 1).bit_length())
-            buffer = torch.empty(capacity, dtype=torch.int64, device=device)
-            self._local.buffer = buffer
-        view = buffer[: ids.size]
-        view.copy_(torch.from_numpy(ids))
-        return view
-
-
 @dataclass
 class ReceiveJob:
     """One transform group for one layout: what a backend runs in a single call.
@@ -85,12 +63,6 @@ class ReceiveJob:
     rearrangement: Rearrangement
     unit_ids: np.ndarray
     device: torch.device
-    uploader: Uploader = field(default=upload, repr=False)
-
-    @cached_property
-    def device_ids(self) -> torch.Tensor:
-        """``unit_ids`` flattened, on the cache's device; uploaded once, on first use."""
-        return self.uploader(self.unit_ids.reshape(-1), self.device)
 
     @property
     def bytes_moved(self) -> int:
@@ -118,7 +90,6 @@ def plan_receive_batch(
     requests: Mapping[str, Sequence[int] | Incoming | np.ndarray],
     remote_order: str | None,
     remote_block_size: int | None,
-    uploader: Uploader = upload,
 ) -> ReceiveBatch:
     """Validate the whole batch and turn it into one ReceiveJob per (layout, transform).
 
@@ -136,7 +107,7 @@ def plan_receive_batch(
     blocks = _identity_block_count(caches, requests, call_key)
     if blocks is not None:
         return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
-    batch = _IdBatch()
+    batch = IdBatch()
     keys: dict[tuple[str, int], int] = {}
     key_of_request: list[int] = []
     for name, request in requests.items():
@@ -190,9 +161,7 @@ def plan_receive_batch(
         for layout, members in caches.by_layout():
             plan = plans[layout, k]
             if plan is not None:
-                jobs.append(
-                    ReceiveJob(members, layout, plan, group_ids.reshape(-1, plan.parts), caches.device, uploader)
-                )
+                jobs.append(ReceiveJob(members, layout, plan, group_ids.reshape(-1, plan.parts), caches.device))
     return ReceiveBatch(
         jobs, requests=len(batch.subjects), blocks=len(batch.flat), groups=groups, skipped_blocks=skipped
     )
@@ -242,14 +211,6 @@ class CopyBatch:
         return sum(job.bytes_moved for job in self.jobs)
 
 
-def find_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
-    """Runs of ids consecutive in both lists: ``[n, 3]`` rows of source start, destination start, count."""
-    breaks = np.flatnonzero((src_ids[1:] - src_ids[:-1] != 1) | (dst_ids[1:] - dst_ids[:-1] != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [src_ids.size])))
-    return np.stack([src_ids[starts], dst_ids[starts], counts], axis=1)
-
-
 def plan_copy_batch(
     src: CacheSet,
     dst: CacheSet,
@@ -259,7 +220,7 @@ def plan_copy_batch(
 ) -> CopyBatch:
     """Validate a copy and hand each group of member pairs that share a plan to one job."""
     copy_groups = src.copy_groups(dst)
-    sources, dests = _IdBatch(), _IdBatch()
+    sources, dests = IdBatch(), IdBatch()
     sources.add("src_ids", src_ids)
     dests.add("dst_ids", dst_ids)
     if len(sources.flat) != len(dests.flat):
@@ -312,7 +273,6 @@ def _identity_block_count(caches: CacheSet, requests: Mapping[str, Any], call_ke
 
 
 _PLAIN_ID_LISTS = {list, tuple, range, np.ndarray}
-_ID_KINDS = "list, tuple, range, 1-D numpy array or 1-D tensor of integers"
 
 
 def _remote_order(order: object, default: str, what: str) -> str:
@@ -330,82 +290,3 @@ def _remote_block_size(size: object, default: int, what: str) -> int:
     if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
         raise RequestError(f"{what} must be a positive integer, got {size!r}")
     return int(size)
-
-
-class _IdBatch:
-    """Named id lists gathered into one flat Python list, checked with builtins.
-
-    No numpy call per request, and one conversion for the whole batch only when there is
-    work: the checks of a small batch cost microseconds even with cold caches (a numpy
-    call costs 10-30 us there), those of a large one (16k ids) about a millisecond.
-    """
-
-    def __init__(self) -> None:
-        self.subjects: list[str] = []  # "request 'a'", or an argument's name
-        self.lengths: list[int] = []
-        self.flat: list[Any] = []
-
-    def add(self, subject: str, ids: Any) -> None:
-        if isinstance(ids, (np.ndarray, torch.Tensor)):
-            if ids.ndim != 1:
-                raise RequestError(f"{subject}: block ids must be a flat sequence, got shape {tuple(ids.shape)}")
-            if not _integer_dtype(ids.dtype):
-                raise RequestError(f"{subject}: block ids must be integers, got an array of {ids.dtype}")
-            ids = ids.tolist()
-        elif not isinstance(ids, (list, tuple, range)):
-            # Sets and dict keys have no order, bytes and strings are not ids, an iterator
-            # would be used up: none of them is read as block ids.
-            raise RequestError(f"{subject}: block ids must be a {_ID_KINDS}, got {type(ids).__name__} {_short(ids)}")
-        self.subjects.append(subject)
-        self.lengths.append(len(ids))
-        self.flat.extend(ids)
-
-    def check(self, limit: int, *, what: str, unique: bool) -> None:
-        """Raise unless every id is an integer in ``[0, limit)`` (and unique, if asked); bools are not ids."""
-        flat = self.flat
-        if not flat:
-            return
-        if not all(_integer_type(kind) for kind in set(map(type, flat))):
-            position = next(i for i, x in enumerate(flat) if not _integer_type(type(x)))
-            subject, at = self._where(position)
-            raise RequestError(f"{subject}: block ids must be integers, got {flat[position]!r} at position {at}")
-        if min(flat) < 0 or max(flat) >= limit:
-            position = next(i for i, x in enumerate(flat) if not 0 <= x < limit)
-            subject, at = self._where(position)
-            raise RequestError(f"{subject}: {what} {flat[position]} at position {at} is out of range [0, {limit})")
-        if unique and len(set(flat)) != len(flat):
-            first_seen: dict[int, int] = {}
-            for position, block in enumerate(flat):
-                earlier = first_seen.setdefault(block, position)
-                if earlier != position:
-                    a, b = self._owner(earlier), self._owner(position)
-                    if a == b:
-                        raise RequestError(f"{self.subjects[a]}: block id {block} appears twice")
-                    raise RequestError(f"block id {block} is claimed by {self.subjects[a]} and {self.subjects[b]}")
-
-    def array(self) -> np.ndarray:
-        """Every id, in order, as one int64 array (the batch's only numpy conversion)."""
-        return np.array(self.flat, dtype=np.int64) if self.flat else np.zeros(0, dtype=np.int64)
-
-    def _owner(self, position: int) -> int:
-        return bisect.bisect_right(list(itertools.accumulate(self.lengths)), position)
-
-    def _where(self, position: int) -> tuple[str, int]:
-        """Who holds flat ``position``, and where in its own list."""
-        owner = self._owner(position)
-        return self.subjects[owner], position - sum(self.lengths[:owner])
-
-
-def _integer_type(kind: type) -> bool:
-    return issubclass(kind, (int, np.integer)) and not issubclass(kind, bool)
-
-
-def _integer_dtype(dtype: np.dtype[Any] | torch.dtype) -> bool:
-    if isinstance(dtype, torch.dtype):
-        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-    return dtype.kind in "iu"
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -49,7 +49,7 @@ import torch
 
 import kvhost
 from kvhost.baseline import PerRequestReceiver, PerRequestStager
-from kvhost.batch import ReceiveBatch, plan_receive_batch, upload
+from kvhost.batch import ReceiveBatch, plan_receive_batch
 from kvhost.caches import CacheSet
 from kvhost.testing import fill_random, raw
 
@@ -638,10 +638,10 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
             touched=touched,
         )
     if point.kind == "frontend":
-        planned: list[ReceiveBatch] = [plan_receive_batch(host.caches, requests, order, size, upload)]
+        planned: list[ReceiveBatch] = [plan_receive_batch(host.caches, requests, order, size)]
 
         def front_end() -> None:
-            planned[0] = plan_receive_batch(host.caches, requests, order, size, upload)
+            planned[0] = plan_receive_batch(host.caches, requests, order, size)
 
         def transform() -> None:
             for job in planned[0].jobs:

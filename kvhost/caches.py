@@ -30,7 +30,7 @@ class Member:
     """One tensor of one layer: ``index`` is its place in the layer's tuple (0 for a tensor).
 
     ``address`` is the tensor's data address when the set was read (kernels work on
-    addresses); 0 for tensors whose memory has no host-visible address (XLA, meta).
+    addresses); 0 for tensors whose storage has no memory a host can address (XLA, meta).
     """
 
     layer: str
@@ -38,13 +38,29 @@ class Member:
     tensor: torch.Tensor
     layout: Layout
     address: int = field(init=False)
+    data_ptr: int = field(init=False, repr=False)  # as torch reports it, to see it change
+    storage_bytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "address", data_address(self.tensor))
+        storage = self.tensor.untyped_storage()
+        pointer = self.tensor.data_ptr()
+        object.__setattr__(self, "data_ptr", pointer)
+        object.__setattr__(self, "address", pointer if _host_memory(storage) else 0)
+        object.__setattr__(self, "storage_bytes", storage.nbytes())
 
     @property
     def name(self) -> str:
         return f"layer {self.layer!r}[{self.index}]"
+
+    def check_backed(self, role: str) -> None:
+        """Raise unless the tensor's storage holds every byte its view spans: a freed or shrunk
+        storage would have kernels write past its end."""
+        needed = self.tensor.storage_offset() * self.layout.itemsize + self.layout.extent_bytes
+        held = self.storage_bytes
+        if held < needed:
+            raise LayoutError(
+                f"{role}: {self.name}: its storage holds {held} bytes but the tensor spans {needed}: freed or shrunk"
+            )
 
     def is_current(self) -> bool:
         """Whether the tensor is still where, and what, it was when read: same memory, shape, strides.
@@ -53,36 +69,23 @@ class Member:
         shrinking ``resize_`` or ``as_strided_`` changes the shape or strides.
         """
         tensor = self.tensor
-        if tensor.shape != self.layout.shape:
-            return False
-        return not has_address(tensor) or (tensor.data_ptr() == self.address and tensor.stride() == self.layout.strides)
-
-
-def has_address(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's memory has a data address a host can use (not so for XLA or meta)."""
-    return not (tensor.is_xla or tensor.is_meta)  # type: ignore[attr-defined]
-
-
-def data_address(tensor: torch.Tensor) -> int:
-    """A tensor's data address, or 0 where its memory has none a host can use (XLA, meta)."""
-    return int(tensor.data_ptr()) if has_address(tensor) else 0
+        return (
+            tensor.data_ptr() == self.data_ptr
+            and tensor.shape == self.layout.shape
+            and tensor.stride() == self.layout.strides
+        )
 
 
 _shape = attrgetter("shape")
 
 
-def check_backed(tensor: torch.Tensor, layout: Layout, role: str, layer: str, index: int) -> None:
-    """Raise unless the tensor's storage holds every byte its view spans (a freed or shrunk
-    storage would have kernels write past its end)."""
-    if not has_address(tensor):
-        return
-    needed = tensor.storage_offset() * layout.itemsize + layout.extent_bytes
-    held = tensor.untyped_storage().nbytes()
-    if held < needed:
-        raise LayoutError(
-            f"{role}: layer {layer!r}[{index}]: its storage holds {held} bytes but the tensor spans {needed}: "
-            "freed or shrunk"
-        )
+def _host_memory(storage: torch.UntypedStorage) -> bool:
+    """Whether a storage is memory with an address (not so for meta storages, or XLA's,
+    which refuse to give one)."""
+    try:
+        return bool(storage.data_ptr())
+    except RuntimeError:
+        return False
 
 
 class MemberList(list[Member]):
@@ -123,12 +126,10 @@ class CacheSet:
                 raise LayoutError(
                     f"{role}: layer {name!r} must be a tensor or a tuple of tensors, got {type(layer).__name__}"
                 )
-            members = []
-            for i, tensor in enumerate(tensors):
-                layout = _layout(tensor, member_axes, role, name, i)
-                check_backed(tensor, layout, role, name, i)
-                members.append(Member(name, i, tensor, layout))
-            self.layers[name] = tuple(members)
+            members = tuple(Member(name, i, t, _layout(t, member_axes, role, name, i)) for i, t in enumerate(tensors))
+            for member in members:
+                member.check_backed(role)
+            self.layers[name] = members
         self.members: list[Member] = [m for ms in self.layers.values() for m in ms]
         first = self.members[0]
         first_device = first.tensor.device
@@ -155,9 +156,8 @@ class CacheSet:
         self._by_layout: list[tuple[Layout, MemberList]] | None = None
         self._copy_groups: LRU[int, tuple[CacheSet, CopyGroups]] = LRU(4)
         check_owned_once(self.members, role)
-        self._addressed = has_address(first.tensor)
         self._tensors = tuple(m.tensor for m in self.members)
-        self._addresses = tuple(m.address for m in self.members)
+        self._data_ptrs = tuple(m.data_ptr for m in self.members)
         self._shapes = tuple(m.layout.shape for m in self.members)
         self._strides = tuple(m.layout.strides for m in self.members)
 
@@ -182,12 +182,10 @@ class CacheSet:
         0.2 us per tensor each here); the slow path only words the error.
         """
         tensors = self._tensors
-        if tuple(map(_shape, tensors)) == self._shapes and (
-            not self._addressed
-            or (
-                tuple(map(torch.Tensor.data_ptr, tensors)) == self._addresses
-                and tuple(map(torch.Tensor.stride, tensors)) == self._strides
-            )
+        if (
+            tuple(map(torch.Tensor.data_ptr, tensors)) == self._data_ptrs
+            and tuple(map(_shape, tensors)) == self._shapes
+            and tuple(map(torch.Tensor.stride, tensors)) == self._strides
         ):
             return
         for member in self.members:
@@ -195,7 +193,7 @@ class CacheSet:
                 tensor = member.tensor
                 raise LayoutError(
                     f"{self.role}: {member.name} changed since it was registered (address "
-                    f"{member.address:#x} -> {data_address(tensor):#x}, shape {member.layout.shape} -> "
+                    f"{member.data_ptr:#x} -> {tensor.data_ptr():#x}, shape {member.layout.shape} -> "
                     f"{tuple(tensor.shape)}, strides {member.layout.strides} -> {tuple(tensor.stride())}): "
                     "register the caches again"
                 )

@@ -244,6 +244,5 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _key(tensor: torch.Tensor, axes: str) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:
     shape = tuple(tensor.shape)
-    # XLA tensors have no strides: their memory order is their shape order.
-    strides = contiguous_strides(shape) if tensor.is_xla else tensor.stride()  # type: ignore[attr-defined]
+    strides = tuple(tensor.stride())  # devices without strides (XLA) report them dense in shape order
     return (axes, shape, strides, tensor.element_size())

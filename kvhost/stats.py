@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
-
-import numpy as np
 
 from kvhost.backend import Completion
-from kvhost.batch import find_runs
+from kvhost.batch import CopyJob
 
 
 @dataclass(frozen=True)
@@ -33,18 +30,19 @@ class ReceiveStats:
 class CopyResult:
     """One copy_blocks call; ``wait()`` returns once the bytes are in place.
 
-    ``runs``: runs of ids consecutive on both sides (counted on first read).
+    ``runs``: runs of ids consecutive on both sides (those the copy found, or found on
+    first read when its backend never needed them).
     """
 
     blocks: int
     bytes_moved: int
     backend: str
     completion: Completion = field(default_factory=Completion, repr=False, compare=False)
-    ids: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    job: CopyJob | None = field(default=None, repr=False, compare=False)
 
-    @cached_property
+    @property
     def runs(self) -> int:
-        return 0 if self.ids is None or self.ids[0].size == 0 else int(find_runs(*self.ids).shape[0])
+        return 0 if self.job is None else int(self.job.runs.shape[0])
 
     def done(self) -> bool:
         return self.completion.done()

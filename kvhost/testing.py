@@ -17,30 +17,20 @@ import torch
 
 from kvhost.caches import CacheSet, Layer
 from kvhost.layout import Layout
-from kvhost.torch_backend import as_raw, raw_dtype
+from kvhost.raw import raw_dtype
+from kvhost.registry import get_backend
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as integers of the same item size (same shape and strides).
-
-    XLA tensors have no byte views: for them this is a copy, made on the device with a
-    bitcast (``view(dtype)`` would move fp16 through f32 and rewrite NaN payloads). Write
-    bytes with ``set_raw``.
-    """
-    if tensor.device.type == "xla":
-        from kvhost_tpu.xla import bitcast  # the only device whose bytes need its backend
-
-        on_device: torch.Tensor = bitcast(tensor, raw_dtype(tensor.dtype))
-        return on_device
-    return as_raw(tensor)
+    """The tensor's bytes as integers of the same item size (same shape), as its device's
+    backend reads them: a view on most devices, a copy on XLA (which has no byte views;
+    write bytes with ``set_raw``)."""
+    return get_backend(tensor.device).raw(tensor)
 
 
 def set_raw(tensor: torch.Tensor, host_raw: torch.Tensor) -> None:
     """Write ``host_raw`` (integers of ``tensor``'s item size and shape) into ``tensor``'s bytes."""
-    if tensor.device.type == "cpu":
-        raw(tensor).copy_(host_raw)
-    else:
-        tensor.copy_(host_raw.contiguous().view(tensor.dtype).to(tensor.device))
+    get_backend(tensor.device).write_raw(tensor, host_raw)
 
 
 def make_cache(

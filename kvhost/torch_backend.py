@@ -2,34 +2,27 @@
 
 Receive is gather -> permute -> scatter on a view of each tensor in physical order
 (outer axes, ``B``, region). Copies move runs of consecutive ids with one ``copy_`` each,
-or gather/scatter when ids are scattered. Bytes are moved as integers of the same size,
-so fp8 (whose index ops torch may lack) and NaN payloads pass through untouched.
+or gather/scatter when ids are scattered. Bytes are moved as integers of the same size
+(``kvhost.raw``), so fp8 and NaN payloads pass through untouched.
 
 It is the fallback where no device backend is installed, the reference the others are
-tested against, and the base that device backends specialise.
+tested against, and the path device backends hand work to where their kernels cannot
+run (they hold one, configured for their device: composition, not inheritance).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import contextlib
+import threading
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from kvhost.backend import Backend, Completion
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.layout import Layout
-
-RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def raw_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer type of ``dtype``'s item size: bytes move as these, untouched."""
-    return RAW_DTYPES[dtype.itemsize]
-
-
-def as_raw(tensor: torch.Tensor) -> torch.Tensor:
-    """The same memory, same shape and strides, as integers of the same item size."""
-    return tensor.view(raw_dtype(tensor.dtype))
+from kvhost.raw import as_raw
 
 
 def physical_view(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -37,23 +30,71 @@ def physical_view(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     return tensor.permute([layout.axes.index(a) for a in layout.physical])
 
 
+class IndexBuffers:
+    """Index tensors on a device: grow-only buffers, one per thread, reused across calls.
+
+    Host ids are used in place (zero-copy). On a device the buffer is reused by the next
+    call of the same thread, which is safe for work ordered on that thread's current
+    stream; work that outlives the call (a non-blocking copy) takes a fresh tensor.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
+        host = torch.from_numpy(ids)
+        if device.type == "cpu":
+            return host
+        buffer: torch.Tensor | None = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.numel() < ids.size or buffer.device != device:
+            capacity = max(1024, 1 << int(ids.size - 1).bit_length())
+            buffer = torch.empty(capacity, dtype=torch.int64, device=device)
+            self._local.buffer = buffer
+        view = buffer[: ids.size]
+        view.copy_(host)
+        return view
+
+
 class TorchBackend(Backend):
+    """Torch ops on any device.
+
+    ``host_chunk_bytes``/``device_chunk_bytes``: bytes per gather/scatter pass of a receive
+    (on the host a whole-batch temporary falls out of cache, docs/design.md: 0.21 -> 0.08
+    of memcpy; None takes a group in one pass); ``max_run_copies``: up to this many runs of
+    ids, a copy is one ``copy_`` per run, beyond it one gather/scatter.
+    """
+
     name = "torch"
     device_types = ("*",)
     priority = -100
-    # Bytes per gather/scatter pass. On the host a whole-batch temporary falls out of cache
-    # (DESIGN.md: 0.21 -> 0.08 of memcpy); on a device None takes a group in one pass.
-    host_chunk_bytes: ClassVar[int] = 1 << 20
-    device_chunk_bytes: ClassVar[int | None] = None
-    # Up to this many runs, copies are one copy_ per run; beyond, one gather/scatter.
-    max_run_copies: ClassVar[int] = 64
+    host_chunk_bytes: int = 1 << 20
+    device_chunk_bytes: int | None = None
+    max_run_copies: int = 64
+
+    def __init__(
+        self,
+        *,
+        host_chunk_bytes: int | None = None,
+        device_chunk_bytes: int | None = None,
+        max_run_copies: int | None = None,
+    ) -> None:
+        if host_chunk_bytes is not None:
+            self.host_chunk_bytes = host_chunk_bytes
+        if device_chunk_bytes is not None:
+            self.device_chunk_bytes = device_chunk_bytes
+        if max_run_copies is not None:
+            self.max_run_copies = max_run_copies
+
+    @cached_property
+    def index_buffers(self) -> IndexBuffers:
+        return IndexBuffers()
 
     def receive(self, job: ReceiveJob) -> None:
         plan = job.rearrangement
         layout = job.layout
         outer = len(layout.outer)
         region_shape = [layout.size(a) for a in layout.region]
-        ids = job.device_ids
+        ids = self.index_buffers(job.unit_ids.reshape(-1), job.device)
         units = job.unit_ids.shape[0]
         per_unit = plan.unit_bytes * layout.outer_count
         pass_bytes = self.host_chunk_bytes if job.device.type == "cpu" else self.device_chunk_bytes
@@ -112,7 +153,7 @@ def _completion(job: CopyJob) -> Completion:
         event.record()
     except (RuntimeError, AttributeError, TypeError):
         # No event for this device in this torch: let the device finish before returning.
-        if device.type in ("cuda", "xpu") and hasattr(torch, "accelerator"):
+        with contextlib.suppress(RuntimeError, AttributeError):
             torch.accelerator.synchronize(device)
         return Completion()
     return _StreamCompletion(event)

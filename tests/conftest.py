@@ -38,7 +38,7 @@ def _targets() -> list[object]:
     cuda = torch.cuda.is_available()
     xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
     xla = importlib.util.find_spec("torch_xla") is not None
-    from kvhost_cuda.interpret import TritonInterpretBackend
+    from kvhost_accelerator.interpret import TritonInterpretBackend
 
     triton_interpret = TritonInterpretBackend()
     triton_reason = triton_interpret.unavailable_reason()

@@ -15,12 +15,13 @@ from functools import cached_property
 import numpy as np
 import pytest
 import torch
-from kvhost_cuda import CudaBackend, EventCompletion
-from kvhost_cuda.accelerator import AcceleratorBackend, load_kernels
+from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, load_kernels
+from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
+from kvhost_cuda import CudaBackend
 from kvhost_cuda.gpucheck import Sizes, measure, table
 from kvhost_cuda.gpucheck import main as gpucheck_main
-from kvhost_cuda.runtime import DeviceRuntime, SynchronousRuntime
-from kvhost_xpu import XpuBackend, load_ipex_if_needed
+from kvhost_xpu import XpuBackend
+from kvhost_xpu.backend import load_ipex_if_needed
 
 import kvhost
 from kvhost.batch import plan_copy_batch
@@ -77,8 +78,8 @@ def test_each_device_says_which_path_runs():
         .startswith("receive and scattered copies: torch ops (Triton switched off)")
     )
     kernels = load_kernels()
-    if isinstance(kernels, str):
-        assert kernels in CudaBackend().describe()
+    if kernels is None:
+        assert "torch ops (triton is not installed)" in CudaBackend().describe()
         return
     if kernels.interpreted():
         assert "TRITON_INTERPRET=1 is set" in CudaBackend().describe()
@@ -93,7 +94,7 @@ def test_each_device_says_which_path_runs():
 
 def test_a_triton_too_old_for_the_kernels_means_torch_ops(monkeypatch):
     kernels = load_kernels()
-    if isinstance(kernels, str) or kernels.interpreted():
+    if kernels is None or kernels.interpreted():
         pytest.skip("needs compiled Triton kernels")
     monkeypatch.setattr(kernels.triton, "__version__", "3.1.0")
     assert "torch ops (triton 3.1.0 is older than 3.2)" in CudaBackend().describe()

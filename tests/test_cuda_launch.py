@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvhost_cuda.accelerator import _byte_view
-from kvhost_cuda.launch import (
+from kvhost_accelerator.backend import _byte_view
+from kvhost_accelerator.launch import (
     MAX_DIMS,
     Limits,
     Rows,

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import Target
-from kvhost_cuda.interpret import TritonInterpretBackend
-from kvhost_cuda.launch import Limits, plan_receive_launch
+from kvhost_accelerator.interpret import TritonInterpretBackend
+from kvhost_accelerator.launch import Limits, plan_receive_launch
 from test_copy import test_copy_between_layouts_and_devices as copy_conformance
 from test_receive import CASES
 from test_receive import test_receive_matches_sender as receive_conformance

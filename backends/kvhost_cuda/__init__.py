@@ -1,25 +1,5 @@
-"""The CUDA backend (ROCm too: torch calls both ``cuda``): Triton kernels, pinned staging, events.
+"""kvhost's CUDA backend (ROCm too: torch calls both ``cuda``)."""
 
-Everything but the device's name lives in ``accelerator.AcceleratorBackend``, which the
-XPU backend shares. Importing this package imports neither triton nor a CUDA context.
-"""
+from kvhost_cuda.backend import CudaBackend
 
-from __future__ import annotations
-
-import torch
-
-from kvhost_cuda.accelerator import AcceleratorBackend, EventCompletion
-
-__all__ = ["AcceleratorBackend", "CudaBackend", "EventCompletion"]
-
-
-class CudaBackend(AcceleratorBackend):
-    name = "cuda"
-    device_types = ("cuda",)
-
-    def triton_compilers(self) -> tuple[str, ...]:
-        return ("amd",) if torch.version.hip else ("nvidia",)
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return None if torch.cuda.is_available() else "no CUDA device"
+__all__ = ["CudaBackend"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvhost.torch_backend import raw_dtype as raw_dtype  # kvhost_tpu callers use xla.raw_dtype
+from kvhost.raw import raw_dtype as raw_dtype  # kvhost_tpu callers use xla.raw_dtype
 
 INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool})
 

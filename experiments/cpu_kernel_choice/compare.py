@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvhost_cpu import CpuBackend, _receive_params, load_kernels
+from kvhost_cpu.backend import KERNELS, CpuBackend, _receive_params
 
 import kvhost
 from kvhost import bench
-from kvhost.batch import ReceiveJob, plan_receive_batch, upload
+from kvhost.batch import ReceiveJob, plan_receive_batch
 from kvhost.torch_backend import TorchBackend
 
 SOURCE = Path(__file__).with_name("rearrange.cpp")
@@ -60,8 +60,8 @@ def build(directory: Path) -> ctypes.CDLL:
 
 def cxx_receiver(library: ctypes.CDLL) -> Callable[[ReceiveJob], None]:
     """The C++ kernel as a receive call, with the numba backend's parameters and thread rule."""
-    kernels = load_kernels()
-    assert not isinstance(kernels, str), kernels
+    kernels = KERNELS.module
+    assert kernels is not None, KERNELS.reason
 
     def receive(job: ReceiveJob) -> None:
         bases = job.members.addresses
@@ -142,7 +142,7 @@ def measure_point(
     per_request = point.blocks_per_request
     batch = {f"req-{k}": ids[k : k + per_request].tolist() for k in range(0, ids.size, per_request)}
     host = kvhost.KVHost(caches, axes=geometry.axes)
-    jobs = plan_receive_batch(host.caches, batch, point.remote_order, point.remote_block_size, upload).jobs
+    jobs = plan_receive_batch(host.caches, batch, point.remote_order, point.remote_block_size).jobs
     nbytes = point.blocks * geometry.block_bytes
     methods = {
         "memcpy": space.memcpy(nbytes, here, here),

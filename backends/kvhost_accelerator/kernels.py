@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvhost_cuda.launch import WORD_TYPES, CopyLaunch, ReceiveLaunch
+from kvhost_accelerator.launch import WORD_TYPES, CopyLaunch, ReceiveLaunch
 
 OLDEST_TRITON = (3, 2)  # compiled and checked with 3.2.0, 3.3.1 and 3.9.0
 TRITON_WORDS = {size: getattr(tl, name) for size, name in WORD_TYPES.items()}

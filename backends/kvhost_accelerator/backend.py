@@ -23,31 +23,31 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import cache, cached_property
+from functools import cached_property
 from types import ModuleType
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from kvhost.backend import Completion
+from kvhost.backend import Backend, Completion
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.caches import CopyGroup, Member
+from kvhost.ids import find_runs
 from kvhost.layout import Layout
-from kvhost.registry import get_backend
+from kvhost.memory import byte_extent
 from kvhost.torch_backend import TorchBackend
 from kvhost.transform import plan_copy
-from kvhost_cuda.launch import Limits, next_pow2, plan_copy_launch, plan_receive_launch
-from kvhost_cuda.runtime import DeviceRuntime, Event
+from kvhost_accelerator.launch import Limits, next_pow2, plan_copy_launch, plan_receive_launch
+from kvhost_accelerator.runtime import DeviceRuntime, Event
 
 
-@cache
-def load_kernels() -> ModuleType | str:
-    """The Triton kernels module, or why it cannot load (imported on first use only)."""
+def load_kernels() -> ModuleType | None:
+    """The Triton kernels module (imported on first use only), or None where triton is missing."""
     try:
-        from kvhost_cuda import kernels
-    except ImportError as err:
-        return f"triton unavailable: {err}"
+        from kvhost_accelerator import kernels
+    except ImportError:
+        return None
     return kernels
 
 
@@ -87,16 +87,16 @@ class EventCompletion(Completion):
             self._finished = True
 
 
-class AcceleratorBackend(TorchBackend):
+class AcceleratorBackend(Backend):
     """Receive and copies on one accelerator type through torch's device-generic calls.
 
     Subclasses set ``name`` and ``device_types`` and say which Triton compiler backends
-    target the device; nothing else differs between devices.
+    target the device; nothing else differs between devices. Where the kernels cannot run
+    (``kernels_missing`` says why), the torch path does the work.
     """
 
     priority = 10
-    device_chunk_bytes = 64 << 20  # torch path: bounded temporaries
-    max_run_copies = 64  # on the device: direct copy_ calls at most; beyond, one kernel (or gather/scatter)
+    max_run_copies: ClassVar[int] = 64  # on the device: direct copy_ calls at most; beyond, one kernel
     max_host_copies: ClassVar[int] = 64  # across the bus: copy_ calls at most, unless each is large:
     direct_span_bytes: ClassVar[int] = 512 << 10  # a host copy this large is worth its own call
     limits: ClassVar[Limits] = Limits()
@@ -104,6 +104,8 @@ class AcceleratorBackend(TorchBackend):
 
     def __init__(self, *, use_triton: bool = True) -> None:
         self.use_triton = use_triton
+        # The torch path on the device: bounded temporaries, one copy_ per run up to max_run_copies.
+        self.torch_path = TorchBackend(device_chunk_bytes=64 << 20, max_run_copies=self.max_run_copies)
 
     def triton_compilers(self) -> tuple[str, ...]:
         """Names of the Triton compiler backends (``triton.backends``) that target this device."""
@@ -114,25 +116,36 @@ class AcceleratorBackend(TorchBackend):
         return DeviceRuntime(self.device_types[0])
 
     @cached_property
-    def kernels(self) -> ModuleType | str:
-        """The Triton kernels when this device runs them, else why the torch path runs."""
+    def host(self) -> Backend:
+        """The backend that moves host-side bytes of a staged copy: the CPU backend."""
+        from kvhost_cpu import CpuBackend
+
+        return CpuBackend()
+
+    @cached_property
+    def kernels(self) -> ModuleType | None:
+        """The Triton kernels when this device runs them (else ``kernels_missing`` says why)."""
+        return None if self.kernels_missing else load_kernels()
+
+    @cached_property
+    def kernels_missing(self) -> str:
+        """Why the torch path runs instead of the kernels; empty when they run."""
         if not self.use_triton:
             return "Triton switched off"
         kernels = load_kernels()
-        if isinstance(kernels, str):
-            return kernels
+        if kernels is None:
+            return "triton is not installed"
         if kernels.interpreted():
             return "TRITON_INTERPRET=1 is set: interpreted kernels cannot reach device memory"
         if (old := kernels.too_old()) is not None:
-            return old
+            return str(old)
         compilers, wanted = kernels.compiler_targets(), self.triton_compilers()
         if not set(wanted) & set(compilers):
             return f"triton here compiles for {', '.join(compilers)}, not {' or '.join(wanted)}"
-        return kernels
+        return ""
 
     def describe(self) -> str:
-        kernels = self.kernels
-        path = "Triton kernels" if isinstance(kernels, ModuleType) else f"torch ops ({kernels})"
+        path = "Triton kernels" if self.kernels is not None else f"torch ops ({self.kernels_missing})"
         return f"receive and scattered copies: {path}; host copies: pinned staging on a side stream, events"
 
     def limits_for(self, device: torch.device) -> Limits:
@@ -143,8 +156,8 @@ class AcceleratorBackend(TorchBackend):
 
     def receive(self, job: ReceiveJob) -> None:
         kernels = self.kernels
-        if isinstance(kernels, str):
-            return super().receive(job)
+        if kernels is None:
+            return self.torch_path.receive(job)
         layout = job.layout
         bases = np.array([m.tensor.data_ptr() for m in job.members], dtype=np.int64)
         outer = layout.outer_offsets_bytes
@@ -212,8 +225,8 @@ class AcceleratorBackend(TorchBackend):
             self.copy_direct(job)
             return
         kernels = self.kernels
-        if isinstance(kernels, str):
-            TorchBackend.copy(self, job)
+        if kernels is None:
+            self.torch_path.copy(job)
             return
         device = job.pairs[0][0].tensor.device
         src_bases = np.array([s.tensor.data_ptr() for s, _ in job.pairs], dtype=np.int64)
@@ -282,10 +295,8 @@ class AcceleratorBackend(TorchBackend):
         positions[order] = np.arange(count)
         staged, staged_members = self.staging(host, count, device_side[0].tensor.device, block_major=False)
         keep.append(staged)
-        sorted_ids = host_ids[order]
-        starts = np.concatenate(([0], np.flatnonzero(np.diff(sorted_ids) != 1) + 1))
-        lengths = np.diff(np.concatenate((starts, [count])))
-        spans = [(int(sorted_ids[a]), int(a), int(n)) for a, n in zip(starts, lengths)]
+        # (first host id, staging position, count) of each run of the sorted host ids.
+        spans = [(first, position, n) for first, position, n in find_runs(host_ids[order], positions[order]).tolist()]
         if not to_device:
             self.copy_on_device(_job(list(zip(device_side, staged_members)), device_ids, positions), keep)
         layout, staged_layout = host[0].layout, staged_members[0].layout
@@ -312,7 +323,7 @@ class AcceleratorBackend(TorchBackend):
         bounce, bounce_members = self.staging(host, count, None)
         staged, staged_members = self.staging(host, count, device)
         keep += [bounce, staged]
-        cpu = get_backend(torch.device("cpu"))
+        cpu = self.host
         if to_device:
             cpu.copy(_job(list(zip(host, bounce_members)), job.src_ids, positions)).wait()
             staged[:count].copy_(bounce[:count], non_blocking=True)
@@ -380,7 +391,7 @@ class AcceleratorBackend(TorchBackend):
 
     def _copy_between_devices(self, job: CopyJob) -> Completion:
         """Two devices of this type: torch's peer copies, complete on return."""
-        TorchBackend.copy(self, job)
+        self.torch_path.copy(job)
         for device in {job.pairs[0][0].tensor.device, job.pairs[0][1].tensor.device}:
             self.runtime.record(self.runtime.current_stream(device)).synchronize()
         return Completion()
@@ -412,10 +423,7 @@ def host_spans(layout: Layout, ids: np.ndarray) -> list[tuple[int, int]] | None:
     """Runs (first id, count) of the sorted ``ids``; None when a block is not one span per outer index."""
     if layout.block_stride_bytes != layout.region_bytes:
         return None
-    ordered = np.sort(ids)
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(ordered) != 1) + 1))
-    counts = np.diff(np.concatenate((starts, [ordered.size])))
-    return [(int(ordered[a]), int(n)) for a, n in zip(starts, counts)]
+    return [(first, count) for first, _, count in find_runs(np.sort(ids)).tolist()]
 
 
 def _is_arange(ids: np.ndarray) -> bool:
@@ -424,7 +432,6 @@ def _is_arange(ids: np.ndarray) -> bool:
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view from ``tensor``'s first byte to its last (same memory, no copy)."""
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     offset = tensor.storage_offset() * tensor.element_size()
-    return flat.set_(tensor.untyped_storage(), offset, (extent * tensor.element_size(),), (1,))
+    return flat.set_(tensor.untyped_storage(), offset, (byte_extent(tensor),), (1,))

@@ -15,14 +15,13 @@ import importlib.util
 import os
 import threading
 from functools import cached_property
-from types import ModuleType
 from typing import ClassVar
 
 from kvhost.backend import Completion
 from kvhost.batch import CopyJob, ReceiveJob
-from kvhost_cuda.accelerator import AcceleratorBackend, load_kernels
-from kvhost_cuda.launch import Limits
-from kvhost_cuda.runtime import DeviceRuntime, SynchronousRuntime
+from kvhost_accelerator.backend import AcceleratorBackend, load_kernels
+from kvhost_accelerator.launch import Limits
+from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 
 INTERPRET_VARIABLE = "TRITON_INTERPRET"
 # The interpreter patches triton.language for the length of a launch: one launch at a time.
@@ -63,17 +62,17 @@ class TritonInterpretBackend(AcceleratorBackend):
         return SynchronousRuntime()
 
     @cached_property
-    def kernels(self) -> ModuleType | str:
+    def kernels_missing(self) -> str:
         kernels = load_kernels()
-        if isinstance(kernels, str):
-            return kernels
+        if kernels is None:
+            return "triton is not installed"
         if not kernels.interpreted():
-            return f"kvhost_cuda.kernels was imported without {INTERPRET_VARIABLE}=1: compiled kernels need a GPU"
-        return kernels
+            return f"kvhost_accelerator.kernels was imported without {INTERPRET_VARIABLE}=1: compiled for a GPU"
+        return ""
 
     def describe(self) -> str:
         kernels = self.kernels
-        path = "Triton kernels in the interpreter" if isinstance(kernels, ModuleType) else f"torch ops ({kernels})"
+        path = "Triton kernels in the interpreter" if kernels is not None else f"torch ops ({self.kernels_missing})"
         return f"tests only, CPU tensors: {path}"
 
     def receive(self, job: ReceiveJob) -> None:

@@ -1,0 +1,197 @@
+"""The TPU backend: torch_xla tensors (device type ``xla``), one compiled graph per job.
+
+XLA tensors have no strides: their memory order is their shape order (``Layout.of``
+reads them that way), so every cache here is ``[*outer, B, *region]`` in shape order and
+the work is indexed ops on the cache tensor itself, never on a view of it:
+
+- receive: gather the units' regions, permute them into the local order and write them
+  back, for every member, then one sync, so the job is one graph (a call is one job per
+  transform group: one graph unless requests name several sender layouts);
+- copy: host <-> XLA (bytes reach an XLA device only through host staging) and XLA <->
+  XLA: the source blocks are gathered where they lie, permuted into the destination's
+  shape order, moved, and written into the destination.
+
+Index lists are padded to a few bucket sizes (``buckets``) so that the graphs compiled
+grow with the log of the batch size. Padding repeats the last real entry, so it can
+only rewrite a block the request owns, with the bytes the request put there.
+
+Writes are one ``index_put_`` whose indices cover the outer dims and ``B``, the leading
+dims: XLA scatters them where they lie (a scatter along an inner dim makes XLA:CPU
+transpose the whole cache, twice). The sync is a step barrier, where torch_xla donates
+the cache's buffer to the graph, so a call costs O(blocks moved), not O(cache size).
+Element types a device would upcast (bf16 and fp8 on XLA:CPU, which converts the whole
+operand and rewrites NaN payloads) are written through an integer bitcast instead:
+byte-exact, but on XLA:CPU that bitcast is a pass over the whole cache, so there those
+writes cost O(cache) (see ``xla.native_writes``; reads stay O(n)).
+
+Copies block until the bytes are in place (``non_blocking`` too: done on return).
+torch_xla is imported on first use, never with this module.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kvhost.backend import Backend, Completion
+from kvhost.batch import CopyJob, ReceiveJob
+from kvhost.caches import Member
+from kvhost.errors import LayoutError
+from kvhost.layout import Layout
+from kvhost.transform import Rearrangement
+from kvhost_tpu import xla
+from kvhost_tpu.buckets import MIN_BUCKET, bucket_size, pad_rows
+
+# torch_xla's lazy tensors are not safe to update from two threads at once (a sync in one
+# thread can catch the other's half-built graph); the device runs one graph at a time anyway.
+_GRAPH_LOCK = threading.Lock()
+
+
+class TpuBackend(Backend):
+    name = "tpu"
+    device_types = ("xla",)
+    priority = 10
+    # Smallest padded index length; larger batches pad to the next power of two.
+    min_bucket: ClassVar[int] = MIN_BUCKET
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return xla.missing()
+
+    def describe(self) -> str:
+        return f"torch_xla, one graph per call, indices padded to powers of two from {self.min_bucket}"
+
+    def receive(self, job: ReceiveJob) -> None:
+        with _GRAPH_LOCK:
+            self._receive(job)
+
+    def raw(self, tensor: torch.Tensor) -> torch.Tensor:
+        """XLA tensors have no byte views: the bytes are a copy, bitcast on the device
+        (``view(dtype)`` would move fp16 through f32 and rewrite NaN payloads)."""
+        if tensor.device.type != "xla":
+            return super().raw(tensor)
+        return xla.bitcast(tensor, xla.raw_dtype(tensor.dtype))
+
+    def write_raw(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        if tensor.device.type != "xla":
+            return super().write_raw(tensor, values)
+        tensor.copy_(values.contiguous().view(tensor.dtype).to(tensor.device))
+        return None
+
+    def copy(self, job: CopyJob) -> Completion:
+        with _GRAPH_LOCK:
+            return self._copy(job)
+
+    def _receive(self, job: ReceiveJob) -> None:
+        units = job.unit_ids
+        padded = pad_rows(units, bucket_size(units.shape[0], self.min_bucket)).reshape(-1)
+        ids = _upload(padded, job.device)
+        for member in job.members:
+            _rearrange(member.tensor, block_dim(member.layout), job.rearrangement, ids)
+        xla.sync()
+
+    def _copy(self, job: CopyJob) -> Completion:
+        count = job.src_ids.size
+        size = bucket_size(count, self.min_bucket)
+        src_ids, dst_ids = pad_rows(job.src_ids, size), pad_rows(job.dst_ids, size)
+        to_host: list[tuple[Member, torch.Tensor]] = []
+        dst_index: torch.Tensor | None = None  # uploaded once: every destination is on one device
+        for src, dst in job.pairs:
+            # Gather first, permute after: a permute of the whole cache would copy it.
+            picked = _gather(src, src_ids).permute(job.plan.src_to_dst)
+            if dst.tensor.device.type == "xla":
+                # The padded rows repeat the last real pair, byte for byte.
+                dst_index = _upload(dst_ids, dst.tensor.device) if dst_index is None else dst_index
+                _write_rows(dst.tensor, block_dim(dst.layout), dst_index, _moved_to(picked, dst.tensor))
+            else:
+                to_host.append((dst, _as_integers(picked)))
+        xla.sync()  # everything above is one graph: gathers, permutes, writes
+        for dst, picked in to_host:
+            b = dst.layout.axes.index("B")
+            rows = picked.cpu().numpy()[(slice(None),) * b + (slice(0, count),)]  # the real rows
+            dest = dst.tensor.view(xla.raw_dtype(dst.tensor.dtype)).numpy()
+            dest[(slice(None),) * b + (job.dst_ids,)] = rows
+        return Completion()
+
+
+def block_dim(layout: Layout) -> int:
+    """Where ``B`` is in an XLA tensor's shape, which is also its memory order."""
+    if layout.physical != layout.axes:  # Layout.of reads XLA tensors in shape order: cannot happen
+        raise LayoutError(f"XLA tensor with axes {layout.axes!r} has physical order {layout.physical!r}")
+    return layout.axes.index("B")
+
+
+def write_dtype(cache: torch.Tensor) -> torch.dtype:
+    """The element type ``cache`` is rewritten in: its own where the device writes it as is."""
+    return cache.dtype if xla.native_writes(cache.device, cache.dtype) else xla.raw_dtype(cache.dtype)
+
+
+def _rearrange(cache: torch.Tensor, b: int, plan: Rearrangement, ids: torch.Tensor) -> None:
+    """Rewrite the units ``ids`` of ``cache`` (shape ``[*outer, B, *region]``) from wire to local order."""
+    work = xla.bitcast(cache, write_dtype(cache))
+    outer = list(cache.shape[:b])
+    region = list(cache.shape[b + 1 :])
+    units = ids.numel() // plan.parts
+    wire = work.index_select(b, ids).reshape(*outer, units, *plan.src_shape)
+    dims = list(range(b + 1)) + [b + 1 + p for p in plan.perm]
+    local = wire.permute(dims).reshape(*outer, units * plan.parts, *region)
+    _write_rows(cache, b, ids, local, work)
+
+
+def _write_rows(
+    cache: torch.Tensor, b: int, ids: torch.Tensor, rows: torch.Tensor, work: torch.Tensor | None = None
+) -> None:
+    """``cache``'s blocks ``ids`` receive ``rows`` (``[*outer, len(ids), *region]``), in place.
+
+    ``rows`` are in ``write_dtype(cache)``; ``work`` is the cache in that type, when the
+    caller has it already.
+    """
+    if work is None:
+        work = xla.bitcast(cache, write_dtype(cache))
+    # Index every leading dim: XLA then scatters whole regions where they lie.
+    grids = [
+        torch.arange(size, device=cache.device).reshape([1] * i + [size] + [1] * (b - i))
+        for i, size in enumerate(cache.shape[:b])
+    ]
+    work.index_put_((*grids, ids.reshape([1] * b + [-1])), rows)
+    if work is not cache:
+        cache.copy_(xla.bitcast(work, cache.dtype))
+
+
+def _gather(member: Member, ids: np.ndarray) -> torch.Tensor:
+    """The blocks ``ids`` of one member in its own shape order, where it lies: integers on the host."""
+    tensor = member.tensor
+    if tensor.device.type == "xla":
+        work = xla.bitcast(tensor, write_dtype(tensor))
+        return work.index_select(block_dim(member.layout), _upload(ids, tensor.device))
+    # Host indexing on the raw bytes, in numpy: CPU index ops lack some KV dtypes (fp8),
+    # and torch's worker threads would contend with the XLA runtime's for the same cores.
+    raw = tensor.view(xla.raw_dtype(tensor.dtype)).numpy()
+    return torch.from_numpy(np.take(raw, ids, axis=member.layout.axes.index("B")))
+
+
+def _moved_to(picked: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``picked`` on ``cache``'s device, in ``write_dtype(cache)``: bytes cross devices as integers."""
+    wanted = write_dtype(cache)
+    if picked.device.type == "xla":
+        if picked.device != cache.device:
+            picked = _as_integers(picked).to(cache.device)
+        return xla.bitcast(picked, wanted)
+    # Host bytes: made contiguous by numpy (torch's threads would contend with XLA's) and
+    # reinterpreted for free; the upload carries them unchanged.
+    return torch.from_numpy(np.ascontiguousarray(picked.numpy())).view(wanted).to(cache.device)
+
+
+def _as_integers(picked: torch.Tensor) -> torch.Tensor:
+    """XLA data about to leave the device, as integers (torch_xla moves fp16 through f32)."""
+    if picked.device.type != "xla":
+        return picked
+    return xla.bitcast(picked, xla.raw_dtype(picked.dtype))
+
+
+def _upload(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Index tensor on ``device``: device data, a graph parameter, not a constant baked into it."""
+    return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)

@@ -1,0 +1,119 @@
+"""Block ids from callers and peers: checked once, named by who sent them, never coerced.
+
+Every id list kvhost accepts (a request's blocks, a copy's two lists, a connector's batch,
+a transfer's local and remote blocks) goes through ``IdBatch``: the lists are gathered
+into one flat Python list and checked with builtins, with no numpy call per list (a numpy
+call costs 10-30 us with cold caches), and converted to one int64 array only when there is
+work. Accepted: lists, tuples, ranges, 1-D integer numpy arrays and tensors, of ints (a
+bool is not an id); sets and dict keys (no order), bytes and strings (not ids) and
+iterators (used up by reading) are refused with the value named.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvhost.errors import RequestError
+
+Ids = Sequence[int] | np.ndarray | torch.Tensor
+ID_KINDS = "list, tuple, range, 1-D numpy array or 1-D tensor of integers"
+
+
+class IdBatch:
+    """Named id lists gathered into one flat list; ``check`` validates them all at once."""
+
+    def __init__(self) -> None:
+        self.subjects: list[str] = []  # "request 'a'", or an argument's name
+        self.lengths: list[int] = []
+        self.flat: list[Any] = []
+
+    def add(self, subject: str, ids: Any) -> None:
+        if isinstance(ids, (np.ndarray, torch.Tensor)):
+            if ids.ndim != 1:
+                raise RequestError(f"{subject}: block ids must be a flat sequence, got shape {tuple(ids.shape)}")
+            if not _integer_dtype(ids.dtype):
+                raise RequestError(f"{subject}: block ids must be integers, got an array of {ids.dtype}")
+            ids = ids.tolist()
+        elif not isinstance(ids, (list, tuple, range)):
+            raise RequestError(f"{subject}: block ids must be a {ID_KINDS}, got {type(ids).__name__} {_short(ids)}")
+        self.subjects.append(subject)
+        self.lengths.append(len(ids))
+        self.flat.extend(ids)
+
+    def check(self, limit: int, *, what: str = "block id", unique: bool = True) -> None:
+        """Raise unless every id is an integer in ``[0, limit)`` (and unique, if asked)."""
+        flat = self.flat
+        if not flat:
+            return
+        if not all(_integer_type(kind) for kind in set(map(type, flat))):
+            position = next(i for i, x in enumerate(flat) if not _integer_type(type(x)))
+            subject, at = self._where(position)
+            raise RequestError(f"{subject}: block ids must be integers, got {flat[position]!r} at position {at}")
+        if min(flat) < 0 or max(flat) >= limit:
+            position = next(i for i, x in enumerate(flat) if not 0 <= x < limit)
+            subject, at = self._where(position)
+            raise RequestError(f"{subject}: {what} {flat[position]} at position {at} is out of range [0, {limit})")
+        if unique and len(set(flat)) != len(flat):
+            first_seen: dict[int, int] = {}
+            for position, block in enumerate(flat):
+                earlier = first_seen.setdefault(block, position)
+                if earlier != position:
+                    a, b = self._owner(earlier), self._owner(position)
+                    if a == b:
+                        raise RequestError(f"{self.subjects[a]}: block id {block} appears twice")
+                    raise RequestError(f"block id {block} is claimed by {self.subjects[a]} and {self.subjects[b]}")
+
+    def array(self) -> np.ndarray:
+        """Every id, in order, as one int64 array (the batch's only numpy conversion)."""
+        return np.array(self.flat, dtype=np.int64) if self.flat else np.zeros(0, dtype=np.int64)
+
+    def _owner(self, position: int) -> int:
+        return bisect.bisect_right(list(itertools.accumulate(self.lengths)), position)
+
+    def _where(self, position: int) -> tuple[str, int]:
+        """Who holds flat ``position``, and where in its own list."""
+        owner = self._owner(position)
+        return self.subjects[owner], position - sum(self.lengths[:owner])
+
+
+def checked_ids(ids: Any, subject: str, limit: int, *, unique: bool = True, allow_empty: bool = True) -> np.ndarray:
+    """One id list, checked as an ``IdBatch`` of one, as an int64 array."""
+    batch = IdBatch()
+    batch.add(subject, ids)
+    if not batch.flat and not allow_empty:
+        raise RequestError(f"{subject}: no block ids")
+    batch.check(limit, unique=unique)
+    return batch.array()
+
+
+def find_runs(src_ids: np.ndarray, dst_ids: np.ndarray | None = None) -> np.ndarray:
+    """Runs of ids consecutive in both lists (in ``src_ids`` alone when ``dst_ids`` is None):
+    ``[n, 3]`` rows of source start, destination start, count."""
+    if src_ids.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    dst = src_ids if dst_ids is None else dst_ids
+    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [src_ids.size])))
+    return np.stack([src_ids[starts], dst[starts], counts], axis=1)
+
+
+def _integer_type(kind: type) -> bool:
+    return issubclass(kind, (int, np.integer)) and not issubclass(kind, bool)
+
+
+def _integer_dtype(dtype: np.dtype[Any] | torch.dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return dtype.kind in "iu"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
