@@ -10,20 +10,25 @@ TORCH ?= torch==2.13.0
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $@
+# pip's and setuptools' chatter goes to $(VENV)/install.log, shown only if a step fails.
+QUIETLY = > $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 
+$(VENV)/.installed: pyproject.toml
+	@echo "setting up $(VENV) (torch, numba, triton, NIXL, test tools; a few minutes the first time)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --upgrade pip $(QUIETLY)
+	@$(PY) -m pip install "$(TORCH)" $(QUIETLY)
+	@$(PY) -m pip install -e '.[test]' $(QUIETLY)
+	@touch $@
+
+# The result, and one line per kind of skipped test (a device absent here); -rs lists them all.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy kvhost
+	$(VENV)/bin/mypy
 
 demo: setup
 	$(VENV)/bin/kvhost demo

@@ -1,6 +1,6 @@
 """Layouts: a KV tensor's dims named by axis letters, with the physical order read from strides.
 
-Letters (DESIGN.md, "Words"): ``L`` layers, ``K`` the key/value pair, ``B`` blocks, ``N``
+Letters (docs/design.md, "Words"): ``L`` layers, ``K`` the key/value pair, ``B`` blocks, ``N``
 tokens in a block, ``H`` KV heads, ``C`` channels. ``axes`` names a tensor's dims in shape
 order; the physical order is the order of decreasing stride. The axes physically after
 ``B`` form a block's *region*, which must be one contiguous run of bytes; the axes

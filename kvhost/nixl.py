@@ -3,7 +3,7 @@
 A connector registers its layer dict with an ``Agent`` and gets a ``RegionTable``: where
 every block region of every layer lives, and the letters of its layout. Two engines swap
 tables and agent metadata; ``plan_transfer(local, remote)`` then turns a request's block
-ids on both sides into NIXL descriptors so that the bytes land as DESIGN.md's wire model
+ids on both sides into NIXL descriptors so that the bytes land as the wire model (docs/design.md)
 says: per outer index, the request's local regions back to back hold the sender's regions
 back to back. Regions are cut into chunks of the smaller of the two region sizes, so a
 local block r times larger takes r sub-block descriptors and a remote block g times larger

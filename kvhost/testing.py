@@ -1,7 +1,7 @@
 """The conformance oracle: truth in logical axes, wire bytes as a sender writes them.
 
 Used by kvhost's own suite and by any backend or integration that wants the same
-checks. It is written from DESIGN.md's wire model, not from kvhost's planner: per outer
+checks. It is written from the wire model (docs/design.md), not from kvhost's planner: per outer
 index, a request's local block regions concatenated in block order hold the sender's
 blocks concatenated in token order, each sender block laid out in the remote order.
 All comparisons are on raw bytes, so NaN payloads and fp8 compare exactly.

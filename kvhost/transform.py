@@ -31,6 +31,9 @@ from math import prod
 from kvhost.errors import LayoutError, RequestError
 from kvhost.layout import Layout, check_letters, contiguous_strides
 
+# Region letters (L K H N C) with N split in two: no loop nest a plan makes is deeper.
+# Kernels that take loop shapes in fixed-size arrays pad them to this many dims.
+MAX_LOOP_DIMS = 6
 PART = "P"  # the split-off share of the token axis: which sub-block (r) or part (g)
 TOKENS = "n"  # the tokens of the smaller of the two block sizes
 

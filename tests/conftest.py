@@ -78,3 +78,22 @@ def target(request: pytest.FixtureRequest) -> Target:
     if request.param.device == "xla":
         import torch_xla  # noqa: F401  (torch knows the XLA device only once torch_xla is imported)
     return request.param  # type: ignore[no-any-return]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    """One line per reason tests were skipped (a device or tool absent here), most first.
+
+    ``pytest -rs`` lists every skipped test instead; this summary then stays out of its way.
+    """
+    if "s" in (config.option.reportchars or "") or "a" in (config.option.reportchars or ""):
+        return
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        counts[reason] = counts.get(reason, 0) + 1
+    if not counts:
+        return
+    terminalreporter.write_line("skipped, by reason (pytest -rs lists each test):")
+    for reason, count in sorted(counts.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"  {count:5d}  {reason}")

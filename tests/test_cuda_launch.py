@@ -13,7 +13,6 @@ import pytest
 import torch
 from kvhost_accelerator.backend import _byte_view
 from kvhost_accelerator.launch import (
-    MAX_DIMS,
     Limits,
     Rows,
     next_pow2,
@@ -28,7 +27,7 @@ from kvhost.batch import plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet
 from kvhost.layout import Layout
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
-from kvhost.transform import plan_copy, plan_receive
+from kvhost.transform import MAX_LOOP_DIMS, plan_copy, plan_receive
 
 WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 SCRATCH_ONLY = Limits(register_bytes=0, tile_bytes=64, programs=3)
@@ -149,7 +148,7 @@ def test_a_transposed_last_axis_moves_single_items():
 def test_rows_are_padded_to_max_dims():
     plan = plan_receive(vllm_cache("KBHNC"), "NHC", 16)
     launch = plan_receive_launch(plan, members=1, outer=2, units=1, alignment=256, limits=Limits())
-    assert len(launch.rows.dims) == len(launch.rows.src_strides) == len(launch.rows.dst_strides) == MAX_DIMS
+    assert len(launch.rows.dims) == len(launch.rows.src_strides) == len(launch.rows.dst_strides) == MAX_LOOP_DIMS
     src, dst = row_offsets(launch.rows)
     assert sorted(src.tolist()) == dst.tolist() == list(range(0, launch.piece_words, launch.rows.run))
 

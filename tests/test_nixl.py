@@ -2,7 +2,7 @@
 
 Descriptor tests move bytes with ``memmove`` row by row (what NIXL does with each pair)
 and compare the local caches with ``kvhost.testing.write_wire``, the oracle written from
-DESIGN.md; then ``kvhost.receive`` must turn them into the sender's tokens. The agent
+docs/design.md; then ``kvhost.receive`` must turn them into the sender's tokens. The agent
 tests move the same bytes with NIXL over UCX between two agents in this process.
 """
 

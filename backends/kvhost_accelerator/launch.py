@@ -23,9 +23,8 @@ from math import prod
 
 from kvhost.errors import BackendError
 from kvhost.layout import contiguous_strides
-from kvhost.transform import CopyPlan, Rearrangement
+from kvhost.transform import MAX_LOOP_DIMS, CopyPlan, Rearrangement
 
-MAX_DIMS = 6  # region letters (L K H N C) with N split in two: at most six row dims
 WORD_TYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
@@ -75,7 +74,7 @@ class Rows:
     are consecutive (``r * run``) has strides that say so.
     """
 
-    dims: tuple[int, ...]  # always MAX_DIMS long, padded in front with 1
+    dims: tuple[int, ...]  # always MAX_LOOP_DIMS long, padded in front with 1
     src_strides: tuple[int, ...]
     dst_strides: tuple[int, ...]
     run: int
@@ -100,9 +99,9 @@ class Rows:
 
 
 def _rows(dims: list[int], src: list[int], dst: list[int], run: int) -> Rows:
-    if len(dims) > MAX_DIMS:
-        raise BackendError(f"the Triton kernels take at most {MAX_DIMS} row dims, this transform needs {dims}")
-    pad = MAX_DIMS - len(dims)
+    if len(dims) > MAX_LOOP_DIMS:
+        raise BackendError(f"the Triton kernels take at most {MAX_LOOP_DIMS} row dims, this transform needs {dims}")
+    pad = MAX_LOOP_DIMS - len(dims)
     return Rows((1,) * pad + tuple(dims), (0,) * pad + tuple(src), (0,) * pad + tuple(dst), run)
 
 

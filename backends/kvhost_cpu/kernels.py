@@ -23,20 +23,19 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvhost.transform import Loops
+from kvhost.transform import MAX_LOOP_DIMS, Loops
 
-MAX_DIMS = 6  # region letters (L K N H C) with N split in two, less nothing: at most six loops
 SHORT_RUN = 1024  # runs up to this many bytes are copied inline
 SERIAL_BYTES = 1 << 20  # jobs below this run on the calling thread
 SKEW = 2048  # scratch and region differ by this modulo 4 KiB: no false store-to-load aliasing
 
 
 @intrinsic
-def _memcpy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
+def _memcpy(typingctx, dst, src, nbytes):
     """memcpy(dst, src, nbytes) on int64 addresses."""
     sig = types.void(types.int64, types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         byte_ptr = ir.IntType(8).as_pointer()
         d, s, n = args
         cgutils.raw_memcpy(builder, builder.inttoptr(d, byte_ptr), builder.inttoptr(s, byte_ptr), n, 1)
@@ -45,11 +44,11 @@ def _memcpy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _copy32(typingctx, dst, src):  # type: ignore[no-untyped-def]
+def _copy32(typingctx, dst, src):
     """A 32-byte copy of constant size, which LLVM turns into a pair of vector moves."""
     sig = types.void(types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         byte_ptr = ir.IntType(8).as_pointer()
         d, s = args
         size = context.get_constant(types.intp, 32)
@@ -59,7 +58,7 @@ def _copy32(typingctx, dst, src):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _copy_run(dst, src, nbytes):  # type: ignore[no-untyped-def]
+def _copy_run(dst, src, nbytes):
     """Short runs by inline vector moves (a libc call per run costs more than the copy)."""
     if nbytes <= SHORT_RUN and nbytes % 32 == 0:
         for offset in range(0, nbytes, 32):
@@ -69,11 +68,11 @@ def _copy_run(dst, src, nbytes):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _address_of(typingctx, array):  # type: ignore[no-untyped-def]
+def _address_of(typingctx, array):
     """The address of an array's first byte (``.ctypes.data`` would defeat caching)."""
     sig = types.int64(array)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         return builder.ptrtoint(data, ir.IntType(64))
 
@@ -81,7 +80,7 @@ def _address_of(typingctx, array):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _strided_copy(dst, src, shape, dst_strides, src_strides, run):  # type: ignore[no-untyped-def]
+def _strided_copy(dst, src, shape, dst_strides, src_strides, run):
     """For every index of the six-dim ``shape``, copy ``run`` bytes.
 
     The two inner dims are loops; the four outer ones are walked by one flat counter.
@@ -105,7 +104,7 @@ def _strided_copy(dst, src, shape, dst_strides, src_strides, run):  # type: igno
 
 
 @njit(inline="always")
-def _loops(params, at):  # type: ignore[no-untyped-def]
+def _loops(params, at):
     """Loop shape and both strides, six dims each, from ``params[at:at + 18]``, as tuples.
 
     Tuples live in registers; read from the array inside the loops they would be reloaded
@@ -118,7 +117,7 @@ def _loops(params, at):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):  # type: ignore[no-untyped-def]
+def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):
     """Rewrite in place work items ``first .. last - 1``: one unit of one tensor's outer index.
 
     Each piece (see ``kvhost.transform.WriteBack``) goes to ``scratch`` (this span's own
@@ -162,7 +161,7 @@ def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):  # ty
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def rearrange_units(bases, outer, unit_ids, params, scratch, threads):  # type: ignore[no-untyped-def]
+def rearrange_units(bases, outer, unit_ids, params, scratch, threads):
     """Rewrite, in place, every unit of ``unit_ids`` at every outer offset of every tensor.
 
     ``bases``: tensor addresses; ``outer``: byte offsets of the outer indices; ``unit_ids``:
@@ -179,14 +178,14 @@ def rearrange_units(bases, outer, unit_ids, params, scratch, threads):  # type: 
 
 
 @njit(nogil=True, cache=True)
-def rearrange_units_serial(bases, outer, unit_ids, params, scratch, threads):  # type: ignore[no-untyped-def]
+def rearrange_units_serial(bases, outer, unit_ids, params, scratch, threads):
     """``rearrange_units`` on the calling thread alone, with ``scratch[0]`` (``threads`` is ignored)."""
     items = bases.shape[0] * outer.shape[0] * unit_ids.shape[0]
     _rearrange_span(bases, outer, unit_ids, params, scratch[0], 0, items)
 
 
 @njit(nogil=True, cache=True)
-def _split_into_runs(src_ids, dst_ids, most):  # type: ignore[no-untyped-def]
+def _split_into_runs(src_ids, dst_ids, most):
     """Positions and lengths of the runs of ids consecutive on both sides, at most ``most`` long."""
     count = src_ids.shape[0]
     starts = np.empty(count, dtype=np.int64)
@@ -205,7 +204,7 @@ def _split_into_runs(src_ids, dst_ids, most):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _copy_span(src_bases, dst_bases, src_ids, dst_ids, starts, lengths, params, first, last):  # type: ignore[no-untyped-def]
+def _copy_span(src_bases, dst_bases, src_ids, dst_ids, starts, lengths, params, first, last):
     """Copy work items ``first .. last - 1``: one run of blocks of one tensor pair."""
     src_block, dst_block, merge, run = params[0], params[1], params[2], params[3]
     shape, src_strides, dst_strides = _loops(params, 5)
@@ -223,7 +222,7 @@ def _copy_span(src_bases, dst_bases, src_ids, dst_ids, starts, lengths, params, 
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def copy_runs(src_bases, dst_bases, src_ids, dst_ids, params, threads):  # type: ignore[no-untyped-def]
+def copy_runs(src_bases, dst_bases, src_ids, dst_ids, params, threads):
     """Block ``dst_ids[i]`` of every destination tensor receives ``src_ids[i]`` of its source.
 
     Runs of ids consecutive on both sides are found here, cut to ``params[4]`` blocks so
@@ -240,7 +239,7 @@ def copy_runs(src_bases, dst_bases, src_ids, dst_ids, params, threads):  # type:
 
 
 @njit(nogil=True, cache=True)
-def copy_runs_serial(src_bases, dst_bases, src_ids, dst_ids, params, threads):  # type: ignore[no-untyped-def]
+def copy_runs_serial(src_bases, dst_bases, src_ids, dst_ids, params, threads):
     """``copy_runs`` on the calling thread alone (``threads`` is ignored)."""
     starts, lengths = _split_into_runs(src_ids, dst_ids, src_ids.shape[0])
     items = src_bases.shape[0] * starts.shape[0]
@@ -284,6 +283,6 @@ def copy_params(src_block: int, dst_block: int, merge: bool, most_blocks: int, l
 
 
 def _padded(loops: Loops) -> list[int]:
-    """Shape and both strides padded in front to MAX_DIMS dims (size 1, stride 0), flat."""
-    pad = MAX_DIMS - len(loops.shape)
+    """Shape and both strides padded in front to MAX_LOOP_DIMS dims (size 1, stride 0), flat."""
+    pad = MAX_LOOP_DIMS - len(loops.shape)
     return [1] * pad + list(loops.shape) + [0] * pad + list(loops.src_strides) + [0] * pad + list(loops.dst_strides)

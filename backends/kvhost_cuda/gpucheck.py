@@ -18,7 +18,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,7 +84,7 @@ def memcpy_seconds(device: torch.device, nbytes: int, repeats: int) -> float:
 def compare(
     rows: list[Row],
     workload: str,
-    calls: dict[str, Callable[[], Any]],
+    calls: Mapping[str, Callable[[], Any]],
     reference: Callable[[int], float],
     device: torch.device,
     repeats: int,
@@ -139,11 +139,11 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes) ->
     src = cache_set(device, sizes, "KBNHC", 2 * blocks, 16)
     dst = cache_set(device, sizes, "KBHNC", 2 * blocks, 16)
     src_ids, dst_ids = rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks]
-    calls = {
+    copies = {
         method: functools.partial(kvhost.copy_blocks, src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend)
         for method, backend in backends.items()
     }
-    compare(rows, "device copy, scattered, NHD->HND", calls, memcpy, device, sizes.repeats)
+    compare(rows, "device copy, scattered, NHD->HND", copies, memcpy, device, sizes.repeats)
     del dst
     rows += _staging(device, backends, sizes, src, rng)
     return rows
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.json:
         machine = {
-            "device": torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu",
+            "device": device.type,
             "name": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
             "torch": torch.__version__,
             "backend": chosen.describe(),
