@@ -44,7 +44,7 @@ export PYTHONPATH="$PWD:$PWD/backends:$meta${PYTHONPATH:+:$PYTHONPATH}"
 
 "$PYTHON" - <<'PY' 2>&1 | tee "$out/machine.txt"
 import torch, triton, kvhost
-from kvhost.cli import main
+from kvhost_tools.cli import main
 print(f"{torch.cuda.get_device_name(0)}: torch {torch.__version__}, triton {triton.__version__}")
 main(["info"])
 PY

@@ -55,7 +55,7 @@ class Run:
         self.name = name
         self.json = directory / f"{name}.json"
         self.out = open(directory / f"{name}.out", "w+")  # noqa: SIM115 - closed in result()
-        command = [sys.executable, "-m", "kvhost.cli", "demo", *RUNS[name], "--json", str(self.json)]
+        command = [sys.executable, "-m", "kvhost_tools.cli", "demo", *RUNS[name], "--json", str(self.json)]
         env = dict(os.environ, **ENV.get(name, {}))
         self.started = time.monotonic()
         self.process = subprocess.Popen(command, stdout=self.out, stderr=subprocess.STDOUT, env=env)

@@ -74,7 +74,7 @@ def test_importing_kvhost_imports_no_device_stack():
 
 def test_cli_info_prints_the_table_and_choice():
     out = subprocess.run(
-        [sys.executable, "-m", "kvhost.cli", "info"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "kvhost_tools.cli", "info"], capture_output=True, text=True, check=True
     ).stdout
     assert "cpu" in out and "torch" in out and "available" in out
     assert "cpu        -> cpu" in out
