@@ -34,6 +34,7 @@ from kvhost.backend import Backend
 from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
 from kvhost.errors import LayoutError, RequestError
+from kvhost.ids import IdBatch
 from kvhost.layout import Layout
 from kvhost.stats import CopyResult, ReceiveStats
 
@@ -296,25 +297,14 @@ class VllmCaches:
 
     def _batch_ids(self, block_ids: Mapping[str, BlockIds]) -> np.ndarray:
         """Every request's ids, checked and named by request, each block once, ascending."""
-        arrays = []
-        limit = self.num_blocks
+        if not isinstance(block_ids, Mapping):
+            raise RequestError(f"block ids must map request id to block ids, got {type(block_ids).__name__}")
+        batch = IdBatch()
         for request_id, ids in block_ids.items():
-            array = np.asarray(ids)
-            if array.size == 0:
-                continue
-            if array.ndim != 1 or array.dtype.kind not in "iu":
-                raise RequestError(
-                    f"request {request_id!r}: block ids must be a flat sequence of integers, "
-                    f"got {array.dtype} {array.shape}"
-                )
-            bad = np.flatnonzero((array < 0) | (array >= limit))
-            if bad.size:
-                raise RequestError(
-                    f"request {request_id!r}: block id {int(array[bad[0]])} is out of range [0, {limit})"
-                )
-            arrays.append(array.astype(np.int64, copy=False))
+            batch.add(f"request {request_id!r}", ids)
+        batch.check(self.num_blocks, unique=False)  # a shared prefix names a block twice: copied once
         # Ascending ids make the longest runs of consecutive blocks: fewer, larger copies.
-        return np.unique(np.concatenate(arrays)) if arrays else np.zeros(0, dtype=np.int64)
+        return np.unique(batch.array())
 
     def _check_memory_order(self, name: str) -> None:
         """Refuse caches whose strides say another KVCacheLayout than ``name``."""
