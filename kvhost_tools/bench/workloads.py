@@ -1,10 +1,15 @@
-"""What the bench measures: cache geometries, points, scenarios and their targets, presets."""
+"""What the bench measures: cache geometries, points, scenarios and their targets, presets.
+
+The scenario list is a table (``SCENARIOS``): each entry names a base point and the points
+it varies into; ``scenarios()`` turns them into points for one preset.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,147 +128,171 @@ PRESETS = {
     ),
 }
 
+# Where a scenario's points are taken: one per batch size asked for, at the preset's sweep
+# batch size, or at the preset's front-end batch.
+BATCHES, SWEEP, FRONT_END = "batches", "sweep", "front end"
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    """One scenario, declared: a base point (``Point`` fields, ``geometry`` as changes to the
+    preset's), where its batch sizes come from, and the changes that make each point."""
+
+    name: str
+    title: str  # formatted with sweep_requests, front_requests, front_blocks, front_layers
+    base: Mapping[str, Any]
+    at: str = BATCHES
+    points: tuple[Mapping[str, Any], ...] = ({},)
+    target: Target | None = None
+    plot: bool = False
+
+
+RECEIVE_R4 = {
+    "kind": "receive",
+    "blocks_per_request": 4,
+    "remote_order": "HNC",
+    "remote_block_size": 16,
+    "label": "HND16->NHD64",
+}
+STAGE = {"kind": "stage", "geometry": {"block_size": 16}, "blocks_per_request": 4}
+FRACTION_AND_SPEEDUP = Target(
+    ">= 0.8 of memcpy and >= 4x the baseline at every batch size", min_fraction=0.8, min_speedup=4.0
+)
+
+SCENARIOS = (
+    ScenarioSpec(
+        "receive-r4",
+        "receive, remote HND 16 -> local NHD 64 (r = 4), requests of 4 blocks",
+        RECEIVE_R4,
+        target=FRACTION_AND_SPEEDUP,
+        plot=True,
+    ),
+    ScenarioSpec(
+        "receive-g4",
+        "receive, remote HND 64 -> local NHD 16 (g = 4), requests of 4 blocks",
+        {**RECEIVE_R4, "geometry": {"block_size": 16}, "remote_block_size": 64, "label": "HND64->NHD16"},
+        target=Target(">= 0.7 of memcpy at every batch size", min_fraction=0.7),
+        plot=True,
+    ),
+    ScenarioSpec(
+        "stage-runs",
+        "staging copy cache -> host buffer, allocator-like runs of ids, requests of 4 blocks of 16",
+        {**STAGE, "ids": "runs", "label": "save, runs"},
+        target=FRACTION_AND_SPEEDUP,
+        plot=True,
+    ),
+    ScenarioSpec(
+        "stage-scattered",
+        "staging copy cache -> host buffer, scattered single blocks, requests of 4 blocks of 16",
+        {**STAGE, "ids": "scattered", "label": "save, scattered"},
+        target=Target(">= 0.6 of memcpy at every batch size", min_fraction=0.6),
+        plot=True,
+    ),
+    ScenarioSpec(
+        "identity",
+        "receive whose transform is the identity (token-major NHD 16 -> NHD 64): nothing to copy",
+        {**RECEIVE_R4, "kind": "identity", "remote_order": "NHC", "label": "NHD16->NHD64"},
+        target=Target(
+            "zero bytes moved; time within noise (the larger IQR) of an empty call plus one pass over the batch",
+            identity=True,
+        ),
+    ),
+    ScenarioSpec(
+        "front-end",
+        "front end for {front_requests} requests x {front_blocks} blocks (HND 16 -> NHD 16, "
+        "{front_layers} layer(s): fewer layers make the transform smaller and the share larger)",
+        {**RECEIVE_R4, "kind": "frontend", "geometry": {"block_size": 16}, "label": "HND16->NHD16"},
+        at=FRONT_END,
+        target=Target("front end < 5% of the transform it prepares", max_front_share=0.05),
+    ),
+    ScenarioSpec(
+        "sweep-blocks",
+        "receive HND 16 -> NHD 64, {sweep_requests} requests, blocks per request",
+        RECEIVE_R4,
+        at=SWEEP,
+        points=tuple({"blocks_per_request": b, "label": f"{b} blocks/request"} for b in (1, 4, 16)),
+    ),
+    ScenarioSpec(
+        "sweep-ratio",
+        "receive HND -> NHD 64, {sweep_requests} requests of 4 blocks, block-size ratio",
+        RECEIVE_R4,
+        at=SWEEP,
+        points=tuple(
+            {"remote_block_size": size, "label": label}
+            for size, label in ((64, "r=1"), (32, "r=2"), (16, "r=4"), (8, "r=8"), (128, "g=2"), (256, "g=4"))
+        ),
+    ),
+    ScenarioSpec(
+        "sweep-layout",
+        "receive r = 4, {sweep_requests} requests of 4 blocks, layout pairs (remote -> local)",
+        RECEIVE_R4,
+        at=SWEEP,
+        points=(
+            {"label": "HND->NHD"},
+            {"geometry": {"physical": "KBHNC"}, "remote_order": "NHC", "label": "NHD->HND"},
+            {"geometry": {"physical": "KBHNC"}, "remote_order": "HNC", "label": "HND->HND"},
+            {"geometry": {"axes": "BKNHC", "physical": "BKNHC"}, "remote_order": "KHNC", "label": "KHND->KNHD"},
+        ),
+    ),
+    ScenarioSpec(
+        "sweep-dtype",
+        "receive HND 16 -> NHD 64, {sweep_requests} requests of 4 blocks, dtype",
+        RECEIVE_R4,
+        at=SWEEP,
+        points=tuple(
+            {"geometry": {"dtype": dtype}, "label": dtype} for dtype in ("float8_e4m3fn", "bfloat16", "float32")
+        ),
+    ),
+    ScenarioSpec(
+        "sweep-stage",
+        "staging, {sweep_requests} requests of 4 blocks of 16: direction and host layout",
+        STAGE,
+        at=SWEEP,
+        points=tuple(
+            {"direction": direction, "host_physical": host, "label": f"{direction}{', host HND' if host else ''}"}
+            for direction, host in (("save", ""), ("load", ""), ("save", "KBHNC"))
+        ),
+    ),
+)
+
 
 def scenarios(preset: Preset, requests: Sequence[int]) -> list[Scenario]:
-    """The named target scenarios, then the sweeps."""
-    nhd64 = preset.geometry
-    nhd16 = replace(nhd64, block_size=16)
-    receive = Point("", "receive", nhd64, 1, 4, "HNC", 16, label="HND16->NHD64")
-
-    def batch_sweep(point: Point) -> tuple[Point, ...]:
-        return tuple(replace(point, requests=n) for n in requests)
-
-    out = [
-        Scenario(
-            "receive-r4",
-            "receive, remote HND 16 -> local NHD 64 (r = 4), requests of 4 blocks",
-            batch_sweep(replace(receive, scenario="receive-r4")),
-            Target(">= 0.8 of memcpy and >= 4x the baseline at every batch size", min_fraction=0.8, min_speedup=4.0),
-            plot=True,
-        ),
-        Scenario(
-            "receive-g4",
-            "receive, remote HND 64 -> local NHD 16 (g = 4), requests of 4 blocks",
-            batch_sweep(Point("receive-g4", "receive", nhd16, 1, 4, "HNC", 64, label="HND64->NHD16")),
-            Target(">= 0.7 of memcpy at every batch size", min_fraction=0.7),
-            plot=True,
-        ),
-        Scenario(
-            "stage-runs",
-            "staging copy cache -> host buffer, allocator-like runs of ids, requests of 4 blocks of 16",
-            batch_sweep(Point("stage-runs", "stage", nhd16, 1, 4, ids="runs", label="save, runs")),
-            Target(">= 0.8 of memcpy and >= 4x the baseline at every batch size", min_fraction=0.8, min_speedup=4.0),
-            plot=True,
-        ),
-        Scenario(
-            "stage-scattered",
-            "staging copy cache -> host buffer, scattered single blocks, requests of 4 blocks of 16",
-            batch_sweep(Point("stage-scattered", "stage", nhd16, 1, 4, ids="scattered", label="save, scattered")),
-            Target(">= 0.6 of memcpy at every batch size", min_fraction=0.6),
-            plot=True,
-        ),
-        Scenario(
-            "identity",
-            "receive whose transform is the identity (token-major NHD 16 -> NHD 64): nothing to copy",
-            batch_sweep(Point("identity", "identity", nhd64, 1, 4, "NHC", 16, label="NHD16->NHD64")),
-            Target(
-                "zero bytes moved; time within noise (the larger IQR) of an empty call plus one pass over the batch",
-                identity=True,
-            ),
-        ),
-    ]
+    """The target scenarios, then (where the preset has them) the sweeps, for ``preset``."""
     front_requests, front_blocks, front_layers = preset.front_end
-    out.append(
-        Scenario(
-            "front-end",
-            f"front end for {front_requests} requests x {front_blocks} blocks (HND 16 -> NHD 16, "
-            f"{front_layers} layer(s): fewer layers make the transform smaller and the share larger)",
-            (
-                Point(
-                    "front-end",
-                    "frontend",
-                    replace(nhd16, layers=front_layers),
-                    front_requests,
-                    front_blocks,
-                    "HNC",
-                    16,
-                    label="HND16->NHD16",
-                ),
-            ),
-            Target("front end < 5% of the transform it prepares", max_front_share=0.05),
+    batches: dict[str, tuple[Mapping[str, Any], ...]] = {
+        BATCHES: tuple({"requests": n} for n in requests),
+        SWEEP: ({"requests": preset.sweep_requests},),
+        FRONT_END: (
+            {"requests": front_requests, "blocks_per_request": front_blocks, "geometry": {"layers": front_layers}},
+        ),
+    }
+    names = {
+        "sweep_requests": preset.sweep_requests,
+        "front_requests": front_requests,
+        "front_blocks": front_blocks,
+        "front_layers": front_layers,
+    }
+    out = []
+    for spec in SCENARIOS:
+        if spec.at == SWEEP and not preset.sweeps:
+            continue
+        points = tuple(
+            _point(preset.geometry, spec.name, spec.base, batch, change)
+            for change in spec.points
+            for batch in batches[spec.at]
         )
-    )
-    if not preset.sweeps:
-        return out
-    at = replace(receive, requests=preset.sweep_requests)
-    out += [
-        Scenario(
-            "sweep-blocks",
-            f"receive HND 16 -> NHD 64, {preset.sweep_requests} requests, blocks per request",
-            tuple(
-                replace(at, scenario="sweep-blocks", blocks_per_request=b, label=f"{b} blocks/request")
-                for b in (1, 4, 16)
-            ),
-        ),
-        Scenario(
-            "sweep-ratio",
-            f"receive HND -> NHD 64, {preset.sweep_requests} requests of 4 blocks, block-size ratio",
-            tuple(
-                replace(at, scenario="sweep-ratio", remote_block_size=size, label=label)
-                for size, label in ((64, "r=1"), (32, "r=2"), (16, "r=4"), (8, "r=8"), (128, "g=2"), (256, "g=4"))
-            ),
-        ),
-        Scenario(
-            "sweep-layout",
-            f"receive r = 4, {preset.sweep_requests} requests of 4 blocks, layout pairs (remote -> local)",
-            (
-                replace(at, scenario="sweep-layout", label="HND->NHD"),
-                replace(
-                    at,
-                    scenario="sweep-layout",
-                    geometry=replace(nhd64, physical="KBHNC"),
-                    remote_order="NHC",
-                    label="NHD->HND",
-                ),
-                replace(
-                    at,
-                    scenario="sweep-layout",
-                    geometry=replace(nhd64, physical="KBHNC"),
-                    remote_order="HNC",
-                    label="HND->HND",
-                ),
-                replace(
-                    at,
-                    scenario="sweep-layout",
-                    geometry=replace(nhd64, axes="BKNHC", physical="BKNHC"),
-                    remote_order="KHNC",
-                    label="KHND->KNHD",
-                ),
-            ),
-        ),
-        Scenario(
-            "sweep-dtype",
-            f"receive HND 16 -> NHD 64, {preset.sweep_requests} requests of 4 blocks, dtype",
-            tuple(
-                replace(at, scenario="sweep-dtype", geometry=replace(nhd64, dtype=dtype), label=dtype)
-                for dtype in ("float8_e4m3fn", "bfloat16", "float32")
-            ),
-        ),
-        Scenario(
-            "sweep-stage",
-            f"staging, {preset.sweep_requests} requests of 4 blocks of 16: direction and host layout",
-            tuple(
-                replace(
-                    Point("sweep-stage", "stage", nhd16, preset.sweep_requests, 4),
-                    direction=direction,
-                    host_physical=host,
-                    label=f"{direction}{', host HND' if host else ''}",
-                )
-                for direction, host in (("save", ""), ("load", ""), ("save", "KBHNC"))
-            ),
-        ),
-    ]
+        out.append(Scenario(spec.name, spec.title.format(**names), points, spec.target, spec.plot))
     return out
+
+
+def _point(geometry: Geometry, scenario: str, *changes: Mapping[str, Any]) -> Point:
+    """A point from ``changes`` applied in turn, ``geometry`` changed key by key."""
+    fields: dict[str, Any] = {}
+    geometry_changes: dict[str, Any] = {}
+    for change in changes:
+        fields |= {k: v for k, v in change.items() if k != "geometry"}
+        geometry_changes |= change.get("geometry", {})
+    return Point(scenario=scenario, geometry=replace(geometry, **geometry_changes), **fields)
 
 
 def allocator_ids(num_blocks: int, count: int, kind: str, rng: np.random.Generator) -> np.ndarray:
