@@ -36,15 +36,9 @@ def same_result(
 ) -> bool:
     """Baseline and each kvhost method, run on the same random wire bytes, leave the same bytes."""
     start = [fill_random(t, seed + i) for i, t in enumerate(_block_bytes(caches, axes, ids))]
-    _put_block_bytes(caches, axes, ids, start)
-    baseline()
-    want = _block_bytes(caches, axes, ids)
-    for method in others:
-        _put_block_bytes(caches, axes, ids, start)
-        method()
-        if not all(torch.equal(w, g) for w, g in zip(want, _block_bytes(caches, axes, ids))):
-            return False
-    return True
+    return _agree(
+        lambda: _put_block_bytes(caches, axes, ids, start), lambda: _block_bytes(caches, axes, ids), baseline, others
+    )
 
 
 def same_copy(
@@ -60,14 +54,36 @@ def same_copy(
     start = [fill_random(t, 7 + i) for i, t in enumerate(_block_bytes(src, axes, src_ids))]
     _put_block_bytes(src, axes, src_ids, start)
     blank = [torch.zeros_like(t) for t in _block_bytes(dst, axes, dst_ids)]
-    _put_block_bytes(dst, axes, dst_ids, blank)
+    return _agree(
+        lambda: _put_block_bytes(dst, axes, dst_ids, blank),
+        lambda: _block_bytes(dst, axes, dst_ids),
+        baseline,
+        others,
+        unchanged=blank,
+    )
+
+
+def _agree(
+    reset: Callable[[], None],
+    read: Callable[[], list[torch.Tensor]],
+    baseline: Callable[[], object],
+    others: list[Callable[[], object]],
+    unchanged: list[torch.Tensor] | None = None,
+) -> bool:
+    """Each of ``others``, run after ``reset``, leaves in ``read()`` what ``baseline`` left;
+    with ``unchanged``, the baseline must also have changed those bytes."""
+    reset()
     baseline()
-    want = _block_bytes(dst, axes, dst_ids)
-    if all(torch.equal(w, b) for w, b in zip(want, blank)):
-        return False  # the baseline copied nothing: nothing to compare against
+    want = read()
+    if unchanged is not None and _equal(want, unchanged):
+        return False  # the baseline did nothing: nothing to compare against
     for method in others:
-        _put_block_bytes(dst, axes, dst_ids, blank)
+        reset()
         method()
-        if not all(torch.equal(w, g) for w, g in zip(want, _block_bytes(dst, axes, dst_ids))):
+        if not _equal(want, read()):
             return False
     return True
+
+
+def _equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(first, second))
