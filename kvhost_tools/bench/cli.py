@@ -26,7 +26,7 @@ import kvhost
 from kvhost_tools.bench.machine import Device, machine
 from kvhost_tools.bench.methods import KVHOST, METHODS, ROOFLINE, Workspace, prepare
 from kvhost_tools.bench.output import other_tables, plot, table, target_table, to_json
-from kvhost_tools.bench.targets import evaluate
+from kvhost_tools.bench.targets import evaluate, front_end_share
 from kvhost_tools.bench.timing import measure, summarise
 from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
@@ -202,8 +202,7 @@ def _progress(row: dict[str, Any]) -> str:
     if row["kind"] == "identity":
         same, empty = methods[KVHOST]["median_s"], methods["empty"]["median_s"]
         return f"{head}: {same * 1e6:.0f} us vs an empty call's {empty * 1e6:.0f} us"
-    share = methods["front end"]["median_s"] / methods["transform"]["median_s"]
-    return f"{head}: front end {share:.2%} of the transform"
+    return f"{head}: front end {front_end_share(methods):.2%} of the transform"
 
 
 if __name__ == "__main__":

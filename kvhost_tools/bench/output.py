@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvhost_tools.bench.machine import MiB
 from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, KVHOST, KVHOST_FN, ROOFLINE
-from kvhost_tools.bench.targets import worst
+from kvhost_tools.bench.targets import front_end_share, worst
 
 TABLE_COLUMNS = (
     "scenario",
@@ -70,48 +70,57 @@ def table(rows: list[dict[str, Any]], extra_methods: Sequence[str] = ()) -> str:
     return format_table(lines) + "\n" + note
 
 
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def text(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda row: str(row[key])
+
+
+def scaled(key: str, scale: float, spec: str) -> Callable[[dict[str, Any]], str]:
+    return lambda row: format(row[key] * scale, spec)
+
+
+def median(method: str, scale: float, spec: str) -> Callable[[dict[str, Any]], str]:
+    return lambda row: format(row["methods"][method]["median_s"] * scale, spec)
+
+
+IDENTITY_COLUMNS: tuple[Column, ...] = (
+    ("identity", text("label")),
+    ("requests", text("requests")),
+    ("blocks", text("blocks")),
+    ("bytes moved", text("bytes")),
+    ("empty us", median("empty", 1e6, ".1f")),
+    ("visit us", median("visit", 1e6, ".1f")),
+    ("kvhost us", median(KVHOST, 1e6, ".1f")),
+    ("kvhost-fn us", median(KVHOST_FN, 1e6, ".1f")),
+    ("noise us", lambda row: format(row.get("empty_noise_s", math.nan) * 1e6, ".1f")),
+)
+FRONT_END_COLUMNS: tuple[Column, ...] = (
+    ("front end", text("label")),
+    ("requests", text("requests")),
+    ("blocks", text("blocks")),
+    ("MiB", scaled("bytes", 1 / MiB, ".0f")),
+    ("front end ms", median("front end", 1e3, ".2f")),
+    ("transform ms", median("transform", 1e3, ".2f")),
+    ("kvhost ms", median(KVHOST, 1e3, ".2f")),
+    ("share", lambda row: format(front_end_share(row["methods"]), ".2%")),
+)
+
+
 def other_tables(rows: list[dict[str, Any]]) -> str:
+    """The identity and front-end points, each kind in its own table."""
     out = []
-    identity = [r for r in rows if r["kind"] == "identity"]
-    if identity:
-        header = ["identity", "requests", "blocks", "bytes moved", "empty us", "visit us", "kvhost us", "kvhost-fn us"]
-        lines = [[*header, "noise us"]]
-        for row in identity:
-            m = row["methods"]
-            lines.append(
-                [
-                    row["label"],
-                    str(row["requests"]),
-                    str(row["blocks"]),
-                    str(row["bytes"]),
-                    f"{m['empty']['median_s'] * 1e6:.1f}",
-                    f"{m['visit']['median_s'] * 1e6:.1f}",
-                    f"{m[KVHOST]['median_s'] * 1e6:.1f}",
-                    f"{m[KVHOST_FN]['median_s'] * 1e6:.1f}",
-                    f"{row.get('empty_noise_s', math.nan) * 1e6:.1f}",
-                ]
-            )
-        out.append(format_table(lines))
-    front = [r for r in rows if r["kind"] == "frontend"]
-    if front:
-        lines = [["front end", "requests", "blocks", "MiB", "front end ms", "transform ms", "kvhost ms", "share"]]
-        for row in front:
-            m = row["methods"]
-            share = m["front end"]["median_s"] / m["transform"]["median_s"]
-            lines.append(
-                [
-                    row["label"],
-                    str(row["requests"]),
-                    str(row["blocks"]),
-                    f"{row['bytes'] / MiB:.0f}",
-                    f"{m['front end']['median_s'] * 1e3:.2f}",
-                    f"{m['transform']['median_s'] * 1e3:.2f}",
-                    f"{m[KVHOST]['median_s'] * 1e3:.2f}",
-                    f"{share:.2%}",
-                ]
-            )
-        out.append(format_table(lines))
+    for kind, columns in (("identity", IDENTITY_COLUMNS), ("frontend", FRONT_END_COLUMNS)):
+        chosen = [r for r in rows if r["kind"] == kind]
+        if chosen:
+            out.append(column_table(chosen, columns))
     return "\n\n".join(out)
+
+
+def column_table(rows: list[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """One line per row, a cell per column from the column's function."""
+    return format_table([[name for name, _ in columns], *[[cell(row) for _, cell in columns] for row in rows]])
 
 
 def target_table(results: list[dict[str, Any]]) -> str:

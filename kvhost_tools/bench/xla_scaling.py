@@ -7,7 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvhost_tools.bench.machine import MiB
-from kvhost_tools.bench.output import format_table
+from kvhost_tools.bench.output import Column, column_table, scaled, text
 
 
 def measure_xla_scaling() -> dict[str, Any]:
@@ -27,20 +27,18 @@ def measure_xla_scaling() -> dict[str, Any]:
     return {"rows": [row.as_dict() if hasattr(row, "as_dict") else asdict(row) for row in rows]}
 
 
+XLA_COLUMNS: tuple[Column, ...] = (
+    ("xla scaling", text("operation")),
+    ("blocks", text("blocks")),
+    ("cache blocks", text("cache_blocks")),
+    ("cache MiB", scaled("cache_bytes", 1 / MiB, ".0f")),
+    ("ms per call", scaled("seconds", 1e3, ".3f")),
+    ("clone ms", scaled("cache_clone_seconds", 1e3, ".3f")),
+)
+
+
 def xla_table(result: dict[str, Any]) -> str:
     """Receive/copy time per cache size next to one whole-cache clone: O(n) stays flat, O(cache) grows."""
     if "rows" not in result:
         return f"xla scaling: {result.get('skipped', 'not run')}"
-    lines = [["xla scaling", "blocks", "cache blocks", "cache MiB", "ms per call", "clone ms"]]
-    for row in result["rows"]:
-        lines.append(
-            [
-                str(row["operation"]),
-                str(row["blocks"]),
-                str(row["cache_blocks"]),
-                f"{row['cache_bytes'] / MiB:.0f}",
-                f"{row['seconds'] * 1e3:.3f}",
-                f"{row['cache_clone_seconds'] * 1e3:.3f}",
-            ]
-        )
-    return format_table(lines)
+    return column_table(result["rows"], XLA_COLUMNS)
