@@ -46,7 +46,16 @@ from kvhost.errors import KVHostError
 from kvhost.layout import Layout
 from kvhost.nixl import Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
 from kvhost.testing import make_cache, raw
-from kvhost.wire_protocol import Fields, Message, ProtocolError, receive, send
+from kvhost.wire_protocol import (
+    MAX_WAIT_SECONDS,
+    Fields,
+    InvalidTimeoutError,
+    Message,
+    ProtocolError,
+    check_seconds,
+    receive,
+    send,
+)
 
 AXES = "KBNHC"  # shape order of every cache here; the layout name sets the memory order
 LAYOUTS = {"NHD": "KBNHC", "HND": "KBHNC"}  # token-major, head-major
@@ -162,7 +171,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         table = agent.register(caches, AXES)
         with socket.create_connection(("127.0.0.1", args.port), timeout=args.connect_timeout) as sock:
             hello = {"pid": os.getpid(), "table": table.to_dict(), "requests": requests, "fill_seconds": fill_seconds}
-            send(sock, "hello", hello, agent.metadata())
+            send(sock, "hello", hello, agent.metadata(), timeout=args.connect_timeout)
             # The memory must stay registered until decode has read it all.
             try:
                 receive(sock, timeout=args.hold_timeout, expect="done")
@@ -298,7 +307,7 @@ def accept_hello(
     listener: socket.socket, prefill: subprocess.Popen[bytes] | None, timeout: float
 ) -> tuple[socket.socket, Hello]:
     """Wait for prefill to connect and say hello; a prefill that dies first is a DemoError."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + check_seconds(timeout, "connect timeout")
     listener.settimeout(0.1)
     while True:
         if prefill is not None and prefill.poll() is not None:
@@ -386,7 +395,7 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
         peer = agent.add_peer(hello.metadata)
         handoff(args, config, agent, peer, hello, rank_caches, pool, started, outcome)
         with contextlib.suppress(ProtocolError):  # a prefill that was killed cannot be told
-            send(sock, "done", {"ok": outcome.ok})
+            send(sock, "done", {"ok": outcome.ok}, timeout=args.timeout)
     except KVHostError as err:
         outcome.error = f"{type(err).__name__}: {err}"
     finally:
@@ -511,7 +520,8 @@ def pull(
         faulted = True
         if args.kill_prefill_after is not None:
             prefill.send_signal(signal.SIGKILL)
-            prefill.wait(timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                prefill.wait(timeout=10)
             what = "killed"
         else:
             prefill.send_signal(signal.SIGSTOP)
@@ -701,7 +711,8 @@ def stop_prefill(prefill: subprocess.Popen[bytes], frozen: bool) -> None:
         prefill.wait(timeout=0.1 if frozen else 10)
     except subprocess.TimeoutExpired:
         prefill.kill()
-        prefill.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a process stuck in the kernel: leave it
+            prefill.wait(timeout=10)
 
 
 def wait_until_stopped(pid: int, timeout: float = 2.0) -> None:
@@ -837,6 +848,16 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The module docstring as written, and every option's default."""
 
 
+def _seconds(text: str) -> float:
+    """An option's seconds: a finite number above 0, at most a week (never NaN or infinite)."""
+    try:
+        return check_seconds(float(text), "", positive=True)
+    except (ValueError, InvalidTimeoutError):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds in (0, {MAX_WAIT_SECONDS:g}], got {text!r}"
+        ) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvhost demo", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--prefill-block-size", type=int, default=16, metavar="N", help="tokens per prefill block")
@@ -864,14 +885,14 @@ def parser() -> argparse.ArgumentParser:
     faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill after N requests arrived")
     faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill (SIGSTOP) after N arrived")
     p.add_argument("--inflight", type=int, default=8, help="transfers in flight at once")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds one transfer may take")
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds for prefill to start and say hello")
+    p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds one transfer may take")
+    p.add_argument("--connect-timeout", type=_seconds, default=60.0, help="seconds for prefill to start and say hello")
     p.add_argument("--json", metavar="PATH", help="also write the outcome as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     # Set by decode when it starts prefill; not for people.
     p.add_argument("--role", choices=["decode", "prefill"], default="decode", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--hold-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    p.add_argument("--hold-timeout", type=_seconds, default=600.0, help=argparse.SUPPRESS)
     return p
 
 
@@ -901,8 +922,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if args.max_tokens < args.min_tokens:
         p.error(f"--max-tokens {args.max_tokens} is below --min-tokens {args.min_tokens}")
-    if args.timeout <= 0:
-        p.error(f"--timeout must be positive, got {args.timeout}")
     for name in ("kill_prefill_after", "freeze_prefill_after"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")

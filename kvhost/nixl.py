@@ -40,7 +40,7 @@ import torch
 from kvhost.caches import CacheSet, Layer
 from kvhost.errors import BackendError, KVHostError, LayoutError, RequestError
 from kvhost.layout import AXIS_LETTERS
-from kvhost.wire_protocol import Fields, ProtocolError, check_int
+from kvhost.wire_protocol import Fields, InvalidTimeoutError, ProtocolError, check_int, check_seconds
 
 # The ``nixl`` meta package forwards ``nixl._api`` to whichever CUDA build is installed.
 NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
@@ -685,14 +685,23 @@ class Transfer:
         return self._note(state)
 
     def wait(self, timeout: float, *, interval: float = 1e-4) -> None:
-        """Block until done; TransferError(timed_out=True) after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
+        """Block until done; TransferError(timed_out=True) after ``timeout`` seconds.
+
+        ``timeout`` must be a finite number of seconds (``wire_protocol.check_seconds``):
+        NaN, infinity, a negative number or a bool is an InvalidTimeoutError, never a wait
+        without end. ``interval`` (between polls) is in (0, 1].
+        """
+        seconds = check_seconds(timeout, "Transfer.wait timeout")
+        pause = check_seconds(interval, "Transfer.wait interval", positive=True)
+        if pause > 1:
+            raise InvalidTimeoutError(f"Transfer.wait interval: expected at most 1 s between polls, got {pause:g}")
+        deadline = time.monotonic() + seconds
         while not self.poll():
             if time.monotonic() > deadline:
                 raise TransferError(
-                    f"{self.op} from {self.reader.peer!r} did not finish within {timeout:g} s", timed_out=True
+                    f"{self.op} from {self.reader.peer!r} did not finish within {seconds:g} s", timed_out=True
                 )
-            time.sleep(interval)
+            time.sleep(pause)
 
     @property
     def seconds(self) -> float:

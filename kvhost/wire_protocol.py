@@ -8,13 +8,15 @@ Agent metadata and block tables travel beside NIXL, on a plain TCP socket. A fra
 all integers big-endian, the CRC covering JSON and blob. A peer's bytes are never trusted:
 lengths are capped before anything is allocated, the CRC catches corruption, and
 ``Fields`` checks every value's type and range, so anything malformed or truncated
-becomes a ``ProtocolError`` that names what was wrong, never a crash.
+becomes a ``ProtocolError`` that names what was wrong, never a crash. Every wait has a
+deadline (``check_seconds``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import socket
 import struct
 import time
@@ -22,6 +24,8 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvhost.errors import KVHostError
 
@@ -32,10 +36,27 @@ HEADER_BYTES = _HEADER.size
 MAX_JSON_BYTES = 64 << 20
 MAX_BLOB_BYTES = 16 << 20
 U64_MAX = (1 << 64) - 1
+# The longest any kvhost wait may be asked to last: a week. A deadline is always finite.
+MAX_WAIT_SECONDS = 7 * 24 * 3600.0
 
 
 class ProtocolError(KVHostError, ValueError):
     """A control message was malformed, truncated, unexpected, or did not arrive in time."""
+
+
+class InvalidTimeoutError(KVHostError, ValueError):
+    """A timeout that is not a finite number of seconds in range (NaN, infinite, negative, a bool)."""
+
+
+def check_seconds(value: Any, where: str, *, positive: bool = False) -> float:
+    """``value`` as seconds to wait: a finite real number in [0, MAX_WAIT_SECONDS] (above 0 if ``positive``)."""
+    expected = f"{where}: expected a number of seconds in {'(' if positive else '['}0, {MAX_WAIT_SECONDS:g}]"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidTimeoutError(f"{expected}, got {_show(value)}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0) or seconds > MAX_WAIT_SECONDS:
+        raise InvalidTimeoutError(f"{expected}, got {seconds}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -105,17 +126,23 @@ def decode(data: bytes) -> Message:
     return parse_body(body, data[HEADER_BYTES + json_len : total], crc)
 
 
-def send(sock: socket.socket, kind: str, header: Mapping[str, Any], blob: bytes = b"") -> None:
-    """Send one message; a closed or broken socket is a ProtocolError."""
+def send(sock: socket.socket, kind: str, header: Mapping[str, Any], blob: bytes = b"", *, timeout: float) -> None:
+    """Send one message within ``timeout`` seconds; a closed, broken or stalled socket is a ProtocolError."""
+    seconds = check_seconds(timeout, "send timeout")
+    frame = encode(kind, header, blob)
     try:
-        sock.sendall(encode(kind, header, blob))
+        sock.settimeout(seconds)
+        sock.sendall(frame)
+    except TimeoutError:
+        raise ProtocolError(f"could not send {kind!r} within {seconds:g} s: the peer does not read") from None
     except OSError as err:
         raise ProtocolError(f"could not send {kind!r}: {err}") from None
 
 
 def receive(sock: socket.socket, *, timeout: float, expect: str | None = None) -> Message:
     """Read one message within ``timeout`` seconds; ``expect`` names the only kind accepted."""
-    deadline = time.monotonic() + timeout
+    seconds = check_seconds(timeout, "receive timeout")
+    deadline = time.monotonic() + seconds
     json_len, blob_len, crc = parse_header(_read_exactly(sock, HEADER_BYTES, deadline, "header"))
     body = _read_exactly(sock, json_len, deadline, "JSON body")
     blob = _read_exactly(sock, blob_len, deadline, "blob")
