@@ -47,8 +47,8 @@ from kvhost.layout import Layout
 from kvhost.nixl import Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
 from kvhost.testing import make_cache, raw
 from kvhost.wire_protocol import (
+    MAX_ARRAY_BYTES,
     MAX_WAIT_SECONDS,
-    Fields,
     InvalidTimeoutError,
     Message,
     ProtocolError,
@@ -65,6 +65,8 @@ DTYPES = {
 }
 SENTINEL_BYTE = 0xA5  # what every decode block holds before anything lands in it
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+MAX_REQUESTS = 1 << 14  # requests one hello may announce
+MAX_TOKENS = 1 << 24  # tokens of one request
 
 
 class DemoError(KVHostError, RuntimeError):
@@ -156,16 +158,23 @@ def run_prefill(args: argparse.Namespace) -> int:
     cache_set = CacheSet(caches, AXES)
     for member in cache_set.members:
         raw(member.tensor).zero_()
-    requests = []
+    block_ids: list[int] = []
     for number, (tokens, count) in enumerate(zip(lengths, needed)):
         ids, free = free[:count], free[count:]
+        block_ids += ids
         for layer, member in enumerate(cache_set.members):
             values = token_values(
                 config.seed, number, layer, tokens, config.heads, config.head_dim, member.layout.itemsize
             )
             write_tokens(member.tensor, AXES, ids, values)
-        requests.append({"name": f"req-{number:03d}", "number": number, "tokens": tokens, "block_ids": ids})
     fill_seconds = time.perf_counter() - started
+    # Bulk integers travel as arrays (binary), names as JSON.
+    requests = {
+        "name": [f"req-{number:03d}" for number in range(len(lengths))],
+        "number": np.arange(len(lengths), dtype=np.uint32),
+        "tokens": np.array(lengths, dtype=np.uint32),
+        "block_ids": np.array(block_ids, dtype=np.uint32 if pool <= 1 << 32 else np.uint64),
+    }
 
     with Agent(f"prefill-{os.getpid()}") as agent:
         table = agent.register(caches, AXES)
@@ -216,7 +225,7 @@ class Request:
     name: str
     number: int
     tokens: int
-    remote_ids: list[int]
+    remote_ids: Sequence[int] | np.ndarray
     local_ids: list[int] = field(default_factory=list)
     staging_ids: list[int] = field(default_factory=list)
     transfer: Transfers | None = None
@@ -228,7 +237,9 @@ class Request:
 class Transfers:
     """One request's reads, one per decode rank: arrived when every one has."""
 
-    def __init__(self, readers: Sequence[kvhost.nixl.Reader], local_ids: list[int], remote_ids: list[int]) -> None:
+    def __init__(
+        self, readers: Sequence[kvhost.nixl.Reader], local_ids: list[int], remote_ids: Sequence[int] | np.ndarray
+    ) -> None:
         self.parts: list[Transfer] = []
         try:
             for reader in readers:
@@ -270,37 +281,43 @@ class Hello:
 
 
 def parse_hello(message: Message) -> Hello:
-    """Prefill's hello, every field checked: a malformed one is a ProtocolError."""
-    fields = Fields(message.header, "hello")
-    table = RegionTable.from_dict(fields.fields("table").data, "hello.table")
-    raw_requests = fields.items("requests", max_length=1 << 16)
-    if not raw_requests:
-        raise ProtocolError("hello.requests: empty")
-    requests, names = [], set()
-    for i, item in enumerate(raw_requests):
-        entry = Fields(item, f"hello.requests[{i}]")
-        name = entry.text("name", max_length=64)
-        tokens = entry.integer("tokens", minimum=1, maximum=1 << 24)
-        ids = entry.integers("block_ids", maximum=table.num_blocks - 1)
-        if len(ids) != blocks_for(tokens, table.block_size):
-            raise ProtocolError(
-                f"hello.requests[{i}]: {tokens} tokens need {blocks_for(tokens, table.block_size)} blocks of "
-                f"{table.block_size}, got {len(ids)} block ids"
-            )
-        if name in names:
-            raise ProtocolError(f"hello.requests[{i}]: request name {name!r} appears twice")
-        names.add(name)
-        requests.append(Request(name, entry.integer("number", maximum=1 << 31), tokens, ids))
+    """Prefill's hello, every field checked: a malformed one is a ProtocolError.
+
+    Requests come as columns: names (JSON), numbers, token counts and the block ids of all
+    of them back to back (arrays); each request's ids are a view of the frame's bytes.
+    """
+    fields = message.fields("hello")
+    table = RegionTable.from_dict(fields.fields("table").data, "hello.table", message.arrays)
+    columns = fields.fields("requests")
+    names = columns.texts("name", max_items=MAX_REQUESTS, max_length=64)
+    if not names:
+        raise ProtocolError("hello.requests.name: empty")
+    if len(set(names)) != len(names):
+        i, twice = next((i, name) for i, name in enumerate(names) if name in names[:i])
+        raise ProtocolError(f"hello.requests.name[{i}]: request name {twice!r} appears twice")
+    numbers = columns.array("number", maximum=1 << 31, max_length=MAX_REQUESTS)
+    tokens = columns.array("tokens", minimum=1, maximum=MAX_TOKENS, max_length=MAX_REQUESTS)
+    for name, values in (("number", numbers), ("tokens", tokens)):
+        if values.size != len(names):
+            raise ProtocolError(f"hello.requests.{name}: {values.size} values for {len(names)} requests")
+    ends = np.cumsum(-(-tokens.astype(np.int64) // table.block_size))
+    ids = columns.array("block_ids", maximum=table.num_blocks - 1, max_length=MAX_ARRAY_BYTES)
+    if ids.size != int(ends[-1]):
+        raise ProtocolError(
+            f"hello.requests.block_ids: {ids.size} block ids, but the requests' tokens need {int(ends[-1])} "
+            f"blocks of {table.block_size}"
+        )
+    starts = [0, *ends[:-1].tolist()]
+    requests = [
+        Request(name, number, count, ids[start:end])
+        for name, number, count, start, end in zip(names, numbers.tolist(), tokens.tolist(), starts, ends.tolist())
+    ]
     fill = fields.data.get("fill_seconds", 0.0)
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 <= fill <= MAX_WAIT_SECONDS:
+        raise ProtocolError(f"hello.fill_seconds: expected a number of seconds, got {fill!r:.60}")
     if not message.blob:
         raise ProtocolError("hello: no agent metadata")
-    return Hello(
-        fields.integer("pid", minimum=1, maximum=1 << 31),
-        table,
-        requests,
-        float(fill) if isinstance(fill, (int, float)) else 0.0,
-        message.blob,
-    )
+    return Hello(fields.integer("pid", minimum=1, maximum=1 << 31), table, requests, float(fill), message.blob)
 
 
 def accept_hello(

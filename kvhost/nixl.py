@@ -40,7 +40,7 @@ import torch
 from kvhost.caches import CacheSet, Layer
 from kvhost.errors import BackendError, KVHostError, LayoutError, RequestError
 from kvhost.layout import AXIS_LETTERS
-from kvhost.wire_protocol import Fields, InvalidTimeoutError, ProtocolError, check_int, check_seconds
+from kvhost.wire_protocol import Fields, InvalidTimeoutError, ProtocolError, check_seconds
 
 # The ``nixl`` meta package forwards ``nixl._api`` to whichever CUDA build is installed.
 NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
@@ -48,7 +48,10 @@ NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 # the place in a layer's tuple when that place is not K.
 COORD_LETTERS = "#LKHNC"
 MEMORY_OF_DEVICE = {"cpu": "DRAM", "cuda": "VRAM"}
-_MAX_STREAMS = 1 << 22
+# Streams a peer's table may declare. Each costs a Python object here (~0.3 KB) and a
+# descriptor per block in every transfer, so the cap is what models need, not what fits:
+# 128 layers x K/V x 256 heads of per-head streams.
+MAX_STREAMS = 1 << 16
 
 
 class NixlUnavailableError(BackendError):
@@ -83,7 +86,7 @@ def load_nixl() -> ModuleType:
 # --- tables -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Stream:
     """The runs of one outer index of one layer: block ``b``'s run is at ``address + b * block_stride``.
 
@@ -203,7 +206,11 @@ class RegionTable:
         return replace(self, sizes=self.sizes | {"H": count}, streams=streams)
 
     def to_dict(self) -> dict[str, Any]:
-        """The table as JSON-ready data (``from_dict`` reads it back, checking every field)."""
+        """The table as data for ``wire_protocol.encode`` (``from_dict`` reads it back,
+        checking every field): the per-stream numbers are integer arrays, which travel as
+        binary, so a table costs the peer memory in proportion to its size."""
+        layers = list(dict.fromkeys(s.layer for s in self.streams))
+        number = {name: i for i, name in enumerate(layers)}
         return {
             "memory": self.memory,
             "device_id": self.device_id,
@@ -212,13 +219,22 @@ class RegionTable:
             "sizes": dict(self.sizes),
             "itemsize": self.itemsize,
             "num_blocks": self.num_blocks,
-            "streams": [[s.layer, [list(c) for c in s.coords], s.address, s.block_stride] for s in self.streams],
+            "layers": layers,
+            "coords": "".join(a for a, _ in self.streams[0].coords) if self.streams else "",
+            "streams": {
+                "layer": np.array([number[s.layer] for s in self.streams], dtype=np.uint32),
+                "coords": np.array([i for s in self.streams for _, i in s.coords], dtype=np.uint32),
+                "address": np.array([s.address for s in self.streams], dtype=np.uint64),
+                "stride": np.array([s.block_stride for s in self.streams], dtype=np.uint64),
+            },
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "table") -> RegionTable:
-        """A table sent by a peer; anything malformed is a ProtocolError naming the field."""
-        fields = Fields(data, where)
+    def from_dict(cls, data: Any, where: str = "table", arrays: bytes | bytearray | memoryview = b"") -> RegionTable:
+        """A table sent by a peer (``arrays``: the frame's array bytes); anything malformed is
+        a ProtocolError naming the field. What it costs is bounded by what it holds: at most
+        ``MAX_STREAMS`` streams, and nothing per declared block."""
+        fields = Fields(data, where, arrays)
         memory = fields.text("memory")
         if memory not in MEMORY_OF_DEVICE.values():
             raise ProtocolError(f"{where}.memory: {memory!r} is not one of {sorted(MEMORY_OF_DEVICE.values())}")
@@ -241,14 +257,13 @@ class RegionTable:
         num_blocks = fields.integer("num_blocks", minimum=1, maximum=1 << 32)
         device_id = fields.integer("device_id", maximum=1 << 16)
         shell = cls(memory, device_id, order, split, sizes, itemsize, num_blocks, ())
-        raw_streams = fields.items("streams", max_length=_MAX_STREAMS)
-        if not raw_streams:
-            raise ProtocolError(f"{where}.streams: empty")
-        streams = tuple(_stream_from_list(item, f"{where}.streams[{i}]", shell) for i, item in enumerate(raw_streams))
-        letters = {tuple(a for a, _ in s.coords) for s in streams}
-        if len(letters) > 1:
-            raise ProtocolError(f"{where}.streams: streams are indexed by different letters {sorted(letters)}")
-        coordinates = set(letters.pop())
+        layers = fields.texts("layers", max_items=MAX_STREAMS)
+        if len(set(layers)) != len(layers):
+            twice = next(name for i, name in enumerate(layers) if name in layers[:i])
+            raise ProtocolError(f"{where}.layers: {twice!r} appears twice")
+        letters = _coord_letters(fields, shell)
+        streams = _streams(fields.fields("streams"), shell, layers, letters)
+        coordinates = set(letters)
         if not set(split) <= coordinates:
             raise ProtocolError(f"{where}.streams: split letters {split!r} must index the streams")
         covered = set(order) | coordinates - {"#"}
@@ -257,11 +272,6 @@ class RegionTable:
                 f"{where}: sizes name {''.join(sorted(sizes))} but order and stream coordinates name "
                 f"{''.join(sorted(covered))}"
             )
-        seen: set[tuple[str, tuple[tuple[str, int], ...]]] = set()
-        for stream in streams:
-            if stream.key in seen:
-                raise ProtocolError(f"{where}.streams: {stream.describe()} appears twice")
-            seen.add(stream.key)
         return cls(memory, device_id, order, split, sizes, itemsize, num_blocks, streams)
 
 
@@ -271,34 +281,67 @@ def _letters(value: str, where: str, sizes: Mapping[str, int]) -> str:
     return value
 
 
-def _stream_from_list(item: Any, where: str, table: RegionTable) -> Stream:
-    if not isinstance(item, list) or len(item) != 4:
-        raise ProtocolError(f"{where}: expected [layer, coords, address, block_stride], got {item!r:.60}")
-    layer, raw_coords, address, block_stride = item
-    if not isinstance(layer, str) or not layer or len(layer) > 256:
-        raise ProtocolError(f"{where}: layer name must be a non-empty string, got {layer!r:.60}")
-    if not isinstance(raw_coords, list) or len(raw_coords) > len(COORD_LETTERS):
-        raise ProtocolError(f"{where}: coords must be a list of [letter, index] pairs, got {raw_coords!r:.60}")
-    coords: dict[str, int] = {}
-    for pair in raw_coords:
-        letter = pair[0] if isinstance(pair, list) and len(pair) == 2 else None
-        if not (isinstance(letter, str) and len(letter) == 1 and letter in COORD_LETTERS and letter not in coords):
-            raise ProtocolError(f"{where}: bad coordinate {pair!r:.60}")
+def _coord_letters(fields: Fields, table: RegionTable) -> str:
+    """The letters every stream is indexed by, in ``COORD_LETTERS`` order."""
+    where = f"{fields.where}.coords"
+    letters = fields.data.get("coords")
+    if not isinstance(letters, str) or len(letters) > len(COORD_LETTERS):
+        raise ProtocolError(f"{where}: expected a string of coordinate letters, got {letters!r:.60}")
+    for letter in letters:
+        if letter not in COORD_LETTERS:
+            raise ProtocolError(f"{where}: bad coordinate {letter!r} (coordinates are {COORD_LETTERS!r})")
         if letter != "#" and letter not in table.sizes:
             raise ProtocolError(f"{where}: coordinate {letter} has no size")
         if letter in table.run_order:
             raise ProtocolError(f"{where}: coordinate {letter} lies inside the run {table.run_order!r}")
+    if letters != "".join(a for a in COORD_LETTERS if a in letters):
+        raise ProtocolError(f"{where}: {letters!r} must be distinct letters in {COORD_LETTERS!r} order")
+    return letters
+
+
+def _streams(fields: Fields, table: RegionTable, layers: list[str], letters: str) -> tuple[Stream, ...]:
+    """The streams of a peer's table from its arrays, every value checked (vectorised where
+    it can be; one Python object per stream, at most ``MAX_STREAMS``)."""
+    where = fields.where
+    layer = fields.array("layer", maximum=max(len(layers) - 1, 0), max_length=MAX_STREAMS)
+    count = layer.size
+    if not count:
+        raise ProtocolError(f"{where}: empty")
+    if not layers:
+        raise ProtocolError(f"{where}.layer: {count} streams but no layer names")
+    coords = fields.array("coords", max_length=MAX_STREAMS * len(COORD_LETTERS))
+    if coords.size != count * len(letters):
+        raise ProtocolError(f"{where}.coords: {coords.size} values for {count} streams of {len(letters)} coordinates")
+    columns = coords.reshape(count, len(letters))
+    for j, letter in enumerate(letters):
         limit = table.sizes.get(letter, 1 << 10) - 1
-        coords[letter] = check_int(pair[1], f"{where}: coordinate {letter}", maximum=limit)
-    canonical = _canonical(coords)
-    if [list(c) for c in canonical] != raw_coords:
-        raise ProtocolError(f"{where}: coords must be in {COORD_LETTERS!r} order, got {raw_coords!r:.60}")
-    address = check_int(address, f"{where}: address", minimum=1)
-    stride = check_int(block_stride, f"{where}: block stride", minimum=table.run_bytes, maximum=1 << 48)
-    end = address + (table.num_blocks - 1) * stride + table.run_bytes
-    if end > 1 << 64:
-        raise ProtocolError(f"{where}: blocks run past the end of the address space")
-    return Stream(layer, canonical, address, stride)
+        column = columns[:, j]
+        if int(column.max()) > limit:
+            bad = int(np.argmax(column > limit))
+            got = int(column[bad])
+            expected = f"expected an integer in [0, {limit}]"
+            raise ProtocolError(f"{where}.coords[{bad}]: coordinate {letter}: {expected}, got {got}")
+    address = fields.array("address", minimum=1, max_length=MAX_STREAMS)
+    stride = fields.array("stride", minimum=table.run_bytes, maximum=1 << 48, max_length=MAX_STREAMS)
+    for name, values in (("address", address), ("stride", stride)):
+        if values.size != count:
+            raise ProtocolError(f"{where}.{name}: {values.size} values for {count} streams")
+    streams: list[Stream] = []
+    seen: set[tuple[str, tuple[tuple[str, int], ...]]] = set()
+    shared: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}
+    for i, (number, index, base, step) in enumerate(
+        zip(layer.tolist(), columns.tolist(), address.tolist(), stride.tolist())
+    ):
+        if base + (table.num_blocks - 1) * step + table.run_bytes > 1 << 64:
+            raise ProtocolError(f"{where}[{i}]: blocks run past the end of the address space")
+        pairs = tuple(zip(letters, index))
+        coords_key = shared.setdefault(pairs, pairs)  # one tuple per distinct coordinate
+        stream = Stream(layers[number], coords_key, base, step)
+        if stream.key in seen:
+            raise ProtocolError(f"{where}[{i}]: {stream.describe()} appears twice")
+        seen.add(stream.key)
+        streams.append(stream)
+    return tuple(streams)
 
 
 def _cache_set(caches: Mapping[str, Layer], axes: str | None) -> CacheSet:

@@ -30,7 +30,7 @@ from kvhost.nixl import (
     region_table,
 )
 from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens, write_wire
-from kvhost.wire_protocol import ProtocolError
+from kvhost.wire_protocol import ProtocolError, decode, encode
 
 # (axes, remote memory order, local memory order, sizes but B and N)
 LAYOUT_PAIRS = {
@@ -275,9 +275,12 @@ def test_table_round_trip_and_strict_parsing():
     assert table.outer == "K" and table.order == "HNC" and table.block_size == 4
     assert len(table.streams) == 2 * 2  # layers x K
     data = table.to_dict()
-    data["streams"][1] = data["streams"][0]
-    with pytest.raises(ProtocolError, match=r"appears twice"):
+    data["streams"]["coords"][1] = data["streams"]["coords"][0]  # layer 0's V stream is now its K stream
+    with pytest.raises(ProtocolError, match=r"table\.streams\[1\]: l0\[K=0\] appears twice"):
         RegionTable.from_dict(data)
+    # Over the wire: the per-stream numbers travel as arrays and come back the same.
+    message = decode(encode("table", {"table": table.to_dict()}))
+    assert RegionTable.from_dict(message.header["table"], "table", message.arrays) == table
 
 
 def test_memory_spans_merge_shared_memory():

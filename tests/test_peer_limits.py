@@ -3,13 +3,17 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
 
 - Timeouts: NaN, infinity, negative numbers, bools and non-numbers are refused, by
   ``Transfer.wait``, ``wire_protocol.receive``/``send`` and the demo's options alike.
+- A control frame costs memory in proportion to its size (peaks measured with tracemalloc).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
+import threading
 import time
+import tracemalloc
 import types
 
 import numpy as np
@@ -17,11 +21,15 @@ import pytest
 
 from kvhost import demo
 from kvhost.errors import KVHostError
-from kvhost.nixl import Transfer
+from kvhost.nixl import MAX_STREAMS, RegionTable, Stream, Transfer
 from kvhost.wire_protocol import (
     HEADER_BYTES,
+    MAX_ARRAY_BYTES,
+    MAX_JSON_BYTES,
+    MAX_JSON_VALUES,
     InvalidTimeoutError,
     ProtocolError,
+    decode,
     encode,
     receive,
     send,
@@ -87,3 +95,141 @@ def test_the_demo_refuses_time_options_that_are_not_finite_seconds(option, value
         demo.main([f"{option}={value}"])  # (a value like -inf would read as an option)
     assert exit_info.value.code == 2
     assert f"argument {option}: expected a number of seconds in (0, 604800], got {value!r}" in capsys.readouterr().err
+
+
+# --- a frame costs memory in proportion to its size -------------------------------------------
+
+
+def peak_bytes(work):
+    """Peak bytes Python and numpy allocate while ``work()`` runs (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        with contextlib.suppress(ProtocolError):
+            work()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def received_and_parsed(frame, parse=lambda message: message):
+    """Send ``frame`` over a socket pair from a thread; receive and parse it here."""
+    left, right = socket.socketpair()
+
+    def peer():
+        with contextlib.suppress(OSError):  # refused unread: the receiver closes
+            right.sendall(frame)
+
+    thread = threading.Thread(target=peer, daemon=True)
+
+    def work():
+        thread.start()
+        try:
+            parse(receive(left, timeout=60))
+        finally:
+            left.close()
+            thread.join(60)
+            right.close()
+
+    return work
+
+
+def json_frame(item: bytes, count: int) -> bytes:
+    """A frame whose JSON is a list of ``count`` copies of ``item``, with a correct checksum
+    and lengths, whatever the caps (a peer need not respect them)."""
+    import struct
+    import zlib
+
+    body = b'{"kind":"x","v":[' + b",".join([item] * count) + b"]}"
+    return struct.pack(">4sBIIII", b"KVHM", 2, len(body), 0, 0, zlib.crc32(body)) + body
+
+
+# The JSON a byte of frame turns into the most Python objects for: empty objects and lists,
+# one-character strings, floats, small ints, and objects with distinct keys.
+JSON_ITEMS = {
+    "objects": b"{}",
+    "lists": b"[]",
+    "strings": b'"a"',
+    "floats": b"1.5",
+    "ints": b"1000",
+    "keyed": b'{"k":{}}',
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", JSON_ITEMS)
+def test_json_costs_a_bounded_amount_whatever_it_holds(shape):
+    """The most expensive JSON per byte, as much of it as the JSON cap lets through (refused
+    unparsed above the value cap), and as much as the value cap lets through: a few MiB at
+    most. With a 64 MiB JSON cap and no value cap, 64 MiB of ``{}`` took 1.6 GiB to parse."""
+    item = JSON_ITEMS[shape]
+    at_byte_cap = json_frame(item, (MAX_JSON_BYTES - 40) // (len(item) + 1))
+    per_item = 1 + sum(item.count(c) for c in (b"{", b"[", b":", b","))  # what json_values counts
+    at_value_cap = json_frame(item, (MAX_JSON_VALUES - 8) // per_item)
+    for frame in (at_byte_cap, at_value_cap):
+        peak = peak_bytes(received_and_parsed(frame))
+        assert peak <= 2 * len(frame) + 16 * MiB, (
+            f"{shape}: {len(frame) / MiB:.1f} MiB frame, peak {peak / MiB:.0f} MiB"
+        )
+
+
+def big_hello(block_ids: int, streams: int) -> tuple[bytes, int]:
+    """A hello at the caps: ``streams`` streams (layers x K/V) of 2^32 declared blocks of one
+    token, and ``block_ids`` block ids (one byte each) in 4 requests."""
+    layers = streams // 2
+    table = {
+        "memory": "DRAM",
+        "device_id": 0,
+        "order": "HNC",
+        "split": "",
+        "sizes": {"K": 2, "H": 1, "N": 1, "C": 1},
+        "itemsize": 1,
+        "num_blocks": 1 << 32,
+        "layers": [f"l{i}" for i in range(layers)],
+        "coords": "K",
+        "streams": {
+            "layer": np.repeat(np.arange(layers, dtype=np.uint32), 2),
+            "coords": np.tile(np.arange(2, dtype=np.uint32), layers),
+            "address": np.arange(1, streams + 1, dtype=np.uint64) << np.uint64(40),
+            "stride": np.full(streams, 64, dtype=np.uint64),
+        },
+    }
+    tokens = np.full(4, block_ids // 4, dtype=np.uint32)
+    requests = {
+        "name": ["a", "b", "c", "d"],
+        "number": np.arange(4, dtype=np.uint32),
+        "tokens": tokens,
+        "block_ids": np.zeros(int(tokens.sum()), dtype=np.uint8),
+    }
+    frame = encode("hello", {"pid": 1, "table": table, "requests": requests}, b"metadata")
+    return frame, int(tokens.sum())
+
+
+@pytest.mark.timeout(180)
+def test_a_hello_at_the_caps_costs_its_size_and_a_bounded_rest():
+    """A hello as large as the caps allow: 2^16 streams and 60 MiB of block ids. Its arrays
+    are read in place, its ids checked without copies; what is not in proportion to the
+    frame (one Python object per stream, per layer name, per request) is capped."""
+    frame, ids = big_hello(MAX_ARRAY_BYTES - 4 * MiB, MAX_STREAMS)
+    parsed = []
+    peak = peak_bytes(received_and_parsed(frame, lambda message: parsed.append(demo.parse_hello(message))))
+    assert parsed, "the hello was refused"
+    hello = parsed[0]
+    assert len(hello.table.streams) == MAX_STREAMS and sum(r.remote_ids.size for r in hello.requests) == ids
+    assert peak <= 1.25 * len(frame) + 40 * MiB, f"{len(frame) / MiB:.0f} MiB frame, peak {peak / MiB:.0f} MiB"
+
+
+def test_bulk_integers_are_not_accepted_as_json():
+    """Block ids as a JSON list (what version 1 sent) are refused: only arrays carry them."""
+    frame, _ = big_hello(64, 4)
+    message = decode(frame)
+    message.header["requests"]["block_ids"] = [0] * 64
+    with pytest.raises(ProtocolError, match=r"hello\.requests\.block_ids: expected an integer array"):
+        demo.parse_hello(message)
+
+
+def test_stream_objects_are_small():
+    """One Python object per stream is the one cost a table has per stream: keep it small."""
+    assert not hasattr(Stream("l", (("K", 0),), 1, 64), "__dict__")
+    assert RegionTable.__dataclass_fields__  # (a dataclass, compared field by field)
