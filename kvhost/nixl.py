@@ -437,19 +437,15 @@ class TransferPlan:
         """Bytes one request of ``remote_blocks`` sender blocks moves."""
         return remote_blocks * self.remote_parts * self.chunk_bytes * len(self.local.streams)
 
-    def local_descriptors(self) -> np.ndarray:
-        """``[streams x local blocks x local_parts, 3]`` rows of (address, length, device id)."""
-        return _chunks(self.local, list(self.local.streams), self.local_parts, self.chunk_bytes)
-
-    def remote_descriptors(self) -> np.ndarray:
-        """The remote chunks, streams in the local streams' order."""
-        streams = [self.remote.streams[i] for i in self.remote_streams]
-        return _chunks(self.remote, streams, self.remote_parts, self.chunk_bytes)
-
-    def indices(
+    def descriptor_pairs(
         self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of the two descriptor lists, pair by pair, that move one request."""
+        """The (address, length, device id) rows that move one request: local and remote, pair by pair.
+
+        Built from the request's blocks alone (streams x chunks rows a side), so what a table
+        declares costs nothing until a request names it. Rows go stream by stream, each
+        stream's chunks in the request's block order; ``remote`` streams in the local order.
+        """
         remote = _ids(remote_ids, "remote block ids", self.remote.num_blocks)
         local = _ids(local_ids, "local block ids", self.local.num_blocks)
         want = self.local_blocks_for(remote.size)
@@ -459,19 +455,37 @@ class TransferPlan:
                 f"{self.local.block_size} tokens, got {local.size} local block ids"
             )
         chunks = np.arange(remote.size * self.remote_parts, dtype=np.int64)
-        local_rows = local[chunks // self.local_parts] * self.local_parts + chunks % self.local_parts
-        remote_rows = remote[chunks // self.remote_parts] * self.remote_parts + chunks % self.remote_parts
-        streams = np.arange(len(self.local.streams), dtype=np.int64)[:, None]
-        local_index = streams * (self.local.num_blocks * self.local_parts) + local_rows[None, :]
-        remote_index = streams * (self.remote.num_blocks * self.remote_parts) + remote_rows[None, :]
-        return local_index.reshape(-1), remote_index.reshape(-1)
+        return (
+            self._rows(self.local, self._local_streams, local, self.local_parts, chunks),
+            self._rows(self.remote, self._remote_streams, remote, self.remote_parts, chunks),
+        )
 
-    def descriptor_pairs(
-        self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The (address, length, device) rows that move one request: local and remote, pair by pair."""
-        local_index, remote_index = self.indices(local_ids, remote_ids)
-        return self.local_descriptors()[local_index], self.remote_descriptors()[remote_index]
+    @cached_property
+    def _local_streams(self) -> tuple[np.ndarray, np.ndarray]:
+        return _bases_and_strides(self.local.streams)
+
+    @cached_property
+    def _remote_streams(self) -> tuple[np.ndarray, np.ndarray]:
+        return _bases_and_strides([self.remote.streams[i] for i in self.remote_streams])
+
+    def _rows(
+        self,
+        table: RegionTable,
+        streams: tuple[np.ndarray, np.ndarray],
+        ids: np.ndarray,
+        parts: int,
+        chunks: np.ndarray,
+    ) -> np.ndarray:
+        """Chunk ``c`` of the request, in every stream: block ``ids[c // parts]``, part ``c % parts``."""
+        bases, strides = streams
+        blocks = ids[chunks // parts].astype(np.uint64)
+        offsets = (chunks % parts).astype(np.uint64) * np.uint64(self.chunk_bytes)
+        addresses = bases[:, None] + blocks[None, :] * strides[:, None] + offsets[None, :]
+        rows = np.empty((addresses.size, 3), dtype=np.uint64)
+        rows[:, 0] = addresses.reshape(-1)
+        rows[:, 1] = self.chunk_bytes
+        rows[:, 2] = table.device_id
+        return rows
 
 
 def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
@@ -512,15 +526,21 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
     return TransferPlan(local, remote, chunk, local.run_bytes // chunk, remote.run_bytes // chunk, tuple(partner))
 
 
-def _chunks(table: RegionTable, streams: list[Stream], parts: int, chunk: int) -> np.ndarray:
-    bases = np.array([s.address for s in streams], dtype=np.uint64)[:, None, None]
-    strides = np.array([s.block_stride for s in streams], dtype=np.uint64)[:, None, None]
-    blocks = np.arange(table.num_blocks, dtype=np.uint64)[None, :, None]
-    offsets = np.arange(parts, dtype=np.uint64)[None, None, :] * np.uint64(chunk)
-    addresses = (bases + blocks * strides + offsets).reshape(-1)
-    rows = np.empty((addresses.size, 3), dtype=np.uint64)
-    rows[:, 0] = addresses
-    rows[:, 1] = chunk
+def _bases_and_strides(streams: Sequence[Stream]) -> tuple[np.ndarray, np.ndarray]:
+    return (
+        np.array([s.address for s in streams], dtype=np.uint64),
+        np.array([s.block_stride for s in streams], dtype=np.uint64),
+    )
+
+
+def extent_rows(table: RegionTable) -> np.ndarray:
+    """Two (address, length, device id) rows per stream: the run of its first and of its last
+    block. NIXL accepting them means the table's ends lie in registered memory."""
+    bases, strides = _bases_and_strides(table.streams)
+    last = bases + strides * np.uint64(table.num_blocks - 1)
+    rows = np.empty((2 * bases.size, 3), dtype=np.uint64)
+    rows[0::2, 0], rows[1::2, 0] = bases, last
+    rows[:, 1] = table.run_bytes
     rows[:, 2] = table.device_id
     return rows
 
@@ -548,8 +568,8 @@ class Agent:
     """A NIXL agent and the caches it exposes: what one engine holds for its lifetime.
 
     ``register`` pins a layer dict (tensors are kept alive until ``close``) and returns its
-    table; ``metadata()`` is what the peer needs to reach it; ``reader`` prepares the
-    descriptor lists of a plan towards one peer.
+    table; ``metadata()`` is what the peer needs to reach it; ``reader`` reads or writes
+    the requests of a plan towards one peer.
     """
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
@@ -641,25 +661,32 @@ class Agent:
 
 
 class Reader:
-    """One plan's descriptor lists, prepared once, towards one peer; starts one transfer per call."""
+    """One plan towards one peer; starts one transfer per call.
+
+    Each transfer's descriptor lists are built for its request's blocks alone (NIXL
+    ``initialize_xfer``), never for every block a table declares, so a peer's table that
+    declares billions of blocks costs nothing until a request names them, and then only
+    those. When the reader is made, both tables' extents (the first and last block of every
+    stream) are checked against the memory NIXL knows to be registered: a peer's table that
+    names memory its agent has not registered is refused here, not at its first read.
+    """
 
     def __init__(self, agent: Agent, plan: TransferPlan, peer: str) -> None:
         self.agent = agent
         self.plan = plan
         self.peer = peer
         nixl = agent._nixl
-        try:
-            self._local = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", plan.local_descriptors(), plan.local.memory)
-        except Exception as err:
-            raise TransferError(f"preparing the local descriptors failed: {err}") from None
-        try:
-            self._remote = nixl.prep_xfer_dlist(peer, plan.remote_descriptors(), plan.remote.memory)
-        except Exception as err:
-            self._local.release()
-            raise TransferError(
-                f"preparing the descriptors of peer {peer!r} failed ({err}): "
-                "its table names memory it has not registered"
-            ) from None
+        for side, table, owner in (("local", plan.local, "NIXL_INIT_AGENT"), ("remote", plan.remote, peer)):
+            try:
+                nixl.prep_xfer_dlist(owner, extent_rows(table), table.memory).release()
+            except Exception as err:
+                if side == "local":
+                    raise TransferError(f"the local table names memory this agent has not registered: {err}") from None
+                raise TransferError(
+                    f"preparing the descriptors of peer {peer!r} failed ({err}): "
+                    f"its table names memory it has not registered ({len(table.streams)} streams of "
+                    f"{table.num_blocks} blocks of {table.run_bytes} bytes)"
+                ) from None
         self.closed = False
 
     def read(
@@ -679,11 +706,13 @@ class Reader:
     ) -> Transfer:
         if self.closed:
             raise TransferError(f"reader towards {self.peer!r} is closed")
-        local_index, remote_index = self.plan.indices(local_ids, remote_ids)
-        nbytes = local_index.size * self.plan.chunk_bytes
+        local_rows, remote_rows = self.plan.descriptor_pairs(local_ids, remote_ids)
+        nbytes = local_rows.shape[0] * self.plan.chunk_bytes
         nixl = self.agent._nixl
         try:
-            handle = nixl.make_prepped_xfer(op, self._local, local_index, self._remote, remote_index, notify)
+            local = nixl.get_xfer_descs(local_rows, self.plan.local.memory)
+            remote = nixl.get_xfer_descs(remote_rows, self.plan.remote.memory)
+            handle = nixl.initialize_xfer(op, local, remote, self.peer, notify)
         except Exception as err:
             raise TransferError(f"{op} from {self.peer!r}: creating the transfer failed: {err}") from None
         transfer = Transfer(self, handle, nbytes, op)
@@ -696,11 +725,7 @@ class Reader:
         return transfer
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            for handle in (self._local, self._remote):
-                with contextlib.suppress(Exception):  # towards a dead peer this may fail
-                    handle.release()
+        self.closed = True
 
 
 @dataclass

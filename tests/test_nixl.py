@@ -255,13 +255,13 @@ def test_tables_and_plans_reject_mismatches():
         )
     plan = plan_transfer(nhd16, hnd)
     with pytest.raises(RequestError, match="need 1 local blocks"):
-        plan.indices([1, 2], [0, 1])
+        plan.descriptor_pairs([1, 2], [0, 1])
     with pytest.raises(RequestError, match="out of range"):
-        plan.indices([1], [0, 8])
+        plan.descriptor_pairs([1], [0, 8])
     with pytest.raises(RequestError, match="appears twice"):
-        plan.indices([1], [3, 3])
+        plan.descriptor_pairs([1], [3, 3])
     with pytest.raises(RequestError, match="empty"):
-        plan.indices([], [])
+        plan.descriptor_pairs([], [])
     with pytest.raises(LayoutError, match="not meta"):
         region_table({"l": make_cache("KBNHC", "KBNHC", dict(small, N=4, B=2), device="meta")}, "KBNHC")
 

@@ -4,13 +4,19 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
 - Timeouts: NaN, infinity, negative numbers, bools and non-numbers are refused, by
   ``Transfer.wait``, ``wire_protocol.receive``/``send`` and the demo's options alike.
 - A control frame costs memory in proportion to its size (peaks measured with tracemalloc).
+- A peer's block table that declares billions of blocks costs memory only for the blocks a
+  request names (measured in a subprocess whose address space is capped, so a regression
+  fails with MemoryError instead of exhausting the machine).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -21,7 +27,7 @@ import pytest
 
 from kvhost import demo
 from kvhost.errors import KVHostError
-from kvhost.nixl import MAX_STREAMS, RegionTable, Stream, Transfer
+from kvhost.nixl import MAX_STREAMS, NIXL_MODULES, RegionTable, Stream, Transfer
 from kvhost.wire_protocol import (
     HEADER_BYTES,
     MAX_ARRAY_BYTES,
@@ -233,3 +239,111 @@ def test_stream_objects_are_small():
     """One Python object per stream is the one cost a table has per stream: keep it small."""
     assert not hasattr(Stream("l", (("K", 0),), 1, 64), "__dict__")
     assert RegionTable.__dataclass_fields__  # (a dataclass, compared field by field)
+
+
+# --- a table declaring billions of blocks costs only what requests name -------------------------
+
+NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
+needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
+
+CAPPED = """
+import resource, sys, tracemalloc
+import numpy as np
+from kvhost.nixl import RegionTable, plan_transfer, Stream
+from kvhost.wire_protocol import decode, encode
+
+def vm():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+
+limit = vm() + (2 << 30)  # 2 GiB of address space beyond the interpreter with torch and numpy
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+"""
+
+BILLIONS = (
+    CAPPED
+    + """
+streams = int(sys.argv[1])
+layers = streams // 2
+remote = {
+    "memory": "DRAM", "device_id": 0, "order": "HNC", "split": "", "sizes": {"K": 2, "H": 2, "N": 4, "C": 8},
+    "itemsize": 2, "num_blocks": 1 << 32, "layers": [f"l{i}" for i in range(layers)], "coords": "K",
+    "streams": {
+        "layer": np.repeat(np.arange(layers, dtype=np.uint32), 2),
+        "coords": np.tile(np.arange(2, dtype=np.uint32), layers),
+        "address": (np.arange(streams, dtype=np.uint64) + np.uint64(1)) << np.uint64(45),
+        "stride": np.full(streams, 128, dtype=np.uint64),
+    },
+}
+frame = encode("table", {"table": remote})
+local_streams = tuple(Stream(f"l{s // 2}", (("K", s % 2),), 4096 + s * 4096, 1024) for s in range(streams))
+local = RegionTable("DRAM", 0, "HNC", "", {"K": 2, "H": 2, "N": 16, "C": 8}, 2, 4, local_streams)
+tracemalloc.start()
+message = decode(frame)
+table = RegionTable.from_dict(message.header["table"], "table", message.arrays)
+plan = plan_transfer(local, table)
+last = (1 << 32) - 1
+local_rows, remote_rows = plan.descriptor_pairs([3], [last - 3, 7, last, 0])
+peak = tracemalloc.get_traced_memory()[1]
+assert remote_rows.shape == (streams * 4, 3) and local_rows.shape == (streams * 4, 3), remote_rows.shape
+assert int(remote_rows[2, 0]) == (1 << 45) + last * 128  # stream 0, the request's third block
+print(len(frame), peak)
+"""
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_table_declaring_billions_of_blocks_costs_only_the_requested_blocks():
+    """2^32 declared blocks in each of 2^14 streams: parsing the table, planning and the
+    descriptors of a 4-block request cost a few MiB (they once built a row for every block
+    of every stream: 2^46 rows)."""
+    streams = 1 << 14
+    out = subprocess.run([sys.executable, "-c", BILLIONS, str(streams)], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    frame_bytes, peak = map(int, out.stdout.split())
+    # Per stream: a Stream object, and 4 descriptor rows a side (24 bytes each) with temporaries.
+    assert peak <= 2 * frame_bytes + streams * 1024 + 8 * MiB, f"frame {frame_bytes} bytes, peak {peak / MiB:.1f} MiB"
+
+
+READER = (
+    CAPPED
+    + """
+import torch
+from kvhost.nixl import Agent, TransferError
+from kvhost.testing import make_cache
+
+sender_caches = {f"l{i}": make_cache("KBNHC", "KBHNC", dict(K=2, B=8, N=4, H=2, C=8)) for i in range(2)}
+local_caches = {f"l{i}": make_cache("KBNHC", "KBNHC", dict(K=2, B=4, N=16, H=2, C=8)) for i in range(2)}
+with Agent("billions-sender") as sender, Agent("billions-receiver") as receiver:
+    honest = sender.register(sender_caches, "KBNHC")
+    peer = receiver.add_peer(sender.metadata())
+    local = receiver.register(local_caches, "KBNHC")
+    data = honest.to_dict()
+    data["num_blocks"] = 1 << 32  # the same memory, claiming 2^32 blocks
+    message = decode(encode("table", {"table": data}))
+    forged = RegionTable.from_dict(message.header["table"], "table", message.arrays)
+    tracemalloc.start()
+    try:
+        receiver.reader(plan_transfer(local, forged), peer)
+        print("accepted")
+    except TransferError as err:
+        print("refused", tracemalloc.get_traced_memory()[1], err)
+    # The honest table still reads.
+    reader = receiver.reader(plan_transfer(local, honest), peer)
+    reader.read([1], [7, 0, 5, 2]).wait(timeout=20)
+"""
+)
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_reader_refuses_a_table_naming_memory_its_peer_did_not_register():
+    """With real NIXL: a peer's table claiming 2^32 blocks of memory it registered 8 of is
+    refused when the reader is made, at the cost of two descriptors per stream."""
+    out = subprocess.run([sys.executable, "-c", READER], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-3000:]
+    verdict = out.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("refused"), verdict
+    _, peak, reason = verdict.split(" ", 2)
+    assert "has not registered" in reason and "4294967296 blocks" in reason
+    assert int(peak) < 4 * MiB
