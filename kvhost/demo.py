@@ -1,11 +1,13 @@
 """``kvhost demo``: a prefill engine hands a batch of requests to a decode engine over real NIXL.
 
 Two OS processes, each with its own NIXL agent over UCX on loopback. Decode (this process)
-listens on 127.0.0.1 only, starts prefill, and receives its agent metadata, block table and
-requests over that socket (``kvhost.wire_protocol``). Prefill fills its KV cache with values
-that are a seeded function of (request, layer, K/V, token, head, channel). Decode allocates
-blocks, pulls every request with NIXL (``kvhost.nixl``), post-processes the whole batch in
-one ``kvhost.receive`` call, and checks every token bit for bit against the same function.
+listens on 127.0.0.1 only, starts prefill, hands it a secret on its stdin, and receives its
+agent metadata, block table and requests over that socket (``kvhost.wire_protocol``); a
+connection that does not prove the secret first is dropped. Prefill fills its KV cache with
+values that are a seeded function of (request, layer, K/V, token, head, channel). Decode
+allocates blocks, pulls every request with NIXL (``kvhost.nixl``), post-processes the whole
+batch in one ``kvhost.receive`` call, and checks every token bit for bit against the same
+function.
 
 ``--via-host`` lands the bytes in a registered host buffer shaped like the decode cache
 instead (the same descriptors), ``kvhost.copy_blocks`` loads them into the cache and
@@ -23,9 +25,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import json
 import math
 import os
+import secrets
+import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -47,12 +53,15 @@ from kvhost.layout import Layout
 from kvhost.nixl import Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
 from kvhost.testing import make_cache, raw
 from kvhost.wire_protocol import (
+    HEADER_BYTES,
     MAX_ARRAY_BYTES,
     MAX_WAIT_SECONDS,
     InvalidTimeoutError,
     Message,
     ProtocolError,
     check_seconds,
+    decode,
+    parse_header,
     receive,
     send,
 )
@@ -67,6 +76,11 @@ SENTINEL_BYTE = 0xA5  # what every decode block holds before anything lands in i
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 MAX_REQUESTS = 1 << 14  # requests one hello may announce
 MAX_TOKENS = 1 << 24  # tokens of one request
+# Before prefill proves who it is (the secret decode gave it on stdin), a connection may
+# send one frame of this many bytes, within this many seconds; others are dropped.
+AUTH_FRAME_BYTES = 1024
+AUTH_SECONDS = 5.0
+MAX_PENDING_CONNECTIONS = 32
 
 
 class DemoError(KVHostError, RuntimeError):
@@ -146,7 +160,9 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    """Fill the cache, register it, send the hello, then hold the memory until decode is done."""
+    """Fill the cache, register it, prove who it is and send the hello, then hold the memory
+    until decode is done."""
+    secret = read_secret(sys.stdin.buffer, args.connect_timeout)
     config = Config.from_args(args)
     block_size = args.prefill_block_size
     lengths = config.lengths()
@@ -179,15 +195,32 @@ def run_prefill(args: argparse.Namespace) -> int:
     with Agent(f"prefill-{os.getpid()}") as agent:
         table = agent.register(caches, AXES)
         with socket.create_connection(("127.0.0.1", args.port), timeout=args.connect_timeout) as sock:
+            send(sock, "auth", {"proof": secret.hex()}, timeout=args.connect_timeout)
             hello = {"pid": os.getpid(), "table": table.to_dict(), "requests": requests, "fill_seconds": fill_seconds}
             send(sock, "hello", hello, agent.metadata(), timeout=args.connect_timeout)
             # The memory must stay registered until decode has read it all.
             try:
-                receive(sock, timeout=args.hold_timeout, expect="done")
+                receive(sock, timeout=args.hold_timeout, expect="done", limit=AUTH_FRAME_BYTES)
             except ProtocolError as err:
                 print(f"prefill: decode went away: {err}", file=sys.stderr)
                 return EXIT_FAILED
     return EXIT_OK
+
+
+def read_secret(stream: Any, timeout: float) -> bytes:
+    """The secret decode writes on prefill's stdin (hex, one line), within ``timeout`` seconds.
+
+    Not argv, not the environment: any local user can read a process's command line in /proc.
+    """
+    ready, _, _ = select.select([stream], [], [], timeout)
+    line = stream.readline(200) if ready else b""
+    try:
+        secret = bytes.fromhex(line.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        secret = b""
+    if len(secret) != 32:
+        raise DemoError("no secret on stdin within the connect timeout: prefill is started by kvhost demo")
+    return secret
 
 
 def write_tokens(tensor: torch.Tensor, axes: str, block_ids: Sequence[int], values: torch.Tensor) -> None:
@@ -320,27 +353,129 @@ def parse_hello(message: Message) -> Hello:
     return Hello(fields.integer("pid", minimum=1, maximum=1 << 31), table, requests, float(fill), message.blob)
 
 
+@dataclass
+class _Pending:
+    """A connection that has not yet proved it is prefill: its deadline and the bytes so far."""
+
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+
+
 def accept_hello(
-    listener: socket.socket, prefill: subprocess.Popen[bytes] | None, timeout: float
-) -> tuple[socket.socket, Hello]:
-    """Wait for prefill to connect and say hello; a prefill that dies first is a DemoError."""
+    listener: socket.socket, prefill: subprocess.Popen[bytes] | None, timeout: float, secret: bytes
+) -> tuple[socket.socket, Hello, int]:
+    """Wait for prefill to connect, prove who it is and say hello; returns the connection,
+    the hello, and how many other connections were dropped.
+
+    A connection is prefill once its first frame is an ``auth`` whose proof is ``secret``.
+    Until then it may send at most ``AUTH_FRAME_BYTES`` within ``AUTH_SECONDS``; anything
+    else (garbage, silence, a wrong proof) drops it, and decode keeps accepting, reading
+    every pending connection at once, so no number of them stalls the real one. A prefill
+    that dies first is a DemoError; none proving itself in ``timeout`` is a ProtocolError.
+    """
     deadline = time.monotonic() + check_seconds(timeout, "connect timeout")
-    listener.settimeout(0.1)
-    while True:
-        if prefill is not None and prefill.poll() is not None:
-            raise DemoError(f"prefill exited with code {prefill.returncode} before it connected")
-        if time.monotonic() > deadline:
-            raise ProtocolError(f"prefill did not connect within {timeout:g} s")
+    pending: dict[socket.socket, _Pending] = {}
+    dropped = 0
+    chosen: socket.socket | None = None
+
+    def drop(conn: socket.socket) -> None:
+        nonlocal dropped
+        selector.unregister(conn)
+        del pending[conn]
+        conn.close()
+        dropped += 1
+
+    listener.setblocking(False)
+    with selectors.DefaultSelector() as selector:
+        selector.register(listener, selectors.EVENT_READ)
         try:
-            sock, _ = listener.accept()
-            break
-        except TimeoutError:
-            continue
+            while chosen is None:
+                if prefill is not None and prefill.poll() is not None:
+                    raise DemoError(f"prefill exited with code {prefill.returncode} before it connected")
+                now = time.monotonic()
+                if now > deadline:
+                    others = f" ({dropped} other connection(s) dropped)" if dropped else ""
+                    raise ProtocolError(f"prefill did not connect and prove who it is within {timeout:g} s{others}")
+                for conn in [c for c, p in pending.items() if now > p.deadline]:
+                    drop(conn)
+                for key, _ in selector.select(timeout=0.05):
+                    if key.fileobj is listener:
+                        for conn in _accept_all(listener):
+                            if len(pending) >= MAX_PENDING_CONNECTIONS:
+                                drop(next(iter(pending)))  # the oldest
+                            conn.setblocking(False)
+                            pending[conn] = _Pending(min(now + AUTH_SECONDS, deadline))
+                            selector.register(conn, selectors.EVENT_READ)
+                        continue
+                    conn = key.fileobj  # type: ignore[assignment]
+                    if conn not in pending:  # dropped as the oldest while this one was ready
+                        continue
+                    verdict = _read_auth(conn, pending[conn].data, secret)
+                    if verdict is True:
+                        chosen = conn
+                        break
+                    if verdict is False:
+                        drop(conn)
+            selector.unregister(chosen)
+            del pending[chosen]
+        except BaseException:
+            if chosen is not None:
+                chosen.close()
+            raise
+        finally:
+            for conn in pending:
+                conn.close()
+            dropped += len(pending)
     try:
-        return sock, parse_hello(receive(sock, timeout=max(deadline - time.monotonic(), 1.0), expect="hello"))
+        chosen.setblocking(True)
+        left = max(deadline - time.monotonic(), 1.0)
+        return chosen, parse_hello(receive(chosen, timeout=left, expect="hello")), dropped
     except BaseException:
-        sock.close()
+        chosen.close()
         raise
+
+
+def _accept_all(listener: socket.socket) -> list[socket.socket]:
+    accepted: list[socket.socket] = []
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return accepted
+        except OSError:  # the peer gave up between the listen queue and accept
+            return accepted
+        accepted.append(conn)
+
+
+def _read_auth(conn: socket.socket, data: bytearray, secret: bytes) -> bool | None:
+    """Read what has arrived of a connection's first frame, never past it: True once it is
+    an ``auth`` frame proving ``secret``, False when it cannot be one, None while incomplete."""
+    need = HEADER_BYTES
+    if len(data) >= HEADER_BYTES:
+        try:
+            json_len, blob_len, array_len, _ = parse_header(data)
+        except ProtocolError:
+            return False
+        need = HEADER_BYTES + json_len + blob_len + array_len
+        if need > AUTH_FRAME_BYTES:
+            return False
+    try:
+        chunk = conn.recv(need - len(data))
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return False
+    if not chunk:
+        return False
+    data += chunk
+    if len(data) < need or need == HEADER_BYTES:
+        return None  # more to come (or, with the header just complete, its lengths to read)
+    try:
+        message = decode(bytes(data))
+        proof = message.fields().text("proof", max_length=64) if message.kind == "auth" else ""
+    except ProtocolError:
+        return False
+    return hmac.compare_digest(proof.encode(), secret.hex().encode())
 
 
 class ProgressBar:
@@ -391,9 +526,10 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
     prefill: subprocess.Popen[bytes] | None = None
     sock: socket.socket | None = None
     agent: Agent | None = None
+    secret = secrets.token_bytes(32)
     try:
         with socket.create_server(("127.0.0.1", 0)) as listener:
-            prefill = started = start_prefill(listener.getsockname()[1], argv)
+            prefill = started = start_prefill(listener.getsockname()[1], argv, secret)
             local_blocks = [
                 blocks_for(blocks_for(t, args.prefill_block_size) * args.prefill_block_size, args.decode_block_size)
                 for t in config.lengths()
@@ -407,8 +543,13 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 for tensor in caches.values():
                     raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
             agent = Agent(f"decode-{os.getpid()}")
-            sock, hello = accept_hello(listener, prefill, args.connect_timeout)
-            outcome.figures["hello_seconds"] = time.perf_counter() - begun
+            sock, hello, dropped = accept_hello(listener, prefill, args.connect_timeout, secret)
+            outcome.figures.update(hello_seconds=time.perf_counter() - begun, dropped_connections=dropped)
+            if dropped:
+                outcome.lines.append(
+                    f"control   {dropped} other connection(s) to the control port dropped: they did not prove "
+                    "they were prefill"
+                )
         peer = agent.add_peer(hello.metadata)
         handoff(args, config, agent, peer, hello, rank_caches, pool, started, outcome)
         with contextlib.suppress(ProtocolError):  # a prefill that was killed cannot be told
@@ -714,12 +855,21 @@ def verify(
 # --- process management and output --------------------------------------------------
 
 
-def start_prefill(port: int, argv: Sequence[str]) -> subprocess.Popen[bytes]:
-    """Run prefill as its own OS process, with this command's options and the socket's port."""
+def start_prefill(port: int, argv: Sequence[str], secret: bytes) -> subprocess.Popen[bytes]:
+    """Run prefill as its own OS process, with this command's options and the socket's port;
+    the secret it proves itself with goes on its stdin (argv is readable by anyone in /proc)."""
     env = dict(os.environ)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     command = [sys.executable, "-m", "kvhost.demo", *argv, "--role", "prefill", "--port", str(port)]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+    prefill = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+    assert prefill.stdin is not None
+    try:
+        prefill.stdin.write(secret.hex().encode() + b"\n")  # 65 bytes: a pipe never blocks on them
+        prefill.stdin.close()
+    except OSError as err:  # it died at once
+        stop_prefill(prefill, frozen=True)
+        raise DemoError(f"could not hand prefill its secret: {err}") from None
+    return prefill
 
 
 def stop_prefill(prefill: subprocess.Popen[bytes], frozen: bool) -> None:

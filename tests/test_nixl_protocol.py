@@ -372,6 +372,10 @@ def test_any_bytes_spliced_in_are_a_protocol_error(junk, at):
 # --- over a real socket ---------------------------------------------------------------
 
 
+SECRET = bytes(range(32))
+AUTH = encode("auth", {"proof": SECRET.hex()})
+
+
 def serve(send_bytes, close=True):
     """A listener and a peer thread that connects and sends ``send_bytes`` (then closes)."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -402,9 +406,10 @@ def serve(send_bytes, close=True):
     ],
 )
 def test_decode_rejects_a_bad_hello_on_the_socket(payload, close, message):
-    listener, done, thread = serve(payload, close)
+    """Prefill proved who it is, then sent a bad hello: its error, named."""
+    listener, done, thread = serve(AUTH + payload, close)
     with listener, pytest.raises(ProtocolError, match=message):
-        demo.accept_hello(listener, None, timeout=1.0)
+        demo.accept_hello(listener, None, timeout=1.0, secret=SECRET)
     done.set()
     thread.join(5)
 
@@ -412,7 +417,7 @@ def test_decode_rejects_a_bad_hello_on_the_socket(payload, close, message):
 @pytest.mark.timeout(20)
 def test_a_listener_nobody_connects_to_times_out():
     with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(ProtocolError, match="did not connect"):
-        demo.accept_hello(listener, None, timeout=0.3)
+        demo.accept_hello(listener, None, timeout=0.3, secret=SECRET)
 
 
 @pytest.mark.timeout(20)
@@ -490,11 +495,13 @@ with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as sock:
 @needs_nixl
 @pytest.mark.timeout(120)
 def test_decode_exits_with_a_clear_error_on_a_malformed_hello(monkeypatch, capsys):
-    """The whole decode side, with a prefill process that sends a hello whose table is wrong."""
+    """The whole decode side, with a prefill process that proves who it is and then sends a
+    hello whose table is wrong."""
     bad = mutated(set_path([T, "order"], "HNX"))
 
-    def fake_prefill(port, argv):
-        command = [sys.executable, "-c", FAKE_PREFILL, str(port), bad.hex()]
+    def fake_prefill(port, argv, secret):
+        auth = encode("auth", {"proof": secret.hex()})
+        command = [sys.executable, "-c", FAKE_PREFILL, str(port), (auth + bad).hex()]
         return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
     monkeypatch.setattr(demo, "start_prefill", fake_prefill)

@@ -7,6 +7,7 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
 - A peer's block table that declares billions of blocks costs memory only for the blocks a
   request names (measured in a subprocess whose address space is capped, so a regression
   fails with MemoryError instead of exhausting the machine).
+- Stray connections to the demo's control port are dropped; the hand-off goes on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -24,6 +26,7 @@ import types
 
 import numpy as np
 import pytest
+from test_nixl_protocol import FRAME
 
 from kvhost import demo
 from kvhost.errors import KVHostError
@@ -80,7 +83,7 @@ def test_receive_and_send_refuse_a_timeout_that_is_not_finite_seconds(timeout):
             send(left, "x", {}, timeout=timeout)
     listener = socket.create_server(("127.0.0.1", 0))
     with listener, pytest.raises(InvalidTimeoutError, match=r"connect timeout"):
-        demo.accept_hello(listener, None, timeout)
+        demo.accept_hello(listener, None, timeout, b"s" * 32)
 
 
 @pytest.mark.timeout(20)
@@ -347,3 +350,161 @@ def test_a_reader_refuses_a_table_naming_memory_its_peer_did_not_register():
     _, peak, reason = verdict.split(" ", 2)
     assert "has not registered" in reason and "4294967296 blocks" in reason
     assert int(peak) < 4 * MiB
+
+
+# --- stray connections to the control port -----------------------------------------------------
+
+SECRET = bytes(range(100, 132))
+
+
+def frames_for_prefill(secret=SECRET):
+    return encode("auth", {"proof": secret.hex()}) + FRAME
+
+
+class Strays:
+    """Connections made to the port before prefill's, each misbehaving its own way."""
+
+    def __init__(self, port, silent=2):
+        wrong = encode("auth", {"proof": bytes(32).hex()})
+        self.sockets = []
+        self.sockets.append(self._connect(port, b"GET / HTTP/1.1\r\n\r\n" + os.urandom(200)))  # garbage
+        self.sockets += [self._connect(port, b"") for _ in range(silent)]  # connect and say nothing
+        self.sockets.append(self._connect(port, wrong))  # a well-formed auth, the wrong secret
+        self.sockets.append(self._connect(port, wrong[:-1]))  # the wrong secret, one byte short: waits
+        self.sockets.append(self._connect(port, frames_for_prefill(bytes(32))))  # auth + a real hello, wrong secret
+        self.sockets.append(self._connect(port, FRAME))  # a real hello, no proof first
+        big = encode("auth", {"proof": "x" * 4000})
+        self.sockets.append(self._connect(port, big[:HEADER_BYTES]))  # claims a frame too large
+        self.slow = self._connect(port, b"")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._trickle, daemon=True)  # slow-loris: a byte a second
+        self.thread.start()
+
+    def _connect(self, port, data):
+        sock = socket.create_connection(("127.0.0.1", port))
+        if data:
+            sock.sendall(data)
+        return sock
+
+    def _trickle(self):
+        frame = encode("auth", {"proof": bytes(32).hex()})
+        for byte in frame:
+            if self.stop.wait(1.0):
+                return
+            with contextlib.suppress(OSError):
+                self.slow.sendall(bytes([byte]))
+
+    def all_closed_by_the_other_side(self, within):
+        """Each stray reads EOF (or a reset) from decode within ``within`` seconds."""
+        deadline = time.monotonic() + within
+        for sock in [*self.sockets, self.slow]:
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            try:
+                while sock.recv(4096):
+                    pass
+            except TimeoutError:
+                return False
+            except OSError:
+                pass
+        return True
+
+    def close(self):
+        self.stop.set()
+        for sock in [*self.sockets, self.slow]:
+            sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_stray_connections_are_dropped_and_prefill_is_still_heard():
+    """Garbage, silence, a wrong secret, a slow-loris, a hello without proof: all connected
+    before prefill, none stalls it, all are dropped within the per-connection deadline."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        strays = Strays(listener.getsockname()[1])
+        started = time.monotonic()
+        done = threading.Event()
+
+        def prefill():
+            time.sleep(0.3)
+            with socket.create_connection(listener.getsockname()) as sock:
+                sock.sendall(frames_for_prefill())
+                done.wait(10)
+
+        thread = threading.Thread(target=prefill, daemon=True)
+        thread.start()
+        try:
+            sock, hello, dropped = demo.accept_hello(listener, None, timeout=20, secret=SECRET)
+            seconds = time.monotonic() - started
+            sock.close()
+            assert [r.name for r in hello.requests] == ["req-000", "req-001"]
+            assert seconds < demo.AUTH_SECONDS, f"prefill heard after {seconds:.1f} s: the strays stalled it"
+            assert dropped == len(strays.sockets) + 1
+            assert strays.all_closed_by_the_other_side(within=1.0)
+        finally:
+            done.set()
+            strays.close()
+            thread.join(5)
+
+
+@pytest.mark.timeout(60)
+def test_more_strays_than_decode_will_hold_do_not_shut_prefill_out():
+    with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
+        port = listener.getsockname()[1]
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * demo.MAX_PENDING_CONNECTIONS)]
+        real = socket.create_connection(("127.0.0.1", port))
+        real.sendall(frames_for_prefill())
+        try:
+            sock, hello, dropped = demo.accept_hello(listener, None, timeout=20, secret=SECRET)
+            sock.close()
+            assert len(hello.requests) == 2 and dropped == len(silent)
+        finally:
+            real.close()
+            for sock in silent:
+                sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_only_strays_end_in_a_clear_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        strays = Strays(listener.getsockname()[1], silent=1)
+        try:
+            with pytest.raises(ProtocolError, match=r"did not connect and prove who it is within 2 s \(\d+ other"):
+                demo.accept_hello(listener, None, timeout=2, secret=SECRET)
+        finally:
+            strays.close()
+
+
+@needs_nixl
+@pytest.mark.timeout(180)
+def test_the_hand_off_verifies_with_strays_on_the_port_first(monkeypatch, capsys):
+    """The whole demo (decode here, prefill its own process) with strays connected first."""
+    real_start = demo.start_prefill
+    strays = []
+
+    def start_after_strays(port, argv, secret):
+        strays.append(Strays(port))
+        return real_start(port, argv, secret)
+
+    monkeypatch.setattr(demo, "start_prefill", start_after_strays)
+    try:
+        code = demo.main(["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--no-progress"])
+        out = capsys.readouterr().out
+        assert code == demo.EXIT_OK, out
+        assert "result    OK: every byte of every request verified" in out
+        assert f"control   {len(strays[0].sockets) + 1} other connection(s) to the control port dropped" in out
+    finally:
+        for group in strays:
+            group.close()
+
+
+def test_prefill_reads_its_secret_from_stdin_only():
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as stream, os.fdopen(write, "wb") as out:
+        out.write(SECRET.hex().encode() + b"\n")
+        out.flush()
+        assert demo.read_secret(stream, 1.0) == SECRET
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as stream, os.fdopen(write, "wb"):
+        started = time.monotonic()
+        with pytest.raises(demo.DemoError, match="no secret on stdin"):
+            demo.read_secret(stream, 0.2)  # nothing written: the deadline ends the wait
+        assert time.monotonic() - started < 2
