@@ -16,9 +16,12 @@ cannot reach. ``--decode-ranks R`` splits decode into R ranks of heads/R heads, 
 reading only its share of the sender's heads (heterogeneous tensor parallelism).
 ``--kill-prefill-after N`` kills prefill once N requests have arrived: decode reports the
 requests that failed, post-processes and verifies only those that arrived whole, and
-exits non-zero. ``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the
-transport needs the peer to answer (UCX over TCP alone), the transfers hang and decode's
+exits 1. ``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the transport
+needs the peer to answer (UCX over TCP alone), the transfers hang and decode's
 per-transfer timeout ends them.
+
+Exit status: 0 when every request verified, 1 only when requests failed (did not arrive,
+or did not verify), 2 for anything else (impossible options, a hand-off that could not run).
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import zlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import numpy as np
 import torch
@@ -50,7 +54,7 @@ import kvhost
 from kvhost.caches import CacheSet
 from kvhost.errors import KVHostError
 from kvhost.layout import Layout
-from kvhost.nixl import Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
+from kvhost.nixl import MAX_STREAMS, Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
 from kvhost.testing import make_cache, raw
 from kvhost.wire_protocol import (
     HEADER_BYTES,
@@ -73,6 +77,8 @@ DTYPES = {
     for name in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 }
 SENTINEL_BYTE = 0xA5  # what every decode block holds before anything lands in it
+# 0: every request verified; 1: only that requests failed (did not arrive, or mismatched);
+# 2: anything else (bad options, the hand-off could not run).
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 MAX_REQUESTS = 1 << 14  # requests one hello may announce
 MAX_TOKENS = 1 << 24  # tokens of one request
@@ -203,7 +209,7 @@ def run_prefill(args: argparse.Namespace) -> int:
                 receive(sock, timeout=args.hold_timeout, expect="done", limit=AUTH_FRAME_BYTES)
             except ProtocolError as err:
                 print(f"prefill: decode went away: {err}", file=sys.stderr)
-                return EXIT_FAILED
+                return EXIT_ERROR
     return EXIT_OK
 
 
@@ -556,6 +562,12 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
             send(sock, "done", {"ok": outcome.ok}, timeout=args.timeout)
     except KVHostError as err:
         outcome.error = f"{type(err).__name__}: {err}"
+    except MemoryError:
+        outcome.error = f"out of memory: {memory_options(args)} need more memory than this machine has free"
+    except RuntimeError as err:
+        if "allocate" not in str(err):  # torch's allocator: "DefaultCPUAllocator: can't allocate memory"
+            raise
+        outcome.error = f"out of memory: {memory_options(args)}: {str(err).splitlines()[0]}"
     finally:
         if sock is not None:
             sock.close()
@@ -563,7 +575,8 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
             agent.close()
         if prefill is not None:
             frozen = args.freeze_prefill_after is not None and "fault_after" in outcome.figures
-            stop_prefill(prefill, frozen=frozen)
+            # After ``done`` prefill exits on its own; frozen, or never told, it is killed.
+            stop_prefill(prefill, patience=0.1 if frozen or outcome.error else 10)
     print_report(outcome, sys.stdout)
     if args.json:
         write_json(args.json, outcome)
@@ -867,15 +880,15 @@ def start_prefill(port: int, argv: Sequence[str], secret: bytes) -> subprocess.P
         prefill.stdin.write(secret.hex().encode() + b"\n")  # 65 bytes: a pipe never blocks on them
         prefill.stdin.close()
     except OSError as err:  # it died at once
-        stop_prefill(prefill, frozen=True)
+        stop_prefill(prefill, patience=0.1)
         raise DemoError(f"could not hand prefill its secret: {err}") from None
     return prefill
 
 
-def stop_prefill(prefill: subprocess.Popen[bytes], frozen: bool) -> None:
-    """Let prefill exit on its own after ``done``; kill it if it lingers or was frozen."""
+def stop_prefill(prefill: subprocess.Popen[bytes], patience: float) -> None:
+    """Let prefill exit on its own within ``patience`` seconds; kill it if it lingers."""
     try:
-        prefill.wait(timeout=0.1 if frozen else 10)
+        prefill.wait(timeout=patience)
     except subprocess.TimeoutExpired:
         prefill.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):  # a process stuck in the kernel: leave it
@@ -1015,6 +1028,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The module docstring as written, and every option's default."""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line on stderr naming the option, and exit 2 (``--help`` lists the options)."""
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+
+
 def _seconds(text: str) -> float:
     """An option's seconds: a finite number above 0, at most a week (never NaN or infinite)."""
     try:
@@ -1026,7 +1045,7 @@ def _seconds(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvhost demo", description=__doc__, formatter_class=_HelpFormatter)
+    p = _Parser(prog="kvhost demo", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--prefill-block-size", type=int, default=16, metavar="N", help="tokens per prefill block")
     p.add_argument("--decode-block-size", type=int, default=64, metavar="N", help="tokens per decode block")
     p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default="HND", help="prefill cache layout")
@@ -1035,7 +1054,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=64, help="channels per head")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="cache dtype")
-    p.add_argument("--requests", type=int, default=40, help="requests in the batch")
+    p.add_argument("--requests", type=int, default=40, help=f"requests in the batch (at most {MAX_REQUESTS})")
     p.add_argument("--min-tokens", type=int, default=16, help="shortest request")
     p.add_argument("--max-tokens", type=int, default=2048, help="longest request (lengths are log-uniform)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, block ids and values")
@@ -1063,21 +1082,32 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Option: (least, most). The most are what the hello can carry (requests, tokens, streams
+# of layers x K/V, sizes in a block table), so decode never refuses its own prefill's hello.
+OPTION_RANGES = {
+    "prefill_block_size": (1, MAX_TOKENS),
+    "decode_block_size": (1, MAX_TOKENS),
+    "layers": (1, MAX_STREAMS // 2),
+    "heads": (1, 1 << 24),
+    "head_dim": (1, 1 << 24),
+    "requests": (1, MAX_REQUESTS),
+    "min_tokens": (1, MAX_TOKENS),
+    "max_tokens": (1, MAX_TOKENS),
+    "seed": (0, (1 << 63) - 1),
+    "inflight": (1, MAX_REQUESTS),
+    "decode_ranks": (1, 1 << 24),
+    "kill_prefill_after": (0, MAX_REQUESTS),
+    "freeze_prefill_after": (0, MAX_REQUESTS),
+    "port": (0, 65535),
+}
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    positive = [
-        "prefill_block_size",
-        "decode_block_size",
-        "layers",
-        "heads",
-        "head_dim",
-        "requests",
-        "min_tokens",
-        "inflight",
-        "decode_ranks",
-    ]
-    for name in positive:
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    """Refuse impossible options (exit 2, one line naming the option) before anything starts."""
+    for name, (least, most) in OPTION_RANGES.items():
+        value = getattr(args, name)
+        if value is not None and not least <= value <= most:
+            p.error(f"--{name.replace('_', '-')} must be in [{least}, {most}], got {value}")
     big, small = sorted((args.prefill_block_size, args.decode_block_size), reverse=True)
     if big % small:
         p.error(f"block sizes {args.prefill_block_size} and {args.decode_block_size} must divide one another")
@@ -1089,9 +1119,67 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if args.max_tokens < args.min_tokens:
         p.error(f"--max-tokens {args.max_tokens} is below --min-tokens {args.min_tokens}")
-    for name in ("kill_prefill_after", "freeze_prefill_after"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if args.role == "prefill":
+        if args.port < 1:
+            p.error(f"--port must be in [1, 65535] for prefill, got {args.port}")
+        return  # decode checked the memory before starting it, and holds some of it by now
+    needed, available = memory_needed(args), memory_available()
+    if available is not None and needed > available:
+        p.error(
+            f"{memory_options(args)} need {needed / 1e9:,.1f} GB for the caches of both processes, "
+            f"more than the {available / 1e9:,.1f} GB of memory available"
+        )
+
+
+def memory_options(args: argparse.Namespace) -> str:
+    """The options that size the caches, as given."""
+    text = (
+        f"--layers {args.layers} x --heads {args.heads} x --head-dim {args.head_dim} x --dtype {args.dtype}, "
+        f"--requests {args.requests} of --min-tokens {args.min_tokens} to --max-tokens {args.max_tokens}, "
+        f"--prefill-block-size {args.prefill_block_size}, --decode-block-size {args.decode_block_size}"
+    )
+    return text + (", --via-host" if args.via_host else "")
+
+
+def memory_needed(args: argparse.Namespace) -> int:
+    """Bytes both processes allocate, estimated before anything is: prefill's cache, decode's
+    (twice with ``--via-host``: the host buffer is shaped like it), and working memory for
+    the largest request (its values as 32-bit words, a few times over)."""
+    config = Config.from_args(args)
+    itemsize = int(torch.empty(0, dtype=config.dtype).element_size())
+    per_token = config.layers * 2 * config.heads * config.head_dim * itemsize
+    lengths = config.lengths()
+    prefill = [blocks_for(t, args.prefill_block_size) for t in lengths]
+    decode = [blocks_for(n * args.prefill_block_size, args.decode_block_size) for n in prefill]
+    pools = [sum(blocks) + max(4, sum(blocks) // 8) for blocks in (prefill, decode)]
+    caches = per_token * (
+        pools[0] * args.prefill_block_size + pools[1] * args.decode_block_size * (2 if args.via_host else 1)
+    )
+    largest = max(prefill) * args.prefill_block_size
+    working = largest * 2 * config.heads * config.head_dim * 4 * 8
+    return int(caches + working)
+
+
+def memory_available() -> int | None:
+    """Memory this process may still take: MemAvailable, less where a cgroup limit is lower."""
+    available = None
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open("/sys/fs/cgroup/memory.max") as limit,
+        open("/sys/fs/cgroup/memory.current") as current,
+    ):
+        text = limit.read().strip()
+        if text != "max":
+            left = int(text) - int(current.read())
+            available = left if available is None else min(available, left)
+    return available
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1100,13 +1188,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    if args.role == "prefill":
-        try:
-            return run_prefill(args)
-        except (KVHostError, OSError) as err:  # OSError: decode's socket was gone
-            print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
-            return EXIT_ERROR
-    return run_decode(args, argv)
+    try:
+        if args.role == "prefill":
+            return _prefill_main(args)
+        return run_decode(args, argv)
+    except Exception:  # a bug: say where, but never exit 1, which means only that requests failed
+        traceback.print_exc()
+        return EXIT_ERROR
+
+
+def _prefill_main(args: argparse.Namespace) -> int:
+    try:
+        return run_prefill(args)
+    except (KVHostError, OSError) as err:  # OSError: decode's socket was gone
+        print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
+    except MemoryError:
+        print(f"prefill: out of memory: {memory_options(args)}", file=sys.stderr)
+    except RuntimeError as err:
+        if "allocate" not in str(err):
+            raise
+        print(f"prefill: out of memory: {memory_options(args)}: {str(err).splitlines()[0]}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

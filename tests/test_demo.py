@@ -272,9 +272,9 @@ def test_progress_bar_draws_on_a_terminal_only():
     ("argv", "message"),
     [
         (["--prefill-block-size", "6", "--decode-block-size", "16"], "must divide one another"),
-        (["--layers", "0"], "--layers must be at least 1"),
+        (["--layers", "0"], "--layers must be in [1, 32768], got 0"),
         (["--max-tokens", "3", "--min-tokens", "4"], "below --min-tokens"),
-        (["--kill-prefill-after", "-1"], "--kill-prefill-after must be 0 or more"),
+        (["--kill-prefill-after", "-1"], "--kill-prefill-after must be in [0, 16384], got -1"),
         (["--kill-prefill-after", "1", "--freeze-prefill-after", "1"], "not allowed with argument"),
         (["--dtype", "float64"], "invalid choice"),
         (["--decode-ranks", "3"], "--heads 8 cannot be shared out evenly to 3 decode ranks"),

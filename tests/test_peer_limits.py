@@ -8,6 +8,8 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
   request names (measured in a subprocess whose address space is capped, so a regression
   fails with MemoryError instead of exhausting the machine).
 - Stray connections to the demo's control port are dropped; the hand-off goes on.
+- ``kvhost demo`` exits 0 (every request verified), 1 (only: requests failed) or 2
+  (anything else), impossible options with one line naming the option.
 """
 
 from __future__ import annotations
@@ -508,3 +510,132 @@ def test_prefill_reads_its_secret_from_stdin_only():
         with pytest.raises(demo.DemoError, match="no secret on stdin"):
             demo.read_secret(stream, 0.2)  # nothing written: the deadline ends the wait
         assert time.monotonic() - started < 2
+
+
+# --- exit codes and impossible options ---------------------------------------------------------
+
+IMPOSSIBLE = {
+    "timeout-nan": (["--timeout", "nan"], "argument --timeout: expected a number of seconds in (0, 604800], got 'nan'"),
+    "timeout-inf": (["--timeout", "inf"], "argument --timeout: expected a number of seconds"),
+    "timeout-zero": (["--timeout", "0"], "argument --timeout:"),
+    "timeout-negative": (["--timeout", "-1"], "argument --timeout:"),
+    "timeout-years": (["--timeout", "1e9"], "argument --timeout:"),
+    "timeout-word": (["--timeout", "soon"], "argument --timeout:"),
+    "connect-timeout-nan": (["--connect-timeout", "nan"], "argument --connect-timeout:"),
+    "connect-timeout-inf": (["--connect-timeout", "inf"], "argument --connect-timeout:"),
+    "hold-timeout-inf": (["--hold-timeout", "inf"], "argument --hold-timeout:"),
+    "layers-too-many": (["--layers", "100000", "--heads", "1024"], "--layers must be in [1, 32768], got 100000"),
+    "layers-and-heads-too-big": (["--layers", "30000", "--heads", "1024"], "--layers 30000 x --heads 1024"),
+    "pool-too-big": (
+        ["--requests", "16384", "--max-tokens", "16777216", "--min-tokens", "1000000"],
+        "--requests 16384",
+    ),
+    "head-dim-too-big": (["--head-dim", "16000000"], "--head-dim 16000000"),
+    "requests-too-many": (["--requests", "1000000"], "--requests must be in [1, 16384], got 1000000"),
+    "max-tokens-too-many": (["--max-tokens", "100000000"], "--max-tokens must be in [1, 16777216]"),
+    "heads-zero": (["--heads", "0"], "--heads must be in [1,"),
+    "layers-not-a-number": (["--layers", "1e5"], "argument --layers: invalid int value: '1e5'"),
+    "block-size-zero": (["--prefill-block-size", "0"], "--prefill-block-size must be in [1,"),
+    "seed-negative": (["--seed", "-1"], "--seed must be in [0,"),
+    "inflight-zero": (["--inflight", "0"], "--inflight must be in [1,"),
+    "decode-ranks-zero": (["--decode-ranks", "0"], "--decode-ranks must be in [1,"),
+    "port-out-of-range": (["--port", "70000"], "--port must be in [0, 65535]"),
+    "prefill-without-port": (["--role", "prefill"], "--port must be in [1, 65535] for prefill"),
+    "dtype": (["--dtype", "float64"], "argument --dtype: invalid choice"),
+}
+
+
+@pytest.mark.parametrize("case", IMPOSSIBLE)
+def test_impossible_options_exit_2_with_one_line_naming_the_option(case, capsys, monkeypatch):
+    argv, message = IMPOSSIBLE[case]
+    monkeypatch.setattr(demo, "memory_available", lambda: 8 << 30)  # the same verdicts on any machine
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(argv)
+    assert exit_info.value.code == demo.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvhost demo: error: "), err
+    assert message in err
+
+
+def test_the_memory_estimate_names_what_drives_it():
+    args = demo.parser().parse_args(["--layers", "30000", "--heads", "1024"])
+    needed = demo.memory_needed(args)
+    small = demo.memory_needed(demo.parser().parse_args([]))
+    assert needed > 100 << 30  # far beyond this machine
+    assert needed > 30000 * 1024 / (4 * 8) * small / 2  # in proportion to layers x heads
+    assert demo.memory_available() is None or demo.memory_available() > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_command_exits_2_with_one_line_and_no_traceback():
+    """The real command, in its own processes: the brief's example, an estimate above any
+    machine's memory, and a NaN timeout."""
+    commands = {
+        "--layers": ["--layers", "100000", "--heads", "1024"],
+        "--heads 65536": ["--layers", "32768", "--heads", "65536", "--head-dim", "65536"],
+        "--timeout": ["--timeout", "nan"],
+    }
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "kvhost.cli", "demo", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, argv in commands.items()
+    }
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=100)
+        assert run.returncode == 2, (name, out, err)
+        assert out == "" and err.count("\n") == 1 and err.startswith("kvhost demo: error: "), (name, err)
+        assert name in err and "Traceback" not in err and "MemoryError" not in err
+
+
+@pytest.mark.timeout(60)
+def test_prefill_without_a_secret_exits_2():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvhost.demo", "--role", "prefill", "--port", "9", "--connect-timeout", "1"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 2, out.stderr
+    assert (
+        out.stderr.strip()
+        == "prefill: DemoError: no secret on stdin within the connect timeout: prefill is started by kvhost demo"
+    )
+
+
+ALLOCATION_FAILURES = {
+    "torch": RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: not enough memory: "
+        "you tried to allocate 1099511627776 bytes."
+    ),
+    "python": MemoryError(),
+}
+
+
+@pytest.mark.parametrize("failure", ALLOCATION_FAILURES)
+def test_memory_running_out_after_the_estimate_exits_2(failure, monkeypatch, capsys):
+    """Memory taken by others between the estimate and the allocation: exit 2, said plainly."""
+
+    def no_memory(*args, **kwargs):
+        raise ALLOCATION_FAILURES[failure]
+
+    monkeypatch.setattr(demo.Config, "caches", no_memory)
+    monkeypatch.setattr(demo, "start_prefill", lambda port, argv, secret: subprocess.Popen(["sleep", "30"]))
+    code = demo.main(["--layers", "2", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == demo.EXIT_ERROR
+    assert "error     out of memory: --layers 2 x --heads 8 x --head-dim 64 x --dtype bfloat16" in out
+    assert "result    FAILED: the hand-off did not run" in out
+
+
+def test_a_bug_exits_2_not_1(monkeypatch, capsys):
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(demo, "run_decode", bug)
+    assert demo.main([]) == demo.EXIT_ERROR
+    assert "ZeroDivisionError: a bug" in capsys.readouterr().err
