@@ -1,13 +1,13 @@
 """``kvhost demo``: a prefill engine hands a batch of requests to a decode engine over real NIXL.
 
-Two OS processes, each with its own NIXL agent over UCX on loopback. Decode (this process)
-listens on 127.0.0.1 only, starts prefill, hands it a secret on its stdin, and receives its
-agent metadata, block table and requests over that socket (``kvhost.wire_protocol``); a
-connection that does not prove the secret first is dropped. Prefill fills its KV cache with
-values that are a seeded function of (request, layer, K/V, token, head, channel). Decode
-allocates blocks, pulls every request with NIXL (``kvhost.nixl``), post-processes the whole
-batch in one ``kvhost.receive`` call, and checks every token bit for bit against the same
-function.
+Two OS processes, each with its own NIXL agent over UCX on loopback (UCX_NET_DEVICES=lo
+unless you set it). Decode (this process) listens on 127.0.0.1 only, starts prefill, hands it
+a secret on its stdin, and receives its agent metadata, block table and requests over that
+socket (``kvhost.wire_protocol``); a connection that does not prove the secret first is
+dropped. Prefill fills its KV cache with values that are a seeded function of (request,
+layer, K/V, token, head, channel). Decode allocates blocks, pulls every request with NIXL
+(``kvhost.nixl``), post-processes the whole batch in one ``kvhost.receive`` call, and
+checks every token bit for bit against the same function.
 
 ``--via-host`` lands the bytes in a registered host buffer shaped like the decode cache
 instead (the same descriptors), ``kvhost.copy_blocks`` loads them into the cache and
@@ -43,7 +43,7 @@ import time
 import traceback
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TextIO
 
@@ -87,6 +87,8 @@ MAX_TOKENS = 1 << 24  # tokens of one request
 AUTH_FRAME_BYTES = 1024
 AUTH_SECONDS = 5.0
 MAX_PENDING_CONNECTIONS = 32
+# Where the NIXL/UCX agents of both processes listen, unless the user set it: loopback.
+LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
 
 
 class DemoError(KVHostError, RuntimeError):
@@ -529,6 +531,7 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
     begun = time.perf_counter()
     config = Config.from_args(args)
     outcome = Outcome()
+    outcome.figures["ucx_net_devices"] = os.environ.get("UCX_NET_DEVICES", "all")
     prefill: subprocess.Popen[bytes] | None = None
     sock: socket.socket | None = None
     agent: Agent | None = None
@@ -943,7 +946,9 @@ def describe_setup(
 
 def print_report(outcome: Outcome, stream: TextIO) -> None:
     f = outcome.figures
-    stream.write("kvhost demo: prefill -> decode over NIXL (UCX, 127.0.0.1), two processes\n")
+    devices = f.get("ucx_net_devices", "lo")
+    where = "127.0.0.1" if devices == "lo" else f"UCX_NET_DEVICES={devices}"
+    stream.write(f"kvhost demo: prefill -> decode over NIXL (UCX, {where}), two processes\n")
     for line in outcome.lines:
         stream.write(f"  {line}\n")
     if "transfer_seconds" in f:
@@ -1182,6 +1187,19 @@ def memory_available() -> int | None:
     return available
 
 
+@contextlib.contextmanager
+def loopback_ucx() -> Iterator[None]:
+    """UCX of this process and the prefill it starts on loopback only (``LOOPBACK_UCX``),
+    where the user did not say otherwise; the environment is restored afterwards."""
+    added = [key for key in LOOPBACK_UCX if key not in os.environ]
+    os.environ.update({key: LOOPBACK_UCX[key] for key in added})
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
@@ -1189,9 +1207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_args(p, args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
-        if args.role == "prefill":
-            return _prefill_main(args)
-        return run_decode(args, argv)
+        with loopback_ucx():
+            if args.role == "prefill":
+                return _prefill_main(args)
+            return run_decode(args, argv)
     except Exception:  # a bug: say where, but never exit 1, which means only that requests failed
         traceback.print_exc()
         return EXIT_ERROR

@@ -10,6 +10,8 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
 - Stray connections to the demo's control port are dropped; the hand-off goes on.
 - ``kvhost demo`` exits 0 (every request verified), 1 (only: requests failed) or 2
   (anything else), impossible options with one line naming the option.
+- The demo's NIXL/UCX agents listen on loopback unless the user says otherwise (the
+  sockets of running demos are checked in test_demo.py).
 """
 
 from __future__ import annotations
@@ -639,3 +641,17 @@ def test_a_bug_exits_2_not_1(monkeypatch, capsys):
     monkeypatch.setattr(demo, "run_decode", bug)
     assert demo.main([]) == demo.EXIT_ERROR
     assert "ZeroDivisionError: a bug" in capsys.readouterr().err
+
+
+# --- where the agents listen -------------------------------------------------------------------
+
+
+def test_ucx_is_kept_on_loopback_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    with demo.loopback_ucx():
+        assert os.environ["UCX_NET_DEVICES"] == "lo"
+    assert "UCX_NET_DEVICES" not in os.environ
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth0")
+    with demo.loopback_ucx():
+        assert os.environ["UCX_NET_DEVICES"] == "eth0"
+    assert os.environ["UCX_NET_DEVICES"] == "eth0"
