@@ -1,11 +1,13 @@
 """``kvhost demo``: a prefill engine hands a batch of requests to a decode engine over real NIXL.
 
-Two OS processes, each with its own NIXL agent over UCX on loopback. Decode (this process)
-listens on 127.0.0.1 only, starts prefill, and receives its agent metadata, block table and
-requests over that socket (``kvhost.wire_protocol``). Prefill fills its KV cache with values
-that are a seeded function of (request, layer, K/V, token, head, channel). Decode allocates
-blocks, pulls every request with NIXL (``kvhost.nixl``), post-processes the whole batch in
-one ``kvhost.receive`` call, and checks every token bit for bit against the same function.
+Two OS processes, each with its own NIXL agent over UCX on loopback (UCX_NET_DEVICES=lo
+unless you set it). Decode (this process) listens on 127.0.0.1 only, starts prefill, hands it
+a secret on its stdin, and receives its agent metadata, block table and requests over that
+socket (``kvhost.wire_protocol``); a connection that does not prove the secret first is
+dropped. Prefill fills its KV cache with values that are a seeded function of (request,
+layer, K/V, token, head, channel). Decode allocates blocks, pulls every request with NIXL
+(``kvhost.nixl``), post-processes the whole batch in one ``kvhost.receive`` call, and
+checks every token bit for bit against the same function.
 
 ``--via-host`` lands the bytes in a registered host buffer shaped like the decode cache
 instead (the same descriptors), ``kvhost.copy_blocks`` loads them into the cache and
@@ -14,28 +16,36 @@ cannot reach. ``--decode-ranks R`` splits decode into R ranks of heads/R heads, 
 reading only its share of the sender's heads (heterogeneous tensor parallelism).
 ``--kill-prefill-after N`` kills prefill once N requests have arrived: decode reports the
 requests that failed, post-processes and verifies only those that arrived whole, and
-exits non-zero. ``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the
-transport needs the peer to answer (UCX over TCP alone), the transfers hang and decode's
+exits 1. ``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the transport
+needs the peer to answer (UCX over TCP alone), the transfers hang and decode's
 per-transfer timeout ends them.
+
+Exit status: 0 when every request verified, 1 only when requests failed (did not arrive,
+or did not verify), 2 for anything else (impossible options, a hand-off that could not run).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import json
 import math
 import os
+import secrets
+import select
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import time
+import traceback
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import numpy as np
 import torch
@@ -44,9 +54,21 @@ import kvhost
 from kvhost.caches import CacheSet
 from kvhost.errors import KVHostError
 from kvhost.layout import Layout
-from kvhost.nixl import Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
+from kvhost.nixl import MAX_STREAMS, Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
 from kvhost.testing import make_cache, raw
-from kvhost.wire_protocol import Fields, Message, ProtocolError, receive, send
+from kvhost.wire_protocol import (
+    HEADER_BYTES,
+    MAX_ARRAY_BYTES,
+    MAX_WAIT_SECONDS,
+    InvalidTimeoutError,
+    Message,
+    ProtocolError,
+    check_seconds,
+    decode,
+    parse_header,
+    receive,
+    send,
+)
 
 AXES = "KBNHC"  # shape order of every cache here; the layout name sets the memory order
 LAYOUTS = {"NHD": "KBNHC", "HND": "KBHNC"}  # token-major, head-major
@@ -55,7 +77,18 @@ DTYPES = {
     for name in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 }
 SENTINEL_BYTE = 0xA5  # what every decode block holds before anything lands in it
+# 0: every request verified; 1: only that requests failed (did not arrive, or mismatched);
+# 2: anything else (bad options, the hand-off could not run).
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+MAX_REQUESTS = 1 << 14  # requests one hello may announce
+MAX_TOKENS = 1 << 24  # tokens of one request
+# Before prefill proves who it is (the secret decode gave it on stdin), a connection may
+# send one frame of this many bytes, within this many seconds; others are dropped.
+AUTH_FRAME_BYTES = 1024
+AUTH_SECONDS = 5.0
+MAX_PENDING_CONNECTIONS = 32
+# Where the NIXL/UCX agents of both processes listen, unless the user set it: loopback.
+LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
 
 
 class DemoError(KVHostError, RuntimeError):
@@ -135,7 +168,9 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    """Fill the cache, register it, send the hello, then hold the memory until decode is done."""
+    """Fill the cache, register it, prove who it is and send the hello, then hold the memory
+    until decode is done."""
+    secret = read_secret(sys.stdin.buffer, args.connect_timeout)
     config = Config.from_args(args)
     block_size = args.prefill_block_size
     lengths = config.lengths()
@@ -147,29 +182,53 @@ def run_prefill(args: argparse.Namespace) -> int:
     cache_set = CacheSet(caches, AXES)
     for member in cache_set.members:
         raw(member.tensor).zero_()
-    requests = []
+    block_ids: list[int] = []
     for number, (tokens, count) in enumerate(zip(lengths, needed)):
         ids, free = free[:count], free[count:]
+        block_ids += ids
         for layer, member in enumerate(cache_set.members):
             values = token_values(
                 config.seed, number, layer, tokens, config.heads, config.head_dim, member.layout.itemsize
             )
             write_tokens(member.tensor, AXES, ids, values)
-        requests.append({"name": f"req-{number:03d}", "number": number, "tokens": tokens, "block_ids": ids})
     fill_seconds = time.perf_counter() - started
+    # Bulk integers travel as arrays (binary), names as JSON.
+    requests = {
+        "name": [f"req-{number:03d}" for number in range(len(lengths))],
+        "number": np.arange(len(lengths), dtype=np.uint32),
+        "tokens": np.array(lengths, dtype=np.uint32),
+        "block_ids": np.array(block_ids, dtype=np.uint32 if pool <= 1 << 32 else np.uint64),
+    }
 
     with Agent(f"prefill-{os.getpid()}") as agent:
         table = agent.register(caches, AXES)
         with socket.create_connection(("127.0.0.1", args.port), timeout=args.connect_timeout) as sock:
+            send(sock, "auth", {"proof": secret.hex()}, timeout=args.connect_timeout)
             hello = {"pid": os.getpid(), "table": table.to_dict(), "requests": requests, "fill_seconds": fill_seconds}
-            send(sock, "hello", hello, agent.metadata())
+            send(sock, "hello", hello, agent.metadata(), timeout=args.connect_timeout)
             # The memory must stay registered until decode has read it all.
             try:
-                receive(sock, timeout=args.hold_timeout, expect="done")
+                receive(sock, timeout=args.hold_timeout, expect="done", limit=AUTH_FRAME_BYTES)
             except ProtocolError as err:
                 print(f"prefill: decode went away: {err}", file=sys.stderr)
-                return EXIT_FAILED
+                return EXIT_ERROR
     return EXIT_OK
+
+
+def read_secret(stream: Any, timeout: float) -> bytes:
+    """The secret decode writes on prefill's stdin (hex, one line), within ``timeout`` seconds.
+
+    Not argv, not the environment: any local user can read a process's command line in /proc.
+    """
+    ready, _, _ = select.select([stream], [], [], timeout)
+    line = stream.readline(200) if ready else b""
+    try:
+        secret = bytes.fromhex(line.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        secret = b""
+    if len(secret) != 32:
+        raise DemoError("no secret on stdin within the connect timeout: prefill is started by kvhost demo")
+    return secret
 
 
 def write_tokens(tensor: torch.Tensor, axes: str, block_ids: Sequence[int], values: torch.Tensor) -> None:
@@ -207,7 +266,7 @@ class Request:
     name: str
     number: int
     tokens: int
-    remote_ids: list[int]
+    remote_ids: Sequence[int] | np.ndarray
     local_ids: list[int] = field(default_factory=list)
     staging_ids: list[int] = field(default_factory=list)
     transfer: Transfers | None = None
@@ -219,7 +278,9 @@ class Request:
 class Transfers:
     """One request's reads, one per decode rank: arrived when every one has."""
 
-    def __init__(self, readers: Sequence[kvhost.nixl.Reader], local_ids: list[int], remote_ids: list[int]) -> None:
+    def __init__(
+        self, readers: Sequence[kvhost.nixl.Reader], local_ids: list[int], remote_ids: Sequence[int] | np.ndarray
+    ) -> None:
         self.parts: list[Transfer] = []
         try:
             for reader in readers:
@@ -261,60 +322,168 @@ class Hello:
 
 
 def parse_hello(message: Message) -> Hello:
-    """Prefill's hello, every field checked: a malformed one is a ProtocolError."""
-    fields = Fields(message.header, "hello")
-    table = RegionTable.from_dict(fields.fields("table").data, "hello.table")
-    raw_requests = fields.items("requests", max_length=1 << 16)
-    if not raw_requests:
-        raise ProtocolError("hello.requests: empty")
-    requests, names = [], set()
-    for i, item in enumerate(raw_requests):
-        entry = Fields(item, f"hello.requests[{i}]")
-        name = entry.text("name", max_length=64)
-        tokens = entry.integer("tokens", minimum=1, maximum=1 << 24)
-        ids = entry.integers("block_ids", maximum=table.num_blocks - 1)
-        if len(ids) != blocks_for(tokens, table.block_size):
-            raise ProtocolError(
-                f"hello.requests[{i}]: {tokens} tokens need {blocks_for(tokens, table.block_size)} blocks of "
-                f"{table.block_size}, got {len(ids)} block ids"
-            )
-        if name in names:
-            raise ProtocolError(f"hello.requests[{i}]: request name {name!r} appears twice")
-        names.add(name)
-        requests.append(Request(name, entry.integer("number", maximum=1 << 31), tokens, ids))
+    """Prefill's hello, every field checked: a malformed one is a ProtocolError.
+
+    Requests come as columns: names (JSON), numbers, token counts and the block ids of all
+    of them back to back (arrays); each request's ids are a view of the frame's bytes.
+    """
+    fields = message.fields("hello")
+    table = RegionTable.from_dict(fields.fields("table").data, "hello.table", message.arrays)
+    columns = fields.fields("requests")
+    names = columns.texts("name", max_items=MAX_REQUESTS, max_length=64)
+    if not names:
+        raise ProtocolError("hello.requests.name: empty")
+    if len(set(names)) != len(names):
+        i, twice = next((i, name) for i, name in enumerate(names) if name in names[:i])
+        raise ProtocolError(f"hello.requests.name[{i}]: request name {twice!r} appears twice")
+    numbers = columns.array("number", maximum=1 << 31, max_length=MAX_REQUESTS)
+    tokens = columns.array("tokens", minimum=1, maximum=MAX_TOKENS, max_length=MAX_REQUESTS)
+    for name, values in (("number", numbers), ("tokens", tokens)):
+        if values.size != len(names):
+            raise ProtocolError(f"hello.requests.{name}: {values.size} values for {len(names)} requests")
+    ends = np.cumsum(-(-tokens.astype(np.int64) // table.block_size))
+    ids = columns.array("block_ids", maximum=table.num_blocks - 1, max_length=MAX_ARRAY_BYTES)
+    if ids.size != int(ends[-1]):
+        raise ProtocolError(
+            f"hello.requests.block_ids: {ids.size} block ids, but the requests' tokens need {int(ends[-1])} "
+            f"blocks of {table.block_size}"
+        )
+    starts = [0, *ends[:-1].tolist()]
+    requests = [
+        Request(name, number, count, ids[start:end])
+        for name, number, count, start, end in zip(names, numbers.tolist(), tokens.tolist(), starts, ends.tolist())
+    ]
     fill = fields.data.get("fill_seconds", 0.0)
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 <= fill <= MAX_WAIT_SECONDS:
+        raise ProtocolError(f"hello.fill_seconds: expected a number of seconds, got {fill!r:.60}")
     if not message.blob:
         raise ProtocolError("hello: no agent metadata")
-    return Hello(
-        fields.integer("pid", minimum=1, maximum=1 << 31),
-        table,
-        requests,
-        float(fill) if isinstance(fill, (int, float)) else 0.0,
-        message.blob,
-    )
+    return Hello(fields.integer("pid", minimum=1, maximum=1 << 31), table, requests, float(fill), message.blob)
+
+
+@dataclass
+class _Pending:
+    """A connection that has not yet proved it is prefill: its deadline and the bytes so far."""
+
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
 
 
 def accept_hello(
-    listener: socket.socket, prefill: subprocess.Popen[bytes] | None, timeout: float
-) -> tuple[socket.socket, Hello]:
-    """Wait for prefill to connect and say hello; a prefill that dies first is a DemoError."""
-    deadline = time.monotonic() + timeout
-    listener.settimeout(0.1)
-    while True:
-        if prefill is not None and prefill.poll() is not None:
-            raise DemoError(f"prefill exited with code {prefill.returncode} before it connected")
-        if time.monotonic() > deadline:
-            raise ProtocolError(f"prefill did not connect within {timeout:g} s")
+    listener: socket.socket, prefill: subprocess.Popen[bytes] | None, timeout: float, secret: bytes
+) -> tuple[socket.socket, Hello, int]:
+    """Wait for prefill to connect, prove who it is and say hello; returns the connection,
+    the hello, and how many other connections were dropped.
+
+    A connection is prefill once its first frame is an ``auth`` whose proof is ``secret``.
+    Until then it may send at most ``AUTH_FRAME_BYTES`` within ``AUTH_SECONDS``; anything
+    else (garbage, silence, a wrong proof) drops it, and decode keeps accepting, reading
+    every pending connection at once, so no number of them stalls the real one. A prefill
+    that dies first is a DemoError; none proving itself in ``timeout`` is a ProtocolError.
+    """
+    deadline = time.monotonic() + check_seconds(timeout, "connect timeout")
+    pending: dict[socket.socket, _Pending] = {}
+    dropped = 0
+    chosen: socket.socket | None = None
+
+    def drop(conn: socket.socket) -> None:
+        nonlocal dropped
+        selector.unregister(conn)
+        del pending[conn]
+        conn.close()
+        dropped += 1
+
+    listener.setblocking(False)
+    with selectors.DefaultSelector() as selector:
+        selector.register(listener, selectors.EVENT_READ)
         try:
-            sock, _ = listener.accept()
-            break
-        except TimeoutError:
-            continue
+            while chosen is None:
+                if prefill is not None and prefill.poll() is not None:
+                    raise DemoError(f"prefill exited with code {prefill.returncode} before it connected")
+                now = time.monotonic()
+                if now > deadline:
+                    others = f" ({dropped} other connection(s) dropped)" if dropped else ""
+                    raise ProtocolError(f"prefill did not connect and prove who it is within {timeout:g} s{others}")
+                for conn in [c for c, p in pending.items() if now > p.deadline]:
+                    drop(conn)
+                for key, _ in selector.select(timeout=0.05):
+                    if key.fileobj is listener:
+                        for conn in _accept_all(listener):
+                            if len(pending) >= MAX_PENDING_CONNECTIONS:
+                                drop(next(iter(pending)))  # the oldest
+                            conn.setblocking(False)
+                            pending[conn] = _Pending(min(now + AUTH_SECONDS, deadline))
+                            selector.register(conn, selectors.EVENT_READ)
+                        continue
+                    conn = key.fileobj  # type: ignore[assignment]
+                    if conn not in pending:  # dropped as the oldest while this one was ready
+                        continue
+                    verdict = _read_auth(conn, pending[conn].data, secret)
+                    if verdict is True:
+                        chosen = conn
+                        break
+                    if verdict is False:
+                        drop(conn)
+            selector.unregister(chosen)
+            del pending[chosen]
+        except BaseException:
+            if chosen is not None:
+                chosen.close()
+            raise
+        finally:
+            for conn in pending:
+                conn.close()
+            dropped += len(pending)
     try:
-        return sock, parse_hello(receive(sock, timeout=max(deadline - time.monotonic(), 1.0), expect="hello"))
+        chosen.setblocking(True)
+        left = max(deadline - time.monotonic(), 1.0)
+        return chosen, parse_hello(receive(chosen, timeout=left, expect="hello")), dropped
     except BaseException:
-        sock.close()
+        chosen.close()
         raise
+
+
+def _accept_all(listener: socket.socket) -> list[socket.socket]:
+    accepted: list[socket.socket] = []
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return accepted
+        except OSError:  # the peer gave up between the listen queue and accept
+            return accepted
+        accepted.append(conn)
+
+
+def _read_auth(conn: socket.socket, data: bytearray, secret: bytes) -> bool | None:
+    """Read what has arrived of a connection's first frame, never past it: True once it is
+    an ``auth`` frame proving ``secret``, False when it cannot be one, None while incomplete."""
+    need = HEADER_BYTES
+    if len(data) >= HEADER_BYTES:
+        try:
+            json_len, blob_len, array_len, _ = parse_header(data)
+        except ProtocolError:
+            return False
+        need = HEADER_BYTES + json_len + blob_len + array_len
+        if need > AUTH_FRAME_BYTES:
+            return False
+    try:
+        chunk = conn.recv(need - len(data))
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return False
+    if not chunk:
+        return False
+    data += chunk
+    if len(data) < need or need == HEADER_BYTES:
+        return None  # more to come (or, with the header just complete, its lengths to read)
+    try:
+        message = decode(bytes(data))
+        proof = message.fields().text("proof", max_length=64) if message.kind == "auth" else ""
+    except ProtocolError:
+        return False
+    return hmac.compare_digest(proof.encode(), secret.hex().encode())
 
 
 class ProgressBar:
@@ -362,12 +531,14 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
     begun = time.perf_counter()
     config = Config.from_args(args)
     outcome = Outcome()
+    outcome.figures["ucx_net_devices"] = os.environ.get("UCX_NET_DEVICES", "all")
     prefill: subprocess.Popen[bytes] | None = None
     sock: socket.socket | None = None
     agent: Agent | None = None
+    secret = secrets.token_bytes(32)
     try:
         with socket.create_server(("127.0.0.1", 0)) as listener:
-            prefill = started = start_prefill(listener.getsockname()[1], argv)
+            prefill = started = start_prefill(listener.getsockname()[1], argv, secret)
             local_blocks = [
                 blocks_for(blocks_for(t, args.prefill_block_size) * args.prefill_block_size, args.decode_block_size)
                 for t in config.lengths()
@@ -381,14 +552,25 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 for tensor in caches.values():
                     raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
             agent = Agent(f"decode-{os.getpid()}")
-            sock, hello = accept_hello(listener, prefill, args.connect_timeout)
-            outcome.figures["hello_seconds"] = time.perf_counter() - begun
+            sock, hello, dropped = accept_hello(listener, prefill, args.connect_timeout, secret)
+            outcome.figures.update(hello_seconds=time.perf_counter() - begun, dropped_connections=dropped)
+            if dropped:
+                outcome.lines.append(
+                    f"control   {dropped} other connection(s) to the control port dropped: they did not prove "
+                    "they were prefill"
+                )
         peer = agent.add_peer(hello.metadata)
         handoff(args, config, agent, peer, hello, rank_caches, pool, started, outcome)
         with contextlib.suppress(ProtocolError):  # a prefill that was killed cannot be told
-            send(sock, "done", {"ok": outcome.ok})
+            send(sock, "done", {"ok": outcome.ok}, timeout=args.timeout)
     except KVHostError as err:
         outcome.error = f"{type(err).__name__}: {err}"
+    except MemoryError:
+        outcome.error = f"out of memory: {memory_options(args)} need more memory than this machine has free"
+    except RuntimeError as err:
+        if "allocate" not in str(err):  # torch's allocator: "DefaultCPUAllocator: can't allocate memory"
+            raise
+        outcome.error = f"out of memory: {memory_options(args)}: {str(err).splitlines()[0]}"
     finally:
         if sock is not None:
             sock.close()
@@ -396,7 +578,8 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
             agent.close()
         if prefill is not None:
             frozen = args.freeze_prefill_after is not None and "fault_after" in outcome.figures
-            stop_prefill(prefill, frozen=frozen)
+            # After ``done`` prefill exits on its own; frozen, or never told, it is killed.
+            stop_prefill(prefill, patience=0.1 if frozen or outcome.error else 10)
     print_report(outcome, sys.stdout)
     if args.json:
         write_json(args.json, outcome)
@@ -511,7 +694,8 @@ def pull(
         faulted = True
         if args.kill_prefill_after is not None:
             prefill.send_signal(signal.SIGKILL)
-            prefill.wait(timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                prefill.wait(timeout=10)
             what = "killed"
         else:
             prefill.send_signal(signal.SIGSTOP)
@@ -687,21 +871,31 @@ def verify(
 # --- process management and output --------------------------------------------------
 
 
-def start_prefill(port: int, argv: Sequence[str]) -> subprocess.Popen[bytes]:
-    """Run prefill as its own OS process, with this command's options and the socket's port."""
+def start_prefill(port: int, argv: Sequence[str], secret: bytes) -> subprocess.Popen[bytes]:
+    """Run prefill as its own OS process, with this command's options and the socket's port;
+    the secret it proves itself with goes on its stdin (argv is readable by anyone in /proc)."""
     env = dict(os.environ)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     command = [sys.executable, "-m", "kvhost.demo", *argv, "--role", "prefill", "--port", str(port)]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
-
-
-def stop_prefill(prefill: subprocess.Popen[bytes], frozen: bool) -> None:
-    """Let prefill exit on its own after ``done``; kill it if it lingers or was frozen."""
+    prefill = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+    assert prefill.stdin is not None
     try:
-        prefill.wait(timeout=0.1 if frozen else 10)
+        prefill.stdin.write(secret.hex().encode() + b"\n")  # 65 bytes: a pipe never blocks on them
+        prefill.stdin.close()
+    except OSError as err:  # it died at once
+        stop_prefill(prefill, patience=0.1)
+        raise DemoError(f"could not hand prefill its secret: {err}") from None
+    return prefill
+
+
+def stop_prefill(prefill: subprocess.Popen[bytes], patience: float) -> None:
+    """Let prefill exit on its own within ``patience`` seconds; kill it if it lingers."""
+    try:
+        prefill.wait(timeout=patience)
     except subprocess.TimeoutExpired:
         prefill.kill()
-        prefill.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a process stuck in the kernel: leave it
+            prefill.wait(timeout=10)
 
 
 def wait_until_stopped(pid: int, timeout: float = 2.0) -> None:
@@ -752,7 +946,9 @@ def describe_setup(
 
 def print_report(outcome: Outcome, stream: TextIO) -> None:
     f = outcome.figures
-    stream.write("kvhost demo: prefill -> decode over NIXL (UCX, 127.0.0.1), two processes\n")
+    devices = f.get("ucx_net_devices", "lo")
+    where = "127.0.0.1" if devices == "lo" else f"UCX_NET_DEVICES={devices}"
+    stream.write(f"kvhost demo: prefill -> decode over NIXL (UCX, {where}), two processes\n")
     for line in outcome.lines:
         stream.write(f"  {line}\n")
     if "transfer_seconds" in f:
@@ -837,8 +1033,24 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The module docstring as written, and every option's default."""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line on stderr naming the option, and exit 2 (``--help`` lists the options)."""
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _seconds(text: str) -> float:
+    """An option's seconds: a finite number above 0, at most a week (never NaN or infinite)."""
+    try:
+        return check_seconds(float(text), "", positive=True)
+    except (ValueError, InvalidTimeoutError):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds in (0, {MAX_WAIT_SECONDS:g}], got {text!r}"
+        ) from None
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvhost demo", description=__doc__, formatter_class=_HelpFormatter)
+    p = _Parser(prog="kvhost demo", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--prefill-block-size", type=int, default=16, metavar="N", help="tokens per prefill block")
     p.add_argument("--decode-block-size", type=int, default=64, metavar="N", help="tokens per decode block")
     p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default="HND", help="prefill cache layout")
@@ -847,7 +1059,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=64, help="channels per head")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="cache dtype")
-    p.add_argument("--requests", type=int, default=40, help="requests in the batch")
+    p.add_argument("--requests", type=int, default=40, help=f"requests in the batch (at most {MAX_REQUESTS})")
     p.add_argument("--min-tokens", type=int, default=16, help="shortest request")
     p.add_argument("--max-tokens", type=int, default=2048, help="longest request (lengths are log-uniform)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, block ids and values")
@@ -864,32 +1076,43 @@ def parser() -> argparse.ArgumentParser:
     faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill after N requests arrived")
     faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill (SIGSTOP) after N arrived")
     p.add_argument("--inflight", type=int, default=8, help="transfers in flight at once")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds one transfer may take")
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds for prefill to start and say hello")
+    p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds one transfer may take")
+    p.add_argument("--connect-timeout", type=_seconds, default=60.0, help="seconds for prefill to start and say hello")
     p.add_argument("--json", metavar="PATH", help="also write the outcome as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     # Set by decode when it starts prefill; not for people.
     p.add_argument("--role", choices=["decode", "prefill"], default="decode", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--hold-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    p.add_argument("--hold-timeout", type=_seconds, default=600.0, help=argparse.SUPPRESS)
     return p
 
 
+# Option: (least, most). The most are what the hello can carry (requests, tokens, streams
+# of layers x K/V, sizes in a block table), so decode never refuses its own prefill's hello.
+OPTION_RANGES = {
+    "prefill_block_size": (1, MAX_TOKENS),
+    "decode_block_size": (1, MAX_TOKENS),
+    "layers": (1, MAX_STREAMS // 2),
+    "heads": (1, 1 << 24),
+    "head_dim": (1, 1 << 24),
+    "requests": (1, MAX_REQUESTS),
+    "min_tokens": (1, MAX_TOKENS),
+    "max_tokens": (1, MAX_TOKENS),
+    "seed": (0, (1 << 63) - 1),
+    "inflight": (1, MAX_REQUESTS),
+    "decode_ranks": (1, 1 << 24),
+    "kill_prefill_after": (0, MAX_REQUESTS),
+    "freeze_prefill_after": (0, MAX_REQUESTS),
+    "port": (0, 65535),
+}
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    positive = [
-        "prefill_block_size",
-        "decode_block_size",
-        "layers",
-        "heads",
-        "head_dim",
-        "requests",
-        "min_tokens",
-        "inflight",
-        "decode_ranks",
-    ]
-    for name in positive:
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    """Refuse impossible options (exit 2, one line naming the option) before anything starts."""
+    for name, (least, most) in OPTION_RANGES.items():
+        value = getattr(args, name)
+        if value is not None and not least <= value <= most:
+            p.error(f"--{name.replace('_', '-')} must be in [{least}, {most}], got {value}")
     big, small = sorted((args.prefill_block_size, args.decode_block_size), reverse=True)
     if big % small:
         p.error(f"block sizes {args.prefill_block_size} and {args.decode_block_size} must divide one another")
@@ -901,11 +1124,80 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if args.max_tokens < args.min_tokens:
         p.error(f"--max-tokens {args.max_tokens} is below --min-tokens {args.min_tokens}")
-    if args.timeout <= 0:
-        p.error(f"--timeout must be positive, got {args.timeout}")
-    for name in ("kill_prefill_after", "freeze_prefill_after"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if args.role == "prefill":
+        if args.port < 1:
+            p.error(f"--port must be in [1, 65535] for prefill, got {args.port}")
+        return  # decode checked the memory before starting it, and holds some of it by now
+    needed, available = memory_needed(args), memory_available()
+    if available is not None and needed > available:
+        p.error(
+            f"{memory_options(args)} need {needed / 1e9:,.1f} GB for the caches of both processes, "
+            f"more than the {available / 1e9:,.1f} GB of memory available"
+        )
+
+
+def memory_options(args: argparse.Namespace) -> str:
+    """The options that size the caches, as given."""
+    text = (
+        f"--layers {args.layers} x --heads {args.heads} x --head-dim {args.head_dim} x --dtype {args.dtype}, "
+        f"--requests {args.requests} of --min-tokens {args.min_tokens} to --max-tokens {args.max_tokens}, "
+        f"--prefill-block-size {args.prefill_block_size}, --decode-block-size {args.decode_block_size}"
+    )
+    return text + (", --via-host" if args.via_host else "")
+
+
+def memory_needed(args: argparse.Namespace) -> int:
+    """Bytes both processes allocate, estimated before anything is: prefill's cache, decode's
+    (twice with ``--via-host``: the host buffer is shaped like it), and working memory for
+    the largest request (its values as 32-bit words, a few times over)."""
+    config = Config.from_args(args)
+    itemsize = int(torch.empty(0, dtype=config.dtype).element_size())
+    per_token = config.layers * 2 * config.heads * config.head_dim * itemsize
+    lengths = config.lengths()
+    prefill = [blocks_for(t, args.prefill_block_size) for t in lengths]
+    decode = [blocks_for(n * args.prefill_block_size, args.decode_block_size) for n in prefill]
+    pools = [sum(blocks) + max(4, sum(blocks) // 8) for blocks in (prefill, decode)]
+    caches = per_token * (
+        pools[0] * args.prefill_block_size + pools[1] * args.decode_block_size * (2 if args.via_host else 1)
+    )
+    largest = max(prefill) * args.prefill_block_size
+    working = largest * 2 * config.heads * config.head_dim * 4 * 8
+    return int(caches + working)
+
+
+def memory_available() -> int | None:
+    """Memory this process may still take: MemAvailable, less where a cgroup limit is lower."""
+    available = None
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open("/sys/fs/cgroup/memory.max") as limit,
+        open("/sys/fs/cgroup/memory.current") as current,
+    ):
+        text = limit.read().strip()
+        if text != "max":
+            left = int(text) - int(current.read())
+            available = left if available is None else min(available, left)
+    return available
+
+
+@contextlib.contextmanager
+def loopback_ucx() -> Iterator[None]:
+    """UCX of this process and the prefill it starts on loopback only (``LOOPBACK_UCX``),
+    where the user did not say otherwise; the environment is restored afterwards."""
+    added = [key for key in LOOPBACK_UCX if key not in os.environ]
+    os.environ.update({key: LOOPBACK_UCX[key] for key in added})
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -914,13 +1206,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    if args.role == "prefill":
-        try:
-            return run_prefill(args)
-        except (KVHostError, OSError) as err:  # OSError: decode's socket was gone
-            print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
-            return EXIT_ERROR
-    return run_decode(args, argv)
+    try:
+        with loopback_ucx():
+            if args.role == "prefill":
+                return _prefill_main(args)
+            return run_decode(args, argv)
+    except Exception:  # a bug: say where, but never exit 1, which means only that requests failed
+        traceback.print_exc()
+        return EXIT_ERROR
+
+
+def _prefill_main(args: argparse.Namespace) -> int:
+    try:
+        return run_prefill(args)
+    except (KVHostError, OSError) as err:  # OSError: decode's socket was gone
+        print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
+    except MemoryError:
+        print(f"prefill: out of memory: {memory_options(args)}", file=sys.stderr)
+    except RuntimeError as err:
+        if "allocate" not in str(err):
+            raise
+        print(f"prefill: out of memory: {memory_options(args)}: {str(err).splitlines()[0]}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import torch
 from kvhost.caches import CacheSet, Layer
 from kvhost.errors import BackendError, KVHostError, LayoutError, RequestError
 from kvhost.layout import AXIS_LETTERS
-from kvhost.wire_protocol import Fields, ProtocolError, check_int
+from kvhost.wire_protocol import Fields, InvalidTimeoutError, ProtocolError, check_seconds
 
 # The ``nixl`` meta package forwards ``nixl._api`` to whichever CUDA build is installed.
 NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
@@ -48,7 +48,10 @@ NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 # the place in a layer's tuple when that place is not K.
 COORD_LETTERS = "#LKHNC"
 MEMORY_OF_DEVICE = {"cpu": "DRAM", "cuda": "VRAM"}
-_MAX_STREAMS = 1 << 22
+# Streams a peer's table may declare. Each costs a Python object here (~0.3 KB) and a
+# descriptor per block in every transfer, so the cap is what models need, not what fits:
+# 128 layers x K/V x 256 heads of per-head streams.
+MAX_STREAMS = 1 << 16
 
 
 class NixlUnavailableError(BackendError):
@@ -83,7 +86,7 @@ def load_nixl() -> ModuleType:
 # --- tables -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Stream:
     """The runs of one outer index of one layer: block ``b``'s run is at ``address + b * block_stride``.
 
@@ -203,7 +206,11 @@ class RegionTable:
         return replace(self, sizes=self.sizes | {"H": count}, streams=streams)
 
     def to_dict(self) -> dict[str, Any]:
-        """The table as JSON-ready data (``from_dict`` reads it back, checking every field)."""
+        """The table as data for ``wire_protocol.encode`` (``from_dict`` reads it back,
+        checking every field): the per-stream numbers are integer arrays, which travel as
+        binary, so a table costs the peer memory in proportion to its size."""
+        layers = list(dict.fromkeys(s.layer for s in self.streams))
+        number = {name: i for i, name in enumerate(layers)}
         return {
             "memory": self.memory,
             "device_id": self.device_id,
@@ -212,13 +219,22 @@ class RegionTable:
             "sizes": dict(self.sizes),
             "itemsize": self.itemsize,
             "num_blocks": self.num_blocks,
-            "streams": [[s.layer, [list(c) for c in s.coords], s.address, s.block_stride] for s in self.streams],
+            "layers": layers,
+            "coords": "".join(a for a, _ in self.streams[0].coords) if self.streams else "",
+            "streams": {
+                "layer": np.array([number[s.layer] for s in self.streams], dtype=np.uint32),
+                "coords": np.array([i for s in self.streams for _, i in s.coords], dtype=np.uint32),
+                "address": np.array([s.address for s in self.streams], dtype=np.uint64),
+                "stride": np.array([s.block_stride for s in self.streams], dtype=np.uint64),
+            },
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "table") -> RegionTable:
-        """A table sent by a peer; anything malformed is a ProtocolError naming the field."""
-        fields = Fields(data, where)
+    def from_dict(cls, data: Any, where: str = "table", arrays: bytes | bytearray | memoryview = b"") -> RegionTable:
+        """A table sent by a peer (``arrays``: the frame's array bytes); anything malformed is
+        a ProtocolError naming the field. What it costs is bounded by what it holds: at most
+        ``MAX_STREAMS`` streams, and nothing per declared block."""
+        fields = Fields(data, where, arrays)
         memory = fields.text("memory")
         if memory not in MEMORY_OF_DEVICE.values():
             raise ProtocolError(f"{where}.memory: {memory!r} is not one of {sorted(MEMORY_OF_DEVICE.values())}")
@@ -241,14 +257,13 @@ class RegionTable:
         num_blocks = fields.integer("num_blocks", minimum=1, maximum=1 << 32)
         device_id = fields.integer("device_id", maximum=1 << 16)
         shell = cls(memory, device_id, order, split, sizes, itemsize, num_blocks, ())
-        raw_streams = fields.items("streams", max_length=_MAX_STREAMS)
-        if not raw_streams:
-            raise ProtocolError(f"{where}.streams: empty")
-        streams = tuple(_stream_from_list(item, f"{where}.streams[{i}]", shell) for i, item in enumerate(raw_streams))
-        letters = {tuple(a for a, _ in s.coords) for s in streams}
-        if len(letters) > 1:
-            raise ProtocolError(f"{where}.streams: streams are indexed by different letters {sorted(letters)}")
-        coordinates = set(letters.pop())
+        layers = fields.texts("layers", max_items=MAX_STREAMS)
+        if len(set(layers)) != len(layers):
+            twice = next(name for i, name in enumerate(layers) if name in layers[:i])
+            raise ProtocolError(f"{where}.layers: {twice!r} appears twice")
+        letters = _coord_letters(fields, shell)
+        streams = _streams(fields.fields("streams"), shell, layers, letters)
+        coordinates = set(letters)
         if not set(split) <= coordinates:
             raise ProtocolError(f"{where}.streams: split letters {split!r} must index the streams")
         covered = set(order) | coordinates - {"#"}
@@ -257,11 +272,6 @@ class RegionTable:
                 f"{where}: sizes name {''.join(sorted(sizes))} but order and stream coordinates name "
                 f"{''.join(sorted(covered))}"
             )
-        seen: set[tuple[str, tuple[tuple[str, int], ...]]] = set()
-        for stream in streams:
-            if stream.key in seen:
-                raise ProtocolError(f"{where}.streams: {stream.describe()} appears twice")
-            seen.add(stream.key)
         return cls(memory, device_id, order, split, sizes, itemsize, num_blocks, streams)
 
 
@@ -271,34 +281,67 @@ def _letters(value: str, where: str, sizes: Mapping[str, int]) -> str:
     return value
 
 
-def _stream_from_list(item: Any, where: str, table: RegionTable) -> Stream:
-    if not isinstance(item, list) or len(item) != 4:
-        raise ProtocolError(f"{where}: expected [layer, coords, address, block_stride], got {item!r:.60}")
-    layer, raw_coords, address, block_stride = item
-    if not isinstance(layer, str) or not layer or len(layer) > 256:
-        raise ProtocolError(f"{where}: layer name must be a non-empty string, got {layer!r:.60}")
-    if not isinstance(raw_coords, list) or len(raw_coords) > len(COORD_LETTERS):
-        raise ProtocolError(f"{where}: coords must be a list of [letter, index] pairs, got {raw_coords!r:.60}")
-    coords: dict[str, int] = {}
-    for pair in raw_coords:
-        letter = pair[0] if isinstance(pair, list) and len(pair) == 2 else None
-        if not (isinstance(letter, str) and len(letter) == 1 and letter in COORD_LETTERS and letter not in coords):
-            raise ProtocolError(f"{where}: bad coordinate {pair!r:.60}")
+def _coord_letters(fields: Fields, table: RegionTable) -> str:
+    """The letters every stream is indexed by, in ``COORD_LETTERS`` order."""
+    where = f"{fields.where}.coords"
+    letters = fields.data.get("coords")
+    if not isinstance(letters, str) or len(letters) > len(COORD_LETTERS):
+        raise ProtocolError(f"{where}: expected a string of coordinate letters, got {letters!r:.60}")
+    for letter in letters:
+        if letter not in COORD_LETTERS:
+            raise ProtocolError(f"{where}: bad coordinate {letter!r} (coordinates are {COORD_LETTERS!r})")
         if letter != "#" and letter not in table.sizes:
             raise ProtocolError(f"{where}: coordinate {letter} has no size")
         if letter in table.run_order:
             raise ProtocolError(f"{where}: coordinate {letter} lies inside the run {table.run_order!r}")
+    if letters != "".join(a for a in COORD_LETTERS if a in letters):
+        raise ProtocolError(f"{where}: {letters!r} must be distinct letters in {COORD_LETTERS!r} order")
+    return letters
+
+
+def _streams(fields: Fields, table: RegionTable, layers: list[str], letters: str) -> tuple[Stream, ...]:
+    """The streams of a peer's table from its arrays, every value checked (vectorised where
+    it can be; one Python object per stream, at most ``MAX_STREAMS``)."""
+    where = fields.where
+    layer = fields.array("layer", maximum=max(len(layers) - 1, 0), max_length=MAX_STREAMS)
+    count = layer.size
+    if not count:
+        raise ProtocolError(f"{where}: empty")
+    if not layers:
+        raise ProtocolError(f"{where}.layer: {count} streams but no layer names")
+    coords = fields.array("coords", max_length=MAX_STREAMS * len(COORD_LETTERS))
+    if coords.size != count * len(letters):
+        raise ProtocolError(f"{where}.coords: {coords.size} values for {count} streams of {len(letters)} coordinates")
+    columns = coords.reshape(count, len(letters))
+    for j, letter in enumerate(letters):
         limit = table.sizes.get(letter, 1 << 10) - 1
-        coords[letter] = check_int(pair[1], f"{where}: coordinate {letter}", maximum=limit)
-    canonical = _canonical(coords)
-    if [list(c) for c in canonical] != raw_coords:
-        raise ProtocolError(f"{where}: coords must be in {COORD_LETTERS!r} order, got {raw_coords!r:.60}")
-    address = check_int(address, f"{where}: address", minimum=1)
-    stride = check_int(block_stride, f"{where}: block stride", minimum=table.run_bytes, maximum=1 << 48)
-    end = address + (table.num_blocks - 1) * stride + table.run_bytes
-    if end > 1 << 64:
-        raise ProtocolError(f"{where}: blocks run past the end of the address space")
-    return Stream(layer, canonical, address, stride)
+        column = columns[:, j]
+        if int(column.max()) > limit:
+            bad = int(np.argmax(column > limit))
+            got = int(column[bad])
+            expected = f"expected an integer in [0, {limit}]"
+            raise ProtocolError(f"{where}.coords[{bad}]: coordinate {letter}: {expected}, got {got}")
+    address = fields.array("address", minimum=1, max_length=MAX_STREAMS)
+    stride = fields.array("stride", minimum=table.run_bytes, maximum=1 << 48, max_length=MAX_STREAMS)
+    for name, values in (("address", address), ("stride", stride)):
+        if values.size != count:
+            raise ProtocolError(f"{where}.{name}: {values.size} values for {count} streams")
+    streams: list[Stream] = []
+    seen: set[tuple[str, tuple[tuple[str, int], ...]]] = set()
+    shared: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}
+    for i, (number, index, base, step) in enumerate(
+        zip(layer.tolist(), columns.tolist(), address.tolist(), stride.tolist())
+    ):
+        if base + (table.num_blocks - 1) * step + table.run_bytes > 1 << 64:
+            raise ProtocolError(f"{where}[{i}]: blocks run past the end of the address space")
+        pairs = tuple(zip(letters, index))
+        coords_key = shared.setdefault(pairs, pairs)  # one tuple per distinct coordinate
+        stream = Stream(layers[number], coords_key, base, step)
+        if stream.key in seen:
+            raise ProtocolError(f"{where}[{i}]: {stream.describe()} appears twice")
+        seen.add(stream.key)
+        streams.append(stream)
+    return tuple(streams)
 
 
 def _cache_set(caches: Mapping[str, Layer], axes: str | None) -> CacheSet:
@@ -394,19 +437,15 @@ class TransferPlan:
         """Bytes one request of ``remote_blocks`` sender blocks moves."""
         return remote_blocks * self.remote_parts * self.chunk_bytes * len(self.local.streams)
 
-    def local_descriptors(self) -> np.ndarray:
-        """``[streams x local blocks x local_parts, 3]`` rows of (address, length, device id)."""
-        return _chunks(self.local, list(self.local.streams), self.local_parts, self.chunk_bytes)
-
-    def remote_descriptors(self) -> np.ndarray:
-        """The remote chunks, streams in the local streams' order."""
-        streams = [self.remote.streams[i] for i in self.remote_streams]
-        return _chunks(self.remote, streams, self.remote_parts, self.chunk_bytes)
-
-    def indices(
+    def descriptor_pairs(
         self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of the two descriptor lists, pair by pair, that move one request."""
+        """The (address, length, device id) rows that move one request: local and remote, pair by pair.
+
+        Built from the request's blocks alone (streams x chunks rows a side), so what a table
+        declares costs nothing until a request names it. Rows go stream by stream, each
+        stream's chunks in the request's block order; ``remote`` streams in the local order.
+        """
         remote = _ids(remote_ids, "remote block ids", self.remote.num_blocks)
         local = _ids(local_ids, "local block ids", self.local.num_blocks)
         want = self.local_blocks_for(remote.size)
@@ -416,19 +455,37 @@ class TransferPlan:
                 f"{self.local.block_size} tokens, got {local.size} local block ids"
             )
         chunks = np.arange(remote.size * self.remote_parts, dtype=np.int64)
-        local_rows = local[chunks // self.local_parts] * self.local_parts + chunks % self.local_parts
-        remote_rows = remote[chunks // self.remote_parts] * self.remote_parts + chunks % self.remote_parts
-        streams = np.arange(len(self.local.streams), dtype=np.int64)[:, None]
-        local_index = streams * (self.local.num_blocks * self.local_parts) + local_rows[None, :]
-        remote_index = streams * (self.remote.num_blocks * self.remote_parts) + remote_rows[None, :]
-        return local_index.reshape(-1), remote_index.reshape(-1)
+        return (
+            self._rows(self.local, self._local_streams, local, self.local_parts, chunks),
+            self._rows(self.remote, self._remote_streams, remote, self.remote_parts, chunks),
+        )
 
-    def descriptor_pairs(
-        self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The (address, length, device) rows that move one request: local and remote, pair by pair."""
-        local_index, remote_index = self.indices(local_ids, remote_ids)
-        return self.local_descriptors()[local_index], self.remote_descriptors()[remote_index]
+    @cached_property
+    def _local_streams(self) -> tuple[np.ndarray, np.ndarray]:
+        return _bases_and_strides(self.local.streams)
+
+    @cached_property
+    def _remote_streams(self) -> tuple[np.ndarray, np.ndarray]:
+        return _bases_and_strides([self.remote.streams[i] for i in self.remote_streams])
+
+    def _rows(
+        self,
+        table: RegionTable,
+        streams: tuple[np.ndarray, np.ndarray],
+        ids: np.ndarray,
+        parts: int,
+        chunks: np.ndarray,
+    ) -> np.ndarray:
+        """Chunk ``c`` of the request, in every stream: block ``ids[c // parts]``, part ``c % parts``."""
+        bases, strides = streams
+        blocks = ids[chunks // parts].astype(np.uint64)
+        offsets = (chunks % parts).astype(np.uint64) * np.uint64(self.chunk_bytes)
+        addresses = bases[:, None] + blocks[None, :] * strides[:, None] + offsets[None, :]
+        rows = np.empty((addresses.size, 3), dtype=np.uint64)
+        rows[:, 0] = addresses.reshape(-1)
+        rows[:, 1] = self.chunk_bytes
+        rows[:, 2] = table.device_id
+        return rows
 
 
 def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
@@ -469,15 +526,21 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
     return TransferPlan(local, remote, chunk, local.run_bytes // chunk, remote.run_bytes // chunk, tuple(partner))
 
 
-def _chunks(table: RegionTable, streams: list[Stream], parts: int, chunk: int) -> np.ndarray:
-    bases = np.array([s.address for s in streams], dtype=np.uint64)[:, None, None]
-    strides = np.array([s.block_stride for s in streams], dtype=np.uint64)[:, None, None]
-    blocks = np.arange(table.num_blocks, dtype=np.uint64)[None, :, None]
-    offsets = np.arange(parts, dtype=np.uint64)[None, None, :] * np.uint64(chunk)
-    addresses = (bases + blocks * strides + offsets).reshape(-1)
-    rows = np.empty((addresses.size, 3), dtype=np.uint64)
-    rows[:, 0] = addresses
-    rows[:, 1] = chunk
+def _bases_and_strides(streams: Sequence[Stream]) -> tuple[np.ndarray, np.ndarray]:
+    return (
+        np.array([s.address for s in streams], dtype=np.uint64),
+        np.array([s.block_stride for s in streams], dtype=np.uint64),
+    )
+
+
+def extent_rows(table: RegionTable) -> np.ndarray:
+    """Two (address, length, device id) rows per stream: the run of its first and of its last
+    block. NIXL accepting them means the table's ends lie in registered memory."""
+    bases, strides = _bases_and_strides(table.streams)
+    last = bases + strides * np.uint64(table.num_blocks - 1)
+    rows = np.empty((2 * bases.size, 3), dtype=np.uint64)
+    rows[0::2, 0], rows[1::2, 0] = bases, last
+    rows[:, 1] = table.run_bytes
     rows[:, 2] = table.device_id
     return rows
 
@@ -505,8 +568,8 @@ class Agent:
     """A NIXL agent and the caches it exposes: what one engine holds for its lifetime.
 
     ``register`` pins a layer dict (tensors are kept alive until ``close``) and returns its
-    table; ``metadata()`` is what the peer needs to reach it; ``reader`` prepares the
-    descriptor lists of a plan towards one peer.
+    table; ``metadata()`` is what the peer needs to reach it; ``reader`` reads or writes
+    the requests of a plan towards one peer.
     """
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
@@ -598,25 +661,32 @@ class Agent:
 
 
 class Reader:
-    """One plan's descriptor lists, prepared once, towards one peer; starts one transfer per call."""
+    """One plan towards one peer; starts one transfer per call.
+
+    Each transfer's descriptor lists are built for its request's blocks alone (NIXL
+    ``initialize_xfer``), never for every block a table declares, so a peer's table that
+    declares billions of blocks costs nothing until a request names them, and then only
+    those. When the reader is made, both tables' extents (the first and last block of every
+    stream) are checked against the memory NIXL knows to be registered: a peer's table that
+    names memory its agent has not registered is refused here, not at its first read.
+    """
 
     def __init__(self, agent: Agent, plan: TransferPlan, peer: str) -> None:
         self.agent = agent
         self.plan = plan
         self.peer = peer
         nixl = agent._nixl
-        try:
-            self._local = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", plan.local_descriptors(), plan.local.memory)
-        except Exception as err:
-            raise TransferError(f"preparing the local descriptors failed: {err}") from None
-        try:
-            self._remote = nixl.prep_xfer_dlist(peer, plan.remote_descriptors(), plan.remote.memory)
-        except Exception as err:
-            self._local.release()
-            raise TransferError(
-                f"preparing the descriptors of peer {peer!r} failed ({err}): "
-                "its table names memory it has not registered"
-            ) from None
+        for side, table, owner in (("local", plan.local, "NIXL_INIT_AGENT"), ("remote", plan.remote, peer)):
+            try:
+                nixl.prep_xfer_dlist(owner, extent_rows(table), table.memory).release()
+            except Exception as err:
+                if side == "local":
+                    raise TransferError(f"the local table names memory this agent has not registered: {err}") from None
+                raise TransferError(
+                    f"preparing the descriptors of peer {peer!r} failed ({err}): "
+                    f"its table names memory it has not registered ({len(table.streams)} streams of "
+                    f"{table.num_blocks} blocks of {table.run_bytes} bytes)"
+                ) from None
         self.closed = False
 
     def read(
@@ -636,11 +706,13 @@ class Reader:
     ) -> Transfer:
         if self.closed:
             raise TransferError(f"reader towards {self.peer!r} is closed")
-        local_index, remote_index = self.plan.indices(local_ids, remote_ids)
-        nbytes = local_index.size * self.plan.chunk_bytes
+        local_rows, remote_rows = self.plan.descriptor_pairs(local_ids, remote_ids)
+        nbytes = local_rows.shape[0] * self.plan.chunk_bytes
         nixl = self.agent._nixl
         try:
-            handle = nixl.make_prepped_xfer(op, self._local, local_index, self._remote, remote_index, notify)
+            local = nixl.get_xfer_descs(local_rows, self.plan.local.memory)
+            remote = nixl.get_xfer_descs(remote_rows, self.plan.remote.memory)
+            handle = nixl.initialize_xfer(op, local, remote, self.peer, notify)
         except Exception as err:
             raise TransferError(f"{op} from {self.peer!r}: creating the transfer failed: {err}") from None
         transfer = Transfer(self, handle, nbytes, op)
@@ -653,11 +725,7 @@ class Reader:
         return transfer
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            for handle in (self._local, self._remote):
-                with contextlib.suppress(Exception):  # towards a dead peer this may fail
-                    handle.release()
+        self.closed = True
 
 
 @dataclass
@@ -685,14 +753,23 @@ class Transfer:
         return self._note(state)
 
     def wait(self, timeout: float, *, interval: float = 1e-4) -> None:
-        """Block until done; TransferError(timed_out=True) after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
+        """Block until done; TransferError(timed_out=True) after ``timeout`` seconds.
+
+        ``timeout`` must be a finite number of seconds (``wire_protocol.check_seconds``):
+        NaN, infinity, a negative number or a bool is an InvalidTimeoutError, never a wait
+        without end. ``interval`` (between polls) is in (0, 1].
+        """
+        seconds = check_seconds(timeout, "Transfer.wait timeout")
+        pause = check_seconds(interval, "Transfer.wait interval", positive=True)
+        if pause > 1:
+            raise InvalidTimeoutError(f"Transfer.wait interval: expected at most 1 s between polls, got {pause:g}")
+        deadline = time.monotonic() + seconds
         while not self.poll():
             if time.monotonic() > deadline:
                 raise TransferError(
-                    f"{self.op} from {self.reader.peer!r} did not finish within {timeout:g} s", timed_out=True
+                    f"{self.op} from {self.reader.peer!r} did not finish within {seconds:g} s", timed_out=True
                 )
-            time.sleep(interval)
+            time.sleep(pause)
 
     @property
     def seconds(self) -> float:

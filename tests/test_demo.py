@@ -8,12 +8,15 @@ wrote as JSON. The in-process tests show that the verification itself can fail.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -50,6 +53,47 @@ ENV = {"freeze": {"UCX_TLS": "tcp,self"}}
 RUN_SECONDS = 150
 
 
+def process_tree(pid):
+    """``pid`` and its descendants (Linux /proc)."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as children:
+                    queue += [int(child) for child in children.read().split()]
+    return found
+
+
+def tcp_address(hex_address):
+    """``0100007F:1F90`` (from /proc/net/tcp or tcp6) as ``("127.0.0.1", 8080)``."""
+    host, port = hex_address.split(":")
+    raw_host = b"".join(bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8))
+    family = socket.AF_INET if len(raw_host) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, raw_host), int(port, 16)
+
+
+def listening_sockets(pids):
+    """``{(pid, address, port)}`` of the TCP sockets in LISTEN state that ``pids`` hold open."""
+    owners = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        owners[link[8:-1]] = pid
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/net/{table}") as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in owners:  # 0A: LISTEN
+                    found.add((owners[fields[9]], *tcp_address(fields[1])))
+    return found
+
+
 class Run:
     def __init__(self, name, directory):
         self.name = name
@@ -57,9 +101,19 @@ class Run:
         self.out = open(directory / f"{name}.out", "w+")  # noqa: SIM115 - closed in result()
         command = [sys.executable, "-m", "kvhost_tools.cli", "demo", *RUNS[name], "--json", str(self.json)]
         env = dict(os.environ, **ENV.get(name, {}))
+        env.pop("UCX_NET_DEVICES", None)  # the demo's own default is what is tested
         self.started = time.monotonic()
         self.process = subprocess.Popen(command, stdout=self.out, stderr=subprocess.STDOUT, env=env)
         self.outcome = None
+        # Every listening socket of the run's processes, sampled while it runs.
+        self.listening = set()
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
+
+    def _watch(self):
+        while self.process.poll() is None:
+            self.listening |= listening_sockets(process_tree(self.process.pid))
+            time.sleep(0.02)
 
     def result(self):
         if self.outcome is None:
@@ -70,6 +124,7 @@ class Run:
                 self.process.wait()
                 pytest.fail(f"kvhost demo ({self.name}) did not finish within {RUN_SECONDS} s")
             self.seconds = time.monotonic() - self.started
+            self.watcher.join(10)
             self.out.seek(0)
             self.text = self.out.read()
             self.out.close()
@@ -137,6 +192,22 @@ def test_decode_ranks_each_read_their_share_of_the_heads(runs):
     # Between them the ranks read every sender block once: 4 tokens x K/V x 4 heads x 16
     # channels x 2 bytes x 2 layers per block.
     assert figures["transfer_bytes"] == figures["prefill_blocks"] * 4 * 2 * 4 * 16 * 2 * 2
+
+
+@needs_nixl
+@pytest.mark.timeout(RUN_SECONDS + 30)
+@pytest.mark.parametrize("name", ["direct", "freeze"])
+def test_every_socket_the_demo_listens_on_is_on_loopback(runs, name):
+    """Decode's control socket and both processes' NIXL/UCX agents listen on 127.0.0.1 (or
+    ::1) only: UCX would also listen on every other interface (UCX_NET_DEVICES=lo)."""
+    run = runs[name]
+    run.result()
+    pids = {pid for pid, _, _ in run.listening}
+    decode_pid, prefill_pid = run.process.pid, run.outcome["figures"]["prefill_pid"]
+    assert {decode_pid, prefill_pid} <= pids, f"listening sockets seen: {sorted(run.listening)}"
+    assert len([s for s in run.listening if s[0] == decode_pid]) >= 2  # control socket and UCX
+    outside = sorted(s for s in run.listening if not (s[1].startswith("127.") or s[1] == "::1"))
+    assert not outside, f"listening beyond loopback: {outside}"
 
 
 def check_partial(code, outcome, text):
@@ -272,9 +343,9 @@ def test_progress_bar_draws_on_a_terminal_only():
     ("argv", "message"),
     [
         (["--prefill-block-size", "6", "--decode-block-size", "16"], "must divide one another"),
-        (["--layers", "0"], "--layers must be at least 1"),
+        (["--layers", "0"], "--layers must be in [1, 32768], got 0"),
         (["--max-tokens", "3", "--min-tokens", "4"], "below --min-tokens"),
-        (["--kill-prefill-after", "-1"], "--kill-prefill-after must be 0 or more"),
+        (["--kill-prefill-after", "-1"], "--kill-prefill-after must be in [0, 16384], got -1"),
         (["--kill-prefill-after", "1", "--freeze-prefill-after", "1"], "not allowed with argument"),
         (["--dtype", "float64"], "invalid choice"),
         (["--decode-ranks", "3"], "--heads 8 cannot be shared out evenly to 3 decode ranks"),

@@ -30,7 +30,7 @@ from kvhost.nixl import (
     region_table,
 )
 from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens, write_wire
-from kvhost.wire_protocol import ProtocolError
+from kvhost.wire_protocol import ProtocolError, decode, encode
 
 # (axes, remote memory order, local memory order, sizes but B and N)
 LAYOUT_PAIRS = {
@@ -255,13 +255,13 @@ def test_tables_and_plans_reject_mismatches():
         )
     plan = plan_transfer(nhd16, hnd)
     with pytest.raises(RequestError, match="need 1 local blocks"):
-        plan.indices([1, 2], [0, 1])
+        plan.descriptor_pairs([1, 2], [0, 1])
     with pytest.raises(RequestError, match="out of range"):
-        plan.indices([1], [0, 8])
+        plan.descriptor_pairs([1], [0, 8])
     with pytest.raises(RequestError, match="appears twice"):
-        plan.indices([1], [3, 3])
+        plan.descriptor_pairs([1], [3, 3])
     with pytest.raises(RequestError, match="empty"):
-        plan.indices([], [])
+        plan.descriptor_pairs([], [])
     with pytest.raises(LayoutError, match="not meta"):
         region_table({"l": make_cache("KBNHC", "KBNHC", dict(small, N=4, B=2), device="meta")}, "KBNHC")
 
@@ -275,9 +275,12 @@ def test_table_round_trip_and_strict_parsing():
     assert table.outer == "K" and table.order == "HNC" and table.block_size == 4
     assert len(table.streams) == 2 * 2  # layers x K
     data = table.to_dict()
-    data["streams"][1] = data["streams"][0]
-    with pytest.raises(ProtocolError, match=r"appears twice"):
+    data["streams"]["coords"][1] = data["streams"]["coords"][0]  # layer 0's V stream is now its K stream
+    with pytest.raises(ProtocolError, match=r"table\.streams\[1\]: l0\[K=0\] appears twice"):
         RegionTable.from_dict(data)
+    # Over the wire: the per-stream numbers travel as arrays and come back the same.
+    message = decode(encode("table", {"table": table.to_dict()}))
+    assert RegionTable.from_dict(message.header["table"], "table", message.arrays) == table
 
 
 def test_memory_spans_merge_shared_memory():
