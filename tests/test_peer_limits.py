@@ -579,7 +579,7 @@ def test_the_command_exits_2_with_one_line_and_no_traceback():
     }
     runs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "kvhost.cli", "demo", *argv],
+            [sys.executable, "-m", "kvhost_tools.cli", "demo", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
