@@ -81,8 +81,10 @@ class _Scratch:
 
     def rows(self, threads: int, row_bytes: int) -> np.ndarray:
         buffer = self._buffer
-        if buffer.shape[0] < threads or buffer.shape[1] < row_bytes or buffer.size > max(
-            self.KEEP_BYTES, 4 * threads * row_bytes
+        if (
+            buffer.shape[0] < threads
+            or buffer.shape[1] < row_bytes
+            or buffer.size > max(self.KEEP_BYTES, 4 * threads * row_bytes)
         ):
             buffer = self._buffer = np.empty((threads, row_bytes), dtype=np.uint8)
         return buffer
