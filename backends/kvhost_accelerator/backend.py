@@ -15,12 +15,33 @@ and the Triton compiler that targets it. Everything device-specific goes through
   staging buffer in the host's letters, which crosses the bus as one copy to or from a
   pinned bounce buffer, and the CPU backend moves the host side between the bounce buffer
   and the host blocks (for a save, once the event has fired: on ``done()``/``wait()``).
+
+Streams and lifetimes, the contract:
+
+- A receive is ordered like any kernel the caller queues on its current stream, and
+  returns without waiting. Its id tables and scratch are made on that stream and dropped
+  after the launch: the caching allocator hands a freed block only to later work on the
+  same stream, and the pinned staging of the tables only after the copy that reads it.
+- A copy runs on the device's side stream, which first waits for the caller's current
+  stream: it sees everything queued before the call. The caller's stream does not wait
+  for it (that is what lets an offload overlap the next step's compute). With
+  ``non_blocking=False`` the call returns once the bytes are in place. With
+  ``non_blocking=True``, until the result's ``done()`` is True or ``wait()`` returns, no
+  stream may write the source blocks or touch the destination blocks, and the bytes of a
+  staged save reach the host only then.
+- The result (``EventCompletion``) keeps every buffer the copy uses alive until the copy
+  is complete: the caller's tensors, staging and bounce buffers, id tables. A result
+  dropped earlier completes itself first (waits for its event, runs the host step) and
+  warns: no buffer is released while a stream still uses it, and no save is lost.
+- The torch path's reused id buffers are per thread and stream (``IndexBuffers``): one
+  stream never refills or frees the buffer another stream may still be reading.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cached_property
@@ -54,7 +75,11 @@ def load_kernels() -> ModuleType | None:
 class EventCompletion(Completion):
     """Done once the device has passed ``event`` and ``finish`` (host work after it) has run.
 
-    ``keep`` holds the buffers the device still reads or writes until then.
+    ``keep`` holds the buffers the device still reads or writes until then: the caller's
+    tensors, staging and bounce buffers, id tables. A handle dropped before it was seen
+    done completes itself first (waits for the event, runs ``finish``) and warns with a
+    ``ResourceWarning``: nothing it keeps is released while a stream still uses it, and a
+    staged save still lands.
     """
 
     def __init__(self, event: Event, keep: Sequence[Any] = (), finish: Callable[[], None] | None = None) -> None:
@@ -63,6 +88,17 @@ class EventCompletion(Completion):
         self.finish = finish
         self._finished = False
         self._lock = threading.Lock()
+
+    def __del__(self) -> None:
+        if getattr(self, "_finished", True):
+            return
+        warnings.warn(
+            "a non-blocking kvhost copy was dropped before done() or wait() saw it complete; waiting for it now "
+            "(keep the CopyResult until then)",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        self.wait()
 
     def done(self) -> bool:
         if self._finished:
