@@ -218,7 +218,7 @@ class AcceleratorBackend(Backend):
             scratch = torch.empty(
                 max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes], device=job.device
             )
-            call = kernels.receive_call(
+            calls = kernels.receive_calls(
                 launch,
                 bases=base_table,
                 outer_offsets=outer_table,
@@ -227,8 +227,13 @@ class AcceleratorBackend(Backend):
                 units=units,
                 block_stride=layout.block_stride_bytes,
             )
-            call.launch()
+            for call in calls:
+                self.launch(call)
         return None
+
+    def launch(self, call: Any) -> None:
+        """Launch one kernel call (``kernels.KernelCall``) on the current stream and device."""
+        call.launch()
 
     # --- copies --------------------------------------------------------------------------
 
@@ -291,7 +296,7 @@ class AcceleratorBackend(Backend):
             src_block_stride=job.plan.src_block_stride,
             dst_block_stride=job.plan.dst_block_stride,
         )
-        call.launch()
+        self.launch(call)
 
     def copy_host(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> Callable[[], None] | None:
         """Between host memory and this device; returns host work to run once the device is done.
@@ -438,17 +443,19 @@ class AcceleratorBackend(Backend):
     # --- helpers -------------------------------------------------------------------------
 
     def _upload(self, arrays: list[np.ndarray], device: torch.device, keep: list[Any]) -> list[torch.Tensor]:
-        """int64 arrays onto ``device`` in one non-blocking copy from pinned memory."""
-        sizes = [a.size for a in arrays]
-        host = self.runtime.host_buffer([max(sum(sizes), 1)], torch.int64)
-        host.numpy()[: sum(sizes)] = np.concatenate(arrays) if arrays else []
+        """int64 arrays onto ``device`` in one non-blocking copy from pinned memory.
+
+        Each array starts at a 16-byte boundary: Triton specializes a pointer on that
+        alignment, and a table placed after a batch-sized one would otherwise flip with
+        the batch's parity (one more compiled kernel).
+        """
+        starts = np.cumsum([0] + [a.size + a.size % 2 for a in arrays])
+        host = self.runtime.host_buffer([max(int(starts[-1]), 1)], torch.int64)
+        for array, start in zip(arrays, starts):
+            host.numpy()[start : start + array.size] = array
         table = host.to(device, non_blocking=True)
         keep += [host, table]
-        out, at = [], 0
-        for size in sizes:
-            out.append(table[at : at + size])
-            at += size
-        return out
+        return [table[start : start + array.size] for array, start in zip(arrays, starts)]
 
 
 def _job(pairs: list[tuple[Member, Member]], src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyJob:
