@@ -116,6 +116,27 @@ def test_cuda_and_xpu_share_one_runtime_and_differ_only_in_names():
     assert XpuBackend().triton_compilers() == ("intel",)
 
 
+@pytest.mark.parametrize(("version", "fenced"), [("3.3.0b1", False), ("3.6.0", False), ("3.7.0", False),
+                                                 ("3.7.1", True), ("3.8.0+git1234", True)])  # fmt: skip
+def test_xpu_splits_every_receive_where_intels_barrier_fences_only_local_memory(monkeypatch, version, fenced):
+    """Intel's Triton fences global memory at tl.debug_barrier from 3.7.1 (kvhost_xpu's docstring says how we know)."""
+    pytest.importorskip("triton")
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+
+    class Runtime(SynchronousRuntime):
+        def processors(self, device):
+            return 64
+
+    backend = XpuBackend()
+    backend.__dict__["runtime"] = Runtime()
+    assert backend.barrier_orders_global_memory() is fenced
+    limits = backend.limits_for(torch.device("cpu"))
+    assert limits.barrier is fenced and limits.programs == 64 * backend.programs_per_processor
+    assert CudaBackend().barrier_orders_global_memory()
+
+
 # --- completion handles --------------------------------------------------------------
 
 

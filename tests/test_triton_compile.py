@@ -176,6 +176,51 @@ def test_split_mode_needs_no_barrier_and_moves_wide_words():
     assert "s_barrier" not in rocm(calls[0]).asm["amdgcn"]
 
 
+# --- the barrier the in-kernel modes rely on -------------------------------------------------
+
+
+def test_the_barrier_orders_global_memory_on_nvidia_and_amd():
+    """Registers and slots exchange words through global memory across ``tl.debug_barrier``.
+
+    NVIDIA: ``bar.sync``, which orders every prior memory access of the participating
+    threads, global included (PTX ISA, barrier). AMD: LLVM's workgroup-scope release and
+    acquire fences around ``s_barrier``, for every address space (no ``!mmra`` limiting
+    them to LDS); on gfx942 outside thread-group split mode the waves of a work-group share
+    one vector L1 in order, so LLVM's memory model needs no wait on global accesses there.
+    A compiler that narrows either fails here (then ``Limits.barrier`` must be False).
+    """
+    _, call = receive_call("KBNHC", 64, "HNC", 16, Limits(programs=528))
+    assert re.search(r"\bbar\.sync\s+0;", compile_call(call, "cuda", 90, 32).asm["ptx"])
+    llir = rocm(call).asm["llir"].splitlines()
+    barriers = [i for i, line in enumerate(llir) if "@llvm.amdgcn.s.barrier()" in line and "call" in line]
+    assert barriers
+    for i in barriers:
+        before = next(line for line in reversed(llir[:i]) if "fence" in line)
+        after = next(line for line in llir[i + 1 :] if "fence" in line)
+        assert 'fence syncscope("workgroup") release' in before and "!mmra" not in before
+        assert 'fence syncscope("workgroup") acquire' in after and "!mmra" not in after
+
+
+@pytest.mark.skipif(kernels is None or "intel" not in kernels.compiler_targets(), reason="no Intel Triton backend")
+def test_intel_barrier_fences_global_memory_exactly_when_the_backend_says():
+    """Intel's Triton lowers ``tl.debug_barrier`` to OpenCL ``barrier(flags)``: 1 = local memory, 2 = global.
+
+    Through 3.7.0 the flag is 1 (work-group local memory only), from 3.7.1 it is 3. The XPU
+    backend relies on the in-kernel barrier only where it fences global memory.
+    """
+    from kvhost_xpu import XpuBackend
+
+    _, call = receive_call("KBNHC", 64, "HNC", 16, Limits(programs=512))
+    llir = aot.compile_call(call, aot.gpu_target("xpu")).asm["llir"]
+    flags = {int(flag) for flag in re.findall(r"call spir_func void @_Z7barrierj\(i32 (\d+)\)", llir)}
+    assert flags and len(flags) == 1
+    assert bool(flags.pop() & 2) == XpuBackend().barrier_orders_global_memory()
+    # What runs where the barrier does not fence global memory: the split kernel, no barrier in it.
+    launch, call = receive_call("KBNHC", 64, "HNC", 16, Limits(programs=512, barrier=False))
+    assert launch.mode == "split"
+    assert "_Z7barrierj" not in aot.compile_call(call, aot.gpu_target("xpu")).asm["llir"]
+
+
 # --- registers and spills, compiles per batch size -------------------------------------------
 
 

@@ -182,11 +182,24 @@ class AcceleratorBackend(Backend):
 
     def describe(self) -> str:
         path = "Triton kernels" if self.kernels is not None else f"torch ops ({self.kernels_missing})"
+        if self.kernels is not None and not self.barrier_orders_global_memory():
+            path += " (every receive in two launches: this Triton's barrier does not fence global memory)"
         return f"receive and scattered copies: {path}; host copies: pinned staging on a side stream, events"
+
+    def barrier_orders_global_memory(self) -> bool:
+        """Whether ``tl.debug_barrier`` orders global memory between the threads of a program.
+
+        The receive's registers and slots modes exchange words through global memory across
+        it. True for NVIDIA (``bar.sync``) and AMD (workgroup-scope fences for every
+        address space), checked on the compiled code by ``tests/test_triton_compile.py``.
+        Where it is False every receive is split: the kernel boundary is the barrier.
+        """
+        return True
 
     def limits_for(self, device: torch.device) -> Limits:
         programs = self.runtime.processors(device) * self.programs_per_processor
-        return replace(self.limits, programs=min(self.limits.programs, programs))
+        barrier = self.limits.barrier and self.barrier_orders_global_memory()
+        return replace(self.limits, programs=min(self.limits.programs, programs), barrier=barrier)
 
     # --- receive -------------------------------------------------------------------------
 
