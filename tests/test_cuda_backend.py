@@ -409,7 +409,10 @@ def test_receive_on_the_torch_path_matches_the_sender():
 def test_gpu_check_measures_every_workload(capsys):
     """The GPU check's measurements on the CPU stand-in, at toy sizes: every row, sane numbers."""
     sizes = Sizes(layers=1, heads=2, channels=16, receive_units=4, staging_blocks=4, repeats=1)
-    rows = measure(torch.device("cpu"), {"torch": CpuStandIn(use_triton=False)}, sizes)
+    emitted: list[object] = []
+    rows = measure(torch.device("cpu"), {"torch": CpuStandIn(use_triton=False)}, sizes, emitted.append)
+    assert emitted == rows  # each row handed out as it is measured (ci/gpu-check.sh streams them to $OUT)
+    assert {row.agrees for row in rows if row.method != "memcpy"} == {"yes"}
     workloads = sorted({row.workload for row in rows})
     assert len(workloads) == 3 + 4  # two receives, one device copy, staging {runs, scattered} x {load, save}
     for workload in workloads:

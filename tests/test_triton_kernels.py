@@ -138,3 +138,14 @@ def test_staged_host_copy_with_kernels_on_the_device_side(to_device, non_blockin
         for block in set(range(d.layout.num_blocks)) - set(dst_ids):
             assert torch.equal(raw(d.tensor).select(b, block), saved.select(b, block))
 
+
+def test_gpu_check_rows_count_launches_and_compare_bytes():
+    """The GPU check in the interpreter: launches, programs, and bytes equal to the torch path's."""
+    from kvhost_cuda.gpucheck import Sizes, measure
+
+    sizes = Sizes(layers=1, heads=2, channels=16, receive_units=4, staging_blocks=4, repeats=1)
+    backends = {"triton": TritonInterpretBackend(), "torch": TritonInterpretBackend().torch_path}
+    rows = measure(torch.device("cpu"), backends, sizes)  # type: ignore[arg-type]
+    triton_rows = [row for row in rows if row.method == "triton"]
+    assert len(triton_rows) == 7 and all(row.agrees == "yes" for row in rows if row.method != "memcpy")
+    assert all(row.launches >= 1 and 1 <= row.programs <= TritonInterpretBackend.limits.programs for row in triton_rows)
