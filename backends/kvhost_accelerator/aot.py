@@ -322,7 +322,7 @@ class CompileCounter(AcceleratorBackend):
 
 
 def batch_flows(counter: CompileCounter) -> dict[str, Callable[[int], None]]:
-    """Each flow serves ``n`` blocks: receives (r = 4, g = 4) and staged host copies both ways, both routes.
+    """Each flow serves ``n`` blocks: receives (r = 4, g = 4), staged host copies both ways and routes, device copies.
 
     Small caches (the plans, not the sizes, decide what compiles). Staged copies go
     straight to ``copy_host`` (on the CPU stand-in both sides share a device). Ids are
@@ -350,7 +350,8 @@ def batch_flows(counter: CompileCounter) -> dict[str, Callable[[int], None]]:
                            backend=counter)  # fmt: skip
 
         flows[f"receive HND {remote} -> NHD {local}"] = receive
-    device = CacheSet({"l0": make_cache("KBNHC", "KBNHC", dict(sizes, N=16), torch.bfloat16)}, "KBNHC")
+    device_caches = {"l0": make_cache("KBNHC", "KBNHC", dict(sizes, N=16), torch.bfloat16)}
+    device = CacheSet(device_caches, "KBNHC")
     host = CacheSet({"l0": make_cache("KBNHC", "KBHNC", dict(sizes, N=16), torch.bfloat16)}, "KBNHC")
     for non_blocking, route in ((False, "host spans"), (True, "bounce")):
         for to_device, way in ((False, "save"), (True, "load")):
@@ -364,6 +365,13 @@ def batch_flows(counter: CompileCounter) -> dict[str, Callable[[int], None]]:
                         finish()
 
             flows[f"staged {way}, {route}"] = staged
+    other = {"l0": make_cache("KBNHC", "KBHNC", dict(sizes, N=16), torch.bfloat16)}
+    shuffled = np.random.default_rng(1).permutation(blocks)
+
+    def on_device(n: int) -> None:  # scattered ids on both sides: two id tables
+        kvhost.copy_blocks(device_caches, other, scattered[:n], shuffled[:n], axes="KBNHC", backend=counter)
+
+    flows["device copy, scattered"] = on_device
     return flows
 
 
