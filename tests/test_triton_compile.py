@@ -264,7 +264,7 @@ def test_batches_of_1_to_1000_blocks_compile_one_kernel_per_transform(barrier):
     Before: integer arguments specialized on 1 and on divisibility by 16, a pointer on
     16-byte alignment that flipped with the batch's parity, and the staging buffer's outer
     stride (a power of two of blocks) a compile-time constant: 4 kernels per receive
-    transform, 18 per staged host-span copy, 3 per bounced one, 2 per scattered device copy.
+    transform, 18 per staged host-span copy, 3 per bounced one, 4 per scattered device copy.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny host copies: a thread pool only adds wake-ups
