@@ -22,9 +22,11 @@ a batch size never compiles a new kernel):
 - *split*: pieces too large for that are cut into chunks of rows that every program
   shares, and the barrier between copying a piece in and writing it back is a kernel
   boundary: launch ``k`` writes back round ``k - 1`` from its half of the scratch and
-  copies round ``k`` into the other half. Every launch fills the device whatever the
-  piece size. Also the mode of every piece where the in-kernel barrier does not order
-  global memory between a program's threads (``Limits.barrier``).
+  copies round ``k`` into the other half. A launch has a program for every chunk of its
+  round, up to the device's programs, whatever the piece size: a round is up to half the
+  scratch budget, so a batch of a few pieces fills the device too. Also the mode of every
+  piece where the in-kernel barrier does not order global memory between a program's
+  threads (``Limits.barrier``).
 
 Registers are counted, not bytes: a thread holds its share of a tile's words plus one
 64-bit address per access, and with narrow words (a misaligned cache, a last axis that
