@@ -29,7 +29,12 @@ from kvhost.testing import raw
 NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
 needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
 
-SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "16", "--min-tokens", "5", "--max-tokens", "150"]
+# Five runs start at once: on a busy 2-core machine ten Python processes importing torch can
+# take minutes, so the runs get room to connect (a hung run still fails at RUN_SECONDS).
+SMALL = [
+    *["--layers", "2", "--heads", "2", "--head-dim", "16", "--min-tokens", "5", "--max-tokens", "150"],
+    *["--connect-timeout", "240"],
+]
 RUNS = {
     # Head-major blocks of 4 into token-major blocks of 16: r = 4, receive rearranges in place.
     "direct": [*SMALL, "--requests", "8", "--prefill-block-size", "4", "--decode-block-size", "16"],
@@ -50,7 +55,7 @@ RUNS = {
     "freeze": [*SMALL, "--requests", "10", "--inflight", "2", "--freeze-prefill-after", "2", "--timeout", "2"],
 }
 ENV = {"freeze": {"UCX_TLS": "tcp,self"}}
-RUN_SECONDS = 150
+RUN_SECONDS = 420
 
 
 def process_tree(pid):
