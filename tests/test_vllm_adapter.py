@@ -19,6 +19,7 @@ import kvhost
 from kvhost.integrations.testing import assert_same_tokens, nixl_read
 from kvhost.integrations.vllm import (
     CACHE_FORMATS,
+    GROUP_NAME,
     KV_CACHE_LAYOUTS,
     RemoteEngine,
     VllmCaches,
@@ -111,6 +112,10 @@ def engine_blocks(remote_size: int) -> tuple[int, int]:
         *[(name, (100, 8, 16, 256), "BHNC") for name in KV_CACHE_LAYOUTS if name != "BHLNC"],
         *[(name, (32, 100, 8, 16, 256), "LBHNC") for name in KV_CACHE_LAYOUTS],
         ("BHLNC", (100, 1, 16, 576), "BHNC"),  # one head slot (MLA): the layer view is one run
+        # vLLM 0.33: every backend's layer view is [B, H, N, 2 * head_dim], whatever its name
+        ("flash_attn", (100, 8, 16, 256), "BHNC"),
+        ("flashinfer", (100, 8, 16, 256), "BHNC"),
+        ("mla", (100, 1, 16, 576), "BHNC"),
     ],
 )
 def test_kv_cache_axes(layout, shape, axes):
@@ -122,8 +127,8 @@ def test_kv_cache_axes(layout, shape, axes):
     [
         ("flash_attn", (100, 2, 16, 8, 128), "holds K and V in dim 0, which must be 2; shape .* has 100"),
         ("flashinfer", (2, 100, 16, 8, 128), "holds K and V in dim 1, which must be 2; shape .* has 100"),
-        ("flash_attn", (100, 16, 8, 128), r"\[K, B, N, H, C\] \(5 dims\), but shape \(100, 16, 8, 128\) has 4"),
-        ("mla", (100, 1, 16, 576), "a mla cache is .* but shape .* has 4"),
+        ("flash_attn", (100, 16, 1024), r"\[K, B, N, H, C\] \(5 dims\) or, from vLLM 0.33 on, a layer view"),
+        ("mla", (100, 1, 1, 16, 576), "a mla cache is .* but shape .* has 5"),
         ("LBNHC", (100, 16, 256), "shape \\(100, 16, 256\\) has 3 dims"),
         ("BHLNC", (100, 8, 16, 256), "a BHLNC layer view .* no contiguous block region.*cross_layer_view"),
         ("NHD", (2, 100, 16, 8, 128), "unknown vLLM cache layout 'NHD'"),
@@ -167,10 +172,7 @@ def test_remote_order_rejects_mixed_vocabularies_and_unknown_names():
 # --- post-process: every KVCacheLayout, per-layer views and whole groups -----------------
 
 LAYOUT_CASES = [
-    pytest.param(name, view, id=f"{name}-{view}")
-    for name in KV_CACHE_LAYOUTS
-    for view in ("layer", "group")
-    if (name, view) != ("BHLNC", "layer")
+    pytest.param(name, view, id=f"{name}-{view}") for name in KV_CACHE_LAYOUTS for view in ("layer", "group")
 ]
 
 
@@ -180,7 +182,12 @@ def test_post_process_every_kv_cache_layout(name, view):
     local_views, local_group = kv_layout_group(name, blocks=56, block_size=BLOCK)
     caches = local_views if view == "layer" else {"group": local_group}
     kv = VllmCaches(caches, name)
-    assert kv.axes == ("BHNC" if view == "layer" else "LBHNC")
+    # BHLNC layer views have no block of their own: VllmCaches sees them as their group.
+    seen_as_group = view == "group" or name == "BHLNC"
+    assert kv.axes == ("LBHNC" if seen_as_group else "BHNC")
+    if view == "layer" and seen_as_group:
+        assert kv.layer_names == tuple(local_views)
+        caches = {GROUP_NAME: local_group}  # what the oracle reads and writes: the same memory
 
     senders, engines = {}, {}
     needed = [engine_blocks(size) for _ in range(8) for size in REMOTE_BLOCK_SIZES]
@@ -190,7 +197,7 @@ def test_post_process_every_kv_cache_layout(name, view):
         # A NHD/HND sender is an older engine with tokens/heads first: LBNHC/LBHNC memory.
         memory = {"NHD": "LBNHC", "HND": "LBHNC"}.get(remote_name, remote_name)
         remote_views, remote_group = kv_layout_group(memory, blocks=6, block_size=size)
-        remote = remote_views if view == "layer" else {"group": remote_group}
+        remote = remote_views if not seen_as_group else {next(iter(caches)): remote_group}
         fill(remote, seed=len(senders) + 2)
         their, ours = engine_blocks(size)
         remote_ids = [5, 0, 3, 2][:their]
@@ -205,10 +212,24 @@ def test_post_process_every_kv_cache_layout(name, view):
         assert stats.groups >= 1
 
 
-def test_bhlnc_layer_views_point_to_the_group():
+@pytest.mark.parametrize("layout", ["BHLNC", "flash_attn"])
+def test_bhlnc_layer_views_are_seen_as_their_group(layout):
+    """vLLM 0.33 hands a connector per-layer views, named by the layout or by the backend."""
     views, group = kv_layout_group("BHLNC", blocks=4, block_size=BLOCK)
-    with pytest.raises(kvhost.LayoutError, match=r"BHLNC layer view .*cross_layer_view"):
-        VllmCaches(views, "BHLNC")
+    kv = VllmCaches(views, layout)
+    assert kv.axes == "LBHNC" and kv.caches.layout.region == "HLNC"
+    assert kv.layer_names == tuple(views)
+    (member,) = kv.caches.members
+    assert member.tensor.data_ptr() == group.data_ptr() and member.tensor.stride() == group.stride()
+    host = kv.host_buffers()  # layer views of one host buffer, as vLLM registers them
+    assert list(host) == list(views)
+    assert all(h.shape == v.shape and h.stride() == v.stride() for h, v in zip(host.values(), views.values()))
+    fill(views, seed=3)
+    kv.save_to_host(host, {"a": [2, 0]}).wait()
+    assert_same_tokens({"g": cross_layer_view(host)}, "LBHNC", [2, 0], {"g": group}, "LBHNC", [2, 0])
+    apart = {name: torch.empty_like(view) for name, view in views.items()}  # not one buffer
+    with pytest.raises(kvhost.LayoutError, match="so must the host buffers be"):
+        kv.save_to_host(apart, {"a": [1]})
     whole = cross_layer_view(views)
     assert whole.shape == group.shape and whole.stride() == group.stride()
     assert whole.data_ptr() == group.data_ptr()
