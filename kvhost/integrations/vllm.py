@@ -257,13 +257,18 @@ class VllmCaches:
         self,
         received: Mapping[str, Mapping[str, BlockIds]],
         remote_engines: Mapping[str, RemoteEngine],
+        *,
+        tokens: Mapping[str, int] | None = None,
     ) -> ReceiveStats:
         """Rearrange, in place, every received block from its sender's layout into ours.
 
         ``received`` maps remote engine id to request id to the request's local block ids
-        in token order; ``remote_engines`` says how each engine lays out its blocks. The
-        whole batch is checked before any byte moves, and requests whose senders share a
-        layout and block size are rearranged together.
+        in token order; ``remote_engines`` says how each engine lays out its blocks.
+        ``tokens`` maps a request id to how many of its tokens arrived, for requests whose
+        blocks they do not fill: only the sender blocks holding those tokens are
+        rearranged, and every token after them in the request's blocks is zeroed, as
+        vLLM does. The whole batch is checked before any byte moves, and requests whose
+        senders share a layout and block size are rearranged together.
         """
         requests: dict[str, BlockIds] = {}
         engine_of: dict[str, str] = {}
@@ -287,6 +292,15 @@ class VllmCaches:
                     )
                 engine_of[request_id] = engine_id
                 requests[request_id] = ids
+        if tokens:
+            if not isinstance(tokens, Mapping):
+                raise RequestError(f"tokens must map request id to a token count, got {type(tokens).__name__}")
+            unknown = [r for r in tokens if r not in engine_of]
+            if unknown:
+                raise RequestError(f"tokens name request {unknown[0]!r}, which no engine sent")
+            return self._kvhost.receive(
+                {r: Incoming(ids, *sender[engine_of[r]], tokens=tokens.get(r)) for r, ids in requests.items()}
+            )
         layouts = {sender[engine] for engine in engine_of.values()}
         if len(layouts) == 1:
             # Every sender lays blocks out alike: say so once for the call, so that a step
