@@ -14,12 +14,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 import uuid
 from unittest.mock import patch
 
 import pytest
 import torch
 
+from kvhost.integrations.testing import nixl_read
+from kvhost.integrations.vllm import cross_layer_view
 from kvhost.testing import fill_random, raw
 
 pytestmark = [
@@ -186,7 +189,7 @@ def make_worker(model: str, layout: str, *, host_buffer: bool = False, block_siz
 def test_the_factory_loads_kvhosts_connector_by_module_path(vllm_env):
     from kvhost.integrations.vllm_connector import KvhostNixlConnector, KvhostNixlWorker
 
-    connector, worker, caches = make_worker(vllm_env, "LBHNC")
+    connector, worker, _ = make_worker(vllm_env, "LBHNC")
     assert type(connector) is KvhostNixlConnector and type(worker) is KvhostNixlWorker
     assert worker.kvhost is not None and worker.kvhost.axes == "BHNC"
 
@@ -214,28 +217,15 @@ def sender_caches(layout: str, block_size: int, seed: int):
     return caches
 
 
-def handshake(worker, engine: str, layout: str, block_size: int, sender) -> None:
-    """What the handshake delivers: the remote agent's metadata, through vLLM's add_remote_agent."""
+def handshake_payload(sender_worker, engine: str):
+    """The sender's own handshake metadata, as the decode side receives it."""
+    import msgspec
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlAgentMetadata
 
-    ours = worker.xfer_handshake_metadata
-    assert ours is not None
-    meta = NixlAgentMetadata(
-        engine_id=engine,
-        agent_metadata=FakeNixlWrapper.AGENT_METADATA,
-        device_id=0,
-        kv_caches_base_addr=[t.data_ptr() for t in sender.values()],
-        num_blocks=next(iter(sender.values())).shape[0],
-        block_lens=[t[0].nbytes for t in sender.values()],
-        block_strides=[t.stride(0) * t.element_size() for t in sender.values()],
-        kv_cache_layout=layout,
-        block_size=block_size,
-        attn_backend_name=worker.backend_name,
-    )
-    worker.transfer_topo.register_remote_engine(engine, 1, block_size) if hasattr(
-        worker.transfer_topo, "register_remote_engine"
-    ) else None
-    worker.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
+    payload = sender_worker.xfer_handshake_metadata
+    meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    meta.engine_id = engine
+    return meta
 
 
 def tokens_of(caches, ids, block_size):
@@ -245,3 +235,100 @@ def tokens_of(caches, ids, block_size):
         blocks = raw(view)[list(ids)]  # [blocks, H, N, C]
         out.append(blocks.permute(0, 2, 1, 3).reshape(len(ids) * block_size, HEADS, -1))
     return torch.stack(out)
+
+
+def run_step(connector, worker, requests):
+    """One step as the model runner drives it: bind metadata, start loads, poll until every
+    request finished or failed; returns (finished, failed, each step's post-process stats)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    metadata = NixlConnectorMetadata()
+    for req_id, (local_ids, remote_ids, engine) in requests.items():
+        metadata.add_new_req_to_recv(
+            req_id,
+            (list(local_ids),),
+            {
+                "remote_block_ids": (list(remote_ids),),
+                "remote_engine_id": engine,
+                "remote_request_id": req_id,
+                "remote_host": "localhost",
+                "remote_port": 1,
+                "remote_tp_size": 1,
+            },
+        )
+    finished, failed, processed = set(), set(), []
+    for step in range(200):
+        connector.bind_connector_metadata(metadata if step == 0 else NixlConnectorMetadata())
+        connector.start_load_kv(None)
+        results = worker.get_transfer_results()
+        finished |= set(results.finished_recving)
+        failed |= set(results.failed_recving)
+        if worker.last_post_process is not None:
+            processed.append(worker.last_post_process)
+        connector.clear_connector_metadata()
+        if finished >= set(requests):
+            return finished, failed, processed
+        time.sleep(0.02)
+    raise AssertionError(f"requests {set(requests) - finished} never finished")
+
+
+DECODE_BLOCK = 64  # decode blocks of 64; senders of 32 (r = 2) and 64, as CPU_ATTN allows
+
+
+@pytest.mark.parametrize("local", ["LBNHC"])  # a packed (BHLNC) decoder: vLLM's handshake refuses other senders
+def test_a_step_of_several_senders_partial_blocks_and_a_failed_request(vllm_env, local):
+    """Three engines of different layouts and block sizes in one step, two partial prompts,
+    and one engine whose handshake fails: its request skips the post-process."""
+    connector, worker, caches = make_worker(vllm_env, local, block_size=DECODE_BLOCK)
+    senders = {"hnd-32": ("LBHNC", 32), "nhd-32": ("LBNHC", 32), "same-64": (local, DECODE_BLOCK)}
+    sender_caches_by_engine, payloads = {}, {}
+    for seed, (engine, (layout, size)) in enumerate(senders.items()):
+        _, sender_worker, sender = make_worker(vllm_env, layout, block_size=size)
+        for i, view in enumerate(sender.values()):
+            fill_random(view, seed * 10 + i + 1)
+        sender_caches_by_engine[engine] = sender
+        payloads[engine] = handshake_payload(sender_worker, engine)
+
+    def fake_handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        if expected_engine_id == "down":
+            raise RuntimeError("handshake refused")  # NIXL could not reach it
+        name = worker.add_remote_agent(payloads[expected_engine_id], 0, remote_tp_size)
+        return {(0, 0): name}, 0.0
+
+    worker._nixl_handshake = fake_handshake
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)  # stale bytes everywhere
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    # req: (local ids, sender ids, engine, tokens the prompt has)
+    plan = {
+        "a": ([3, 9], [0, 5, 2, 7], "hnd-32", 4 * 32),
+        "b": ([4, 11], [6, 1, 3], "hnd-32", 2 * 32 + 5),  # 3 sender blocks: the last local block half full
+        "c": ([20, 2], [8, 4, 9], "nhd-32", 3 * 32),
+        "d": ([15], [2], "same-64", 40),
+        "e": ([17, 18], [1, 2], "down", 128),
+    }
+    requests = {}
+    for req, (local_ids, remote_ids, engine, _) in plan.items():
+        requests[req] = (local_ids, remote_ids, engine)
+        if engine != "down":
+            size = senders[engine][1]
+            read_ids = list(remote_ids)
+            while len(read_ids) * size < len(local_ids) * DECODE_BLOCK:  # bytes past the prompt: zeroed
+                read_ids.append(read_ids[-1])
+            group = {"g": cross_layer_view(caches)}
+            nixl_read(
+                {"g": cross_layer_view(sender_caches_by_engine[engine])}, "LBHNC", read_ids, group, "LBHNC", local_ids
+            )
+    finished, failed, processed = run_step(connector, worker, requests)
+    assert failed == {"e"} and finished == set(plan)
+    assert sum(stats.requests for stats in processed) == 4  # one kvhost call per step, never "e"
+    for req, (local_ids, remote_ids, engine, _) in plan.items():
+        got = tokens_of(caches, local_ids, DECODE_BLOCK)
+        if engine == "down":
+            assert torch.equal(got, tokens_of(before, local_ids, DECODE_BLOCK)), "a failed request was touched"
+            continue
+        size = senders[engine][1]
+        want = tokens_of(sender_caches_by_engine[engine], remote_ids, size)
+        arrived = len(remote_ids) * size
+        assert torch.equal(got[:, :arrived], want), req
+        assert not got[:, arrived:].any(), req  # the rest of the request's blocks: zero, as vLLM leaves them

@@ -49,7 +49,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.kvhost: VllmCaches | None = None  # the device caches, once registered
         self.kvhost_host: VllmCaches | None = None  # the host buffers, in host-buffer mode
-        self.remote_layouts: dict[str, str] = {}  # engine -> its KVCacheLayout, from its handshake
+        # engine -> (its KVCacheLayout, its block size), from its handshake: vLLM may drop an
+        # engine's transfer info in the very step that finishes its last request.
+        self.remote_engines: dict[str, RemoteEngine] = {}
         self.last_post_process: ReceiveStats | None = None
         self._loads: dict[str, list[int]] = {}
 
@@ -75,8 +77,8 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         (each sender gets its own transform) and block sizes that differ in host-buffer mode
         (the host buffer is laid out like the device)."""
         theirs = nixl_agent_meta.kv_cache_layout
-        self.remote_layouts[nixl_agent_meta.engine_id] = theirs
-        host_mode = self.use_host_buffer
+        self.remote_engines[nixl_agent_meta.engine_id] = RemoteEngine(theirs, nixl_agent_meta.block_size)
+        host_mode = bool(getattr(self, "use_host_buffer"))  # noqa: B009 (vLLM's attribute, untyped here)
         nixl_agent_meta.kv_cache_layout = self.host_buffer_kv_cache_layout if host_mode else self.kv_cache_layout
         self.use_host_buffer = False
         try:
@@ -123,7 +125,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _post_process(self, finished: Mapping[str, Any]) -> ReceiveStats | None:
         """Every finished request of every engine, rearranged and its tail zeroed at once."""
-        if not finished or self.kvhost is None or self.transfer_topo is None:
+        if not finished or self.kvhost is None:
             return None
         received: dict[str, dict[str, list[int]]] = {}
         engines: dict[str, RemoteEngine] = {}
@@ -133,9 +135,8 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if meta.region_blocks_to_zero is not None or meta.remote is None:
                 continue  # vLLM zeroed its read plan's padding itself
             engine = meta.remote.engine_id
-            remote_size = self.transfer_topo.get_engine_info(engine).remote_block_size
-            layout = self.remote_layouts.get(engine, self.kv_cache_layout)
-            engines[engine] = RemoteEngine(layout, remote_size)
+            engines[engine] = self.remote_engines[engine]
+            layout, remote_size = engines[engine].kv_cache_layout, engines[engine].block_size
             (local_ids,) = meta.local_physical_block_ids  # one attention group (checked at load)
             (remote_ids,) = meta.remote.block_ids
             if not local_ids:
