@@ -1,0 +1,334 @@
+"""kvhost's connector inside vLLM 0.33: vLLM's own connector and worker classes, on the CPU.
+
+Runs in ci/vllm.sh's environment (``pytest -m vllm``); elsewhere it skips with the reason.
+Only what vLLM's own connector tests mock is mocked: the NIXL wrapper (a fake agent whose
+transfers finish at once); the bytes a transfer would move are written by
+``kvhost.integrations.testing.nixl_read`` from the sender's real caches, as NIXL reads
+them. vLLM's config comes from a model config file the test writes (no weights, no hub);
+caches are cut from one buffer by vLLM's own ``create_kv_cache_views``. Every check is
+against the sender's tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+import uuid
+from unittest.mock import patch
+
+import pytest
+import torch
+
+from kvhost.integrations.testing import nixl_read
+from kvhost.integrations.vllm import cross_layer_view
+from kvhost.testing import fill_random, raw
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (ci/vllm.sh installs it)"),
+]
+
+LAYERS, HEADS, HEAD_DIM, BLOCK, BLOCKS = 2, 2, 8, 32, 24  # CPU_ATTN takes blocks of 32n
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+class FakeNixlWrapper:
+    """NIXL's agent as vLLM's own connector tests fake it: every transfer is done at once."""
+
+    AGENT_METADATA = b"fake-agent"
+
+    def __init__(self, name, *args, **kwargs):
+        self.name = name
+
+    def get_reg_descs(self, data, *args, **kwargs):
+        return [str(uuid.uuid4()) for _ in data]
+
+    def get_xfer_descs(self, data, *args, **kwargs):
+        return [str(uuid.uuid4()) for _ in data]
+
+    def get_agent_metadata(self):
+        return self.AGENT_METADATA
+
+    def add_remote_agent(self, metadata):
+        return "remote-agent"
+
+    def get_new_notifs(self):
+        return {}
+
+    def check_xfer_state(self, handle):
+        return "DONE"
+
+    def transfer(self, handle, *args, **kwargs):
+        return "PROC"
+
+    def prep_xfer_dlist(self, *args, **kwargs):
+        return uuid.uuid4().int
+
+    def make_prepped_xfer(self, *args, **kwargs):
+        return uuid.uuid4().int
+
+    def get_xfer_telemetry(self, *args, **kwargs):
+        return None
+
+    def __getattr__(self, name):  # register_memory, send_notif, release_*, ...: nothing to do
+        return lambda *args, **kwargs: None
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory):
+    """vLLM's distributed state for one CPU worker, and a model config file (no weights)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    model = tmp_path_factory.mktemp("model")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HEADS * 2 * HEAD_DIM,
+        "num_attention_heads": HEADS * 2,
+        "num_key_value_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": 64,
+        "vocab_size": 128,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    from vllm.config import set_current_vllm_config
+
+    port = 29500 + os.getpid() % 1000
+    with set_current_vllm_config(make_config(str(model), "LBHNC")):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+        initialize_model_parallel(1, 1)
+    yield str(model)
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def make_config(model: str, layout: str, block_size: int = BLOCK):
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="KvhostNixlConnector",
+        kv_connector_module_path="kvhost.integrations.vllm_connector",
+        kv_role="kv_both",
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
+        cache_config=CacheConfig(block_size=block_size),
+        kv_transfer_config=transfer,
+    )
+    config.cache_config.kv_cache_layout = layout  # what the engine core resolves before profiling
+    return config
+
+
+def allocate(layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, dtype=torch.bfloat16):
+    """(kv_cache_config, per-layer views) as vLLM's worker allocates them for ``layout``."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype)
+    strides = compute_layout_strides(spec, blocks, LAYERS, KVCacheLayout[layout])  # bytes, [L, B, H, N, C]
+    tensor = KVCacheTensor(
+        size=spec.page_size_bytes * blocks * LAYERS,
+        layers=list(LAYER_NAMES),
+        layer_stride=strides[0],
+        block_stride=strides[1],
+    )
+    config = KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)],
+    )
+    memory = torch.empty(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(memory, spec, blocks, KVCacheLayout[layout], tensor)
+    return config, dict(zip(LAYER_NAMES, views))
+
+
+def make_worker(model: str, layout: str, *, host_buffer: bool = False, block_size: int = BLOCK):
+    """kvhost's connector, built by vLLM's connector factory, its worker registered."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.platforms import current_platform
+
+    config = make_config(model, layout, block_size)
+    kv_cache_config, caches = allocate(layout, block_size)
+    base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+    with (
+        set_current_vllm_config(config),
+        patch(f"{base}.NixlWrapper", FakeNixlWrapper),
+        patch(f"{base}.check_nixl_version", lambda version: None),
+        patch.object(current_platform, "discover_numa_topology", lambda: []),  # keep this process's cores
+    ):
+        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+        worker = connector.connector_worker
+        if host_buffer:  # what TPU, XPU and plugin platforms set up: NIXL sees host buffers only
+            worker.use_host_buffer = True
+            worker.kv_buffer_device = "cpu"
+        connector.register_kv_caches(caches)
+    return connector, worker, caches
+
+
+def test_the_factory_loads_kvhosts_connector_by_module_path(vllm_env):
+    from kvhost.integrations.vllm_connector import KvhostNixlConnector, KvhostNixlWorker
+
+    connector, worker, _ = make_worker(vllm_env, "LBHNC")
+    assert type(connector) is KvhostNixlConnector and type(worker) is KvhostNixlWorker
+    assert worker.kvhost is not None and worker.kvhost.axes == "BHNC"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cache_registration_for_every_layout(vllm_env, layout):
+    """vLLM registers its regions with NIXL; kvhost describes the same views (BHLNC's as their group)."""
+    _, worker, caches = make_worker(vllm_env, layout)
+    kv = worker.kvhost
+    assert kv.axes == ("LBHNC" if layout == "BHLNC" else "BHNC")
+    assert worker.num_regions >= 1 and worker.xfer_handshake_metadata is not None
+    assert kv.num_blocks == BLOCKS
+    described = {m.tensor.data_ptr() for m in kv.caches.members}
+    assert described <= {t.data_ptr() for t in caches.values()}  # the very views vLLM registered
+
+
+# --- a step: several senders, partial blocks, a failed request ---------------------------
+
+
+def sender_caches(layout: str, block_size: int, seed: int):
+    """A prefill engine's caches in its own layout and block size, filled with its tokens."""
+    _, caches = allocate(layout, block_size, blocks=BLOCKS * BLOCK // block_size)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, seed * 10 + i)
+    return caches
+
+
+def handshake_payload(sender_worker, engine: str):
+    """The sender's own handshake metadata, as the decode side receives it."""
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlAgentMetadata
+
+    payload = sender_worker.xfer_handshake_metadata
+    meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    meta.engine_id = engine
+    return meta
+
+
+def tokens_of(caches, ids, block_size):
+    """Raw [layer, tokens, H, C] of ``ids`` read through vLLM's [B, H, N, C] layer views."""
+    out = []
+    for view in caches.values():
+        blocks = raw(view)[list(ids)]  # [blocks, H, N, C]
+        out.append(blocks.permute(0, 2, 1, 3).reshape(len(ids) * block_size, HEADS, -1))
+    return torch.stack(out)
+
+
+def run_step(connector, worker, requests):
+    """One step as the model runner drives it: bind metadata, start loads, poll until every
+    request finished or failed; returns (finished, failed, each step's post-process stats)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    metadata = NixlConnectorMetadata()
+    for req_id, (local_ids, remote_ids, engine) in requests.items():
+        metadata.add_new_req_to_recv(
+            req_id,
+            (list(local_ids),),
+            {
+                "remote_block_ids": (list(remote_ids),),
+                "remote_engine_id": engine,
+                "remote_request_id": req_id,
+                "remote_host": "localhost",
+                "remote_port": 1,
+                "remote_tp_size": 1,
+            },
+        )
+    finished, failed, processed = set(), set(), []
+    for step in range(200):
+        connector.bind_connector_metadata(metadata if step == 0 else NixlConnectorMetadata())
+        connector.start_load_kv(None)
+        results = worker.get_transfer_results()
+        finished |= set(results.finished_recving)
+        failed |= set(results.failed_recving)
+        if worker.last_post_process is not None:
+            processed.append(worker.last_post_process)
+        connector.clear_connector_metadata()
+        if finished >= set(requests):
+            return finished, failed, processed
+        time.sleep(0.02)
+    raise AssertionError(f"requests {set(requests) - finished} never finished")
+
+
+DECODE_BLOCK = 64  # decode blocks of 64; senders of 32 (r = 2) and 64, as CPU_ATTN allows
+
+
+@pytest.mark.parametrize("local", ["LBNHC"])  # a packed (BHLNC) decoder: vLLM's handshake refuses other senders
+def test_a_step_of_several_senders_partial_blocks_and_a_failed_request(vllm_env, local):
+    """Three engines of different layouts and block sizes in one step, two partial prompts,
+    and one engine whose handshake fails: its request skips the post-process."""
+    connector, worker, caches = make_worker(vllm_env, local, block_size=DECODE_BLOCK)
+    senders = {"hnd-32": ("LBHNC", 32), "nhd-32": ("LBNHC", 32), "same-64": (local, DECODE_BLOCK)}
+    sender_caches_by_engine, payloads = {}, {}
+    for seed, (engine, (layout, size)) in enumerate(senders.items()):
+        _, sender_worker, sender = make_worker(vllm_env, layout, block_size=size)
+        for i, view in enumerate(sender.values()):
+            fill_random(view, seed * 10 + i + 1)
+        sender_caches_by_engine[engine] = sender
+        payloads[engine] = handshake_payload(sender_worker, engine)
+
+    def fake_handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        if expected_engine_id == "down":
+            raise RuntimeError("handshake refused")  # NIXL could not reach it
+        name = worker.add_remote_agent(payloads[expected_engine_id], 0, remote_tp_size)
+        return {(0, 0): name}, 0.0
+
+    worker._nixl_handshake = fake_handshake
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)  # stale bytes everywhere
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    # req: (local ids, sender ids, engine, tokens the prompt has)
+    plan = {
+        "a": ([3, 9], [0, 5, 2, 7], "hnd-32", 4 * 32),
+        "b": ([4, 11], [6, 1, 3], "hnd-32", 2 * 32 + 5),  # 3 sender blocks: the last local block half full
+        "c": ([20, 2], [8, 4, 9], "nhd-32", 3 * 32),
+        "d": ([15], [2], "same-64", 40),
+        "e": ([17, 18], [1, 2], "down", 128),
+    }
+    requests = {}
+    for req, (local_ids, remote_ids, engine, _) in plan.items():
+        requests[req] = (local_ids, remote_ids, engine)
+        if engine != "down":
+            size = senders[engine][1]
+            read_ids = list(remote_ids)
+            while len(read_ids) * size < len(local_ids) * DECODE_BLOCK:  # bytes past the prompt: zeroed
+                read_ids.append(read_ids[-1])
+            group = {"g": cross_layer_view(caches)}
+            nixl_read(
+                {"g": cross_layer_view(sender_caches_by_engine[engine])}, "LBHNC", read_ids, group, "LBHNC", local_ids
+            )
+    finished, failed, processed = run_step(connector, worker, requests)
+    assert failed == {"e"} and finished == set(plan)
+    assert sum(stats.requests for stats in processed) == 4  # one kvhost call per step, never "e"
+    for req, (local_ids, remote_ids, engine, _) in plan.items():
+        got = tokens_of(caches, local_ids, DECODE_BLOCK)
+        if engine == "down":
+            assert torch.equal(got, tokens_of(before, local_ids, DECODE_BLOCK)), "a failed request was touched"
+            continue
+        size = senders[engine][1]
+        want = tokens_of(sender_caches_by_engine[engine], remote_ids, size)
+        arrived = len(remote_ids) * size
+        assert torch.equal(got[:, :arrived], want), req
+        assert not got[:, arrived:].any(), req  # the rest of the request's blocks: zero, as vLLM leaves them
