@@ -3,7 +3,7 @@
 Two OS processes, each with its own NIXL agent over UCX on loopback (UCX_NET_DEVICES=lo
 unless you set it). Decode (this process) listens on 127.0.0.1 only, starts prefill, hands it
 a secret on its stdin, and receives its agent metadata, block table and requests over that
-socket (``kvhost.wire_protocol``); a connection that does not prove the secret first is
+socket (``kvhost.nixl.framing``); a connection that does not prove the secret first is
 dropped. Prefill fills its KV cache with values that are a seeded function of (request,
 layer, K/V, token, head, channel). Decode allocates blocks, pulls every request with NIXL
 (``kvhost.nixl``), post-processes the whole batch in one ``kvhost.receive`` call, and
@@ -55,20 +55,10 @@ from kvhost.caches import CacheSet
 from kvhost.errors import KVHostError
 from kvhost.layout import Layout
 from kvhost.nixl import MAX_STREAMS, Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
+from kvhost.nixl.errors import InvalidTimeoutError, ProtocolError
+from kvhost.nixl.fields import MAX_ARRAY_BYTES, MAX_WAIT_SECONDS, check_seconds
+from kvhost.nixl.framing import HEADER_BYTES, Message, decode, parse_header, receive, send
 from kvhost.testing import make_cache, raw
-from kvhost.wire_protocol import (
-    HEADER_BYTES,
-    MAX_ARRAY_BYTES,
-    MAX_WAIT_SECONDS,
-    InvalidTimeoutError,
-    Message,
-    ProtocolError,
-    check_seconds,
-    decode,
-    parse_header,
-    receive,
-    send,
-)
 
 AXES = "KBNHC"  # shape order of every cache here; the layout name sets the memory order
 LAYOUTS = {"NHD": "KBNHC", "HND": "KBHNC"}  # token-major, head-major

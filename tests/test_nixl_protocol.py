@@ -27,19 +27,9 @@ from hypothesis.extra import numpy as hnp
 
 from kvhost import demo
 from kvhost.errors import KVHostError
-from kvhost.nixl import NIXL_MODULES, region_table
+from kvhost.nixl import NIXL_MODULES, Fields, ProtocolError, decode, encode, receive, region_table
+from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION
 from kvhost.testing import make_cache
-from kvhost.wire_protocol import (
-    HEADER_BYTES,
-    MAGIC,
-    MAX_JSON_VALUES,
-    VERSION,
-    Fields,
-    ProtocolError,
-    decode,
-    encode,
-    receive,
-)
 
 NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
 needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")

@@ -2,7 +2,7 @@
 makes has a deadline, and every resource a peer can make it allocate is bounded.
 
 - Timeouts: NaN, infinity, negative numbers, bools and non-numbers are refused, by
-  ``Transfer.wait``, ``wire_protocol.receive``/``send`` and the demo's options alike.
+  ``Transfer.wait``, ``framing.receive``/``send`` and the demo's options alike.
 - A control frame costs memory in proportion to its size (peaks measured with tracemalloc).
 - A peer's block table that declares billions of blocks costs memory only for the blocks a
   request names (measured in a subprocess whose address space is capped, so a regression
@@ -34,19 +34,21 @@ from test_nixl_protocol import FRAME
 
 from kvhost import demo
 from kvhost.errors import KVHostError
-from kvhost.nixl import MAX_STREAMS, NIXL_MODULES, RegionTable, Stream, Transfer
-from kvhost.wire_protocol import (
-    HEADER_BYTES,
-    MAX_ARRAY_BYTES,
-    MAX_JSON_BYTES,
-    MAX_JSON_VALUES,
+from kvhost.nixl import (
+    MAX_STREAMS,
+    NIXL_MODULES,
     InvalidTimeoutError,
     ProtocolError,
+    RegionTable,
+    Stream,
+    Transfer,
     decode,
     encode,
     receive,
     send,
 )
+from kvhost.nixl.fields import MAX_ARRAY_BYTES
+from kvhost.nixl.framing import HEADER_BYTES, MAX_JSON_BYTES, MAX_JSON_VALUES
 
 MiB = 1 << 20
 
@@ -257,7 +259,7 @@ CAPPED = """
 import resource, sys, tracemalloc
 import numpy as np
 from kvhost.nixl import RegionTable, plan_transfer, Stream
-from kvhost.wire_protocol import decode, encode
+from kvhost.nixl import decode, encode
 
 def vm():
     with open("/proc/self/status") as status:
