@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import json
 import math
 import os
 import secrets
 import select
-import selectors
 import signal
 import socket
 import subprocess
@@ -43,7 +41,7 @@ import time
 import traceback
 import zlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TextIO
 
@@ -54,10 +52,24 @@ import kvhost
 from kvhost.caches import CacheSet
 from kvhost.errors import KVHostError
 from kvhost.layout import Layout
-from kvhost.nixl import MAX_STREAMS, Agent, RegionTable, Transfer, TransferError, TransferPlan, plan_transfer
-from kvhost.nixl.errors import InvalidTimeoutError, ProtocolError
-from kvhost.nixl.fields import MAX_ARRAY_BYTES, MAX_WAIT_SECONDS, check_seconds
-from kvhost.nixl.framing import HEADER_BYTES, Message, decode, parse_header, receive, send
+from kvhost.nixl import (
+    MAX_STREAMS,
+    MAX_WAIT_SECONDS,
+    Agent,
+    Hello,
+    InvalidTimeoutError,
+    ProtocolError,
+    RemoteRequest,
+    Transfer,
+    TransferError,
+    TransferPlan,
+    accept_hello,
+    check_seconds,
+    plan_transfer,
+    prove,
+    send_hello,
+)
+from kvhost.nixl.handshake import MAX_REQUESTS, MAX_TOKENS, SECRET_BYTES, send_done, wait_done
 from kvhost.testing import make_cache, raw
 
 AXES = "KBNHC"  # shape order of every cache here; the layout name sets the memory order
@@ -70,13 +82,6 @@ SENTINEL_BYTE = 0xA5  # what every decode block holds before anything lands in i
 # 0: every request verified; 1: only that requests failed (did not arrive, or mismatched);
 # 2: anything else (bad options, the hand-off could not run).
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
-MAX_REQUESTS = 1 << 14  # requests one hello may announce
-MAX_TOKENS = 1 << 24  # tokens of one request
-# Before prefill proves who it is (the secret decode gave it on stdin), a connection may
-# send one frame of this many bytes, within this many seconds; others are dropped.
-AUTH_FRAME_BYTES = 1024
-AUTH_SECONDS = 5.0
-MAX_PENDING_CONNECTIONS = 32
 # Where the NIXL/UCX agents of both processes listen, unless the user set it: loopback.
 LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
 
@@ -172,33 +177,28 @@ def run_prefill(args: argparse.Namespace) -> int:
     cache_set = CacheSet(caches, AXES)
     for member in cache_set.members:
         raw(member.tensor).zero_()
-    block_ids: list[int] = []
+    requests = []
     for number, (tokens, count) in enumerate(zip(lengths, needed)):
         ids, free = free[:count], free[count:]
-        block_ids += ids
+        requests.append(RemoteRequest(f"req-{number:03d}", number, tokens, ids))
         for layer, member in enumerate(cache_set.members):
             values = token_values(
                 config.seed, number, layer, tokens, config.heads, config.head_dim, member.layout.itemsize
             )
             write_tokens(member.tensor, AXES, ids, values)
     fill_seconds = time.perf_counter() - started
-    # Bulk integers travel as arrays (binary), names as JSON.
-    requests = {
-        "name": [f"req-{number:03d}" for number in range(len(lengths))],
-        "number": np.arange(len(lengths), dtype=np.uint32),
-        "tokens": np.array(lengths, dtype=np.uint32),
-        "block_ids": np.array(block_ids, dtype=np.uint32 if pool <= 1 << 32 else np.uint64),
-    }
 
     with Agent(f"prefill-{os.getpid()}") as agent:
         table = agent.register(caches, AXES)
         with socket.create_connection(("127.0.0.1", args.port), timeout=args.connect_timeout) as sock:
-            send(sock, "auth", {"proof": secret.hex()}, timeout=args.connect_timeout)
-            hello = {"pid": os.getpid(), "table": table.to_dict(), "requests": requests, "fill_seconds": fill_seconds}
-            send(sock, "hello", hello, agent.metadata(), timeout=args.connect_timeout)
+            prove(sock, secret, timeout=args.connect_timeout)
+            extra = {"fill_seconds": fill_seconds}
+            send_hello(
+                sock, table, requests, agent.metadata(), pid=os.getpid(), timeout=args.connect_timeout, extra=extra
+            )
             # The memory must stay registered until decode has read it all.
             try:
-                receive(sock, timeout=args.hold_timeout, expect="done", limit=AUTH_FRAME_BYTES)
+                wait_done(sock, timeout=args.hold_timeout)
             except ProtocolError as err:
                 print(f"prefill: decode went away: {err}", file=sys.stderr)
                 return EXIT_ERROR
@@ -216,7 +216,7 @@ def read_secret(stream: Any, timeout: float) -> bytes:
         secret = bytes.fromhex(line.decode("ascii").strip())
     except (UnicodeDecodeError, ValueError):
         secret = b""
-    if len(secret) != 32:
+    if len(secret) != SECRET_BYTES:
         raise DemoError("no secret on stdin within the connect timeout: prefill is started by kvhost demo")
     return secret
 
@@ -265,6 +265,21 @@ class Request:
     failure: str | None = None
 
 
+def running(prefill: subprocess.Popen[bytes] | None) -> Callable[[], None]:
+    """What ``accept_hello`` watches while it waits: prefill dying first is a DemoError."""
+
+    def check() -> None:
+        if prefill is not None and prefill.poll() is not None:
+            raise DemoError(f"prefill exited with code {prefill.returncode} before it connected")
+
+    return check
+
+
+def fill_seconds(hello: Hello) -> float:
+    """How long prefill took to fill its cache: the demo's own field of the hello, checked."""
+    return hello.fields.seconds("fill_seconds", default=0.0)
+
+
 class Transfers:
     """One request's reads, one per decode rank: arrived when every one has."""
 
@@ -300,180 +315,6 @@ class Rank:
     heads: int
     first_head: int = 0
     staging: dict[str, torch.Tensor] | None = None
-
-
-@dataclass(frozen=True)
-class Hello:
-    pid: int
-    table: RegionTable
-    requests: list[Request]
-    fill_seconds: float
-    metadata: bytes
-
-
-def parse_hello(message: Message) -> Hello:
-    """Prefill's hello, every field checked: a malformed one is a ProtocolError.
-
-    Requests come as columns: names (JSON), numbers, token counts and the block ids of all
-    of them back to back (arrays); each request's ids are a view of the frame's bytes.
-    """
-    fields = message.fields("hello")
-    table = RegionTable.from_dict(fields.fields("table").data, "hello.table", message.arrays)
-    columns = fields.fields("requests")
-    names = columns.texts("name", max_items=MAX_REQUESTS, max_length=64)
-    if not names:
-        raise ProtocolError("hello.requests.name: empty")
-    if len(set(names)) != len(names):
-        i, twice = next((i, name) for i, name in enumerate(names) if name in names[:i])
-        raise ProtocolError(f"hello.requests.name[{i}]: request name {twice!r} appears twice")
-    numbers = columns.array("number", maximum=1 << 31, max_length=MAX_REQUESTS)
-    tokens = columns.array("tokens", minimum=1, maximum=MAX_TOKENS, max_length=MAX_REQUESTS)
-    for name, values in (("number", numbers), ("tokens", tokens)):
-        if values.size != len(names):
-            raise ProtocolError(f"hello.requests.{name}: {values.size} values for {len(names)} requests")
-    ends = np.cumsum(-(-tokens.astype(np.int64) // table.block_size))
-    ids = columns.array("block_ids", maximum=table.num_blocks - 1, max_length=MAX_ARRAY_BYTES)
-    if ids.size != int(ends[-1]):
-        raise ProtocolError(
-            f"hello.requests.block_ids: {ids.size} block ids, but the requests' tokens need {int(ends[-1])} "
-            f"blocks of {table.block_size}"
-        )
-    starts = [0, *ends[:-1].tolist()]
-    requests = [
-        Request(name, number, count, ids[start:end])
-        for name, number, count, start, end in zip(names, numbers.tolist(), tokens.tolist(), starts, ends.tolist())
-    ]
-    fill = fields.data.get("fill_seconds", 0.0)
-    if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 <= fill <= MAX_WAIT_SECONDS:
-        raise ProtocolError(f"hello.fill_seconds: expected a number of seconds, got {fill!r:.60}")
-    if not message.blob:
-        raise ProtocolError("hello: no agent metadata")
-    return Hello(fields.integer("pid", minimum=1, maximum=1 << 31), table, requests, float(fill), message.blob)
-
-
-@dataclass
-class _Pending:
-    """A connection that has not yet proved it is prefill: its deadline and the bytes so far."""
-
-    deadline: float
-    data: bytearray = field(default_factory=bytearray)
-
-
-def accept_hello(
-    listener: socket.socket, prefill: subprocess.Popen[bytes] | None, timeout: float, secret: bytes
-) -> tuple[socket.socket, Hello, int]:
-    """Wait for prefill to connect, prove who it is and say hello; returns the connection,
-    the hello, and how many other connections were dropped.
-
-    A connection is prefill once its first frame is an ``auth`` whose proof is ``secret``.
-    Until then it may send at most ``AUTH_FRAME_BYTES`` within ``AUTH_SECONDS``; anything
-    else (garbage, silence, a wrong proof) drops it, and decode keeps accepting, reading
-    every pending connection at once, so no number of them stalls the real one. A prefill
-    that dies first is a DemoError; none proving itself in ``timeout`` is a ProtocolError.
-    """
-    deadline = time.monotonic() + check_seconds(timeout, "connect timeout")
-    pending: dict[socket.socket, _Pending] = {}
-    dropped = 0
-    chosen: socket.socket | None = None
-
-    def drop(conn: socket.socket) -> None:
-        nonlocal dropped
-        selector.unregister(conn)
-        del pending[conn]
-        conn.close()
-        dropped += 1
-
-    listener.setblocking(False)
-    with selectors.DefaultSelector() as selector:
-        selector.register(listener, selectors.EVENT_READ)
-        try:
-            while chosen is None:
-                if prefill is not None and prefill.poll() is not None:
-                    raise DemoError(f"prefill exited with code {prefill.returncode} before it connected")
-                now = time.monotonic()
-                if now > deadline:
-                    others = f" ({dropped} other connection(s) dropped)" if dropped else ""
-                    raise ProtocolError(f"prefill did not connect and prove who it is within {timeout:g} s{others}")
-                for conn in [c for c, p in pending.items() if now > p.deadline]:
-                    drop(conn)
-                for key, _ in selector.select(timeout=0.05):
-                    if key.fileobj is listener:
-                        for conn in _accept_all(listener):
-                            if len(pending) >= MAX_PENDING_CONNECTIONS:
-                                drop(next(iter(pending)))  # the oldest
-                            conn.setblocking(False)
-                            pending[conn] = _Pending(min(now + AUTH_SECONDS, deadline))
-                            selector.register(conn, selectors.EVENT_READ)
-                        continue
-                    conn = key.fileobj  # type: ignore[assignment]
-                    if conn not in pending:  # dropped as the oldest while this one was ready
-                        continue
-                    verdict = _read_auth(conn, pending[conn].data, secret)
-                    if verdict is True:
-                        chosen = conn
-                        break
-                    if verdict is False:
-                        drop(conn)
-            selector.unregister(chosen)
-            del pending[chosen]
-        except BaseException:
-            if chosen is not None:
-                chosen.close()
-            raise
-        finally:
-            for conn in pending:
-                conn.close()
-            dropped += len(pending)
-    try:
-        chosen.setblocking(True)
-        left = max(deadline - time.monotonic(), 1.0)
-        return chosen, parse_hello(receive(chosen, timeout=left, expect="hello")), dropped
-    except BaseException:
-        chosen.close()
-        raise
-
-
-def _accept_all(listener: socket.socket) -> list[socket.socket]:
-    accepted: list[socket.socket] = []
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return accepted
-        except OSError:  # the peer gave up between the listen queue and accept
-            return accepted
-        accepted.append(conn)
-
-
-def _read_auth(conn: socket.socket, data: bytearray, secret: bytes) -> bool | None:
-    """Read what has arrived of a connection's first frame, never past it: True once it is
-    an ``auth`` frame proving ``secret``, False when it cannot be one, None while incomplete."""
-    need = HEADER_BYTES
-    if len(data) >= HEADER_BYTES:
-        try:
-            json_len, blob_len, array_len, _ = parse_header(data)
-        except ProtocolError:
-            return False
-        need = HEADER_BYTES + json_len + blob_len + array_len
-        if need > AUTH_FRAME_BYTES:
-            return False
-    try:
-        chunk = conn.recv(need - len(data))
-    except (BlockingIOError, InterruptedError):
-        return None
-    except OSError:
-        return False
-    if not chunk:
-        return False
-    data += chunk
-    if len(data) < need or need == HEADER_BYTES:
-        return None  # more to come (or, with the header just complete, its lengths to read)
-    try:
-        message = decode(bytes(data))
-        proof = message.fields().text("proof", max_length=64) if message.kind == "auth" else ""
-    except ProtocolError:
-        return False
-    return hmac.compare_digest(proof.encode(), secret.hex().encode())
 
 
 class ProgressBar:
@@ -525,7 +366,7 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
     prefill: subprocess.Popen[bytes] | None = None
     sock: socket.socket | None = None
     agent: Agent | None = None
-    secret = secrets.token_bytes(32)
+    secret = secrets.token_bytes(SECRET_BYTES)
     try:
         with socket.create_server(("127.0.0.1", 0)) as listener:
             prefill = started = start_prefill(listener.getsockname()[1], argv, secret)
@@ -542,8 +383,12 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 for tensor in caches.values():
                     raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
             agent = Agent(f"decode-{os.getpid()}")
-            sock, hello, dropped = accept_hello(listener, prefill, args.connect_timeout, secret)
-            outcome.figures.update(hello_seconds=time.perf_counter() - begun, dropped_connections=dropped)
+            sock, hello, dropped = accept_hello(listener, secret, args.connect_timeout, watch=running(prefill))
+            outcome.figures.update(
+                hello_seconds=time.perf_counter() - begun,
+                dropped_connections=dropped,
+                fill_seconds=fill_seconds(hello),
+            )
             if dropped:
                 outcome.lines.append(
                     f"control   {dropped} other connection(s) to the control port dropped: they did not prove "
@@ -552,7 +397,7 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str]) -> int:
         peer = agent.add_peer(hello.metadata)
         handoff(args, config, agent, peer, hello, rank_caches, pool, started, outcome)
         with contextlib.suppress(ProtocolError):  # a prefill that was killed cannot be told
-            send(sock, "done", {"ok": outcome.ok}, timeout=args.timeout)
+            send_done(sock, ok=outcome.ok, timeout=args.timeout)
     except KVHostError as err:
         outcome.error = f"{type(err).__name__}: {err}"
     except MemoryError:
@@ -608,7 +453,8 @@ def handoff(
 
     free = np.random.default_rng([config.seed, 3]).permutation(pool).tolist()
     next_staging = 0
-    for request in hello.requests:
+    requests = [Request(r.name, r.number, r.tokens, r.remote_ids) for r in hello.requests]
+    for request in requests:
         count = plan.local_blocks_for(len(request.remote_ids))
         if count > len(free):
             raise DemoError(f"request {request.name!r} needs {count} decode blocks, only {len(free)} are free")
@@ -618,22 +464,21 @@ def handoff(
 
     figures = outcome.figures
     figures.update(
-        requests=len(hello.requests),
-        tokens=sum(r.tokens for r in hello.requests),
-        prefill_blocks=sum(len(r.remote_ids) for r in hello.requests),
-        decode_blocks=sum(len(r.local_ids) for r in hello.requests),
+        requests=len(requests),
+        tokens=sum(r.tokens for r in requests),
+        prefill_blocks=sum(len(r.remote_ids) for r in requests),
+        decode_blocks=sum(len(r.local_ids) for r in requests),
         decode_ranks=len(ranks),
         spare_blocks=len(free),
         pool=pool,
-        descriptors=len(ranks) * sum(plan.bytes_for(len(r.remote_ids)) for r in hello.requests) // plan.chunk_bytes,
+        descriptors=len(ranks) * sum(plan.bytes_for(len(r.remote_ids)) for r in requests) // plan.chunk_bytes,
         prefill_pid=hello.pid,
-        fill_seconds=hello.fill_seconds,
     )
     describe_setup(args, config, plan, hello, outcome)
 
-    pull(args, readers, hello.requests, prefill, outcome)
-    arrived = [r for r in hello.requests if r.arrived]
-    outcome.failed = {r.name: r.failure or "did not arrive" for r in hello.requests if not r.arrived}
+    pull(args, readers, requests, prefill, outcome)
+    arrived = [r for r in requests if r.arrived]
+    outcome.failed = {r.name: r.failure or "did not arrive" for r in requests if not r.arrived}
     if arrived:
         post_process(args, config, ranks, plan, arrived, outcome)
     outcome.figures["memcpy_gbps"] = memcpy_gbps(outcome.figures.get("transfer_bytes", 0))
@@ -917,7 +762,7 @@ def describe_setup(
     mode = "into a host buffer shaped like the cache" if args.via_host else "straight into the decode cache"
     outcome.lines += [
         f"prefill   pid {hello.pid}: {args.prefill_layout} (memory {LAYOUTS[args.prefill_layout]}), "
-        f"block {remote.block_size} tokens, {remote.num_blocks} blocks; filled in {hello.fill_seconds:.2f} s, "
+        f"block {remote.block_size} tokens, {remote.num_blocks} blocks; filled in {f['fill_seconds']:.2f} s, "
         f"said hello {f['hello_seconds']:.2f} s after the start",
         f"decode    pid {os.getpid()}: {args.decode_layout} (memory {LAYOUTS[args.decode_layout]}), "
         f"block {args.decode_block_size} tokens, {f['pool']} blocks"

@@ -27,7 +27,17 @@ from hypothesis.extra import numpy as hnp
 
 from kvhost import demo
 from kvhost.errors import KVHostError
-from kvhost.nixl import NIXL_MODULES, Fields, ProtocolError, decode, encode, receive, region_table
+from kvhost.nixl import (
+    NIXL_MODULES,
+    Fields,
+    ProtocolError,
+    accept_hello,
+    decode,
+    encode,
+    parse_hello,
+    receive,
+    region_table,
+)
 from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION
 from kvhost.testing import make_cache
 
@@ -54,7 +64,9 @@ FRAME = encode("hello", HEADER, METADATA)
 
 
 def parse(frame):
-    return demo.parse_hello(decode(frame))
+    hello = parse_hello(decode(frame))
+    demo.fill_seconds(hello)  # the demo's own field of the hello, read as its decode side reads it
+    return hello
 
 
 def test_a_good_hello_parses():
@@ -399,7 +411,7 @@ def test_decode_rejects_a_bad_hello_on_the_socket(payload, close, message):
     """Prefill proved who it is, then sent a bad hello: its error, named."""
     listener, done, thread = serve(AUTH + payload, close)
     with listener, pytest.raises(ProtocolError, match=message):
-        demo.accept_hello(listener, None, timeout=1.0, secret=SECRET)
+        accept_hello(listener, SECRET, timeout=1.0)
     done.set()
     thread.join(5)
 
@@ -407,7 +419,7 @@ def test_decode_rejects_a_bad_hello_on_the_socket(payload, close, message):
 @pytest.mark.timeout(20)
 def test_a_listener_nobody_connects_to_times_out():
     with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(ProtocolError, match="did not connect"):
-        demo.accept_hello(listener, None, timeout=0.3, secret=SECRET)
+        accept_hello(listener, SECRET, timeout=0.3)
 
 
 @pytest.mark.timeout(20)
@@ -424,8 +436,8 @@ def test_receive_reads_a_frame_split_across_sends():
         message = receive(left, timeout=5, expect="hello")
         thread.join()
     assert message.blob == METADATA
-    hello = demo.parse_hello(message)
-    assert hello.table == demo.parse_hello(decode(FRAME)).table
+    hello = parse_hello(message)
+    assert hello.table == parse_hello(decode(FRAME)).table
     assert [r.remote_ids.tolist() for r in hello.requests] == [[3, 1, 7], [0]]
 
 

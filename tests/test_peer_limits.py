@@ -42,8 +42,11 @@ from kvhost.nixl import (
     RegionTable,
     Stream,
     Transfer,
+    accept_hello,
     decode,
     encode,
+    handshake,
+    parse_hello,
     receive,
     send,
 )
@@ -89,7 +92,7 @@ def test_receive_and_send_refuse_a_timeout_that_is_not_finite_seconds(timeout):
             send(left, "x", {}, timeout=timeout)
     listener = socket.create_server(("127.0.0.1", 0))
     with listener, pytest.raises(InvalidTimeoutError, match=r"connect timeout"):
-        demo.accept_hello(listener, None, timeout, b"s" * 32)
+        accept_hello(listener, b"s" * 32, timeout)
 
 
 @pytest.mark.timeout(20)
@@ -228,7 +231,7 @@ def test_a_hello_at_the_caps_costs_its_size_and_a_bounded_rest():
     frame (one Python object per stream, per layer name, per request) is capped."""
     frame, ids = big_hello(MAX_ARRAY_BYTES - 4 * MiB, MAX_STREAMS)
     parsed = []
-    peak = peak_bytes(received_and_parsed(frame, lambda message: parsed.append(demo.parse_hello(message))))
+    peak = peak_bytes(received_and_parsed(frame, lambda message: parsed.append(parse_hello(message))))
     assert parsed, "the hello was refused"
     hello = parsed[0]
     assert len(hello.table.streams) == MAX_STREAMS and sum(r.remote_ids.size for r in hello.requests) == ids
@@ -241,7 +244,7 @@ def test_bulk_integers_are_not_accepted_as_json():
     message = decode(frame)
     message.header["requests"]["block_ids"] = [0] * 64
     with pytest.raises(ProtocolError, match=r"hello\.requests\.block_ids: expected an integer array"):
-        demo.parse_hello(message)
+        parse_hello(message)
 
 
 def test_stream_objects_are_small():
@@ -438,11 +441,11 @@ def test_stray_connections_are_dropped_and_prefill_is_still_heard():
         thread = threading.Thread(target=prefill, daemon=True)
         thread.start()
         try:
-            sock, hello, dropped = demo.accept_hello(listener, None, timeout=20, secret=SECRET)
+            sock, hello, dropped = accept_hello(listener, SECRET, timeout=20)
             seconds = time.monotonic() - started
             sock.close()
             assert [r.name for r in hello.requests] == ["req-000", "req-001"]
-            assert seconds < demo.AUTH_SECONDS, f"prefill heard after {seconds:.1f} s: the strays stalled it"
+            assert seconds < handshake.AUTH_SECONDS, f"prefill heard after {seconds:.1f} s: the strays stalled it"
             assert dropped == len(strays.sockets) + 1
             assert strays.all_closed_by_the_other_side(within=1.0)
         finally:
@@ -455,11 +458,11 @@ def test_stray_connections_are_dropped_and_prefill_is_still_heard():
 def test_more_strays_than_decode_will_hold_do_not_shut_prefill_out():
     with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
         port = listener.getsockname()[1]
-        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * demo.MAX_PENDING_CONNECTIONS)]
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * handshake.MAX_PENDING_CONNECTIONS)]
         real = socket.create_connection(("127.0.0.1", port))
         real.sendall(frames_for_prefill())
         try:
-            sock, hello, dropped = demo.accept_hello(listener, None, timeout=20, secret=SECRET)
+            sock, hello, dropped = accept_hello(listener, SECRET, timeout=20)
             sock.close()
             assert len(hello.requests) == 2 and dropped == len(silent)
         finally:
@@ -474,7 +477,7 @@ def test_only_strays_end_in_a_clear_timeout():
         strays = Strays(listener.getsockname()[1], silent=1)
         try:
             with pytest.raises(ProtocolError, match=r"did not connect and prove who it is within 2 s \(\d+ other"):
-                demo.accept_hello(listener, None, timeout=2, secret=SECRET)
+                accept_hello(listener, SECRET, timeout=2)
         finally:
             strays.close()
 
