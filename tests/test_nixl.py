@@ -298,7 +298,7 @@ def test_memory_spans_merge_shared_memory():
 
 def test_importing_kvhost_does_not_import_nixl():
     code = (
-        "import sys, kvhost, kvhost.nixl, kvhost.demo\n"
+        "import sys, kvhost, kvhost.nixl, kvhost_tools.demo.cli\n"
         "print(sorted(m for m in sys.modules if 'nixl' in m and not m.startswith('kvhost.nixl.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -25,7 +25,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvhost import demo
 from kvhost.errors import KVHostError
 from kvhost.nixl import (
     NIXL_MODULES,
@@ -40,6 +39,9 @@ from kvhost.nixl import (
 )
 from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION
 from kvhost.testing import make_cache
+from kvhost_tools.demo import cli as demo_cli
+from kvhost_tools.demo import config as demo_config
+from kvhost_tools.demo import decode as demo_decode
 
 NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
 needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
@@ -65,7 +67,7 @@ FRAME = encode("hello", HEADER, METADATA)
 
 def parse(frame):
     hello = parse_hello(decode(frame))
-    demo.fill_seconds(hello)  # the demo's own field of the hello, read as its decode side reads it
+    demo_decode.fill_seconds(hello)  # the demo's own field of the hello, read as its decode side reads it
     return hello
 
 
@@ -506,10 +508,10 @@ def test_decode_exits_with_a_clear_error_on_a_malformed_hello(monkeypatch, capsy
         command = [sys.executable, "-c", FAKE_PREFILL, str(port), (auth + bad).hex()]
         return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
-    monkeypatch.setattr(demo, "start_prefill", fake_prefill)
-    code = demo.main(["--requests", "2", "--layers", "1", "--heads", "2", "--head-dim", "4", "--max-tokens", "20"])
+    monkeypatch.setattr(demo_decode, "start_prefill", fake_prefill)
+    code = demo_cli.main(["--requests", "2", "--layers", "1", "--heads", "2", "--head-dim", "4", "--max-tokens", "20"])
     out = capsys.readouterr().out
-    assert code == demo.EXIT_ERROR
+    assert code == demo_config.EXIT_ERROR
     assert "ProtocolError: hello.table.order: 'HNX' must be distinct letters" in out
     assert "FAILED: the hand-off did not run" in out
     assert issubclass(ProtocolError, KVHostError)
