@@ -159,7 +159,12 @@ class _Pending:
 
 
 def accept_hello(
-    listener: socket.socket, secret: bytes, timeout: float, *, watch: Callable[[], object] | None = None
+    listener: socket.socket,
+    secret: bytes,
+    timeout: float,
+    *,
+    watch: Callable[[], object] | None = None,
+    peer: str = "the peer",
 ) -> tuple[socket.socket, Hello, int]:
     """Wait for the peer to connect, prove ``secret`` and say hello; returns the connection,
     the hello, and how many other connections were dropped.
@@ -167,7 +172,7 @@ def accept_hello(
     A connection is the peer once its first frame is an ``auth`` whose proof is ``secret``.
     ``watch`` is called between waits (every 50 ms): it raises to give up early (when the
     process that should connect has exited). No peer proving itself within ``timeout``
-    seconds is a ProtocolError, as is a malformed hello.
+    seconds is a ProtocolError, as is a malformed hello; ``peer`` names it in messages.
     """
     deadline = time.monotonic() + check_seconds(timeout, "connect timeout")
     pending: dict[socket.socket, _Pending] = {}
@@ -191,7 +196,7 @@ def accept_hello(
                 now = time.monotonic()
                 if now > deadline:
                     others = f" ({dropped} other connection(s) dropped)" if dropped else ""
-                    raise ProtocolError(f"the peer did not connect and prove who it is within {timeout:g} s{others}")
+                    raise ProtocolError(f"{peer} did not connect and prove who it is within {timeout:g} s{others}")
                 for conn in [c for c, p in pending.items() if now > p.deadline]:
                     drop(conn)
                 for key, _ in selector.select(timeout=0.05):

@@ -142,7 +142,9 @@ def run_decode(config: Config, argv: Sequence[str]) -> int:
                 for tensor in caches.values():
                     raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
             agent = Agent(f"decode-{os.getpid()}")
-            sock, hello, dropped = accept_hello(listener, secret, config.connect_timeout, watch=running(prefill))
+            sock, hello, dropped = accept_hello(
+                listener, secret, config.connect_timeout, watch=running(prefill), peer="prefill"
+            )
             outcome.figures.update(
                 hello_seconds=time.perf_counter() - begun,
                 dropped_connections=dropped,
