@@ -3,7 +3,7 @@
 Runs in ci/vllm.sh's environment (``pytest -m vllm``); elsewhere it skips with the reason.
 Only what vLLM's own connector tests mock is mocked: the NIXL wrapper (a fake agent whose
 transfers finish at once); the bytes a transfer would move are written by
-``kvhost.integrations.testing.nixl_read`` from the sender's real caches, as NIXL reads
+``kvhost.testing.nixl_read`` from the sender's real caches, as NIXL reads
 them. vLLM's config comes from a model config file the test writes (no weights, no hub);
 caches are cut from one buffer by vLLM's own ``create_kv_cache_views``. Every check is
 against the sender's tokens.
@@ -21,9 +21,8 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from kvhost.integrations.testing import nixl_read
 from kvhost.integrations.vllm import cross_layer_view
-from kvhost.testing import fill_random, raw
+from kvhost.testing import fill_random, nixl_read, raw
 
 pytestmark = [
     pytest.mark.vllm,
