@@ -439,6 +439,10 @@ def spy(worker, names=("post_process", "load_from_host", "save_to_host")):
     return calls
 
 
+def forbid_vllm_copies(*args, **kwargs):
+    raise AssertionError("vLLM's per-request host copy ran; kvhost's one call per step should have")
+
+
 def drive(connector, worker, requests, computed=None):
     """Steps as the model runner drives them: bind metadata, start loads, poll, until every
     request finished or failed. ``requests``: req -> (local ids, remote ids, engine);
@@ -624,3 +628,84 @@ def test_a_step_with_remote_blocks_larger_than_ours(vllm_env, copying, case):
     }
     assert_one_call_per_step(steps, "post_process")
     check_tokens(caches, local_size, requests, computed, senders, sender_caches, before, failed)
+
+
+def test_failed_requests_skip_the_post_process(vllm_env, copying):
+    """Requests that fail never reach the post-process and keep their blocks' bytes: a
+    sender whose handshake fails, one whose transfer ends in error, and one whose blocks
+    do not reach ours; the step's other request is post-processed as usual."""
+    senders = {"ok": ("LBHNC", 32), "broken": ("LBHNC", 32), "short": ("LBHNC", 64)}
+    connector, worker, caches = make_worker(vllm_env, "LBNHC", blocks=32, wrapper=copying)
+    sender_caches, payloads = sender_workers(vllm_env, senders)
+    copying.failing.add(sender_caches["broken"][0].nixl_wrapper.name)
+    fake_handshakes(worker, payloads, down={"down"})
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    senders["down"] = ("LBHNC", 32)
+    requests = {
+        "a": ([3, 9], [0, 5], "ok"),
+        "b": ([4, 11], [6, 1], "broken"),
+        "c": ([17, 18], [1, 2], "down"),
+        "d": ([20, 2, 7], [3], "short"),  # one sender block of 64 for three of our 32
+    }
+    steps = drive(connector, worker, requests)
+    failed = set().union(*(f for _, f, _ in steps))
+    assert failed == {"b", "c", "d"}
+    processed = [args[0] for _, _, calls in steps for name, args in calls if name == "post_process"]
+    assert processed == [{"ok": {"a": [3, 9]}}]  # one call, naming none of the failed requests
+    check_tokens(caches, BLOCK, requests, {}, senders, sender_caches, before, failed)
+
+
+def test_host_buffer_staging_through_the_worker(vllm_env, copying):
+    """Host-buffer mode (TPU, XPU, plugin devices) on both sides: each sender saves every
+    request of its step to its host buffer in one kvhost copy (a block two requests share
+    once), NIXL reads host to host, and the decode worker loads every finished request of
+    its step in one kvhost copy and post-processes them in one call, with senders whose
+    blocks are half and twice ours; vLLM's per-request copies never run."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    senders = {"p-hnd-32": ("LBHNC", 32), "p-nhd-128": ("LBNHC", 128), "p-hnd-128": ("LBHNC", 128)}
+    sender_caches, payloads = sender_workers(vllm_env, senders, host_buffer=True)
+    plan = {
+        "a": ("p-hnd-32", 2, 0, 3),  # our last block half full: its tail zeroed
+        "b": ("p-hnd-32", 1, 0, 2),
+        "c": ("p-nhd-128", 3, 0, 2),  # a whole group of 2 and a last group of 1
+        "d": ("p-hnd-128", 3, 0, 2),
+    }
+    requests, computed = plan_requests(plan, 64, senders, seed=7)
+    for engine, (worker, device, connector) in sender_caches.items():  # the prefill side's step: save to host
+        worker.copy_blocks = forbid_vllm_copies
+        saved = {req: remote for req, (_, remote, e) in requests.items() if e == engine}
+        if engine == "p-hnd-32":
+            saved["shared"] = [requests["a"][1][0]]  # a prefix block another request names too
+        metadata = NixlConnectorMetadata()
+        for req, ids in saved.items():
+            metadata.add_new_req_to_save(req, (list(ids),), {})
+        calls = spy(worker)
+        connector.bind_connector_metadata(metadata)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        assert [name for name, _ in calls] == ["save_to_host"] and set(calls[0][1][1]) == set(saved)
+        ids = sorted({b for blocks in saved.values() for b in blocks})
+        size = senders[engine][1]
+        assert torch.equal(tokens_of(worker.host_xfer_buffers, ids, size), tokens_of(device, ids, size)), engine
+
+    connector, worker, caches = make_worker(
+        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=copying
+    )
+    worker.copy_blocks = forbid_vllm_copies
+    fake_handshakes(worker, payloads)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    for i, view in enumerate(worker.host_xfer_buffers.values()):
+        fill_random(view, 200 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    steps = drive(connector, worker, requests, computed)
+    assert not set().union(*(f for _, f, _ in steps))
+    assert_one_call_per_step(steps, "load_from_host")
+    assert_one_call_per_step(steps, "post_process")
+    for _, _, calls in steps:  # the load comes first: the post-process works on the device
+        names = [name for name, _ in calls]
+        assert names in ([], ["load_from_host", "post_process"]), names
+    check_tokens(caches, 64, requests, computed, senders, sender_caches, before, set())
