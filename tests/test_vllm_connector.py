@@ -520,28 +520,28 @@ def fake_handshakes(worker, payloads, down=()):
     worker._nixl_handshake = handshake
 
 
-def plan_requests(plan, local_size, senders, seed):
+def plan_requests(plan, senders, seed):
     """``plan``: req -> (engine, our blocks, prefix-hit blocks, sender blocks). Distinct random
-    block ids on both sides; returns (requests for ``drive``, computed)."""
+    block ids on both sides (64 of ours, ``sender_workers``' count of each sender's);
+    returns (requests for ``drive``, computed)."""
     import random
 
     rng = random.Random(seed)
     ours = rng.sample(range(64), sum(count for _, count, _, _ in plan.values()))
-    pools = {
-        e: rng.sample(range(max(BLOCKS * BLOCK // size, 8)), max(BLOCKS * BLOCK // size, 8))
-        for e, (_, size) in senders.items()
-    }
+    pools = {}
+    for engine, (_, size) in senders.items():
+        blocks = max(BLOCKS * BLOCK // size, 8)
+        pools[engine] = rng.sample(range(blocks), blocks)
     requests, computed = {}, {}
     for req, (engine, count, hit, theirs) in plan.items():
         local_ids, ours = ours[:count], ours[count:]
-        pool = pools.get(engine, list(range(theirs)))
-        remote_ids, pools[engine] = pool[:theirs], pool[theirs:]
+        remote_ids, pools[engine] = pools[engine][:theirs], pools[engine][theirs:]
         requests[req] = (local_ids, remote_ids, engine)
         computed[req] = hit
     return requests, computed
 
 
-def check_tokens(caches, local_size, requests, computed, senders, sender_caches, before, failed):
+def check_tokens(caches, local_size, requests, computed, senders, prefill, before, failed):
     """Every request's blocks against its sender's tokens from its first position on; a
     sender with smaller blocks leaves the tokens after its last block zero (as vLLM does);
     a failed request's blocks kept their bytes."""
@@ -551,7 +551,7 @@ def check_tokens(caches, local_size, requests, computed, senders, sender_caches,
             assert torch.equal(got, tokens_of(before, local_ids, local_size)), f"failed request {req} was touched"
             continue
         size = senders[engine][1]
-        want = tokens_of(sender_caches[engine][1], remote_ids, size)
+        want = tokens_of(prefill[engine][1], remote_ids, size)
         start = computed.get(req, 0) * local_size
         arrived = min(got.shape[1], want.shape[1] - start)
         assert torch.equal(got[:, :arrived], want[:, start : start + arrived]), req
@@ -613,12 +613,12 @@ def test_a_step_with_remote_blocks_larger_than_ours(vllm_env, copying, case):
     prefix-cache hit), whole groups and last groups of fewer blocks alike."""
     local, local_size, senders, plan = LARGER_SENDERS[case]
     connector, worker, caches = make_worker(vllm_env, local, block_size=local_size, blocks=64, wrapper=copying)
-    sender_caches, payloads = sender_workers(vllm_env, senders)
+    prefill, payloads = sender_workers(vllm_env, senders)
     fake_handshakes(worker, payloads)
     for i, view in enumerate(caches.values()):
         fill_random(view, 100 + i)  # stale bytes everywhere
     before = {name: raw(view).clone() for name, view in caches.items()}
-    requests, computed = plan_requests(plan, local_size, senders, seed=len(case))
+    requests, computed = plan_requests(plan, senders, seed=list(LARGER_SENDERS).index(case))
     steps = drive(connector, worker, requests, computed)
 
     failed = set().union(*(f for _, f, _ in steps))
@@ -627,7 +627,7 @@ def test_a_step_with_remote_blocks_larger_than_ours(vllm_env, copying, case):
         e: size // local_size for e, (_, size) in senders.items() if size > local_size
     }
     assert_one_call_per_step(steps, "post_process")
-    check_tokens(caches, local_size, requests, computed, senders, sender_caches, before, failed)
+    check_tokens(caches, local_size, requests, computed, senders, prefill, before, failed)
 
 
 def test_failed_requests_skip_the_post_process(vllm_env, copying):
@@ -636,8 +636,8 @@ def test_failed_requests_skip_the_post_process(vllm_env, copying):
     do not reach ours; the step's other request is post-processed as usual."""
     senders = {"ok": ("LBHNC", 32), "broken": ("LBHNC", 32), "short": ("LBHNC", 64)}
     connector, worker, caches = make_worker(vllm_env, "LBNHC", blocks=32, wrapper=copying)
-    sender_caches, payloads = sender_workers(vllm_env, senders)
-    copying.failing.add(sender_caches["broken"][0].nixl_wrapper.name)
+    prefill, payloads = sender_workers(vllm_env, senders)
+    copying.failing.add(prefill["broken"][0].nixl_wrapper.name)
     fake_handshakes(worker, payloads, down={"down"})
     for i, view in enumerate(caches.values()):
         fill_random(view, 100 + i)
@@ -654,7 +654,7 @@ def test_failed_requests_skip_the_post_process(vllm_env, copying):
     assert failed == {"b", "c", "d"}
     processed = [args[0] for _, _, calls in steps for name, args in calls if name == "post_process"]
     assert processed == [{"ok": {"a": [3, 9]}}]  # one call, naming none of the failed requests
-    check_tokens(caches, BLOCK, requests, {}, senders, sender_caches, before, failed)
+    check_tokens(caches, BLOCK, requests, {}, senders, prefill, before, failed)
 
 
 def test_host_buffer_staging_through_the_worker(vllm_env, copying):
@@ -666,15 +666,15 @@ def test_host_buffer_staging_through_the_worker(vllm_env, copying):
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
 
     senders = {"p-hnd-32": ("LBHNC", 32), "p-nhd-128": ("LBNHC", 128), "p-hnd-128": ("LBHNC", 128)}
-    sender_caches, payloads = sender_workers(vllm_env, senders, host_buffer=True)
+    prefill, payloads = sender_workers(vllm_env, senders, host_buffer=True)
     plan = {
         "a": ("p-hnd-32", 2, 0, 3),  # our last block half full: its tail zeroed
         "b": ("p-hnd-32", 1, 0, 2),
         "c": ("p-nhd-128", 3, 0, 2),  # a whole group of 2 and a last group of 1
         "d": ("p-hnd-128", 3, 0, 2),
     }
-    requests, computed = plan_requests(plan, 64, senders, seed=7)
-    for engine, (worker, device, connector) in sender_caches.items():  # the prefill side's step: save to host
+    requests, computed = plan_requests(plan, senders, seed=7)
+    for engine, (worker, device, connector) in prefill.items():  # the prefill side's step: save to host
         worker.copy_blocks = forbid_vllm_copies
         saved = {req: remote for req, (_, remote, e) in requests.items() if e == engine}
         if engine == "p-hnd-32":
@@ -708,4 +708,4 @@ def test_host_buffer_staging_through_the_worker(vllm_env, copying):
     for _, _, calls in steps:  # the load comes first: the post-process works on the device
         names = [name for name, _ in calls]
         assert names in ([], ["load_from_host", "post_process"]), names
-    check_tokens(caches, 64, requests, computed, senders, sender_caches, before, set())
+    check_tokens(caches, 64, requests, computed, senders, prefill, before, set())
