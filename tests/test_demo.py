@@ -22,14 +22,24 @@ import time
 import pytest
 import torch
 
-from kvhost import demo
 from kvhost.nixl import NIXL_MODULES
 from kvhost.testing import raw
+from kvhost_tools.demo.cli import config_from, main
+from kvhost_tools.demo.config import AXES, EXIT_FAILED
+from kvhost_tools.demo.decode import Rank, Request
+from kvhost_tools.demo.report import Outcome, ProgressBar
+from kvhost_tools.demo.values import SENTINEL_BYTE, token_values, write_tokens
+from kvhost_tools.demo.verify import verify
 
 NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
 needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
 
-SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "16", "--min-tokens", "5", "--max-tokens", "150"]
+# Five runs start at once: on a busy 2-core machine ten Python processes importing torch can
+# take minutes, so the runs get room to connect (a hung run still fails at RUN_SECONDS).
+SMALL = [
+    *["--layers", "2", "--heads", "2", "--head-dim", "16", "--min-tokens", "5", "--max-tokens", "150"],
+    *["--connect-timeout", "240"],
+]
 RUNS = {
     # Head-major blocks of 4 into token-major blocks of 16: r = 4, receive rearranges in place.
     "direct": [*SMALL, "--requests", "8", "--prefill-block-size", "4", "--decode-block-size", "16"],
@@ -50,7 +60,7 @@ RUNS = {
     "freeze": [*SMALL, "--requests", "10", "--inflight", "2", "--freeze-prefill-after", "2", "--timeout", "2"],
 }
 ENV = {"freeze": {"UCX_TLS": "tcp,self"}}
-RUN_SECONDS = 150
+RUN_SECONDS = 420
 
 
 def process_tree(pid):
@@ -212,7 +222,7 @@ def test_every_socket_the_demo_listens_on_is_on_loopback(runs, name):
 
 def check_partial(code, outcome, text):
     """A failed hand-off: non-zero, failures named, nothing failed marked received, the rest verified."""
-    assert code == demo.EXIT_FAILED, text
+    assert code == EXIT_FAILED, text
     failed, received = set(outcome["failed"]), set(outcome["received"])
     assert failed and not failed & received
     assert outcome["verified"] == outcome["received"] and outcome["mismatched"] == {}
@@ -251,30 +261,29 @@ def test_frozen_prefill_times_out_instead_of_hanging(runs):
 # --- in process --------------------------------------------------------------------------------
 
 
-def args_for(*extra):
-    return demo.parser().parse_args([*SMALL, "--no-progress", *extra])
+def config_for(*extra):
+    return config_from([*SMALL, "--no-progress", *extra])
 
 
 def test_verification_catches_a_flipped_byte_and_a_stray_write():
-    args = args_for()
-    config = demo.Config.from_args(args)
+    config = config_for()
     caches = config.caches("HND", 6, 8)
     for tensor in caches.values():
-        raw(tensor).view(torch.uint8).fill_(demo.SENTINEL_BYTE)
-    request = demo.Request("req-000", 0, 13, remote_ids=[], local_ids=[4, 1])
+        raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
+    request = Request("req-000", 0, 13, remote_ids=[], local_ids=[4, 1])
     for layer, tensor in enumerate(caches.values()):
-        values = demo.token_values(config.seed, 0, layer, 13, config.heads, config.head_dim, 2)
-        demo.write_tokens(tensor, demo.AXES, request.local_ids, values)
+        values = token_values(config.seed, 0, layer, 13, config.heads, config.head_dim, 2)
+        write_tokens(tensor, AXES, request.local_ids, values)
 
-    outcome = demo.Outcome()
-    demo.verify(args, config, [demo.Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
+    outcome = Outcome()
+    verify(config, [Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == ["req-000"] and outcome.mismatched == {}
 
     layer1 = caches["layer1"]
     raw(layer1)[1, 1, 12 - 8, 1, 3] ^= 1  # V, block 1 holds tokens 8..15: token 12, head 1, channel 3
     raw(caches["layer0"])[0, 5, 0, 0, 0] ^= 1  # a spare block
-    outcome = demo.Outcome()
-    demo.verify(args, config, [demo.Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
+    outcome = Outcome()
+    verify(config, [Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == []
     assert outcome.mismatched["req-000"] == "layer1 token 12 K/V 1 head 1 channel 3 differs"
     assert outcome.mismatched["spare blocks"] == "a block no request owns was written"
@@ -282,45 +291,44 @@ def test_verification_catches_a_flipped_byte_and_a_stray_write():
 
 
 def test_each_rank_is_verified_against_its_own_heads():
-    args = args_for("--decode-ranks", "2")  # SMALL has 2 heads: one per rank
-    config = demo.Config.from_args(args)
-    ranks = [demo.Rank(config.caches("NHD", 4, 8, heads=1), 1, first_head=rank) for rank in range(2)]
-    request = demo.Request("req-000", 0, 10, remote_ids=[], local_ids=[2, 0])
+    config = config_for("--decode-ranks", "2")  # SMALL has 2 heads: one per rank
+    ranks = [Rank(config.caches("NHD", 4, 8, heads=1), 1, first_head=rank) for rank in range(2)]
+    request = Request("req-000", 0, 10, remote_ids=[], local_ids=[2, 0])
     for rank in ranks:
         for layer, tensor in enumerate(rank.caches.values()):
-            values = demo.token_values(config.seed, 0, layer, 10, config.heads, config.head_dim, 2)
-            demo.write_tokens(tensor, demo.AXES, request.local_ids, values.narrow(2, rank.first_head, 1))
-    outcome = demo.Outcome()
-    demo.verify(args, config, ranks, [request], [], outcome)
+            values = token_values(config.seed, 0, layer, 10, config.heads, config.head_dim, 2)
+            write_tokens(tensor, AXES, request.local_ids, values.narrow(2, rank.first_head, 1))
+    outcome = Outcome()
+    verify(config, ranks, [request], [], outcome)
     assert outcome.verified == ["req-000"]
 
     raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1  # K, block 0 holds tokens 8..9: token 9
-    outcome = demo.Outcome()
-    demo.verify(args, config, ranks, [request], [], outcome)
+    outcome = Outcome()
+    verify(config, ranks, [request], [], outcome)
     assert outcome.mismatched == {"req-000": "rank 1 layer0 token 9 K/V 0 head 1 channel 2 differs"}
     # A rank holding another rank's head is caught too.
     raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1
     ranks[0].first_head, ranks[1].first_head = 1, 0
-    outcome = demo.Outcome()
-    demo.verify(args, config, ranks, [request], [], outcome)
+    outcome = Outcome()
+    verify(config, ranks, [request], [], outcome)
     assert outcome.mismatched["req-000"].startswith("rank 0 layer0 token 0 K/V 0 head 1")
 
 
 def test_values_differ_by_every_index():
-    values = demo.token_values(7, 3, 1, 20, 4, 8, 4)  # 32-bit: every element of a request's layer differs
+    values = token_values(7, 3, 1, 20, 4, 8, 4)  # 32-bit: every element of a request's layer differs
     assert values.shape == (20, 2, 4, 8)
     assert values.unique().numel() == values.numel()
-    other_layer = demo.token_values(7, 3, 2, 20, 4, 8, 4)
-    other_request = demo.token_values(7, 4, 1, 20, 4, 8, 4)
-    other_seed = demo.token_values(8, 3, 1, 20, 4, 8, 4)
+    other_layer = token_values(7, 3, 2, 20, 4, 8, 4)
+    other_request = token_values(7, 4, 1, 20, 4, 8, 4)
+    other_seed = token_values(8, 3, 1, 20, 4, 8, 4)
     for other in (other_layer, other_request, other_seed):
         assert (other != values).float().mean() > 0.99
-    assert torch.equal(values, demo.token_values(7, 3, 1, 20, 4, 8, 4))
-    assert demo.token_values(7, 3, 1, 20, 4, 8, 2).dtype == torch.int16
+    assert torch.equal(values, token_values(7, 3, 1, 20, 4, 8, 4))
+    assert token_values(7, 3, 1, 20, 4, 8, 2).dtype == torch.int16
 
 
 def test_request_lengths_are_mixed_and_seeded():
-    config = demo.Config.from_args(demo.parser().parse_args([]))
+    config = config_from([])
     lengths = config.lengths()
     assert len(lengths) == 40 and lengths == config.lengths()
     assert min(lengths) >= 16 and max(lengths) <= 2048
@@ -329,13 +337,13 @@ def test_request_lengths_are_mixed_and_seeded():
 
 def test_progress_bar_draws_on_a_terminal_only():
     stream = io.StringIO()
-    bar = demo.ProgressBar("transfer", 4, stream, enabled=True)
+    bar = ProgressBar("transfer", 4, stream, enabled=True)
     bar.update(2, "1 MB", force=True)
     bar.close(4, "done")
     assert "transfer  [############------------] 2/4 1 MB" in stream.getvalue()
     assert stream.getvalue().endswith("[########################] 4/4 done\x1b[K\n")
     quiet = io.StringIO()
-    demo.ProgressBar("transfer", 4, quiet, enabled=False).close(4)
+    ProgressBar("transfer", 4, quiet, enabled=False).close(4)
     assert quiet.getvalue() == ""
 
 
@@ -354,6 +362,6 @@ def test_progress_bar_draws_on_a_terminal_only():
 )
 def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        demo.main(argv)
+        main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err

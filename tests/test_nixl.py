@@ -23,14 +23,16 @@ from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.nixl import (
     NIXL_MODULES,
     NixlUnavailableError,
+    ProtocolError,
     RegionTable,
     TransferError,
+    decode,
+    encode,
     memory_spans,
     plan_transfer,
     region_table,
 )
 from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens, write_wire
-from kvhost.wire_protocol import ProtocolError, decode, encode
 
 # (axes, remote memory order, local memory order, sizes but B and N)
 LAYOUT_PAIRS = {
@@ -295,7 +297,10 @@ def test_memory_spans_merge_shared_memory():
 
 
 def test_importing_kvhost_does_not_import_nixl():
-    code = "import sys, kvhost, kvhost.nixl, kvhost.demo; print(sorted(m for m in sys.modules if 'nixl' in m))"
+    code = (
+        "import sys, kvhost, kvhost.nixl, kvhost_tools.demo.cli\n"
+        "print(sorted(m for m in sys.modules if 'nixl' in m and not m.startswith('kvhost.nixl.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "['kvhost.nixl']"
 
@@ -435,13 +440,13 @@ def test_a_missing_transport_is_a_clear_error():
 
 
 def test_missing_nixl_is_a_clear_error(monkeypatch):
-    from kvhost import nixl
     from kvhost.nixl import Agent
+    from kvhost.nixl import agent as nixl_agent
 
-    monkeypatch.setattr(nixl, "NIXL_MODULES", ("no_such_nixl._api",))
-    nixl.load_nixl.cache_clear()
+    monkeypatch.setattr(nixl_agent, "NIXL_MODULES", ("no_such_nixl._api",))
+    nixl_agent.load_nixl.cache_clear()
     try:
         with pytest.raises(NixlUnavailableError, match=r"NIXL is not installed .*kvhost\[nixl\]"):
             Agent("nowhere")
     finally:
-        nixl.load_nixl.cache_clear()
+        nixl_agent.load_nixl.cache_clear()

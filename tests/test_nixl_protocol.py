@@ -25,21 +25,23 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvhost import demo
 from kvhost.errors import KVHostError
-from kvhost.nixl import NIXL_MODULES, region_table
-from kvhost.testing import make_cache
-from kvhost.wire_protocol import (
-    HEADER_BYTES,
-    MAGIC,
-    MAX_JSON_VALUES,
-    VERSION,
+from kvhost.nixl import (
+    NIXL_MODULES,
     Fields,
     ProtocolError,
+    accept_hello,
     decode,
     encode,
+    parse_hello,
     receive,
+    region_table,
 )
+from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION
+from kvhost.testing import make_cache
+from kvhost_tools.demo import cli as demo_cli
+from kvhost_tools.demo import config as demo_config
+from kvhost_tools.demo import decode as demo_decode
 
 NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
 needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
@@ -64,7 +66,9 @@ FRAME = encode("hello", HEADER, METADATA)
 
 
 def parse(frame):
-    return demo.parse_hello(decode(frame))
+    hello = parse_hello(decode(frame))
+    demo_decode.fill_seconds(hello)  # the demo's own field of the hello, read as its decode side reads it
+    return hello
 
 
 def test_a_good_hello_parses():
@@ -409,7 +413,7 @@ def test_decode_rejects_a_bad_hello_on_the_socket(payload, close, message):
     """Prefill proved who it is, then sent a bad hello: its error, named."""
     listener, done, thread = serve(AUTH + payload, close)
     with listener, pytest.raises(ProtocolError, match=message):
-        demo.accept_hello(listener, None, timeout=1.0, secret=SECRET)
+        accept_hello(listener, SECRET, timeout=1.0)
     done.set()
     thread.join(5)
 
@@ -417,7 +421,7 @@ def test_decode_rejects_a_bad_hello_on_the_socket(payload, close, message):
 @pytest.mark.timeout(20)
 def test_a_listener_nobody_connects_to_times_out():
     with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(ProtocolError, match="did not connect"):
-        demo.accept_hello(listener, None, timeout=0.3, secret=SECRET)
+        accept_hello(listener, SECRET, timeout=0.3)
 
 
 @pytest.mark.timeout(20)
@@ -434,8 +438,8 @@ def test_receive_reads_a_frame_split_across_sends():
         message = receive(left, timeout=5, expect="hello")
         thread.join()
     assert message.blob == METADATA
-    hello = demo.parse_hello(message)
-    assert hello.table == demo.parse_hello(decode(FRAME)).table
+    hello = parse_hello(message)
+    assert hello.table == parse_hello(decode(FRAME)).table
     assert [r.remote_ids.tolist() for r in hello.requests] == [[3, 1, 7], [0]]
 
 
@@ -504,10 +508,10 @@ def test_decode_exits_with_a_clear_error_on_a_malformed_hello(monkeypatch, capsy
         command = [sys.executable, "-c", FAKE_PREFILL, str(port), (auth + bad).hex()]
         return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
-    monkeypatch.setattr(demo, "start_prefill", fake_prefill)
-    code = demo.main(["--requests", "2", "--layers", "1", "--heads", "2", "--head-dim", "4", "--max-tokens", "20"])
+    monkeypatch.setattr(demo_decode, "start_prefill", fake_prefill)
+    code = demo_cli.main(["--requests", "2", "--layers", "1", "--heads", "2", "--head-dim", "4", "--max-tokens", "20"])
     out = capsys.readouterr().out
-    assert code == demo.EXIT_ERROR
+    assert code == demo_config.EXIT_ERROR
     assert "ProtocolError: hello.table.order: 'HNX' must be distinct letters" in out
     assert "FAILED: the hand-off did not run" in out
     assert issubclass(ProtocolError, KVHostError)

@@ -2,7 +2,7 @@
 makes has a deadline, and every resource a peer can make it allocate is bounded.
 
 - Timeouts: NaN, infinity, negative numbers, bools and non-numbers are refused, by
-  ``Transfer.wait``, ``wire_protocol.receive``/``send`` and the demo's options alike.
+  ``Transfer.wait``, ``framing.receive``/``send`` and the demo's options alike.
 - A control frame costs memory in proportion to its size (peaks measured with tracemalloc).
 - A peer's block table that declares billions of blocks costs memory only for the blocks a
   request names (measured in a subprocess whose address space is capped, so a regression
@@ -32,21 +32,29 @@ import numpy as np
 import pytest
 from test_nixl_protocol import FRAME
 
-from kvhost import demo
 from kvhost.errors import KVHostError
-from kvhost.nixl import MAX_STREAMS, NIXL_MODULES, RegionTable, Stream, Transfer
-from kvhost.wire_protocol import (
-    HEADER_BYTES,
-    MAX_ARRAY_BYTES,
-    MAX_JSON_BYTES,
-    MAX_JSON_VALUES,
+from kvhost.nixl import (
+    MAX_STREAMS,
+    NIXL_MODULES,
     InvalidTimeoutError,
     ProtocolError,
+    RegionTable,
+    Stream,
+    Transfer,
+    accept_hello,
     decode,
     encode,
+    handshake,
+    parse_hello,
     receive,
     send,
 )
+from kvhost.nixl.fields import MAX_ARRAY_BYTES
+from kvhost.nixl.framing import HEADER_BYTES, MAX_JSON_BYTES, MAX_JSON_VALUES
+from kvhost_tools.demo import cli as demo_cli
+from kvhost_tools.demo import config as demo_config
+from kvhost_tools.demo import decode as demo_decode
+from kvhost_tools.demo import prefill as demo_prefill
 
 MiB = 1 << 20
 
@@ -87,7 +95,7 @@ def test_receive_and_send_refuse_a_timeout_that_is_not_finite_seconds(timeout):
             send(left, "x", {}, timeout=timeout)
     listener = socket.create_server(("127.0.0.1", 0))
     with listener, pytest.raises(InvalidTimeoutError, match=r"connect timeout"):
-        demo.accept_hello(listener, None, timeout, b"s" * 32)
+        accept_hello(listener, b"s" * 32, timeout)
 
 
 @pytest.mark.timeout(20)
@@ -105,7 +113,7 @@ def test_a_silent_peer_times_out_at_the_deadline():
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-5", "1e9", "soon"])
 def test_the_demo_refuses_time_options_that_are_not_finite_seconds(option, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        demo.main([f"{option}={value}"])  # (a value like -inf would read as an option)
+        demo_cli.main([f"{option}={value}"])  # (a value like -inf would read as an option)
     assert exit_info.value.code == 2
     assert f"argument {option}: expected a number of seconds in (0, 604800], got {value!r}" in capsys.readouterr().err
 
@@ -226,7 +234,7 @@ def test_a_hello_at_the_caps_costs_its_size_and_a_bounded_rest():
     frame (one Python object per stream, per layer name, per request) is capped."""
     frame, ids = big_hello(MAX_ARRAY_BYTES - 4 * MiB, MAX_STREAMS)
     parsed = []
-    peak = peak_bytes(received_and_parsed(frame, lambda message: parsed.append(demo.parse_hello(message))))
+    peak = peak_bytes(received_and_parsed(frame, lambda message: parsed.append(parse_hello(message))))
     assert parsed, "the hello was refused"
     hello = parsed[0]
     assert len(hello.table.streams) == MAX_STREAMS and sum(r.remote_ids.size for r in hello.requests) == ids
@@ -239,7 +247,7 @@ def test_bulk_integers_are_not_accepted_as_json():
     message = decode(frame)
     message.header["requests"]["block_ids"] = [0] * 64
     with pytest.raises(ProtocolError, match=r"hello\.requests\.block_ids: expected an integer array"):
-        demo.parse_hello(message)
+        parse_hello(message)
 
 
 def test_stream_objects_are_small():
@@ -257,7 +265,7 @@ CAPPED = """
 import resource, sys, tracemalloc
 import numpy as np
 from kvhost.nixl import RegionTable, plan_transfer, Stream
-from kvhost.wire_protocol import decode, encode
+from kvhost.nixl import decode, encode
 
 def vm():
     with open("/proc/self/status") as status:
@@ -436,11 +444,11 @@ def test_stray_connections_are_dropped_and_prefill_is_still_heard():
         thread = threading.Thread(target=prefill, daemon=True)
         thread.start()
         try:
-            sock, hello, dropped = demo.accept_hello(listener, None, timeout=20, secret=SECRET)
+            sock, hello, dropped = accept_hello(listener, SECRET, timeout=20)
             seconds = time.monotonic() - started
             sock.close()
             assert [r.name for r in hello.requests] == ["req-000", "req-001"]
-            assert seconds < demo.AUTH_SECONDS, f"prefill heard after {seconds:.1f} s: the strays stalled it"
+            assert seconds < handshake.AUTH_SECONDS, f"prefill heard after {seconds:.1f} s: the strays stalled it"
             assert dropped == len(strays.sockets) + 1
             assert strays.all_closed_by_the_other_side(within=1.0)
         finally:
@@ -453,11 +461,11 @@ def test_stray_connections_are_dropped_and_prefill_is_still_heard():
 def test_more_strays_than_decode_will_hold_do_not_shut_prefill_out():
     with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
         port = listener.getsockname()[1]
-        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * demo.MAX_PENDING_CONNECTIONS)]
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * handshake.MAX_PENDING_CONNECTIONS)]
         real = socket.create_connection(("127.0.0.1", port))
         real.sendall(frames_for_prefill())
         try:
-            sock, hello, dropped = demo.accept_hello(listener, None, timeout=20, secret=SECRET)
+            sock, hello, dropped = accept_hello(listener, SECRET, timeout=20)
             sock.close()
             assert len(hello.requests) == 2 and dropped == len(silent)
         finally:
@@ -472,7 +480,7 @@ def test_only_strays_end_in_a_clear_timeout():
         strays = Strays(listener.getsockname()[1], silent=1)
         try:
             with pytest.raises(ProtocolError, match=r"did not connect and prove who it is within 2 s \(\d+ other"):
-                demo.accept_hello(listener, None, timeout=2, secret=SECRET)
+                accept_hello(listener, SECRET, timeout=2)
         finally:
             strays.close()
 
@@ -481,18 +489,18 @@ def test_only_strays_end_in_a_clear_timeout():
 @pytest.mark.timeout(180)
 def test_the_hand_off_verifies_with_strays_on_the_port_first(monkeypatch, capsys):
     """The whole demo (decode here, prefill its own process) with strays connected first."""
-    real_start = demo.start_prefill
+    real_start = demo_decode.start_prefill
     strays = []
 
     def start_after_strays(port, argv, secret):
         strays.append(Strays(port))
         return real_start(port, argv, secret)
 
-    monkeypatch.setattr(demo, "start_prefill", start_after_strays)
+    monkeypatch.setattr(demo_decode, "start_prefill", start_after_strays)
     try:
-        code = demo.main(["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--no-progress"])
+        code = demo_cli.main(["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--no-progress"])
         out = capsys.readouterr().out
-        assert code == demo.EXIT_OK, out
+        assert code == demo_config.EXIT_OK, out
         assert "result    OK: every byte of every request verified" in out
         assert f"control   {len(strays[0].sockets) + 1} other connection(s) to the control port dropped" in out
     finally:
@@ -505,12 +513,12 @@ def test_prefill_reads_its_secret_from_stdin_only():
     with os.fdopen(read, "rb") as stream, os.fdopen(write, "wb") as out:
         out.write(SECRET.hex().encode() + b"\n")
         out.flush()
-        assert demo.read_secret(stream, 1.0) == SECRET
+        assert demo_prefill.read_secret(stream, 1.0) == SECRET
     read, write = os.pipe()
     with os.fdopen(read, "rb") as stream, os.fdopen(write, "wb"):
         started = time.monotonic()
-        with pytest.raises(demo.DemoError, match="no secret on stdin"):
-            demo.read_secret(stream, 0.2)  # nothing written: the deadline ends the wait
+        with pytest.raises(demo_config.DemoError, match="no secret on stdin"):
+            demo_prefill.read_secret(stream, 0.2)  # nothing written: the deadline ends the wait
         assert time.monotonic() - started < 2
 
 
@@ -550,22 +558,22 @@ IMPOSSIBLE = {
 @pytest.mark.parametrize("case", IMPOSSIBLE)
 def test_impossible_options_exit_2_with_one_line_naming_the_option(case, capsys, monkeypatch):
     argv, message = IMPOSSIBLE[case]
-    monkeypatch.setattr(demo, "memory_available", lambda: 8 << 30)  # the same verdicts on any machine
+    monkeypatch.setattr(demo_config, "memory_available", lambda: 8 << 30)  # the same verdicts on any machine
     with pytest.raises(SystemExit) as exit_info:
-        demo.main(argv)
-    assert exit_info.value.code == demo.EXIT_ERROR
+        demo_cli.main(argv)
+    assert exit_info.value.code == demo_config.EXIT_ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvhost demo: error: "), err
     assert message in err
 
 
 def test_the_memory_estimate_names_what_drives_it():
-    args = demo.parser().parse_args(["--layers", "30000", "--heads", "1024"])
-    needed = demo.memory_needed(args)
-    small = demo.memory_needed(demo.parser().parse_args([]))
+    config = demo_cli.config_from(["--layers", "30000", "--heads", "1024"], check=False)
+    needed = demo_config.memory_needed(config)
+    small = demo_config.memory_needed(demo_cli.config_from([], check=False))
     assert needed > 100 << 30  # far beyond this machine
     assert needed > 30000 * 1024 / (4 * 8) * small / 2  # in proportion to layers x heads
-    assert demo.memory_available() is None or demo.memory_available() > 0
+    assert demo_config.memory_available() is None or demo_config.memory_available() > 0
 
 
 @pytest.mark.timeout(120)
@@ -596,7 +604,7 @@ def test_the_command_exits_2_with_one_line_and_no_traceback():
 @pytest.mark.timeout(60)
 def test_prefill_without_a_secret_exits_2():
     out = subprocess.run(
-        [sys.executable, "-m", "kvhost.demo", "--role", "prefill", "--port", "9", "--connect-timeout", "1"],
+        [sys.executable, "-m", "kvhost_tools.demo", "--role", "prefill", "--port", "9", "--connect-timeout", "1"],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -625,11 +633,11 @@ def test_memory_running_out_after_the_estimate_exits_2(failure, monkeypatch, cap
     def no_memory(*args, **kwargs):
         raise ALLOCATION_FAILURES[failure]
 
-    monkeypatch.setattr(demo.Config, "caches", no_memory)
-    monkeypatch.setattr(demo, "start_prefill", lambda port, argv, secret: subprocess.Popen(["sleep", "30"]))
-    code = demo.main(["--layers", "2", "--no-progress"])
+    monkeypatch.setattr(demo_config.Config, "caches", no_memory)
+    monkeypatch.setattr(demo_decode, "start_prefill", lambda port, argv, secret: subprocess.Popen(["sleep", "30"]))
+    code = demo_cli.main(["--layers", "2", "--no-progress"])
     out = capsys.readouterr().out
-    assert code == demo.EXIT_ERROR
+    assert code == demo_config.EXIT_ERROR
     assert "error     out of memory: --layers 2 x --heads 8 x --head-dim 64 x --dtype bfloat16" in out
     assert "result    FAILED: the hand-off did not run" in out
 
@@ -638,8 +646,8 @@ def test_a_bug_exits_2_not_1(monkeypatch, capsys):
     def bug(*args, **kwargs):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(demo, "run_decode", bug)
-    assert demo.main([]) == demo.EXIT_ERROR
+    monkeypatch.setattr(demo_cli, "run_decode", bug)
+    assert demo_cli.main([]) == demo_config.EXIT_ERROR
     assert "ZeroDivisionError: a bug" in capsys.readouterr().err
 
 
@@ -648,10 +656,10 @@ def test_a_bug_exits_2_not_1(monkeypatch, capsys):
 
 def test_ucx_is_kept_on_loopback_unless_the_user_says_otherwise(monkeypatch):
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
-    with demo.loopback_ucx():
+    with demo_cli.loopback_ucx():
         assert os.environ["UCX_NET_DEVICES"] == "lo"
     assert "UCX_NET_DEVICES" not in os.environ
     monkeypatch.setenv("UCX_NET_DEVICES", "eth0")
-    with demo.loopback_ucx():
+    with demo_cli.loopback_ucx():
         assert os.environ["UCX_NET_DEVICES"] == "eth0"
     assert os.environ["UCX_NET_DEVICES"] == "eth0"
