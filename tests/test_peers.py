@@ -259,7 +259,7 @@ def test_secret_files_are_private_and_checked(tmp_path):
     short = tmp_path / "short"
     short.write_text("abcd\n")
     short.chmod(0o600)
-    with pytest.raises(ProtocolError, match="at least 32 bytes"):
+    with pytest.raises(ProtocolError, match="a secret of at least 32 bytes"):
         read_secret_file(str(short))
     with pytest.raises(ProtocolError, match="No such file"):
         read_secret_file(str(tmp_path / "missing"))

@@ -9,10 +9,12 @@ plans over real NIXL between processes are in test_xpyd.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
-from test_nixl import LOCAL_IDS, REMOTE_IDS, memmove_rows, untouched_blocks_same
+from test_nixl import LOCAL_IDS, REMOTE_IDS, memmove_rows, needs_nixl, untouched_blocks_same
 
 import kvhost
 from kvhost.caches import CacheSet
@@ -175,3 +177,31 @@ def test_a_gather_costs_one_descriptor_per_remote_block_and_stream_when_heads_le
     streams = len(local.streams)
     assert [r.shape[0] for r in rows] == [4 * streams] * 4
     assert np.unique(np.concatenate(rows)[:, 0]).size == 16 * streams  # no byte written twice
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_rank_readers_gather_over_nixl_from_several_agents():
+    """Four prefill ranks (four agents, head-major blocks of 16) into two decode ranks
+    (token-major blocks of 64): each decode rank's read posts one transfer per source."""
+    from kvhost.nixl import Agent, RankReader
+
+    remote_caches = [engine_caches("KBNHC", "KBHNC", 1, 16, 16, seed=q) for q in range(4)]
+    with contextlib.ExitStack() as stack:
+        senders = [stack.enter_context(Agent(f"ranks-prefill-{q}")) for q in range(4)]
+        tables = [agent.register(c, "KBNHC") for agent, c in zip(senders, remote_caches)]
+        for rank in range(2):
+            receiver = stack.enter_context(Agent(f"ranks-decode-{rank}"))
+            local = engine_caches("KBNHC", "KBNHC", 2, 64, 8, seed=90 + rank)
+            plan = plan_ranks(receiver.register(local, "KBNHC"), rank, 2, tables)
+            peers = {s.rank: receiver.add_peer(senders[s.rank].metadata()) for s in plan.sources}
+            transfers = RankReader(receiver, plan, peers).read([5, 2], REMOTE_IDS[:7])
+            assert len(transfers) == 2
+            for transfer in transfers:
+                transfer.wait(timeout=30)
+                transfer.release()
+            assert sum(t.nbytes for t in transfers) == plan.bytes_for(7)
+            kvhost.receive(local, {"x": [5, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=16)
+            check_rank(
+                local, "KBNHC", plan, [5, 2], remote_caches, REMOTE_IDS[:7], 7 * 16, lambda s: (0, s.share.count)
+            )

@@ -35,7 +35,7 @@ DTYPE_SIZES = {
 }
 MAX_RANKS = 1024  # tensor-parallel ranks of one engine
 MAX_HEADS = 1 << 16
-MAX_HEAD_DIM = 1 << 20
+MAX_HEAD_DIM = 1 << 24
 MAX_LAYERS = 1 << 15
 MAX_BLOCK_SIZE = 1 << 24
 

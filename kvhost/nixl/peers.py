@@ -32,7 +32,9 @@ import contextlib
 import hashlib
 import hmac
 import os
+import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -76,31 +78,33 @@ def nonce_of(fields: Fields) -> bytes:
     return value
 
 
-def read_secret_file(path: str) -> bytes:
+def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
     """The shared secret from a file of hex digits (at least ``SECRET_BYTES`` bytes' worth).
 
-    ``-`` reads one line from standard input. A file others may read is refused: the
-    secret is what keeps strangers from reading the cache.
+    ``-`` reads one line from standard input, within ``timeout`` seconds (not argv, not the
+    environment: any local user can read a process's command line). A file others may
+    read is refused: the secret is what keeps strangers from reading the cache.
     """
     if path == "-":
-        import sys
-
-        text = sys.stdin.readline(4096)
+        ready, _, _ = select.select([sys.stdin], [], [], check_seconds(timeout, "secret timeout"))
+        text = sys.stdin.readline(4096) if ready else ""
+        where = "standard input"
     else:
+        where = f"secret file {path}"
         try:
             mode = os.stat(path).st_mode
             if mode & 0o077:
-                raise ProtocolError(f"secret file {path}: readable by others (mode {mode & 0o777:o}); chmod 600 it")
+                raise ProtocolError(f"{where}: readable by others (mode {mode & 0o777:o}); chmod 600 it")
             with open(path) as source:
                 text = source.read(4096)
         except OSError as err:
-            raise ProtocolError(f"secret file {path}: {err.strerror}") from None
+            raise ProtocolError(f"{where}: {err.strerror}") from None
     try:
         secret = bytes.fromhex(text.strip())
     except ValueError:
         secret = b""
     if len(secret) < SECRET_BYTES:
-        raise ProtocolError(f"secret file {path}: expected at least {SECRET_BYTES} bytes as hex digits")
+        raise ProtocolError(f"{where}: expected a secret of at least {SECRET_BYTES} bytes as hex digits")
     return secret
 
 

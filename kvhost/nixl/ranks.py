@@ -94,11 +94,6 @@ class Source:
     share: HeadShare | None
     parts: tuple[Part, ...]
 
-    @property
-    def descriptors_per_block(self) -> int:
-        """Descriptor rows per remote block, a side (before any merging)."""
-        return sum(len(p.plan.local.streams) * p.plan.remote_parts for p in self.parts)
-
 
 @dataclass(frozen=True)
 class RankPlan:
@@ -307,6 +302,7 @@ class RankReader:
         if missing:
             raise LayoutError(f"no agent for remote rank(s) {missing}")
         self.peers = {s.rank: peers[s.rank] for s in plan.sources}
+        self.descriptors = 0  # rows posted so far, a side
         check_registered(agent, plan.local, None)
         for source in plan.sources:
             check_registered(agent, plan.remotes[source.rank], self.peers[source.rank])
@@ -317,6 +313,7 @@ class RankReader:
         try:
             for source in self.plan.sources:
                 local_rows, remote_rows = self.plan.rows(source, local_ids, remote_ids)
+                self.descriptors += local_rows.shape[0]
                 memory = (self.plan.local.memory, self.plan.remotes[source.rank].memory)
                 transfers.append(
                     post_rows(self.agent, self.peers[source.rank], "READ", local_rows, remote_rows, memory)
