@@ -242,6 +242,7 @@ def run(
             post_seconds=steps.seconds,
             post_steps=steps.count,
             post_step_sizes=steps.sizes,
+            post_step_engines=steps.engines,
             backend=steps.backend,
             post_what=what + (f", on each of {len(ranks)} ranks" if len(ranks) > 1 else ""),
         )

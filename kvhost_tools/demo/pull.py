@@ -98,7 +98,8 @@ class Steps:
     groups: int = 0
     copied_runs: int = 0
     backend: str = ""
-    sizes: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # requests per step
+    engines: list[int] = field(default_factory=list)  # prefill engines they came from, per step
 
 
 def post_step(settings: Settings, ranks: Sequence[Rank], arrived: Sequence[Request], steps: Steps) -> None:
@@ -129,6 +130,7 @@ def post_step(settings: Settings, ranks: Sequence[Rank], arrived: Sequence[Reque
     steps.count += 1
     steps.requests += len(arrived)
     steps.sizes.append(len(arrived))
+    steps.engines.append(len({r.engine.index for r in arrived if r.engine is not None}))
     steps.seconds += time.perf_counter() - started
 
 
