@@ -222,3 +222,19 @@ def test_a_pair_that_cannot_work_is_refused_in_one_line_naming_the_field_and_bot
     finally:
         server.kill()
         server.wait()
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_kills_decode_engines_that_run_past_the_run_timeout():
+    """The demo's own wait has a deadline too: a decode engine still starting after
+    --run-timeout is killed, said so in one line, and the demo exits 2 (not 1)."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvhost_tools.cli", "demo", *ENGINE, "--run-timeout", "0.5", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "decode 0: did not finish within --run-timeout 0.5 s: killed" in done.stdout
+    assert time.monotonic() - started < 120

@@ -24,6 +24,9 @@ post-processes and verifies only those that arrived, and exits 1.
 peer to answer (UCX over TCP alone), transfers hang and the per-request ``--timeout``
 ends them.
 
+The demo waits for its decode engines ``--run-timeout`` seconds at most (then kills
+them); prefill engines are stopped once the decode engines are done.
+
 Exit status: 0 when every request verified, 1 only when requests failed (did not arrive,
 or did not verify), 2 for anything else (impossible options, a hand-off that could not run).
 """
@@ -35,8 +38,10 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Sequence
 
@@ -92,6 +97,9 @@ def parser() -> Parser:
     faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill 0 after N requests arrived")
     faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill 0 after N arrived")
     p.add_argument("--connect-timeout", type=seconds, default=60.0, help="seconds for the engines to start and connect")
+    p.add_argument(
+        "--run-timeout", type=seconds, default=3600.0, help="seconds the decode engines may take in all: then killed"
+    )
     add_output(p)
     return p
 
@@ -214,9 +222,13 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
                 ]
                 fds = [progress_fd] if progress_fd is not None else []
                 decode_engines.append(Engine(f"decode {index}", "decode", argv, secret, pass_fds=fds, env=env))
-            codes = [engine.wait() for engine in decode_engines]
+            deadline = time.monotonic() + args.run_timeout
+            codes = [finish(engine, deadline, args.run_timeout) for engine in decode_engines]
             faulted = args.kill_prefill_after is not None or args.freeze_prefill_after is not None
-            prefill_codes = [e.stop(patience=0.5 if faulted and i == 0 else 15) for i, e in enumerate(prefill_engines)]
+            killed = any(code == -9 for code in codes)  # no decode engine will say done to prefill
+            prefill_codes = [
+                e.stop(patience=0.5 if killed or (faulted and i == 0) else 15) for i, e in enumerate(prefill_engines)
+            ]
         finally:
             for engine in [*decode_engines, *prefill_engines]:
                 if engine.process.poll() is None:
@@ -226,6 +238,17 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
         outcomes = [read_json(os.path.join(scratch, f"decode-{i}.json")) for i in range(len(decode_engines))]
     report(args, prefill_engines, decode_engines, codes, prefill_codes, outcomes)
     return max(codes) if all(c in (0, 1, 2) for c in codes) else EXIT_ERROR
+
+
+def finish(engine: Engine, deadline: float, limit: float) -> int:
+    """A decode engine's exit status, waiting until ``deadline`` at most: then it is killed
+    (and said so: a status of its own, never 1)."""
+    try:
+        return engine.wait(timeout=max(deadline - time.monotonic(), 0.01))
+    except subprocess.TimeoutExpired:
+        engine.output.shown.append(f"did not finish within --run-timeout {limit:g} s: killed")
+        engine.stop(patience=0)
+        return -9
 
 
 def fault_options(args: argparse.Namespace, prefill: Engine) -> list[str]:
