@@ -162,6 +162,8 @@ def run(
     sessions: list[Session] = []
     agents: list[Agent] = []
     try:
+        compile_before_hello(model, shape, args.backend, staging=args.via_host)
+        figures["compile_seconds"] = time.perf_counter() - begun
         deadline = time.monotonic() + args.connect_timeout
         for address in addresses:
             extra = {"share": {"index": share.index, "count": share.count}, "pid": os.getpid()}
@@ -286,13 +288,34 @@ def warm_up(
     started = time.perf_counter()
     keys = {(e.plans[0].remote_order, e.plans[0].remote_block_size) for e in engines if e.plans}
     for order, size in sorted(keys):
-        count = local_blocks_for(1, size, shape.block_size)
-        scratch = model.caches(shape, count)
-        ids = list(range(count))
-        if staging:
-            source = model.caches(shape, count)
-            kvhost.copy_blocks(source, scratch, ids, ids, axes=settings.axes, backend=settings.backend).wait()
-        kvhost.receive(
-            scratch, {"warm-up": kvhost.Incoming(ids, order, size)}, axes=settings.axes, backend=settings.backend
-        )
+        receive_on_scratch(model, shape, order, size, backend=settings.backend, staging=staging)
     outcome.figures["warm_up_seconds"] = time.perf_counter() - started
+
+
+def compile_before_hello(model: Model, shape: EngineShape, backend: str | None, *, staging: bool) -> None:
+    """Compile the backend's kernels before any prefill holds memory for this engine.
+
+    A compile can hold the interpreter for seconds (tens on a loaded machine), and the
+    beats that tell prefill this engine is alive come from a thread that would wait behind
+    it: prefill would take the silence for a dead peer. A latent cache needs nothing:
+    token-major on both sides is the identity.
+    """
+    if model.kind != "mha":
+        return
+    other = "HNC" if shape.order != "HNC" else "NHC"  # a sender of the other major order
+    sizes = {shape.block_size, shape.block_size * 2, max(shape.block_size // 2, 1)}  # same, g = 2, r = 2
+    for size in sorted(sizes):
+        receive_on_scratch(model, shape, other, size, backend=backend, staging=staging)
+
+
+def receive_on_scratch(
+    model: Model, shape: EngineShape, order: str, size: int, *, backend: str | None, staging: bool
+) -> None:
+    """One request from a sender of ``order`` and block ``size`` post-processed on scratch caches."""
+    count = local_blocks_for(1, size, shape.block_size)
+    scratch = model.caches(shape, count)
+    ids = list(range(count))
+    if staging:
+        source = model.caches(shape, count)
+        kvhost.copy_blocks(source, scratch, ids, ids, axes=model.axes, backend=backend).wait()
+    kvhost.receive(scratch, {"warm-up": kvhost.Incoming(ids, order, size)}, axes=model.axes, backend=backend)
