@@ -8,7 +8,7 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
 ``kvhost.receive`` rearranges them in place.
 
     tables.py     RegionTable, region_table: where a layer dict's regions live
-    plans.py      TransferPlan, plan_transfer: two tables paired, descriptor rows per request
+    plans.py      TransferPlan, plan_transfer: two tables paired, descriptor rows per request, merged
     agent.py      Agent, Reader, Transfer: NIXL itself, imported on first use (load_nixl)
     handshake.py  auth, hello and done between two engines; accept_hello on a listening socket
     framing.py    the framed, checksummed control messages (encode, decode, send, receive)
@@ -18,12 +18,12 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
 Importing this package imports no NIXL: ``Agent`` loads it when one is made.
 """
 
-from kvhost.nixl.agent import NIXL_MODULES, Agent, Reader, Transfer, load_nixl
+from kvhost.nixl.agent import NIXL_MODULES, Agent, Reader, Transfer, load_nixl, merge_domains
 from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
 from kvhost.nixl.fields import MAX_WAIT_SECONDS, Fields, check_seconds
 from kvhost.nixl.framing import Message, decode, encode, receive, send
 from kvhost.nixl.handshake import Hello, RemoteRequest, accept_hello, parse_hello, prove, send_hello
-from kvhost.nixl.plans import TransferPlan, extent_rows, plan_transfer
+from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, merge_rows, plan_transfer, stream_extents
 from kvhost.nixl.tables import (
     COORD_LETTERS,
     MAX_STREAMS,
@@ -36,6 +36,7 @@ from kvhost.nixl.tables import (
 
 __all__ = [
     "COORD_LETTERS",
+    "MAX_DESCRIPTOR_BYTES",
     "MAX_STREAMS",
     "MAX_WAIT_SECONDS",
     "MEMORY_OF_DEVICE",
@@ -61,6 +62,8 @@ __all__ = [
     "extent_rows",
     "load_nixl",
     "memory_spans",
+    "merge_domains",
+    "merge_rows",
     "parse_hello",
     "plan_transfer",
     "prove",
@@ -68,4 +71,5 @@ __all__ = [
     "region_table",
     "send",
     "send_hello",
+    "stream_extents",
 ]

@@ -12,6 +12,12 @@ region order, the bytes then land in the receiver's own layout at its own block 
 with no post-process, at the price of more, smaller descriptors (for HND 16 -> 64, 8x as
 many; ``kvhost demo --via-host`` keeps the regions whole instead and lets
 ``kvhost.receive`` rearrange).
+
+``TransferPlan.merged_pairs`` hands NIXL fewer, larger descriptors: pairs whose pieces
+continue one another on both sides (runs of block ids, the r sub-blocks of one receiver
+block, layers laid out block by block in one buffer) become one pair, up to
+``MAX_DESCRIPTOR_BYTES``. The bytes that land are exactly those of ``descriptor_pairs``;
+only how many operations the transport posts changes (docs/design.md, "Transfers").
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ import numpy as np
 from kvhost.errors import LayoutError, RequestError
 from kvhost.ids import Ids, checked_ids
 from kvhost.nixl.tables import RegionTable, Stream
+
+# The most bytes one merged descriptor moves. Larger descriptors save the transport's
+# per-operation cost (a few microseconds each over UCX); a bound keeps a transfer several
+# operations long, so a transport with several lanes or workers can still spread it, and
+# a transfer's first bytes land before its last are read.
+MAX_DESCRIPTOR_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,43 @@ class TransferPlan:
         return (
             self._rows(self.local, self._local_streams, local, self.local_parts, chunks),
             self._rows(self.remote, self._remote_streams, remote, self.remote_parts, chunks),
+        )
+
+    def merged_pairs(
+        self,
+        local_ids: Ids,
+        remote_ids: Ids,
+        *,
+        max_bytes: int = MAX_DESCRIPTOR_BYTES,
+        local_domains: np.ndarray | None = None,
+        remote_domains: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``descriptor_pairs`` with pairs that continue one another on both sides merged.
+
+        Two pairs merge when the second's local and remote bytes start where the first's
+        end, both lie in one merge domain on their side, and the merged pair moves at most
+        ``max_bytes`` (a single piece larger than that stays whole). Every byte lands where
+        ``descriptor_pairs`` puts it, no other byte is touched. Rows come sorted by local
+        address.
+
+        A domain is memory one descriptor may span: ``local_domains[i]`` labels local stream
+        ``i``, ``remote_domains[j]`` remote stream ``j`` (in ``remote.streams`` order);
+        streams with one label may merge with one another, a negative label merges nothing.
+        By default each stream is its own domain: a stream is one outer index of one tensor,
+        which its owner registers whole (``Reader`` checks that with NIXL, and finds the
+        streams that share registered memory, such as layers laid out in one buffer).
+        """
+        local_rows, remote_rows = self.descriptor_pairs(local_ids, remote_ids)
+        streams = len(self.local.streams)
+        local_labels = _labels(local_domains, streams, "local_domains")
+        remote_labels = _labels(remote_domains, len(self.remote.streams), "remote_domains")
+        per_stream = local_rows.shape[0] // streams
+        return merge_rows(
+            local_rows,
+            remote_rows,
+            max_bytes,
+            np.repeat(local_labels, per_stream),
+            np.repeat(remote_labels[list(self.remote_streams)], per_stream),
         )
 
     @cached_property
@@ -150,11 +199,84 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
     return TransferPlan(local, remote, chunk, local.run_bytes // chunk, remote.run_bytes // chunk, tuple(partner))
 
 
+def merge_rows(
+    local_rows: np.ndarray,
+    remote_rows: np.ndarray,
+    max_bytes: int,
+    local_labels: np.ndarray,
+    remote_labels: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of rows of one length, merged where they continue one another on both sides.
+
+    ``*_labels`` give each row's merge domain (negative: merges with nothing). Rows are
+    sorted by local address first: pieces that continue one another locally are then
+    neighbours, whatever order the plan built them in (a local byte is written once). A
+    run of mergeable pairs is cut every ``max_bytes // length`` rows. Vectorised: a few
+    numpy passes over the rows.
+    """
+    count = local_rows.shape[0]
+    if count == 0:
+        return local_rows, remote_rows
+    length = int(local_rows[0, 1])
+    if not ((local_rows[:, 1] == length).all() and (remote_rows[:, 1] == length).all()):
+        raise ValueError("merge_rows takes rows of one length")
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
+    per = max(1, max_bytes // length)
+    if per == 1 or count == 1:
+        return local_rows, remote_rows
+    order = np.argsort(local_rows[:, 0], kind="stable")
+    local_at, remote_at = local_rows[order, 0], remote_rows[order, 0]
+    local_label, remote_label = local_labels[order], remote_labels[order]
+    step = np.uint64(length)
+    follows = (
+        (local_at[1:] == local_at[:-1] + step)
+        & (remote_at[1:] == remote_at[:-1] + step)
+        & (local_label[1:] == local_label[:-1])
+        & (remote_label[1:] == remote_label[:-1])
+        & (local_label[1:] >= 0)
+        & (remote_label[1:] >= 0)
+    )
+    starts_run = np.concatenate(([True], ~follows))
+    run_start = np.maximum.accumulate(np.where(starts_run, np.arange(count), 0))
+    first = np.flatnonzero((np.arange(count) - run_start) % per == 0)
+    pieces = np.diff(np.append(first, count)).astype(np.uint64)
+    merged = []
+    for rows, at in ((local_rows, local_at), (remote_rows, remote_at)):
+        out = np.empty((first.size, 3), dtype=np.uint64)
+        out[:, 0] = at[first]
+        out[:, 1] = pieces * step
+        out[:, 2] = rows[order[first], 2]
+        merged.append(out)
+    return merged[0], merged[1]
+
+
+def _labels(domains: np.ndarray | None, streams: int, name: str) -> np.ndarray:
+    """Per-stream merge domains: as given (one per stream), or each stream its own."""
+    if domains is None:
+        return np.arange(streams, dtype=np.int64)
+    labels = np.asarray(domains, dtype=np.int64)
+    if labels.shape != (streams,):
+        raise ValueError(f"{name}: expected one label for each of {streams} streams, got shape {labels.shape}")
+    return labels
+
+
 def _bases_and_strides(streams: Sequence[Stream]) -> tuple[np.ndarray, np.ndarray]:
     return (
         np.array([s.address for s in streams], dtype=np.uint64),
         np.array([s.block_stride for s in streams], dtype=np.uint64),
     )
+
+
+def stream_extents(table: RegionTable) -> np.ndarray:
+    """One (address, length, device id) row per stream: from its first block's run to the end
+    of its last block's run."""
+    bases, strides = _bases_and_strides(table.streams)
+    rows = np.empty((bases.size, 3), dtype=np.uint64)
+    rows[:, 0] = bases
+    rows[:, 1] = strides * np.uint64(table.num_blocks - 1) + np.uint64(table.run_bytes)
+    rows[:, 2] = table.device_id
+    return rows
 
 
 def extent_rows(table: RegionTable) -> np.ndarray:
