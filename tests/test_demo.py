@@ -19,13 +19,14 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from kvhost.nixl import NIXL_MODULES
 from kvhost.testing import raw
 from kvhost_tools.demo.cli import config_from, main
-from kvhost_tools.demo.config import AXES, EXIT_FAILED
+from kvhost_tools.demo.config import AXES, EXIT_FAILED, free_blocks
 from kvhost_tools.demo.decode import Rank, Request
 from kvhost_tools.demo.report import Outcome, ProgressBar
 from kvhost_tools.demo.values import SENTINEL_BYTE, token_values, write_tokens
@@ -48,6 +49,7 @@ RUNS = {
         *SMALL,
         *["--requests", "8", "--via-host", "--prefill-layout", "NHD", "--decode-layout", "HND"],
         *["--prefill-block-size", "32", "--decode-block-size", "8", "--backend", "torch"],
+        *["--block-ids", "scattered"],
     ],
     # Two decode ranks of two heads each read their share of a head-major sender (heterogeneous TP).
     "ranks": [
@@ -174,6 +176,9 @@ def test_direct_handoff_verifies_every_byte(runs):
     assert figures["decode_blocks"] * 4 >= figures["prefill_blocks"]  # r = 4
     assert figures["post_what"].startswith("kvhost.receive") and figures["backend"] == "cpu"
     assert "HND (memory KBHNC), block 4 tokens" in text and "NHD (memory KBNHC), block 16 tokens" in text
+    # Allocator-like runs of ids on both sides: pieces that continue one another go as one descriptor.
+    assert 0 < figures["descriptors"] < figures["pieces"] == figures["prefill_blocks"] * 2 * 2
+    assert f"(NIXL READ, {figures['descriptors']:,} descriptors)" in text
 
 
 @needs_nixl
@@ -186,8 +191,10 @@ def test_via_host_handoff_verifies_every_byte(runs):
     assert figures["post_what"].startswith("kvhost.copy_blocks from the host buffer (")
     assert figures["post_what"].endswith("then kvhost.receive, 1 group(s)")
     # Shaped like the cache, the host buffer takes the direct path's descriptors: each
-    # sender region (2 layers x K/V) in g = 4 chunks, one per decode block.
-    assert figures["descriptors"] == figures["prefill_blocks"] * 2 * 2 * 4
+    # sender region (2 layers x K/V) in g = 4 chunks, one per decode block; a staging
+    # buffer fills in order, so a sender block's chunks continue one another there too.
+    assert figures["pieces"] == figures["prefill_blocks"] * 2 * 2 * 4
+    assert figures["descriptors"] < figures["pieces"]
     assert figures["backend"] == "torch"
 
 
@@ -335,6 +342,21 @@ def test_request_lengths_are_mixed_and_seeded():
     assert min(lengths) < 64 and max(lengths) > 512  # short and long requests in one batch
 
 
+@pytest.mark.parametrize("side", [2, 3])
+def test_block_ids_come_as_an_allocator_hands_them_out(side):
+    """Each side's pool in the order its allocator hands it out: runs of consecutive blocks by
+    default (shorter with --max-run), or scattered; every block once, seeded."""
+    pool = 1000
+    runs = free_blocks(config_from([]), pool, side)
+    shorter = free_blocks(config_from(["--max-run", "2"]), pool, side)
+    scattered = free_blocks(config_from(["--block-ids", "scattered"]), pool, side)
+    for ids in (runs, shorter, scattered):
+        assert sorted(ids) == list(range(pool))
+    steps = [np.mean(np.diff(ids) == 1) for ids in (runs, shorter, scattered)]
+    assert steps[0] > 0.7 > steps[1] > 0.2 > 0.02 > steps[2]
+    assert runs == free_blocks(config_from([]), pool, side) != free_blocks(config_from(["--seed", "1"]), pool, side)
+
+
 def test_progress_bar_draws_on_a_terminal_only():
     stream = io.StringIO()
     bar = ProgressBar("transfer", 4, stream, enabled=True)
@@ -358,6 +380,8 @@ def test_progress_bar_draws_on_a_terminal_only():
         (["--dtype", "float64"], "invalid choice"),
         (["--decode-ranks", "3"], "--heads 8 cannot be shared out evenly to 3 decode ranks"),
         (["--decode-ranks", "2", "--prefill-layout", "NHD"], "--decode-ranks needs --prefill-layout HND"),
+        (["--max-run", "0"], "--max-run must be in [1, 1048576], got 0"),
+        (["--block-ids", "sorted"], "invalid choice"),
     ],
 )
 def test_bad_options_are_refused(argv, message, capsys):

@@ -36,6 +36,7 @@ from typing import NoReturn
 
 from kvhost.nixl import MAX_WAIT_SECONDS, InvalidTimeoutError, check_seconds
 from kvhost.nixl.handshake import MAX_REQUESTS
+from kvhost_tools.blocks import BLOCK_ID_KINDS, MAX_RUN
 from kvhost_tools.demo import prefill
 from kvhost_tools.demo.config import DTYPES, EXIT_ERROR, LAYOUTS, Config, refusal
 from kvhost_tools.demo.decode import run_decode
@@ -89,6 +90,8 @@ def config_from(argv: Sequence[str], *, check: bool = True) -> Config:
         role=args.role,
         port=args.port,
         hold_timeout=args.hold_timeout,
+        block_ids=args.block_ids,
+        max_run=args.max_run,
     )
     problem = refusal(config) if check else None
     if problem is not None:
@@ -130,6 +133,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=16, help="shortest request")
     p.add_argument("--max-tokens", type=int, default=2048, help="longest request (lengths are log-uniform)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, block ids and values")
+    p.add_argument(
+        "--block-ids",
+        choices=BLOCK_ID_KINDS,
+        default="runs",
+        help="how each side's allocator hands out block ids: runs of consecutive blocks, or scattered",
+    )
+    p.add_argument(
+        "--max-run",
+        type=int,
+        default=MAX_RUN,
+        metavar="N",
+        help="runs of 1..N consecutive free blocks: the smaller N, the more fragmented",
+    )
     p.add_argument("--backend", default=None, help="kvhost backend for the post-process (None: chosen by device)")
     p.add_argument("--via-host", action="store_true", help="land bytes in a host buffer, then copy_blocks")
     p.add_argument(

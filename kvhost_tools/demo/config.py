@@ -20,6 +20,7 @@ from kvhost.errors import KVHostError
 from kvhost.nixl import MAX_STREAMS
 from kvhost.nixl.handshake import MAX_REQUESTS, MAX_TOKENS
 from kvhost.testing import make_cache
+from kvhost_tools.blocks import MAX_RUN, free_list
 
 AXES = "KBNHC"  # shape order of every cache here; the layout name sets the memory order
 LAYOUTS = {"NHD": "KBNHC", "HND": "KBHNC"}  # token-major, head-major
@@ -69,6 +70,9 @@ class Config:
     role: str
     port: int
     hold_timeout: float
+    # How each side's allocator hands out block ids (``free_blocks``).
+    block_ids: str = "runs"
+    max_run: int = MAX_RUN
 
     @property
     def dtype_name(self) -> str:
@@ -91,6 +95,13 @@ class Config:
         """Every layer's cache; ``heads`` less than the model's for one decode rank's share."""
         sizes = dict(K=2, B=num_blocks, N=block_size, H=heads or self.heads, C=self.head_dim)
         return {f"layer{i}": make_cache(AXES, LAYOUTS[layout], sizes, self.dtype) for i in range(self.layers)}
+
+
+def free_blocks(config: Config, pool: int, side: int) -> list[int]:
+    """The order one side (prefill 2, decode 3) hands out the blocks of its pool, seeded:
+    allocator-like runs (``--block-ids runs``, ``--max-run``) or scattered."""
+    rng = np.random.default_rng([config.seed, side])
+    return free_list(pool, rng, config.block_ids, config.max_run).tolist()  # type: ignore[no-any-return]
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -119,6 +130,7 @@ OPTION_RANGES = {
     "kill_prefill_after": (0, MAX_REQUESTS),
     "freeze_prefill_after": (0, MAX_REQUESTS),
     "port": (0, 65535),
+    "max_run": (1, 1 << 20),
 }
 
 

@@ -49,6 +49,7 @@ from kvhost_tools.demo.config import (
     Config,
     DemoError,
     blocks_for,
+    free_blocks,
     memory_options,
     pool_for,
 )
@@ -93,6 +94,10 @@ class Transfers:
     @property
     def nbytes(self) -> int:
         return sum(part.nbytes for part in self.parts)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(part.descriptors for part in self.parts)
 
     def poll(self) -> bool:
         return all([part.poll() for part in self.parts])  # a list: every part reports its failure
@@ -211,7 +216,7 @@ def handoff(
         ranks.append(Rank(caches, heads, index * heads, staging))
         readers.append(agent.reader(plan, peer))
 
-    free = np.random.default_rng([config.seed, 3]).permutation(pool).tolist()
+    free = free_blocks(config, pool, 3)
     next_staging = 0
     requests = [Request(r.name, r.number, r.tokens, r.remote_ids) for r in hello.requests]
     for request in requests:
@@ -231,7 +236,7 @@ def handoff(
         decode_ranks=len(ranks),
         spare_blocks=len(free),
         pool=pool,
-        descriptors=len(ranks) * sum(plan.bytes_for(len(r.remote_ids)) for r in requests) // plan.chunk_bytes,
+        pieces=len(ranks) * sum(plan.bytes_for(len(r.remote_ids)) for r in requests) // plan.chunk_bytes,
         prefill_pid=hello.pid,
     )
     describe_setup(config, plan, hello, outcome)
@@ -261,7 +266,7 @@ def pull(
     pending = deque(requests)
     inflight: list[Request] = []
     peer_lost: str | None = None
-    arrived_bytes = 0
+    arrived_bytes = descriptors = 0
     bar = ProgressBar("transfer", len(requests), sys.stderr, config.progress and sys.stderr.isatty())
     started = time.perf_counter()
     done = 0
@@ -307,6 +312,7 @@ def pull(
                 if transfer.poll():
                     request.arrived, progressed = True, True
                     arrived_bytes += transfer.nbytes
+                    descriptors += transfer.descriptors
                     done += 1
                 elif time.monotonic() > request.deadline:
                     raise TransferError(f"no completion within {config.timeout:g} s", timed_out=True)
@@ -329,7 +335,7 @@ def pull(
             time.sleep(5e-4)
     seconds = time.perf_counter() - started
     bar.close(done, f"{arrived_bytes / 1e6:,.0f} MB in {seconds:.2f} s")
-    outcome.figures.update(transfer_bytes=arrived_bytes, transfer_seconds=seconds)
+    outcome.figures.update(transfer_bytes=arrived_bytes, transfer_seconds=seconds, descriptors=descriptors)
 
 
 def post_process(

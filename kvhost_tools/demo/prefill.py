@@ -14,14 +14,22 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 from kvhost.caches import CacheSet
 from kvhost.errors import KVHostError
 from kvhost.nixl import Agent, ProtocolError, RemoteRequest, prove, send_hello
 from kvhost.nixl.handshake import SECRET_BYTES, wait_done
 from kvhost.testing import raw
-from kvhost_tools.demo.config import AXES, EXIT_ERROR, EXIT_OK, Config, DemoError, blocks_for, memory_options, pool_for
+from kvhost_tools.demo.config import (
+    AXES,
+    EXIT_ERROR,
+    EXIT_OK,
+    Config,
+    DemoError,
+    blocks_for,
+    free_blocks,
+    memory_options,
+    pool_for,
+)
 from kvhost_tools.demo.values import token_values, write_tokens
 
 
@@ -48,7 +56,7 @@ def run_prefill(config: Config) -> int:
     lengths = config.lengths()
     needed = [blocks_for(t, block_size) for t in lengths]
     pool = pool_for(needed)
-    free = np.random.default_rng([config.seed, 2]).permutation(pool).tolist()
+    free = free_blocks(config, pool, 2)
     caches = config.caches(config.prefill_layout, pool, block_size)
     started = time.perf_counter()
     cache_set = CacheSet(caches, AXES)

@@ -100,7 +100,7 @@ def describe_setup(config: Config, plan: TransferPlan, hello: Hello, outcome: Ou
         f"{config.dtype_name}",
         f"requests  {f['requests']} ({min(lengths)}..{max(lengths)} tokens, {f['tokens']:,} in all)",
         f"blocks    {f['prefill_blocks']:,} prefill -> {f['decode_blocks']:,} decode ({relation}); "
-        f"{f['descriptors']:,} descriptors of {plan.chunk_bytes:,} bytes, {mode}",
+        f"{f['pieces']:,} pieces of {plan.chunk_bytes:,} bytes, {mode}",
     ]
 
 
@@ -114,7 +114,8 @@ def print_report(outcome: Outcome, stream: TextIO) -> None:
     if "transfer_seconds" in f:
         stream.write(
             f"  transfer  {_gb(f['transfer_bytes'])} in {f['transfer_seconds']:.3f} s = "
-            f"{_rate(f['transfer_bytes'], f['transfer_seconds'])}{_ratio(f, 'transfer')} (NIXL READ)\n"
+            f"{_rate(f['transfer_bytes'], f['transfer_seconds'])}{_ratio(f, 'transfer')} "
+            f"(NIXL READ, {f.get('descriptors', 0):,} descriptors)\n"
         )
     if "post_seconds" in f:
         stream.write(
