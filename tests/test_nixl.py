@@ -222,6 +222,28 @@ def test_merged_descriptors_follow_runs_up_to_the_bound():
         merge_rows(rows, per_piece[1], 1 << 20, np.zeros(len(rows)), np.zeros(len(rows)))
 
 
+@pytest.mark.parametrize("bound", [1, 3, 1 << 40])
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize("pair", LAYOUT_PAIRS)
+def test_merging_stream_by_stream_finds_what_merge_rows_finds(pair, sizes_name, bound):
+    """When no two streams share a domain, ``merged_pairs`` finds its cuts from the ids alone:
+    on ids in ascending runs it gives the rows ``merge_rows`` makes of the per-piece pairs."""
+    axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
+    remote_size, local_size, count = SIZES[sizes_name]
+    remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
+    local = caches_for(axes, local_memory, sizes, local_size, 24, seed=50)
+    plan = plan_transfer(region_table(local, axes), region_table(remote, axes))
+    remote_ids = [3, 4, 5, 6, 10, 11, 12, 0][:count]
+    local_ids = [5, 6, 7, 1, 2, 3, 12, 13, 14, 15, 20, 21][: plan.local_blocks_for(count)]
+    max_bytes = bound * plan.chunk_bytes if bound < 1 << 20 else bound
+    fast = plan.merged_pairs(local_ids, remote_ids, max_bytes=max_bytes)
+    per_piece = plan.descriptor_pairs(local_ids, remote_ids)
+    labels = np.repeat(np.arange(len(plan.local.streams)), per_piece[0].shape[0] // len(plan.local.streams))
+    slow = merge_rows(*per_piece, max_bytes, labels, labels)
+    for got, want in zip(fast, slow):
+        assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, want.tolist()))
+
+
 def layer_views(buffer):
     """Per-layer ``KBNHC`` views of one block-major ``[B, L, K, N, H, C]`` buffer: the layers of a
     block lie back to back (a cross-layer layout)."""

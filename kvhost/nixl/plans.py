@@ -82,14 +82,7 @@ class TransferPlan:
         Each list is checked as ``kvhost.ids`` checks ids (in range, each block once) and
         may not be empty.
         """
-        remote = checked_ids(remote_ids, "remote_ids", self.remote.num_blocks, allow_empty=False)
-        local = checked_ids(local_ids, "local_ids", self.local.num_blocks, allow_empty=False)
-        want = self.local_blocks_for(remote.size)
-        if local.size != want:
-            raise RequestError(
-                f"{remote.size} remote blocks of {self.remote.block_size} tokens need {want} local blocks of "
-                f"{self.local.block_size} tokens, got {local.size} local block ids"
-            )
+        local, remote = self._checked(local_ids, remote_ids)
         chunks = np.arange(remote.size * self.remote_parts, dtype=np.int64)
         return (
             self._rows(self.local, self._local_streams, local, self.local_parts, chunks),
@@ -120,18 +113,84 @@ class TransferPlan:
         which its owner registers whole (``Reader`` checks that with NIXL, and finds the
         streams that share registered memory, such as layers laid out in one buffer).
         """
-        local_rows, remote_rows = self.descriptor_pairs(local_ids, remote_ids)
         streams = len(self.local.streams)
         local_labels = _labels(local_domains, streams, "local_domains")
-        remote_labels = _labels(remote_domains, len(self.remote.streams), "remote_domains")
+        remote_labels = _labels(remote_domains, len(self.remote.streams), "remote_domains")[list(self.remote_streams)]
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
+        if not (_shared(local_labels) and _shared(remote_labels)):
+            # No two streams may merge: cut each stream's pieces where they stop continuing.
+            local, remote = self._checked(local_ids, remote_ids)
+            return self._merged_in_streams(
+                local, remote, max(1, max_bytes // self.chunk_bytes), local_labels, remote_labels
+            )
+        local_rows, remote_rows = self.descriptor_pairs(local_ids, remote_ids)
         per_stream = local_rows.shape[0] // streams
         return merge_rows(
             local_rows,
             remote_rows,
             max_bytes,
             np.repeat(local_labels, per_stream),
-            np.repeat(remote_labels[list(self.remote_streams)], per_stream),
+            np.repeat(remote_labels, per_stream),
         )
+
+    def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
+        """Both id lists checked (``kvhost.ids``: in range, each block once, not empty), and
+        the local list the length the remote one needs."""
+        remote = checked_ids(remote_ids, "remote_ids", self.remote.num_blocks, allow_empty=False)
+        local = checked_ids(local_ids, "local_ids", self.local.num_blocks, allow_empty=False)
+        want = self.local_blocks_for(remote.size)
+        if local.size != want:
+            raise RequestError(
+                f"{remote.size} remote blocks of {self.remote.block_size} tokens need {want} local blocks of "
+                f"{self.local.block_size} tokens, got {local.size} local block ids"
+            )
+        return local, remote
+
+    def _merged_in_streams(
+        self, local: np.ndarray, remote: np.ndarray, per: int, local_labels: np.ndarray, remote_labels: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Merged rows when no two streams merge, found from the ids alone.
+
+        Piece ``c`` of a request continues piece ``c - 1`` on a side when both lie in one block
+        of that side, or the side's blocks are dense (block stride = run) and the block ids
+        step by one. That depends on the stream only through two flags (dense locally,
+        densely remotely) and whether it may merge at all, so the cuts are found once per
+        kind of stream over the request's pieces, and rows are made for the merged pieces
+        only: a few numpy passes over the pieces, and one over the rows that result.
+        """
+        chunk, lp, rp = self.chunk_bytes, self.local_parts, self.remote_parts
+        count = remote.size * rp
+        at = np.arange(1, count, dtype=np.int64)
+        local_step = (local[at // lp] == local[(at - 1) // lp] + 1) | (at % lp != 0)
+        remote_step = (remote[at // rp] == remote[(at - 1) // rp] + 1) | (at % rp != 0)
+        local_inside, remote_inside = at % lp != 0, at % rp != 0
+        (local_bases, local_strides), (remote_bases, remote_strides) = self._local_streams, self._remote_streams
+        local_dense = local_strides == np.uint64(lp * chunk)
+        remote_dense = remote_strides == np.uint64(rp * chunk)
+        merging = (local_labels >= 0) & (remote_labels >= 0)
+        kinds = local_dense * 4 + remote_dense * 2 + merging
+        out: list[list[np.ndarray]] = [[], []]
+        for kind in sorted(set(kinds.tolist())):
+            streams = np.flatnonzero(kinds == kind)
+            dense_here, dense_there, merges = kind & 4, kind & 2, kind & 1
+            if merges:
+                follows = (local_step if dense_here else local_inside) & (remote_step if dense_there else remote_inside)
+            else:
+                follows = np.zeros(count - 1, dtype=bool)
+            first, pieces = _cut(follows, per)
+            for side, (ids, parts, bases, strides) in enumerate(
+                ((local, lp, local_bases, local_strides), (remote, rp, remote_bases, remote_strides))
+            ):
+                blocks = ids[first // parts].astype(np.uint64)
+                offsets = (first % parts).astype(np.uint64) * np.uint64(chunk)
+                addresses = bases[streams, None] + blocks[None, :] * strides[streams, None] + offsets[None, :]
+                rows = np.empty((addresses.size, 3), dtype=np.uint64)
+                rows[:, 0] = addresses.reshape(-1)
+                rows[:, 1] = np.tile(pieces.astype(np.uint64) * np.uint64(chunk), streams.size)
+                rows[:, 2] = (self.local if side == 0 else self.remote).device_id
+                out[side].append(rows)
+        return np.concatenate(out[0]), np.concatenate(out[1])
 
     @cached_property
     def _local_streams(self) -> tuple[np.ndarray, np.ndarray]:
@@ -237,10 +296,8 @@ def merge_rows(
         & (local_label[1:] >= 0)
         & (remote_label[1:] >= 0)
     )
-    starts_run = np.concatenate(([True], ~follows))
-    run_start = np.maximum.accumulate(np.where(starts_run, np.arange(count), 0))
-    first = np.flatnonzero((np.arange(count) - run_start) % per == 0)
-    pieces = np.diff(np.append(first, count)).astype(np.uint64)
+    first, counts = _cut(follows, per)
+    pieces = counts.astype(np.uint64)
     merged = []
     for rows, at in ((local_rows, local_at), (remote_rows, remote_at)):
         out = np.empty((first.size, 3), dtype=np.uint64)
@@ -249,6 +306,23 @@ def merge_rows(
         out[:, 2] = rows[order[first], 2]
         merged.append(out)
     return merged[0], merged[1]
+
+
+def _cut(follows: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where merged rows start, and how many pieces each holds: a new row wherever a piece
+    does not follow the one before it (``follows[i]``: piece i + 1 follows piece i), and
+    every ``per`` pieces of a run."""
+    count = follows.size + 1
+    position = np.arange(count)
+    run_start = np.maximum.accumulate(np.where(np.concatenate(([True], ~follows)), position, 0))
+    first = np.flatnonzero((position - run_start) % per == 0)
+    return first, np.diff(np.append(first, count))
+
+
+def _shared(labels: np.ndarray) -> bool:
+    """Whether two streams share a merge domain (a label of 0 or more)."""
+    kept = labels[labels >= 0]
+    return bool(np.unique(kept).size < kept.size)
 
 
 def _labels(domains: np.ndarray | None, streams: int, name: str) -> np.ndarray:
