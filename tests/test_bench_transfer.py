@@ -37,19 +37,21 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         ROOFLINE,
         transfer.PER_PIECE,
         transfer.PREPPED,
+        transfer.UNMERGED,
         transfer.KVHOST,
         "kvhost<=2KiB",
         transfer.HANDOFF,
-        *(f"build {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.KVHOST)),
+        *(f"build {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.UNMERGED, transfer.KVHOST)),
         "span/4KiB",
         "span/layer",
     }
     assert methods[ROOFLINE]["fraction"] == pytest.approx(1.0)
     # Per piece, both ways post one descriptor per piece; merged posts fewer; the 2 KiB bound
-    # (two pieces of 1 KiB) lies between.
+    # (two pieces of 1 KiB) lies between; NIXL joins prepared neighbours without a bound.
     pieces = section["pieces"]
-    assert methods[transfer.PER_PIECE]["descriptors"] == methods[transfer.PREPPED]["descriptors"] == pieces
+    assert methods[transfer.PER_PIECE]["descriptors"] == methods[transfer.UNMERGED]["descriptors"] == pieces
     merged = methods[transfer.KVHOST]["descriptors"]
+    assert methods[transfer.PREPPED]["descriptors"] <= merged
     assert 0 < merged < methods["kvhost<=2KiB"]["descriptors"] < pieces
     assert methods["build kvhost"]["descriptors"] == merged
     assert methods["span/layer"]["descriptors"] == 2  # one per layer of the quick model
@@ -61,6 +63,7 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         if not name.startswith("build "):
             assert entry["fraction"] == pytest.approx(methods[ROOFLINE]["median_s"] / entry["median_s"], rel=1e-4)
             assert entry["gbps"] == pytest.approx(section["bytes"] / entry["median_s"] / 1e9, rel=1e-4)
+    assert section["baseline_best"] in (transfer.PER_PIECE, transfer.UNMERGED)
     best = methods[section["baseline_best"]]["median_s"]
     assert methods[transfer.KVHOST]["speedup"] == pytest.approx(best / methods[transfer.KVHOST]["median_s"], rel=1e-4)
     handoff = methods[transfer.HANDOFF]

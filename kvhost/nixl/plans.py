@@ -103,8 +103,11 @@ class TransferPlan:
         Two pairs merge when the second's local and remote bytes start where the first's
         end, both lie in one merge domain on their side, and the merged pair moves at most
         ``max_bytes`` (a single piece larger than that stays whole). Every byte lands where
-        ``descriptor_pairs`` puts it, no other byte is touched. Rows come sorted by local
-        address.
+        ``descriptor_pairs`` puts it, no other byte is touched. Pieces of two streams merge
+        only where the streams share a domain and their blocks interleave (layers laid out
+        block by block in one buffer); otherwise each stream's pieces merge in the request's
+        order, found from the ids alone (no pass over every piece's address), and rows go
+        stream by stream.
 
         A domain is memory one descriptor may span: ``local_domains[i]`` labels local stream
         ``i``, ``remote_domains[j]`` remote stream ``j`` (in ``remote.streams`` order);
@@ -113,26 +116,69 @@ class TransferPlan:
         which its owner registers whole (``Reader`` checks that with NIXL, and finds the
         streams that share registered memory, such as layers laid out in one buffer).
         """
-        streams = len(self.local.streams)
-        local_labels = _labels(local_domains, streams, "local_domains")
-        remote_labels = _labels(remote_domains, len(self.remote.streams), "remote_domains")[list(self.remote_streams)]
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
-        if not (_shared(local_labels) and _shared(remote_labels)):
-            # No two streams may merge: cut each stream's pieces where they stop continuing.
-            local, remote = self._checked(local_ids, remote_ids)
-            return self._merged_in_streams(
-                local, remote, max(1, max_bytes // self.chunk_bytes), local_labels, remote_labels
+        kinds = self._merge_kinds(local_domains, remote_domains)
+        if kinds is None:
+            # Streams that share a domain interleave (layers laid out block by block): pieces
+            # of different streams may continue one another, found by sorting every piece.
+            local_rows, remote_rows = self.descriptor_pairs(local_ids, remote_ids)
+            local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)
+            per_stream = local_rows.shape[0] // len(self.local.streams)
+            return merge_rows(
+                local_rows,
+                remote_rows,
+                max_bytes,
+                np.repeat(local_labels, per_stream),
+                np.repeat(remote_labels, per_stream),
             )
-        local_rows, remote_rows = self.descriptor_pairs(local_ids, remote_ids)
-        per_stream = local_rows.shape[0] // streams
-        return merge_rows(
-            local_rows,
-            remote_rows,
-            max_bytes,
-            np.repeat(local_labels, per_stream),
-            np.repeat(remote_labels, per_stream),
-        )
+        local, remote = self._checked(local_ids, remote_ids)
+        return self._merged_in_streams(local, remote, max(1, max_bytes // self.chunk_bytes), kinds)
+
+    def _stream_labels(
+        self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each local stream's domain, and its remote partner's (in the local streams' order)."""
+        local_labels = _labels(local_domains, len(self.local.streams), "local_domains")
+        remote_labels = _labels(remote_domains, len(self.remote.streams), "remote_domains")
+        return local_labels, remote_labels[list(self.remote_streams)]
+
+    def _merge_kinds(
+        self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None
+    ) -> list[tuple[np.ndarray, bool, bool, bool]] | None:
+        """The streams grouped by how their pieces continue one another: (streams, dense
+        locally, dense remotely, may merge); None where streams that share a domain on a side
+        interleave in memory, so that pieces of two streams may continue one another.
+
+        Streams that share a domain but lie apart (K and V of one tensor) are merged each
+        on its own: two of their pieces continue one another only at a stream's last block,
+        and missing that merge moves the same bytes in one more descriptor. Kept per pair
+        of domain lists (a reader asks with the same two every time).
+        """
+        key = (_key(local_domains), _key(remote_domains))
+        if key in self._kinds_cache:
+            return self._kinds_cache[key]
+        local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)
+        (local_bases, local_strides), (remote_bases, remote_strides) = self._local_streams, self._remote_streams
+        kinds: list[tuple[np.ndarray, bool, bool, bool]] | None = None
+        if not (
+            _interleave(local_labels, local_bases, local_strides, self.local)
+            or _interleave(remote_labels, remote_bases, remote_strides, self.remote)
+        ):
+            local_dense = local_strides == np.uint64(self.local_parts * self.chunk_bytes)
+            remote_dense = remote_strides == np.uint64(self.remote_parts * self.chunk_bytes)
+            merging = (local_labels >= 0) & (remote_labels >= 0)
+            code = local_dense * 4 + remote_dense * 2 + merging
+            kinds = [
+                (np.flatnonzero(code == kind), bool(kind & 4), bool(kind & 2), bool(kind & 1))
+                for kind in sorted(set(code.tolist()))
+            ]
+        self._kinds_cache[key] = kinds
+        return kinds
+
+    @cached_property
+    def _kinds_cache(self) -> dict[tuple[object, object], list[tuple[np.ndarray, bool, bool, bool]] | None]:
+        return {}
 
     def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
         """Both id lists checked (``kvhost.ids``: in range, each block once, not empty), and
@@ -148,48 +194,53 @@ class TransferPlan:
         return local, remote
 
     def _merged_in_streams(
-        self, local: np.ndarray, remote: np.ndarray, per: int, local_labels: np.ndarray, remote_labels: np.ndarray
+        self, local: np.ndarray, remote: np.ndarray, per: int, kinds: list[tuple[np.ndarray, bool, bool, bool]]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Merged rows when no two streams merge, found from the ids alone.
+        """Merged rows when pieces merge only within their stream, found from the ids alone.
 
         Piece ``c`` of a request continues piece ``c - 1`` on a side when both lie in one block
         of that side, or the side's blocks are dense (block stride = run) and the block ids
-        step by one. That depends on the stream only through two flags (dense locally,
-        densely remotely) and whether it may merge at all, so the cuts are found once per
-        kind of stream over the request's pieces, and rows are made for the merged pieces
-        only: a few numpy passes over the pieces, and one over the rows that result.
+        step by one. That depends on the stream only through its kind (dense locally, dense
+        remotely, may merge), so the cuts are found once per kind over the request's pieces
+        (one kind in every cache seen so far), and rows are made for the merged pieces only:
+        a few numpy calls over the blocks and pieces, and one pass over the rows that result.
         """
         chunk, lp, rp = self.chunk_bytes, self.local_parts, self.remote_parts
         count = remote.size * rp
-        at = np.arange(1, count, dtype=np.int64)
-        local_step = (local[at // lp] == local[(at - 1) // lp] + 1) | (at % lp != 0)
-        remote_step = (remote[at // rp] == remote[(at - 1) // rp] + 1) | (at % rp != 0)
-        local_inside, remote_inside = at % lp != 0, at % rp != 0
+        steps: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for name, ids, parts in (("local", local, lp), ("remote", remote, rp)):
+            # follows[c - 1]: piece c continues piece c - 1 within one block (inside), or
+            # across a block boundary where the next block id is one more (step).
+            inside = np.ones(count - 1, dtype=bool)
+            inside[parts - 1 :: parts] = False
+            step = inside.copy()
+            step[parts - 1 :: parts] = (ids[1:] == ids[:-1] + 1)[: step[parts - 1 :: parts].size]
+            steps[name] = (inside, step)
         (local_bases, local_strides), (remote_bases, remote_strides) = self._local_streams, self._remote_streams
-        local_dense = local_strides == np.uint64(lp * chunk)
-        remote_dense = remote_strides == np.uint64(rp * chunk)
-        merging = (local_labels >= 0) & (remote_labels >= 0)
-        kinds = local_dense * 4 + remote_dense * 2 + merging
         out: list[list[np.ndarray]] = [[], []]
-        for kind in sorted(set(kinds.tolist())):
-            streams = np.flatnonzero(kinds == kind)
-            dense_here, dense_there, merges = kind & 4, kind & 2, kind & 1
+        for streams, dense_here, dense_there, merges in kinds:
             if merges:
-                follows = (local_step if dense_here else local_inside) & (remote_step if dense_there else remote_inside)
+                follows = steps["local"][dense_here] & steps["remote"][dense_there]
             else:
                 follows = np.zeros(count - 1, dtype=bool)
             first, pieces = _cut(follows, per)
-            for side, (ids, parts, bases, strides) in enumerate(
-                ((local, lp, local_bases, local_strides), (remote, rp, remote_bases, remote_strides))
+            lengths = np.tile(pieces.astype(np.uint64) * np.uint64(chunk), streams.size)
+            for side, (table, ids, parts, bases, strides) in enumerate(
+                (
+                    (self.local, local, lp, local_bases, local_strides),
+                    (self.remote, remote, rp, remote_bases, remote_strides),
+                )
             ):
                 blocks = ids[first // parts].astype(np.uint64)
                 offsets = (first % parts).astype(np.uint64) * np.uint64(chunk)
                 addresses = bases[streams, None] + blocks[None, :] * strides[streams, None] + offsets[None, :]
                 rows = np.empty((addresses.size, 3), dtype=np.uint64)
                 rows[:, 0] = addresses.reshape(-1)
-                rows[:, 1] = np.tile(pieces.astype(np.uint64) * np.uint64(chunk), streams.size)
-                rows[:, 2] = (self.local if side == 0 else self.remote).device_id
+                rows[:, 1] = lengths
+                rows[:, 2] = table.device_id
                 out[side].append(rows)
+        if len(kinds) == 1:
+            return out[0][0], out[1][0]
         return np.concatenate(out[0]), np.concatenate(out[1])
 
     @cached_property
@@ -319,10 +370,25 @@ def _cut(follows: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
     return first, np.diff(np.append(first, count))
 
 
-def _shared(labels: np.ndarray) -> bool:
-    """Whether two streams share a merge domain (a label of 0 or more)."""
-    kept = labels[labels >= 0]
-    return bool(np.unique(kept).size < kept.size)
+def _key(domains: np.ndarray | None) -> tuple[str, tuple[int, ...], bytes] | None:
+    """A list of domains as a dictionary key (its dtype, shape and bytes)."""
+    if domains is None:
+        return None
+    array = np.asarray(domains)
+    return array.dtype.str, array.shape, array.tobytes()
+
+
+def _interleave(labels: np.ndarray, bases: np.ndarray, strides: np.ndarray, table: RegionTable) -> bool:
+    """Whether two streams of one domain (a label of 0 or more) overlap in memory: their
+    blocks interleave, so a piece of one may continue a piece of the other."""
+    ends = bases + strides * np.uint64(table.num_blocks - 1) + np.uint64(table.run_bytes)
+    for label in set(labels[labels >= 0].tolist()):
+        members = np.flatnonzero(labels == label)
+        if members.size > 1:
+            order = members[np.argsort(bases[members], kind="stable")]
+            if (bases[order[1:]] < ends[order[:-1]]).any():
+                return True
+    return False
 
 
 def _labels(domains: np.ndarray | None, streams: int, name: str) -> np.ndarray:
