@@ -143,9 +143,7 @@ class TransferPlan:
         remote_labels = _labels(remote_domains, len(self.remote.streams), "remote_domains")
         return local_labels, remote_labels[list(self.remote_streams)]
 
-    def _merge_kinds(
-        self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None
-    ) -> list[tuple[np.ndarray, bool, bool, bool]] | None:
+    def _merge_kinds(self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None) -> list[_Kind] | None:
         """The streams grouped by how their pieces continue one another: (streams, dense
         locally, dense remotely, may merge); None where streams that share a domain on a side
         interleave in memory, so that pieces of two streams may continue one another.
@@ -160,7 +158,7 @@ class TransferPlan:
             return self._kinds_cache[key]
         local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)
         (local_bases, local_strides), (remote_bases, remote_strides) = self._local_streams, self._remote_streams
-        kinds: list[tuple[np.ndarray, bool, bool, bool]] | None = None
+        kinds: list[_Kind] | None = None
         if not (
             _interleave(local_labels, local_bases, local_strides, self.local)
             or _interleave(remote_labels, remote_bases, remote_strides, self.remote)
@@ -169,15 +167,23 @@ class TransferPlan:
             remote_dense = remote_strides == np.uint64(self.remote_parts * self.chunk_bytes)
             merging = (local_labels >= 0) & (remote_labels >= 0)
             code = local_dense * 4 + remote_dense * 2 + merging
-            kinds = [
-                (np.flatnonzero(code == kind), bool(kind & 4), bool(kind & 2), bool(kind & 1))
-                for kind in sorted(set(code.tolist()))
-            ]
+            kinds = []
+            for kind in sorted(set(code.tolist())):
+                streams = np.flatnonzero(code == kind)
+                kinds.append(
+                    _Kind(
+                        (local_bases[streams, None], local_strides[streams, None]),
+                        (remote_bases[streams, None], remote_strides[streams, None]),
+                        bool(kind & 4),
+                        bool(kind & 2),
+                        bool(kind & 1),
+                    )
+                )
         self._kinds_cache[key] = kinds
         return kinds
 
     @cached_property
-    def _kinds_cache(self) -> dict[tuple[object, object], list[tuple[np.ndarray, bool, bool, bool]] | None]:
+    def _kinds_cache(self) -> dict[tuple[object, object], list[_Kind] | None]:
         return {}
 
     def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
@@ -194,51 +200,47 @@ class TransferPlan:
         return local, remote
 
     def _merged_in_streams(
-        self, local: np.ndarray, remote: np.ndarray, per: int, kinds: list[tuple[np.ndarray, bool, bool, bool]]
+        self, local: np.ndarray, remote: np.ndarray, per: int, kinds: list[_Kind]
     ) -> tuple[np.ndarray, np.ndarray]:
         """Merged rows when pieces merge only within their stream, found from the ids alone.
 
-        Piece ``c`` of a request continues piece ``c - 1`` on a side when both lie in one block
-        of that side, or the side's blocks are dense (block stride = run) and the block ids
-        step by one. That depends on the stream only through its kind (dense locally, dense
-        remotely, may merge), so the cuts are found once per kind over the request's pieces
-        (one kind in every cache seen so far), and rows are made for the merged pieces only:
-        a few numpy calls over the blocks and pieces, and one pass over the rows that result.
+        A new row starts at piece ``c`` of a request where a side starts a block at ``c``
+        and either its blocks are not dense (block stride > run) or the block id there is
+        not one more than the one before; runs longer than ``per`` pieces are cut every
+        ``per``. That depends on the stream only through its kind (dense locally, dense
+        remotely, may merge), so the cuts are found once per kind (one kind in every cache
+        seen so far) from the places where ids stop counting up, and rows are made for the
+        merged pieces only: a fixed number of numpy calls, none over every piece.
         """
         chunk, lp, rp = self.chunk_bytes, self.local_parts, self.remote_parts
         count = remote.size * rp
-        steps: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for name, ids, parts in (("local", local, lp), ("remote", remote, rp)):
-            # follows[c - 1]: piece c continues piece c - 1 within one block (inside), or
-            # across a block boundary where the next block id is one more (step).
-            inside = np.ones(count - 1, dtype=bool)
-            inside[parts - 1 :: parts] = False
-            step = inside.copy()
-            step[parts - 1 :: parts] = (ids[1:] == ids[:-1] + 1)[: step[parts - 1 :: parts].size]
-            steps[name] = (inside, step)
-        (local_bases, local_strides), (remote_bases, remote_strides) = self._local_streams, self._remote_streams
         out: list[list[np.ndarray]] = [[], []]
-        for streams, dense_here, dense_there, merges in kinds:
-            if merges:
-                follows = steps["local"][dense_here] & steps["remote"][dense_there]
+        for kind in kinds:
+            if kind.merges:
+                starts = np.zeros(count + 1, dtype=bool)
+                for ids, parts, dense in ((local, lp, kind.local_dense), (remote, rp, kind.remote_dense)):
+                    if dense:
+                        starts[parts * (np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1)] = True
+                    else:
+                        starts[parts::parts] = True
+                starts[0] = starts[count] = True
+                bounds = np.flatnonzero(starts)
             else:
-                follows = np.zeros(count - 1, dtype=bool)
-            first, pieces = _cut(follows, per)
-            lengths = np.tile(pieces.astype(np.uint64) * np.uint64(chunk), streams.size)
-            for side, (table, ids, parts, bases, strides) in enumerate(
-                (
-                    (self.local, local, lp, local_bases, local_strides),
-                    (self.remote, remote, rp, remote_bases, remote_strides),
-                )
+                bounds = np.arange(count + 1, dtype=np.int64)
+            first, pieces = _split(bounds, per)
+            lengths = pieces.astype(np.uint64) * np.uint64(chunk)
+            for side, (table, ids, parts, (bases, strides)) in enumerate(
+                ((self.local, local, lp, kind.local), (self.remote, remote, rp, kind.remote))
             ):
-                blocks = ids[first // parts].astype(np.uint64)
-                offsets = (first % parts).astype(np.uint64) * np.uint64(chunk)
-                addresses = bases[streams, None] + blocks[None, :] * strides[streams, None] + offsets[None, :]
-                rows = np.empty((addresses.size, 3), dtype=np.uint64)
-                rows[:, 0] = addresses.reshape(-1)
-                rows[:, 1] = lengths
-                rows[:, 2] = table.device_id
-                out[side].append(rows)
+                at = first if parts == 1 else first // parts
+                address = bases + ids[at].astype(np.uint64) * strides
+                if parts > 1:
+                    address += (first % parts).astype(np.uint64) * np.uint64(chunk)
+                rows = np.empty((bases.shape[0], first.size, 3), dtype=np.uint64)
+                rows[:, :, 0] = address
+                rows[:, :, 1] = lengths
+                rows[:, :, 2] = table.device_id
+                out[side].append(rows.reshape(-1, 3))
         if len(kinds) == 1:
             return out[0][0], out[1][0]
         return np.concatenate(out[0]), np.concatenate(out[1])
@@ -363,11 +365,35 @@ def _cut(follows: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
     """Where merged rows start, and how many pieces each holds: a new row wherever a piece
     does not follow the one before it (``follows[i]``: piece i + 1 follows piece i), and
     every ``per`` pieces of a run."""
-    count = follows.size + 1
-    position = np.arange(count)
-    run_start = np.maximum.accumulate(np.where(np.concatenate(([True], ~follows)), position, 0))
-    first = np.flatnonzero((position - run_start) % per == 0)
-    return first, np.diff(np.append(first, count))
+    starts = np.ones(follows.size + 2, dtype=bool)
+    starts[1:-1] = ~follows
+    return _split(np.flatnonzero(starts), per)
+
+
+def _split(bounds: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of pieces ``bounds[i]:bounds[i + 1]`` cut every ``per`` pieces: where each row
+    starts, and how many pieces it holds."""
+    first, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+    if lengths.size == 0 or int(lengths.max()) <= per:
+        return first, lengths
+    rows = (lengths + per - 1) // per
+    before = np.cumsum(rows) - rows
+    index = np.arange(int(rows.sum()), dtype=np.int64)
+    run = np.repeat(np.arange(rows.size), rows)
+    starts = first[run] + (index - before[run]) * per
+    return starts, np.minimum(per, bounds[1:][run] - starts)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Streams whose pieces continue one another alike: each side's (bases, block strides)
+    as columns, whether each side's blocks are dense (stride = run), whether they merge."""
+
+    local: tuple[np.ndarray, np.ndarray]
+    remote: tuple[np.ndarray, np.ndarray]
+    local_dense: bool
+    remote_dense: bool
+    merges: bool
 
 
 def _key(domains: np.ndarray | None) -> tuple[str, tuple[int, ...], bytes] | None:

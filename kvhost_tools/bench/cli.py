@@ -30,7 +30,7 @@ from kvhost_tools.bench.methods import KVHOST, METHODS, ROOFLINE, Workspace, pre
 from kvhost_tools.bench.output import other_tables, plot, table, target_table, to_json
 from kvhost_tools.bench.targets import evaluate, front_end_share
 from kvhost_tools.bench.timing import measure, summarise
-from kvhost_tools.bench.transfer import BOUNDS, QUICK_DEMO, SWEEP
+from kvhost_tools.bench.transfer import BOUNDS, PROGRESS, QUICK_DEMO, SWEEP
 from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
 
@@ -63,6 +63,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     transfer.add_argument("--transfer", action="store_true", help="measure the transfer section only")
     transfer.add_argument("--demo", default=None, help="kvhost demo options of the batch (default: the demo's own)")
     transfer.add_argument("--inflight", type=int, default=8, help="transfers in flight at once (as the demo)")
+    transfer.add_argument(
+        "--progress",
+        choices=PROGRESS,
+        default="poll",
+        help="how both sides drive NIXL: poll (no progress thread) or NIXL's progress thread",
+    )
     transfer.add_argument("--peer-netns", help="run the sender under ip netns exec in this network namespace")
     transfer.add_argument(
         "--peer-env", action="append", default=[], metavar="KEY=VALUE", help="environment of the sender only"

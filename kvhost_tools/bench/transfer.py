@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import os
 import random
+import select
 import shlex
 import socket
 import subprocess
@@ -83,6 +84,11 @@ SWEEP = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 0)
 QUICK_DEMO = "--layers 2 --heads 2 --head-dim 16 --requests 8 --min-tokens 5 --max-tokens 150"
 TIMEOUT_S = 120.0  # any one control message, and any one transfer
 SENTINEL = 0xA5
+# How each side drives NIXL: "poll" (no progress thread; the receiver polls its transfers,
+# the sender asks for notifications every POLL_S while it waits), or NIXL's progress
+# thread on both sides, which polls without pause (half a core each when idle, here).
+PROGRESS = ("poll", "thread")
+POLL_S = 1e-4
 SEED = 1000  # the sender's layer i holds fill_random(seed SEED + i)
 
 
@@ -127,16 +133,21 @@ def peer_main(argv: Sequence[str]) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--cache", default="data")
     parser.add_argument("--demo", default="")
+    parser.add_argument("--progress", choices=PROGRESS, default="poll")
     args = parser.parse_args(argv)
     batch = Batch.of(config_from(shlex.split(args.demo), check=False))
     caches = batch.sender_caches()
     device = Device("cpu", args.cache)
-    with socket.socket(fileno=args.fd) as sock, Agent(f"bench-prefill-{os.getpid()}") as agent:
+    thread = args.progress == "thread"
+    with socket.socket(fileno=args.fd) as sock, Agent(f"bench-prefill-{os.getpid()}", progress_thread=thread) as agent:
         table = agent.register(caches, AXES)
         send(sock, "hello", {"table": table.to_dict(), "pid": os.getpid()}, agent.metadata(), timeout=TIMEOUT_S)
         ids = np.array(sorted({b for r in batch.remote_ids for b in r}), dtype=np.int64)
         touched = block_ranges(caches, AXES, ids)
         while True:
+            if not thread:  # drive the transport while no control message waits
+                while not select.select([sock], [], [], POLL_S)[0]:
+                    agent.nixl.get_new_notifs()
             message = receive(sock, timeout=24 * 3600.0)
             if message.kind == "evict":
                 device.flush(touched)
@@ -148,10 +159,10 @@ def peer_main(argv: Sequence[str]) -> int:
 class Peer:
     """The sender process, and the control socket to it."""
 
-    def __init__(self, demo: str, cache: str, netns: str | None, env: dict[str, str]) -> None:
+    def __init__(self, demo: str, cache: str, netns: str | None, env: dict[str, str], progress: str) -> None:
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", "kvhost_tools.bench.transfer", "--fd", str(theirs.fileno())]
-        command += ["--cache", cache, "--demo", demo]
+        command += ["--cache", cache, "--demo", demo, "--progress", progress]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
         self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=dict(os.environ, **env))
@@ -390,8 +401,8 @@ def connect(args: argparse.Namespace) -> Setup:
     config = config_from(shlex.split(args.demo), check=False)
     batch = Batch.of(config)
     env = dict(item.split("=", 1) for item in args.peer_env)
-    peer = Peer(args.demo, args.cache, args.peer_netns, env)
-    agent = Agent(f"bench-decode-{os.getpid()}")
+    peer = Peer(args.demo, args.cache, args.peer_netns, env, args.progress)
+    agent = Agent(f"bench-decode-{os.getpid()}", progress_thread=args.progress == "thread")
     local = config.caches(config.decode_layout, batch.local_pool, config.decode_block_size)
     plan = plan_transfer(agent.register(local, AXES), peer.table)
     name = agent.add_peer(peer.metadata)
@@ -586,6 +597,7 @@ def summarise(
         "piece_bytes": setup.plan.chunk_bytes,
         "max_descriptor_bytes": MAX_DESCRIPTOR_BYTES,
         "inflight": args.inflight,
+        "progress": args.progress,
         "ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "peer_netns": args.peer_netns,
         "peer_env": list(args.peer_env),
