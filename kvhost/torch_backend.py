@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from functools import cached_property
 
 import numpy as np
@@ -31,26 +32,45 @@ def physical_view(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     return tensor.permute([layout.axes.index(a) for a in layout.physical])
 
 
-class IndexBuffers:
-    """Index tensors on a device: grow-only buffers, one per thread, reused across calls.
+def current_stream(device: torch.device) -> object:
+    """The stream that work for ``device`` queues on now; None where torch gives it no streams."""
+    accelerator = getattr(torch, "accelerator", None)
+    with contextlib.suppress(RuntimeError, AttributeError, TypeError, ValueError):
+        if accelerator is not None and accelerator.current_accelerator().type == device.type:
+            return accelerator.current_stream(device)
+    module = getattr(torch, device.type, None)
+    with contextlib.suppress(RuntimeError, AttributeError, TypeError, ValueError):
+        return module.current_stream(device)  # type: ignore[union-attr]
+    return None
 
-    Host ids are used in place (zero-copy). On a device the buffer is reused by the next
-    call of the same thread, which is safe for work ordered on that thread's current
-    stream; work that outlives the call (a non-blocking copy) takes a fresh tensor.
+
+class IndexBuffers:
+    """Index tensors on a device: grow-only buffers, one per thread and stream, reused across calls.
+
+    Host ids are used in place (zero-copy). On a device a buffer belongs to one stream: it
+    is made, refilled and dropped only while that stream is current, and the kernels that
+    read it queue on that stream too. So a refill queues behind every earlier read of it,
+    and a buffer that is replaced (grown) goes back to the caching allocator on the stream
+    that read it, which hands it out again only to later work on that stream. A call on
+    another stream (the caller switched streams, or another thread) takes another buffer:
+    one stream never overwrites or frees what another may still be reading. Work that
+    outlives the call (a non-blocking copy) takes a fresh tensor.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stream_of: Callable[[torch.device], object] = current_stream) -> None:
         self._local = threading.local()
+        self._stream_of = stream_of
 
     def __call__(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
         host = torch.from_numpy(ids)
         if device.type == "cpu":
             return host
-        buffer: torch.Tensor | None = getattr(self._local, "buffer", None)
-        if buffer is None or buffer.numel() < ids.size or buffer.device != device:
+        buffers: dict[tuple[torch.device, object], torch.Tensor] = self._local.__dict__.setdefault("buffers", {})
+        key = (device, self._stream_of(device))
+        buffer = buffers.get(key)
+        if buffer is None or buffer.numel() < ids.size:
             capacity = max(1024, 1 << int(ids.size - 1).bit_length())
-            buffer = torch.empty(capacity, dtype=torch.int64, device=device)
-            self._local.buffer = buffer
+            buffer = buffers[key] = torch.empty(capacity, dtype=torch.int64, device=device)
         view = buffer[: ids.size]
         view.copy_(host)
         return view

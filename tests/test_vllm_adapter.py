@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.integrations.testing import assert_same_tokens, nixl_read
 from kvhost.integrations.vllm import (
     CACHE_FORMATS,
     GROUP_NAME,
@@ -27,7 +26,7 @@ from kvhost.integrations.vllm import (
     kv_cache_axes,
     remote_order,
 )
-from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
+from kvhost.testing import ReceiveCase, assert_same_tokens, fill_random, make_cache, nixl_read, raw, read_tokens
 from kvhost.torch_backend import TorchBackend
 
 LAYERS, HEADS, CONTENT, BLOCK = 3, 2, 4, 4  # C holds K and V of head_dim 2; local blocks of 4 tokens

@@ -2,28 +2,33 @@
 
 Runs in ci/vllm.sh's environment (``pytest -m vllm``); elsewhere it skips with the reason.
 Only what vLLM's own connector tests mock is mocked: the NIXL wrapper (a fake agent whose
-transfers finish at once); the bytes a transfer would move are written by
-``kvhost.integrations.testing.nixl_read`` from the sender's real caches, as NIXL reads
-them. vLLM's config comes from a model config file the test writes (no weights, no hub);
-caches are cut from one buffer by vLLM's own ``create_kv_cache_views``. Every check is
-against the sender's tokens.
+transfers finish at once). Either the bytes a transfer would move are written by
+``kvhost.testing.nixl_read`` from the sender's real caches, as NIXL reads
+them, or (``CopyingNixlWrapper``) the fake agent itself moves the bytes that vLLM's
+descriptor lists, and the connector's, name: every engine lives in this process, so a
+READ is a memmove of each remote descriptor into its local partner. vLLM's config comes
+from a model config file the test writes (no weights, no hub); caches are cut from one
+buffer by vLLM's own ``create_kv_cache_views``. Every check is against the sender's
+tokens.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
 import time
 import uuid
+from typing import ClassVar
 from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 
-from kvhost.integrations.testing import nixl_read
 from kvhost.integrations.vllm import cross_layer_view
-from kvhost.testing import fill_random, raw
+from kvhost.testing import fill_random, nixl_read, raw
 
 pytestmark = [
     pytest.mark.vllm,
@@ -161,7 +166,15 @@ def allocate(layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, dtype=t
     return config, dict(zip(LAYER_NAMES, views))
 
 
-def make_worker(model: str, layout: str, *, host_buffer: bool = False, block_size: int = BLOCK):
+def make_worker(
+    model: str,
+    layout: str,
+    *,
+    host_buffer: bool = False,
+    block_size: int = BLOCK,
+    blocks: int = BLOCKS,
+    wrapper: type = FakeNixlWrapper,
+):
     """kvhost's connector, built by vLLM's connector factory, its worker registered."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -169,11 +182,11 @@ def make_worker(model: str, layout: str, *, host_buffer: bool = False, block_siz
     from vllm.platforms import current_platform
 
     config = make_config(model, layout, block_size)
-    kv_cache_config, caches = allocate(layout, block_size)
+    kv_cache_config, caches = allocate(layout, block_size, blocks)
     base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
     with (
         set_current_vllm_config(config),
-        patch(f"{base}.NixlWrapper", FakeNixlWrapper),
+        patch(f"{base}.NixlWrapper", wrapper),
         patch(f"{base}.check_nixl_version", lambda version: None),
         patch.object(current_platform, "discover_numa_topology", lambda: []),  # keep this process's cores
     ):
@@ -332,3 +345,366 @@ def test_a_step_of_several_senders_partial_blocks_and_a_failed_request(vllm_env,
         arrived = len(remote_ids) * size
         assert torch.equal(got[:, :arrived], want), req
         assert not got[:, arrived:].any(), req  # the rest of the request's blocks: zero, as vLLM leaves them
+
+
+# --- the bytes moved by the descriptor plans themselves ------------------------------------
+
+
+class CopyingNixlWrapper(FakeNixlWrapper):
+    """The fake agent, but a READ moves the bytes its descriptors name.
+
+    vLLM prepares descriptor lists in NIXL's strided form (address, length, device, stride,
+    count per row) and pairs them by index, request by request; this fake expands them,
+    checks that paired descriptors have one length and lie in memory an agent registered,
+    and copies each remote descriptor into its local partner when the transfer is posted.
+    What lands in the decode caches is then what the descriptor plans say, vLLM's and the
+    connector's, not what the test writes. Transfers from an agent in ``failing`` move
+    nothing and end in ERR, as over a broken link.
+    """
+
+    # Shared by every agent of the process (the decode side's and the senders').
+    registered: ClassVar[list[tuple[int, int]]] = []  # (start, length) of every span registered
+    lists: ClassVar[dict[int, tuple[str, np.ndarray, np.ndarray]]] = {}  # handle -> (agent, starts, lengths)
+    posted: ClassVar[dict[int, tuple[str, np.ndarray, np.ndarray, np.ndarray]]] = {}  # handle -> (agent, to, from, n)
+    failing: ClassVar[set[str]] = set()
+
+    def get_agent_metadata(self):
+        return self.name.encode()
+
+    def add_remote_agent(self, metadata):
+        return bytes(metadata).decode()
+
+    def get_reg_descs(self, data, *args, **kwargs):
+        return [(int(start), int(length)) for start, length, *_ in data]
+
+    def register_memory(self, descs, *args, **kwargs):
+        self.registered.extend(descs)
+
+    def prep_xfer_dlist(self, agent, descs, *args, **kwargs):
+        rows = np.asarray(descs, dtype=np.uint64).reshape(-1, 5)
+        starts = [np.uint64(a) + np.arange(int(n), dtype=np.uint64) * np.uint64(s) for a, _, _, s, n in rows]
+        lengths = [np.full(int(n), length, dtype=np.uint64) for _, length, _, _, n in rows]
+        handle = uuid.uuid4().int
+        self.lists[handle] = (agent, np.concatenate(starts), np.concatenate(lengths))
+        return handle
+
+    def make_prepped_xfer(self, op, local, local_ids, remote, remote_ids, *args, **kwargs):
+        assert op == "READ", op
+        local_ids, remote_ids = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
+        assert local_ids.shape == remote_ids.shape, (local_ids.shape, remote_ids.shape)
+        _, to, lengths = self.lists[local]
+        agent, source, remote_lengths = self.lists[remote]
+        assert np.array_equal(lengths[local_ids], remote_lengths[remote_ids]), "paired descriptors differ in length"
+        handle = uuid.uuid4().int
+        self.posted[handle] = (agent, to[local_ids], source[remote_ids], lengths[local_ids])
+        return handle
+
+    def transfer(self, handle, *args, **kwargs):
+        agent, to, source, lengths = self.posted[handle]
+        if agent not in self.failing:
+            for dst, src, n in zip(to.tolist(), source.tolist(), lengths.tolist()):
+                assert self.inside(dst, n) and self.inside(src, n), f"descriptor {src:#x}+{n} -> {dst:#x} unregistered"
+                ctypes.memmove(dst, src, n)
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        return "ERR" if self.posted[handle][0] in self.failing else "DONE"
+
+    @classmethod
+    def inside(cls, start: int, length: int) -> bool:
+        return any(s <= start and start + length <= s + n for s, n in cls.registered)
+
+
+@pytest.fixture
+def copying():
+    CopyingNixlWrapper.failing.clear()
+    yield CopyingNixlWrapper
+    CopyingNixlWrapper.failing.clear()
+    CopyingNixlWrapper.lists.clear()
+    CopyingNixlWrapper.posted.clear()
+
+
+def spy(worker, names=("post_process", "load_from_host", "save_to_host")):
+    """Every kvhost call the worker makes, in order: (name, args)."""
+    calls = []
+    for name in names:
+        original = getattr(worker.kvhost, name)
+
+        def record(*args, _name=name, _original=original, **kwargs):
+            calls.append((_name, args))
+            return _original(*args, **kwargs)
+
+        setattr(worker.kvhost, name, record)
+    return calls
+
+
+def forbid_vllm_copies(*args, **kwargs):
+    raise AssertionError("vLLM's per-request host copy ran; kvhost's one call per step should have")
+
+
+def drive(connector, worker, requests, computed=None):
+    """Steps as the model runner drives them: bind metadata, start loads, poll, until every
+    request finished or failed. ``requests``: req -> (local ids, remote ids, engine);
+    ``computed``: req -> blocks its prefix-cache hit holds. Returns per step (finished,
+    failed, the kvhost calls made in it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    metadata = NixlConnectorMetadata()
+    for req_id, (local_ids, remote_ids, engine) in requests.items():
+        params = {
+            "remote_block_ids": (list(remote_ids),),
+            "remote_engine_id": engine,
+            "remote_request_id": req_id,
+            "remote_host": "localhost",
+            "remote_port": 1,
+            "remote_tp_size": 1,
+        }
+        hit = (computed or {}).get(req_id, 0)
+        metadata.add_new_req_to_recv(req_id, (list(local_ids),), params, local_num_computed_blocks=(hit,))
+    calls = spy(worker)
+    steps, done = [], set()
+    for step in range(200):
+        made = len(calls)
+        connector.bind_connector_metadata(metadata if step == 0 else NixlConnectorMetadata())
+        connector.start_load_kv(None)
+        results = worker.get_transfer_results()
+        connector.clear_connector_metadata()
+        steps.append((set(results.finished_recving), set(results.failed_recving), calls[made:]))
+        done |= set(results.finished_recving)
+        if done >= set(requests):
+            return steps
+        time.sleep(0.02)
+    raise AssertionError(f"requests {set(requests) - done} never finished")
+
+
+def assert_one_call_per_step(steps, name):
+    """Each step that finished requests made one ``name`` call naming exactly those that did
+    not fail (a sender block read in part is named ``request/offset``); other steps none."""
+    for finished, failed, calls in steps:
+        made = [args for called, args in calls if called == name]
+        if not finished - failed:
+            assert not made, (name, made)
+            continue
+        assert len(made) == 1, (name, len(made))
+        named = made[0][0] if name == "post_process" else {"": made[0][1]}
+        assert {req.split("/")[0] for by_request in named.values() for req in by_request} == finished - failed
+
+
+def sender_workers(model, senders, *, host_buffer=False, wrapper=CopyingNixlWrapper):
+    """Prefill workers (engine -> (layout, block size)): engine -> (worker, its caches filled
+    with its tokens, its connector), and each one's handshake as the decode side receives it."""
+    caches, payloads = {}, {}
+    for seed, (engine, (layout, size)) in enumerate(senders.items()):
+        blocks = max(BLOCKS * BLOCK // size, 8)
+        connector, worker, sender = make_worker(
+            model, layout, block_size=size, blocks=blocks, host_buffer=host_buffer, wrapper=wrapper
+        )
+        for i, view in enumerate(sender.values()):
+            fill_random(view, seed * 10 + i + 1)
+        caches[engine] = (worker, sender, connector)
+        payloads[engine] = handshake_payload(worker, engine)
+    return caches, payloads
+
+
+def fake_handshakes(worker, payloads, down=()):
+    """vLLM's handshake transport, played here: the decode worker adds the sender's own
+    metadata; engines in ``down`` refuse the connection."""
+
+    def handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        if expected_engine_id in down:
+            raise RuntimeError("handshake refused")  # NIXL could not reach it
+        name = worker.add_remote_agent(payloads[expected_engine_id], 0, remote_tp_size)
+        return {(0, 0): name}, 0.0
+
+    worker._nixl_handshake = handshake
+
+
+def plan_requests(plan, senders, seed):
+    """``plan``: req -> (engine, our blocks, prefix-hit blocks, sender blocks). Distinct random
+    block ids on both sides (64 of ours, ``sender_workers``' count of each sender's);
+    returns (requests for ``drive``, computed)."""
+    import random
+
+    rng = random.Random(seed)
+    ours = rng.sample(range(64), sum(count for _, count, _, _ in plan.values()))
+    pools = {}
+    for engine, (_, size) in senders.items():
+        blocks = max(BLOCKS * BLOCK // size, 8)
+        pools[engine] = rng.sample(range(blocks), blocks)
+    requests, computed = {}, {}
+    for req, (engine, count, hit, theirs) in plan.items():
+        local_ids, ours = ours[:count], ours[count:]
+        remote_ids, pools[engine] = pools[engine][:theirs], pools[engine][theirs:]
+        requests[req] = (local_ids, remote_ids, engine)
+        computed[req] = hit
+    return requests, computed
+
+
+def check_tokens(caches, local_size, requests, computed, senders, prefill, before, failed):
+    """Every request's blocks against its sender's tokens from its first position on; a
+    sender with smaller blocks leaves the tokens after its last block zero (as vLLM does);
+    a failed request's blocks kept their bytes."""
+    for req, (local_ids, remote_ids, engine) in requests.items():
+        got = tokens_of(caches, local_ids, local_size)
+        if req in failed:
+            assert torch.equal(got, tokens_of(before, local_ids, local_size)), f"failed request {req} was touched"
+            continue
+        size = senders[engine][1]
+        want = tokens_of(prefill[engine][1], remote_ids, size)
+        start = computed.get(req, 0) * local_size
+        arrived = min(got.shape[1], want.shape[1] - start)
+        assert torch.equal(got[:, :arrived], want[:, start : start + arrived]), req
+        assert not got[:, arrived:].any(), req  # the tail a smaller sender's blocks did not reach
+
+
+# decode layout and block size; senders: engine -> (layout, block size); requests: req ->
+# (engine, our blocks, prefix-hit blocks, sender blocks)
+LARGER_SENDERS = {
+    "LBNHC-32": (
+        "LBNHC",
+        32,
+        {
+            "hnd-64": ("LBHNC", 64),  # g = 2, head-major: 2 runs of tokens per block
+            "hnd-128": ("LBHNC", 128),  # g = 4
+            "nhd-128": ("LBNHC", 128),  # g = 4, token-major: the wire bytes read right
+            "blhnc-64": ("BLHNC", 64),  # g = 2, padded blocks (the other layers between them)
+            "hnd-32": ("LBHNC", 32),  # same size, head-major
+        },
+        {
+            "a": ("hnd-64", 4, 0, 2),  # two whole groups
+            "b": ("hnd-64", 3, 0, 2),  # a whole group and a last group of one
+            "c": ("hnd-128", 6, 0, 2),  # a whole group of 4 and a last group of 2
+            "d": ("hnd-128", 2, 1, 1),  # after a prefix hit of one block: parts 1..2 of a sender block
+            "e": ("nhd-128", 5, 0, 2),
+            "f": ("nhd-128", 3, 2, 2),  # parts 2..3 of one sender block, part 0 of the next
+            "g": ("blhnc-64", 3, 0, 2),
+            "h": ("hnd-32", 2, 0, 2),
+            "x": ("hnd-64", 3, 0, 1),  # the sender's blocks do not reach ours: the request fails
+        },
+    ),
+    "LBHNC-64": (
+        "LBHNC",
+        64,
+        {
+            "nhd-128": ("LBNHC", 128),  # g = 2, token-major into head-major
+            "hnd-256": ("LBHNC", 256),  # g = 4
+            "blhnc-128": ("BLHNC", 128),  # g = 2, padded, head-major
+            "hnd-32": ("LBHNC", 32),  # r = 2: vLLM's own split of our blocks
+        },
+        {
+            "a": ("nhd-128", 3, 0, 2),
+            "b": ("hnd-256", 6, 0, 2),
+            "c": ("hnd-256", 3, 2, 2),
+            "d": ("blhnc-128", 3, 0, 2),
+            "e": ("hnd-32", 2, 0, 3),  # three sender blocks: our last block half full, its tail zeroed
+            "f": ("hnd-32", 2, 0, 4),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LARGER_SENDERS))
+def test_a_step_with_remote_blocks_larger_than_ours(vllm_env, copying, case):
+    """Senders whose blocks hold 2 and 4 of ours (head-major and token-major, dense and
+    padded), next to senders of our size and smaller, in one step: vLLM's reads with the
+    connector's descriptor plans move the bytes, one kvhost post-process finishes them,
+    and every request reads its sender's tokens, from its first position on (after a
+    prefix-cache hit), whole groups and last groups of fewer blocks alike."""
+    local, local_size, senders, plan = LARGER_SENDERS[case]
+    connector, worker, caches = make_worker(vllm_env, local, block_size=local_size, blocks=64, wrapper=copying)
+    prefill, payloads = sender_workers(vllm_env, senders)
+    fake_handshakes(worker, payloads)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)  # stale bytes everywhere
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    requests, computed = plan_requests(plan, senders, seed=list(LARGER_SENDERS).index(case))
+    steps = drive(connector, worker, requests, computed)
+
+    failed = set().union(*(f for _, f, _ in steps))
+    assert failed == ({"x"} & set(plan))
+    assert {e: larger.g for e, larger in worker.larger_remote_blocks.items()} == {
+        e: size // local_size for e, (_, size) in senders.items() if size > local_size
+    }
+    assert_one_call_per_step(steps, "post_process")
+    check_tokens(caches, local_size, requests, computed, senders, prefill, before, failed)
+
+
+def test_failed_requests_skip_the_post_process(vllm_env, copying):
+    """Requests that fail never reach the post-process and keep their blocks' bytes: a
+    sender whose handshake fails, one whose transfer ends in error, and one whose blocks
+    do not reach ours; the step's other request is post-processed as usual."""
+    senders = {"ok": ("LBHNC", 32), "broken": ("LBHNC", 32), "short": ("LBHNC", 64)}
+    connector, worker, caches = make_worker(vllm_env, "LBNHC", blocks=32, wrapper=copying)
+    prefill, payloads = sender_workers(vllm_env, senders)
+    copying.failing.add(prefill["broken"][0].nixl_wrapper.name)
+    fake_handshakes(worker, payloads, down={"down"})
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    senders["down"] = ("LBHNC", 32)
+    requests = {
+        "a": ([3, 9], [0, 5], "ok"),
+        "b": ([4, 11], [6, 1], "broken"),
+        "c": ([17, 18], [1, 2], "down"),
+        "d": ([20, 2, 7], [3], "short"),  # one sender block of 64 for three of our 32
+    }
+    steps = drive(connector, worker, requests)
+    failed = set().union(*(f for _, f, _ in steps))
+    assert failed == {"b", "c", "d"}
+    processed = [args[0] for _, _, calls in steps for name, args in calls if name == "post_process"]
+    assert processed == [{"ok": {"a": [3, 9]}}]  # one call, naming none of the failed requests
+    check_tokens(caches, BLOCK, requests, {}, senders, prefill, before, failed)
+
+
+def test_host_buffer_staging_through_the_worker(vllm_env, copying):
+    """Host-buffer mode (TPU, XPU, plugin devices) on both sides: each sender saves every
+    request of its step to its host buffer in one kvhost copy (a block two requests share
+    once), NIXL reads host to host, and the decode worker loads every finished request of
+    its step in one kvhost copy and post-processes them in one call, with senders whose
+    blocks are half and twice ours; vLLM's per-request copies never run."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    senders = {"p-hnd-32": ("LBHNC", 32), "p-nhd-128": ("LBNHC", 128), "p-hnd-128": ("LBHNC", 128)}
+    prefill, payloads = sender_workers(vllm_env, senders, host_buffer=True)
+    plan = {
+        "a": ("p-hnd-32", 2, 0, 3),  # our last block half full: its tail zeroed
+        "b": ("p-hnd-32", 1, 0, 2),
+        "c": ("p-nhd-128", 3, 0, 2),  # a whole group of 2 and a last group of 1
+        "d": ("p-hnd-128", 3, 0, 2),
+    }
+    requests, computed = plan_requests(plan, senders, seed=7)
+    for engine, (worker, device, connector) in prefill.items():  # the prefill side's step: save to host
+        worker.copy_blocks = forbid_vllm_copies
+        saved = {req: remote for req, (_, remote, e) in requests.items() if e == engine}
+        if engine == "p-hnd-32":
+            saved["shared"] = [requests["a"][1][0]]  # a prefix block another request names too
+        metadata = NixlConnectorMetadata()
+        for req, ids in saved.items():
+            metadata.add_new_req_to_save(req, (list(ids),), {})
+        calls = spy(worker)
+        connector.bind_connector_metadata(metadata)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        assert [name for name, _ in calls] == ["save_to_host"] and set(calls[0][1][1]) == set(saved)
+        ids = sorted({b for blocks in saved.values() for b in blocks})
+        size = senders[engine][1]
+        assert torch.equal(tokens_of(worker.host_xfer_buffers, ids, size), tokens_of(device, ids, size)), engine
+
+    connector, worker, caches = make_worker(
+        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=copying
+    )
+    worker.copy_blocks = forbid_vllm_copies
+    fake_handshakes(worker, payloads)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    for i, view in enumerate(worker.host_xfer_buffers.values()):
+        fill_random(view, 200 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    steps = drive(connector, worker, requests, computed)
+    assert not set().union(*(f for _, f, _ in steps))
+    assert_one_call_per_step(steps, "load_from_host")
+    assert_one_call_per_step(steps, "post_process")
+    for _, _, calls in steps:  # the load comes first: the post-process works on the device
+        names = [name for name, _ in calls]
+        assert names in ([], ["load_from_host", "post_process"]), names
+    check_tokens(caches, 64, requests, computed, senders, prefill, before, set())

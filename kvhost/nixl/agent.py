@@ -190,23 +190,13 @@ class Reader:
         self.agent = agent
         self.plan = plan
         self.peer = peer
+        check_registered(agent, plan.local, None)
+        check_registered(agent, plan.remote, peer)
         self.max_descriptor_bytes = max_descriptor_bytes
-        nixl = agent.nixl
-        for side, table, owner in (("local", plan.local, "NIXL_INIT_AGENT"), ("remote", plan.remote, peer)):
-            try:
-                nixl.prep_xfer_dlist(owner, extent_rows(table), table.memory).release()
-            except Exception as err:
-                if side == "local":
-                    raise TransferError(f"the local table names memory this agent has not registered: {err}") from None
-                raise TransferError(
-                    f"preparing the descriptors of peer {peer!r} failed ({err}): "
-                    f"its table names memory it has not registered ({len(table.streams)} streams of "
-                    f"{table.num_blocks} blocks of {table.run_bytes} bytes)"
-                ) from None
         self.local_domains = self.remote_domains = None
         if max_descriptor_bytes is not None:
-            self.local_domains = merge_domains(nixl, "NIXL_INIT_AGENT", plan.local)
-            self.remote_domains = merge_domains(nixl, peer, plan.remote)
+            self.local_domains = merge_domains(agent.nixl, "NIXL_INIT_AGENT", plan.local)
+            self.remote_domains = merge_domains(agent.nixl, peer, plan.remote)
         self.closed = False
 
     def read(self, local_ids: Ids, remote_ids: Ids, *, notify: bytes = b"") -> Transfer:
@@ -292,11 +282,57 @@ def _registered(nixl: Any, owner: str, rows: np.ndarray, memory: str) -> bool:
     return True
 
 
+def check_registered(agent: Agent, table: RegionTable, peer: str | None) -> None:
+    """NIXL must accept the first and last block of every stream of ``table``: this agent's
+    (``peer`` None) or ``peer``'s registered memory. A TransferError names the side at fault."""
+    owner = "NIXL_INIT_AGENT" if peer is None else peer
+    try:
+        agent.nixl.prep_xfer_dlist(owner, extent_rows(table), table.memory).release()
+    except Exception as err:
+        if peer is None:
+            raise TransferError(f"the local table names memory this agent has not registered: {err}") from None
+        raise TransferError(
+            f"preparing the descriptors of peer {peer!r} failed ({err}): "
+            f"its table names memory it has not registered ({len(table.streams)} streams of "
+            f"{table.num_blocks} blocks of {table.run_bytes} bytes)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Link:
+    """An agent and one of its peers: what a transfer needs to be polled and named."""
+
+    agent: Agent
+    peer: str
+
+
+def post_rows(
+    agent: Agent,
+    peer: str,
+    op: str,
+    local_rows: np.ndarray,
+    remote_rows: np.ndarray,
+    memory: tuple[str, str],
+    *,
+    notify: bytes = b"",
+) -> Transfer:
+    """Post one transfer of descriptor rows built elsewhere (``kvhost.nixl.ranks``): local rows
+    ``memory[0]``, the peer's ``memory[1]``."""
+    nixl = agent.nixl
+    try:
+        local = nixl.get_xfer_descs(local_rows, memory[0])
+        remote = nixl.get_xfer_descs(remote_rows, memory[1])
+        handle = nixl.initialize_xfer(op, local, remote, peer, notify)
+    except Exception as err:
+        raise TransferError(f"{op} from {peer!r}: creating the transfer failed: {err}") from None
+    return Transfer.post(Link(agent, peer), handle, int(local_rows[:, 1].sum()), op)
+
+
 @dataclass
 class Transfer:
     """One posted transfer: ``poll()`` until True, or ``wait(timeout)``; ``release()`` when done."""
 
-    reader: Reader
+    reader: Reader | Link
     handle: Any = field(repr=False)
     nbytes: int
     op: str
@@ -306,7 +342,7 @@ class Transfer:
     released: bool = False
 
     @classmethod
-    def post(cls, reader: Reader, handle: Any, nbytes: int, op: str, *, descriptors: int = 0) -> Transfer:
+    def post(cls, reader: Reader | Link, handle: Any, nbytes: int, op: str, *, descriptors: int = 0) -> Transfer:
         """Post a created NIXL transfer (``handle``) towards ``reader``'s peer."""
         transfer = cls(reader, handle, nbytes, op, descriptors)
         try:

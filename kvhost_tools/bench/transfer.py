@@ -53,7 +53,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -69,8 +69,9 @@ from kvhost_tools.bench.output import format_table
 from kvhost_tools.bench.targets import check
 from kvhost_tools.bench.timing import Measured, measure, per_round
 from kvhost_tools.bench.workloads import PRESETS
-from kvhost_tools.demo.cli import config_from
-from kvhost_tools.demo.config import AXES, Config, blocks_for, free_blocks, pool_for
+from kvhost_tools.blocks import BLOCK_ID_KINDS, MAX_RUN, free_list
+from kvhost_tools.demo.config import LAYOUTS, EngineShape, Model, Workload, blocks_for, local_blocks_for, pool_for
+from kvhost_tools.demo.options import add_model, add_workload, default_layout, model_of, workload_of
 
 PER_PIECE = "per-piece"
 PREPPED = "per-piece-prepped"
@@ -92,33 +93,74 @@ POLL_S = 1e-4
 SEED = 1000  # the sender's layer i holds fill_random(seed SEED + i)
 
 
+class _DemoParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SystemExit(f"kvhost bench --demo: {message}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The demo's batch as ``--demo`` gives it: the model, the workload, both engines' caches
+    (one rank each) and how both sides' allocators hand out block ids."""
+
+    model: Model
+    workload: Workload
+    prefill: EngineShape
+    decode: EngineShape
+    block_ids: str
+    max_run: int
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        p = _DemoParser(prog="kvhost bench --demo", add_help=False)
+        add_model(p)
+        add_workload(p)
+        p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default=None)
+        p.add_argument("--prefill-block-size", type=int, default=16)
+        p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default=None)
+        p.add_argument("--decode-block-size", type=int, default=64)
+        p.add_argument("--block-ids", choices=BLOCK_ID_KINDS, default="runs")
+        p.add_argument("--max-run", type=int, default=MAX_RUN)
+        args = p.parse_args(shlex.split(text))
+        prefill = EngineShape(default_layout(args.cache, args.prefill_layout, "HND"), args.prefill_block_size)
+        decode = EngineShape(default_layout(args.cache, args.decode_layout, "NHD"), args.decode_block_size)
+        return cls(model_of(args), workload_of(args), prefill, decode, args.block_ids, args.max_run)
+
+    @property
+    def axes(self) -> str:
+        return self.model.axes
+
+
 @dataclass(frozen=True)
 class Batch:
     """The demo's batch: per request, the sender's block ids and the receiver's."""
 
-    config: Config
+    setting: Setting
     remote_pool: int
     local_pool: int
     remote_ids: list[list[int]]
     local_ids: list[list[int]]
 
     @classmethod
-    def of(cls, config: Config) -> Batch:
-        needed = [blocks_for(t, config.prefill_block_size) for t in config.lengths()]
-        local_needed = [blocks_for(n * config.prefill_block_size, config.decode_block_size) for n in needed]
+    def of(cls, setting: Setting) -> Batch:
+        prefill, decode, seed = setting.prefill, setting.decode, setting.workload.seed
+        needed = [blocks_for(t, prefill.block_size) for t in setting.workload.lengths()]
+        local_needed = [local_blocks_for(n, prefill.block_size, decode.block_size) for n in needed]
         remote_pool, local_pool = pool_for(needed), pool_for(local_needed)
-        remote_free, local_free = free_blocks(config, remote_pool, 2), free_blocks(config, local_pool, 3)
+        remote_free, local_free = (
+            free_list(pool, np.random.default_rng([seed, side]), setting.block_ids, setting.max_run).tolist()
+            for pool, side in ((remote_pool, 2), (local_pool, 3))
+        )
         remote_ids, local_ids = [], []
         for count, local_count in zip(needed, local_needed):
             remote_ids.append(remote_free[:count])
             local_ids.append(local_free[:local_count])
             remote_free, local_free = remote_free[count:], local_free[local_count:]
-        return cls(config, remote_pool, local_pool, remote_ids, local_ids)
+        return cls(setting, remote_pool, local_pool, remote_ids, local_ids)
 
     def sender_caches(self) -> dict[str, torch.Tensor]:
         """The sender's cache, filled as the sender fills it (seeded)."""
-        c = self.config
-        caches = c.caches(c.prefill_layout, self.remote_pool, c.prefill_block_size)
+        caches = self.setting.model.caches(self.setting.prefill, self.remote_pool)
         for i, tensor in enumerate(caches.values()):
             fill_random(tensor, SEED + i)
         return caches
@@ -135,15 +177,16 @@ def peer_main(argv: Sequence[str]) -> int:
     parser.add_argument("--demo", default="")
     parser.add_argument("--progress", choices=PROGRESS, default="poll")
     args = parser.parse_args(argv)
-    batch = Batch.of(config_from(shlex.split(args.demo), check=False))
+    batch = Batch.of(Setting.parse(args.demo))
+    axes = batch.setting.axes
     caches = batch.sender_caches()
     device = Device("cpu", args.cache)
     thread = args.progress == "thread"
     with socket.socket(fileno=args.fd) as sock, Agent(f"bench-prefill-{os.getpid()}", progress_thread=thread) as agent:
-        table = agent.register(caches, AXES)
+        table = agent.register(caches, axes)
         send(sock, "hello", {"table": table.to_dict(), "pid": os.getpid()}, agent.metadata(), timeout=TIMEOUT_S)
         ids = np.array(sorted({b for r in batch.remote_ids for b in r}), dtype=np.int64)
-        touched = block_ranges(caches, AXES, ids)
+        touched = block_ranges(caches, axes, ids)
         while True:
             if not thread:  # drive the transport while no control message waits
                 while not select.select([sock], [], [], POLL_S)[0]:
@@ -353,7 +396,7 @@ class Setup:
         """One NIXL request reading ``nbytes`` from one contiguous span of each layer into one of
         each local layer, in descriptors of ``size`` bytes (0: one per layer); and its count."""
         nixl = self.agent.nixl
-        local = CacheSet(self.local, AXES)
+        local = CacheSet(self.local, self.batch.setting.axes)
         starts = {name: min(m.tensor.data_ptr() for m in ms) for name, ms in local.layers.items()}
         remote_starts: dict[str, int] = {}
         for stream in self.plan.remote.streams:
@@ -398,13 +441,13 @@ class Setup:
 
 
 def connect(args: argparse.Namespace) -> Setup:
-    config = config_from(shlex.split(args.demo), check=False)
-    batch = Batch.of(config)
+    setting = Setting.parse(args.demo)
+    batch = Batch.of(setting)
     env = dict(item.split("=", 1) for item in args.peer_env)
     peer = Peer(args.demo, args.cache, args.peer_netns, env, args.progress)
     agent = Agent(f"bench-decode-{os.getpid()}", progress_thread=args.progress == "thread")
-    local = config.caches(config.decode_layout, batch.local_pool, config.decode_block_size)
-    plan = plan_transfer(agent.register(local, AXES), peer.table)
+    local = setting.model.caches(setting.decode, batch.local_pool)
+    plan = plan_transfer(agent.register(local, setting.axes), peer.table)
     name = agent.add_peer(peer.metadata)
     setup = Setup(batch, agent, peer, local, plan)
     setup.readers[PER_PIECE] = agent.reader(plan, name, max_descriptor_bytes=None)
@@ -445,7 +488,8 @@ def bound_name(bound: int) -> str:
 def verify(setup: Setup, inflight: int) -> None:
     """Every way lands the same bytes, and after ``kvhost.receive`` every request's blocks hold
     the sender's tokens, bit for bit; blocks no request names keep the sentinel."""
-    local_set = CacheSet(setup.local, AXES)
+    axes = setup.batch.setting.axes
+    local_set = CacheSet(setup.local, axes)
     snapshots = []
     for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST):
         for tensor in setup.local.values():
@@ -457,8 +501,8 @@ def verify(setup: Setup, inflight: int) -> None:
             raise AssertionError("per-piece and merged descriptors landed different bytes")
     del snapshots
     post_process(setup)
-    sender = CacheSet(setup.batch.sender_caches(), AXES)
-    size = setup.batch.config.prefill_block_size
+    sender = CacheSet(setup.batch.sender_caches(), axes)
+    size = setup.batch.setting.prefill.block_size
     for remote_ids, local_ids in zip(setup.batch.remote_ids, setup.batch.local_ids):
         tokens = len(remote_ids) * size
         for r, lo in zip(sender.members, local_set.members):
@@ -480,7 +524,7 @@ def post_process(setup: Setup, host: kvhost.KVHost | None = None) -> None:
         kvhost.receive(
             setup.local,
             setup.requests(),
-            axes=AXES,
+            axes=setup.batch.setting.axes,
             remote_order=plan.remote_order,
             remote_block_size=plan.remote_block_size,
         )
@@ -497,7 +541,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nbytes = setup.plan.bytes_for(sum(len(r) for r in setup.batch.remote_ids))
         device = BothSides(args.cache, setup.peer)
         space = Workspace(device)
-        host = kvhost.KVHost(setup.local, axes=AXES)
+        axes = setup.batch.setting.axes
+        host = kvhost.KVHost(setup.local, axes=axes)
         parts: dict[str, list[float]] = {"transfer": [], "receive": []}
         merged = setup.transfer(KVHOST, args.inflight)
 
@@ -519,7 +564,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         methods |= {name: repost(setup.agent.nixl, handle) for name, (handle, _) in spans.items()}
         ids = np.array(sorted({b for r in setup.batch.local_ids for b in r}), dtype=np.int64)
         touched = np.concatenate(
-            [block_ranges(setup.local, AXES, ids), space.memcpy_ranges(nbytes, device.device, device.device)]
+            [block_ranges(setup.local, axes, ids), space.memcpy_ranges(nbytes, device.device, device.device)]
         )
         preset = replace(PRESETS["quick" if args.quick else "full"], seconds_per_point=args.seconds)
         measured = measure(methods, device, preset, args.rounds, random.Random(args.seed), touched)
@@ -582,14 +627,16 @@ def summarise(
     if not args.peer_netns:
         checks.append(check(where, "kvhost / memcpy", methods[KVHOST]["fraction"], ">=", 0.7))
         checks.append(check(where, "hand-off / memcpy", methods[HANDOFF]["fraction"], ">=", 0.5))
-    c = setup.batch.config
+    c = setup.batch.setting
+    m = c.model
     return {
         "where": where,
         "command": " ".join(["kvhost bench", *args.argv]),
         "demo": args.demo,
-        "model": f"{c.layers} layers x K/V x {c.heads} heads x {c.head_dim} channels, {c.dtype_name}",
-        "sender": f"{c.prefill_layout} blocks of {c.prefill_block_size} tokens",
-        "receiver": f"{c.decode_layout} blocks of {c.decode_block_size} tokens",
+        "model": f"{m.layers} layers x {'K/V x ' if m.kv == 2 else ''}{m.heads} heads x {m.head_dim} channels, "
+        f"{m.dtype_name}",
+        "sender": f"{c.prefill.layout} blocks of {c.prefill.block_size} tokens",
+        "receiver": f"{c.decode.layout} blocks of {c.decode.block_size} tokens",
         "requests": len(setup.batch.remote_ids),
         "block_ids": f"{c.block_ids}" + (f" of 1..{c.max_run}" if c.block_ids == "runs" else ""),
         "bytes": nbytes,
