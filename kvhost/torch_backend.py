@@ -22,6 +22,7 @@ import torch
 
 from kvhost.backend import Backend, Completion
 from kvhost.batch import CopyJob, ReceiveJob
+from kvhost.ids import find_runs
 from kvhost.layout import Layout
 from kvhost.raw import as_raw
 
@@ -131,22 +132,59 @@ class TorchBackend(Backend):
                 view.index_copy_(outer, chunk, local)
 
     def copy(self, job: CopyJob) -> Completion:
+        """The fewest calls that move every block in one pass. On one device, where one
+        side's ids form fewer runs than both sides' together: per run of that side, gathered
+        straight into a destination run (``index_select(out=)``, a staging buffer filling in
+        order) or scattered straight from a source run (``index_copy_``, loading it back).
+        Otherwise, up to ``max_run_copies`` runs consecutive on both sides, one ``copy_``
+        each; beyond that (both sides scattered), a gather then a scatter."""
         runs = job.runs.tolist()
+        dst_runs: list[tuple[int, int, int]] = []
+        src_runs: list[tuple[int, int, int]] = []
+        if len(runs) > 1 and job.src_device == job.dst_device:
+            # One call per run of one side, where that side has fewer runs than both together
+            # (a staging buffer filling in order from scattered blocks: one call a layer).
+            dst_runs = _runs(job.dst_ids)
+            if len(dst_runs) >= len(runs):
+                dst_runs, src_runs = [], _runs(job.src_ids)
+                if len(src_runs) >= len(runs):
+                    src_runs = []
+        few = len(runs) <= self.max_run_copies
         for src, dst in job.pairs:
             # Both sides in the destination's memory order: the index ops then write a dense
             # tensor (4.5x faster than in shape order for an HND cache on the host).
             source = as_raw(src.tensor).permute([src.layout.axes.index(a) for a in dst.layout.physical])
             dest = physical_view(as_raw(dst.tensor), dst.layout)
             b = dst.layout.physical.index("B")
-            if len(runs) <= self.max_run_copies:
+            # A copy within one cache reads and writes one storage: kept off the one-pass index
+            # ops (whose behaviour on shared memory torch does not promise), as before.
+            apart = src.tensor.untyped_storage().data_ptr() != dst.tensor.untyped_storage().data_ptr()
+            if apart and dst_runs and (few or len(dst_runs) <= self.max_run_copies):
+                src_index = torch.from_numpy(job.src_ids).to(source.device)
+                for at, d0, count in dst_runs:
+                    torch.index_select(source, b, src_index[at : at + count], out=dest.narrow(b, d0, count))
+                continue
+            if apart and src_runs and (few or len(src_runs) <= self.max_run_copies):
+                dst_index = torch.from_numpy(job.dst_ids).to(dest.device)
+                for at, s0, count in src_runs:
+                    dest.index_copy_(b, dst_index[at : at + count], source.narrow(b, s0, count))
+                continue
+            if few:
                 for s0, d0, count in runs:
                     dest.narrow(b, d0, count).copy_(source.narrow(b, s0, count), non_blocking=job.non_blocking)
-            else:
-                src_index = torch.from_numpy(job.src_ids).to(source.device)
-                dst_index = torch.from_numpy(job.dst_ids).to(dest.device)
-                gathered = source.index_select(b, src_index).to(dest.device, non_blocking=job.non_blocking)
-                dest.index_copy_(b, dst_index, gathered)
+                continue
+            src_index = torch.from_numpy(job.src_ids).to(source.device)
+            dst_index = torch.from_numpy(job.dst_ids).to(dest.device)
+            gathered = source.index_select(b, src_index).to(dest.device, non_blocking=job.non_blocking)
+            dest.index_copy_(b, dst_index, gathered)
         return _completion(job)
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ids in one list: (position in the list, first id, count)."""
+    rows = find_runs(ids)
+    counts = rows[:, 2]
+    return list(zip((np.cumsum(counts) - counts).tolist(), rows[:, 0].tolist(), counts.tolist()))
 
 
 class _StreamCompletion(Completion):

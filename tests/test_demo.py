@@ -194,8 +194,9 @@ def test_via_host_handoff_verifies_every_byte(runs):
     assert figures["post_what"].startswith("kvhost.copy_blocks from the host buffer (")
     assert figures["post_what"].endswith("then kvhost.receive, up to 1 group(s)")
     # Shaped like the cache, the host buffer takes the direct path's descriptors: each
-    # sender region (2 layers x K/V) in g = 4 chunks, one per decode block.
-    assert figures["descriptors"] == figures["prefill_blocks"] * 2 * 2 * 4
+    # sender region (2 layers x K/V) in g = 4 chunks, one per decode block, at most; chunks
+    # that continue one another on both sides (runs of ids) go as one descriptor.
+    assert 0 < figures["descriptors"] <= figures["prefill_blocks"] * 2 * 2 * 4
     assert figures["backend"] == "torch"
 
 

@@ -14,7 +14,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from test_nixl import LOCAL_IDS, REMOTE_IDS, memmove_rows, needs_nixl, untouched_blocks_same
+from test_nixl import LOCAL_IDS, LOCAL_RUNS, REMOTE_IDS, REMOTE_RUNS, memmove_rows, needs_nixl, untouched_blocks_same
 
 import kvhost
 from kvhost.caches import CacheSet
@@ -61,10 +61,11 @@ def check_rank(local, axes, plan, local_ids, remote_caches, remote_ids, tokens, 
         assert torch.equal(got, want), f"{name}: tokens differ from the remote ranks' heads"
 
 
+@pytest.mark.parametrize("merge", [None, 1 << 40], ids=["per-piece", "merged"])
 @pytest.mark.parametrize("tp", TPS, ids=lambda tp: f"P{tp[0]}D{tp[1]}")
 @pytest.mark.parametrize("sizes_name", SIZES)
 @pytest.mark.parametrize("pair", PAIRS, ids="->".join)
-def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name, tp):
+def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name, tp, merge):
     remote_name, local_name = pair
     axes, remote_memory = LAYOUTS[remote_name]
     local_axes, local_memory = LAYOUTS[local_name]
@@ -75,16 +76,20 @@ def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name,
         engine_caches(axes, remote_memory, HEADS // remote_tp, remote_size, 16, seed=10 * q) for q in range(remote_tp)
     ]
     remote_tables = [region_table(c, axes) for c in remote_caches]
-    remote_ids = REMOTE_IDS[:count]
+    # Merged descriptors on ids in runs (where pieces continue one another), per piece on scattered ones.
+    all_local, all_remote = (LOCAL_IDS, REMOTE_IDS) if merge is None else (LOCAL_RUNS, REMOTE_RUNS)
+    remote_ids = all_remote[:count]
     tokens = count * remote_size
     for rank in range(local_tp):
         local = engine_caches(axes, local_memory, HEADS // local_tp, local_size, 24, seed=100 + rank)
         before = {name: raw(t).clone() for name, t in local.items()}
         plan = plan_ranks(region_table(local, axes), rank, local_tp, remote_tables)
-        local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
+        local_ids = all_local[: plan.local_blocks_for(count)]
         moved = 0
         for source in plan.sources:
-            local_rows, remote_rows = plan.rows(source, local_ids, remote_ids)
+            local_rows, remote_rows = plan.rows(source, local_ids, remote_ids, max_bytes=merge)
+            if merge is not None:
+                assert local_rows.shape[0] <= plan.rows(source, local_ids, remote_ids)[0].shape[0]
             memmove_rows(local_rows, remote_rows)
             moved += int(local_rows[:, 1].sum())
         # Only this rank's heads move: tokens x heads x C x K x 2 layers x 2 bytes.

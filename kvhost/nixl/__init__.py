@@ -8,7 +8,7 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
 ``kvhost.receive`` rearranges them in place.
 
     tables.py     RegionTable, region_table: where a layer dict's regions live
-    plans.py      TransferPlan, plan_transfer: two tables paired, descriptor rows per request
+    plans.py      TransferPlan, plan_transfer: two tables paired, descriptor rows per request, merged
     agent.py      Agent, Reader, Transfer: NIXL itself, imported on first use (load_nixl)
     handshake.py  auth, hello and done between two engines; accept_hello on a listening socket
     engine.py     EngineSpec: what an engine holds; refusal: can two engines work together
@@ -22,14 +22,14 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
 Importing this package imports no NIXL: ``Agent`` loads it when one is made.
 """
 
-from kvhost.nixl.agent import NIXL_MODULES, Agent, Reader, Transfer, load_nixl
+from kvhost.nixl.agent import NIXL_MODULES, Agent, Reader, Transfer, load_nixl, merge_domains
 from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, refusal
 from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
 from kvhost.nixl.fields import MAX_WAIT_SECONDS, Fields, check_seconds
 from kvhost.nixl.framing import Message, decode, encode, receive, send
 from kvhost.nixl.handshake import Hello, RemoteRequest, accept_hello, parse_hello, prove, send_hello
 from kvhost.nixl.peers import Offer, Session, connect
-from kvhost.nixl.plans import TransferPlan, extent_rows, plan_transfer
+from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, merge_rows, plan_transfer, stream_extents
 from kvhost.nixl.ranks import HeadShare, RankPlan, RankReader, head_shares, latent_source, plan_ranks
 from kvhost.nixl.server import PeerHello, PeerRecord, Server
 from kvhost.nixl.tables import (
@@ -44,6 +44,7 @@ from kvhost.nixl.tables import (
 
 __all__ = [
     "COORD_LETTERS",
+    "MAX_DESCRIPTOR_BYTES",
     "MAX_STREAMS",
     "MAX_WAIT_SECONDS",
     "MEMORY_OF_DEVICE",
@@ -82,6 +83,8 @@ __all__ = [
     "latent_source",
     "load_nixl",
     "memory_spans",
+    "merge_domains",
+    "merge_rows",
     "parse_hello",
     "plan_ranks",
     "plan_transfer",
@@ -91,4 +94,5 @@ __all__ = [
     "region_table",
     "send",
     "send_hello",
+    "stream_extents",
 ]

@@ -33,8 +33,9 @@ import numpy as np
 
 from kvhost.errors import LayoutError, RequestError
 from kvhost.ids import Ids, checked_ids
-from kvhost.nixl.agent import Agent, Transfer, check_registered, post_rows
-from kvhost.nixl.plans import TransferPlan, plan_transfer
+from kvhost.nixl.agent import Agent, Transfer, check_registered, merge_domains, post_rows
+from kvhost.nixl.errors import TransferError
+from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, plan_transfer
 from kvhost.nixl.tables import RegionTable, Stream
 
 
@@ -128,8 +129,21 @@ class RankPlan:
         """Bytes one request of ``remote_blocks`` sender blocks moves into this rank, from all sources."""
         return sum(p.plan.bytes_for(self._count(p, remote_blocks)) for s in self.sources for p in s.parts)
 
-    def rows(self, source: Source, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
-        """The (address, length, device id) rows that move ``source``'s part of one request: local and remote."""
+    def rows(
+        self,
+        source: Source,
+        local_ids: Ids,
+        remote_ids: Ids,
+        *,
+        max_bytes: int | None = None,
+        domains: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The (address, length, device id) rows that move ``source``'s part of one request: local and remote.
+
+        ``max_bytes`` None: one row per piece; otherwise pieces that continue one another
+        merged up to it (``TransferPlan.merged_pairs``), with ``domains[i]`` the (local,
+        remote) merge domains of ``source.parts[i]`` (None: each stream its own).
+        """
         remote = checked_ids(remote_ids, "remote_ids", self.remote_block_count, allow_empty=False)
         local = checked_ids(local_ids, "local_ids", self.local.num_blocks, allow_empty=False)
         want = self.local_blocks_for(remote.size)
@@ -139,7 +153,7 @@ class RankPlan:
                 f"{self.local.block_size} tokens, got {local.size} local block ids"
             )
         pairs = []
-        for part in source.parts:
+        for index, part in enumerate(source.parts):
             if part.phase is None:
                 chosen = local, remote
             elif self.g == 1:
@@ -147,8 +161,17 @@ class RankPlan:
                 chosen = local[: picked.size], picked
             else:
                 chosen = local[part.phase :: self.g], remote
-            if chosen[1].size:
+            if not chosen[1].size:
+                continue
+            if max_bytes is None:
                 pairs.append(part.plan.descriptor_pairs(*chosen))
+            else:
+                local_domains, remote_domains = domains[index] if domains is not None else (None, None)
+                pairs.append(
+                    part.plan.merged_pairs(
+                        *chosen, max_bytes=max_bytes, local_domains=local_domains, remote_domains=remote_domains
+                    )
+                )
         return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
 
     @property
@@ -293,9 +316,26 @@ def _window(table: RegionTable, offsets: Sequence[int], length: int) -> RegionTa
 class RankReader:
     """A ``RankPlan`` towards the agents of the remote ranks it reads from (``peers``: rank ->
     agent name): each read posts one NIXL transfer per source. Every table's extents are
-    checked against registered memory when it is made, as ``Reader`` does."""
+    checked against registered memory when it is made, as ``Reader`` does; pieces that
+    continue one another go as one descriptor of up to ``max_descriptor_bytes`` (None: one
+    per piece), within the memory NIXL says one descriptor may span (``merge_domains``)."""
 
-    def __init__(self, agent: Agent, plan: RankPlan, peers: Mapping[int, str]) -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        plan: RankPlan,
+        peers: Mapping[int, str],
+        *,
+        max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES,
+    ) -> None:
+        if max_descriptor_bytes is not None and (
+            isinstance(max_descriptor_bytes, bool)
+            or not isinstance(max_descriptor_bytes, int)
+            or max_descriptor_bytes < 1
+        ):
+            raise TransferError(
+                f"max_descriptor_bytes must be a positive integer or None, got {max_descriptor_bytes!r}"
+            )
         self.agent = agent
         self.plan = plan
         missing = [s.rank for s in plan.sources if s.rank not in peers]
@@ -306,13 +346,30 @@ class RankReader:
         check_registered(agent, plan.local, None)
         for source in plan.sources:
             check_registered(agent, plan.remotes[source.rank], self.peers[source.rank])
+        self.max_descriptor_bytes = max_descriptor_bytes
+        self.domains: dict[int, list[tuple[np.ndarray | None, np.ndarray | None]]] = {}
+        if max_descriptor_bytes is not None:
+            for source in plan.sources:
+                self.domains[source.rank] = [
+                    (
+                        merge_domains(agent.nixl, "NIXL_INIT_AGENT", part.plan.local),
+                        merge_domains(agent.nixl, self.peers[source.rank], part.plan.remote),
+                    )
+                    for part in source.parts
+                ]
 
     def read(self, local_ids: Ids, remote_ids: Ids) -> list[Transfer]:
         """Start pulling the request's ``remote_ids`` of every source into ``local_ids``."""
         transfers: list[Transfer] = []
         try:
             for source in self.plan.sources:
-                local_rows, remote_rows = self.plan.rows(source, local_ids, remote_ids)
+                local_rows, remote_rows = self.plan.rows(
+                    source,
+                    local_ids,
+                    remote_ids,
+                    max_bytes=self.max_descriptor_bytes,
+                    domains=self.domains.get(source.rank),
+                )
                 self.descriptors += local_rows.shape[0]
                 memory = (self.plan.local.memory, self.plan.remotes[source.rank].memory)
                 transfers.append(

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvhost_tools.blocks import MAX_RUN, free_list
+
 if TYPE_CHECKING:
     import torch
 
@@ -173,12 +175,16 @@ def pool_for(blocks: Sequence[int]) -> int:
     return sum(blocks) + max(4, sum(blocks) // 8)
 
 
-def allocate_blocks(pool: int, counts: Sequence[int], seed: int, stream: int) -> tuple[list[list[int]], list[int]]:
+def allocate_blocks(
+    pool: int, counts: Sequence[int], seed: int, stream: int, *, kind: str = "runs", max_run: int = MAX_RUN
+) -> tuple[list[list[int]], list[int]]:
     """Block ids for requests of ``counts`` blocks out of ``pool``, and the ids left spare:
-    the one place the demo draws block ids (scattered, seeded by ``seed`` and ``stream``)."""
+    the one place the demo draws block ids, seeded by ``seed`` and ``stream``, as allocators
+    hand them out (``kvhost_tools.blocks.free_list``: runs of 1..``max_run`` consecutive
+    blocks in random order by default, or ``scattered``)."""
     if sum(counts) > pool:
         raise DemoError(f"{sum(counts)} blocks needed, the pool holds {pool}")
-    free = np.random.default_rng([seed, stream]).permutation(pool).tolist()
+    free = free_list(pool, np.random.default_rng([seed, stream]), kind, max_run).tolist()
     taken, start = [], 0
     for count in counts:
         taken.append(free[start : start + count])
