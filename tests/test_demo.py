@@ -49,12 +49,22 @@ RUNS = {
     # Token-major blocks of 32 into head-major blocks of 8 through the host buffer: g = 4.
     "via-host": [
         *SMALL,
-        *["--requests", "8", "--via-host", "--prefill-layout", "NHD", "--decode-layout", "HND"],
+        *[
+            "--requests",
+            "8",
+            "--via-host",
+            "--prefill-layout",
+            "NHD",
+            "--decode-layout",
+            "HND",
+            "--block-ids",
+            "scattered",
+        ],
         *["--prefill-block-size", "32", "--decode-block-size", "8", "--backend", "torch"],
     ],
     # Two decode ranks of two heads each read their share of a head-major sender (heterogeneous TP).
     "ranks": [
-        *[*SMALL, "--heads", "4", "--requests", "6", "--decode-tp", "2"],
+        *[*SMALL, "--heads", "4", "--requests", "6", "--decode-tp", "2", "--max-run", "1"],
         *["--prefill-block-size", "4", "--decode-block-size", "8"],
     ],
     # Prefill killed once 3 requests arrived, with 3 transfers in flight at a time.
@@ -387,6 +397,8 @@ def test_progress_bar_draws_on_a_terminal_only():
         (["--prefill-tp", "1,3"], "--heads 8 cannot be shared out evenly to --prefill-tp 3 ranks"),
         (["--cache", "mla", "--decode-layout", "NHD"], "--decode-layout NHD does not hold a mla cache"),
         (["--decodes", "0"], "--decodes must be in [1, 64], got 0"),
+        (["--max-run", "0"], "--max-run must be in [1, 1048576], got 0"),
+        (["--block-ids", "random"], "invalid choice"),
     ],
 )
 def test_bad_options_are_refused(argv, message, capsys):

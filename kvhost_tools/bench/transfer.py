@@ -69,7 +69,7 @@ from kvhost_tools.bench.output import format_table
 from kvhost_tools.bench.targets import check
 from kvhost_tools.bench.timing import Measured, measure, per_round
 from kvhost_tools.bench.workloads import PRESETS
-from kvhost_tools.blocks import BLOCK_ID_KINDS, MAX_RUN, free_list
+from kvhost_tools.blocks import free_list
 from kvhost_tools.demo.config import LAYOUTS, EngineShape, Model, Workload, blocks_for, local_blocks_for, pool_for
 from kvhost_tools.demo.options import add_model, add_workload, default_layout, model_of, workload_of
 
@@ -119,8 +119,6 @@ class Setting:
         p.add_argument("--prefill-block-size", type=int, default=16)
         p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default=None)
         p.add_argument("--decode-block-size", type=int, default=64)
-        p.add_argument("--block-ids", choices=BLOCK_ID_KINDS, default="runs")
-        p.add_argument("--max-run", type=int, default=MAX_RUN)
         args = p.parse_args(shlex.split(text))
         prefill = EngineShape(default_layout(args.cache, args.prefill_layout, "HND"), args.prefill_block_size)
         decode = EngineShape(default_layout(args.cache, args.decode_layout, "NHD"), args.decode_block_size)

@@ -71,7 +71,19 @@ from kvhost_tools.demo.options import (
 from kvhost_tools.demo.processes import Engine
 
 # What the engines of the demo pass on unchanged.
-SHARED = ("cache", "layers", "heads", "head_dim", "dtype", "requests", "min_tokens", "max_tokens", "seed")
+SHARED = (
+    "cache",
+    "layers",
+    "heads",
+    "head_dim",
+    "dtype",
+    "requests",
+    "min_tokens",
+    "max_tokens",
+    "seed",
+    "block_ids",
+    "max_run",
+)
 DECODE_ONLY = ("backend", "inflight", "timeout", "step")
 
 

@@ -148,6 +148,8 @@ class Workload:
     min_tokens: int
     max_tokens: int
     seed: int
+    block_ids: str = "runs"  # as allocators hand them out; or "scattered"
+    max_run: int = MAX_RUN  # runs of 1..max_run consecutive blocks: smaller is more fragmented
 
     def lengths(self) -> list[int]:
         """Token counts of the requests: log-uniform in [min_tokens, max_tokens], seeded."""
@@ -176,15 +178,16 @@ def pool_for(blocks: Sequence[int]) -> int:
 
 
 def allocate_blocks(
-    pool: int, counts: Sequence[int], seed: int, stream: int, *, kind: str = "runs", max_run: int = MAX_RUN
+    pool: int, counts: Sequence[int], workload: Workload, stream: int
 ) -> tuple[list[list[int]], list[int]]:
     """Block ids for requests of ``counts`` blocks out of ``pool``, and the ids left spare:
-    the one place the demo draws block ids, seeded by ``seed`` and ``stream``, as allocators
-    hand them out (``kvhost_tools.blocks.free_list``: runs of 1..``max_run`` consecutive
-    blocks in random order by default, or ``scattered``)."""
+    the one place the demo draws block ids, seeded by the workload's seed and ``stream``, as
+    the workload says (``kvhost_tools.blocks.free_list``: runs of 1..``max_run`` consecutive
+    blocks in random order, as allocators hand them out, or ``scattered``)."""
     if sum(counts) > pool:
         raise DemoError(f"{sum(counts)} blocks needed, the pool holds {pool}")
-    free = free_list(pool, np.random.default_rng([seed, stream]), kind, max_run).tolist()
+    rng = np.random.default_rng([workload.seed, stream])
+    free = free_list(pool, rng, workload.block_ids, workload.max_run).tolist()
     taken, start = [], 0
     for count in counts:
         taken.append(free[start : start + count])
@@ -202,6 +205,7 @@ OPTION_RANGES = {
     "min_tokens": (1, MAX_TOKENS),
     "max_tokens": (1, MAX_TOKENS),
     "seed": (0, (1 << 63) - 1),
+    "max_run": (1, 1 << 20),
     "block_size": (1, MAX_TOKENS),
     "tp": (1, 1024),
 }
@@ -224,6 +228,7 @@ def model_refusal(model: Model, workload: Workload, shapes: Sequence[tuple[str, 
         ("--min-tokens", workload.min_tokens),
         ("--max-tokens", workload.max_tokens),
         ("--seed", workload.seed),
+        ("--max-run", workload.max_run),
     ):
         problem = range_refusal(option, value)
         if problem:

@@ -179,7 +179,7 @@ def run(
             if r.engine is not None
         ]
         pool = pool_for(counts)
-        taken, spare = allocate_blocks(pool, counts, workload.seed, stream=3)
+        taken, spare = allocate_blocks(pool, counts, workload, stream=3)
         staged = 0
         for request, ids in zip([r for r in requests if r.engine is not None], taken):
             request.local_ids = ids

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import NoReturn
 
+from kvhost_tools.blocks import BLOCK_ID_KINDS, MAX_RUN
 from kvhost_tools.demo.config import DTYPES, EXIT_ERROR, LAYOUTS, MAX_REQUESTS, EngineShape, Model, Share, Workload
 
 MAX_WAIT_SECONDS = 7 * 24 * 3600.0  # as kvhost.nixl.fields says: every wait is finite
@@ -61,6 +62,19 @@ def add_workload(p: argparse.ArgumentParser) -> None:
     group.add_argument("--min-tokens", type=int, default=16, help="shortest request")
     group.add_argument("--max-tokens", type=int, default=2048, help="longest request (lengths are log-uniform)")
     group.add_argument("--seed", type=int, default=0, help="seed of lengths, block ids and values")
+    group.add_argument(
+        "--block-ids",
+        choices=BLOCK_ID_KINDS,
+        default="runs",
+        help="block ids as allocators hand them out (runs of consecutive blocks), or scattered",
+    )
+    group.add_argument(
+        "--max-run",
+        type=int,
+        default=MAX_RUN,
+        metavar="N",
+        help=f"longest run of ids (default {MAX_RUN}; 1: fragmented)",
+    )
 
 
 def add_engine(p: argparse.ArgumentParser, layout: str, block_size: int) -> None:
@@ -98,7 +112,7 @@ def model_of(args: argparse.Namespace) -> Model:
 
 
 def workload_of(args: argparse.Namespace) -> Workload:
-    return Workload(args.requests, args.min_tokens, args.max_tokens, args.seed)
+    return Workload(args.requests, args.min_tokens, args.max_tokens, args.seed, args.block_ids, args.max_run)
 
 
 def default_layout(kind: str, given: str | None, default: str) -> str:

@@ -139,7 +139,7 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
     numbers = workload.numbers(share)
     counts = [blocks_for(lengths[n], shape.block_size) for n in numbers]
     pool = pool_for(counts)
-    ids, _ = allocate_blocks(pool, counts, workload.seed, stream=100 + share.index)
+    ids, _ = allocate_blocks(pool, counts, workload, stream=100 + share.index)
     per_rank = model.heads // shape.tp
     rank_caches = [model.caches(shape, pool) for _ in range(shape.tp)]
     cache_sets = [CacheSet(caches, model.axes) for caches in rank_caches]
