@@ -91,7 +91,13 @@ class Layout:
 
     @staticmethod
     def known(tensor: torch.Tensor, axes: str) -> Layout | None:
-        """The layout already validated for a tensor of this shape and strides, if any."""
+        """The layout already validated for a tensor of this shape and strides, if any.
+
+        Only for a tensor whose own facts ``of`` checks hold (a strided tensor whose bytes
+        are its values): the cache is keyed by shape and strides alone.
+        """
+        if tensor.layout != torch.strided or tensor.is_conj() or tensor.is_neg():
+            return None
         return _known.get(_key(tensor, axes))
 
     # --- derived facts ---------------------------------------------------------------

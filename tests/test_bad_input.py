@@ -168,6 +168,32 @@ ROWS: dict[str, Row] = {
         kvhost.LayoutError,
         "conjugated",
     ),
+    # A layout already checked for a tensor of the same shape and strides: the view's own
+    # facts are checked all the same (the layout cache is keyed by shape and strides).
+    "conjugated view of a known layout": (
+        lambda w: (
+            kvhost.receive({"c": torch.zeros(2, 8, 8, 2, 4, dtype=torch.complex64)}, GOOD, axes="KBNHC"),
+            kvhost.receive({"c": torch.zeros(2, 8, 8, 2, 4, dtype=torch.complex64).conj()}, GOOD, axes="KBNHC"),
+        ),
+        kvhost.LayoutError,
+        "conjugated",
+    ),
+    "negated view of a known layout": (
+        lambda w: (
+            kvhost.receive({"n": torch.zeros(2, 8, 8, 2, 4)}, GOOD, axes="KBNHC"),
+            kvhost.receive({"n": torch._neg_view(torch.zeros(2, 8, 8, 2, 4))}, GOOD, axes="KBNHC"),
+        ),
+        kvhost.LayoutError,
+        "negated",
+    ),
+    "conjugated view of a registered layout": (
+        lambda w: (
+            kvhost.KVHost({"c": torch.zeros(2, 8, 8, 2, 4, dtype=torch.complex64)}, axes="KBNHC"),
+            kvhost.KVHost({"c": torch.zeros(2, 8, 8, 2, 4, dtype=torch.complex64).conj()}, axes="KBNHC"),
+        ),
+        kvhost.LayoutError,
+        "conjugated",
+    ),
     # Backends.
     "backend not a name": (receive(GOOD, backend=5), kvhost.BackendError, "got 5"),
     "backend unknown": (receive(GOOD, backend="nonesuch"), kvhost.BackendError, "'nonesuch'"),
