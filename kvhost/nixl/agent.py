@@ -179,14 +179,7 @@ class Reader:
     def __init__(
         self, agent: Agent, plan: TransferPlan, peer: str, *, max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES
     ) -> None:
-        if max_descriptor_bytes is not None and (
-            isinstance(max_descriptor_bytes, bool)
-            or not isinstance(max_descriptor_bytes, int)
-            or max_descriptor_bytes < 1
-        ):
-            raise TransferError(
-                f"max_descriptor_bytes must be a positive integer or None, got {max_descriptor_bytes!r}"
-            )
+        check_descriptor_bound(max_descriptor_bytes)
         self.agent = agent
         self.plan = plan
         self.peer = peer
@@ -235,6 +228,14 @@ class Reader:
 
     def close(self) -> None:
         self.closed = True
+
+
+def check_descriptor_bound(max_descriptor_bytes: int | None) -> None:
+    """A reader's bound on one merged descriptor: a positive int, or None (one per piece)."""
+    if max_descriptor_bytes is None:
+        return
+    if isinstance(max_descriptor_bytes, bool) or not isinstance(max_descriptor_bytes, int) or max_descriptor_bytes < 1:
+        raise TransferError(f"max_descriptor_bytes must be a positive integer or None, got {max_descriptor_bytes!r}")
 
 
 def merge_domains(nixl: Any, owner: str, table: RegionTable) -> np.ndarray:

@@ -33,8 +33,7 @@ import numpy as np
 
 from kvhost.errors import LayoutError, RequestError
 from kvhost.ids import Ids, checked_ids
-from kvhost.nixl.agent import Agent, Transfer, check_registered, merge_domains, post_rows
-from kvhost.nixl.errors import TransferError
+from kvhost.nixl.agent import Agent, Transfer, check_descriptor_bound, check_registered, merge_domains, post_rows
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, plan_transfer
 from kvhost.nixl.tables import RegionTable, Stream
 
@@ -328,14 +327,7 @@ class RankReader:
         *,
         max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES,
     ) -> None:
-        if max_descriptor_bytes is not None and (
-            isinstance(max_descriptor_bytes, bool)
-            or not isinstance(max_descriptor_bytes, int)
-            or max_descriptor_bytes < 1
-        ):
-            raise TransferError(
-                f"max_descriptor_bytes must be a positive integer or None, got {max_descriptor_bytes!r}"
-            )
+        check_descriptor_bound(max_descriptor_bytes)
         self.agent = agent
         self.plan = plan
         missing = [s.rank for s in plan.sources if s.rank not in peers]
