@@ -17,7 +17,7 @@ source order (``--sample N --seed S`` takes a seeded sample instead). Two worker
 a copy of the tree, a numba cache and a slot; the worktree itself is never written.
 
 What is not mutated: docstrings, f-strings (messages), decorators (compilation and
-caching settings), ``assert`` statements (type narrowing for mypy), and, in
+caching settings), annotations and ``assert`` statements (for mypy), and, in
 ``kvhost/nixl.py``, anything outside its planning code (see ``only``).
 """
 
@@ -54,6 +54,7 @@ EQUIVALENT_FILE = ROOT / "ci" / "mutation-equivalent.txt"
 
 CONFORMANCE = ["tests/test_receive.py", "tests/test_copy.py", "tests/test_property.py"]
 CHECKS = ["tests/test_errors.py", "tests/test_bad_input.py", "tests/test_ownership.py"]
+BACKENDS = [*CONFORMANCE, "tests/test_plans.py", "tests/test_backends.py", "tests/test_threads.py"]
 
 
 @dataclass(frozen=True)
@@ -64,19 +65,19 @@ class Module:
 
 
 MODULES = [
-    Module("kvhost/layout.py", ("tests/test_layout.py", "tests/test_mutants_layout.py", *CHECKS, *CONFORMANCE)),
-    Module("kvhost/memory.py", ("tests/test_mutants_layout.py", *CHECKS, "tests/test_layout.py")),
-    Module("kvhost/transform.py", ("tests/test_layout.py", "tests/test_mutants_layout.py", *CONFORMANCE, *CHECKS)),
-    Module("kvhost/caches.py", (*CHECKS, "tests/test_mutants_layout.py", *CONFORMANCE)),
-    Module("kvhost/ids.py", ("tests/test_errors.py", "tests/test_bad_input.py", *CONFORMANCE)),
-    Module("kvhost/batch.py", (*CHECKS, *CONFORMANCE)),
-    Module("kvhost/api.py", (*CHECKS, *CONFORMANCE, "tests/test_threads.py")),
-    Module("kvhost/torch_backend.py", (*CONFORMANCE, "tests/test_mutants_backends.py", "tests/test_threads.py")),
-    Module("backends/kvhost_cpu/backend.py", (*CONFORMANCE, "tests/test_mutants_backends.py", "tests/test_threads.py")),
-    Module("backends/kvhost_cpu/kernels.py", (*CONFORMANCE, "tests/test_mutants_backends.py", "tests/test_threads.py")),
+    Module("kvhost/layout.py", ("tests/test_layout.py", "tests/test_layout_rules.py", *CHECKS, *CONFORMANCE)),
+    Module("kvhost/memory.py", ("tests/test_layout_rules.py", *CHECKS, "tests/test_cache_sets.py")),
+    Module("kvhost/transform.py", ("tests/test_layout.py", "tests/test_plans.py", *CONFORMANCE, *CHECKS)),
+    Module("kvhost/caches.py", (*CHECKS, "tests/test_cache_sets.py", "tests/test_front_end.py", *CONFORMANCE)),
+    Module("kvhost/ids.py", ("tests/test_ids.py", "tests/test_errors.py", "tests/test_bad_input.py", *CONFORMANCE)),
+    Module("kvhost/batch.py", ("tests/test_front_end.py", *CHECKS, *CONFORMANCE)),
+    Module("kvhost/api.py", ("tests/test_front_end.py", "tests/test_cache_sets.py", *CHECKS, *CONFORMANCE)),
+    Module("kvhost/torch_backend.py", tuple(BACKENDS)),
+    Module("backends/kvhost_cpu/backend.py", tuple(BACKENDS)),
+    Module("backends/kvhost_cpu/kernels.py", tuple(BACKENDS)),
     Module(
         "kvhost/nixl.py",
-        ("tests/test_nixl.py", "tests/test_mutants_nixl.py"),
+        ("tests/test_nixl.py", "tests/test_nixl_plans.py"),
         only=("Stream", "RegionTable", "region_table", "TransferPlan", "plan_transfer", "_chunks", "_ids"),
     ),
 ]
@@ -242,6 +243,10 @@ class _Collector(ast.NodeVisitor):
 
     def visit_Assert(self, node: ast.Assert) -> None:
         pass
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:  # the annotation is for mypy: never evaluated here
+            self.visit(node.value)
 
     # expressions
     def visit_Compare(self, node: ast.Compare) -> None:
