@@ -126,3 +126,60 @@ def test_copies_wait_for_their_bytes_unless_asked_not_to():
     host.copy_from(host_buffer, [2], [3])
     kvhost.copy_blocks(caches, host_buffer, [4], [4], axes="KBNHC", backend=recorder, non_blocking=True)
     assert [job.non_blocking for job in recorder.jobs] == [False, False, False, True]  # type: ignore[attr-defined]
+
+
+class _Tracked(kvhost.Completion):
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> None:
+        self.log.append(self.name)
+
+
+def test_waiting_on_a_copy_waits_on_every_backend_call():
+    log: list[str] = []
+
+    class Tracking(Recorder):
+        def copy(self, job):  # type: ignore[no-untyped-def]
+            super().copy(job)
+            return _Tracked(log, f"job{len(self.jobs)}")
+
+    # Two layers in two layouts: two copy groups, two backend calls.
+    src = {
+        "a": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1),
+        "b": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 2),
+    }
+    dst = {"a": make_cache("KBNHC", "KBNHC", SIZES), "b": make_cache("KBNHC", "KBNHC", SIZES)}
+    result = kvhost.copy_blocks(src, dst, [1, 2, 5], [3, 4, 6], axes="KBNHC", backend=Tracking())
+    assert result.runs == 2  # 1, 2 -> 3, 4 and 5 -> 6
+    result.wait()
+    assert log == ["job1", "job2"]
+
+
+def test_copies_run_on_the_backend_of_the_device_side():
+    # meta stands in for an accelerator: the host side never picks the backend.
+    from kvhost.api import _copy_device
+
+    cpu, meta, cuda = torch.device("cpu"), torch.device("meta"), torch.device("cuda")
+    assert [_copy_device(*pair) for pair in [(cpu, meta), (meta, cpu), (meta, meta), (cpu, cpu)]] == [
+        meta,
+        meta,
+        meta,
+        cpu,
+    ]
+    with pytest.raises(kvhost.LayoutError, match="cannot copy between meta and cuda: stage through host memory"):
+        _copy_device(meta, cuda)
+    host = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
+    device = {"l": make_cache("KBNHC", "KBNHC", SIZES, device="meta")}
+    assert kvhost.copy_blocks(host, device, [1], [1], axes="KBNHC").backend == "torch"
+    recorder = Recorder()
+    registered = kvhost.KVHost(host, axes="KBNHC", backend=recorder)
+    assert registered.copy_to(device, [1], [1]).backend == "torch"  # not the host cache's own backend
+    assert registered.copy_to({"l": make_cache("KBNHC", "KBNHC", SIZES)}, [1], [1]).backend == "recorder"
+    assert len(recorder.jobs) == 1
+
+
+def test_a_call_reports_the_seconds_it_took():
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    stats = kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    assert 0 < stats.seconds < 60

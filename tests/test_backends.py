@@ -1,0 +1,132 @@
+"""The torch path and the CPU backend at the edges the conformance suite does not reach.
+
+Index buffers for devices (checked on ``meta``, which has no data but real buffers), the
+torch backend's knobs, units larger than its pass size, copies with more runs than it
+copies one by one, and the CPU backend with and without its compiled kernels. Found by
+mutation testing (ci/mutation.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import kvhost
+from kvhost.backend import OptionalKernels
+from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
+from kvhost.torch_backend import IndexBuffers, TorchBackend
+
+SIZES = dict(K=2, B=8, N=8, H=2, C=4)
+META = torch.device("meta")
+
+
+# --- index buffers on a device ------------------------------------------------------------
+
+
+def test_host_ids_are_used_in_place():
+    ids = np.array([3, 1, 2], dtype=np.int64)
+    index = IndexBuffers()(ids, torch.device("cpu"))
+    assert index.data_ptr() == ids.ctypes.data and index.tolist() == [3, 1, 2]
+
+
+def test_device_ids_go_through_one_growing_buffer_per_thread():
+    buffers = IndexBuffers()
+    index = buffers(np.arange(5), META)
+    assert (index.device, index.shape, index.dtype) == (META, (5,), torch.int64)
+    buffer = buffers._local.buffer
+    assert buffer.numel() == 1024 and buffer.device == META  # at least 1024
+    assert buffers(np.arange(1024), META).shape == (1024,) and buffers._local.buffer is buffer  # fits: reused
+    assert buffers(np.arange(1025), META).shape == (1025,)
+    assert buffers._local.buffer.numel() == 2048  # grown to the next power of two
+    assert IndexBuffers()(np.arange(3000), META).shape == (3000,)
+    fresh = IndexBuffers()
+    fresh(np.arange(3000), META)
+    assert fresh._local.buffer.numel() == 4096
+    elsewhere: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: (buffers(np.arange(2), META), elsewhere.append(buffers._local.buffer)))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not buffers._local.buffer  # each thread its own
+
+
+# --- the torch backend ---------------------------------------------------------------------
+
+
+def test_torch_backend_settings():
+    default = TorchBackend()
+    assert (default.host_chunk_bytes, default.device_chunk_bytes, default.max_run_copies) == (1 << 20, None, 64)
+    tuned = TorchBackend(host_chunk_bytes=4096, device_chunk_bytes=8192, max_run_copies=2)
+    assert (tuned.host_chunk_bytes, tuned.device_chunk_bytes, tuned.max_run_copies) == (4096, 8192, 2)
+
+
+@pytest.mark.parametrize("host_chunk_bytes", [None, 4096])
+def test_units_larger_than_a_pass_are_rewritten_one_at_a_time(host_chunk_bytes):
+    # A sender block of 8 local blocks: a 1 MiB unit per K, 2 MiB in all: more than a pass.
+    sizes = dict(K=2, B=18, N=64, H=8, C=128)
+    caches = {"l": make_cache("KBNHC", "KBNHC", sizes)}
+    case = ReceiveCase(caches, "KBNHC", seed=8)
+    ids = [9, 1, 2, 3, 17, 5, 6, 7, 0, 10, 11, 12, 13, 14, 15, 16]
+    case.send("r", ids, "HNC", 512)
+    backend = TorchBackend(host_chunk_bytes=host_chunk_bytes)
+    kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=512, backend=backend)
+    case.check()
+
+
+def test_copies_with_more_runs_than_copied_one_by_one_are_gathered():
+    src = {"l": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 1)}
+    dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 2)}
+    before = raw(dst["l"]).clone()
+    src_ids, dst_ids = [0, 1, 5, 3], [6, 7, 2, 0]  # three runs, more than max_run_copies
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=2))
+    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
+    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
+    for block in (1, 3, 4, 5):
+        assert torch.equal(raw(dst["l"])[:, block], before[:, block])
+
+
+# --- the CPU backend with and without its kernels ------------------------------------------
+
+
+class _NoTorchPath:
+    def receive(self, job):  # type: ignore[no-untyped-def]
+        raise AssertionError("host work went to the torch path although the kernels are here")
+
+    copy = receive
+
+
+def test_the_cpu_backend_runs_its_kernels_on_host_memory():
+    from kvhost_cpu import CpuBackend
+
+    backend = CpuBackend()
+    assert backend.describe() == "numba kernels"
+    backend.torch_path = _NoTorchPath()  # type: ignore[assignment]
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=2)
+    case.send("r", [1, 4], "HNC", 4)
+    kvhost.receive(caches, {"r": [1, 4]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend=backend)
+    case.check()
+    other = {"l": make_cache("KBNHC", "KBHNC", SIZES)}
+    kvhost.copy_blocks(caches, other, [1], [2], axes="KBNHC", backend=backend)
+    assert torch.equal(raw(other["l"][:, 2]), raw(caches["l"][:, 1]))
+
+
+def test_without_numba_the_cpu_backend_runs_the_torch_path(monkeypatch):
+    import kvhost_cpu.backend as cpu
+
+    monkeypatch.setattr(cpu, "KERNELS", OptionalKernels("kvhost_cpu.no_such_kernels"))
+    backend = cpu.CpuBackend()
+    assert backend.describe() == "torch ops (numba unavailable: No module named 'kvhost_cpu.no_such_kernels')"
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=3)
+    case.send("r", [2, 5], "HNC", 2)
+    stats = kvhost.receive(
+        caches, {"r": [2, 5]}, axes="KBNHC", remote_order="HNC", remote_block_size=2, backend=backend
+    )
+    case.check()
+    assert stats.backend == "cpu"
+    other = {"l": make_cache("KBNHC", "KBHNC", SIZES)}
+    kvhost.copy_blocks(caches, other, [2], [3], axes="KBNHC", backend=backend)
+    assert torch.equal(raw(other["l"][:, 3]), raw(caches["l"][:, 2]))
