@@ -450,6 +450,7 @@ COMPILED_ENTRY = {
         ("", "launcher"),
     ]
 }
+IMPORT = "<import>"  # coverage's entry for the lines run before any test (ci/mutation_server.py)
 COMPILE_SECONDS = 240  # allowance for numba to compile a mutated kernel module from scratch
 START_SECONDS = 30  # a fork, the imports of kvhost and the test files, collection
 
@@ -600,8 +601,12 @@ def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> 
 
     _in_parallel(work, list(zip(workers, shares, parts)))
     coverage = {}
+    imported: dict[str, set[int]] = {}
     for part in parts:
+        for path, lines in part.pop(IMPORT, {}).get("lines", {}).items():
+            imported.setdefault(path, set()).update(lines)
         coverage.update(part)
+    coverage[IMPORT] = {"seconds": 0.0, "lines": {path: sorted(lines) for path, lines in imported.items()}}
     path.write_text(json.dumps(coverage))
     return coverage
 
@@ -627,21 +632,21 @@ def _in_parallel(work: Any, jobs: list[tuple[Any, ...]]) -> None:
 def select_tests(mutant: Mutant, module: Module, coverage: Coverage, full: bool) -> list[str]:
     """The module's tests that run the mutated code, in the module's file order.
 
-    Import-time code (module constants, class attributes, defaults) runs before any test:
-    every test of the module judges it. Compiled kernels are not traced: the tests that run
+    Import-time code (module constants, class attributes, defaults, and whatever they
+    call) runs before any test: every test of the module judges it. Compiled kernels are not traced: the tests that run
     the Python function every caller of the kernel runs judge them.
     """
     order = {f: i for i, f in enumerate(module.tests)}
     candidates = [n for n in coverage if n.split("::")[0] in order]
     candidates.sort(key=lambda n: order[n.split("::")[0]])  # stable: collection order within a file
-    if full or mutant.when == "import":
+    lines = set(range(mutant.line, mutant.end_line + 1))
+    run_at_import = lines.intersection(coverage.get(IMPORT, {}).get("lines", {}).get(mutant.module, ()))
+    if full or mutant.when == "import" or run_at_import:
         return candidates
     if mutant.when == "compiled":
         function = _function_name(mutant.qualname)
         entry = next(e for text, e in COMPILED_ENTRY[mutant.module] if text in function)
         lines = set(_function_lines(mutant.module, entry))
-    else:
-        lines = set(range(mutant.line, mutant.end_line + 1))
     return [n for n in candidates if lines.intersection(coverage[n]["lines"].get(mutant.module, ()))]
 
 

@@ -12,11 +12,13 @@ no database, so a mutant is judged by the examples that judged the original; the
 tests import is checked to be the copy. With ``KVHOST_MUTATION_COVERAGE`` set it also
 records, per test, the lines of the mutated modules it runs (``sys.settrace``), with the
 caches of the planner cleared before every test so that what a test runs does not hang on
-the tests before it; ci/mutation.py picks each mutant's tests from this.
+the tests before it, and the lines run before the first test (imports) under ``<import>``;
+ci/mutation.py picks each mutant's tests from this.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -36,6 +38,10 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.register_profile("mutation", database=None, derandomize=True)
     settings.load_profile("mutation")
     tree = os.environ.get("KVHOST_MUTATION_TREE")
+    if tree and _COVERAGE:  # every mutated module's import-time lines, traced before any test
+        for path in sorted(_FILES):
+            relative = os.path.relpath(path, tree).removeprefix("backends" + os.sep)
+            importlib.import_module(relative.removesuffix(".py").replace(os.sep, "."))
     if tree:
         import kvhost_cpu
 
@@ -78,11 +84,19 @@ def _clear_caches() -> None:
                 value.clear()
 
 
+IMPORT = "<import>"  # the lines run before the first test: imports, module bodies, collection
+if _COVERAGE:
+    sys.settrace(_trace_calls)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     if not _COVERAGE:
         yield
         return
+    if IMPORT not in _per_test:
+        sys.settrace(None)
+        _per_test[IMPORT] = {"seconds": 0.0, "lines": _by_path()}
     _clear_caches()
     _lines.clear()
     start = time.perf_counter()
@@ -93,13 +107,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     finally:
         sys.settrace(None)
         threading.settrace(None)  # type: ignore[arg-type]
+    _per_test[item.nodeid] = {"seconds": time.perf_counter() - start, "lines": _by_path()}
+
+
+def _by_path() -> dict[str, list[int]]:
     lines: dict[str, list[int]] = {}
     for path, line in _lines:
         lines.setdefault(path, []).append(line)
-    _per_test[item.nodeid] = {
-        "seconds": time.perf_counter() - start,
-        "lines": {path: sorted(found) for path, found in lines.items()},
-    }
+    return {path: sorted(found) for path, found in lines.items()}
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

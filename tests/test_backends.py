@@ -130,3 +130,29 @@ def test_without_numba_the_cpu_backend_runs_the_torch_path(monkeypatch):
     other = {"l": make_cache("KBNHC", "KBHNC", SIZES)}
     kvhost.copy_blocks(caches, other, [2], [3], axes="KBNHC", backend=backend)
     assert torch.equal(raw(other["l"][:, 3]), raw(caches["l"][:, 2]))
+
+
+# --- runs of any length ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels", [31, 33, 64, 66])
+def test_runs_of_any_byte_length_copy_exactly_their_bytes(target, channels):
+    # One-byte items: a token's channels are a run of 31, 33, 64 or 66 bytes, which the
+    # kernels copy in 32-byte moves when they can and byte-exact otherwise.
+    sizes = dict(K=2, B=8, N=4, H=3, C=channels)
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes, torch.uint8, target.device), 1)}
+    dst = {"l": fill_random(make_cache("KBNHC", "KBHNC", sizes, torch.uint8, target.device), 2)}
+    before = raw(dst["l"]).cpu().clone()
+    kvhost.copy_blocks(src, dst, [0, 5, 6], [7, 1, 2], axes="KBNHC", backend=target.backend).completion.wait()
+    now = raw(dst["l"]).cpu()
+    for s, d in zip([0, 5, 6], [7, 1, 2]):
+        assert torch.equal(now[:, d], raw(src["l"]).cpu()[:, s])
+    for block in (0, 3, 4, 5, 6):
+        assert torch.equal(now[:, block], before[:, block]), f"block {block} changed"
+    caches = {"l": make_cache("KBNHC", "KBHNC", sizes, torch.uint8, target.device)}
+    case = ReceiveCase(caches, "KBNHC", seed=channels)
+    case.send("r", [6, 2, 3], "NHC", 2)
+    kvhost.receive(
+        caches, {"r": [6, 2, 3]}, axes="KBNHC", remote_order="NHC", remote_block_size=2, backend=target.backend
+    )
+    case.check()
