@@ -156,3 +156,26 @@ def test_runs_of_any_byte_length_copy_exactly_their_bytes(target, channels):
         caches, {"r": [6, 2, 3]}, axes="KBNHC", remote_order="NHC", remote_block_size=2, backend=target.backend
     )
     case.check()
+
+
+def test_loops_with_every_letter_apart(target):
+    # Layers and K/V inside each block, and a sender (or a destination) whose order
+    # reverses every letter: nothing merges, so the kernels walk all six loop dims (five
+    # for the copy), each of a different size.
+    sizes = dict(B=6, L=3, K=2, H=4, N=4, C=5)
+    caches = {"x": make_cache("BLKHNC", "BLKHNC", sizes, device=target.device)}
+    case = ReceiveCase(caches, "BLKHNC", seed=12)
+    case.send("r", [4, 1], "CNHKL", 2)
+    kvhost.receive(
+        caches, {"r": [4, 1]}, axes="BLKHNC", remote_order="CNHKL", remote_block_size=2, backend=target.backend
+    )
+    case.check()
+    src = {"x": fill_random(make_cache("LKBHNC", "LKBHNC", sizes, device=target.device), 3)}
+    dst = {"x": fill_random(make_cache("LKBHNC", "BCNHKL", sizes, device=target.device), 4)}
+    before = raw(dst["x"]).cpu().clone()
+    kvhost.copy_blocks(src, dst, [5, 0, 1], [2, 3, 4], axes="LKBHNC", backend=target.backend).completion.wait()
+    now, source = raw(dst["x"]).cpu(), raw(src["x"]).cpu()
+    for s, d in zip([5, 0, 1], [2, 3, 4]):
+        assert torch.equal(now[:, :, d], source[:, :, s])
+    for block in (0, 1, 5):
+        assert torch.equal(now[:, :, block], before[:, :, block])
