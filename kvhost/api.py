@@ -31,7 +31,8 @@ def receive(
     """Post-process, in place, the blocks of ``requests`` that hold the sender's wire bytes.
 
     ``requests`` maps a request id to its local block ids in token order, or to an
-    ``Incoming`` naming its own remote order and block size. The whole batch is checked
+    ``Incoming`` naming its own remote order and block size, and how many of its tokens
+    arrived (the rest of its blocks is zeroed). The whole batch is checked
     before any byte moves (a batch where none would move is only counted); requests
     sharing a transform are done in one backend call.
     """
@@ -138,10 +139,12 @@ def _receive(
 ) -> ReceiveStats:
     start = time.perf_counter()
     batch = plan_receive_batch(caches, requests, remote_order, remote_block_size)
-    if registered and batch.jobs:  # bytes will move: the caches must still be where they were
+    if registered and (batch.jobs or batch.zero_jobs):  # bytes will move: the caches must still be where they were
         caches.check_current()
     for job in batch.jobs:
         backend.receive(job)
+    for zero in batch.zero_jobs:  # after the rearrangement: a block partly received is rearranged, then cut
+        backend.zero(zero)
     return ReceiveStats(
         blocks=batch.blocks,
         bytes_moved=batch.bytes_moved,
@@ -149,6 +152,7 @@ def _receive(
         backend=backend.name,
         requests=batch.requests,
         skipped_blocks=batch.skipped_blocks,
+        zeroed_blocks=batch.zeroed_blocks,
         seconds=time.perf_counter() - start,
     )
 

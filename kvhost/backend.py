@@ -18,16 +18,19 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from kvhost.raw import as_raw
 
 if TYPE_CHECKING:
-    from kvhost.batch import CopyJob, ReceiveJob
+    from kvhost.batch import CopyJob, ReceiveJob, ZeroJob
+    from kvhost.layout import Layout
 
 
 class Completion:
@@ -69,6 +72,19 @@ class Backend(ABC):
     def copy(self, job: CopyJob) -> Completion:
         """Copy every block pair of ``job``; complete on return unless ``job.non_blocking``."""
 
+    def zero(self, job: ZeroJob) -> None:
+        """Zero, in place, the tokens ``job`` names in every member tensor; runs after the
+        batch's ``receive`` jobs.
+
+        Torch ops on a view in memory order, in the tensor's own dtype (zero is all-zero
+        bytes in every KV dtype), so it runs on any device; a backend may do it its way.
+        """
+        zeros = ZeroIndices.of(job)
+        for member in job.members:
+            zeros.apply(_zeroable(member.tensor), job.layout)
+
+    # --- facts about the device's tensors --------------------------------------------------
+
     # --- facts about the device's tensors --------------------------------------------------
 
     def raw(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -81,6 +97,37 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"<kvhost backend {self.name!r} for {', '.join(self.device_types)}>"
+
+
+@dataclass(frozen=True)
+class ZeroIndices:
+    """A ``ZeroJob``'s block ids on its device: whole blocks, and blocks zeroed from a token on."""
+
+    whole: torch.Tensor | None
+    partial: list[tuple[int, torch.Tensor]]  # (first token zeroed, block ids)
+
+    @classmethod
+    def of(cls, job: ZeroJob) -> ZeroIndices:
+        whole = torch.from_numpy(job.whole_ids).to(job.device) if job.whole_ids.size else None
+        cuts = [(int(f), job.partial_ids[job.partial_from == f]) for f in np.unique(job.partial_from)]
+        return cls(whole, [(f, torch.from_numpy(ids).to(job.device)) for f, ids in cuts])
+
+    def apply(self, tensor: torch.Tensor, layout: Layout) -> None:
+        """Zero the named tokens of ``tensor`` (a cache of ``layout``, or its bytes), in place."""
+        b = len(layout.outer)  # the block dim of the view
+        n = b + 1 + layout.region.index("N")  # the token dim
+        view = tensor.permute([layout.axes.index(a) for a in layout.physical])
+        if self.whole is not None:
+            view.index_fill_(b, self.whole, 0)
+        for first, ids in self.partial:
+            view.narrow(n, first, layout.block_size - first).index_fill_(b, ids, 0)
+
+
+def _zeroable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or its bytes where its dtype has no index ops (fp8 on some devices)."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return as_raw(tensor)
+    return tensor
 
 
 class OptionalKernels:

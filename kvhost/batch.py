@@ -10,7 +10,7 @@ with the contiguous runs of ids found once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "Incoming",
     "ReceiveBatch",
     "ReceiveJob",
+    "ZeroJob",
     "plan_copy_batch",
     "plan_receive_batch",
 ]
@@ -41,13 +42,18 @@ class Incoming:
     """A finished request: its local block ids in token order, and the sender's layout.
 
     ``remote_order`` and ``remote_block_size`` default to the call's values, and those to
-    the local region order and block size. It has no length, on purpose: the identity
-    check counts a batch's ids with ``len()`` and an Incoming must fail that count.
+    the local region order and block size. ``tokens``, when given, is how many of the
+    request's tokens arrived: sender blocks that hold none of them are not rearranged,
+    and every token from ``tokens`` on, to the end of the request's blocks, is zeroed
+    (what vLLM does to a prompt that does not end on a block boundary). It has no
+    length, on purpose: the identity check counts a batch's ids with ``len()`` and an
+    Incoming must fail that count.
     """
 
     block_ids: Sequence[int] | np.ndarray
     remote_order: str | None = None
     remote_block_size: int | None = None
+    tokens: int | None = None
 
 
 @dataclass
@@ -71,14 +77,41 @@ class ReceiveJob:
 
 
 @dataclass
+class ZeroJob:
+    """Tokens to zero after a receive, for one layout: every token of ``whole_ids``, and
+    tokens ``partial_from[i]`` to the end of the block of ``partial_ids[i]``; in every
+    outer index of every member tensor."""
+
+    members: MemberList
+    layout: Layout
+    whole_ids: np.ndarray
+    partial_ids: np.ndarray
+    partial_from: np.ndarray
+    device: torch.device
+
+    @property
+    def blocks(self) -> int:
+        return int(self.whole_ids.size + self.partial_ids.size)
+
+
+@dataclass
 class ReceiveBatch:
-    """The validated batch: the jobs to run and what they amount to."""
+    """The validated batch: the jobs to run and what they amount to.
+
+    ``zero_jobs`` run after ``jobs``: a block partly received is rearranged, then its
+    tail is zeroed.
+    """
 
     jobs: list[ReceiveJob]
     requests: int
     blocks: int
     groups: int  # transform groups with work to do
     skipped_blocks: int  # blocks whose transform is the identity: nothing copied
+    zero_jobs: list[ZeroJob] = field(default_factory=list)
+
+    @property
+    def zeroed_blocks(self) -> int:
+        return self.zero_jobs[0].blocks if self.zero_jobs else 0
 
     @property
     def bytes_moved(self) -> int:
@@ -110,6 +143,7 @@ def plan_receive_batch(
     batch = IdBatch()
     keys: dict[tuple[str, int], int] = {}
     key_of_request: list[int] = []
+    arrived: dict[int, int] = {}  # request index -> tokens that arrived, for requests that say
     for name, request in requests.items():
         subject = f"request {name!r}"
         if isinstance(request, Incoming):
@@ -117,6 +151,8 @@ def plan_receive_batch(
                 _remote_order(request.remote_order, call_key[0], f"{subject}: remote_order"),
                 _remote_block_size(request.remote_block_size, call_key[1], f"{subject}: remote_block_size"),
             )
+            if request.tokens is not None:
+                arrived[len(key_of_request)] = _tokens(request.tokens, f"{subject}: tokens")
             batch.add(subject, request.block_ids)
         else:
             key = call_key
@@ -144,17 +180,22 @@ def plan_receive_batch(
                     f"(remote block size {key_list[k][1]} = {parts[k]} x local block size {local.block_size})"
                 )
 
+    partial = _Partial(arrived, batch, key_of_request, parts, local.block_size) if arrived else None
+
     jobs: list[ReceiveJob] = []
     groups = skipped = 0
     with_work = [k for k in range(len(key_list)) if any(plans[layout, k] for layout, _ in caches.by_layout())]
-    ids = batch.array() if with_work else None
+    ids = batch.array() if with_work or partial else None
     request_key = np.repeat(np.array(key_of_request), batch.lengths) if len(key_list) > 1 and with_work else None
     for k in range(len(key_list)):
         if k not in with_work:
             skipped += sum(length for length, key in zip(batch.lengths, key_of_request) if key == k)
             continue
         assert ids is not None
-        group_ids = ids if request_key is None else ids[request_key == k]
+        wanted = None if request_key is None else request_key == k
+        if partial is not None:  # blocks that received nothing are zeroed, not rearranged
+            wanted = partial.arrived if wanted is None else wanted & partial.arrived
+        group_ids = ids if wanted is None else ids[wanted]
         if not group_ids.size:
             continue
         groups += 1
@@ -162,9 +203,65 @@ def plan_receive_batch(
             plan = plans[layout, k]
             if plan is not None:
                 jobs.append(ReceiveJob(members, layout, plan, group_ids.reshape(-1, plan.parts), caches.device))
+    zero_jobs = []
+    if partial is not None and partial.blocks:
+        assert ids is not None
+        whole, partial_ids, partial_from = partial.zero(ids)
+        for layout, members in caches.by_layout():
+            zero_jobs.append(ZeroJob(members, layout, whole, partial_ids, partial_from, caches.device))
     return ReceiveBatch(
-        jobs, requests=len(batch.subjects), blocks=len(batch.flat), groups=groups, skipped_blocks=skipped
+        jobs,
+        requests=len(batch.subjects),
+        blocks=len(batch.flat),
+        groups=groups,
+        skipped_blocks=skipped,
+        zero_jobs=zero_jobs,
     )
+
+
+class _Partial:
+    """Where the requests that name ``tokens`` end: which of their blocks hold wire bytes
+    to rearrange, and which tokens to zero.
+
+    A request's sender blocks arrive whole, so the unit holding its last token is
+    rearranged whole; units after it received nothing and are left alone. Then every
+    token from ``tokens`` on is zeroed: the rest of the block holding the last token, and
+    every later block the request names.
+    """
+
+    def __init__(
+        self, arrived: dict[int, int], batch: IdBatch, key_of_request: list[int], parts: list[int], block_size: int
+    ) -> None:
+        starts = np.concatenate(([0], np.cumsum(batch.lengths, dtype=np.int64)))
+        self.arrived = np.ones(int(starts[-1]), dtype=bool)  # per position: rearranged
+        self._whole: list[tuple[int, int]] = []  # position ranges zeroed whole
+        self._partial: list[tuple[int, int]] = []  # (position, first token zeroed)
+        for index, tokens in arrived.items():
+            start, length, unit = int(starts[index]), batch.lengths[index], parts[key_of_request[index]]
+            subject = batch.subjects[index]
+            if tokens > length * block_size:
+                raise RequestError(
+                    f"{subject}: tokens={tokens} do not fit in the {length} block ids named "
+                    f"({length} x {block_size} = {length * block_size} tokens)"
+                )
+            units = -(-tokens // (unit * block_size))
+            self.arrived[start + units * unit : start + length] = False
+            last, used = divmod(tokens - 1, block_size)
+            if used + 1 < block_size:
+                self._partial.append((start + last, used + 1))
+            if last + 1 < length:
+                self._whole.append((start + last + 1, start + length))
+        self.blocks = len(self._partial) + sum(end - begin for begin, end in self._whole)
+
+    def zero(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(blocks zeroed whole, blocks zeroed from a token on, that token) as block ids."""
+        whole = [ids[begin:end] for begin, end in self._whole]
+        empty = np.zeros(0, dtype=np.int64)
+        return (
+            np.concatenate(whole).astype(np.int64, copy=False) if whole else empty,
+            ids[[p for p, _ in self._partial]].astype(np.int64, copy=False) if self._partial else empty,
+            np.array([t for _, t in self._partial], dtype=np.int64),
+        )
 
 
 @dataclass
@@ -281,6 +378,13 @@ def _remote_order(order: object, default: str, what: str) -> str:
         return default
     check_letters(order, what=what, error=RequestError)  # type: ignore[arg-type]
     return order  # type: ignore[return-value]
+
+
+def _tokens(tokens: object, what: str) -> int:
+    """A request's count of tokens that arrived: a positive integer, never coerced."""
+    if isinstance(tokens, (bool, np.bool_)) or not isinstance(tokens, (int, np.integer)) or tokens < 1:
+        raise RequestError(f"{what} must be a positive integer, got {tokens!r}")
+    return int(tokens)
 
 
 def _remote_block_size(size: object, default: int, what: str) -> int:

@@ -87,7 +87,7 @@ def checked_ids(ids: Any, subject: str, limit: int, *, unique: bool = True, allo
     batch = IdBatch()
     batch.add(subject, ids)
     if not batch.flat and not allow_empty:
-        raise RequestError(f"{subject}: no block ids")
+        raise RequestError(f"{subject}: empty (no block ids)")
     batch.check(limit, unique=unique)
     return batch.array()
 

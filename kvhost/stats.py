@@ -14,7 +14,8 @@ class ReceiveStats:
 
     ``blocks``: local block ids in the batch; ``skipped_blocks``: those whose transform is
     the identity (no byte copied); ``bytes_moved``: bytes rewritten in place; ``groups``:
-    transform groups that had work (one backend call each per layout).
+    transform groups that had work (one backend call each per layout); ``zeroed_blocks``:
+    blocks past a request's last token (``Incoming.tokens``), wholly or from a token on.
     """
 
     blocks: int
@@ -23,6 +24,7 @@ class ReceiveStats:
     backend: str
     requests: int = 0
     skipped_blocks: int = 0
+    zeroed_blocks: int = 0
     seconds: float = 0.0
 
 

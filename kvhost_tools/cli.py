@@ -47,8 +47,8 @@ def info(args: argparse.Namespace) -> int:
 
 # Subcommands that own their options live in their own modules, loaded only when run.
 DELEGATED = {
-    "demo": ("kvhost.demo", "prefill -> decode hand-off over real NIXL, verified bit for bit"),
-    "bench": ("kvhost.bench", "memcpy roofline, the per-request baseline and kvhost, side by side"),
+    "demo": ("kvhost_tools.demo.cli", "prefill -> decode hand-off over real NIXL, verified bit for bit"),
+    "bench": ("kvhost_tools.bench.cli", "memcpy roofline, the per-request baseline and kvhost, side by side"),
 }
 
 

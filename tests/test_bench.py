@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import kvhost
-from kvhost import bench
-from kvhost.baseline import PerRequestReceiver, PerRequestStager, wire_view
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
+from kvhost_tools.bench import cli, machine, output, targets, timing, workloads
+from kvhost_tools.bench.baseline import PerRequestReceiver, PerRequestStager, wire_view
+from kvhost_tools.bench.methods import BASELINE, KVHOST, KVHOST_FN, ROOFLINE
 
 TARGET_SCENARIOS = {"receive-r4", "receive-g4", "stage-runs", "stage-scattered", "identity", "front-end"}
 
@@ -20,7 +21,7 @@ TARGET_SCENARIOS = {"receive-r4", "receive-g4", "stage-runs", "stage-scattered",
 @pytest.mark.timeout(240)
 def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    code = bench.main(["--quick", "--json", str(out_json), "--png", str(out_png)])
+    code = cli.main(["--quick", "--json", str(out_json), "--png", str(out_png)])
     out, err = capfd.readouterr()
     assert code == 0, err[-2000:]
 
@@ -31,14 +32,14 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
     assert {t["scenario"] for t in result["targets"]} == TARGET_SCENARIOS
     assert all(isinstance(t["passed"], bool) and t["checks"] for t in result["targets"])
 
-    roofline_rows = [r for r in result["points"] if bench.ROOFLINE in r["methods"]]
+    roofline_rows = [r for r in result["points"] if ROOFLINE in r["methods"]]
     assert roofline_rows
     for row in roofline_rows:
         methods = row["methods"]
-        assert {bench.ROOFLINE, bench.BASELINE, bench.KVHOST, bench.KVHOST_FN} <= set(methods)
-        block_bytes = bench.Geometry(**{**row["geometry"]}).block_bytes
+        assert {ROOFLINE, BASELINE, KVHOST, KVHOST_FN} <= set(methods)
+        block_bytes = workloads.Geometry(**{**row["geometry"]}).block_bytes
         assert row["bytes"] == row["blocks"] * block_bytes > 0
-        assert methods[bench.ROOFLINE]["fraction"] == pytest.approx(1.0)
+        assert methods[ROOFLINE]["fraction"] == pytest.approx(1.0)
         for entry in methods.values():
             assert len(entry["samples_s"]) == len(entry["run_queue_wait_s"]) == len(entry["used"]) == row["rounds_run"]
             used = [t for t, keep in zip(entry["samples_s"], entry["used"]) if keep]
@@ -47,7 +48,7 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
             assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
             assert entry["gbps"] == pytest.approx(row["bytes"] / entry["median_s"] / 1e9, rel=1e-4)
         best = methods[row["baseline_best"]]["median_s"]
-        assert methods[bench.KVHOST]["speedup"] == pytest.approx(best / methods[bench.KVHOST]["median_s"], rel=1e-4)
+        assert methods[KVHOST]["speedup"] == pytest.approx(best / methods[KVHOST]["median_s"], rel=1e-4)
     # Every scenario's first point was checked against the baseline, bit for bit.
     firsts = {}
     for row in roofline_rows:
@@ -63,16 +64,16 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
     assert width > 600 and height > 300
 
     header = next(line for line in out.splitlines() if line.startswith("scenario "))
-    assert all(column in header for column in bench.TABLE_COLUMNS)
+    assert all(column in header for column in output.TABLE_COLUMNS)
     assert result["table"].splitlines()[0] == header
     assert "[  1/" in err  # progress while it runs
 
 
 def test_bench_reports_a_baseline_that_disagrees(tmp_path, monkeypatch, capfd):
     """The bench's own check can fail: a baseline that leaves the wire bytes is caught."""
-    monkeypatch.setattr(bench.PerRequestReceiver, "receive", lambda self, requests, **kw: 0)
+    monkeypatch.setattr(PerRequestReceiver, "receive", lambda self, requests, **kw: 0)
     argv = ["--quick", "--in-process", "--only", "receive-r4", "--requests", "1", "--rounds", "1"]
-    code = bench.main([*argv, "--json", str(tmp_path / "b.json"), "--png", str(tmp_path / "b.png")])
+    code = cli.main([*argv, "--json", str(tmp_path / "b.json"), "--png", str(tmp_path / "b.png")])
     assert code == 2
     assert "MISMATCH" in capfd.readouterr().err
     assert json.loads((tmp_path / "b.json").read_text())["verified"] is False
@@ -82,10 +83,10 @@ def test_bench_without_matplotlib_still_writes_its_figures(tmp_path, monkeypatch
     def no_matplotlib(result, path):
         raise ImportError("No module named 'matplotlib'")
 
-    monkeypatch.setattr(bench, "plot", no_matplotlib)
+    monkeypatch.setattr(cli, "plot", no_matplotlib)
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     argv = ["--quick", "--in-process", "--only", "front-end", "--rounds", "1", "--xla-scaling"]
-    assert bench.main([*argv, "--json", str(out_json), "--png", str(out_png)]) == 0
+    assert cli.main([*argv, "--json", str(out_json), "--png", str(out_png)]) == 0
     result = json.loads(out_json.read_text())
     assert not out_png.exists() and "no plot" in capfd.readouterr().err
     assert result["points"][0]["kind"] == "frontend" and result["points"][0]["front_end_share"] > 0
@@ -104,76 +105,76 @@ def test_bench_without_matplotlib_still_writes_its_figures(tmp_path, monkeypatch
 )
 def test_bad_options_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
+        cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def _rows(fraction: float, speedup: float) -> list[dict]:
     return [
-        {"requests": n, "methods": {bench.KVHOST: {"fraction": f, "speedup": s}}}
+        {"requests": n, "methods": {KVHOST: {"fraction": f, "speedup": s}}}
         for n, f, s in ((1, 0.95, 9.0), (256, fraction, speedup))
     ]
 
 
 def test_targets_pass_and_fail_on_the_figures():
-    target = bench.Target("t", min_fraction=0.8, min_speedup=4.0)
-    scenario = bench.Scenario("s", "s", (), target)
-    assert bench.evaluate(scenario, _rows(0.85, 5.0))["passed"] is True
-    failed = bench.evaluate(scenario, _rows(0.79, 5.0))
+    target = workloads.Target("t", min_fraction=0.8, min_speedup=4.0)
+    scenario = workloads.Scenario("s", "s", (), target)
+    assert targets.evaluate(scenario, _rows(0.85, 5.0))["passed"] is True
+    failed = targets.evaluate(scenario, _rows(0.79, 5.0))
     assert failed["passed"] is False
     assert [(c["point"], c["what"]) for c in failed["checks"] if not c["passed"]] == [("256 requests", "kvhost/memcpy")]
-    assert bench.evaluate(scenario, _rows(0.9, 3.9))["passed"] is False
+    assert targets.evaluate(scenario, _rows(0.9, 3.9))["passed"] is False
 
-    front = bench.Scenario("f", "f", (), bench.Target("f", max_front_share=0.05))
+    front = workloads.Scenario("f", "f", (), workloads.Target("f", max_front_share=0.05))
     rows = [{"requests": 1024, "methods": {"front end": {"median_s": 0.004}, "transform": {"median_s": 0.1}}}]
-    assert bench.evaluate(front, rows)["passed"] is True
+    assert targets.evaluate(front, rows)["passed"] is True
     rows[0]["methods"]["front end"]["median_s"] = 0.006
-    assert bench.evaluate(front, rows)["passed"] is False
+    assert targets.evaluate(front, rows)["passed"] is False
 
-    identity = bench.Scenario("i", "i", (), bench.Target("i", identity=True))
+    identity = workloads.Scenario("i", "i", (), workloads.Target("i", identity=True))
 
     def identity_row(moved: int, extra: float) -> list[dict]:
         spread = {"p25_s": 1e-5, "p75_s": 2e-5}
         methods = {
             "empty": {"median_s": 1.5e-5, **spread},
             "visit": {"median_s": 2e-6, **spread},
-            bench.KVHOST: {"median_s": 1.5e-5 + extra, **spread},
+            KVHOST: {"median_s": 1.5e-5 + extra, **spread},
         }
         return [{"requests": 4, "bytes": moved, "methods": methods}]
 
-    assert bench.evaluate(identity, identity_row(0, 5e-6))["passed"] is True
-    assert bench.evaluate(identity, identity_row(0, 1.1e-5))["passed"] is True  # noise 10 us + visit 2 us
-    assert bench.evaluate(identity, identity_row(0, 1.3e-5))["passed"] is False
-    assert bench.evaluate(identity, identity_row(0, 5e-5))["passed"] is False
-    assert bench.evaluate(identity, identity_row(64, 0.0))["passed"] is False
+    assert targets.evaluate(identity, identity_row(0, 5e-6))["passed"] is True
+    assert targets.evaluate(identity, identity_row(0, 1.1e-5))["passed"] is True  # noise 10 us + visit 2 us
+    assert targets.evaluate(identity, identity_row(0, 1.3e-5))["passed"] is False
+    assert targets.evaluate(identity, identity_row(0, 5e-5))["passed"] is False
+    assert targets.evaluate(identity, identity_row(64, 0.0))["passed"] is False
 
 
 def test_worst_check_is_the_one_with_least_headroom():
     checks = [
-        bench._check("1", "fraction", 0.9, ">=", 0.8),  # 12% above
-        bench._check("2", "fraction", 0.84, ">=", 0.8),  # 5% above: the worst
-        bench._check("3", "bytes moved", 0, "<=", 0),  # exact, holds: nothing to report
-        bench._check("4", "extra us", -0.5, "<=", 0.3),  # 267% below
+        targets.check("1", "fraction", 0.9, ">=", 0.8),  # 12% above
+        targets.check("2", "fraction", 0.84, ">=", 0.8),  # 5% above: the worst
+        targets.check("3", "bytes moved", 0, "<=", 0),  # exact, holds: nothing to report
+        targets.check("4", "extra us", -0.5, "<=", 0.3),  # 267% below
     ]
-    assert bench._worst(checks)["point"] == "2"
-    assert bench._worst(checks[2:])["point"] == "4"
+    assert targets.worst(checks)["point"] == "2"
+    assert targets.worst(checks[2:])["point"] == "4"
 
 
 def test_calls_that_waited_for_a_core_are_marked_and_left_out():
     # b waited 4 ms for a core in round 2 (a scheduler time slice); its usual wake-up wait is 0.2 ms.
-    a = bench.Sample([1e-3, 1.1e-3, 1e-3, 1e-3], [0.0, 1e-4, 0.0, 0.0])
-    b = bench.Sample([2e-3, 2e-3, 6e-3, 2.1e-3], [2e-4, 2e-4, 4.2e-3, 3e-4])
-    assert bench.disturbed(a) == [False] * 4
-    assert bench.disturbed(b) == [False, False, True, False]
-    measured = bench.Measured({"a": a, "b": b}, {"a": [True] * 4, "b": [not d for d in bench.disturbed(b)]})
+    a = timing.Sample([1e-3, 1.1e-3, 1e-3, 1e-3], [0.0, 1e-4, 0.0, 0.0])
+    b = timing.Sample([2e-3, 2e-3, 6e-3, 2.1e-3], [2e-4, 2e-4, 4.2e-3, 3e-4])
+    assert timing.disturbed(a) == [False] * 4
+    assert timing.disturbed(b) == [False, False, True, False]
+    measured = timing.Measured({"a": a, "b": b}, {"a": [True] * 4, "b": [not d for d in timing.disturbed(b)]})
     assert measured.used_samples()["b"].seconds == [2e-3, 2e-3, 2.1e-3]
     assert measured.used_samples()["a"].seconds == a.seconds
 
     ticks = iter(range(1000))
     methods = {"x": lambda: next(ticks), "y": lambda: None}
-    device = bench.Device("cpu", "warm")
-    result = bench.measure(methods, device, bench.PRESETS["quick"], 5, random.Random(0))
+    device = machine.Device("cpu", "warm")
+    result = timing.measure(methods, device, workloads.PRESETS["quick"], 5, random.Random(0))
     for name, sample in result.samples.items():
         assert len(sample.seconds) == len(sample.waits) == len(result.used[name]) >= 5
         assert sum(result.used[name]) >= 3
@@ -181,8 +182,8 @@ def test_calls_that_waited_for_a_core_are_marked_and_left_out():
 
 def test_allocator_ids():
     rng = np.random.default_rng(1)
-    runs = bench.allocator_ids(1000, 600, "runs", rng)
-    scattered = bench.allocator_ids(1000, 600, "scattered", rng)
+    runs = workloads.allocator_ids(1000, 600, "runs", rng)
+    scattered = workloads.allocator_ids(1000, 600, "scattered", rng)
     for ids in (runs, scattered):
         assert ids.size == 600 and np.unique(ids).size == 600 and ids.min() >= 0 and ids.max() < 1000
     assert np.mean(np.diff(runs) == 1) > 0.5  # mostly runs of consecutive ids
@@ -280,15 +281,15 @@ def test_wire_view_rejects_what_it_cannot_mean():
 def test_block_ranges_are_the_regions_of_the_blocks():
     sizes = dict(K=2, B=6, N=4, H=2, C=8)
     caches = {"a": make_cache("KBNHC", "KBHNC", sizes), "b": make_cache("KBNHC", "KBHNC", sizes)}
-    ranges = bench.block_ranges(caches, "KBNHC", np.array([4, 1]))
+    ranges = machine.block_ranges(caches, "KBNHC", np.array([4, 1]))
     expected = {(t[k, block].data_ptr(), 4 * 2 * 8 * 2) for t in caches.values() for k in range(2) for block in (4, 1)}
     assert {tuple(row) for row in ranges.tolist()} == expected
 
 
 def test_data_eviction_flushes_ranges_or_falls_back():
-    device = bench.Device("cpu", "data")
+    device = machine.Device("cpu", "data")
     buffer = torch.ones(1 << 16, dtype=torch.uint8)
     device.flush(np.array([[buffer.data_ptr() + 3, 5000]], dtype=np.int64))  # unaligned start: whole lines
     assert buffer.sum().item() == 1 << 16  # eviction writes back, never loses bytes
     assert device.cache in ("data", "all")
-    assert bench.Device("cpu", "warm").cache == "warm" and not bench.Device("cpu", "warm").cold
+    assert machine.Device("cpu", "warm").cache == "warm" and not machine.Device("cpu", "warm").cold

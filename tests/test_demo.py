@@ -8,25 +8,38 @@ wrote as JSON. The in-process tests show that the verification itself can fail.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
-from kvhost import demo
 from kvhost.nixl import NIXL_MODULES
 from kvhost.testing import raw
+from kvhost_tools.demo.cli import config_from, main
+from kvhost_tools.demo.config import AXES, EXIT_FAILED
+from kvhost_tools.demo.decode import Rank, Request
+from kvhost_tools.demo.report import Outcome, ProgressBar
+from kvhost_tools.demo.values import SENTINEL_BYTE, token_values, write_tokens
+from kvhost_tools.demo.verify import verify
 
 NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
 needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
 
-SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "16", "--min-tokens", "5", "--max-tokens", "150"]
+# Five runs start at once: on a busy 2-core machine ten Python processes importing torch can
+# take minutes, so the runs get room to connect (a hung run still fails at RUN_SECONDS).
+SMALL = [
+    *["--layers", "2", "--heads", "2", "--head-dim", "16", "--min-tokens", "5", "--max-tokens", "150"],
+    *["--connect-timeout", "240"],
+]
 RUNS = {
     # Head-major blocks of 4 into token-major blocks of 16: r = 4, receive rearranges in place.
     "direct": [*SMALL, "--requests", "8", "--prefill-block-size", "4", "--decode-block-size", "16"],
@@ -47,7 +60,48 @@ RUNS = {
     "freeze": [*SMALL, "--requests", "10", "--inflight", "2", "--freeze-prefill-after", "2", "--timeout", "2"],
 }
 ENV = {"freeze": {"UCX_TLS": "tcp,self"}}
-RUN_SECONDS = 150
+RUN_SECONDS = 420
+
+
+def process_tree(pid):
+    """``pid`` and its descendants (Linux /proc)."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as children:
+                    queue += [int(child) for child in children.read().split()]
+    return found
+
+
+def tcp_address(hex_address):
+    """``0100007F:1F90`` (from /proc/net/tcp or tcp6) as ``("127.0.0.1", 8080)``."""
+    host, port = hex_address.split(":")
+    raw_host = b"".join(bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8))
+    family = socket.AF_INET if len(raw_host) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, raw_host), int(port, 16)
+
+
+def listening_sockets(pids):
+    """``{(pid, address, port)}`` of the TCP sockets in LISTEN state that ``pids`` hold open."""
+    owners = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        owners[link[8:-1]] = pid
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/net/{table}") as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in owners:  # 0A: LISTEN
+                    found.add((owners[fields[9]], *tcp_address(fields[1])))
+    return found
 
 
 class Run:
@@ -57,9 +111,19 @@ class Run:
         self.out = open(directory / f"{name}.out", "w+")  # noqa: SIM115 - closed in result()
         command = [sys.executable, "-m", "kvhost_tools.cli", "demo", *RUNS[name], "--json", str(self.json)]
         env = dict(os.environ, **ENV.get(name, {}))
+        env.pop("UCX_NET_DEVICES", None)  # the demo's own default is what is tested
         self.started = time.monotonic()
         self.process = subprocess.Popen(command, stdout=self.out, stderr=subprocess.STDOUT, env=env)
         self.outcome = None
+        # Every listening socket of the run's processes, sampled while it runs.
+        self.listening = set()
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
+
+    def _watch(self):
+        while self.process.poll() is None:
+            self.listening |= listening_sockets(process_tree(self.process.pid))
+            time.sleep(0.02)
 
     def result(self):
         if self.outcome is None:
@@ -70,6 +134,7 @@ class Run:
                 self.process.wait()
                 pytest.fail(f"kvhost demo ({self.name}) did not finish within {RUN_SECONDS} s")
             self.seconds = time.monotonic() - self.started
+            self.watcher.join(10)
             self.out.seek(0)
             self.text = self.out.read()
             self.out.close()
@@ -139,9 +204,25 @@ def test_decode_ranks_each_read_their_share_of_the_heads(runs):
     assert figures["transfer_bytes"] == figures["prefill_blocks"] * 4 * 2 * 4 * 16 * 2 * 2
 
 
+@needs_nixl
+@pytest.mark.timeout(RUN_SECONDS + 30)
+@pytest.mark.parametrize("name", ["direct", "freeze"])
+def test_every_socket_the_demo_listens_on_is_on_loopback(runs, name):
+    """Decode's control socket and both processes' NIXL/UCX agents listen on 127.0.0.1 (or
+    ::1) only: UCX would also listen on every other interface (UCX_NET_DEVICES=lo)."""
+    run = runs[name]
+    run.result()
+    pids = {pid for pid, _, _ in run.listening}
+    decode_pid, prefill_pid = run.process.pid, run.outcome["figures"]["prefill_pid"]
+    assert {decode_pid, prefill_pid} <= pids, f"listening sockets seen: {sorted(run.listening)}"
+    assert len([s for s in run.listening if s[0] == decode_pid]) >= 2  # control socket and UCX
+    outside = sorted(s for s in run.listening if not (s[1].startswith("127.") or s[1] == "::1"))
+    assert not outside, f"listening beyond loopback: {outside}"
+
+
 def check_partial(code, outcome, text):
     """A failed hand-off: non-zero, failures named, nothing failed marked received, the rest verified."""
-    assert code == demo.EXIT_FAILED, text
+    assert code == EXIT_FAILED, text
     failed, received = set(outcome["failed"]), set(outcome["received"])
     assert failed and not failed & received
     assert outcome["verified"] == outcome["received"] and outcome["mismatched"] == {}
@@ -180,30 +261,29 @@ def test_frozen_prefill_times_out_instead_of_hanging(runs):
 # --- in process --------------------------------------------------------------------------------
 
 
-def args_for(*extra):
-    return demo.parser().parse_args([*SMALL, "--no-progress", *extra])
+def config_for(*extra):
+    return config_from([*SMALL, "--no-progress", *extra])
 
 
 def test_verification_catches_a_flipped_byte_and_a_stray_write():
-    args = args_for()
-    config = demo.Config.from_args(args)
+    config = config_for()
     caches = config.caches("HND", 6, 8)
     for tensor in caches.values():
-        raw(tensor).view(torch.uint8).fill_(demo.SENTINEL_BYTE)
-    request = demo.Request("req-000", 0, 13, remote_ids=[], local_ids=[4, 1])
+        raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
+    request = Request("req-000", 0, 13, remote_ids=[], local_ids=[4, 1])
     for layer, tensor in enumerate(caches.values()):
-        values = demo.token_values(config.seed, 0, layer, 13, config.heads, config.head_dim, 2)
-        demo.write_tokens(tensor, demo.AXES, request.local_ids, values)
+        values = token_values(config.seed, 0, layer, 13, config.heads, config.head_dim, 2)
+        write_tokens(tensor, AXES, request.local_ids, values)
 
-    outcome = demo.Outcome()
-    demo.verify(args, config, [demo.Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
+    outcome = Outcome()
+    verify(config, [Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == ["req-000"] and outcome.mismatched == {}
 
     layer1 = caches["layer1"]
     raw(layer1)[1, 1, 12 - 8, 1, 3] ^= 1  # V, block 1 holds tokens 8..15: token 12, head 1, channel 3
     raw(caches["layer0"])[0, 5, 0, 0, 0] ^= 1  # a spare block
-    outcome = demo.Outcome()
-    demo.verify(args, config, [demo.Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
+    outcome = Outcome()
+    verify(config, [Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == []
     assert outcome.mismatched["req-000"] == "layer1 token 12 K/V 1 head 1 channel 3 differs"
     assert outcome.mismatched["spare blocks"] == "a block no request owns was written"
@@ -211,45 +291,44 @@ def test_verification_catches_a_flipped_byte_and_a_stray_write():
 
 
 def test_each_rank_is_verified_against_its_own_heads():
-    args = args_for("--decode-ranks", "2")  # SMALL has 2 heads: one per rank
-    config = demo.Config.from_args(args)
-    ranks = [demo.Rank(config.caches("NHD", 4, 8, heads=1), 1, first_head=rank) for rank in range(2)]
-    request = demo.Request("req-000", 0, 10, remote_ids=[], local_ids=[2, 0])
+    config = config_for("--decode-ranks", "2")  # SMALL has 2 heads: one per rank
+    ranks = [Rank(config.caches("NHD", 4, 8, heads=1), 1, first_head=rank) for rank in range(2)]
+    request = Request("req-000", 0, 10, remote_ids=[], local_ids=[2, 0])
     for rank in ranks:
         for layer, tensor in enumerate(rank.caches.values()):
-            values = demo.token_values(config.seed, 0, layer, 10, config.heads, config.head_dim, 2)
-            demo.write_tokens(tensor, demo.AXES, request.local_ids, values.narrow(2, rank.first_head, 1))
-    outcome = demo.Outcome()
-    demo.verify(args, config, ranks, [request], [], outcome)
+            values = token_values(config.seed, 0, layer, 10, config.heads, config.head_dim, 2)
+            write_tokens(tensor, AXES, request.local_ids, values.narrow(2, rank.first_head, 1))
+    outcome = Outcome()
+    verify(config, ranks, [request], [], outcome)
     assert outcome.verified == ["req-000"]
 
     raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1  # K, block 0 holds tokens 8..9: token 9
-    outcome = demo.Outcome()
-    demo.verify(args, config, ranks, [request], [], outcome)
+    outcome = Outcome()
+    verify(config, ranks, [request], [], outcome)
     assert outcome.mismatched == {"req-000": "rank 1 layer0 token 9 K/V 0 head 1 channel 2 differs"}
     # A rank holding another rank's head is caught too.
     raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1
     ranks[0].first_head, ranks[1].first_head = 1, 0
-    outcome = demo.Outcome()
-    demo.verify(args, config, ranks, [request], [], outcome)
+    outcome = Outcome()
+    verify(config, ranks, [request], [], outcome)
     assert outcome.mismatched["req-000"].startswith("rank 0 layer0 token 0 K/V 0 head 1")
 
 
 def test_values_differ_by_every_index():
-    values = demo.token_values(7, 3, 1, 20, 4, 8, 4)  # 32-bit: every element of a request's layer differs
+    values = token_values(7, 3, 1, 20, 4, 8, 4)  # 32-bit: every element of a request's layer differs
     assert values.shape == (20, 2, 4, 8)
     assert values.unique().numel() == values.numel()
-    other_layer = demo.token_values(7, 3, 2, 20, 4, 8, 4)
-    other_request = demo.token_values(7, 4, 1, 20, 4, 8, 4)
-    other_seed = demo.token_values(8, 3, 1, 20, 4, 8, 4)
+    other_layer = token_values(7, 3, 2, 20, 4, 8, 4)
+    other_request = token_values(7, 4, 1, 20, 4, 8, 4)
+    other_seed = token_values(8, 3, 1, 20, 4, 8, 4)
     for other in (other_layer, other_request, other_seed):
         assert (other != values).float().mean() > 0.99
-    assert torch.equal(values, demo.token_values(7, 3, 1, 20, 4, 8, 4))
-    assert demo.token_values(7, 3, 1, 20, 4, 8, 2).dtype == torch.int16
+    assert torch.equal(values, token_values(7, 3, 1, 20, 4, 8, 4))
+    assert token_values(7, 3, 1, 20, 4, 8, 2).dtype == torch.int16
 
 
 def test_request_lengths_are_mixed_and_seeded():
-    config = demo.Config.from_args(demo.parser().parse_args([]))
+    config = config_from([])
     lengths = config.lengths()
     assert len(lengths) == 40 and lengths == config.lengths()
     assert min(lengths) >= 16 and max(lengths) <= 2048
@@ -258,13 +337,13 @@ def test_request_lengths_are_mixed_and_seeded():
 
 def test_progress_bar_draws_on_a_terminal_only():
     stream = io.StringIO()
-    bar = demo.ProgressBar("transfer", 4, stream, enabled=True)
+    bar = ProgressBar("transfer", 4, stream, enabled=True)
     bar.update(2, "1 MB", force=True)
     bar.close(4, "done")
     assert "transfer  [############------------] 2/4 1 MB" in stream.getvalue()
     assert stream.getvalue().endswith("[########################] 4/4 done\x1b[K\n")
     quiet = io.StringIO()
-    demo.ProgressBar("transfer", 4, quiet, enabled=False).close(4)
+    ProgressBar("transfer", 4, quiet, enabled=False).close(4)
     assert quiet.getvalue() == ""
 
 
@@ -272,9 +351,9 @@ def test_progress_bar_draws_on_a_terminal_only():
     ("argv", "message"),
     [
         (["--prefill-block-size", "6", "--decode-block-size", "16"], "must divide one another"),
-        (["--layers", "0"], "--layers must be at least 1"),
+        (["--layers", "0"], "--layers must be in [1, 32768], got 0"),
         (["--max-tokens", "3", "--min-tokens", "4"], "below --min-tokens"),
-        (["--kill-prefill-after", "-1"], "--kill-prefill-after must be 0 or more"),
+        (["--kill-prefill-after", "-1"], "--kill-prefill-after must be in [0, 16384], got -1"),
         (["--kill-prefill-after", "1", "--freeze-prefill-after", "1"], "not allowed with argument"),
         (["--dtype", "float64"], "invalid choice"),
         (["--decode-ranks", "3"], "--heads 8 cannot be shared out evenly to 3 decode ranks"),
@@ -283,6 +362,6 @@ def test_progress_bar_draws_on_a_terminal_only():
 )
 def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        demo.main(argv)
+        main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.integrations.testing import assert_same_tokens, nixl_read
 from kvhost.integrations.vllm import RemoteEngine
-from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
+from kvhost.testing import ReceiveCase, assert_same_tokens, fill_random, make_cache, nixl_read, raw
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gaudi_style_plugin"
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 2, 24, 8, 2, 16

@@ -25,3 +25,12 @@ def test_python_blocks_run(document, monkeypatch):
     namespace: dict[str, object] = {"__name__": "docs"}
     for block in blocks:
         exec(compile(block, str(document), "exec"), namespace)
+
+
+def test_importing_kvhost_and_its_vllm_adapter_never_imports_vllm():
+    """Only vLLM loads kvhost.integrations.vllm_connector (kv_connector_module_path)."""
+    import subprocess
+    import sys
+
+    code = "import sys, kvhost, kvhost.integrations.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

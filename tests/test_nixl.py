@@ -23,14 +23,16 @@ from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.nixl import (
     NIXL_MODULES,
     NixlUnavailableError,
+    ProtocolError,
     RegionTable,
     TransferError,
+    decode,
+    encode,
     memory_spans,
     plan_transfer,
     region_table,
 )
 from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens, write_wire
-from kvhost.wire_protocol import ProtocolError
 
 # (axes, remote memory order, local memory order, sizes but B and N)
 LAYOUT_PAIRS = {
@@ -255,13 +257,13 @@ def test_tables_and_plans_reject_mismatches():
         )
     plan = plan_transfer(nhd16, hnd)
     with pytest.raises(RequestError, match="need 1 local blocks"):
-        plan.indices([1, 2], [0, 1])
+        plan.descriptor_pairs([1, 2], [0, 1])
     with pytest.raises(RequestError, match="out of range"):
-        plan.indices([1], [0, 8])
+        plan.descriptor_pairs([1], [0, 8])
     with pytest.raises(RequestError, match="appears twice"):
-        plan.indices([1], [3, 3])
+        plan.descriptor_pairs([1], [3, 3])
     with pytest.raises(RequestError, match="empty"):
-        plan.indices([], [])
+        plan.descriptor_pairs([], [])
     with pytest.raises(LayoutError, match="not meta"):
         region_table({"l": make_cache("KBNHC", "KBNHC", dict(small, N=4, B=2), device="meta")}, "KBNHC")
 
@@ -275,9 +277,12 @@ def test_table_round_trip_and_strict_parsing():
     assert table.outer == "K" and table.order == "HNC" and table.block_size == 4
     assert len(table.streams) == 2 * 2  # layers x K
     data = table.to_dict()
-    data["streams"][1] = data["streams"][0]
-    with pytest.raises(ProtocolError, match=r"appears twice"):
+    data["streams"]["coords"][1] = data["streams"]["coords"][0]  # layer 0's V stream is now its K stream
+    with pytest.raises(ProtocolError, match=r"table\.streams\[1\]: l0\[K=0\] appears twice"):
         RegionTable.from_dict(data)
+    # Over the wire: the per-stream numbers travel as arrays and come back the same.
+    message = decode(encode("table", {"table": table.to_dict()}))
+    assert RegionTable.from_dict(message.header["table"], "table", message.arrays) == table
 
 
 def test_memory_spans_merge_shared_memory():
@@ -292,7 +297,10 @@ def test_memory_spans_merge_shared_memory():
 
 
 def test_importing_kvhost_does_not_import_nixl():
-    code = "import sys, kvhost, kvhost.nixl, kvhost.demo; print(sorted(m for m in sys.modules if 'nixl' in m))"
+    code = (
+        "import sys, kvhost, kvhost.nixl, kvhost_tools.demo.cli\n"
+        "print(sorted(m for m in sys.modules if 'nixl' in m and not m.startswith('kvhost.nixl.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "['kvhost.nixl']"
 
@@ -432,13 +440,13 @@ def test_a_missing_transport_is_a_clear_error():
 
 
 def test_missing_nixl_is_a_clear_error(monkeypatch):
-    from kvhost import nixl
     from kvhost.nixl import Agent
+    from kvhost.nixl import agent as nixl_agent
 
-    monkeypatch.setattr(nixl, "NIXL_MODULES", ("no_such_nixl._api",))
-    nixl.load_nixl.cache_clear()
+    monkeypatch.setattr(nixl_agent, "NIXL_MODULES", ("no_such_nixl._api",))
+    nixl_agent.load_nixl.cache_clear()
     try:
         with pytest.raises(NixlUnavailableError, match=r"NIXL is not installed .*kvhost\[nixl\]"):
             Agent("nowhere")
     finally:
-        nixl.load_nixl.cache_clear()
+        nixl_agent.load_nixl.cache_clear()

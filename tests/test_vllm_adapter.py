@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.integrations.testing import assert_same_tokens, nixl_read
 from kvhost.integrations.vllm import (
     CACHE_FORMATS,
+    GROUP_NAME,
     KV_CACHE_LAYOUTS,
     RemoteEngine,
     VllmCaches,
@@ -26,7 +26,7 @@ from kvhost.integrations.vllm import (
     kv_cache_axes,
     remote_order,
 )
-from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
+from kvhost.testing import ReceiveCase, assert_same_tokens, fill_random, make_cache, nixl_read, raw, read_tokens
 from kvhost.torch_backend import TorchBackend
 
 LAYERS, HEADS, CONTENT, BLOCK = 3, 2, 4, 4  # C holds K and V of head_dim 2; local blocks of 4 tokens
@@ -111,6 +111,10 @@ def engine_blocks(remote_size: int) -> tuple[int, int]:
         *[(name, (100, 8, 16, 256), "BHNC") for name in KV_CACHE_LAYOUTS if name != "BHLNC"],
         *[(name, (32, 100, 8, 16, 256), "LBHNC") for name in KV_CACHE_LAYOUTS],
         ("BHLNC", (100, 1, 16, 576), "BHNC"),  # one head slot (MLA): the layer view is one run
+        # vLLM 0.33: every backend's layer view is [B, H, N, 2 * head_dim], whatever its name
+        ("flash_attn", (100, 8, 16, 256), "BHNC"),
+        ("flashinfer", (100, 8, 16, 256), "BHNC"),
+        ("mla", (100, 1, 16, 576), "BHNC"),
     ],
 )
 def test_kv_cache_axes(layout, shape, axes):
@@ -122,8 +126,8 @@ def test_kv_cache_axes(layout, shape, axes):
     [
         ("flash_attn", (100, 2, 16, 8, 128), "holds K and V in dim 0, which must be 2; shape .* has 100"),
         ("flashinfer", (2, 100, 16, 8, 128), "holds K and V in dim 1, which must be 2; shape .* has 100"),
-        ("flash_attn", (100, 16, 8, 128), r"\[K, B, N, H, C\] \(5 dims\), but shape \(100, 16, 8, 128\) has 4"),
-        ("mla", (100, 1, 16, 576), "a mla cache is .* but shape .* has 4"),
+        ("flash_attn", (100, 16, 1024), r"\[K, B, N, H, C\] \(5 dims\) or, from vLLM 0.33 on, a layer view"),
+        ("mla", (100, 1, 1, 16, 576), "a mla cache is .* but shape .* has 5"),
         ("LBNHC", (100, 16, 256), "shape \\(100, 16, 256\\) has 3 dims"),
         ("BHLNC", (100, 8, 16, 256), "a BHLNC layer view .* no contiguous block region.*cross_layer_view"),
         ("NHD", (2, 100, 16, 8, 128), "unknown vLLM cache layout 'NHD'"),
@@ -167,10 +171,7 @@ def test_remote_order_rejects_mixed_vocabularies_and_unknown_names():
 # --- post-process: every KVCacheLayout, per-layer views and whole groups -----------------
 
 LAYOUT_CASES = [
-    pytest.param(name, view, id=f"{name}-{view}")
-    for name in KV_CACHE_LAYOUTS
-    for view in ("layer", "group")
-    if (name, view) != ("BHLNC", "layer")
+    pytest.param(name, view, id=f"{name}-{view}") for name in KV_CACHE_LAYOUTS for view in ("layer", "group")
 ]
 
 
@@ -180,7 +181,12 @@ def test_post_process_every_kv_cache_layout(name, view):
     local_views, local_group = kv_layout_group(name, blocks=56, block_size=BLOCK)
     caches = local_views if view == "layer" else {"group": local_group}
     kv = VllmCaches(caches, name)
-    assert kv.axes == ("BHNC" if view == "layer" else "LBHNC")
+    # BHLNC layer views have no block of their own: VllmCaches sees them as their group.
+    seen_as_group = view == "group" or name == "BHLNC"
+    assert kv.axes == ("LBHNC" if seen_as_group else "BHNC")
+    if view == "layer" and seen_as_group:
+        assert kv.layer_names == tuple(local_views)
+        caches = {GROUP_NAME: local_group}  # what the oracle reads and writes: the same memory
 
     senders, engines = {}, {}
     needed = [engine_blocks(size) for _ in range(8) for size in REMOTE_BLOCK_SIZES]
@@ -190,7 +196,7 @@ def test_post_process_every_kv_cache_layout(name, view):
         # A NHD/HND sender is an older engine with tokens/heads first: LBNHC/LBHNC memory.
         memory = {"NHD": "LBNHC", "HND": "LBHNC"}.get(remote_name, remote_name)
         remote_views, remote_group = kv_layout_group(memory, blocks=6, block_size=size)
-        remote = remote_views if view == "layer" else {"group": remote_group}
+        remote = remote_views if not seen_as_group else {next(iter(caches)): remote_group}
         fill(remote, seed=len(senders) + 2)
         their, ours = engine_blocks(size)
         remote_ids = [5, 0, 3, 2][:their]
@@ -205,10 +211,24 @@ def test_post_process_every_kv_cache_layout(name, view):
         assert stats.groups >= 1
 
 
-def test_bhlnc_layer_views_point_to_the_group():
+@pytest.mark.parametrize("layout", ["BHLNC", "flash_attn"])
+def test_bhlnc_layer_views_are_seen_as_their_group(layout):
+    """vLLM 0.33 hands a connector per-layer views, named by the layout or by the backend."""
     views, group = kv_layout_group("BHLNC", blocks=4, block_size=BLOCK)
-    with pytest.raises(kvhost.LayoutError, match=r"BHLNC layer view .*cross_layer_view"):
-        VllmCaches(views, "BHLNC")
+    kv = VllmCaches(views, layout)
+    assert kv.axes == "LBHNC" and kv.caches.layout.region == "HLNC"
+    assert kv.layer_names == tuple(views)
+    (member,) = kv.caches.members
+    assert member.tensor.data_ptr() == group.data_ptr() and member.tensor.stride() == group.stride()
+    host = kv.host_buffers()  # layer views of one host buffer, as vLLM registers them
+    assert list(host) == list(views)
+    assert all(h.shape == v.shape and h.stride() == v.stride() for h, v in zip(host.values(), views.values()))
+    fill(views, seed=3)
+    kv.save_to_host(host, {"a": [2, 0]}).wait()
+    assert_same_tokens({"g": cross_layer_view(host)}, "LBHNC", [2, 0], {"g": group}, "LBHNC", [2, 0])
+    apart = {name: torch.empty_like(view) for name, view in views.items()}  # not one buffer
+    with pytest.raises(kvhost.LayoutError, match="so must the host buffers be"):
+        kv.save_to_host(apart, {"a": [1]})
     whole = cross_layer_view(views)
     assert whole.shape == group.shape and whole.stride() == group.stride()
     assert whole.data_ptr() == group.data_ptr()
@@ -409,9 +429,9 @@ def test_save_rejects_bad_ids_by_request_and_changes_nothing():
     host = kv.host_buffers()
     fill(host, seed=6)
     before = [raw(t).clone() for t in host.values()]
-    with pytest.raises(kvhost.RequestError, match="request 'b': block id 8 is out of range"):
+    with pytest.raises(kvhost.RequestError, match=r"request 'b': block id 8 at position 1 is out of range \[0, 8\)"):
         kv.save_to_host(host, {"a": [1, 2], "b": [3, 8]})
-    with pytest.raises(kvhost.RequestError, match="request 'a': block ids must be a flat sequence of integers"):
+    with pytest.raises(kvhost.RequestError, match=r"request 'a': block ids must be integers, got 1\.5 at position 0"):
         kv.save_to_host(host, {"a": [1.5]})
     small = kv.host_buffers(num_blocks=4)
     with pytest.raises(kvhost.RequestError, match="destination block id 5"):
@@ -454,3 +474,91 @@ def test_host_buffer_mode_end_to_end_with_a_tpu_style_sender():
     decode.load_from_host(decode_host, received).wait()
     assert_same_tokens(decode_device, "KBNHC", [9, 4], prefill_device, "BNHKC", [6, 2, 7, 3])
     assert_same_tokens(decode_device, "KBNHC", [11], prefill_device, "BNHKC", [0, 1])
+
+
+# --- each sender its own transform: where vLLM 0.33's own post-process goes wrong ---------
+
+
+@pytest.mark.parametrize("first", ["LBHNC", "LBNHC"])
+def test_a_head_major_and_a_token_major_sender_each_read_right_in_either_order(first):
+    """vLLM 0.33 turns its HND->NHD permute on for the whole worker once one head-major
+    (LBHNC) sender shakes hands, and then permutes a token-major (LBNHC) sender's blocks
+    too. kvhost takes each sender's transform from its own handshake: in one step, and in
+    two steps in either order, both read as their senders' tokens."""
+    local_views, _ = kv_layout_group("LBNHC", blocks=24, block_size=BLOCK)
+    kv = VllmCaches(local_views, "LBNHC")
+    engines = {"head-major": RemoteEngine("LBHNC", 2), "token-major": RemoteEngine("LBNHC", 2)}
+    senders = {}
+    for engine, ids in zip(engines, ([3, 11], [7, 19])):
+        remote_views, _ = kv_layout_group(engines[engine].kv_cache_layout, blocks=6, block_size=2)
+        fill(remote_views, seed=len(senders) + 11)
+        senders[engine] = Sender(remote_views, "BHNC", [4, 1, 5, 0], ids)
+    run_batch(kv, local_views, senders, engines)  # one step, both senders
+    second = "LBNHC" if first == "LBHNC" else "LBHNC"
+    for name in (first, second):  # one sender per step, in this order
+        engine = "head-major" if name == "LBHNC" else "token-major"
+        run_batch(kv, local_views, {engine: senders[engine]}, {engine: engines[engine]})
+
+
+@pytest.mark.parametrize("remote_size", [1, 2])
+def test_bhlnc_caches_take_smaller_remote_blocks(remote_size):
+    """vLLM 0.33 converts block sizes only for block-contiguous layouts; with BHLNC caches
+    and smaller sender blocks it leaves the wire bytes as they landed. kvhost rearranges
+    them: the per-layer views vLLM hands a connector read as the sender's tokens."""
+    local_views, local_group = kv_layout_group("BHLNC", blocks=12, block_size=BLOCK)
+    kv = VllmCaches(local_views, "BHLNC")
+    remote_views, remote_group = kv_layout_group("BHLNC", blocks=12, block_size=remote_size)
+    fill({"g": remote_group}, seed=21)
+    sent = list(range(11, 11 - 2 * BLOCK // remote_size, -1))
+    senders = {"p": Sender({GROUP_NAME: remote_group}, "LBHNC", sent, [9, 2])}
+    stats = run_batch(kv, {GROUP_NAME: local_group}, senders, {"p": RemoteEngine("BHLNC", remote_size)})
+    assert stats.groups == 1 and stats.bytes_moved > 0
+    for name, view in local_views.items():  # the layer views vLLM's attention reads, [B, H, N, C]
+        got = raw(view)[[9, 2]].permute(0, 2, 1, 3).reshape(2 * BLOCK, HEADS, -1)
+        want = raw(remote_views[name])[sent].permute(0, 2, 1, 3).reshape(2 * BLOCK, HEADS, -1)
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "remote_size"),
+    [("LBNHC", "LBHNC", 2), ("BLHNC", "BLHNC", 1), ("BHLNC", "BHLNC", 2), ("LBHNC", "LBNHC", 8)],
+)
+def test_post_process_of_partial_blocks_through_vllm_words(local, remote, remote_size):
+    """``tokens`` per request: what arrived reads as the sender's tokens, the rest of the
+    request's blocks is zero, and blocks outside the step keep their bytes."""
+    local_views, local_group = kv_layout_group(local, blocks=20, block_size=BLOCK)
+    kv = VllmCaches(local_views, local)
+    caches = {GROUP_NAME: local_group} if kv.layer_names else local_views
+    described = next(iter(caches))
+    case = ReceiveCase(caches, kv.axes, seed=13)
+    remote_views, remote_group = kv_layout_group(remote, blocks=48, block_size=remote_size)
+    remote_caches = {described: remote_group} if kv.layer_names else remote_views
+    fill(remote_caches, seed=14)
+    g = max(remote_size // BLOCK, 1)
+    plan = {"a": (3 * g, 2 * BLOCK + 1), "b": (2 * g, 1), "c": (g, BLOCK)}  # blocks, tokens
+    ids = iter(local_id_plan(sum(n for n, _ in plan.values()), 20))
+    received, sent_from = {}, iter(range(47, -1, -1))
+    for request, (blocks, tokens) in plan.items():
+        local_ids = [next(ids) for _ in range(blocks)]
+        whole = blocks * BLOCK // remote_size
+        remote_ids = [next(sent_from) for _ in range(whole)]
+        nixl_read(remote_caches, kv.axes, remote_ids, caches, kv.axes, local_ids)
+        received[request] = (local_ids, remote_ids, tokens)
+    stats = kv.post_process(
+        {"p": {r: v[0] for r, v in received.items()}},
+        {"p": RemoteEngine(remote, remote_size)},
+        tokens={r: v[2] for r, v in received.items()},
+    )
+    assert stats.requests == 3
+    for local_ids, remote_ids, tokens in received.values():
+        for member in kvhost.caches.CacheSet(caches, kv.axes).members:
+            got = read_tokens(member.tensor, member.layout, local_ids)
+            sender = remote_caches[member.layer]
+            want = read_tokens(sender, kvhost.Layout.of(sender, kv.axes), remote_ids)
+            assert torch.equal(got[:tokens], want[:tokens])
+            assert not got[tokens:].any()
+    claimed = {b for local_ids, _, _ in received.values() for b in local_ids}
+    for i in range(len(case.set.members)):
+        case.check_untouched(i, claimed)
+    with pytest.raises(kvhost.RequestError, match="tokens name request 'z', which no engine sent"):
+        kv.post_process({"p": {"a": received["a"][0]}}, {"p": RemoteEngine(remote, remote_size)}, tokens={"z": 1})

@@ -172,8 +172,11 @@ class AcceleratorBackend(Backend):
             limits=self.limits_for(job.device),
         )
         with self.runtime.guard(job.device):
-            # Dropping these after the launch is safe: the caching allocators hold a freed
-            # block back until the stream that used it (pinned: its copy's event) moves on.
+            # Dropping these after the launch is safe. The tables and the scratch are made
+            # on the current stream, the one the kernel runs on: a device block freed without
+            # record_stream goes only to later allocations on its own stream, whose work
+            # queues behind the kernel. The pinned staging buffer: a non-blocking copy records
+            # an event for it, and the caching host allocator hands it out again only after.
             keep: list[torch.Tensor] = []
             base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.reshape(-1)], job.device, keep)
             scratch = torch.empty(

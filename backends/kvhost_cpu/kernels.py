@@ -186,7 +186,11 @@ def rearrange_units_serial(bases, outer, unit_ids, params, scratch, threads):
 
 @njit(nogil=True, cache=True)
 def _split_into_runs(src_ids, dst_ids, most):
-    """Positions and lengths of the runs of ids consecutive on both sides, at most ``most`` long."""
+    """Positions and lengths of the runs of ids consecutive on both sides, at most ``most`` long.
+
+    The slices returned share their arrays' reference count, so the arrays live as long as
+    a slice does; callers use them as arrays (no address of them is taken).
+    """
     count = src_ids.shape[0]
     starts = np.empty(count, dtype=np.int64)
     lengths = np.empty(count, dtype=np.int64)

@@ -36,8 +36,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvhost.backend import Backend, Completion
-from kvhost.batch import CopyJob, ReceiveJob
+from kvhost.backend import Backend, Completion, ZeroIndices
+from kvhost.batch import CopyJob, ReceiveJob, ZeroJob
 from kvhost.caches import Member
 from kvhost.errors import LayoutError
 from kvhost.layout import Layout
@@ -67,6 +67,21 @@ class TpuBackend(Backend):
     def receive(self, job: ReceiveJob) -> None:
         with _GRAPH_LOCK:
             self._receive(job)
+
+    def zero(self, job: ZeroJob) -> None:
+        """Zero through the integer view where the device would upcast the dtype (a float
+        op there rewrites the NaN payloads of the bytes it keeps), then one sync."""
+        if job.device.type != "xla":
+            return super().zero(job)
+        with _GRAPH_LOCK:
+            zeros = ZeroIndices.of(job)
+            for member in job.members:
+                work = xla.bitcast(member.tensor, write_dtype(member.tensor))
+                zeros.apply(work, job.layout)
+                if work is not member.tensor:
+                    member.tensor.copy_(xla.bitcast(work, member.tensor.dtype))
+            xla.sync()
+        return None
 
     def raw(self, tensor: torch.Tensor) -> torch.Tensor:
         """XLA tensors have no byte views: the bytes are a copy, bitcast on the device

@@ -19,9 +19,8 @@ from importlib.metadata import entry_points
 import torch
 from kvhost_gaudi_style import GaudiStyleBackend, GaudiStyleCaches
 
-from kvhost.integrations.testing import assert_same_tokens, nixl_read
 from kvhost.integrations.vllm import RemoteEngine
-from kvhost.testing import fill_random, make_cache
+from kvhost.testing import assert_same_tokens, fill_random, make_cache, nixl_read
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 2, 16, 8, 2, 16
 

@@ -34,9 +34,12 @@ import torch
 from kvhost_cpu.backend import KERNELS, CpuBackend, _receive_params
 
 import kvhost
-from kvhost import bench
 from kvhost.batch import ReceiveJob, plan_receive_batch
 from kvhost.torch_backend import TorchBackend
+from kvhost_tools.bench.machine import Device, block_ranges
+from kvhost_tools.bench.methods import Workspace
+from kvhost_tools.bench.timing import measure
+from kvhost_tools.bench.workloads import PRESETS, Point, Preset, allocator_ids, scenarios
 
 SOURCE = Path(__file__).with_name("rearrange.cpp")
 WORKLOADS = ("receive-r4", "receive-g4")
@@ -110,9 +113,9 @@ def same_bytes(caches: dict[str, torch.Tensor], first: Callable[[], None], secon
 
 
 def compare(quick: bool, requests: Sequence[int] | None, seed: int = 0) -> list[dict[str, Any]]:
-    preset = bench.PRESETS["quick" if quick else "full"]
-    chosen = [s for s in bench.scenarios(preset, requests or preset.requests) if s.name in WORKLOADS]
-    space = bench.Workspace(bench.Device("cpu", "data"))
+    preset = PRESETS["quick" if quick else "full"]
+    chosen = [s for s in scenarios(preset, requests or preset.requests) if s.name in WORKLOADS]
+    space = Workspace(Device("cpu", "data"))
     rng = random.Random(seed)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
@@ -120,7 +123,7 @@ def compare(quick: bool, requests: Sequence[int] | None, seed: int = 0) -> list[
         for scenario in chosen:
             num_blocks = max(p.blocks for p in scenario.points)
             for i, point in enumerate(scenario.points):
-                ids = bench.allocator_ids(num_blocks, point.blocks, point.ids, np.random.default_rng(seed + i))
+                ids = allocator_ids(num_blocks, point.blocks, point.ids, np.random.default_rng(seed + i))
                 medians = measure_point(point, ids, num_blocks, space, preset, rng, cxx)
                 rows.append({"workload": scenario.name, "requests": point.requests, "median_s": medians})
                 print(format_row(rows[-1]), file=sys.stderr)
@@ -128,11 +131,11 @@ def compare(quick: bool, requests: Sequence[int] | None, seed: int = 0) -> list[
 
 
 def measure_point(
-    point: bench.Point,
+    point: Point,
     ids: np.ndarray,
     num_blocks: int,
-    space: bench.Workspace,
-    preset: bench.Preset,
+    space: Workspace,
+    preset: Preset,
     rng: random.Random,
     cxx: Callable[[ReceiveJob], None],
 ) -> dict[str, float]:
@@ -152,8 +155,8 @@ def measure_point(
     }
     if not same_bytes(caches, methods["numba"], methods["c++"]):
         raise AssertionError(f"{point.scenario}, {point.requests} requests: C++ and numba left different bytes")
-    touched = np.concatenate([bench.block_ranges(caches, geometry.axes, ids), space.memcpy_ranges(nbytes, here, here)])
-    measured = bench.measure(methods, space.device, preset, None, rng, touched).used_samples()
+    touched = np.concatenate([block_ranges(caches, geometry.axes, ids), space.memcpy_ranges(nbytes, here, here)])
+    measured = measure(methods, space.device, preset, None, rng, touched).used_samples()
     return {name: float(np.median(measured[name].seconds)) for name in METHODS}
 
 

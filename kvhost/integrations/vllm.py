@@ -6,12 +6,15 @@ vocabularies:
 - **Cache formats** of the attention backends: ``"flash_attn"``
   ``[2, num_blocks, block_size, heads, head_dim]``, ``"flashinfer"``
   ``[num_blocks, 2, block_size, heads, head_dim]`` and ``"mla"``
-  ``[num_blocks, block_size, latent]``. A heads-first ("HND") cache has the same shape
-  with permuted strides; kvhost reads the memory order from the strides.
+  ``[num_blocks, block_size, latent]`` (vLLM before 0.33). A heads-first ("HND") cache
+  has the same shape with permuted strides; kvhost reads the memory order from the
+  strides. From vLLM 0.33 on, every backend's cache is a 4-dim layer view
+  ``[num_blocks, heads, block_size, 2 * head_dim]`` (below), whatever the format's name.
 - **KVCacheLayout names** (``LBHNC`` ``LBNHC`` ``LHBNC`` ``BLHNC`` ``BLNHC`` ``BHLNC``):
   the logical ``[L, B, H, N, C]`` of a cache group (C holds one head's K and V for one
   token) stored in the named memory order. A layer's cache is the view ``[B, H, N, C]``;
-  ``cross_layer_view`` gives back the group's ``[L, B, H, N, C]``.
+  ``cross_layer_view`` gives back the group's ``[L, B, H, N, C]``, and ``VllmCaches``
+  does so itself for layer views whose block is not one run of bytes (``BHLNC``).
 
 A remote engine is what its handshake says: its layout name (a KVCacheLayout name, or
 ``"NHD"``/``"HND"`` for an engine that keeps layers apart and lays a layer's blocks out
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -34,6 +38,7 @@ from kvhost.backend import Backend
 from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
 from kvhost.errors import LayoutError, RequestError
+from kvhost.ids import IdBatch
 from kvhost.layout import Layout
 from kvhost.stats import CopyResult, ReceiveStats
 
@@ -42,6 +47,7 @@ CACHE_FORMATS = {"flash_attn": "KBNHC", "flashinfer": "BKNHC", "mla": "BNC"}  # 
 TOKEN_HEAD_ORDERS = ("NHD", "HND")
 GROUP_AXES = "LBHNC"  # a KVCacheLayout group in shape order; a layer view drops L
 
+GROUP_NAME = "cross-layer group"  # the one member of layer views seen as their group
 BlockIds = Sequence[int] | np.ndarray
 
 
@@ -52,11 +58,14 @@ def kv_cache_axes(layout: str, shape: Sequence[int]) -> str:
     name; a KVCacheLayout cache is a layer view ``[B, H, N, C]`` or a group ``[L, B, H, N, C]``.
     """
     dims = tuple(int(d) for d in shape)
+    if layout in CACHE_FORMATS and len(dims) == len(GROUP_AXES) - 1:
+        return GROUP_AXES[1:]  # vLLM 0.33: every backend's layer view is [B, H, N, C]
     if layout in CACHE_FORMATS:
         axes = CACHE_FORMATS[layout]
         if len(dims) != len(axes):
             raise LayoutError(
-                f"a {layout} cache is [{', '.join(axes)}] ({len(axes)} dims), but shape {dims} has {len(dims)}"
+                f"a {layout} cache is [{', '.join(axes)}] ({len(axes)} dims) or, from vLLM 0.33 on, a layer "
+                f"view [B, H, N, C] (4 dims), but shape {dims} has {len(dims)}"
             )
         if "K" in axes and dims[axes.index("K")] != 2:
             raise LayoutError(
@@ -172,8 +181,19 @@ class VllmCaches:
     ) -> None:
         if (layout is None) == (axes is None):
             raise LayoutError("give exactly one of layout (a vLLM name) and axes (kvhost letters)")
+        self.layer_names: tuple[str, ...] | None = None  # set when the layers are seen as their group
         if layout is not None:
-            axes = kv_cache_axes(layout, _first_tensor(kv_caches, layout).shape)
+            first = _first_tensor(kv_caches, layout)
+            if first.dim() == len(GROUP_AXES) - 1 and len(kv_caches) > 1 and not _block_is_one_run(first):
+                # A layer view whose block is not one run of bytes (BHLNC: the other layers
+                # sit between its heads): describe the group behind the views instead.
+                if layout not in KV_CACHE_LAYOUTS:
+                    kv_cache_axes(layout, first.shape)  # the name must fit a layer view
+                self.layer_names = tuple(kv_caches)
+                kv_caches = {GROUP_NAME: cross_layer_view(cast(Mapping[str, torch.Tensor], kv_caches))}
+                axes = GROUP_AXES
+            else:
+                axes = kv_cache_axes(layout, first.shape)
         assert axes is not None
         self.layout_name = layout
         self.axes = axes
@@ -217,7 +237,8 @@ class VllmCaches:
         they differ from ours: the copy rearranges on the way.
         """
         ids = self._batch_ids(block_ids)
-        return self._kvhost.copy_to(host_buffers, ids, ids, dst_axes=host_axes, non_blocking=non_blocking)
+        host = self._as_described(host_buffers)
+        return self._kvhost.copy_to(host, ids, ids, dst_axes=host_axes, non_blocking=non_blocking)
 
     def load_from_host(
         self,
@@ -229,19 +250,25 @@ class VllmCaches:
     ) -> CopyResult:
         """Copy every request's blocks from the host buffers into the same block ids here."""
         ids = self._batch_ids(block_ids)
-        return self._kvhost.copy_from(host_buffers, ids, ids, src_axes=host_axes, non_blocking=non_blocking)
+        host = self._as_described(host_buffers)
+        return self._kvhost.copy_from(host, ids, ids, src_axes=host_axes, non_blocking=non_blocking)
 
     def post_process(
         self,
         received: Mapping[str, Mapping[str, BlockIds]],
         remote_engines: Mapping[str, RemoteEngine],
+        *,
+        tokens: Mapping[str, int] | None = None,
     ) -> ReceiveStats:
         """Rearrange, in place, every received block from its sender's layout into ours.
 
         ``received`` maps remote engine id to request id to the request's local block ids
-        in token order; ``remote_engines`` says how each engine lays out its blocks. The
-        whole batch is checked before any byte moves, and requests whose senders share a
-        layout and block size are rearranged together.
+        in token order; ``remote_engines`` says how each engine lays out its blocks.
+        ``tokens`` maps a request id to how many of its tokens arrived, for requests whose
+        blocks they do not fill: only the sender blocks holding those tokens are
+        rearranged, and every token after them in the request's blocks is zeroed, as
+        vLLM does. The whole batch is checked before any byte moves, and requests whose
+        senders share a layout and block size are rearranged together.
         """
         requests: dict[str, BlockIds] = {}
         engine_of: dict[str, str] = {}
@@ -265,6 +292,15 @@ class VllmCaches:
                     )
                 engine_of[request_id] = engine_id
                 requests[request_id] = ids
+        if tokens:
+            if not isinstance(tokens, Mapping):
+                raise RequestError(f"tokens must map request id to a token count, got {type(tokens).__name__}")
+            unknown = [r for r in tokens if r not in engine_of]
+            if unknown:
+                raise RequestError(f"tokens name request {unknown[0]!r}, which no engine sent")
+            return self._kvhost.receive(
+                {r: Incoming(ids, *sender[engine_of[r]], tokens=tokens.get(r)) for r, ids in requests.items()}
+            )
         layouts = {sender[engine] for engine in engine_of.values()}
         if len(layouts) == 1:
             # Every sender lays blocks out alike: say so once for the call, so that a step
@@ -290,31 +326,38 @@ class VllmCaches:
             tensors = tuple(_host_tensor(member, physical, blocks) for member in members)
             is_tuple = len(members) > 1 or _member_is_tuple(members[0], self.axes)
             buffers[name] = tensors if is_tuple else tensors[0]
+        if self.layer_names is not None:  # layer views, as vLLM registers them, of one group buffer
+            group = buffers[GROUP_NAME]
+            assert isinstance(group, torch.Tensor)
+            return {name: group[i] for i, name in enumerate(self.layer_names)}
         return buffers
 
     # --- helpers --------------------------------------------------------------------------
 
     def _batch_ids(self, block_ids: Mapping[str, BlockIds]) -> np.ndarray:
         """Every request's ids, checked and named by request, each block once, ascending."""
-        arrays = []
-        limit = self.num_blocks
+        if not isinstance(block_ids, Mapping):
+            raise RequestError(f"block ids must map request id to block ids, got {type(block_ids).__name__}")
+        batch = IdBatch()
         for request_id, ids in block_ids.items():
-            array = np.asarray(ids)
-            if array.size == 0:
-                continue
-            if array.ndim != 1 or array.dtype.kind not in "iu":
-                raise RequestError(
-                    f"request {request_id!r}: block ids must be a flat sequence of integers, "
-                    f"got {array.dtype} {array.shape}"
-                )
-            bad = np.flatnonzero((array < 0) | (array >= limit))
-            if bad.size:
-                raise RequestError(
-                    f"request {request_id!r}: block id {int(array[bad[0]])} is out of range [0, {limit})"
-                )
-            arrays.append(array.astype(np.int64, copy=False))
+            batch.add(f"request {request_id!r}", ids)
+        batch.check(self.num_blocks, unique=False)  # a shared prefix names a block twice: copied once
         # Ascending ids make the longest runs of consecutive blocks: fewer, larger copies.
-        return np.unique(np.concatenate(arrays)) if arrays else np.zeros(0, dtype=np.int64)
+        return np.unique(batch.array())
+
+    def _as_described(self, buffers: Mapping[str, Layer]) -> Mapping[str, Layer]:
+        """Buffers in the words our caches are described in: layer views of one buffer
+        become their group when ours did; anything else is taken as given."""
+        if self.layer_names is None or set(buffers) != set(self.layer_names):
+            return buffers
+        ordered = {name: buffers[name] for name in self.layer_names}
+        try:
+            return {GROUP_NAME: cross_layer_view(cast(dict[str, torch.Tensor], ordered))}
+        except LayoutError as err:
+            raise LayoutError(
+                f"our layers are views of one buffer, seen as their group; so must the host buffers be "
+                f"(host_buffers() makes them): {err}"
+            ) from None
 
     def _check_memory_order(self, name: str) -> None:
         """Refuse caches whose strides say another KVCacheLayout than ``name``."""
@@ -330,6 +373,19 @@ class VllmCaches:
 def _member_is_tuple(member: Member, axes: str) -> bool:
     """Whether ``member`` came from a tuple layer (its letters lack the caches' ``K``)."""
     return "K" in axes and "K" not in member.layout.axes
+
+
+def _block_is_one_run(tensor: torch.Tensor) -> bool:
+    """Whether a ``[B, H, N, C]`` layer view's block (its letters inside B) is one dense run of bytes."""
+    block = tensor.stride(0)
+    inside = zip(tensor.stride()[1:], tensor.shape[1:])
+    sized = sorted(((st, n) for st, n in inside if n > 1 and (st < block or tensor.shape[0] == 1)), reverse=True)
+    dense = 1
+    for stride, size in reversed(sized):
+        if stride != dense:
+            return False
+        dense *= size
+    return True
 
 
 def _sized(layout: Layout, order: str) -> str:

@@ -89,11 +89,16 @@ def write_wire(
     truth: torch.Tensor,
     remote_order: str,
     remote_block_size: int,
+    tokens: int | None = None,
 ) -> None:
     """Leave in ``block_ids``' regions what NIXL would after moving ``truth`` from the sender.
 
     ``truth`` is ``[tokens, *block_letters(layout)]``; outer letters select which region.
+    With ``tokens``, the sender sends only the blocks that hold its first ``tokens``
+    tokens (each whole): the bytes after them keep what they held.
     """
+    if tokens is not None:
+        truth = truth[: -(-tokens // remote_block_size) * remote_block_size]
     letters = block_letters(layout)
     host = raw(tensor).cpu() if tensor.device.type != "cpu" else raw(tensor)
     physical = host.permute([layout.axes.index(a) for a in layout.physical])
@@ -108,8 +113,9 @@ def write_wire(
         region_bytes = layout.region_bytes
         regions = physical[tuple(outer_index)]
         for j, block in enumerate(block_ids):
-            region = regions[block].reshape(-1).view(torch.uint8)
-            region.copy_(stream[j * region_bytes : (j + 1) * region_bytes])
+            part = stream[j * region_bytes : (j + 1) * region_bytes]
+            if part.numel():
+                regions[block].reshape(-1).view(torch.uint8)[: part.numel()].copy_(part)
     if tensor.device.type != "cpu":
         set_raw(tensor, host)
 
@@ -123,12 +129,14 @@ def _indices(sizes: list[int]) -> list[tuple[int, ...]]:
 
 @dataclass
 class Wired:
-    """A request written to the wire: its ids, sender spec and, per member, the truth."""
+    """A request written to the wire: its ids, sender spec and, per member, the truth;
+    ``tokens``: how many of its tokens the sender sent (None: all its blocks hold)."""
 
     block_ids: list[int]
     remote_order: str
     remote_block_size: int
     truths: dict[tuple[str, int], torch.Tensor]
+    tokens: int | None = None
 
 
 class ReceiveCase:
@@ -136,6 +144,8 @@ class ReceiveCase:
 
     ``send(name, ids, order, size)`` writes a request; ``check()`` asserts every request
     reads back as its truth through the local layout and every other block kept its bytes.
+    A request sent with ``tokens`` must read back its first ``tokens`` tokens, and zero
+    bytes for every token after them in its blocks.
     """
 
     def __init__(self, caches: Mapping[str, Layer], axes: str, seed: int = 0) -> None:
@@ -148,7 +158,14 @@ class ReceiveCase:
         self.before = [raw(m.tensor).cpu().clone() for m in self.set.members]
         self.requests: dict[str, Wired] = {}
 
-    def send(self, name: str, block_ids: Sequence[int], remote_order: str, remote_block_size: int) -> None:
+    def send(
+        self,
+        name: str,
+        block_ids: Sequence[int],
+        remote_order: str,
+        remote_block_size: int,
+        tokens: int | None = None,
+    ) -> None:
         truths = {}
         for i, member in enumerate(self.set.members):
             layout = member.layout
@@ -157,9 +174,9 @@ class ReceiveCase:
             seed = zlib.crc32(f"{self.seed}/{name}/{i}".encode())
             truth = fill_random(torch.empty(shape, dtype=member.tensor.dtype), seed)
             truth = raw(truth)
-            write_wire(member.tensor, layout, block_ids, truth, remote_order, remote_block_size)
+            write_wire(member.tensor, layout, block_ids, truth, remote_order, remote_block_size, tokens)
             truths[member.layer, member.index] = truth
-        self.requests[name] = Wired(list(block_ids), remote_order, remote_block_size, truths)
+        self.requests[name] = Wired(list(block_ids), remote_order, remote_block_size, truths, tokens)
 
     def check(self) -> None:
         claimed = {b for wired in self.requests.values() for b in wired.block_ids}
@@ -167,6 +184,9 @@ class ReceiveCase:
             for name, wired in self.requests.items():
                 got = read_tokens(member.tensor, member.layout, wired.block_ids)
                 want = wired.truths[member.layer, member.index]
+                if wired.tokens is not None:
+                    want = want.clone()
+                    want[wired.tokens :] = 0  # what arrived, then zero bytes
                 if not torch.equal(got, want):
                     bad = (got != want).nonzero()[0].tolist()
                     raise AssertionError(

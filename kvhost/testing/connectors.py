@@ -16,7 +16,7 @@ import torch
 
 from kvhost.caches import CacheSet, Layer, Member
 from kvhost.layout import Layout
-from kvhost.testing import raw, read_tokens
+from kvhost.testing.oracle import raw, read_tokens
 
 
 def nixl_read(

@@ -1,0 +1,441 @@
+"""A NIXL connector vLLM loads: vLLM 0.33's own, with kvhost doing its worker's block work.
+
+Pass it to vLLM as::
+
+    --kv-transfer-config '{"kv_connector": "KvhostNixlConnector",
+        "kv_connector_module_path": "kvhost.integrations.vllm_connector", "kv_role": "kv_both"}'
+
+It is vLLM's ``NixlConnector`` (the pull connector: handshake, scheduler, NIXL reads,
+notifications, failures, all vLLM's code), with a worker that routes three jobs through
+kvhost, one call per step each, and reads what vLLM cannot:
+
+- the decode-side post-process: every request of every remote engine that finished
+  this step is rearranged from its sender's layout and block size in one
+  ``VllmCaches.post_process`` call, each sender with its own transform (vLLM turns one
+  permute on for the whole worker), partial last blocks zeroed as vLLM zeroes them;
+- the host-buffer staging vLLM uses where NIXL cannot reach device memory (TPU, XPU,
+  plugin devices): one save per step for every request to save, one load per step for
+  every request received, instead of a copy per request;
+- the handshake accepts any remote KVCacheLayout (vLLM refuses all pairs but
+  LBHNC -> LBNHC), block sizes that differ with host buffers too, and remote blocks
+  larger than ours (g x ours; vLLM refuses them): each sender block is read as units
+  (``LargerRemoteBlocks``: chunks of ``kvhost.nixl.plan_transfer``, one per block of
+  ours, cut once more per run of the sender's tokens), so that the bytes land as
+  kvhost's wire model says, whole sender blocks and sender blocks read in part alike.
+
+docs/integrations.md lists every method the worker overrides, and why.
+
+This module imports vLLM; ``import kvhost`` and ``kvhost.integrations.vllm`` never
+import it, so it is only loaded when vLLM loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlBaseConnector,
+    NixlPullConnector,
+    NixlPullConnectorScheduler,
+    NixlPullConnectorWorker,
+)
+
+from kvhost.integrations.vllm import RemoteEngine, VllmCaches
+from kvhost.nixl import RegionTable, Stream, TransferPlan, plan_transfer
+from kvhost.stats import ReceiveStats
+
+__all__ = ["KvhostNixlConnector", "KvhostNixlWorker", "LargerRemoteBlocks", "sender_blocks_touched"]
+
+
+def sender_blocks_touched(start: int, count: int, g: int) -> list[tuple[int, int, int]]:
+    """``(j, first, end)`` for every sender block that our blocks ``start .. start + count - 1``
+    (positions in the request's token order) touch: our position ``p`` lies in sender block
+    ``p // g`` at part ``p % g``, and sender block ``j`` gives parts ``first .. end - 1``."""
+    touched = []
+    position, stop = start, start + count
+    while position < stop:
+        j, first = divmod(position, g)
+        end = min(stop - j * g, g)
+        touched.append((j, first, end))
+        position = j * g + end
+    return touched
+
+
+@dataclass(frozen=True)
+class LargerRemoteBlocks:
+    """How a sender whose blocks hold ``g`` of ours is read, and post-processed.
+
+    ``plan`` is ``kvhost.nixl.plan_transfer`` of our regions and the sender's, as vLLM
+    registered them (one stream per NIXL region): chunks of our region's size, ``g`` per
+    sender block, so that our blocks, in groups of ``g``, hold one sender region each (the
+    wire model, docs/design.md). A chunk is cut once more, into ``runs`` units: the
+    sender's region holds ``runs`` runs of tokens (one per index of its letters before
+    ``N``: a head-major sender's heads), and a unit is one run's ``n`` tokens, ``n`` our
+    block size. Units let a request read only part of a sender block (a last group of
+    fewer than ``g`` of our blocks, or a first one after a prefix-cache hit that ends
+    inside a sender block): it lands as a sender with that part as its block would send
+    it. A sender block's unit ``h * g + t`` (run ``h``, tokens ``t * n ..``) is its
+    ``h * g + t``-th unit in memory, so whole blocks read as whole chunks do.
+    """
+
+    plan: TransferPlan
+    runs: int
+
+    @property
+    def g(self) -> int:
+        return self.plan.remote_parts
+
+    @property
+    def units(self) -> int:
+        """Units per sender block."""
+        return self.runs * self.g
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.plan.chunk_bytes // self.runs
+
+    def unit_ids(self, sender_blocks: Sequence[int], start: int, count: int) -> list[int] | None:
+        """The sender units, in the order they land, that fill our ``count`` blocks from
+        position ``start`` on; None when the sender's blocks do not reach that far."""
+        ids: list[int] = []
+        for j, first, end in sender_blocks_touched(start, count, self.g):
+            if j >= len(sender_blocks):
+                return None
+            base = int(sender_blocks[j]) * self.units
+            ids.extend(base + h * self.g + t for h in range(self.runs) for t in range(first, end))
+        return ids
+
+    def pieces(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """``(offset, length, parts)``: our blocks ``offset .. offset + length - 1`` (of the
+        ``count`` from position ``start``) hold the wire bytes of a sender whose blocks hold
+        ``parts`` of ours: whole sender blocks together (``parts == g``), and each sender
+        block read in part as a sender of that part."""
+        pieces: list[tuple[int, int, int]] = []
+        offset = 0
+        for _, first, end in sender_blocks_touched(start, count, self.g):
+            parts = end - first
+            if parts == self.g and pieces and pieces[-1][2] == self.g:
+                at, length, _ = pieces[-1]
+                pieces[-1] = (at, length + parts, self.g)
+            else:
+                pieces.append((offset, parts, parts))
+            offset += parts
+        return pieces
+
+
+class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
+    """vLLM's pull worker; post-process and host staging are kvhost calls, one per step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kvhost: VllmCaches | None = None  # the device caches, once registered
+        self.kvhost_host: VllmCaches | None = None  # the host buffers, in host-buffer mode
+        # engine -> (its KVCacheLayout, its block size), from its handshake: vLLM may drop an
+        # engine's transfer info in the very step that finishes its last request.
+        self.remote_engines: dict[str, RemoteEngine] = {}
+        # engine -> how its blocks are read, for senders whose blocks hold g > 1 of ours.
+        self.larger_remote_blocks: dict[str, LargerRemoteBlocks] = {}
+        self.last_post_process: ReceiveStats | None = None
+        self._loads: dict[str, list[int]] = {}
+
+    # --- registration ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.kvhost is None:  # host-buffer mode made it already, to shape the host buffers
+            self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout)
+        super().register_kv_caches(kv_caches)
+
+    def initialize_host_xfer_buffer(self, kv_caches: dict[str, Any]) -> None:
+        """Host buffers in the device caches' memory order (layer views of one buffer where
+        the device's are), so a save or a load is a plain block copy, and what the
+        handshake says of our layout is true of the host buffer too."""
+        self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout)
+        self.host_xfer_buffers = self.kvhost.host_buffers()
+        self.host_buffer_kv_cache_layout = self.kv_cache_layout
+
+    # --- handshake ---------------------------------------------------------------------
+
+    def add_remote_agent(
+        self, nixl_agent_meta: Any, remote_tp_rank: int = 0, remote_tp_size: int = 1, remote_dcp_size: int = 1
+    ) -> str:
+        """vLLM's, after noting the engine's layout and block size; a sender whose blocks
+        hold g > 1 of ours is shown to vLLM as blocks of units (``LargerRemoteBlocks``)."""
+        engine = nixl_agent_meta.engine_id
+        if (0, remote_tp_rank) in self._remote_agents.get(engine, {}):
+            return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
+        self.remote_engines[engine] = RemoteEngine(nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size)
+        self.larger_remote_blocks.pop(engine, None)
+        if nixl_agent_meta.block_size > self.block_size:
+            larger = self._plan_larger_remote_blocks(nixl_agent_meta, remote_tp_size, remote_dcp_size)
+            self.larger_remote_blocks[engine] = larger
+            nixl_agent_meta = _in_units(nixl_agent_meta, larger, self.block_size)
+        try:
+            return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
+        except BaseException:
+            self.larger_remote_blocks.pop(engine, None)
+            raise
+
+    def _validate_remote_agent_handshake(self, nixl_agent_meta: Any, remote_tp_size: int, *args: Any) -> None:
+        """vLLM's checks, less two refusals kvhost makes moot: another remote KVCacheLayout
+        (each sender gets its own transform) and block sizes that differ in host-buffer mode
+        (the host buffer is laid out like the device)."""
+        theirs = nixl_agent_meta.kv_cache_layout
+        host_mode = bool(getattr(self, "use_host_buffer"))  # noqa: B009 (vLLM's attribute, untyped here)
+        nixl_agent_meta.kv_cache_layout = self.host_buffer_kv_cache_layout if host_mode else self.kv_cache_layout
+        self.use_host_buffer = False
+        try:
+            super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size, *args)
+        finally:
+            nixl_agent_meta.kv_cache_layout = theirs
+            self.use_host_buffer = host_mode
+        self.enable_permute_local_kv = False  # never one transform for every sender
+
+    def _plan_larger_remote_blocks(self, meta: Any, remote_tp_size: int, remote_dcp_size: int) -> LargerRemoteBlocks:
+        """kvhost's transfer plan between our NIXL regions and a sender's whose blocks are
+        g x ours (vLLM's regions, kvhost's letters: ours from our caches, the sender's from
+        its layout name); refuses what it does not cover, naming it."""
+        assert self.kvhost is not None and self.transfer_topo is not None
+        engine = meta.engine_id
+        if meta.block_size % self.block_size:
+            raise RuntimeError(
+                f"engine {engine!r}: remote blocks of {meta.block_size} tokens are not a whole number of ours "
+                f"({self.block_size})"
+            )
+        unsupported = {
+            "a different tensor-parallel size": remote_tp_size != self.transfer_topo.tp_size,
+            "decode context parallelism": self.dcp_size > 1 or remote_dcp_size > 1,
+            "mamba state": self._has_mamba,
+            "layer-name routing (pipeline parallelism)": bool(self._transfer_layer_region_indices),
+            "several KV cache groups": len(self.kv_cache_config.transfer_groups) != 1,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise NotImplementedError(
+                    f"engine {engine!r}: remote blocks larger than ours ({meta.block_size} > {self.block_size} "
+                    f"tokens) with {what} are not supported"
+                )
+        layout = self.kvhost.caches.layout
+        ours = self.kvhost.caches.layout.region
+        sizes = {a: n for a, n in layout.logical_sizes().items() if a in ours}
+        regions = {
+            "local": (self.block_len_per_layer, self.region_num_blocks),
+            "remote": (meta.block_lens, meta.region_num_blocks or [meta.num_blocks] * len(meta.block_lens)),
+        }
+        for side, (lengths, counts) in regions.items():
+            tokens = self.block_size if side == "local" else meta.block_size
+            want = prod(sizes.values()) // sizes["N"] * tokens * layout.itemsize
+            if any(length != want for length in lengths) or len(set(counts)) != 1:
+                raise NotImplementedError(
+                    f"engine {engine!r}: remote blocks larger than ours need NIXL regions that are kvhost's "
+                    f"block regions ({ours!r}, {want} bytes, as many blocks in each); the {side} side registered "
+                    f"{sorted(set(lengths))} bytes, {sorted(set(counts))} blocks"
+                )
+        local = _region_table(
+            self.region_mem_types[0],
+            ours,
+            sizes,
+            layout.itemsize,
+            self.region_num_blocks[0],
+            self.kv_caches_base_addr[self.engine_id][self.tp_rank],
+            self.block_stride_per_layer,
+            self.device_id,
+        )
+        order = self.kvhost.remote_order(meta.kv_cache_layout)
+        remote = _region_table(
+            (meta.region_mem_types or self.region_mem_types)[0],
+            order,
+            sizes | {"N": meta.block_size},
+            layout.itemsize,
+            regions["remote"][1][0],
+            meta.kv_caches_base_addr,
+            meta.block_strides,
+            meta.device_id,
+        )
+        plan = plan_transfer(local, remote)
+        runs = prod(sizes[a] for a in order[: order.index("N")])
+        if plan.local_parts != 1 or self.block_size % runs:
+            raise NotImplementedError(
+                f"engine {engine!r}: its {order!r} blocks hold {runs} runs of tokens; reading a part of one "
+                f"needs our block size ({self.block_size}) to be a multiple of that"
+            )
+        return LargerRemoteBlocks(plan, runs)
+
+    def _build_fa_remote(self, plan: Any, nixl_agent_meta: Any, block_size_ratio: int) -> Any:
+        """vLLM's remote descriptors, but a larger sender's are its units: per region and
+        block, ``units`` descriptors of ``unit_bytes`` in memory order (one strided row per
+        region when its blocks are dense, one per block when they are padded)."""
+        larger = self.larger_remote_blocks.get(nixl_agent_meta.engine_id)
+        if larger is None:
+            return super()._build_fa_remote(plan, nixl_agent_meta, block_size_ratio)
+        remote = larger.plan.remote
+        rows = [
+            self._block_strided_descs(
+                stream.address,
+                larger.unit_bytes,
+                stream.block_stride,
+                remote.num_blocks,
+                larger.units,
+                remote.device_id,
+            )
+            for stream in (remote.streams[i] for i in larger.plan.remote_streams)
+        ]
+        return np.concatenate(rows)
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> bool:
+        """vLLM's read; from a larger sender, the units that land in our blocks as the wire
+        model says (vLLM would pair the last ``len(ours)`` of them)."""
+        larger = self.larger_remote_blocks.get(dst_engine_id)
+        if larger is not None and any(read_spec.local_block_ids) and not read_spec.block_ids_by_region:
+            meta = self._recving_metadata.get(request_id)
+            start = self._first_position(meta)
+            remote = []
+            for local_ids, unit_ids in zip(read_spec.local_block_ids, read_spec.remote_block_ids, strict=True):
+                sender_blocks = [unit // larger.units for unit in unit_ids[:: larger.units]]
+                ids = larger.unit_ids(sender_blocks, start, len(local_ids))
+                if ids is None:
+                    self._log_failure(
+                        failure_type="transfer_setup_failed",
+                        req_id=request_id,
+                        msg=f"{len(sender_blocks)} remote blocks do not reach our {len(local_ids)} blocks "
+                        f"from position {start}",
+                        dst_engine_id=dst_engine_id,
+                    )
+                    self._handle_failed_transfer(request_id, None, self._recv_failures, record_failed_transfer=False)
+                    return False
+                remote.append(ids)
+            read_spec = dataclasses.replace(read_spec, remote_block_ids=remote)
+        return bool(super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs))
+
+    def _first_position(self, meta: Any) -> int:
+        """Where a request's blocks start in its token order: after its prefix-cache hit."""
+        computed = getattr(meta, "local_num_computed_blocks", ())
+        return int(computed[0]) * int(self._physical_blocks_per_logical_kv_block) if computed else 0
+
+    # --- host staging ------------------------------------------------------------------
+
+    def save_kv_to_host(self, metadata: Any) -> None:
+        """Every request to save this step, in one copy (shared prefix blocks once)."""
+        assert self.kvhost is not None
+        batch: dict[str, list[int]] = {}
+        for req_id, meta in metadata.reqs_to_save.items():
+            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
+                meta.local_block_ids, self._physical_blocks_per_logical_kv_block
+            )
+            batch[req_id] = [b for group in meta.local_physical_block_ids for b in group]
+        if batch:
+            self.kvhost.save_to_host(self.host_xfer_buffers, batch).wait()
+
+    def sync_recved_kv_to_device(self, req_id: str, meta: Any) -> None:
+        """Collected here; loaded for every request of the step in one copy."""
+        self._loads[req_id] = [b for group in meta.local_physical_block_ids for b in group]
+
+    # --- post-process --------------------------------------------------------------------
+
+    def post_process_device_kv_on_receive(self, *args: Any, **kwargs: Any) -> None:
+        """Replaced by one kvhost call per step (``get_transfer_results``)."""
+
+    def get_transfer_results(self) -> Any:
+        receiving = dict(self._recving_metadata)  # vLLM's loop pops what finished
+        self._loads = {}
+        results = super().get_transfer_results()
+        if self._loads:
+            assert self.kvhost is not None
+            self.kvhost.load_from_host(self.host_xfer_buffers, self._loads).wait()
+            self._loads = {}
+        done = set(results.finished_recving) - set(results.failed_recving)
+        self.last_post_process = self._post_process({r: receiving[r] for r in done if r in receiving})
+        return results
+
+    def _post_process(self, finished: Mapping[str, Any]) -> ReceiveStats | None:
+        """Every finished request of every engine, rearranged and its tail zeroed at once."""
+        if not finished or self.kvhost is None:
+            return None
+        received: dict[str, dict[str, list[int]]] = {}
+        engines: dict[str, RemoteEngine] = {}
+        tokens: dict[str, int] = {}
+        local_size = self.block_size
+        for req_id, meta in finished.items():
+            if meta.region_blocks_to_zero is not None or meta.remote is None:
+                continue  # vLLM zeroed its read plan's padding itself
+            engine = meta.remote.engine_id
+            remote_engine = self.remote_engines[engine]
+            layout, remote_size = remote_engine.kv_cache_layout, remote_engine.block_size
+            (local_ids,) = meta.local_physical_block_ids  # one attention group (checked at load)
+            if not local_ids:
+                continue
+            larger = self.larger_remote_blocks.get(engine)
+            if larger is not None:
+                # Each of our blocks got whole bytes; a sender block read in part reads as a
+                # sender whose blocks hold that part: engine/parts, request/offset.
+                for offset, length, parts in larger.pieces(self._first_position(meta), len(local_ids)):
+                    whole = parts == larger.g
+                    name, request = (engine, req_id) if whole else (f"{engine}/{parts}", f"{req_id}/{offset}")
+                    engines[name] = RemoteEngine(layout, parts * local_size)
+                    received.setdefault(name, {})[request] = list(local_ids[offset : offset + length])
+                continue
+            engines[engine] = remote_engine
+            (remote_ids,) = meta.remote.block_ids
+            received.setdefault(engine, {})[req_id] = list(local_ids)
+            arrived = min(len(local_ids) * local_size, len(remote_ids) * remote_size)
+            if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
+                tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
+        if not received:
+            return None
+        return self.kvhost.post_process(received, engines, tokens=tokens)
+
+
+def _region_table(
+    memory: str,
+    order: str,
+    sizes: dict[str, int],
+    itemsize: int,
+    num_blocks: int,
+    bases: Sequence[int],
+    strides: Sequence[int],
+    device_id: int,
+) -> RegionTable:
+    """vLLM's NIXL regions as a kvhost table: region ``i`` is stream ``i`` (vLLM pairs
+    regions by position), its blocks holding ``order``'s letters."""
+    streams = tuple(
+        Stream(f"region {i}", (), int(base), int(stride))
+        for i, (base, stride) in enumerate(zip(bases, strides, strict=True))
+    )
+    return RegionTable(memory, int(device_id), order, "", dict(sizes), itemsize, int(num_blocks), streams)
+
+
+def _in_units(meta: Any, larger: LargerRemoteBlocks, block_size: int) -> Any:
+    """The sender's handshake as vLLM should see it: blocks of one unit each, ``runs``
+    per block of ours (vLLM's own split of our blocks for smaller remote blocks), its
+    block ids expanding to ``units`` unit ids each (as vLLM expands logical block ids)."""
+    units = larger.units
+    return dataclasses.replace(
+        meta,
+        block_size=block_size // larger.runs,
+        physical_blocks_per_logical_kv_block=meta.physical_blocks_per_logical_kv_block * units,
+        num_blocks=meta.num_blocks * units,
+        region_num_blocks=None if meta.region_num_blocks is None else [n * units for n in meta.region_num_blocks],
+        block_lens=[larger.unit_bytes] * len(meta.block_lens),
+        block_strides=[larger.unit_bytes] * len(meta.block_strides),
+    )
+
+
+class KvhostNixlConnector(NixlPullConnector):  # type: ignore[misc]
+    """vLLM's NIXL (pull) connector with ``KvhostNixlWorker`` as its worker."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        # NixlPullConnector.__init__ would build vLLM's worker (a NIXL agent) only to drop it.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvhostNixlWorker(vllm_config, self.engine_id, kv_cache_config)

@@ -1,0 +1,279 @@
+"""Agents: a NIXL agent, the memory it registers, and the transfers it posts towards a peer.
+
+An ``Agent`` is what one engine holds for its lifetime: ``register`` pins a layer dict and
+returns its ``RegionTable``, ``metadata`` is what a peer needs to reach it, and ``reader``
+prepares a ``TransferPlan`` towards one peer; each ``Reader.read`` (or ``write``) posts
+one ``Transfer``, which is polled or waited on with a deadline.
+
+NIXL is imported on first use (``load_nixl``), never with kvhost: the ``nixl`` meta
+package when installed, else ``nixl_cu13`` or ``nixl_cu12``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kvhost.caches import CacheSet, Layer
+from kvhost.ids import Ids
+from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
+from kvhost.nixl.fields import check_seconds
+from kvhost.nixl.plans import TransferPlan, extent_rows
+from kvhost.nixl.tables import RegionTable, as_cache_set, memory_spans, region_table
+
+# The ``nixl`` meta package forwards ``nixl._api`` to whichever CUDA build is installed.
+NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
+@cache
+def load_nixl() -> ModuleType:
+    """The NIXL Python API module (``nixl_agent``, ``nixl_agent_config``)."""
+    reasons = []
+    for name in NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as err:
+            reasons.append(f"{name}: {err}")
+    raise NixlUnavailableError(
+        f"NIXL is not installed ({'; '.join(reasons)}); install it with pip install 'kvhost[nixl]'"
+    )
+
+
+class Agent:
+    """A NIXL agent and the caches it exposes: what one engine holds for its lifetime.
+
+    ``register`` pins a layer dict (tensors are kept alive until ``close``) and returns its
+    table; ``metadata()`` is what the peer needs to reach it; ``reader`` reads or writes
+    the requests of a plan towards one peer.
+    """
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+        module = load_nixl()
+        try:
+            config = module.nixl_agent_config(backends=list(backends))
+            self._nixl: Any = module.nixl_agent(name, config)
+        except Exception as err:  # NIXL raises its own exception types from C++
+            raise NixlUnavailableError(f"could not start NIXL agent {name!r}: {type(err).__name__}: {err}") from None
+        missing = [b for b in backends if b not in self._nixl.backends]
+        if missing:
+            plugins = ", ".join(self._nixl.get_plugin_list())
+            raise NixlUnavailableError(f"NIXL backend(s) {missing} unavailable (plugins: {plugins})")
+        self.name = name
+        self._registered: list[tuple[Any, list[torch.Tensor]]] = []
+        self._peers: set[str] = set()
+        self._readers: list[Reader] = []
+        self.closed = False
+
+    @property
+    def nixl(self) -> Any:
+        """The NIXL agent itself (``nixl_agent``): what ``Reader`` and ``Transfer`` drive, and
+        what a connector uses for what this class does not wrap (notifications)."""
+        return self._nixl
+
+    def register(self, caches: Mapping[str, Layer] | CacheSet, axes: str | None = None) -> RegionTable:
+        """Register every tensor of a layer dict with NIXL; returns its table."""
+        self._check_open()
+        cache_set = as_cache_set(caches, axes)
+        table = region_table(cache_set)
+        tensors = [m.tensor for m in cache_set.members]
+        spans = memory_spans(tensors)
+        rows = [(start, length, table.device_id, "") for start, length in spans]
+        try:
+            descs = self._nixl.register_memory(rows, table.memory)
+        except Exception as err:
+            raise TransferError(f"agent {self.name!r}: registering {len(rows)} memory spans failed: {err}") from None
+        self._registered.append((descs, tensors))
+        return table
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (connection info and registered memory) for its peers."""
+        self._check_open()
+        return bytes(self._nixl.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name. Bad metadata is a ProtocolError."""
+        self._check_open()
+        try:
+            name = self._nixl.add_remote_agent(metadata)
+        except Exception as err:
+            raise ProtocolError(f"peer agent metadata ({len(metadata)} bytes) rejected by NIXL: {err}") from None
+        peer = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        self._peers.add(peer)
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        if peer in self._peers:
+            self._peers.discard(peer)
+            with contextlib.suppress(Exception):  # a peer that died may already be gone
+                self._nixl.remove_remote_agent(peer)
+
+    def reader(self, plan: TransferPlan, peer: str) -> Reader:
+        """Prepared descriptor lists of ``plan`` towards ``peer``, to read (or write) requests."""
+        self._check_open()
+        if peer not in self._peers:
+            raise TransferError(f"agent {self.name!r} has no peer {peer!r}: add_peer its metadata first")
+        reader = Reader(self, plan, peer)
+        self._readers.append(reader)
+        return reader
+
+    def close(self) -> None:
+        """Release descriptor lists, drop peers, deregister memory. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        for reader in self._readers:
+            reader.close()
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        for descs, _ in self._registered:
+            with contextlib.suppress(Exception):  # nothing more to undo if this fails
+                self._nixl.deregister_memory(descs)
+        self._registered.clear()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TransferError(f"agent {self.name!r} is closed")
+
+
+class Reader:
+    """One plan towards one peer; starts one transfer per call.
+
+    Each transfer's descriptor lists are built for its request's blocks alone (NIXL
+    ``initialize_xfer``), never for every block a table declares, so a peer's table that
+    declares billions of blocks costs nothing until a request names them, and then only
+    those. When the reader is made, both tables' extents (the first and last block of every
+    stream) are checked against the memory NIXL knows to be registered: a peer's table that
+    names memory its agent has not registered is refused here, not at its first read.
+    """
+
+    def __init__(self, agent: Agent, plan: TransferPlan, peer: str) -> None:
+        self.agent = agent
+        self.plan = plan
+        self.peer = peer
+        nixl = agent.nixl
+        for side, table, owner in (("local", plan.local, "NIXL_INIT_AGENT"), ("remote", plan.remote, peer)):
+            try:
+                nixl.prep_xfer_dlist(owner, extent_rows(table), table.memory).release()
+            except Exception as err:
+                if side == "local":
+                    raise TransferError(f"the local table names memory this agent has not registered: {err}") from None
+                raise TransferError(
+                    f"preparing the descriptors of peer {peer!r} failed ({err}): "
+                    f"its table names memory it has not registered ({len(table.streams)} streams of "
+                    f"{table.num_blocks} blocks of {table.run_bytes} bytes)"
+                ) from None
+        self.closed = False
+
+    def read(self, local_ids: Ids, remote_ids: Ids, *, notify: bytes = b"") -> Transfer:
+        """Start pulling the peer's ``remote_ids`` into ``local_ids``; ``notify`` reaches the peer when done."""
+        return self._start("READ", local_ids, remote_ids, notify)
+
+    def write(self, local_ids: Ids, remote_ids: Ids, *, notify: bytes = b"") -> Transfer:
+        """Start pushing ``local_ids`` to the peer's ``remote_ids`` (the same pairing, the other way)."""
+        return self._start("WRITE", local_ids, remote_ids, notify)
+
+    def _start(self, op: str, local_ids: Ids, remote_ids: Ids, notify: bytes) -> Transfer:
+        if self.closed:
+            raise TransferError(f"reader towards {self.peer!r} is closed")
+        local_rows, remote_rows = self.plan.descriptor_pairs(local_ids, remote_ids)
+        nbytes = local_rows.shape[0] * self.plan.chunk_bytes
+        nixl = self.agent.nixl
+        try:
+            local = nixl.get_xfer_descs(local_rows, self.plan.local.memory)
+            remote = nixl.get_xfer_descs(remote_rows, self.plan.remote.memory)
+            handle = nixl.initialize_xfer(op, local, remote, self.peer, notify)
+        except Exception as err:
+            raise TransferError(f"{op} from {self.peer!r}: creating the transfer failed: {err}") from None
+        return Transfer.post(self, handle, nbytes, op)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Transfer:
+    """One posted transfer: ``poll()`` until True, or ``wait(timeout)``; ``release()`` when done."""
+
+    reader: Reader
+    handle: Any = field(repr=False)
+    nbytes: int
+    op: str
+    started: float = field(default_factory=time.perf_counter)
+    finished: float | None = None
+    released: bool = False
+
+    @classmethod
+    def post(cls, reader: Reader, handle: Any, nbytes: int, op: str) -> Transfer:
+        """Post a created NIXL transfer (``handle``) towards ``reader``'s peer."""
+        transfer = cls(reader, handle, nbytes, op)
+        try:
+            state = reader.agent.nixl.transfer(handle)
+        except Exception as err:
+            transfer.release()
+            raise TransferError(f"{op} from {reader.peer!r}: posting the transfer failed: {err}") from None
+        transfer._note(state)
+        return transfer
+
+    def poll(self) -> bool:
+        """True once every byte has landed; raises TransferError when the transport failed."""
+        if self.finished is not None:
+            return True
+        if self.released:
+            raise TransferError(f"{self.op} from {self.reader.peer!r} was released before it finished")
+        try:
+            state = self.reader.agent.nixl.check_xfer_state(self.handle)
+        except Exception as err:
+            raise TransferError(f"{self.op} from {self.reader.peer!r} failed: {err}") from None
+        return self._note(state)
+
+    def wait(self, timeout: float, *, interval: float = 1e-4) -> None:
+        """Block until done; TransferError(timed_out=True) after ``timeout`` seconds.
+
+        ``timeout`` must be a finite number of seconds (``fields.check_seconds``):
+        NaN, infinity, a negative number or a bool is an InvalidTimeoutError, never a wait
+        without end. ``interval`` (between polls) is in (0, 1].
+        """
+        seconds = check_seconds(timeout, "Transfer.wait timeout")
+        pause = check_seconds(interval, "Transfer.wait interval", positive=True)
+        if pause > 1:
+            raise InvalidTimeoutError(f"Transfer.wait interval: expected at most 1 s between polls, got {pause:g}")
+        deadline = time.monotonic() + seconds
+        while not self.poll():
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"{self.op} from {self.reader.peer!r} did not finish within {seconds:g} s", timed_out=True
+                )
+            time.sleep(pause)
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.perf_counter()) - self.started
+
+    def release(self) -> None:
+        """Free the handle; an unfinished transfer is cancelled where the transport allows."""
+        if not self.released:
+            self.released = True
+            with contextlib.suppress(Exception):  # cancelling towards a dead peer can fail
+                self.handle.release()
+
+    def _note(self, state: str) -> bool:
+        if state == "DONE":
+            self.finished = time.perf_counter()
+            return True
+        if state == "PROC":
+            return False
+        raise TransferError(f"{self.op} from {self.reader.peer!r} failed: transport state {state!r}")

@@ -1,0 +1,28 @@
+"""The errors of transfers: NIXL missing, a transfer failing, a peer's message wrong, a wait without end."""
+
+from __future__ import annotations
+
+from kvhost.errors import BackendError, KVHostError
+
+
+class NixlUnavailableError(BackendError):
+    """NIXL (or the transfer backend asked for) cannot be loaded here."""
+
+
+class TransferError(KVHostError, RuntimeError):
+    """A transfer could not be prepared, failed, or did not finish in time.
+
+    ``timed_out`` tells a deadline from a failure the transport reported.
+    """
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class ProtocolError(KVHostError, ValueError):
+    """A control message was malformed, truncated, unexpected, or did not arrive in time."""
+
+
+class InvalidTimeoutError(KVHostError, ValueError):
+    """A timeout that is not a finite number of seconds in range (NaN, infinite, negative, a bool)."""

@@ -1,0 +1,371 @@
+"""Region tables: where every block region (or run of tokens) of a layer dict lives.
+
+A connector registers its layer dict with an ``Agent`` (or calls ``region_table``) and
+gets a ``RegionTable``: per stream (one outer index of one layer: ``K`` of a
+FlashAttention cache, a head of a per-head cache) the address of block 0's run and the
+stride between blocks, and the letters of the region's layout. Two engines swap tables;
+``kvhost.nixl.plans`` pairs them. A peer's table arrives as data (``RegionTable.from_dict``)
+and is checked field by field: what it costs is bounded by what it holds.
+
+Tables cut at the token axis (``RegionTable.token_runs``) hold runs of tokens instead of
+regions; a receiver rank holding a share of the sender's heads (heterogeneous tensor
+parallelism) narrows the sender's table first (``RegionTable.heads``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+from math import prod
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvhost.caches import CacheSet, Layer
+from kvhost.errors import LayoutError
+from kvhost.layout import AXIS_LETTERS
+from kvhost.memory import byte_extent
+from kvhost.nixl.errors import ProtocolError
+from kvhost.nixl.fields import Fields
+
+# Letters that may index a stream: outer letters, letters cut from the region, and "#" for
+# the place in a layer's tuple when that place is not K.
+COORD_LETTERS = "#LKHNC"
+MEMORY_OF_DEVICE = {"cpu": "DRAM", "cuda": "VRAM"}
+# Streams a peer's table may declare. Each costs a Python object here (~0.3 KB) and a
+# descriptor per block in every transfer, so the cap is what models need, not what fits:
+# 128 layers x K/V x 256 heads of per-head streams.
+MAX_STREAMS = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """The runs of one outer index of one layer: block ``b``'s run is at ``address + b * block_stride``.
+
+    ``coords`` are ``(letter, index)`` pairs in ``COORD_LETTERS`` order; ``#`` is the place
+    in a layer's tuple when it does not stand for ``K``.
+    """
+
+    layer: str
+    coords: tuple[tuple[str, int], ...]
+    address: int
+    block_stride: int
+
+    @property
+    def key(self) -> tuple[str, tuple[tuple[str, int], ...]]:
+        return self.layer, self.coords
+
+    def describe(self) -> str:
+        return self.layer + "".join(f"[{letter}={i}]" for letter, i in self.coords)
+
+
+@dataclass(frozen=True)
+class RegionTable:
+    """Where every block region (or token run) of a cache set lives, and its layout in letters.
+
+    Each block of each stream holds one run of ``run_bytes``: the region, in memory order
+    ``order``, less the letters in ``split`` that index streams instead. Built by
+    ``region_table`` (or ``Agent.register``), sent to the peer as ``to_dict()``.
+    """
+
+    memory: str  # NIXL memory type: DRAM or VRAM
+    device_id: int
+    order: str  # the region's letters in memory order
+    split: str  # letters of ``order`` cut out into streams
+    sizes: dict[str, int]  # every letter but B
+    itemsize: int
+    num_blocks: int
+    streams: tuple[Stream, ...]
+
+    @property
+    def block_size(self) -> int:
+        return self.sizes["N"]
+
+    @property
+    def run_order(self) -> str:
+        return "".join(a for a in self.order if a not in self.split)
+
+    @property
+    def run_bytes(self) -> int:
+        return prod(self.sizes[a] for a in self.run_order) * self.itemsize
+
+    @property
+    def region_bytes(self) -> int:
+        return prod(self.sizes[a] for a in self.order) * self.itemsize
+
+    @property
+    def outer(self) -> str:
+        """Letters indexing streams that are not cut from the region, in ``COORD_LETTERS`` order."""
+        letters = {letter for letter, _ in self.streams[0].coords}
+        return "".join(a for a in COORD_LETTERS if a in letters and a not in self.split and a != "#")
+
+    def stride_bytes(self, letter: str) -> int:
+        """Byte stride of a region letter: the region is dense in ``order``."""
+        after = self.order[self.order.index(letter) + 1 :]
+        return prod(self.sizes[a] for a in after) * self.itemsize
+
+    @cached_property
+    def by_key(self) -> dict[tuple[str, tuple[tuple[str, int], ...]], int]:
+        return {stream.key: i for i, stream in enumerate(self.streams)}
+
+    def token_runs(self) -> RegionTable:
+        """The same memory with the letters before ``N`` in the region made into streams.
+
+        Each block of each stream is then one run of tokens (``N`` and what follows it), so
+        pairing two such tables moves tokens, not regions: bytes land in the local order.
+        """
+        cut = self.order[: self.order.index("N")]
+        if not cut or self.split:
+            return self
+        streams = []
+        for stream in self.streams:
+            for index in itertools.product(*(range(self.sizes[a]) for a in cut)):
+                offset = sum(i * self.stride_bytes(a) for a, i in zip(cut, index))
+                coords = _canonical(dict(stream.coords) | dict(zip(cut, index)))
+                streams.append(Stream(stream.layer, coords, stream.address + offset, stream.block_stride))
+        return RegionTable(
+            self.memory, self.device_id, self.order, cut, self.sizes, self.itemsize, self.num_blocks, tuple(streams)
+        )
+
+    def heads(self, first: int, count: int) -> RegionTable:
+        """The same memory narrowed to heads ``first .. first + count - 1``.
+
+        Heterogeneous tensor parallelism: a receiver rank that holds ``count`` of this
+        sender's heads reads only those, and they land as a sender with ``count`` heads
+        would have sent them. Heads must be streams of their own (per-head regions, token
+        runs) or lead the run (head-major blocks): token-major blocks scatter a share of
+        the heads over every token.
+        """
+        total = self.sizes.get("H")
+        if total is None:
+            raise LayoutError("this table has no heads (H) to share out")
+        if count < 1 or first < 0 or first + count > total:
+            raise LayoutError(f"heads {first}..{first + count - 1} are not within the {total} heads of this table")
+        if "H" in dict(self.streams[0].coords):
+            streams = tuple(
+                replace(s, coords=_canonical(dict(s.coords) | {"H": dict(s.coords)["H"] - first}))
+                for s in self.streams
+                if first <= dict(s.coords)["H"] < first + count
+            )
+        elif self.run_order.startswith("H"):
+            offset = first * self.stride_bytes("H")
+            streams = tuple(replace(s, address=s.address + offset) for s in self.streams)
+        else:
+            raise LayoutError(
+                f"a share of the heads of a {self.run_order!r} region is scattered over its tokens: "
+                "a sender that shares out its heads must keep them apart (head-major blocks, HND)"
+            )
+        return replace(self, sizes=self.sizes | {"H": count}, streams=streams)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The table as data for ``framing.encode`` (``from_dict`` reads it back,
+        checking every field): the per-stream numbers are integer arrays, which travel as
+        binary, so a table costs the peer memory in proportion to its size."""
+        layers = list(dict.fromkeys(s.layer for s in self.streams))
+        number = {name: i for i, name in enumerate(layers)}
+        return {
+            "memory": self.memory,
+            "device_id": self.device_id,
+            "order": self.order,
+            "split": self.split,
+            "sizes": dict(self.sizes),
+            "itemsize": self.itemsize,
+            "num_blocks": self.num_blocks,
+            "layers": layers,
+            "coords": "".join(a for a, _ in self.streams[0].coords) if self.streams else "",
+            "streams": {
+                "layer": np.array([number[s.layer] for s in self.streams], dtype=np.uint32),
+                "coords": np.array([i for s in self.streams for _, i in s.coords], dtype=np.uint32),
+                "address": np.array([s.address for s in self.streams], dtype=np.uint64),
+                "stride": np.array([s.block_stride for s in self.streams], dtype=np.uint64),
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "table", arrays: bytes | bytearray | memoryview = b"") -> RegionTable:
+        """A table sent by a peer (``arrays``: the frame's array bytes); anything malformed is
+        a ProtocolError naming the field. What it costs is bounded by what it holds: at most
+        ``MAX_STREAMS`` streams, and nothing per declared block."""
+        fields = Fields(data, where, arrays)
+        memory = fields.text("memory")
+        if memory not in MEMORY_OF_DEVICE.values():
+            raise ProtocolError(f"{where}.memory: {memory!r} is not one of {sorted(MEMORY_OF_DEVICE.values())}")
+        sizes_field = fields.fields("sizes")
+        sizes = {}
+        for letter in sizes_field.data:
+            if len(letter) != 1 or letter not in AXIS_LETTERS or letter == "B":
+                raise ProtocolError(f"{where}.sizes: unknown letter {letter!r} (letters are {AXIS_LETTERS!r} but B)")
+            sizes[letter] = sizes_field.integer(letter, minimum=1, maximum=1 << 24)
+        order = _letters(fields.text("order", max_length=8), f"{where}.order", sizes)
+        for letter in "NC":
+            if letter not in order:
+                raise ProtocolError(f"{where}.order: {order!r} lacks {letter}")
+        split = fields.data.get("split", "")
+        if split not in ("", order[: order.index("N")]):
+            raise ProtocolError(f"{where}.split: {split!r:.20} must be empty or {order[: order.index('N')]!r}")
+        itemsize = fields.integer("itemsize", minimum=1, maximum=8)
+        if itemsize not in (1, 2, 4, 8):
+            raise ProtocolError(f"{where}.itemsize: {itemsize} is not 1, 2, 4 or 8")
+        num_blocks = fields.integer("num_blocks", minimum=1, maximum=1 << 32)
+        device_id = fields.integer("device_id", maximum=1 << 16)
+        shell = cls(memory, device_id, order, split, sizes, itemsize, num_blocks, ())
+        layers = fields.texts("layers", max_items=MAX_STREAMS)
+        if len(set(layers)) != len(layers):
+            twice = next(name for i, name in enumerate(layers) if name in layers[:i])
+            raise ProtocolError(f"{where}.layers: {twice!r} appears twice")
+        letters = _coord_letters(fields, shell)
+        streams = _streams(fields.fields("streams"), shell, layers, letters)
+        coordinates = set(letters)
+        if not set(split) <= coordinates:
+            raise ProtocolError(f"{where}.streams: split letters {split!r} must index the streams")
+        covered = set(order) | coordinates - {"#"}
+        if covered != set(sizes):
+            raise ProtocolError(
+                f"{where}: sizes name {''.join(sorted(sizes))} but order and stream coordinates name "
+                f"{''.join(sorted(covered))}"
+            )
+        return cls(memory, device_id, order, split, sizes, itemsize, num_blocks, streams)
+
+
+def _letters(value: str, where: str, sizes: Mapping[str, int]) -> str:
+    if len(set(value)) != len(value) or any(a not in sizes for a in value):
+        raise ProtocolError(f"{where}: {value!r} must be distinct letters that have sizes")
+    return value
+
+
+def _coord_letters(fields: Fields, table: RegionTable) -> str:
+    """The letters every stream is indexed by, in ``COORD_LETTERS`` order."""
+    where = f"{fields.where}.coords"
+    letters = fields.data.get("coords")
+    if not isinstance(letters, str) or len(letters) > len(COORD_LETTERS):
+        raise ProtocolError(f"{where}: expected a string of coordinate letters, got {letters!r:.60}")
+    for letter in letters:
+        if letter not in COORD_LETTERS:
+            raise ProtocolError(f"{where}: bad coordinate {letter!r} (coordinates are {COORD_LETTERS!r})")
+        if letter != "#" and letter not in table.sizes:
+            raise ProtocolError(f"{where}: coordinate {letter} has no size")
+        if letter in table.run_order:
+            raise ProtocolError(f"{where}: coordinate {letter} lies inside the run {table.run_order!r}")
+    if letters != "".join(a for a in COORD_LETTERS if a in letters):
+        raise ProtocolError(f"{where}: {letters!r} must be distinct letters in {COORD_LETTERS!r} order")
+    return letters
+
+
+def _streams(fields: Fields, table: RegionTable, layers: list[str], letters: str) -> tuple[Stream, ...]:
+    """The streams of a peer's table from its arrays, every value checked (vectorised where
+    it can be; one Python object per stream, at most ``MAX_STREAMS``)."""
+    where = fields.where
+    layer = fields.array("layer", maximum=max(len(layers) - 1, 0), max_length=MAX_STREAMS)
+    count = layer.size
+    if not count:
+        raise ProtocolError(f"{where}: empty")
+    if not layers:
+        raise ProtocolError(f"{where}.layer: {count} streams but no layer names")
+    coords = fields.array("coords", max_length=MAX_STREAMS * len(COORD_LETTERS))
+    if coords.size != count * len(letters):
+        raise ProtocolError(f"{where}.coords: {coords.size} values for {count} streams of {len(letters)} coordinates")
+    columns = coords.reshape(count, len(letters))
+    for j, letter in enumerate(letters):
+        limit = table.sizes.get(letter, 1 << 10) - 1
+        column = columns[:, j]
+        if int(column.max()) > limit:
+            bad = int(np.argmax(column > limit))
+            got = int(column[bad])
+            expected = f"expected an integer in [0, {limit}]"
+            raise ProtocolError(f"{where}.coords[{bad}]: coordinate {letter}: {expected}, got {got}")
+    address = fields.array("address", minimum=1, max_length=MAX_STREAMS)
+    stride = fields.array("stride", minimum=table.run_bytes, maximum=1 << 48, max_length=MAX_STREAMS)
+    for name, values in (("address", address), ("stride", stride)):
+        if values.size != count:
+            raise ProtocolError(f"{where}.{name}: {values.size} values for {count} streams")
+    streams: list[Stream] = []
+    seen: set[tuple[str, tuple[tuple[str, int], ...]]] = set()
+    shared: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}
+    for i, (number, index, base, step) in enumerate(
+        zip(layer.tolist(), columns.tolist(), address.tolist(), stride.tolist())
+    ):
+        if base + (table.num_blocks - 1) * step + table.run_bytes > 1 << 64:
+            raise ProtocolError(f"{where}[{i}]: blocks run past the end of the address space")
+        pairs = tuple(zip(letters, index))
+        coords_key = shared.setdefault(pairs, pairs)  # one tuple per distinct coordinate
+        stream = Stream(layers[number], coords_key, base, step)
+        if stream.key in seen:
+            raise ProtocolError(f"{where}[{i}]: {stream.describe()} appears twice")
+        seen.add(stream.key)
+        streams.append(stream)
+    return tuple(streams)
+
+
+def as_cache_set(caches: Mapping[str, Layer] | CacheSet, axes: str | None) -> CacheSet:
+    """A layer dict (with its ``axes``, as for ``kvhost.receive``) as a validated cache set."""
+    if isinstance(caches, CacheSet):
+        return caches
+    if axes is None:
+        raise LayoutError("axes are required with a layer dict (as for kvhost.receive)")
+    return CacheSet(caches, axes)
+
+
+def _canonical(coords: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple((a, coords[a]) for a in COORD_LETTERS if a in coords)
+
+
+def region_table(caches: Mapping[str, Layer] | CacheSet, axes: str | None = None) -> RegionTable:
+    """The table of a layer dict (``axes`` as for ``kvhost.receive``): where its regions live."""
+    cache_set = as_cache_set(caches, axes)
+    device = cache_set.device
+    memory = MEMORY_OF_DEVICE.get(device.type)
+    if memory is None:
+        raise LayoutError(
+            f"NIXL reaches host and CUDA memory, not {device}: stage through a host buffer with kvhost.copy_blocks"
+        )
+    first = cache_set.layout
+    tuple_is_k = "K" in cache_set.axes and "K" not in cache_set.member_axes
+    sizes = first.logical_sizes()
+    counts = {len(members) for members in cache_set.layers.values()}
+    if len(counts) > 1:
+        raise LayoutError(f"{cache_set.role}: layers hold different numbers of tensors {sorted(counts)}")
+    if tuple_is_k:
+        sizes["K"] = counts.pop()
+    streams = []
+    for member in cache_set.members:
+        layout = member.layout
+        if layout.region != first.region:
+            raise LayoutError(
+                f"{cache_set.role}: layer {member.layer!r} has block region {layout.region!r} but layer "
+                f"{cache_set.members[0].layer!r} has {first.region!r}; one table needs one region order"
+            )
+        base: dict[str, int] = {}
+        if tuple_is_k:
+            base["K"] = member.index
+        elif len(cache_set.layers[member.layer]) > 1:
+            base["#"] = member.index
+        for index in itertools.product(*(range(layout.size(a)) for a in layout.outer)):
+            offset = sum(i * layout.stride(a) * layout.itemsize for a, i in zip(layout.outer, index))
+            coords = _canonical(base | dict(zip(layout.outer, index)))
+            streams.append(Stream(member.layer, coords, member.tensor.data_ptr() + offset, layout.block_stride_bytes))
+    return RegionTable(
+        memory=memory,
+        device_id=device.index or 0,
+        order=first.region,
+        split="",
+        sizes=sizes,
+        itemsize=first.itemsize,
+        num_blocks=first.num_blocks,
+        streams=tuple(streams),
+    )
+
+
+def memory_spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """(start, length) byte spans covering every tensor, overlaps merged (layers may share memory)."""
+    spans = sorted((tensor.data_ptr(), byte_extent(tensor)) for tensor in tensors if tensor.numel())
+    merged: list[tuple[int, int]] = []
+    for start, length in spans:
+        if merged and start <= merged[-1][0] + merged[-1][1]:
+            first, covered = merged[-1]
+            merged[-1] = (first, max(covered, start + length - first))
+        else:
+            merged.append((start, length))
+    return merged

@@ -1,0 +1,209 @@
+"""``kvhost bench``: memcpy (the roofline), the per-request baseline and kvhost, side by side.
+
+The measuring runs in a child process with ``OMP_WAIT_POLICY=PASSIVE`` unless the
+variable is set: torch and numba each bring an OpenMP runtime whose idle workers spin,
+and on a shared two-core machine a spinning worker turns every parallel region into a
+wait for a scheduler time slice (8-16 ms per call measured here under load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvhost
+from kvhost_tools.bench.machine import Device, machine
+from kvhost_tools.bench.methods import KVHOST, METHODS, ROOFLINE, Workspace, prepare
+from kvhost_tools.bench.output import other_tables, plot, table, target_table, to_json
+from kvhost_tools.bench.targets import evaluate, front_end_share
+from kvhost_tools.bench.timing import measure, summarise
+from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
+from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvhost bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and few rounds, for CI (a few seconds)")
+    parser.add_argument("--device", default="cpu", help="torch device of the caches (default cpu)")
+    parser.add_argument("--requests", help="batch sizes to sweep, comma-separated (default 1..256 doubling)")
+    parser.add_argument("--only", action="append", default=[], help="run scenarios whose name starts with this")
+    parser.add_argument("--rounds", type=int, help="rounds per point (default: adaptive, odd, 7 to 31)")
+    parser.add_argument("--backend", action="append", default=[], help="also time KVHost with this backend")
+    parser.add_argument(
+        "--cache",
+        choices=("data", "all", "warm"),
+        default="data",
+        help="what to evict before each timed call: the bytes the methods touch (default), everything, or nothing",
+    )
+    parser.add_argument("--no-sweeps", action="store_true", help="only the target scenarios")
+    parser.add_argument("--json", type=Path, help="where to write the results (default docs/bench.json)")
+    parser.add_argument("--png", type=Path, help="where to write the plot (default docs/bench.png)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target fails")
+    parser.add_argument(
+        "--xla-scaling", action="store_true", help="also run kvhost_tpu.scaling.measure_scaling() where present"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--in-process", action="store_true", help="measure in this process (see module docstring)")
+    args = parser.parse_args(argv)
+    if args.requests is not None:
+        given = args.requests
+        try:
+            args.requests = tuple(int(n) for n in given.split(","))
+        except ValueError:
+            parser.error(f"--requests {given!r}: give batch sizes as integers separated by commas")
+        if min(args.requests) < 1:
+            parser.error(f"--requests {given!r}: batch sizes must be at least 1")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least one round")
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a torch device")
+    names = sorted(s.name for s in scenarios(PRESETS["full"], (1,)))
+    for prefix in args.only:
+        if not any(name.startswith(prefix) for name in names):
+            parser.error(f"--only {prefix!r} matches no scenario ({', '.join(names)})")
+    default_dir = Path("bench-results") if args.quick else Path("docs")
+    stem = "bench-quick" if args.quick else "bench"
+    args.json = args.json or default_dir / f"{stem}.json"
+    args.png = args.png or default_dir / f"{stem}.png"
+    return args
+
+
+def allocation_order(chosen: list[Scenario]) -> list[Scenario]:
+    """Scenarios that start on the same cache geometry run one after another: fewer large allocations."""
+    first_seen: dict[Geometry, int] = {}
+    for scenario in chosen:
+        first_seen.setdefault(scenario.points[0].geometry, len(first_seen))
+    return sorted(chosen, key=lambda s: first_seen[s.points[0].geometry])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if not args.in_process and "OMP_WAIT_POLICY" not in os.environ:
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        command = [sys.executable, "-m", "kvhost_tools.bench", *argv, "--in-process"]
+        return subprocess.run(command, env=env, check=False).returncode
+    return run(args, argv)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    preset = PRESETS["quick" if args.quick else "full"]
+    if args.no_sweeps:
+        preset = replace(preset, sweeps=False)
+    requests = args.requests or preset.requests
+    chosen = [s for s in scenarios(preset, requests) if not args.only or any(s.name.startswith(o) for o in args.only)]
+    device = Device(args.device, args.cache)
+    space = Workspace(device)
+    rng = random.Random(args.seed)
+    total = sum(len(s.points) for s in chosen)
+    print(
+        f"kvhost bench ({preset.name}): {total} points, device {args.device}, "
+        f"cache {device.cache}, backend {kvhost.get_backend(device.device).name}",
+        file=sys.stderr,
+    )
+    by_scenario: dict[str, list[dict[str, Any]]] = {}
+    done = 0
+    began = time.perf_counter()
+    for scenario in allocation_order(chosen):
+        num_blocks = max(p.blocks for p in scenario.points)
+        scenario_rows = []
+        for i, point in enumerate(scenario.points):
+            done += 1
+            started = time.perf_counter()
+            prepared = prepare(point, space, args.backend, num_blocks, seed=args.seed + i)
+            verified = prepared.verify() if prepared.verify is not None and i == 0 else None
+            measured = measure(prepared.methods, device, preset, args.rounds, rng, prepared.touched)
+            row = summarise(point, prepared, measured)
+            row["verified_against_baseline"] = verified
+            scenario_rows.append(row)
+            print(f"[{done:>3}/{total}] {_progress(row)} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+            if verified is False:
+                print("    MISMATCH: the baseline and kvhost left different bytes", file=sys.stderr)
+            del prepared, measured  # free this point's caches before the next allocates
+        by_scenario[scenario.name] = scenario_rows
+        gc.collect()
+    rows = [row for s in chosen for row in by_scenario[s.name]]
+    targets = [t for s in chosen if (t := evaluate(s, by_scenario[s.name])) is not None]
+    xla_scaling = measure_xla_scaling() if args.xla_scaling else None
+    result = {
+        "kvhost_bench": 1,
+        "command": " ".join(["kvhost bench", *(a for a in argv if a != "--in-process")]),
+        "preset": preset.name,
+        "device": args.device,
+        "cache": device.cache,
+        "backend": kvhost.get_backend(device.device).name,
+        "backend_detail": kvhost.get_backend(device.device).describe(),
+        "machine": machine(),
+        "seconds": time.perf_counter() - began,
+        "methods": METHODS,
+        "scenarios": [
+            {
+                "name": s.name,
+                "title": s.title,
+                "cache": s.points[0].geometry.describe(),
+                "plot": s.plot,
+                "target": asdict(s.target) if s.target else None,
+                "points": len(s.points),
+            }
+            for s in chosen
+        ],
+        "points": rows,
+        "targets": targets,
+        "targets_apply": preset.name == "full",
+        "xla_scaling": xla_scaling,
+        "verified": all(r["verified_against_baseline"] is not False for r in rows),
+        "table": table(rows, [f"kvhost[{b}]" for b in args.backend]),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(to_json(result) + "\n")
+    try:
+        plot(result, args.png)
+        wrote = f"{args.json} and {args.png}"
+    except ImportError as err:  # matplotlib is the bench extra; the figures stand without the plot
+        wrote = f"{args.json} (no plot: {err}; pip install 'kvhost[bench]')"
+    print(result["table"])
+    extra = other_tables(rows)
+    if extra:
+        print()
+        print(extra)
+    if xla_scaling is not None:
+        print()
+        print(xla_table(xla_scaling))
+    if targets:
+        print()
+        print(target_table(targets))
+        if preset.name != "full":
+            print(f"({preset.name} shapes: the targets are set for the full preset's shapes)")
+    print(f"\nwrote {wrote} in {result['seconds']:.0f} s", file=sys.stderr)
+    if not result["verified"]:
+        return 2
+    return 1 if args.check and not all(t["passed"] for t in targets) else 0
+
+
+def _progress(row: dict[str, Any]) -> str:
+    methods = row["methods"]
+    head = f"{row['scenario']} {row['label']}, {row['requests']} x {row['blocks_per_request']} blocks"
+    if ROOFLINE in methods:
+        k = methods[KVHOST]
+        return f"{head}: kvhost {k['fraction']:.2f} of memcpy, {k['speedup']:.1f}x baseline"
+    if row["kind"] == "identity":
+        same, empty = methods[KVHOST]["median_s"], methods["empty"]["median_s"]
+        return f"{head}: {same * 1e6:.0f} us vs an empty call's {empty * 1e6:.0f} us"
+    return f"{head}: front end {front_end_share(methods):.2%} of the transform"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""The methods compared at each point, made runnable on caches allocated once per geometry."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvhost
+from kvhost.batch import ReceiveBatch, plan_receive_batch
+from kvhost_tools.bench.baseline import PerRequestReceiver, PerRequestStager
+from kvhost_tools.bench.machine import Device, MiB, block_ranges
+from kvhost_tools.bench.verify import same_copy, same_result
+from kvhost_tools.bench.workloads import Geometry, Point, allocator_ids
+
+ROOFLINE = "memcpy"
+BASELINE = "baseline"
+BASELINE_1T = "baseline-1t"
+KVHOST = "kvhost"
+KVHOST_FN = "kvhost-fn"
+METHODS = {
+    ROOFLINE: "a plain copy of the same bytes between two buffers (the roofline)",
+    BASELINE: "per request, per layer, per K/V half: gather -> permute copy -> scatter (staging: index, assign)",
+    BASELINE_1T: "the baseline with torch on one thread (its small ops gain nothing from waking a second one)",
+    KVHOST: "kvhost.KVHost registered once: .receive / .copy_to / .copy_from",
+    KVHOST_FN: "module-level kvhost.receive / kvhost.copy_blocks (the caches validated on every call)",
+    "empty": "KVHost.receive with no requests (identity scenario)",
+    "visit": "one pass over the batch's mapping, len() of every request: the least a call handed it can do (identity)",
+    "front end": "kvhost.batch.plan_receive_batch alone: validation, grouping, concatenation (front-end scenario)",
+    "transform": "the backend's work for the batch the front end prepared (front-end scenario)",
+}
+
+
+class Workspace:
+    """Caches and copy buffers, allocated once per geometry and reused by its points."""
+
+    RING = 256 * MiB  # the memcpy roofline copies through buffers this large, in pieces
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._caches: dict[tuple[str, Geometry, str], tuple[int, dict[str, torch.Tensor]]] = {}
+        self._rings: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def caches(self, role: str, geometry: Geometry, physical: str, num_blocks: int) -> dict[str, torch.Tensor]:
+        """Layer tensors for ``role`` (``cache`` on the device, ``host`` buffers), every page touched.
+
+        One set per role is kept: a set with enough blocks is reused, any other is freed first.
+        """
+        key = (role, geometry, physical)
+        held = self._caches.get(key)
+        if held is not None and held[0] >= num_blocks:
+            return held[1]
+        for old in [k for k in self._caches if k[0] == role]:
+            del self._caches[old]
+        held = None
+        gc.collect()
+        on_host = role == "host"
+        device = torch.device("cpu") if on_host else self.device.device
+        pinned = on_host and not self.device.is_host
+        sizes = geometry.sizes(num_blocks)
+        layers = {}
+        for i in range(geometry.layers):
+            memory = torch.empty(
+                [sizes[a] for a in physical], dtype=geometry.torch_dtype, device=device, pin_memory=pinned
+            )
+            memory.view(torch.uint8).fill_(i + 1)
+            layers[f"layer{i}"] = memory.permute([physical.index(a) for a in geometry.axes])
+        self._caches[key] = (num_blocks, layers)
+        return layers
+
+    def memcpy(self, nbytes: int, src: torch.device, dst: torch.device) -> Callable[[], None]:
+        """A plain copy of ``nbytes`` from a buffer on ``src`` to one on ``dst``, in ring-sized pieces."""
+        source, dest = self._ring(src, dst)
+
+        def copy() -> None:
+            for start in range(0, nbytes, self.RING):
+                count = min(self.RING, nbytes - start)
+                dest[:count].copy_(source[:count])
+
+        return copy
+
+    def memcpy_ranges(self, nbytes: int, src: torch.device, dst: torch.device) -> np.ndarray:
+        """(address, bytes) of what ``memcpy(nbytes, src, dst)`` reads and writes (host buffers only)."""
+        rows = [(t.data_ptr(), min(nbytes, self.RING)) for t in self._ring(src, dst) if t.device.type == "cpu"]
+        return np.array(rows, dtype=np.int64).reshape(-1, 2)
+
+    def _ring(self, src: torch.device, dst: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (str(src), str(dst))
+        if key not in self._rings:
+            pinned = not self.device.is_host
+            self._rings[key] = tuple(  # type: ignore[assignment]
+                torch.ones(self.RING, dtype=torch.uint8, device=d, pin_memory=pinned and d.type == "cpu")
+                for d in (src, dst)
+            )
+        return self._rings[key]
+
+
+@dataclass
+class Prepared:
+    """A point made runnable: its methods, the bytes they move, and how to verify them."""
+
+    methods: dict[str, Callable[[], object]]
+    nbytes: int
+    verify: Callable[[], bool] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    touched: np.ndarray | None = None  # (address, bytes) rows the methods read or write
+
+
+def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_blocks: int, seed: int) -> Prepared:
+    rng = np.random.default_rng(seed)
+    geometry = point.geometry
+    ids = allocator_ids(num_blocks, point.blocks, point.ids, rng)
+    chunks = [ids[i : i + point.blocks_per_request] for i in range(0, ids.size, point.blocks_per_request)]
+    if point.kind == "stage":
+        return _prepare_stage(point, space, extra_backends, num_blocks, chunks)
+    caches = space.caches("cache", geometry, geometry.physical, num_blocks)
+    requests = {f"req-{i}": chunk.tolist() for i, chunk in enumerate(chunks)}
+    order, size = point.remote_order, point.remote_block_size
+    host = kvhost.KVHost(caches, axes=geometry.axes)
+    touched = block_ranges(caches, geometry.axes, ids)
+    if point.kind == "identity":
+        return Prepared(
+            {
+                "empty": lambda: host.receive({}, remote_order=order, remote_block_size=size),
+                "visit": lambda: sum(map(len, requests.values())),
+                KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
+                KVHOST_FN: lambda: kvhost.receive(
+                    caches, requests, axes=geometry.axes, remote_order=order, remote_block_size=size
+                ),
+            },
+            nbytes=0,
+            touched=touched,
+        )
+    if point.kind == "frontend":
+        planned: list[ReceiveBatch] = [plan_receive_batch(host.caches, requests, order, size)]
+
+        def front_end() -> None:
+            planned[0] = plan_receive_batch(host.caches, requests, order, size)
+
+        def transform() -> None:
+            for job in planned[0].jobs:
+                host.backend.receive(job)
+
+        return Prepared(
+            {
+                "front end": front_end,
+                "transform": transform,
+                KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
+            },
+            nbytes=planned[0].bytes_moved,
+            touched=touched,
+        )
+    baseline = PerRequestReceiver(caches, geometry.axes)
+    methods: dict[str, Callable[[], object]] = {
+        ROOFLINE: space.memcpy(point.blocks * geometry.block_bytes, space.device.device, space.device.device),
+        BASELINE: lambda: baseline.receive(requests, remote_order=order, remote_block_size=size),
+        KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
+        KVHOST_FN: lambda: kvhost.receive(
+            caches, requests, axes=geometry.axes, remote_order=order, remote_block_size=size
+        ),
+    }
+    for name in extra_backends:
+        methods[f"kvhost[{name}]"] = _receiver(kvhost.KVHost(caches, axes=geometry.axes, backend=name), point, requests)
+    _add_single_threaded(methods, space.device)
+    stats = host.receive(requests, remote_order=order, remote_block_size=size)
+
+    def verify() -> bool:
+        return same_result(
+            caches, geometry.axes, ids, methods[BASELINE], [methods[KVHOST], methods[KVHOST_FN]], seed=seed
+        )
+
+    here = space.device.device
+    touched = np.concatenate([touched, space.memcpy_ranges(point.blocks * geometry.block_bytes, here, here)])
+    return Prepared(methods, nbytes=stats.bytes_moved, verify=verify, stats={"groups": stats.groups}, touched=touched)
+
+
+def _add_single_threaded(methods: dict[str, Callable[[], object]], device: Device) -> None:
+    """Add the baseline on one torch thread, where torch has more than one on the host."""
+    threads = torch.get_num_threads()
+    if not device.is_host or threads == 1:
+        return
+    baseline = methods[BASELINE]
+
+    def single_threaded() -> None:
+        torch.set_num_threads(1)
+        try:
+            baseline()
+        finally:
+            torch.set_num_threads(threads)
+
+    methods[BASELINE_1T] = single_threaded
+
+
+def _receiver(registered: kvhost.KVHost, point: Point, requests: dict[str, list[int]]) -> Callable[[], object]:
+    return lambda: registered.receive(
+        requests, remote_order=point.remote_order, remote_block_size=point.remote_block_size
+    )
+
+
+def _prepare_stage(
+    point: Point, space: Workspace, extra_backends: Sequence[str], num_blocks: int, chunks: list[np.ndarray]
+) -> Prepared:
+    geometry = point.geometry
+    cache = space.caches("cache", geometry, geometry.physical, num_blocks)
+    buffer = space.caches("host", geometry, point.host_physical or geometry.physical, num_blocks)
+    cache_ids = np.concatenate(chunks)
+    buffer_ids = np.arange(point.blocks, dtype=np.int64)  # a staging buffer fills in order
+    save = point.direction == "save"
+    src, dst = (cache, buffer) if save else (buffer, cache)
+    src_ids, dst_ids = (cache_ids, buffer_ids) if save else (buffer_ids, cache_ids)
+    per_request = [
+        (src_ids[i : i + point.blocks_per_request], dst_ids[i : i + point.blocks_per_request])
+        for i in range(0, point.blocks, point.blocks_per_request)
+    ]
+    src_list, dst_list = src_ids.tolist(), dst_ids.tolist()
+    axes = geometry.axes
+    host = kvhost.KVHost(cache, axes=axes)
+    baseline = PerRequestStager(src, dst, axes=axes)
+    devices = (space.device.device, torch.device("cpu"))
+
+    def connector(registered: kvhost.KVHost) -> Callable[[], object]:
+        if save:
+            return lambda: registered.copy_to(buffer, src_list, dst_list).wait()
+        return lambda: registered.copy_from(buffer, src_list, dst_list).wait()
+
+    methods: dict[str, Callable[[], object]] = {
+        ROOFLINE: space.memcpy(point.blocks * geometry.block_bytes, *(devices if save else devices[::-1])),
+        BASELINE: lambda: baseline.copy(per_request),
+        KVHOST: connector(host),
+        KVHOST_FN: lambda: kvhost.copy_blocks(src, dst, src_list, dst_list, axes=axes).wait(),
+    }
+    for name in extra_backends:
+        methods[f"kvhost[{name}]"] = connector(kvhost.KVHost(cache, axes=axes, backend=name))
+    _add_single_threaded(methods, space.device)
+    result = kvhost.copy_blocks(src, dst, src_list, dst_list, axes=axes).wait()
+
+    def verify() -> bool:
+        return same_copy(src, dst, axes, src_ids, dst_ids, methods[BASELINE], [methods[KVHOST], methods[KVHOST_FN]])
+
+    ends = devices if save else devices[::-1]
+    touched = np.concatenate(
+        [
+            block_ranges(cache, axes, cache_ids) if space.device.is_host else np.zeros((0, 2), dtype=np.int64),
+            block_ranges(buffer, axes, buffer_ids),
+            space.memcpy_ranges(point.blocks * geometry.block_bytes, *ends),
+        ]
+    )
+    return Prepared(methods, nbytes=result.bytes_moved, verify=verify, stats={"runs": result.runs}, touched=touched)

@@ -1,0 +1,665 @@
+"""A peer can send anything, a link can go down, a process can freeze: every wait kvhost
+makes has a deadline, and every resource a peer can make it allocate is bounded.
+
+- Timeouts: NaN, infinity, negative numbers, bools and non-numbers are refused, by
+  ``Transfer.wait``, ``framing.receive``/``send`` and the demo's options alike.
+- A control frame costs memory in proportion to its size (peaks measured with tracemalloc).
+- A peer's block table that declares billions of blocks costs memory only for the blocks a
+  request names (measured in a subprocess whose address space is capped, so a regression
+  fails with MemoryError instead of exhausting the machine).
+- Stray connections to the demo's control port are dropped; the hand-off goes on.
+- ``kvhost demo`` exits 0 (every request verified), 1 (only: requests failed) or 2
+  (anything else), impossible options with one line naming the option.
+- The demo's NIXL/UCX agents listen on loopback unless the user says otherwise (the
+  sockets of running demos are checked in test_demo.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+import types
+
+import numpy as np
+import pytest
+from test_nixl_protocol import FRAME
+
+from kvhost.errors import KVHostError
+from kvhost.nixl import (
+    MAX_STREAMS,
+    NIXL_MODULES,
+    InvalidTimeoutError,
+    ProtocolError,
+    RegionTable,
+    Stream,
+    Transfer,
+    accept_hello,
+    decode,
+    encode,
+    handshake,
+    parse_hello,
+    receive,
+    send,
+)
+from kvhost.nixl.fields import MAX_ARRAY_BYTES
+from kvhost.nixl.framing import HEADER_BYTES, MAX_JSON_BYTES, MAX_JSON_VALUES
+from kvhost_tools.demo import cli as demo_cli
+from kvhost_tools.demo import config as demo_config
+from kvhost_tools.demo import decode as demo_decode
+from kvhost_tools.demo import prefill as demo_prefill
+
+MiB = 1 << 20
+
+# --- every wait has a finite deadline -----------------------------------------------------------
+
+ENDLESS = [math.nan, math.inf, -math.inf, -1, -1e-9, True, False, "1", None, 1e9, np.float64("nan")]
+
+
+@pytest.mark.parametrize("timeout", ENDLESS, ids=repr)
+def test_transfer_wait_refuses_a_timeout_that_is_not_finite_seconds(timeout):
+    transfer = Transfer(types.SimpleNamespace(peer="p"), handle=None, nbytes=0, op="READ")
+    started = time.monotonic()
+    with pytest.raises(InvalidTimeoutError, match=r"Transfer\.wait timeout: expected a number of seconds") as raised:
+        transfer.wait(timeout)
+    assert isinstance(raised.value, KVHostError)
+    assert (str(timeout) if isinstance(timeout, float) else repr(timeout)) in str(raised.value)
+    assert time.monotonic() - started < 1  # refused, not waited on
+
+
+@pytest.mark.parametrize("interval", [0, math.nan, math.inf, 2.0, -1])
+def test_transfer_wait_refuses_a_poll_interval_out_of_range(interval):
+    transfer = Transfer(types.SimpleNamespace(peer="p"), handle=None, nbytes=0, op="READ")
+    with pytest.raises(InvalidTimeoutError, match=r"Transfer\.wait interval"):
+        transfer.wait(1.0, interval=interval)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("timeout", ENDLESS, ids=repr)
+def test_receive_and_send_refuse_a_timeout_that_is_not_finite_seconds(timeout):
+    left, right = socket.socketpair()
+    with left, right:
+        right.sendall(encode("x", {}))
+        with pytest.raises(
+            InvalidTimeoutError, match=r"receive timeout: expected a number of seconds in \[0, 604800\]"
+        ):
+            receive(left, timeout=timeout)
+        with pytest.raises(InvalidTimeoutError, match=r"send timeout"):
+            send(left, "x", {}, timeout=timeout)
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, pytest.raises(InvalidTimeoutError, match=r"connect timeout"):
+        accept_hello(listener, b"s" * 32, timeout)
+
+
+@pytest.mark.timeout(20)
+def test_a_silent_peer_times_out_at_the_deadline():
+    left, right = socket.socketpair()
+    with left, right:
+        right.sendall(encode("hello", {})[: HEADER_BYTES + 3])
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match=r"timed out waiting for the JSON body: 3 of \d+ bytes"):
+            receive(left, timeout=0.3)
+        assert 0.25 < time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("option", ["--timeout", "--connect-timeout", "--hold-timeout"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-5", "1e9", "soon"])
+def test_the_demo_refuses_time_options_that_are_not_finite_seconds(option, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo_cli.main([f"{option}={value}"])  # (a value like -inf would read as an option)
+    assert exit_info.value.code == 2
+    assert f"argument {option}: expected a number of seconds in (0, 604800], got {value!r}" in capsys.readouterr().err
+
+
+# --- a frame costs memory in proportion to its size -------------------------------------------
+
+
+def peak_bytes(work):
+    """Peak bytes Python and numpy allocate while ``work()`` runs (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        with contextlib.suppress(ProtocolError):
+            work()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def received_and_parsed(frame, parse=lambda message: message):
+    """Send ``frame`` over a socket pair from a thread; receive and parse it here."""
+    left, right = socket.socketpair()
+
+    def peer():
+        with contextlib.suppress(OSError):  # refused unread: the receiver closes
+            right.sendall(frame)
+
+    thread = threading.Thread(target=peer, daemon=True)
+
+    def work():
+        thread.start()
+        try:
+            parse(receive(left, timeout=60))
+        finally:
+            left.close()
+            thread.join(60)
+            right.close()
+
+    return work
+
+
+def json_frame(item: bytes, count: int) -> bytes:
+    """A frame whose JSON is a list of ``count`` copies of ``item``, with a correct checksum
+    and lengths, whatever the caps (a peer need not respect them)."""
+    import struct
+    import zlib
+
+    body = b'{"kind":"x","v":[' + b",".join([item] * count) + b"]}"
+    return struct.pack(">4sBIIII", b"KVHM", 2, len(body), 0, 0, zlib.crc32(body)) + body
+
+
+# The JSON a byte of frame turns into the most Python objects for: empty objects and lists,
+# one-character strings, floats, small ints, and objects with distinct keys.
+JSON_ITEMS = {
+    "objects": b"{}",
+    "lists": b"[]",
+    "strings": b'"a"',
+    "floats": b"1.5",
+    "ints": b"1000",
+    "keyed": b'{"k":{}}',
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", JSON_ITEMS)
+def test_json_costs_a_bounded_amount_whatever_it_holds(shape):
+    """The most expensive JSON per byte, as much of it as the JSON cap lets through (refused
+    unparsed above the value cap), and as much as the value cap lets through: a few MiB at
+    most. With a 64 MiB JSON cap and no value cap, 64 MiB of ``{}`` took 1.6 GiB to parse."""
+    item = JSON_ITEMS[shape]
+    at_byte_cap = json_frame(item, (MAX_JSON_BYTES - 40) // (len(item) + 1))
+    per_item = 1 + sum(item.count(c) for c in (b"{", b"[", b":", b","))  # what json_values counts
+    at_value_cap = json_frame(item, (MAX_JSON_VALUES - 8) // per_item)
+    for frame in (at_byte_cap, at_value_cap):
+        peak = peak_bytes(received_and_parsed(frame))
+        assert peak <= 2 * len(frame) + 16 * MiB, (
+            f"{shape}: {len(frame) / MiB:.1f} MiB frame, peak {peak / MiB:.0f} MiB"
+        )
+
+
+def big_hello(block_ids: int, streams: int) -> tuple[bytes, int]:
+    """A hello at the caps: ``streams`` streams (layers x K/V) of 2^32 declared blocks of one
+    token, and ``block_ids`` block ids (one byte each) in 4 requests."""
+    layers = streams // 2
+    table = {
+        "memory": "DRAM",
+        "device_id": 0,
+        "order": "HNC",
+        "split": "",
+        "sizes": {"K": 2, "H": 1, "N": 1, "C": 1},
+        "itemsize": 1,
+        "num_blocks": 1 << 32,
+        "layers": [f"l{i}" for i in range(layers)],
+        "coords": "K",
+        "streams": {
+            "layer": np.repeat(np.arange(layers, dtype=np.uint32), 2),
+            "coords": np.tile(np.arange(2, dtype=np.uint32), layers),
+            "address": np.arange(1, streams + 1, dtype=np.uint64) << np.uint64(40),
+            "stride": np.full(streams, 64, dtype=np.uint64),
+        },
+    }
+    tokens = np.full(4, block_ids // 4, dtype=np.uint32)
+    requests = {
+        "name": ["a", "b", "c", "d"],
+        "number": np.arange(4, dtype=np.uint32),
+        "tokens": tokens,
+        "block_ids": np.zeros(int(tokens.sum()), dtype=np.uint8),
+    }
+    frame = encode("hello", {"pid": 1, "table": table, "requests": requests}, b"metadata")
+    return frame, int(tokens.sum())
+
+
+@pytest.mark.timeout(180)
+def test_a_hello_at_the_caps_costs_its_size_and_a_bounded_rest():
+    """A hello as large as the caps allow: 2^16 streams and 60 MiB of block ids. Its arrays
+    are read in place, its ids checked without copies; what is not in proportion to the
+    frame (one Python object per stream, per layer name, per request) is capped."""
+    frame, ids = big_hello(MAX_ARRAY_BYTES - 4 * MiB, MAX_STREAMS)
+    parsed = []
+    peak = peak_bytes(received_and_parsed(frame, lambda message: parsed.append(parse_hello(message))))
+    assert parsed, "the hello was refused"
+    hello = parsed[0]
+    assert len(hello.table.streams) == MAX_STREAMS and sum(r.remote_ids.size for r in hello.requests) == ids
+    assert peak <= 1.25 * len(frame) + 40 * MiB, f"{len(frame) / MiB:.0f} MiB frame, peak {peak / MiB:.0f} MiB"
+
+
+def test_bulk_integers_are_not_accepted_as_json():
+    """Block ids as a JSON list (what version 1 sent) are refused: only arrays carry them."""
+    frame, _ = big_hello(64, 4)
+    message = decode(frame)
+    message.header["requests"]["block_ids"] = [0] * 64
+    with pytest.raises(ProtocolError, match=r"hello\.requests\.block_ids: expected an integer array"):
+        parse_hello(message)
+
+
+def test_stream_objects_are_small():
+    """One Python object per stream is the one cost a table has per stream: keep it small."""
+    assert not hasattr(Stream("l", (("K", 0),), 1, 64), "__dict__")
+    assert RegionTable.__dataclass_fields__  # (a dataclass, compared field by field)
+
+
+# --- a table declaring billions of blocks costs only what requests name -------------------------
+
+NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
+needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
+
+CAPPED = """
+import resource, sys, tracemalloc
+import numpy as np
+from kvhost.nixl import RegionTable, plan_transfer, Stream
+from kvhost.nixl import decode, encode
+
+def vm():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+
+limit = vm() + (2 << 30)  # 2 GiB of address space beyond the interpreter with torch and numpy
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+"""
+
+BILLIONS = (
+    CAPPED
+    + """
+streams = int(sys.argv[1])
+layers = streams // 2
+remote = {
+    "memory": "DRAM", "device_id": 0, "order": "HNC", "split": "", "sizes": {"K": 2, "H": 2, "N": 4, "C": 8},
+    "itemsize": 2, "num_blocks": 1 << 32, "layers": [f"l{i}" for i in range(layers)], "coords": "K",
+    "streams": {
+        "layer": np.repeat(np.arange(layers, dtype=np.uint32), 2),
+        "coords": np.tile(np.arange(2, dtype=np.uint32), layers),
+        "address": (np.arange(streams, dtype=np.uint64) + np.uint64(1)) << np.uint64(45),
+        "stride": np.full(streams, 128, dtype=np.uint64),
+    },
+}
+frame = encode("table", {"table": remote})
+local_streams = tuple(Stream(f"l{s // 2}", (("K", s % 2),), 4096 + s * 4096, 1024) for s in range(streams))
+local = RegionTable("DRAM", 0, "HNC", "", {"K": 2, "H": 2, "N": 16, "C": 8}, 2, 4, local_streams)
+tracemalloc.start()
+message = decode(frame)
+table = RegionTable.from_dict(message.header["table"], "table", message.arrays)
+plan = plan_transfer(local, table)
+last = (1 << 32) - 1
+local_rows, remote_rows = plan.descriptor_pairs([3], [last - 3, 7, last, 0])
+peak = tracemalloc.get_traced_memory()[1]
+assert remote_rows.shape == (streams * 4, 3) and local_rows.shape == (streams * 4, 3), remote_rows.shape
+assert int(remote_rows[2, 0]) == (1 << 45) + last * 128  # stream 0, the request's third block
+print(len(frame), peak)
+"""
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_table_declaring_billions_of_blocks_costs_only_the_requested_blocks():
+    """2^32 declared blocks in each of 2^14 streams: parsing the table, planning and the
+    descriptors of a 4-block request cost a few MiB (they once built a row for every block
+    of every stream: 2^46 rows)."""
+    streams = 1 << 14
+    out = subprocess.run([sys.executable, "-c", BILLIONS, str(streams)], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    frame_bytes, peak = map(int, out.stdout.split())
+    # Per stream: a Stream object, and 4 descriptor rows a side (24 bytes each) with temporaries.
+    assert peak <= 2 * frame_bytes + streams * 1024 + 8 * MiB, f"frame {frame_bytes} bytes, peak {peak / MiB:.1f} MiB"
+
+
+READER = (
+    CAPPED
+    + """
+import torch
+from kvhost.nixl import Agent, TransferError
+from kvhost.testing import make_cache
+
+sender_caches = {f"l{i}": make_cache("KBNHC", "KBHNC", dict(K=2, B=8, N=4, H=2, C=8)) for i in range(2)}
+local_caches = {f"l{i}": make_cache("KBNHC", "KBNHC", dict(K=2, B=4, N=16, H=2, C=8)) for i in range(2)}
+with Agent("billions-sender") as sender, Agent("billions-receiver") as receiver:
+    honest = sender.register(sender_caches, "KBNHC")
+    peer = receiver.add_peer(sender.metadata())
+    local = receiver.register(local_caches, "KBNHC")
+    data = honest.to_dict()
+    data["num_blocks"] = 1 << 32  # the same memory, claiming 2^32 blocks
+    message = decode(encode("table", {"table": data}))
+    forged = RegionTable.from_dict(message.header["table"], "table", message.arrays)
+    tracemalloc.start()
+    try:
+        receiver.reader(plan_transfer(local, forged), peer)
+        print("accepted")
+    except TransferError as err:
+        print("refused", tracemalloc.get_traced_memory()[1], err)
+    # The honest table still reads.
+    reader = receiver.reader(plan_transfer(local, honest), peer)
+    reader.read([1], [7, 0, 5, 2]).wait(timeout=20)
+"""
+)
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_reader_refuses_a_table_naming_memory_its_peer_did_not_register():
+    """With real NIXL: a peer's table claiming 2^32 blocks of memory it registered 8 of is
+    refused when the reader is made, at the cost of two descriptors per stream."""
+    out = subprocess.run([sys.executable, "-c", READER], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-3000:]
+    verdict = out.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("refused"), verdict
+    _, peak, reason = verdict.split(" ", 2)
+    assert "has not registered" in reason and "4294967296 blocks" in reason
+    assert int(peak) < 4 * MiB
+
+
+# --- stray connections to the control port -----------------------------------------------------
+
+SECRET = bytes(range(100, 132))
+
+
+def frames_for_prefill(secret=SECRET):
+    return encode("auth", {"proof": secret.hex()}) + FRAME
+
+
+class Strays:
+    """Connections made to the port before prefill's, each misbehaving its own way."""
+
+    def __init__(self, port, silent=2):
+        wrong = encode("auth", {"proof": bytes(32).hex()})
+        self.sockets = []
+        self.sockets.append(self._connect(port, b"GET / HTTP/1.1\r\n\r\n" + os.urandom(200)))  # garbage
+        self.sockets += [self._connect(port, b"") for _ in range(silent)]  # connect and say nothing
+        self.sockets.append(self._connect(port, wrong))  # a well-formed auth, the wrong secret
+        self.sockets.append(self._connect(port, wrong[:-1]))  # the wrong secret, one byte short: waits
+        self.sockets.append(self._connect(port, frames_for_prefill(bytes(32))))  # auth + a real hello, wrong secret
+        self.sockets.append(self._connect(port, FRAME))  # a real hello, no proof first
+        big = encode("auth", {"proof": "x" * 4000})
+        self.sockets.append(self._connect(port, big[:HEADER_BYTES]))  # claims a frame too large
+        self.slow = self._connect(port, b"")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._trickle, daemon=True)  # slow-loris: a byte a second
+        self.thread.start()
+
+    def _connect(self, port, data):
+        sock = socket.create_connection(("127.0.0.1", port))
+        if data:
+            sock.sendall(data)
+        return sock
+
+    def _trickle(self):
+        frame = encode("auth", {"proof": bytes(32).hex()})
+        for byte in frame:
+            if self.stop.wait(1.0):
+                return
+            with contextlib.suppress(OSError):
+                self.slow.sendall(bytes([byte]))
+
+    def all_closed_by_the_other_side(self, within):
+        """Each stray reads EOF (or a reset) from decode within ``within`` seconds."""
+        deadline = time.monotonic() + within
+        for sock in [*self.sockets, self.slow]:
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            try:
+                while sock.recv(4096):
+                    pass
+            except TimeoutError:
+                return False
+            except OSError:
+                pass
+        return True
+
+    def close(self):
+        self.stop.set()
+        for sock in [*self.sockets, self.slow]:
+            sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_stray_connections_are_dropped_and_prefill_is_still_heard():
+    """Garbage, silence, a wrong secret, a slow-loris, a hello without proof: all connected
+    before prefill, none stalls it, all are dropped within the per-connection deadline."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        strays = Strays(listener.getsockname()[1])
+        started = time.monotonic()
+        done = threading.Event()
+
+        def prefill():
+            time.sleep(0.3)
+            with socket.create_connection(listener.getsockname()) as sock:
+                sock.sendall(frames_for_prefill())
+                done.wait(10)
+
+        thread = threading.Thread(target=prefill, daemon=True)
+        thread.start()
+        try:
+            sock, hello, dropped = accept_hello(listener, SECRET, timeout=20)
+            seconds = time.monotonic() - started
+            sock.close()
+            assert [r.name for r in hello.requests] == ["req-000", "req-001"]
+            assert seconds < handshake.AUTH_SECONDS, f"prefill heard after {seconds:.1f} s: the strays stalled it"
+            assert dropped == len(strays.sockets) + 1
+            assert strays.all_closed_by_the_other_side(within=1.0)
+        finally:
+            done.set()
+            strays.close()
+            thread.join(5)
+
+
+@pytest.mark.timeout(60)
+def test_more_strays_than_decode_will_hold_do_not_shut_prefill_out():
+    with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
+        port = listener.getsockname()[1]
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * handshake.MAX_PENDING_CONNECTIONS)]
+        real = socket.create_connection(("127.0.0.1", port))
+        real.sendall(frames_for_prefill())
+        try:
+            sock, hello, dropped = accept_hello(listener, SECRET, timeout=20)
+            sock.close()
+            assert len(hello.requests) == 2 and dropped == len(silent)
+        finally:
+            real.close()
+            for sock in silent:
+                sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_only_strays_end_in_a_clear_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        strays = Strays(listener.getsockname()[1], silent=1)
+        try:
+            with pytest.raises(ProtocolError, match=r"did not connect and prove who it is within 2 s \(\d+ other"):
+                accept_hello(listener, SECRET, timeout=2)
+        finally:
+            strays.close()
+
+
+@needs_nixl
+@pytest.mark.timeout(180)
+def test_the_hand_off_verifies_with_strays_on_the_port_first(monkeypatch, capsys):
+    """The whole demo (decode here, prefill its own process) with strays connected first."""
+    real_start = demo_decode.start_prefill
+    strays = []
+
+    def start_after_strays(port, argv, secret):
+        strays.append(Strays(port))
+        return real_start(port, argv, secret)
+
+    monkeypatch.setattr(demo_decode, "start_prefill", start_after_strays)
+    try:
+        code = demo_cli.main(["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--no-progress"])
+        out = capsys.readouterr().out
+        assert code == demo_config.EXIT_OK, out
+        assert "result    OK: every byte of every request verified" in out
+        assert f"control   {len(strays[0].sockets) + 1} other connection(s) to the control port dropped" in out
+    finally:
+        for group in strays:
+            group.close()
+
+
+def test_prefill_reads_its_secret_from_stdin_only():
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as stream, os.fdopen(write, "wb") as out:
+        out.write(SECRET.hex().encode() + b"\n")
+        out.flush()
+        assert demo_prefill.read_secret(stream, 1.0) == SECRET
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as stream, os.fdopen(write, "wb"):
+        started = time.monotonic()
+        with pytest.raises(demo_config.DemoError, match="no secret on stdin"):
+            demo_prefill.read_secret(stream, 0.2)  # nothing written: the deadline ends the wait
+        assert time.monotonic() - started < 2
+
+
+# --- exit codes and impossible options ---------------------------------------------------------
+
+IMPOSSIBLE = {
+    "timeout-nan": (["--timeout", "nan"], "argument --timeout: expected a number of seconds in (0, 604800], got 'nan'"),
+    "timeout-inf": (["--timeout", "inf"], "argument --timeout: expected a number of seconds"),
+    "timeout-zero": (["--timeout", "0"], "argument --timeout:"),
+    "timeout-negative": (["--timeout", "-1"], "argument --timeout:"),
+    "timeout-years": (["--timeout", "1e9"], "argument --timeout:"),
+    "timeout-word": (["--timeout", "soon"], "argument --timeout:"),
+    "connect-timeout-nan": (["--connect-timeout", "nan"], "argument --connect-timeout:"),
+    "connect-timeout-inf": (["--connect-timeout", "inf"], "argument --connect-timeout:"),
+    "hold-timeout-inf": (["--hold-timeout", "inf"], "argument --hold-timeout:"),
+    "layers-too-many": (["--layers", "100000", "--heads", "1024"], "--layers must be in [1, 32768], got 100000"),
+    "layers-and-heads-too-big": (["--layers", "30000", "--heads", "1024"], "--layers 30000 x --heads 1024"),
+    "pool-too-big": (
+        ["--requests", "16384", "--max-tokens", "16777216", "--min-tokens", "1000000"],
+        "--requests 16384",
+    ),
+    "head-dim-too-big": (["--head-dim", "16000000"], "--head-dim 16000000"),
+    "requests-too-many": (["--requests", "1000000"], "--requests must be in [1, 16384], got 1000000"),
+    "max-tokens-too-many": (["--max-tokens", "100000000"], "--max-tokens must be in [1, 16777216]"),
+    "heads-zero": (["--heads", "0"], "--heads must be in [1,"),
+    "layers-not-a-number": (["--layers", "1e5"], "argument --layers: invalid int value: '1e5'"),
+    "block-size-zero": (["--prefill-block-size", "0"], "--prefill-block-size must be in [1,"),
+    "seed-negative": (["--seed", "-1"], "--seed must be in [0,"),
+    "inflight-zero": (["--inflight", "0"], "--inflight must be in [1,"),
+    "decode-ranks-zero": (["--decode-ranks", "0"], "--decode-ranks must be in [1,"),
+    "port-out-of-range": (["--port", "70000"], "--port must be in [0, 65535]"),
+    "prefill-without-port": (["--role", "prefill"], "--port must be in [1, 65535] for prefill"),
+    "dtype": (["--dtype", "float64"], "argument --dtype: invalid choice"),
+}
+
+
+@pytest.mark.parametrize("case", IMPOSSIBLE)
+def test_impossible_options_exit_2_with_one_line_naming_the_option(case, capsys, monkeypatch):
+    argv, message = IMPOSSIBLE[case]
+    monkeypatch.setattr(demo_config, "memory_available", lambda: 8 << 30)  # the same verdicts on any machine
+    with pytest.raises(SystemExit) as exit_info:
+        demo_cli.main(argv)
+    assert exit_info.value.code == demo_config.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvhost demo: error: "), err
+    assert message in err
+
+
+def test_the_memory_estimate_names_what_drives_it():
+    config = demo_cli.config_from(["--layers", "30000", "--heads", "1024"], check=False)
+    needed = demo_config.memory_needed(config)
+    small = demo_config.memory_needed(demo_cli.config_from([], check=False))
+    assert needed > 100 << 30  # far beyond this machine
+    assert needed > 30000 * 1024 / (4 * 8) * small / 2  # in proportion to layers x heads
+    assert demo_config.memory_available() is None or demo_config.memory_available() > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_command_exits_2_with_one_line_and_no_traceback():
+    """The real command, in its own processes: the brief's example, an estimate above any
+    machine's memory, and a NaN timeout."""
+    commands = {
+        "--layers": ["--layers", "100000", "--heads", "1024"],
+        "--heads 65536": ["--layers", "32768", "--heads", "65536", "--head-dim", "65536"],
+        "--timeout": ["--timeout", "nan"],
+    }
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "kvhost_tools.cli", "demo", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, argv in commands.items()
+    }
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=100)
+        assert run.returncode == 2, (name, out, err)
+        assert out == "" and err.count("\n") == 1 and err.startswith("kvhost demo: error: "), (name, err)
+        assert name in err and "Traceback" not in err and "MemoryError" not in err
+
+
+@pytest.mark.timeout(60)
+def test_prefill_without_a_secret_exits_2():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvhost_tools.demo", "--role", "prefill", "--port", "9", "--connect-timeout", "1"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 2, out.stderr
+    assert (
+        out.stderr.strip()
+        == "prefill: DemoError: no secret on stdin within the connect timeout: prefill is started by kvhost demo"
+    )
+
+
+ALLOCATION_FAILURES = {
+    "torch": RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: not enough memory: "
+        "you tried to allocate 1099511627776 bytes."
+    ),
+    "python": MemoryError(),
+}
+
+
+@pytest.mark.parametrize("failure", ALLOCATION_FAILURES)
+def test_memory_running_out_after_the_estimate_exits_2(failure, monkeypatch, capsys):
+    """Memory taken by others between the estimate and the allocation: exit 2, said plainly."""
+
+    def no_memory(*args, **kwargs):
+        raise ALLOCATION_FAILURES[failure]
+
+    monkeypatch.setattr(demo_config.Config, "caches", no_memory)
+    monkeypatch.setattr(demo_decode, "start_prefill", lambda port, argv, secret: subprocess.Popen(["sleep", "30"]))
+    code = demo_cli.main(["--layers", "2", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == demo_config.EXIT_ERROR
+    assert "error     out of memory: --layers 2 x --heads 8 x --head-dim 64 x --dtype bfloat16" in out
+    assert "result    FAILED: the hand-off did not run" in out
+
+
+def test_a_bug_exits_2_not_1(monkeypatch, capsys):
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(demo_cli, "run_decode", bug)
+    assert demo_cli.main([]) == demo_config.EXIT_ERROR
+    assert "ZeroDivisionError: a bug" in capsys.readouterr().err
+
+
+# --- where the agents listen -------------------------------------------------------------------
+
+
+def test_ucx_is_kept_on_loopback_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    with demo_cli.loopback_ucx():
+        assert os.environ["UCX_NET_DEVICES"] == "lo"
+    assert "UCX_NET_DEVICES" not in os.environ
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth0")
+    with demo_cli.loopback_ucx():
+        assert os.environ["UCX_NET_DEVICES"] == "eth0"
+    assert os.environ["UCX_NET_DEVICES"] == "eth0"

@@ -1,0 +1,710 @@
+"""kvhost's connector inside vLLM 0.33: vLLM's own connector and worker classes, on the CPU.
+
+Runs in ci/vllm.sh's environment (``pytest -m vllm``); elsewhere it skips with the reason.
+Only what vLLM's own connector tests mock is mocked: the NIXL wrapper (a fake agent whose
+transfers finish at once). Either the bytes a transfer would move are written by
+``kvhost.testing.nixl_read`` from the sender's real caches, as NIXL reads
+them, or (``CopyingNixlWrapper``) the fake agent itself moves the bytes that vLLM's
+descriptor lists, and the connector's, name: every engine lives in this process, so a
+READ is a memmove of each remote descriptor into its local partner. vLLM's config comes
+from a model config file the test writes (no weights, no hub); caches are cut from one
+buffer by vLLM's own ``create_kv_cache_views``. Every check is against the sender's
+tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import time
+import uuid
+from typing import ClassVar
+from unittest.mock import patch
+
+import numpy as np
+import pytest
+import torch
+
+from kvhost.integrations.vllm import cross_layer_view
+from kvhost.testing import fill_random, nixl_read, raw
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (ci/vllm.sh installs it)"),
+]
+
+LAYERS, HEADS, HEAD_DIM, BLOCK, BLOCKS = 2, 2, 8, 32, 24  # CPU_ATTN takes blocks of 32n
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+class FakeNixlWrapper:
+    """NIXL's agent as vLLM's own connector tests fake it: every transfer is done at once."""
+
+    AGENT_METADATA = b"fake-agent"
+
+    def __init__(self, name, *args, **kwargs):
+        self.name = name
+
+    def get_reg_descs(self, data, *args, **kwargs):
+        return [str(uuid.uuid4()) for _ in data]
+
+    def get_xfer_descs(self, data, *args, **kwargs):
+        return [str(uuid.uuid4()) for _ in data]
+
+    def get_agent_metadata(self):
+        return self.AGENT_METADATA
+
+    def add_remote_agent(self, metadata):
+        return "remote-agent"
+
+    def get_new_notifs(self):
+        return {}
+
+    def check_xfer_state(self, handle):
+        return "DONE"
+
+    def transfer(self, handle, *args, **kwargs):
+        return "PROC"
+
+    def prep_xfer_dlist(self, *args, **kwargs):
+        return uuid.uuid4().int
+
+    def make_prepped_xfer(self, *args, **kwargs):
+        return uuid.uuid4().int
+
+    def get_xfer_telemetry(self, *args, **kwargs):
+        return None
+
+    def __getattr__(self, name):  # register_memory, send_notif, release_*, ...: nothing to do
+        return lambda *args, **kwargs: None
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory):
+    """vLLM's distributed state for one CPU worker, and a model config file (no weights)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    model = tmp_path_factory.mktemp("model")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HEADS * 2 * HEAD_DIM,
+        "num_attention_heads": HEADS * 2,
+        "num_key_value_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": 64,
+        "vocab_size": 128,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    from vllm.config import set_current_vllm_config
+
+    port = 29500 + os.getpid() % 1000
+    with set_current_vllm_config(make_config(str(model), "LBHNC")):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+        initialize_model_parallel(1, 1)
+    yield str(model)
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def make_config(model: str, layout: str, block_size: int = BLOCK):
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="KvhostNixlConnector",
+        kv_connector_module_path="kvhost.integrations.vllm_connector",
+        kv_role="kv_both",
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
+        cache_config=CacheConfig(block_size=block_size),
+        kv_transfer_config=transfer,
+    )
+    config.cache_config.kv_cache_layout = layout  # what the engine core resolves before profiling
+    return config
+
+
+def allocate(layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, dtype=torch.bfloat16):
+    """(kv_cache_config, per-layer views) as vLLM's worker allocates them for ``layout``."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype)
+    strides = compute_layout_strides(spec, blocks, LAYERS, KVCacheLayout[layout])  # bytes, [L, B, H, N, C]
+    tensor = KVCacheTensor(
+        size=spec.page_size_bytes * blocks * LAYERS,
+        layers=list(LAYER_NAMES),
+        layer_stride=strides[0],
+        block_stride=strides[1],
+    )
+    config = KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)],
+    )
+    memory = torch.empty(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(memory, spec, blocks, KVCacheLayout[layout], tensor)
+    return config, dict(zip(LAYER_NAMES, views))
+
+
+def make_worker(
+    model: str,
+    layout: str,
+    *,
+    host_buffer: bool = False,
+    block_size: int = BLOCK,
+    blocks: int = BLOCKS,
+    wrapper: type = FakeNixlWrapper,
+):
+    """kvhost's connector, built by vLLM's connector factory, its worker registered."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.platforms import current_platform
+
+    config = make_config(model, layout, block_size)
+    kv_cache_config, caches = allocate(layout, block_size, blocks)
+    base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+    with (
+        set_current_vllm_config(config),
+        patch(f"{base}.NixlWrapper", wrapper),
+        patch(f"{base}.check_nixl_version", lambda version: None),
+        patch.object(current_platform, "discover_numa_topology", lambda: []),  # keep this process's cores
+    ):
+        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+        worker = connector.connector_worker
+        if host_buffer:  # what TPU, XPU and plugin platforms set up: NIXL sees host buffers only
+            worker.use_host_buffer = True
+            worker.kv_buffer_device = "cpu"
+        connector.register_kv_caches(caches)
+    return connector, worker, caches
+
+
+def test_the_factory_loads_kvhosts_connector_by_module_path(vllm_env):
+    from kvhost.integrations.vllm_connector import KvhostNixlConnector, KvhostNixlWorker
+
+    connector, worker, _ = make_worker(vllm_env, "LBHNC")
+    assert type(connector) is KvhostNixlConnector and type(worker) is KvhostNixlWorker
+    assert worker.kvhost is not None and worker.kvhost.axes == "BHNC"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cache_registration_for_every_layout(vllm_env, layout):
+    """vLLM registers its regions with NIXL; kvhost describes the same views (BHLNC's as their group)."""
+    _, worker, caches = make_worker(vllm_env, layout)
+    kv = worker.kvhost
+    assert kv.axes == ("LBHNC" if layout == "BHLNC" else "BHNC")
+    assert worker.num_regions >= 1 and worker.xfer_handshake_metadata is not None
+    assert kv.num_blocks == BLOCKS
+    described = {m.tensor.data_ptr() for m in kv.caches.members}
+    assert described <= {t.data_ptr() for t in caches.values()}  # the very views vLLM registered
+
+
+# --- a step: several senders, partial blocks, a failed request ---------------------------
+
+
+def sender_caches(layout: str, block_size: int, seed: int):
+    """A prefill engine's caches in its own layout and block size, filled with its tokens."""
+    _, caches = allocate(layout, block_size, blocks=BLOCKS * BLOCK // block_size)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, seed * 10 + i)
+    return caches
+
+
+def handshake_payload(sender_worker, engine: str):
+    """The sender's own handshake metadata, as the decode side receives it."""
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlAgentMetadata
+
+    payload = sender_worker.xfer_handshake_metadata
+    meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    meta.engine_id = engine
+    return meta
+
+
+def tokens_of(caches, ids, block_size):
+    """Raw [layer, tokens, H, C] of ``ids`` read through vLLM's [B, H, N, C] layer views."""
+    out = []
+    for view in caches.values():
+        blocks = raw(view)[list(ids)]  # [blocks, H, N, C]
+        out.append(blocks.permute(0, 2, 1, 3).reshape(len(ids) * block_size, HEADS, -1))
+    return torch.stack(out)
+
+
+def run_step(connector, worker, requests):
+    """One step as the model runner drives it: bind metadata, start loads, poll until every
+    request finished or failed; returns (finished, failed, each step's post-process stats)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    metadata = NixlConnectorMetadata()
+    for req_id, (local_ids, remote_ids, engine) in requests.items():
+        metadata.add_new_req_to_recv(
+            req_id,
+            (list(local_ids),),
+            {
+                "remote_block_ids": (list(remote_ids),),
+                "remote_engine_id": engine,
+                "remote_request_id": req_id,
+                "remote_host": "localhost",
+                "remote_port": 1,
+                "remote_tp_size": 1,
+            },
+        )
+    finished, failed, processed = set(), set(), []
+    for step in range(200):
+        connector.bind_connector_metadata(metadata if step == 0 else NixlConnectorMetadata())
+        connector.start_load_kv(None)
+        results = worker.get_transfer_results()
+        finished |= set(results.finished_recving)
+        failed |= set(results.failed_recving)
+        if worker.last_post_process is not None:
+            processed.append(worker.last_post_process)
+        connector.clear_connector_metadata()
+        if finished >= set(requests):
+            return finished, failed, processed
+        time.sleep(0.02)
+    raise AssertionError(f"requests {set(requests) - finished} never finished")
+
+
+DECODE_BLOCK = 64  # decode blocks of 64; senders of 32 (r = 2) and 64, as CPU_ATTN allows
+
+
+@pytest.mark.parametrize("local", ["LBNHC"])  # a packed (BHLNC) decoder: vLLM's handshake refuses other senders
+def test_a_step_of_several_senders_partial_blocks_and_a_failed_request(vllm_env, local):
+    """Three engines of different layouts and block sizes in one step, two partial prompts,
+    and one engine whose handshake fails: its request skips the post-process."""
+    connector, worker, caches = make_worker(vllm_env, local, block_size=DECODE_BLOCK)
+    senders = {"hnd-32": ("LBHNC", 32), "nhd-32": ("LBNHC", 32), "same-64": (local, DECODE_BLOCK)}
+    sender_caches_by_engine, payloads = {}, {}
+    for seed, (engine, (layout, size)) in enumerate(senders.items()):
+        _, sender_worker, sender = make_worker(vllm_env, layout, block_size=size)
+        for i, view in enumerate(sender.values()):
+            fill_random(view, seed * 10 + i + 1)
+        sender_caches_by_engine[engine] = sender
+        payloads[engine] = handshake_payload(sender_worker, engine)
+
+    def fake_handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        if expected_engine_id == "down":
+            raise RuntimeError("handshake refused")  # NIXL could not reach it
+        name = worker.add_remote_agent(payloads[expected_engine_id], 0, remote_tp_size)
+        return {(0, 0): name}, 0.0
+
+    worker._nixl_handshake = fake_handshake
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)  # stale bytes everywhere
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    # req: (local ids, sender ids, engine, tokens the prompt has)
+    plan = {
+        "a": ([3, 9], [0, 5, 2, 7], "hnd-32", 4 * 32),
+        "b": ([4, 11], [6, 1, 3], "hnd-32", 2 * 32 + 5),  # 3 sender blocks: the last local block half full
+        "c": ([20, 2], [8, 4, 9], "nhd-32", 3 * 32),
+        "d": ([15], [2], "same-64", 40),
+        "e": ([17, 18], [1, 2], "down", 128),
+    }
+    requests = {}
+    for req, (local_ids, remote_ids, engine, _) in plan.items():
+        requests[req] = (local_ids, remote_ids, engine)
+        if engine != "down":
+            size = senders[engine][1]
+            read_ids = list(remote_ids)
+            while len(read_ids) * size < len(local_ids) * DECODE_BLOCK:  # bytes past the prompt: zeroed
+                read_ids.append(read_ids[-1])
+            group = {"g": cross_layer_view(caches)}
+            nixl_read(
+                {"g": cross_layer_view(sender_caches_by_engine[engine])}, "LBHNC", read_ids, group, "LBHNC", local_ids
+            )
+    finished, failed, processed = run_step(connector, worker, requests)
+    assert failed == {"e"} and finished == set(plan)
+    assert sum(stats.requests for stats in processed) == 4  # one kvhost call per step, never "e"
+    for req, (local_ids, remote_ids, engine, _) in plan.items():
+        got = tokens_of(caches, local_ids, DECODE_BLOCK)
+        if engine == "down":
+            assert torch.equal(got, tokens_of(before, local_ids, DECODE_BLOCK)), "a failed request was touched"
+            continue
+        size = senders[engine][1]
+        want = tokens_of(sender_caches_by_engine[engine], remote_ids, size)
+        arrived = len(remote_ids) * size
+        assert torch.equal(got[:, :arrived], want), req
+        assert not got[:, arrived:].any(), req  # the rest of the request's blocks: zero, as vLLM leaves them
+
+
+# --- the bytes moved by the descriptor plans themselves ------------------------------------
+
+
+class CopyingNixlWrapper(FakeNixlWrapper):
+    """The fake agent, but a READ moves the bytes its descriptors name.
+
+    vLLM prepares descriptor lists in NIXL's strided form (address, length, device, stride,
+    count per row) and pairs them by index, request by request; this fake expands them,
+    checks that paired descriptors have one length and lie in memory an agent registered,
+    and copies each remote descriptor into its local partner when the transfer is posted.
+    What lands in the decode caches is then what the descriptor plans say, vLLM's and the
+    connector's, not what the test writes. Transfers from an agent in ``failing`` move
+    nothing and end in ERR, as over a broken link.
+    """
+
+    # Shared by every agent of the process (the decode side's and the senders').
+    registered: ClassVar[list[tuple[int, int]]] = []  # (start, length) of every span registered
+    lists: ClassVar[dict[int, tuple[str, np.ndarray, np.ndarray]]] = {}  # handle -> (agent, starts, lengths)
+    posted: ClassVar[dict[int, tuple[str, np.ndarray, np.ndarray, np.ndarray]]] = {}  # handle -> (agent, to, from, n)
+    failing: ClassVar[set[str]] = set()
+
+    def get_agent_metadata(self):
+        return self.name.encode()
+
+    def add_remote_agent(self, metadata):
+        return bytes(metadata).decode()
+
+    def get_reg_descs(self, data, *args, **kwargs):
+        return [(int(start), int(length)) for start, length, *_ in data]
+
+    def register_memory(self, descs, *args, **kwargs):
+        self.registered.extend(descs)
+
+    def prep_xfer_dlist(self, agent, descs, *args, **kwargs):
+        rows = np.asarray(descs, dtype=np.uint64).reshape(-1, 5)
+        starts = [np.uint64(a) + np.arange(int(n), dtype=np.uint64) * np.uint64(s) for a, _, _, s, n in rows]
+        lengths = [np.full(int(n), length, dtype=np.uint64) for _, length, _, _, n in rows]
+        handle = uuid.uuid4().int
+        self.lists[handle] = (agent, np.concatenate(starts), np.concatenate(lengths))
+        return handle
+
+    def make_prepped_xfer(self, op, local, local_ids, remote, remote_ids, *args, **kwargs):
+        assert op == "READ", op
+        local_ids, remote_ids = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
+        assert local_ids.shape == remote_ids.shape, (local_ids.shape, remote_ids.shape)
+        _, to, lengths = self.lists[local]
+        agent, source, remote_lengths = self.lists[remote]
+        assert np.array_equal(lengths[local_ids], remote_lengths[remote_ids]), "paired descriptors differ in length"
+        handle = uuid.uuid4().int
+        self.posted[handle] = (agent, to[local_ids], source[remote_ids], lengths[local_ids])
+        return handle
+
+    def transfer(self, handle, *args, **kwargs):
+        agent, to, source, lengths = self.posted[handle]
+        if agent not in self.failing:
+            for dst, src, n in zip(to.tolist(), source.tolist(), lengths.tolist()):
+                assert self.inside(dst, n) and self.inside(src, n), f"descriptor {src:#x}+{n} -> {dst:#x} unregistered"
+                ctypes.memmove(dst, src, n)
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        return "ERR" if self.posted[handle][0] in self.failing else "DONE"
+
+    @classmethod
+    def inside(cls, start: int, length: int) -> bool:
+        return any(s <= start and start + length <= s + n for s, n in cls.registered)
+
+
+@pytest.fixture
+def copying():
+    CopyingNixlWrapper.failing.clear()
+    yield CopyingNixlWrapper
+    CopyingNixlWrapper.failing.clear()
+    CopyingNixlWrapper.lists.clear()
+    CopyingNixlWrapper.posted.clear()
+
+
+def spy(worker, names=("post_process", "load_from_host", "save_to_host")):
+    """Every kvhost call the worker makes, in order: (name, args)."""
+    calls = []
+    for name in names:
+        original = getattr(worker.kvhost, name)
+
+        def record(*args, _name=name, _original=original, **kwargs):
+            calls.append((_name, args))
+            return _original(*args, **kwargs)
+
+        setattr(worker.kvhost, name, record)
+    return calls
+
+
+def forbid_vllm_copies(*args, **kwargs):
+    raise AssertionError("vLLM's per-request host copy ran; kvhost's one call per step should have")
+
+
+def drive(connector, worker, requests, computed=None):
+    """Steps as the model runner drives them: bind metadata, start loads, poll, until every
+    request finished or failed. ``requests``: req -> (local ids, remote ids, engine);
+    ``computed``: req -> blocks its prefix-cache hit holds. Returns per step (finished,
+    failed, the kvhost calls made in it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    metadata = NixlConnectorMetadata()
+    for req_id, (local_ids, remote_ids, engine) in requests.items():
+        params = {
+            "remote_block_ids": (list(remote_ids),),
+            "remote_engine_id": engine,
+            "remote_request_id": req_id,
+            "remote_host": "localhost",
+            "remote_port": 1,
+            "remote_tp_size": 1,
+        }
+        hit = (computed or {}).get(req_id, 0)
+        metadata.add_new_req_to_recv(req_id, (list(local_ids),), params, local_num_computed_blocks=(hit,))
+    calls = spy(worker)
+    steps, done = [], set()
+    for step in range(200):
+        made = len(calls)
+        connector.bind_connector_metadata(metadata if step == 0 else NixlConnectorMetadata())
+        connector.start_load_kv(None)
+        results = worker.get_transfer_results()
+        connector.clear_connector_metadata()
+        steps.append((set(results.finished_recving), set(results.failed_recving), calls[made:]))
+        done |= set(results.finished_recving)
+        if done >= set(requests):
+            return steps
+        time.sleep(0.02)
+    raise AssertionError(f"requests {set(requests) - done} never finished")
+
+
+def assert_one_call_per_step(steps, name):
+    """Each step that finished requests made one ``name`` call naming exactly those that did
+    not fail (a sender block read in part is named ``request/offset``); other steps none."""
+    for finished, failed, calls in steps:
+        made = [args for called, args in calls if called == name]
+        if not finished - failed:
+            assert not made, (name, made)
+            continue
+        assert len(made) == 1, (name, len(made))
+        named = made[0][0] if name == "post_process" else {"": made[0][1]}
+        assert {req.split("/")[0] for by_request in named.values() for req in by_request} == finished - failed
+
+
+def sender_workers(model, senders, *, host_buffer=False, wrapper=CopyingNixlWrapper):
+    """Prefill workers (engine -> (layout, block size)): engine -> (worker, its caches filled
+    with its tokens, its connector), and each one's handshake as the decode side receives it."""
+    caches, payloads = {}, {}
+    for seed, (engine, (layout, size)) in enumerate(senders.items()):
+        blocks = max(BLOCKS * BLOCK // size, 8)
+        connector, worker, sender = make_worker(
+            model, layout, block_size=size, blocks=blocks, host_buffer=host_buffer, wrapper=wrapper
+        )
+        for i, view in enumerate(sender.values()):
+            fill_random(view, seed * 10 + i + 1)
+        caches[engine] = (worker, sender, connector)
+        payloads[engine] = handshake_payload(worker, engine)
+    return caches, payloads
+
+
+def fake_handshakes(worker, payloads, down=()):
+    """vLLM's handshake transport, played here: the decode worker adds the sender's own
+    metadata; engines in ``down`` refuse the connection."""
+
+    def handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        if expected_engine_id in down:
+            raise RuntimeError("handshake refused")  # NIXL could not reach it
+        name = worker.add_remote_agent(payloads[expected_engine_id], 0, remote_tp_size)
+        return {(0, 0): name}, 0.0
+
+    worker._nixl_handshake = handshake
+
+
+def plan_requests(plan, senders, seed):
+    """``plan``: req -> (engine, our blocks, prefix-hit blocks, sender blocks). Distinct random
+    block ids on both sides (64 of ours, ``sender_workers``' count of each sender's);
+    returns (requests for ``drive``, computed)."""
+    import random
+
+    rng = random.Random(seed)
+    ours = rng.sample(range(64), sum(count for _, count, _, _ in plan.values()))
+    pools = {}
+    for engine, (_, size) in senders.items():
+        blocks = max(BLOCKS * BLOCK // size, 8)
+        pools[engine] = rng.sample(range(blocks), blocks)
+    requests, computed = {}, {}
+    for req, (engine, count, hit, theirs) in plan.items():
+        local_ids, ours = ours[:count], ours[count:]
+        remote_ids, pools[engine] = pools[engine][:theirs], pools[engine][theirs:]
+        requests[req] = (local_ids, remote_ids, engine)
+        computed[req] = hit
+    return requests, computed
+
+
+def check_tokens(caches, local_size, requests, computed, senders, prefill, before, failed):
+    """Every request's blocks against its sender's tokens from its first position on; a
+    sender with smaller blocks leaves the tokens after its last block zero (as vLLM does);
+    a failed request's blocks kept their bytes."""
+    for req, (local_ids, remote_ids, engine) in requests.items():
+        got = tokens_of(caches, local_ids, local_size)
+        if req in failed:
+            assert torch.equal(got, tokens_of(before, local_ids, local_size)), f"failed request {req} was touched"
+            continue
+        size = senders[engine][1]
+        want = tokens_of(prefill[engine][1], remote_ids, size)
+        start = computed.get(req, 0) * local_size
+        arrived = min(got.shape[1], want.shape[1] - start)
+        assert torch.equal(got[:, :arrived], want[:, start : start + arrived]), req
+        assert not got[:, arrived:].any(), req  # the tail a smaller sender's blocks did not reach
+
+
+# decode layout and block size; senders: engine -> (layout, block size); requests: req ->
+# (engine, our blocks, prefix-hit blocks, sender blocks)
+LARGER_SENDERS = {
+    "LBNHC-32": (
+        "LBNHC",
+        32,
+        {
+            "hnd-64": ("LBHNC", 64),  # g = 2, head-major: 2 runs of tokens per block
+            "hnd-128": ("LBHNC", 128),  # g = 4
+            "nhd-128": ("LBNHC", 128),  # g = 4, token-major: the wire bytes read right
+            "blhnc-64": ("BLHNC", 64),  # g = 2, padded blocks (the other layers between them)
+            "hnd-32": ("LBHNC", 32),  # same size, head-major
+        },
+        {
+            "a": ("hnd-64", 4, 0, 2),  # two whole groups
+            "b": ("hnd-64", 3, 0, 2),  # a whole group and a last group of one
+            "c": ("hnd-128", 6, 0, 2),  # a whole group of 4 and a last group of 2
+            "d": ("hnd-128", 2, 1, 1),  # after a prefix hit of one block: parts 1..2 of a sender block
+            "e": ("nhd-128", 5, 0, 2),
+            "f": ("nhd-128", 3, 2, 2),  # parts 2..3 of one sender block, part 0 of the next
+            "g": ("blhnc-64", 3, 0, 2),
+            "h": ("hnd-32", 2, 0, 2),
+            "x": ("hnd-64", 3, 0, 1),  # the sender's blocks do not reach ours: the request fails
+        },
+    ),
+    "LBHNC-64": (
+        "LBHNC",
+        64,
+        {
+            "nhd-128": ("LBNHC", 128),  # g = 2, token-major into head-major
+            "hnd-256": ("LBHNC", 256),  # g = 4
+            "blhnc-128": ("BLHNC", 128),  # g = 2, padded, head-major
+            "hnd-32": ("LBHNC", 32),  # r = 2: vLLM's own split of our blocks
+        },
+        {
+            "a": ("nhd-128", 3, 0, 2),
+            "b": ("hnd-256", 6, 0, 2),
+            "c": ("hnd-256", 3, 2, 2),
+            "d": ("blhnc-128", 3, 0, 2),
+            "e": ("hnd-32", 2, 0, 3),  # three sender blocks: our last block half full, its tail zeroed
+            "f": ("hnd-32", 2, 0, 4),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LARGER_SENDERS))
+def test_a_step_with_remote_blocks_larger_than_ours(vllm_env, copying, case):
+    """Senders whose blocks hold 2 and 4 of ours (head-major and token-major, dense and
+    padded), next to senders of our size and smaller, in one step: vLLM's reads with the
+    connector's descriptor plans move the bytes, one kvhost post-process finishes them,
+    and every request reads its sender's tokens, from its first position on (after a
+    prefix-cache hit), whole groups and last groups of fewer blocks alike."""
+    local, local_size, senders, plan = LARGER_SENDERS[case]
+    connector, worker, caches = make_worker(vllm_env, local, block_size=local_size, blocks=64, wrapper=copying)
+    prefill, payloads = sender_workers(vllm_env, senders)
+    fake_handshakes(worker, payloads)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)  # stale bytes everywhere
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    requests, computed = plan_requests(plan, senders, seed=list(LARGER_SENDERS).index(case))
+    steps = drive(connector, worker, requests, computed)
+
+    failed = set().union(*(f for _, f, _ in steps))
+    assert failed == ({"x"} & set(plan))
+    assert {e: larger.g for e, larger in worker.larger_remote_blocks.items()} == {
+        e: size // local_size for e, (_, size) in senders.items() if size > local_size
+    }
+    assert_one_call_per_step(steps, "post_process")
+    check_tokens(caches, local_size, requests, computed, senders, prefill, before, failed)
+
+
+def test_failed_requests_skip_the_post_process(vllm_env, copying):
+    """Requests that fail never reach the post-process and keep their blocks' bytes: a
+    sender whose handshake fails, one whose transfer ends in error, and one whose blocks
+    do not reach ours; the step's other request is post-processed as usual."""
+    senders = {"ok": ("LBHNC", 32), "broken": ("LBHNC", 32), "short": ("LBHNC", 64)}
+    connector, worker, caches = make_worker(vllm_env, "LBNHC", blocks=32, wrapper=copying)
+    prefill, payloads = sender_workers(vllm_env, senders)
+    copying.failing.add(prefill["broken"][0].nixl_wrapper.name)
+    fake_handshakes(worker, payloads, down={"down"})
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    senders["down"] = ("LBHNC", 32)
+    requests = {
+        "a": ([3, 9], [0, 5], "ok"),
+        "b": ([4, 11], [6, 1], "broken"),
+        "c": ([17, 18], [1, 2], "down"),
+        "d": ([20, 2, 7], [3], "short"),  # one sender block of 64 for three of our 32
+    }
+    steps = drive(connector, worker, requests)
+    failed = set().union(*(f for _, f, _ in steps))
+    assert failed == {"b", "c", "d"}
+    processed = [args[0] for _, _, calls in steps for name, args in calls if name == "post_process"]
+    assert processed == [{"ok": {"a": [3, 9]}}]  # one call, naming none of the failed requests
+    check_tokens(caches, BLOCK, requests, {}, senders, prefill, before, failed)
+
+
+def test_host_buffer_staging_through_the_worker(vllm_env, copying):
+    """Host-buffer mode (TPU, XPU, plugin devices) on both sides: each sender saves every
+    request of its step to its host buffer in one kvhost copy (a block two requests share
+    once), NIXL reads host to host, and the decode worker loads every finished request of
+    its step in one kvhost copy and post-processes them in one call, with senders whose
+    blocks are half and twice ours; vLLM's per-request copies never run."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    senders = {"p-hnd-32": ("LBHNC", 32), "p-nhd-128": ("LBNHC", 128), "p-hnd-128": ("LBHNC", 128)}
+    prefill, payloads = sender_workers(vllm_env, senders, host_buffer=True)
+    plan = {
+        "a": ("p-hnd-32", 2, 0, 3),  # our last block half full: its tail zeroed
+        "b": ("p-hnd-32", 1, 0, 2),
+        "c": ("p-nhd-128", 3, 0, 2),  # a whole group of 2 and a last group of 1
+        "d": ("p-hnd-128", 3, 0, 2),
+    }
+    requests, computed = plan_requests(plan, senders, seed=7)
+    for engine, (worker, device, connector) in prefill.items():  # the prefill side's step: save to host
+        worker.copy_blocks = forbid_vllm_copies
+        saved = {req: remote for req, (_, remote, e) in requests.items() if e == engine}
+        if engine == "p-hnd-32":
+            saved["shared"] = [requests["a"][1][0]]  # a prefix block another request names too
+        metadata = NixlConnectorMetadata()
+        for req, ids in saved.items():
+            metadata.add_new_req_to_save(req, (list(ids),), {})
+        calls = spy(worker)
+        connector.bind_connector_metadata(metadata)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        assert [name for name, _ in calls] == ["save_to_host"] and set(calls[0][1][1]) == set(saved)
+        ids = sorted({b for blocks in saved.values() for b in blocks})
+        size = senders[engine][1]
+        assert torch.equal(tokens_of(worker.host_xfer_buffers, ids, size), tokens_of(device, ids, size)), engine
+
+    connector, worker, caches = make_worker(
+        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=copying
+    )
+    worker.copy_blocks = forbid_vllm_copies
+    fake_handshakes(worker, payloads)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    for i, view in enumerate(worker.host_xfer_buffers.values()):
+        fill_random(view, 200 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    steps = drive(connector, worker, requests, computed)
+    assert not set().union(*(f for _, f, _ in steps))
+    assert_one_call_per_step(steps, "load_from_host")
+    assert_one_call_per_step(steps, "post_process")
+    for _, _, calls in steps:  # the load comes first: the post-process works on the device
+        names = [name for name, _ in calls]
+        assert names in ([], ["load_from_host", "post_process"]), names
+    check_tokens(caches, 64, requests, computed, senders, prefill, before, set())
