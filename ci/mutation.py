@@ -18,7 +18,7 @@ a copy of the tree, a numba cache and a slot; the worktree itself is never writt
 
 What is not mutated: docstrings, f-strings (messages), decorators (compilation and
 caching settings), annotations and ``assert`` statements (for mypy), and, in
-``kvhost/nixl.py``, anything outside its planning code (see ``only``).
+``kvhost/nixl/tables.py``, anything outside its planning code (see ``only``).
 """
 
 from __future__ import annotations
@@ -75,13 +75,14 @@ MODULES = [
     Module("kvhost/torch_backend.py", tuple(BACKENDS)),
     Module("backends/kvhost_cpu/backend.py", tuple(BACKENDS)),
     Module("backends/kvhost_cpu/kernels.py", tuple(BACKENDS)),
+    Module("kvhost/nixl/plans.py", ("tests/test_nixl.py",)),
     Module(
-        "kvhost/nixl.py",
-        ("tests/test_nixl.py", "tests/test_nixl_plans.py"),
-        only=("Stream", "RegionTable", "region_table", "TransferPlan", "plan_transfer", "_chunks", "_ids"),
+        "kvhost/nixl/tables.py",
+        ("tests/test_nixl.py",),
+        only=("Stream", "RegionTable", "region_table", "_canonical"),
     ),
 ]
-NOT_MUTATED = {"kvhost/nixl.py": ("RegionTable.to_dict", "RegionTable.from_dict")}  # the wire protocol's parsing
+NOT_MUTATED = {"kvhost/nixl/tables.py": ("RegionTable.to_dict", "RegionTable.from_dict")}  # the wire protocol's parsing
 # Modules whose numba kernels are compiled from the mutated source: a fresh cache per mutant.
 COMPILED = {"backends/kvhost_cpu/kernels.py"}
 

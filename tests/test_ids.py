@@ -41,7 +41,7 @@ def test_ids_must_be_unique_unless_told_otherwise():
 def test_checked_ids_is_one_checked_list():
     assert checked_ids([3, 1, 2], "ids", 4).tolist() == [3, 1, 2]
     assert checked_ids([], "ids", 4).tolist() == []
-    with pytest.raises(kvhost.RequestError, match="ids: no block ids"):
+    with pytest.raises(kvhost.RequestError, match=r"ids: empty \(no block ids\)"):
         checked_ids([], "ids", 4, allow_empty=False)
     with pytest.raises(kvhost.RequestError, match="ids: block id 4 at position 1 is out of range"):
         checked_ids([3, 4], "ids", 4)
