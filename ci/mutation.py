@@ -575,9 +575,9 @@ def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> 
     """Every test of every selection run once on the unmutated copies, tracing the lines of
     the mutated modules it runs; reused while code and tests are unchanged."""
     test_files = list(dict.fromkeys(t for m in modules for t in m.tests if (ROOT / t).exists()))
-    path = out / f"coverage-{_sources_hash([m.path for m in MODULES])}.json"
-    if path.exists():
-        coverage: Coverage = json.loads(path.read_text())
+    saved = out / f"coverage-{_sources_hash([m.path for m in MODULES])}.json"
+    if saved.exists():
+        coverage: Coverage = json.loads(saved.read_text())
         if set(test_files) <= {nodeid.split("::")[0] for nodeid in coverage}:
             return coverage
     print(f"recording which tests run which lines: {len(test_files)} test files, unmutated", flush=True)
@@ -608,7 +608,7 @@ def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> 
             imported.setdefault(path, set()).update(lines)
         coverage.update(part)
     coverage[IMPORT] = {"seconds": 0.0, "lines": {path: sorted(lines) for path, lines in imported.items()}}
-    path.write_text(json.dumps(coverage))
+    saved.write_text(json.dumps(coverage))
     return coverage
 
 
