@@ -61,6 +61,9 @@ def test_extent_is_the_span_from_first_to_last_element():
     expected = ((2 - 1) * 8 * 24 + (4 - 1) * 2 * 24 + 7 * 3 + 2 + 1) * 2
     assert Layout.of(every_other_block, "KBNC").extent_bytes == expected == byte_extent(every_other_block)
     assert byte_extent(torch.zeros(0, 3)) == 0
+    assert byte_extent(torch.zeros(3, 0)) == 0  # (3 - 1) * 1 + (0 - 1) * 1 would say 2 items
+    assert byte_extent(torch.zeros(2, 0, 5)) == 0
+    assert byte_extent(torch.zeros(1, dtype=torch.float64)) == 8  # one element is not empty
 
 
 # --- layouts refused, each for its own reason ----------------------------------------------
@@ -74,6 +77,11 @@ def test_channels_outside_the_block_region_are_refused():
 def test_two_axes_on_one_stride_are_refused():
     t = torch.zeros(5 * 64).as_strided((4, 8, 2, 4), (64, 8, 8, 1))  # N and H both step 8
     assert "axes N and H share stride 8: memory overlaps" in layout_error(t, "BNHC")
+
+
+def test_too_few_dims_for_the_axes_are_named_with_the_shape():
+    message = layout_error(torch.zeros(4, 8, 2), "BNHC")
+    assert "axes 'BNHC' name 4 dims but the tensor has 3 (shape (4, 8, 2))" in message
 
 
 def test_a_broadcast_k_is_named_as_such():
@@ -119,6 +127,9 @@ def test_a_lane_whose_own_blocks_overlap_is_found():
     found = find_overlap([lane])
     assert found is not None
     assert (found.first, found.first_block, found.second, found.second_block) == (lane, 0, lane, 1)
+    pair = Lane(0, 16, 2, 32, "two")  # two blocks are enough to overlap
+    found = find_overlap([pair])
+    assert found is not None and (found.first, found.first_block, found.second_block) == (pair, 0, 1)
     assert find_overlap([Lane(0, 16, 1, 32, "x")]) is None  # one block overlaps nothing
 
 
@@ -138,6 +149,33 @@ def test_the_pair_named_is_a_real_pair_of_blocks():
     x, y, z = Lane(0, 10, 1, 10, "x"), Lane(5, 10, 1, 10, "y"), Lane(12, 10, 1, 10, "z")
     found = find_overlap([z, y, x])
     assert found is not None and (found.first.owner, found.second.owner) == ("x", "y")
+
+
+def test_an_earlier_cluster_is_settled_before_a_later_one():
+    # a and b overlap (listed: their strides differ); c and d, which start where b ends,
+    # overlap too (by arithmetic). Lanes that only touch are separate clusters, so the
+    # first overlap in address order is the one named.
+    a = Lane(0, 100, 2, 10, "a")  # 0..10, 100..110
+    b = Lane(45, 30, 3, 10, "b")  # 45..55, 75..85, 105..115
+    c, d = Lane(115, 0, 1, 10, "c"), Lane(120, 0, 1, 10, "d")
+    found = find_overlap([d, c, b, a])
+    assert found is not None
+    assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("a", 1, "b", 2)
+
+
+def test_within_a_cluster_pairs_with_one_stride_are_settled_before_any_is_listed():
+    # a and b interleave with different strides (a's block 1 meets b's block 0): such a
+    # pair is listed block by block, which costs; c, one block over b's block 1, is settled
+    # by arithmetic first, and that overlap is the one named.
+    a = Lane(0, 10, 3, 4, "a")  # 0..4, 10..14, 20..24
+    b = Lane(12, 20, 2, 4, "b")  # 12..16, 32..36
+    c = Lane(33, 0, 1, 4, "c")  # 33..37
+    found = find_overlap([a, b, c])
+    assert found is not None
+    assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("b", 1, "c", 0)
+    found = find_overlap([a, b])
+    assert found is not None
+    assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("a", 1, "b", 0)
 
 
 def test_one_block_lanes_meet_by_their_bytes_whatever_their_stride():
@@ -168,6 +206,15 @@ def test_interleaved_lanes_are_listed_up_to_a_bound():
     c = Lane(32, 128, half + 1, 16, "c")
     with pytest.raises(kvhost.LayoutError, match=f"over {2 * half + 1} blocks: too irregular"):
         find_overlap([a, c])
+
+
+def test_the_listing_bound_is_4_mi_blocks():
+    # The bound itself (MAX_LISTED_BLOCKS, 2**22): interleaved lanes of 2**21 blocks each
+    # are listed and accepted; one block more is refused.
+    a = Lane(0, 64, 1 << 21, 16, "a")
+    assert find_overlap([a, Lane(32, 128, 1 << 21, 16, "b")]) is None
+    with pytest.raises(kvhost.LayoutError, match="over 4194305 blocks: too irregular"):
+        find_overlap([a, Lane(32, 128, (1 << 21) + 1, 16, "c")])
 
 
 def test_lanes_that_do_not_meet_are_never_listed():
