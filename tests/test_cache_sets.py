@@ -179,3 +179,52 @@ def test_a_tuple_of_tensors_that_each_have_every_letter_is_a_layer_of_several_me
     assert [m.tensor is t for m, t in zip(cache_set.members, (first, second))] == [True, True]
     k_and_v = CacheSet({"l": tuple(cache(3).unbind(0))}, "KBNHC")  # the tuple stands for K
     assert k_and_v.member_axes == "BNHC" and len(k_and_v.members) == 2
+
+
+def test_a_member_s_repr_leaves_out_what_torch_reports_of_its_storage():
+    member = CacheSet({"l": cache()}, "KBNHC").members[0]
+    text = repr(member)
+    assert "address=" in text and "data_ptr=" not in text and "storage_bytes=" not in text
+
+
+def test_describes_answers_true_or_false():
+    a, b = cache(), cache(2)
+    cache_set = CacheSet({"a": a, "b": (b,)}, "KBNHC")
+    assert cache_set.describes({"a": a, "b": (b,)}) is True
+    assert cache_set.describes({"a": a}) is False  # a layer fewer
+    assert cache_set.describes([a, b]) is False  # type: ignore[arg-type]  # not a mapping
+    assert cache_set.describes({"a": a, "b": (b, b)}) is False  # a tensor more
+    assert cache_set.describes({"a": a, "b": (cache(2),)}) is False  # another tensor
+
+
+def test_a_layer_with_more_source_than_destination_tensors_is_refused():
+    # Four members a side, so no split by K: layer a has three tensors in src, two in dst.
+    k = make_cache("BNHC", "BNHC", SIZES)
+    src = {"a": (k, k.clone(), k.clone()), "b": (k.clone(),)}
+    dst = {"a": tuple(empty().unbind(0)), "b": tuple(empty().unbind(0))}
+    with pytest.raises(kvhost.LayoutError, match="layer 'a': 3 source tensors but 2 destination tensors"):
+        kvhost.copy_blocks(src, dst, [1], [1], axes="KBNHC")
+
+
+def test_of_two_destinations_a_source_meets_the_first_named_is_reported():
+    # Source layer a spans buffer blocks 4..12; destination a (blocks 8..16) and b
+    # (blocks 0..8) both meet it, b at lower addresses. The copy reads a's block 0
+    # (buffer 4) and 5 (buffer 9) and writes blocks 1 and 4: buffer 9 and 12 of dst a,
+    # buffer 1 and 4 of dst b. Both are refused; dst a is checked first, as named.
+    buffer = fill_random(torch.zeros(16, 8, 2, 4, dtype=torch.bfloat16), 7)
+    src = {"a": buffer[4:12], "b": fill_random(torch.zeros(8, 8, 2, 4, dtype=torch.bfloat16), 8)}
+    dst = {"a": buffer[8:16], "b": buffer[0:8]}
+    before = raw(buffer).clone()
+    with pytest.raises(kvhost.RequestError) as raised:
+        kvhost.copy_blocks(src, dst, [0, 5], [4, 1], axes="BNHC")
+    assert "source layer 'a'[0] block 5 is destination layer 'a'[0] block 1" in str(raised.value)
+    assert torch.equal(raw(buffer), before)
+
+
+def test_a_copy_result_s_job_is_the_batch_s_first():
+    # Layers of two layouts make two jobs; the result keeps the first (layer a's).
+    src = {"a": cache(), "b": make_cache("KBNHC", "KBHNC", SIZES)}
+    dst = {"a": empty(), "b": empty()}
+    result = kvhost.copy_blocks(src, dst, [1, 2, 5], [3, 4, 6], axes="KBNHC")
+    assert result.job is not None and [s.layer for s, _ in result.job.pairs] == ["a"]
+    assert result.runs == 2
