@@ -45,6 +45,9 @@ def test_device_ids_go_through_one_growing_buffer_per_thread():
     fresh = IndexBuffers()
     fresh(np.arange(3000), META)
     assert fresh._local.buffer.numel() == 4096
+    exact = IndexBuffers()
+    exact(np.arange(2048), META)
+    assert exact._local.buffer.numel() == 2048  # a power of two is room enough for itself
     elsewhere: list[torch.Tensor] = []
     thread = threading.Thread(target=lambda: (buffers(np.arange(2), META), elsewhere.append(buffers._local.buffer)))
     thread.start()
@@ -60,6 +63,16 @@ def test_torch_backend_settings():
     assert (default.host_chunk_bytes, default.device_chunk_bytes, default.max_run_copies) == (1 << 20, None, 64)
     tuned = TorchBackend(host_chunk_bytes=4096, device_chunk_bytes=8192, max_run_copies=2)
     assert (tuned.host_chunk_bytes, tuned.device_chunk_bytes, tuned.max_run_copies) == (4096, 8192, 2)
+    assert TorchBackend.priority == -100  # the fallback plugins rank against (docs/plugins.md, README)
+
+
+def test_a_non_blocking_copy_on_a_device_without_events_is_done_on_return():
+    # meta has no events: the copy is then finished before copy_blocks returns.
+    src = {"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}
+    dst = {"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}
+    result = kvhost.copy_blocks(src, dst, [1, 2], [3, 4], axes="KBNHC", non_blocking=True)
+    assert result.backend == "torch" and result.done()
+    assert result.wait() is result
 
 
 @pytest.mark.parametrize("host_chunk_bytes", [None, 4096])
