@@ -100,6 +100,51 @@ def test_copies_with_more_runs_than_copied_one_by_one_are_gathered():
         assert torch.equal(raw(dst["l"])[:, block], before[:, block])
 
 
+def counted(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
+    """Count calls of a torch.Tensor method (the passes a backend makes)."""
+    calls: list[int] = []
+    original = getattr(torch.Tensor, method)
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, method, counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("device", "host_chunk_bytes", "passes"),
+    [("cpu", 256, 5), ("cpu", 512, 3), ("cpu", None, 1), ("meta", 256, 1)],
+)
+def test_a_receive_scatters_once_per_pass_of_chunk_bytes(monkeypatch, device, host_chunk_bytes, passes):
+    # A unit is one 128-byte region in each of 2 outer indices (K): 256 bytes per pass
+    # takes one unit, 512 two; a device takes the group in one pass (device_chunk_bytes None).
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES, device=device)}
+    case = ReceiveCase(caches, "KBNHC", seed=9) if device == "cpu" else None
+    ids = [1, 2, 3, 4, 5]
+    if case is not None:
+        case.send("r", ids, "HNC", 8)
+    backend = TorchBackend() if host_chunk_bytes is None else TorchBackend(host_chunk_bytes=host_chunk_bytes)
+    scatters = counted(monkeypatch, "index_copy_")
+    kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", backend=backend)
+    assert len(scatters) == passes
+    if case is not None:
+        case.check()
+
+
+def test_up_to_max_run_copies_runs_a_copy_is_one_copy_per_run(monkeypatch):
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
+    dst = {"l": torch.zeros_like(src["l"])}
+    backend = TorchBackend(max_run_copies=2)
+    gathers = counted(monkeypatch, "index_copy_")
+    kvhost.copy_blocks(src, dst, [0, 1, 5], [2, 3, 6], axes="KBNHC", backend=backend)  # two runs
+    assert gathers == []
+    kvhost.copy_blocks(src, dst, [0, 1, 5, 3], [2, 3, 6, 0], axes="KBNHC", backend=backend)  # three runs
+    assert gathers == [1]
+    assert torch.equal(raw(dst["l"])[:, [2, 3, 6, 0]], raw(src["l"])[:, [0, 1, 5, 3]])
+
+
 # --- the CPU backend with and without its kernels ------------------------------------------
 
 
