@@ -190,6 +190,33 @@ def test_without_numba_the_cpu_backend_runs_the_torch_path(monkeypatch):
     assert torch.equal(raw(other["l"][:, 3]), raw(caches["l"][:, 2]))
 
 
+def test_the_cpu_backend_ranks_above_the_torch_backend_and_below_plugins():
+    from kvhost_cpu import CpuBackend
+
+    assert CpuBackend.priority == 0  # docs/plugins.md: "kvhost's cpu backend is 0"
+
+
+def test_the_receive_scratch_is_kept_grown_and_let_go():
+    from kvhost_cpu.backend import _Scratch
+
+    mib = 1 << 20
+    scratch = _Scratch()
+    first = scratch.rows(2, 100)
+    assert first.shape == (2, 100) and first.dtype == np.uint8
+    assert scratch.rows(2, 100) is first  # fits exactly: kept
+    assert scratch.rows(1, 10) is first  # needs less, but not much memory: kept
+    assert scratch.rows(4, 100).shape == (4, 100)  # more threads: grown
+    assert scratch.rows(4, 300).shape == (4, 300)  # longer rows: grown
+    # Up to 64 MiB is kept whatever a call needs; beyond, kept while a call needs a quarter.
+    kept = scratch.rows(1, 64 * mib)
+    assert scratch.rows(1, 10) is kept
+    over = scratch.rows(1, 64 * mib + 1)
+    assert scratch.rows(1, 10) is not over
+    big = scratch.rows(2, 50 * mib)  # 100 MiB
+    assert scratch.rows(2, 50 * mib // 4) is big  # 4 x 2 x 12.5 MiB = 100 MiB: kept
+    assert scratch.rows(2, 50 * mib // 4 - 1).shape == (2, 50 * mib // 4 - 1)  # just under: let go
+
+
 # --- runs of any length ---------------------------------------------------------------------
 
 
