@@ -217,6 +217,30 @@ def test_the_receive_scratch_is_kept_grown_and_let_go():
     assert scratch.rows(2, 50 * mib // 4 - 1).shape == (2, 50 * mib // 4 - 1)  # just under: let go
 
 
+def test_jobs_under_1_mib_run_on_the_calling_thread(monkeypatch):
+    import kvhost_cpu.kernels as kernels
+
+    monkeypatch.setattr(kernels, "threads", lambda: 4)  # as on a machine with 4 cores
+    assert kernels.launcher("copy_runs", (1 << 20) - 1) == (kernels.copy_runs_serial, 1)
+    assert kernels.launcher("copy_runs", 1 << 20) == (kernels.copy_runs, 4)
+    monkeypatch.setattr(kernels, "threads", lambda: 1)
+    assert kernels.launcher("rearrange_units", 1 << 30) == (kernels.rearrange_units_serial, 1)
+
+
+def test_copy_work_items_hold_at_most_2_mib_of_blocks_and_at_least_one_block():
+    from kvhost_cpu.backend import _copy_params
+
+    from kvhost.layout import Layout
+    from kvhost.transform import plan_copy
+
+    def most_blocks(block: torch.Tensor) -> int:
+        layout = Layout.of(block, "BNC")
+        return int(_copy_params(plan_copy(layout, layout))[4])
+
+    assert most_blocks(torch.empty(4, 8, 16, device=META)) == (2 << 20) // 512  # 512-byte blocks
+    assert most_blocks(torch.empty(2, 1024, 1024, device=META)) == 1  # a 4 MiB block is an item alone
+
+
 # --- runs of any length ---------------------------------------------------------------------
 
 
