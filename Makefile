@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # e.g. `make test TORCH=torch` there.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test lint format demo bench kernel-choice clean
+.PHONY: setup test lint format demo bench kernel-choice mutation clean
 
 setup: $(VENV)/.installed
 
@@ -40,10 +40,15 @@ bench: setup
 kernel-choice: setup
 	$(PY) experiments/cpu_kernel_choice/compare.py --requests 1,4,16,64,256
 
+# Mutation testing of the core (ci/mutation.py, report in .mutation/report.md): hours on two
+# cores, so not part of `make test` or CI. MUTATION_ARGS="--module kvhost/memory.py" narrows it.
+mutation: setup
+	$(PY) ci/mutation.py $(MUTATION_ARGS)
+
 format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .mutation
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -192,6 +192,15 @@ def test_a_registered_cache_that_changed_is_refused(how):
         assert torch.equal(raw(peer["b"][:, 2]), raw(caches["b"][:, 1]))
 
 
+def test_a_registered_cache_cut_to_fewer_blocks_in_place_is_refused():
+    # Same address, same strides, half the blocks: only the shape tells it changed.
+    caches = {"a": cache(), "b": cache()}
+    host = kvhost.KVHost(caches, axes="KBNHC")
+    caches["b"].as_strided_((2, 4, 8, 2, 4), caches["b"].stride())
+    with pytest.raises(kvhost.LayoutError, match=r"layer 'b'\[0\] changed since it was registered .* shape"):
+        host.copy_to({"a": cache(), "b": cache()}, [1], [2])
+
+
 def test_a_peer_replaced_or_repointed_between_calls_is_read_again():
     caches = {"a": cache()}
     host = kvhost.KVHost(caches, axes="KBNHC")

@@ -1,0 +1,164 @@
+"""The test side of ci/mutation.py: a fork server per worker, and the pytest plugin it loads.
+
+Server. ``python ci/mutation_server.py`` (in a worker's copy of the tree, with that copy
+first on PYTHONPATH) imports what no mutant changes (torch, numpy, numba, pytest,
+hypothesis) once, then reads one JSON request per line: pytest arguments, a log file and
+a numba cache directory. Each request runs in a fresh fork, which imports kvhost from the
+copy as it is now (a mutant, or the original); the server answers the child's pid, then
+its exit status. A child that runs too long is killed by its process group.
+
+Plugin (``-p mutation_server``). Hypothesis runs the same examples on every run and keeps
+no database, so a mutant is judged by the examples that judged the original; the tree the
+tests import is checked to be the copy. With ``KVHOST_MUTATION_COVERAGE`` set it also
+records, per test, the lines of the mutated modules it runs (``sys.settrace``), with the
+caches of the planner cleared before every test so that what a test runs does not hang on
+the tests before it, and the lines run before the first test (imports) under ``<import>``;
+ci/mutation.py picks each mutant's tests from this.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+# --- plugin --------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from hypothesis import settings
+
+    settings.register_profile("mutation", database=None, derandomize=True)
+    settings.load_profile("mutation")
+    tree = os.environ.get("KVHOST_MUTATION_TREE")
+    if tree and _COVERAGE:  # every mutated module's import-time lines, traced before any test
+        for path in sorted(_FILES):
+            relative = os.path.relpath(path, tree).removeprefix("backends" + os.sep)
+            importlib.import_module(relative.removesuffix(".py").replace(os.sep, "."))
+    if tree:
+        import kvhost_cpu
+
+        import kvhost
+
+        for module in (kvhost, kvhost_cpu):
+            if not os.path.realpath(module.__file__ or "").startswith(os.path.realpath(tree) + os.sep):
+                raise pytest.UsageError(f"{module.__name__} comes from {module.__file__}, not from the copy {tree}")
+
+
+_COVERAGE = os.environ.get("KVHOST_MUTATION_COVERAGE")  # where to write it; unset: not recorded
+_FILES = set(os.environ.get("KVHOST_MUTATION_FILES", "").split(os.pathsep)) - {""}
+_lines: set[tuple[str, int]] = set()
+_per_test: dict[str, dict[str, Any]] = {}
+
+
+def _trace_lines(frame: Any, event: str, arg: Any) -> Any:
+    if event == "line":
+        _lines.add((frame.f_code.co_filename, frame.f_lineno))
+    return _trace_lines
+
+
+def _trace_calls(frame: Any, event: str, arg: Any) -> Any:
+    if frame.f_code.co_filename in _FILES:
+        _lines.add((frame.f_code.co_filename, frame.f_lineno))
+        return _trace_lines
+    return None
+
+
+def _clear_caches() -> None:
+    """Empty every cache of the mutated modules: each test then runs the code it needs."""
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not path or path not in _FILES:
+            continue
+        for value in list(vars(module).values()):
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+            elif type(value).__name__ == "LRU" and callable(getattr(value, "clear", None)):
+                value.clear()
+
+
+IMPORT = "<import>"  # the lines run before the first test: imports, module bodies, collection
+if _COVERAGE:
+    sys.settrace(_trace_calls)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    if not _COVERAGE:
+        yield
+        return
+    if IMPORT not in _per_test:
+        sys.settrace(None)
+        _per_test[IMPORT] = {"seconds": 0.0, "lines": _by_path()}
+    _clear_caches()
+    _lines.clear()
+    start = time.perf_counter()
+    threading.settrace(_trace_calls)
+    sys.settrace(_trace_calls)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)  # type: ignore[arg-type]
+    _per_test[item.nodeid] = {"seconds": time.perf_counter() - start, "lines": _by_path()}
+
+
+def _by_path() -> dict[str, list[int]]:
+    lines: dict[str, list[int]] = {}
+    for path, line in _lines:
+        lines.setdefault(path, []).append(line)
+    return {path: sorted(found) for path, found in lines.items()}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _COVERAGE:
+        with open(_COVERAGE, "w") as f:
+            json.dump(_per_test, f)
+
+
+# --- server --------------------------------------------------------------------------
+
+
+def serve() -> None:
+    import hypothesis  # noqa: F401
+    import numba  # noqa: F401
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def _child(request: dict[str, Any]) -> None:
+    code = 3
+    try:
+        os.setsid()  # its own process group: a timeout kills it and whatever it started
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.update(request["env"])
+        from numba.core import config
+
+        config.reload_config()  # NUMBA_CACHE_DIR, read when numba was imported
+        code = int(pytest.main(request["args"]))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,290 @@
+"""The torch path and the CPU backend at the edges the conformance suite does not reach.
+
+Index buffers for devices (checked on ``meta``, which has no data but real buffers), the
+torch backend's knobs, units larger than its pass size, copies with more runs than it
+copies one by one, and the CPU backend with and without its compiled kernels. Found by
+mutation testing (ci/mutation.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import kvhost
+from kvhost.backend import OptionalKernels
+from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
+from kvhost.torch_backend import IndexBuffers, TorchBackend
+
+SIZES = dict(K=2, B=8, N=8, H=2, C=4)
+META = torch.device("meta")
+
+
+# --- index buffers on a device ------------------------------------------------------------
+
+
+def test_host_ids_are_used_in_place():
+    ids = np.array([3, 1, 2], dtype=np.int64)
+    index = IndexBuffers()(ids, torch.device("cpu"))
+    assert index.data_ptr() == ids.ctypes.data and index.tolist() == [3, 1, 2]
+
+
+def test_device_ids_go_through_one_growing_buffer_per_thread():
+    buffers = IndexBuffers()
+    index = buffers(np.arange(5), META)
+    assert (index.device, index.shape, index.dtype) == (META, (5,), torch.int64)
+    buffer = buffers._local.buffer
+    assert buffer.numel() == 1024 and buffer.device == META  # at least 1024
+    assert buffers(np.arange(1024), META).shape == (1024,) and buffers._local.buffer is buffer  # fits: reused
+    assert buffers(np.arange(1025), META).shape == (1025,)
+    assert buffers._local.buffer.numel() == 2048  # grown to the next power of two
+    assert IndexBuffers()(np.arange(3000), META).shape == (3000,)
+    fresh = IndexBuffers()
+    fresh(np.arange(3000), META)
+    assert fresh._local.buffer.numel() == 4096
+    exact = IndexBuffers()
+    exact(np.arange(2048), META)
+    assert exact._local.buffer.numel() == 2048  # a power of two is room enough for itself
+    elsewhere: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: (buffers(np.arange(2), META), elsewhere.append(buffers._local.buffer)))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not buffers._local.buffer  # each thread its own
+
+
+# --- the torch backend ---------------------------------------------------------------------
+
+
+def test_torch_backend_settings():
+    default = TorchBackend()
+    assert (default.host_chunk_bytes, default.device_chunk_bytes, default.max_run_copies) == (1 << 20, None, 64)
+    tuned = TorchBackend(host_chunk_bytes=4096, device_chunk_bytes=8192, max_run_copies=2)
+    assert (tuned.host_chunk_bytes, tuned.device_chunk_bytes, tuned.max_run_copies) == (4096, 8192, 2)
+    assert TorchBackend.priority == -100  # the fallback plugins rank against (docs/plugins.md, README)
+
+
+def test_a_non_blocking_copy_on_a_device_without_events_is_done_on_return():
+    # meta has no events: the copy is then finished before copy_blocks returns.
+    src = {"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}
+    dst = {"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}
+    result = kvhost.copy_blocks(src, dst, [1, 2], [3, 4], axes="KBNHC", non_blocking=True)
+    assert result.backend == "torch" and result.done()
+    assert result.wait() is result
+
+
+@pytest.mark.parametrize("host_chunk_bytes", [None, 4096])
+def test_units_larger_than_a_pass_are_rewritten_one_at_a_time(host_chunk_bytes):
+    # A sender block of 8 local blocks: a 1 MiB unit per K, 2 MiB in all: more than a pass.
+    sizes = dict(K=2, B=18, N=64, H=8, C=128)
+    caches = {"l": make_cache("KBNHC", "KBNHC", sizes)}
+    case = ReceiveCase(caches, "KBNHC", seed=8)
+    ids = [9, 1, 2, 3, 17, 5, 6, 7, 0, 10, 11, 12, 13, 14, 15, 16]
+    case.send("r", ids, "HNC", 512)
+    backend = TorchBackend(host_chunk_bytes=host_chunk_bytes)
+    kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=512, backend=backend)
+    case.check()
+
+
+def test_copies_with_more_runs_than_copied_one_by_one_are_gathered():
+    src = {"l": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 1)}
+    dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 2)}
+    before = raw(dst["l"]).clone()
+    src_ids, dst_ids = [0, 1, 5, 3], [6, 7, 2, 0]  # three runs, more than max_run_copies
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=2))
+    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
+    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
+    for block in (1, 3, 4, 5):
+        assert torch.equal(raw(dst["l"])[:, block], before[:, block])
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
+    """Count calls of a torch.Tensor method (the passes a backend makes)."""
+    calls: list[int] = []
+    original = getattr(torch.Tensor, method)
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, method, counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("device", "host_chunk_bytes", "passes"),
+    [("cpu", 256, 5), ("cpu", 512, 3), ("cpu", None, 1), ("meta", 256, 1)],
+)
+def test_a_receive_scatters_once_per_pass_of_chunk_bytes(monkeypatch, device, host_chunk_bytes, passes):
+    # A unit is one 128-byte region in each of 2 outer indices (K): 256 bytes per pass
+    # takes one unit, 512 two; a device takes the group in one pass (device_chunk_bytes None).
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES, device=device)}
+    case = ReceiveCase(caches, "KBNHC", seed=9) if device == "cpu" else None
+    ids = [1, 2, 3, 4, 5]
+    if case is not None:
+        case.send("r", ids, "HNC", 8)
+    backend = TorchBackend() if host_chunk_bytes is None else TorchBackend(host_chunk_bytes=host_chunk_bytes)
+    scatters = counted(monkeypatch, "index_copy_")
+    kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", backend=backend)
+    assert len(scatters) == passes
+    if case is not None:
+        case.check()
+
+
+def test_up_to_max_run_copies_runs_a_copy_is_one_copy_per_run(monkeypatch):
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
+    dst = {"l": torch.zeros_like(src["l"])}
+    backend = TorchBackend(max_run_copies=2)
+    gathers = counted(monkeypatch, "index_copy_")
+    kvhost.copy_blocks(src, dst, [0, 1, 5], [2, 3, 6], axes="KBNHC", backend=backend)  # two runs
+    assert gathers == []
+    kvhost.copy_blocks(src, dst, [0, 1, 5, 3], [2, 3, 6, 0], axes="KBNHC", backend=backend)  # three runs
+    assert gathers == [1]
+    assert torch.equal(raw(dst["l"])[:, [2, 3, 6, 0]], raw(src["l"])[:, [0, 1, 5, 3]])
+
+
+# --- the CPU backend with and without its kernels ------------------------------------------
+
+
+class _NoTorchPath:
+    def receive(self, job):  # type: ignore[no-untyped-def]
+        raise AssertionError("host work went to the torch path although the kernels are here")
+
+    copy = receive
+
+
+def test_the_cpu_backend_runs_its_kernels_on_host_memory():
+    from kvhost_cpu import CpuBackend
+
+    backend = CpuBackend()
+    assert backend.describe() == "numba kernels"
+    backend.torch_path = _NoTorchPath()  # type: ignore[assignment]
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=2)
+    case.send("r", [1, 4], "HNC", 4)
+    kvhost.receive(caches, {"r": [1, 4]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend=backend)
+    case.check()
+    other = {"l": make_cache("KBNHC", "KBHNC", SIZES)}
+    kvhost.copy_blocks(caches, other, [1], [2], axes="KBNHC", backend=backend)
+    assert torch.equal(raw(other["l"][:, 2]), raw(caches["l"][:, 1]))
+
+
+def test_without_numba_the_cpu_backend_runs_the_torch_path(monkeypatch):
+    import kvhost_cpu.backend as cpu
+
+    monkeypatch.setattr(cpu, "KERNELS", OptionalKernels("kvhost_cpu.no_such_kernels"))
+    backend = cpu.CpuBackend()
+    assert backend.describe() == "torch ops (numba unavailable: No module named 'kvhost_cpu.no_such_kernels')"
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=3)
+    case.send("r", [2, 5], "HNC", 2)
+    stats = kvhost.receive(
+        caches, {"r": [2, 5]}, axes="KBNHC", remote_order="HNC", remote_block_size=2, backend=backend
+    )
+    case.check()
+    assert stats.backend == "cpu"
+    other = {"l": make_cache("KBNHC", "KBHNC", SIZES)}
+    kvhost.copy_blocks(caches, other, [2], [3], axes="KBNHC", backend=backend)
+    assert torch.equal(raw(other["l"][:, 3]), raw(caches["l"][:, 2]))
+
+
+def test_the_cpu_backend_ranks_above_the_torch_backend_and_below_plugins():
+    from kvhost_cpu import CpuBackend
+
+    assert CpuBackend.priority == 0  # docs/plugins.md: "kvhost's cpu backend is 0"
+
+
+def test_the_receive_scratch_is_kept_grown_and_let_go():
+    from kvhost_cpu.backend import _Scratch
+
+    mib = 1 << 20
+    scratch = _Scratch()
+    first = scratch.rows(2, 100)
+    assert first.shape == (2, 100) and first.dtype == np.uint8
+    assert scratch.rows(2, 100) is first  # fits exactly: kept
+    assert scratch.rows(1, 10) is first  # needs less, but not much memory: kept
+    assert scratch.rows(4, 100).shape == (4, 100)  # more threads: grown
+    assert scratch.rows(4, 300).shape == (4, 300)  # longer rows: grown
+    # Up to 64 MiB is kept whatever a call needs; beyond, kept while a call needs a quarter.
+    kept = scratch.rows(1, 64 * mib)
+    assert scratch.rows(1, 10) is kept
+    over = scratch.rows(1, 64 * mib + 1)
+    assert scratch.rows(1, 10) is not over
+    big = scratch.rows(2, 50 * mib)  # 100 MiB
+    assert scratch.rows(2, 50 * mib // 4) is big  # 4 x 2 x 12.5 MiB = 100 MiB: kept
+    assert scratch.rows(2, 50 * mib // 4 - 1).shape == (2, 50 * mib // 4 - 1)  # just under: let go
+
+
+def test_jobs_under_1_mib_run_on_the_calling_thread(monkeypatch):
+    import kvhost_cpu.kernels as kernels
+
+    monkeypatch.setattr(kernels, "threads", lambda: 4)  # as on a machine with 4 cores
+    assert kernels.launcher("copy_runs", (1 << 20) - 1) == (kernels.copy_runs_serial, 1)
+    assert kernels.launcher("copy_runs", 1 << 20) == (kernels.copy_runs, 4)
+    monkeypatch.setattr(kernels, "threads", lambda: 1)
+    assert kernels.launcher("rearrange_units", 1 << 30) == (kernels.rearrange_units_serial, 1)
+
+
+def test_copy_work_items_hold_at_most_2_mib_of_blocks_and_at_least_one_block():
+    from kvhost_cpu.backend import _copy_params
+
+    from kvhost.layout import Layout
+    from kvhost.transform import plan_copy
+
+    def most_blocks(block: torch.Tensor) -> int:
+        layout = Layout.of(block, "BNC")
+        return int(_copy_params(plan_copy(layout, layout))[4])
+
+    assert most_blocks(torch.empty(4, 8, 16, device=META)) == (2 << 20) // 512  # 512-byte blocks
+    assert most_blocks(torch.empty(2, 1024, 1024, device=META)) == 1  # a 4 MiB block is an item alone
+
+
+# --- runs of any length ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels", [31, 33, 64, 66])
+def test_runs_of_any_byte_length_copy_exactly_their_bytes(target, channels):
+    # One-byte items: a token's channels are a run of 31, 33, 64 or 66 bytes, which the
+    # kernels copy in 32-byte moves when they can and byte-exact otherwise.
+    sizes = dict(K=2, B=8, N=4, H=3, C=channels)
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes, torch.uint8, target.device), 1)}
+    dst = {"l": fill_random(make_cache("KBNHC", "KBHNC", sizes, torch.uint8, target.device), 2)}
+    before = raw(dst["l"]).cpu().clone()
+    kvhost.copy_blocks(src, dst, [0, 5, 6], [7, 1, 2], axes="KBNHC", backend=target.backend).completion.wait()
+    now = raw(dst["l"]).cpu()
+    for s, d in zip([0, 5, 6], [7, 1, 2]):
+        assert torch.equal(now[:, d], raw(src["l"]).cpu()[:, s])
+    for block in (0, 3, 4, 5, 6):
+        assert torch.equal(now[:, block], before[:, block]), f"block {block} changed"
+    caches = {"l": make_cache("KBNHC", "KBHNC", sizes, torch.uint8, target.device)}
+    case = ReceiveCase(caches, "KBNHC", seed=channels)
+    case.send("r", [6, 2, 3], "NHC", 2)
+    kvhost.receive(
+        caches, {"r": [6, 2, 3]}, axes="KBNHC", remote_order="NHC", remote_block_size=2, backend=target.backend
+    )
+    case.check()
+
+
+def test_loops_with_every_letter_apart(target):
+    # Layers and K/V inside each block, and a sender (or a destination) whose order
+    # reverses every letter: nothing merges, so the kernels walk all six loop dims (five
+    # for the copy), each of a different size.
+    sizes = dict(B=6, L=3, K=2, H=4, N=4, C=5)
+    caches = {"x": make_cache("BLKHNC", "BLKHNC", sizes, device=target.device)}
+    case = ReceiveCase(caches, "BLKHNC", seed=12)
+    case.send("r", [4, 1], "CNHKL", 2)
+    kvhost.receive(
+        caches, {"r": [4, 1]}, axes="BLKHNC", remote_order="CNHKL", remote_block_size=2, backend=target.backend
+    )
+    case.check()
+    src = {"x": fill_random(make_cache("LKBHNC", "LKBHNC", sizes, device=target.device), 3)}
+    dst = {"x": fill_random(make_cache("LKBHNC", "BCNHKL", sizes, device=target.device), 4)}
+    before = raw(dst["x"]).cpu().clone()
+    kvhost.copy_blocks(src, dst, [5, 0, 1], [2, 3, 4], axes="LKBHNC", backend=target.backend).completion.wait()
+    now, source = raw(dst["x"]).cpu(), raw(src["x"]).cpu()
+    for s, d in zip([5, 0, 1], [2, 3, 4]):
+        assert torch.equal(now[:, :, d], source[:, :, s])
+    for block in (0, 1, 5):
+        assert torch.equal(now[:, :, block], before[:, :, block])

@@ -1,0 +1,185 @@
+"""The front end's choices, each pinned by a batch that only it decides.
+
+kvhost/batch.py and kvhost/api.py: which sender order and block size a request takes
+when it names only one of them (or neither, nor the call), layers whose layouts differ so
+that one needs work and another does not, a request with no ids under its own transform,
+and an empty copy. Found by mutation testing (ci/mutation.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvhost
+from kvhost.testing import ReceiveCase, fill_random, make_cache
+
+SIZES = dict(K=2, B=8, N=8, H=2, C=4)
+
+
+class Recorder(kvhost.Backend):
+    """Records the jobs it gets and hands them to the torch backend."""
+
+    name = "recorder"
+    device_types = ("*",)
+
+    def __init__(self) -> None:
+        self.jobs: list[object] = []
+        self.torch = kvhost.get_backend(torch.device("meta"), "torch")
+
+    def receive(self, job):  # type: ignore[no-untyped-def]
+        self.jobs.append(job)
+        self.torch.receive(job)
+
+    def copy(self, job):  # type: ignore[no-untyped-def]
+        self.jobs.append(job)
+        return self.torch.copy(job)
+
+
+def test_a_request_that_names_half_its_sender_takes_the_rest_from_the_call(target):
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(SIZES, B=12), device=target.device)}
+    case = ReceiveCase(caches, "KBNHC", seed=3)
+    case.send("size only", [1, 2, 3, 4], "HNC", 16)
+    case.send("order only", [5, 6], "CNH", 4)
+    case.send("neither", [7], "HNC", 4)
+    requests = {
+        "size only": kvhost.Incoming([1, 2, 3, 4], remote_block_size=16),
+        "order only": kvhost.Incoming([5, 6], remote_order="CNH"),
+        "neither": kvhost.Incoming([7]),
+    }
+    stats = kvhost.receive(
+        caches, requests, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend=target.backend
+    )
+    case.check()
+    assert stats.groups == 3
+
+
+def test_without_a_sender_spec_anywhere_the_local_one_is_assumed(target):
+    # Head-major blocks: a sender of 4-token blocks in the local region order is work.
+    caches = {"l": make_cache("KBNHC", "KBHNC", SIZES, device=target.device)}
+    case = ReceiveCase(caches, "KBNHC", seed=4)
+    case.send("r", [2, 5], "HNC", 4)
+    stats = kvhost.receive(caches, {"r": [2, 5]}, axes="KBNHC", remote_block_size=4, backend=target.backend)
+    case.check()
+    assert stats.groups == 1
+    case = ReceiveCase(caches, "KBNHC", seed=5)
+    case.send("r", [3], "CNH", 8)
+    kvhost.receive(caches, {"r": [3]}, axes="KBNHC", remote_order="CNH", backend=target.backend)
+    case.check()
+
+
+def test_layers_whose_layouts_differ_are_planned_one_by_one():
+    # Layer a is token-major, layer b head-major: a token-major sender is the identity
+    # for a and a transpose for b; the batch is not skipped, and only b is rewritten.
+    caches = {"a": make_cache("KBNHC", "KBNHC", SIZES), "b": make_cache("KBNHC", "KBHNC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=6)
+    case.send("r", [1, 6], "NHC", 8)
+    recorder = Recorder()
+    stats = kvhost.receive(caches, {"r": [1, 6]}, axes="KBNHC", remote_order="NHC", backend=recorder)
+    case.check()
+    assert [job.members[0].layer for job in recorder.jobs] == ["b"]  # type: ignore[attr-defined]
+    assert (stats.groups, stats.skipped_blocks) == (1, 0)
+    assert stats.bytes_moved == 2 * 2 * 8 * 2 * 4 * 2  # b only: blocks x K x region bytes
+
+
+def test_a_request_with_no_ids_makes_no_group(target):
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES, device=target.device)}
+    case = ReceiveCase(caches, "KBNHC", seed=7)
+    case.send("r", [4], "HNC", 4)
+    requests = {"r": [4], "none": kvhost.Incoming([], "CNH", 2)}
+    stats = kvhost.receive(
+        caches, requests, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend=target.backend
+    )
+    case.check()
+    assert (stats.groups, stats.blocks, stats.requests) == (1, 1, 2)
+
+
+def test_an_empty_copy_reaches_no_backend():
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
+    dst = {"l": make_cache("KBNHC", "KBHNC", SIZES)}
+    recorder = Recorder()
+    result = kvhost.copy_blocks(src, dst, [], [], axes="KBNHC", backend=recorder)
+    assert recorder.jobs == [] and result.job is None and result.blocks == 0
+    kvhost.copy_blocks(src, dst, [1], [2], axes="KBNHC", backend=recorder)
+    assert len(recorder.jobs) == 1
+
+
+def test_a_call_that_moves_no_byte_does_not_look_at_a_registered_cache():
+    # Only calls with work check that registered caches are still in place; an identity
+    # batch is only counted (docs/design.md, "Data flow").
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    host = kvhost.KVHost(caches, axes="KBNHC")
+    caches["l"].set_(torch.zeros_like(caches["l"]))  # re-pointed after registration
+    stats = host.receive({"r": [1]}, remote_order="NHC", remote_block_size=8)
+    assert stats.skipped_blocks == 1
+    with pytest.raises(kvhost.LayoutError, match="changed since it was registered"):
+        host.receive({"r": [1]}, remote_order="HNC", remote_block_size=8)
+
+
+def test_copies_wait_for_their_bytes_unless_asked_not_to():
+    caches = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
+    host_buffer = {"l": make_cache("KBNHC", "KBHNC", SIZES)}
+    recorder = Recorder()
+    kvhost.copy_blocks(caches, host_buffer, [1], [1], axes="KBNHC", backend=recorder)
+    host = kvhost.KVHost(caches, axes="KBNHC", backend=recorder)
+    host.copy_to(host_buffer, [2], [2])
+    host.copy_from(host_buffer, [2], [3])
+    kvhost.copy_blocks(caches, host_buffer, [4], [4], axes="KBNHC", backend=recorder, non_blocking=True)
+    assert [job.non_blocking for job in recorder.jobs] == [False, False, False, True]  # type: ignore[attr-defined]
+
+
+class _Tracked(kvhost.Completion):
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> None:
+        self.log.append(self.name)
+
+
+def test_waiting_on_a_copy_waits_on_every_backend_call():
+    log: list[str] = []
+
+    class Tracking(Recorder):
+        def copy(self, job):  # type: ignore[no-untyped-def]
+            super().copy(job)
+            return _Tracked(log, f"job{len(self.jobs)}")
+
+    # Two layers in two layouts: two copy groups, two backend calls.
+    src = {
+        "a": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1),
+        "b": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 2),
+    }
+    dst = {"a": make_cache("KBNHC", "KBNHC", SIZES), "b": make_cache("KBNHC", "KBNHC", SIZES)}
+    result = kvhost.copy_blocks(src, dst, [1, 2, 5], [3, 4, 6], axes="KBNHC", backend=Tracking())
+    assert result.runs == 2  # 1, 2 -> 3, 4 and 5 -> 6
+    result.wait()
+    assert log == ["job1", "job2"]
+
+
+def test_copies_run_on_the_backend_of_the_device_side():
+    # meta stands in for an accelerator: the host side never picks the backend.
+    from kvhost.api import _copy_device
+
+    cpu, meta, cuda = torch.device("cpu"), torch.device("meta"), torch.device("cuda")
+    assert [_copy_device(*pair) for pair in [(cpu, meta), (meta, cpu), (meta, meta), (cpu, cpu)]] == [
+        meta,
+        meta,
+        meta,
+        cpu,
+    ]
+    with pytest.raises(kvhost.LayoutError, match="cannot copy between meta and cuda: stage through host memory"):
+        _copy_device(meta, cuda)
+    host = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
+    device = {"l": make_cache("KBNHC", "KBNHC", SIZES, device="meta")}
+    assert kvhost.copy_blocks(host, device, [1], [1], axes="KBNHC").backend == "torch"
+    recorder = Recorder()
+    registered = kvhost.KVHost(host, axes="KBNHC", backend=recorder)
+    assert registered.copy_to(device, [1], [1]).backend == "torch"  # not the host cache's own backend
+    assert registered.copy_to({"l": make_cache("KBNHC", "KBNHC", SIZES)}, [1], [1]).backend == "recorder"
+    assert len(recorder.jobs) == 1
+
+
+def test_a_call_reports_the_seconds_it_took():
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    stats = kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    assert 0 < stats.seconds < 60

@@ -1,0 +1,72 @@
+"""Block ids: the checks every id list goes through, and runs of consecutive ids.
+
+kvhost/ids.py at its edges: ids given as an integer tensor, the default that ids be
+unique, an empty list, runs found in one list or in two, values too long to quote whole
+in a message. Found by mutation testing (ci/mutation.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvhost
+from kvhost.ids import IdBatch, checked_ids, find_runs
+from kvhost.testing import ReceiveCase, make_cache
+
+SIZES = dict(K=2, B=8, N=8, H=2, C=4)
+
+
+def test_ids_as_integer_tensors_and_arrays_are_accepted():
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=5)
+    case.send("t", [3, 1], "HNC", 4)
+    case.send("a", [6], "HNC", 4)
+    requests = {"t": torch.tensor([3, 1], dtype=torch.int32), "a": np.array([6], dtype=np.uint8)}
+    stats = kvhost.receive(caches, requests, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    assert stats.blocks == 3
+    case.check()
+
+
+def test_ids_must_be_unique_unless_told_otherwise():
+    batch = IdBatch()
+    batch.add("mine", [1, 2])
+    batch.add("yours", [2])
+    with pytest.raises(kvhost.RequestError, match="block id 2 is claimed by mine and yours"):
+        batch.check(4)
+    batch.check(4, unique=False)
+
+
+def test_checked_ids_is_one_checked_list():
+    assert checked_ids([3, 1, 2], "ids", 4).tolist() == [3, 1, 2]
+    assert checked_ids([], "ids", 4).tolist() == []
+    with pytest.raises(kvhost.RequestError, match=r"ids: empty \(no block ids\)"):
+        checked_ids([], "ids", 4, allow_empty=False)
+    with pytest.raises(kvhost.RequestError, match="ids: block id 4 at position 1 is out of range"):
+        checked_ids([3, 4], "ids", 4)
+    with pytest.raises(kvhost.RequestError, match="ids: block id 3 appears twice"):
+        checked_ids([3, 3], "ids", 4)
+    assert checked_ids([3, 3], "ids", 4, unique=False).tolist() == [3, 3]
+    with pytest.raises(kvhost.RequestError, match="ids: block ids must be a"):
+        checked_ids({3}, "ids", 4)
+
+
+def test_runs_of_ids_consecutive_in_both_lists():
+    src = np.array([0, 1, 2, 5, 6, 9])
+    dst = np.array([3, 4, 5, 9, 11, 12])
+    assert find_runs(src, dst).tolist() == [[0, 3, 3], [5, 9, 1], [6, 11, 1], [9, 12, 1]]
+    assert find_runs(src).tolist() == [[0, 0, 3], [5, 5, 2], [9, 9, 1]]  # one list
+    assert find_runs(np.array([7, 7, 8])).tolist() == [[7, 7, 1], [7, 7, 2]]  # a repeat breaks a run
+    empty = find_runs(np.zeros(0, dtype=np.int64))
+    assert empty.shape == (0, 3) and empty.dtype == np.int64
+
+
+def test_long_values_are_cut_short_in_messages():
+    def message(value: object) -> str:
+        with pytest.raises(kvhost.RequestError) as raised:
+            IdBatch().add("ids", value)
+        return str(raised.value).split(", got ", 1)[1]
+
+    assert message(b"x" * 37) == "bytes b'" + "x" * 37 + "'"  # 40 characters: quoted whole
+    assert message(b"x" * 38) == "bytes b'" + "x" * 35 + "..."  # 41: the first 37 and an ellipsis

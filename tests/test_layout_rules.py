@@ -1,0 +1,247 @@
+"""The layout rules and the overlap arithmetic, case by case, at their edges.
+
+Each test pins one rule of docs/design.md ("Words", "Memory safety") where the
+conformance suite never goes: layouts it never builds (channels outside the block region,
+two axes on one stride, size-1 axes with odd strides, one block), storages one byte
+short, lanes whose blocks overlap themselves, and the point where interleaved lanes are
+too many to list. Found by mutation testing (ci/mutation.py): each test here fails on a
+change to kvhost/layout.py or kvhost/memory.py that the rest of the suite let pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvhost
+from kvhost.layout import Layout, contiguous_strides
+from kvhost.memory import MAX_LISTED_BLOCKS, Lane, byte_extent, find_overlap, first_shared
+from kvhost.testing import ReceiveCase, make_cache
+
+
+def layout_error(tensor: torch.Tensor, axes: str) -> str:
+    with pytest.raises(kvhost.LayoutError) as raised:
+        Layout.of(tensor, axes)
+    return str(raised.value)
+
+
+# --- what a layout is made of -------------------------------------------------------------
+
+
+def test_only_tensors_of_1_2_4_or_8_byte_items_have_layouts():
+    assert Layout.of(torch.zeros(4, 8, 2, dtype=torch.float64), "BNC").itemsize == 8
+    assert Layout.of(torch.zeros(4, 8, 2, dtype=torch.int8), "BNC").itemsize == 1
+    assert "item size 16 of torch.complex128" in layout_error(torch.zeros(4, 8, 2, dtype=torch.complex128), "BNC")
+    assert "expected a torch.Tensor, got ndarray" in layout_error(np.zeros((4, 8, 2)), "BNC")  # type: ignore[arg-type]
+
+
+def test_a_letter_a_layout_lacks_has_size_1():
+    layout = Layout.of(torch.zeros(4, 8, 2), "BNC")
+    assert [layout.size(a) for a in "BNCLKH"] == [4, 8, 2, 1, 1, 1]
+
+
+def test_known_returns_only_layouts_already_validated():
+    tensor = torch.zeros(3, 5, 7)  # a shape no other test uses
+    assert Layout.known(tensor, "BNC") is None
+    layout = Layout.of(tensor, "BNC")
+    assert Layout.known(torch.zeros(3, 5, 7), "BNC") is layout
+    assert Layout.known(tensor, "NBC") is None  # another naming of the dims is another layout
+
+
+def test_contiguous_strides_are_torch_s_row_major_strides():
+    for shape in [(2, 3, 4), (2, 1, 3), (1, 1, 5), (2, 0, 3), (7,), ()]:
+        assert contiguous_strides(shape) == torch.empty(shape).stride(), shape
+
+
+def test_extent_is_the_span_from_first_to_last_element():
+    dense = torch.zeros(2, 4, 8, 3, dtype=torch.bfloat16)
+    assert Layout.of(dense, "KBNC").extent_bytes == dense.numel() * 2 == byte_extent(dense)
+    every_other_block = torch.zeros(2, 8, 8, 3, dtype=torch.bfloat16)[:, ::2]
+    expected = ((2 - 1) * 8 * 24 + (4 - 1) * 2 * 24 + 7 * 3 + 2 + 1) * 2
+    assert Layout.of(every_other_block, "KBNC").extent_bytes == expected == byte_extent(every_other_block)
+    assert byte_extent(torch.zeros(0, 3)) == 0
+    assert byte_extent(torch.zeros(3, 0)) == 0  # (3 - 1) * 1 + (0 - 1) * 1 would say 2 items
+    assert byte_extent(torch.zeros(2, 0, 5)) == 0
+    assert byte_extent(torch.zeros(1, dtype=torch.float64)) == 8  # one element is not empty
+
+
+# --- layouts refused, each for its own reason ----------------------------------------------
+
+
+def test_channels_outside_the_block_region_are_refused():
+    t = make_cache("KBNHC", "CKBNH", dict(K=2, B=4, N=8, H=2, C=4))
+    assert "channels (C) must lie inside the block region" in layout_error(t, "KBNHC")
+
+
+def test_two_axes_on_one_stride_are_refused():
+    t = torch.zeros(5 * 64).as_strided((4, 8, 2, 4), (64, 8, 8, 1))  # N and H both step 8
+    assert "axes N and H share stride 8: memory overlaps" in layout_error(t, "BNHC")
+
+
+def test_too_few_dims_for_the_axes_are_named_with_the_shape():
+    message = layout_error(torch.zeros(4, 8, 2), "BNHC")
+    assert "axes 'BNHC' name 4 dims but the tensor has 3 (shape (4, 8, 2))" in message
+
+
+def test_a_broadcast_k_is_named_as_such():
+    t = torch.zeros(1, 4, 8, 2, 4).expand(2, 4, 8, 2, 4)
+    assert "axis K has stride 0 (a broadcast view)" in layout_error(t, "KBNHC")
+
+
+def test_blocks_closer_than_their_region_are_refused():
+    for blocks in (2, 4):
+        t = torch.zeros(200).as_strided((blocks, 8, 4), (16, 4, 1))  # a region is 32 items, blocks step 16
+        assert "block stride 16 is smaller than the region (32 elements): blocks would overlap" in layout_error(
+            t, "BNC"
+        )
+
+
+def test_one_block_may_have_any_block_stride():
+    t = torch.zeros(64).as_strided((1, 8, 4), (9, 4, 1))  # no second block to overlap
+    layout = Layout.of(t, "BNC")
+    assert layout.region == "NC" and layout.num_blocks == 1
+
+
+def test_size_1_axes_in_the_region_may_have_any_stride():
+    # One head with stride 3 inside a dense N C region: a size-1 axis steps nowhere.
+    t = torch.zeros(4 * 64).as_strided((4, 8, 1, 8), (64, 8, 3, 1))
+    layout = Layout.of(t, "BNHC")
+    assert layout.region == "NHC" and layout.region_bytes == 64 * 4
+    case = ReceiveCase({"l": t}, "BNHC", seed=2)
+    case.send("r", [1, 2], "CNH", 4)
+    kvhost.receive({"l": t}, {"r": [1, 2]}, axes="BNHC", remote_order="CNH", remote_block_size=4)
+    case.check()
+
+
+# --- lanes and overlaps --------------------------------------------------------------------
+
+
+def test_a_lane_ends_where_its_last_block_ends():
+    assert Lane(100, 64, 5, 48, "x").end == 100 + 4 * 64 + 48
+    assert Lane(100, 64, 1, 48, "x").end == 148
+
+
+def test_a_lane_whose_own_blocks_overlap_is_found():
+    lane = Lane(0, 16, 4, 32, "x")  # block 0 is bytes 0..32, block 1 starts at 16
+    found = find_overlap([lane])
+    assert found is not None
+    assert (found.first, found.first_block, found.second, found.second_block) == (lane, 0, lane, 1)
+    pair = Lane(0, 16, 2, 32, "two")  # two blocks are enough to overlap
+    found = find_overlap([pair])
+    assert found is not None and (found.first, found.first_block, found.second_block) == (pair, 0, 1)
+    assert find_overlap([Lane(0, 16, 1, 32, "x")]) is None  # one block overlaps nothing
+
+
+def test_the_pair_named_is_a_real_pair_of_blocks():
+    # A one-block lane over the first five blocks of a dense lane: the pair named is
+    # the dense lane's last block that meets it (block 4, not 5 or 6, which do not exist).
+    one = Lane(0, 100, 1, 80, "one")
+    dense = Lane(10, 10, 5, 10, "dense")  # blocks at 10, 20, 30, 40, 50
+    found = find_overlap([one, dense])
+    assert found is not None
+    assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("one", 0, "dense", 4)
+    found = find_overlap([Lane(0, 10, 10, 10, "wide"), Lane(35, 10, 1, 10, "late")])
+    assert found is not None and (found.first_block, found.second_block) == (3, 0)
+    found = find_overlap([Lane(0, 1, 4, 1, "bytes"), Lane(2, 1, 1, 1, "byte")])  # one-byte blocks
+    assert found is not None and (found.first_block, found.second_block) == (2, 0)
+    # Of several overlapping pairs, the first in address order is named.
+    x, y, z = Lane(0, 10, 1, 10, "x"), Lane(5, 10, 1, 10, "y"), Lane(12, 10, 1, 10, "z")
+    found = find_overlap([z, y, x])
+    assert found is not None and (found.first.owner, found.second.owner) == ("x", "y")
+
+
+def test_an_earlier_cluster_is_settled_before_a_later_one():
+    # a and b overlap (listed: their strides differ); c and d, which start where b ends,
+    # overlap too (by arithmetic). Lanes that only touch are separate clusters, so the
+    # first overlap in address order is the one named.
+    a = Lane(0, 100, 2, 10, "a")  # 0..10, 100..110
+    b = Lane(45, 30, 3, 10, "b")  # 45..55, 75..85, 105..115
+    c, d = Lane(115, 0, 1, 10, "c"), Lane(120, 0, 1, 10, "d")
+    found = find_overlap([d, c, b, a])
+    assert found is not None
+    assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("a", 1, "b", 2)
+
+
+def test_within_a_cluster_pairs_with_one_stride_are_settled_before_any_is_listed():
+    # a and b interleave with different strides (a's block 1 meets b's block 0): such a
+    # pair is listed block by block, which costs; c, one block over b's block 1, is settled
+    # by arithmetic first, and that overlap is the one named.
+    a = Lane(0, 10, 3, 4, "a")  # 0..4, 10..14, 20..24
+    b = Lane(12, 20, 2, 4, "b")  # 12..16, 32..36
+    c = Lane(33, 0, 1, 4, "c")  # 33..37
+    found = find_overlap([a, b, c])
+    assert found is not None
+    assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("b", 1, "c", 0)
+    found = find_overlap([a, b])
+    assert found is not None
+    assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("a", 1, "b", 0)
+
+
+def test_one_block_lanes_meet_by_their_bytes_whatever_their_stride():
+    found = find_overlap([Lane(0, 0, 1, 8, "a"), Lane(4, 0, 1, 8, "b")])
+    assert found is not None and (found.first_block, found.second_block) == (0, 0)
+    assert find_overlap([Lane(0, 0, 1, 8, "a"), Lane(8, 0, 1, 8, "b")]) is None
+
+
+def test_a_block_past_the_end_of_a_lane_is_no_block():
+    assert find_overlap([Lane(0, 10, 2, 10, "a"), Lane(25, 10, 1, 10, "b")]) is None  # a's block 2 would meet b
+
+
+def test_lanes_with_different_strides_are_compared_block_by_block():
+    # Two blocks each way; the strides differ, so no stride-based arithmetic applies.
+    a = Lane(0, 100, 2, 10, "a")  # 0..10, 100..110
+    b = Lane(45, 30, 3, 10, "b")  # 45..55, 75..85, 105..115
+    found = find_overlap([a, b])
+    assert found is not None and (found.first_block, found.second_block) == (1, 2)
+    assert find_overlap([a, Lane(50, 30, 2, 10, "c")]) is None  # 50..60, 80..90: between a's blocks
+
+
+def test_interleaved_lanes_are_listed_up_to_a_bound():
+    half = MAX_LISTED_BLOCKS // 2
+    # Two lanes whose blocks interleave without meeting, with different strides.
+    a = Lane(0, 64, half, 16, "a")  # bytes 0..16 of every 64
+    b = Lane(32, 128, half, 16, "b")  # bytes 32..48 of every other 64
+    assert find_overlap([a, b]) is None  # exactly the bound: listed
+    c = Lane(32, 128, half + 1, 16, "c")
+    with pytest.raises(kvhost.LayoutError, match=f"over {2 * half + 1} blocks: too irregular"):
+        find_overlap([a, c])
+
+
+def test_the_listing_bound_is_4_mi_blocks():
+    # The bound itself (MAX_LISTED_BLOCKS, 2**22): interleaved lanes of 2**21 blocks each
+    # are listed and accepted; one block more is refused.
+    a = Lane(0, 64, 1 << 21, 16, "a")
+    assert find_overlap([a, Lane(32, 128, 1 << 21, 16, "b")]) is None
+    with pytest.raises(kvhost.LayoutError, match="over 4194305 blocks: too irregular"):
+        find_overlap([a, Lane(32, 128, (1 << 21) + 1, 16, "c")])
+
+
+def test_lanes_that_do_not_meet_are_never_listed():
+    # a and b are adjacent, too big to list beside each other, with different strides;
+    # c reaches over both (one cluster) with a block before a and one after b.
+    half = MAX_LISTED_BLOCKS // 2 + 1
+    a = Lane(1000, 64, half, 16, "a")
+    b = Lane(a.end, 96, half, 16, "b")
+    c = Lane(0, b.end + 10, 2, 16, "c")
+    assert find_overlap([c, a, b]) is None
+
+
+def test_a_one_block_lane_beside_millions_of_blocks_is_compared_without_listing():
+    many = Lane(16, 64, MAX_LISTED_BLOCKS, 16, "many")
+    found = find_overlap([Lane(16, 7, 1, 8, "head"), many])  # over many's block 0
+    assert found is not None and (found.first.owner, found.second.owner, found.second_block) == ("head", "many", 0)
+    assert find_overlap([many, Lane(40, 7, 1, 8, "inside")]) is None  # between many's blocks 0 and 1
+
+
+def test_first_shared_names_a_block_both_read_and_written():
+    # Within one lane, the smallest such block id; across lanes, the first block read.
+    lane = Lane(0, 64, 16, 64, "x")
+    reads = np.array([9, 3, 5, 7])
+    writes = np.array([5, 9, 11])
+    found = first_shared(lane, reads, lane, writes)
+    assert found is not None and (found.first_block, found.second_block) == (5, 5)  # the smallest shared id
+    other = Lane(32, 64, 16, 64, "y")  # half a block on: x block i meets y blocks i - 1 and i
+    found = first_shared(lane, reads, other, np.array([2, 8]))
+    assert found is not None and (found.first_block, found.second_block) == (9, 8)
+    assert first_shared(lane, reads, Lane(lane.end, 64, 4, 64, "z"), np.array([0, 1])) is None
