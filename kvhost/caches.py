@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import numpy as np
 import torch
@@ -160,11 +160,19 @@ class CacheSet:
         self._data_ptrs = tuple(m.data_ptr for m in self.members)
         self._shapes = tuple(m.layout.shape for m in self.members)
         self._strides = tuple(m.layout.strides for m in self.members)
+        # The layer objects as given, to know them again by identity; not when a layer is a
+        # list, whose tensors could be swapped while the list stays the same object.
+        values = tuple(caches.values())
+        self._values = values if all(isinstance(v, (torch.Tensor, tuple)) for v in values) else None
 
     def describes(self, caches: Mapping[str, Layer]) -> bool:
         """True while ``caches`` holds the very tensors this set was built from, unchanged."""
         if not isinstance(caches, Mapping) or caches.keys() != self.layers.keys():
             return False
+        known, values = self._values, tuple(caches.values())
+        if known is not None and len(values) == len(known) and all(map(is_, values, known)):
+            # The very layer objects (tensors, tuples) as given: only whether they moved.
+            return self._unchanged()
         for name, layer in caches.items():
             members = self.layers[name]
             tensors = layer if isinstance(layer, (tuple, list)) else (layer,)
@@ -181,12 +189,7 @@ class CacheSet:
         would otherwise be written at its old address. Three passes at C speed (about
         0.2 us per tensor each here); the slow path only words the error.
         """
-        tensors = self._tensors
-        if (
-            tuple(map(torch.Tensor.data_ptr, tensors)) == self._data_ptrs
-            and tuple(map(_shape, tensors)) == self._shapes
-            and tuple(map(torch.Tensor.stride, tensors)) == self._strides
-        ):
+        if self._unchanged():
             return
         for member in self.members:
             if not member.is_current():
@@ -197,6 +200,15 @@ class CacheSet:
                     f"{tuple(tensor.shape)}, strides {member.layout.strides} -> {tuple(tensor.stride())}): "
                     "register the caches again"
                 )
+
+    def _unchanged(self) -> bool:
+        """Every tensor where, and what, it was: three passes at C speed."""
+        tensors = self._tensors
+        return (
+            tuple(map(torch.Tensor.data_ptr, tensors)) == self._data_ptrs
+            and tuple(map(_shape, tensors)) == self._shapes
+            and tuple(map(torch.Tensor.stride, tensors)) == self._strides
+        )
 
     @property
     def num_blocks(self) -> int:

@@ -1,4 +1,8 @@
-"""The ``kvhost`` command: ``info``, ``demo``, ``bench``."""
+"""The ``kvhost`` command: ``info``, ``demo``, ``prefill``, ``decode``, ``bench``.
+
+Nothing is imported before the subcommand is known: ``kvhost demo`` starts its engine
+processes without loading torch itself.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-import torch
-
-from kvhost.errors import KVHostError
-from kvhost.registry import registry
-
 
 def visible_devices() -> list[str]:
     """Devices torch can see here, one per accelerator index, the host first."""
+    import torch
+
     devices = ["cpu"]
     for device_type in ("cuda", "xpu"):
         module = getattr(torch, device_type, None)
@@ -28,6 +29,11 @@ def visible_devices() -> list[str]:
 
 
 def info(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvhost.errors import KVHostError
+    from kvhost.registry import registry
+
     rows = registry.info()
     print(f"kvhost backends (torch {torch.__version__})")
     print(f"  {'name':<10} {'devices':<12} {'priority':>8}  status")
@@ -47,7 +53,9 @@ def info(args: argparse.Namespace) -> int:
 
 # Subcommands that own their options live in their own modules, loaded only when run.
 DELEGATED = {
-    "demo": ("kvhost_tools.demo.cli", "prefill -> decode hand-off over real NIXL, verified bit for bit"),
+    "demo": ("kvhost_tools.demo.cli", "prefill -> decode hand-offs over real NIXL on this host, verified bit for bit"),
+    "prefill": ("kvhost_tools.demo.prefill", "a prefill engine: serves its KV blocks to decode engines (any host)"),
+    "decode": ("kvhost_tools.demo.decode", "a decode engine: pulls from prefill engines, post-processes, verifies"),
     "bench": ("kvhost_tools.bench.cli", "memcpy roofline, the per-request baseline and kvhost, side by side"),
 }
 

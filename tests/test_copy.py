@@ -160,3 +160,46 @@ def test_copy_large_enough_for_every_core(target, ids):
     result = kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=target.backend).wait()
     assert result.bytes_moved > 1 << 20
     check_copied(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+
+
+# (source ids, destination ids): destination ids in one run (a staging buffer filling in
+# order), source ids in one run (loading it back), both scattered.
+MANY_RUNS = {
+    "dst-in-order": ([11, 3, 7, 0, 5], [2, 3, 4, 5, 6]),
+    "src-in-order": ([3, 4, 5, 6, 7], [9, 0, 4, 2, 6]),
+    "both-scattered": ([11, 3, 7, 0, 5], [2, 9, 4, 6, 0]),
+}
+
+
+@pytest.mark.parametrize("ids", list(MANY_RUNS))
+@pytest.mark.parametrize("pair", list(PAIRS), ids=list(PAIRS))
+def test_torch_copy_gathers_or_scatters_straight_when_one_side_runs(pair, ids):
+    """More runs than ``max_run_copies``: the torch path gathers straight into destination
+    runs, scatters straight from source runs, or gathers then scatters; the same bytes."""
+    from kvhost.torch_backend import TorchBackend
+
+    (src_axes, src_phys), (dst_axes, dst_phys) = PAIRS[pair]
+    src = build(src_axes, src_phys, 12, "cpu", 1)
+    dst = build(dst_axes, dst_phys, 10, "cpu", 100)
+    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, dst_axes).members]
+    src_ids, dst_ids = MANY_RUNS[ids]
+    backend = TorchBackend(max_run_copies=1)
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=src_axes, dst_axes=dst_axes, backend=backend).wait()
+    check_copied(src, dst, src_axes, dst_axes, src_ids, dst_ids, before)
+
+
+@pytest.mark.parametrize("ids", list(MANY_RUNS))
+def test_torch_copy_within_one_cache(ids):
+    """Source and destination in one cache (blocks apart): the torch path keeps such copies
+    off its one-pass index ops, and lands the same bytes."""
+    from kvhost.torch_backend import TorchBackend
+
+    cache = build("KBNHC", "KBHNC", 24, "cpu", 1)
+    before = [raw(m.tensor).clone() for m in CacheSet(cache, "KBNHC").members]
+    src_ids, dst_ids = MANY_RUNS[ids]
+    dst_ids = [12 + d for d in dst_ids]
+    for max_run_copies in (1, 64):
+        kvhost.copy_blocks(
+            cache, cache, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=max_run_copies)
+        ).wait()
+        check_copied(cache, cache, "KBNHC", "KBNHC", src_ids, dst_ids, before)

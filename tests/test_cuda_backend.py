@@ -8,8 +8,12 @@ conformance suite runs the ``cuda``/``xpu`` targets where the devices exist.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import subprocess
 import sys
+import warnings
+import weakref
 from functools import cached_property
 
 import numpy as np
@@ -29,6 +33,7 @@ from kvhost.caches import CacheSet
 from kvhost.registry import registry
 from kvhost.stats import CopyResult
 from kvhost.testing import fill_random, make_cache, raw, read_tokens
+from kvhost.torch_backend import IndexBuffers
 
 CUDA = torch.cuda.is_available()
 XPU = hasattr(torch, "xpu") and torch.xpu.is_available()
@@ -111,6 +116,27 @@ def test_cuda_and_xpu_share_one_runtime_and_differ_only_in_names():
     assert XpuBackend().triton_compilers() == ("intel",)
 
 
+@pytest.mark.parametrize(("version", "fenced"), [("3.3.0b1", False), ("3.6.0", False), ("3.7.0", False),
+                                                 ("3.7.1", True), ("3.8.0+git1234", True)])  # fmt: skip
+def test_xpu_splits_every_receive_where_intels_barrier_fences_only_local_memory(monkeypatch, version, fenced):
+    """Intel's Triton fences global memory at tl.debug_barrier from 3.7.1 (kvhost_xpu's docstring says how we know)."""
+    pytest.importorskip("triton")
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+
+    class Runtime(SynchronousRuntime):
+        def processors(self, device):
+            return 64
+
+    backend = XpuBackend()
+    backend.__dict__["runtime"] = Runtime()
+    assert backend.barrier_orders_global_memory() is fenced
+    limits = backend.limits_for(torch.device("cpu"))
+    assert limits.barrier is fenced and limits.programs == 64 * backend.programs_per_processor
+    assert CudaBackend().barrier_orders_global_memory()
+
+
 # --- completion handles --------------------------------------------------------------
 
 
@@ -149,6 +175,115 @@ def test_wait_blocks_on_the_event_then_runs_the_host_step_once():
     assert event.waits == 1 and steps == ["host"] and result.done()
     result.wait()
     assert event.waits == 1 and steps == ["host"]
+
+
+def test_a_dropped_handle_waits_for_its_copy_before_releasing_what_it_keeps():
+    """The handle keeps the caller's buffers; dropped before done, it waits, runs the host step, then lets go."""
+    event, steps = ManualEvent(), []
+    buffer = torch.empty(4)
+    kept = weakref.ref(buffer)
+    completion = EventCompletion(event, keep=[buffer], finish=lambda: steps.append("host"))
+    del buffer
+    assert kept() is not None and event.waits == 0
+    with pytest.warns(ResourceWarning, match="dropped before done"):
+        del completion
+        gc.collect()
+    assert event.waits == 1 and steps == ["host"] and kept() is None
+
+
+def test_a_handle_seen_done_goes_quietly():
+    event = ManualEvent()
+    completion = EventCompletion(event, keep=[torch.empty(2)])
+    event.fired = True
+    assert completion.done()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del completion
+        gc.collect()
+
+
+class Stream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.device = torch.device("cpu")
+
+
+class OrderedRuntime(SynchronousRuntime):
+    """Streams and events as a log: which stream is current, who waits for whom, where events are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caller, self.side = Stream("caller"), Stream("side")
+        self.current = self.caller
+        self.log: list[tuple[str, ...]] = []
+        self.events: list[ManualEvent] = []
+
+    def current_stream(self, device):
+        return self.current
+
+    def side_stream(self, device):
+        return self.side
+
+    @contextlib.contextmanager
+    def using(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def wait(self, waiter, producer):
+        self.log.append(("wait", waiter.name, producer.name))
+
+    def record(self, stream):
+        self.log.append(("record", stream.name))
+        self.events.append(ManualEvent())
+        return self.events[-1]
+
+
+class OrderedStandIn(AcceleratorBackend):
+    name = "accelerator-on-cpu"
+    device_types = ("cpu",)
+
+    def triton_compilers(self) -> tuple[str, ...]:
+        return ()
+
+    @cached_property
+    def runtime(self) -> DeviceRuntime:
+        return OrderedRuntime()
+
+    def copy_on_device(self, job, keep):
+        self.runtime.log.append(("work", self.runtime.current.name))
+        return super().copy_on_device(job, keep)
+
+
+def test_copies_queue_behind_the_callers_stream_and_finish_through_an_event_on_theirs():
+    """The side stream waits for the caller's first, does every step, then records the event the handle waits on."""
+    src, dst = caches("KBNHC", "KBHNC", 12, 7), caches("KBNHC", "KBNHC", 10, 8)
+    backend = OrderedStandIn(use_triton=False)
+    result = kvhost.copy_blocks(src, dst, [3, 9, 1], [0, 7, 2], axes="KBNHC", non_blocking=True, backend=backend)
+    log = backend.runtime.log
+    work = [i for i, entry in enumerate(log) if entry[0] == "work"]
+    assert work and all(log[i] == ("work", "side") for i in work)
+    assert log.index(("wait", "side", "caller")) < work[0]  # sees what the caller queued before the call
+    assert log.index(("record", "side")) > work[-1]  # the event follows every step
+    assert not result.done()  # the device has not passed the event
+    backend.runtime.events[-1].fired = True
+    assert result.done()
+
+
+def test_index_buffers_belong_to_one_stream():
+    """The torch path's reused id buffer: a stream never refills or frees the one another stream reads."""
+    current = ["A"]
+    buffers = IndexBuffers(lambda device: current[0])
+    meta = torch.device("meta")
+    on_a = buffers(np.arange(5), meta)._base
+    assert buffers(np.arange(9), meta)._base is on_a  # reused on its own stream
+    current[0] = "B"
+    assert buffers(np.arange(7), meta)._base is not on_a  # A's kernels may still read A's
+    assert buffers(np.arange(5000), meta).numel() == 5000  # B grows its own
+    current[0] = "A"
+    assert buffers(np.arange(3), meta)._base is on_a  # A's was neither refilled nor freed
 
 
 # --- host copies through the shared class, the CPU standing in for the device ------------
@@ -274,7 +409,10 @@ def test_receive_on_the_torch_path_matches_the_sender():
 def test_gpu_check_measures_every_workload(capsys):
     """The GPU check's measurements on the CPU stand-in, at toy sizes: every row, sane numbers."""
     sizes = Sizes(layers=1, heads=2, channels=16, receive_units=4, staging_blocks=4, repeats=1)
-    rows = measure(torch.device("cpu"), {"torch": CpuStandIn(use_triton=False)}, sizes)
+    emitted: list[object] = []
+    rows = measure(torch.device("cpu"), {"torch": CpuStandIn(use_triton=False)}, sizes, emitted.append)
+    assert emitted == rows  # each row handed out as it is measured (ci/gpu-check.sh streams them to $OUT)
+    assert {row.agrees for row in rows if row.method != "memcpy"} == {"yes"}
     workloads = sorted({row.workload for row in rows})
     assert len(workloads) == 3 + 4  # two receives, one device copy, staging {runs, scattered} x {load, save}
     for workload in workloads:

@@ -31,6 +31,8 @@ from kvhost.transform import MAX_LOOP_DIMS, plan_copy, plan_receive
 
 WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 SCRATCH_ONLY = Limits(register_bytes=0, tile_bytes=64, programs=3)
+# Too little scratch for a slot per program: split, several rounds, both halves in use.
+SPLIT = Limits(register_bytes=0, tile_bytes=64, programs=3, scratch_bytes=512)
 
 
 def row_offsets(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
@@ -40,7 +42,13 @@ def row_offsets(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_receive_launch(job, limits: Limits) -> None:
-    """Carry out the receive launch for ``job`` on CPU tensors, item by item like the kernel."""
+    """Carry out the receive launch for ``job`` on CPU tensors, item by item like the kernels.
+
+    Registers and slots: piece by piece. Split: launch by launch as ``launch.schedule``
+    says, chunk by chunk through one scratch array and slots as the split kernel addresses
+    them; within a launch the copies in run before the write-backs (the kernel promises
+    nothing about their order, so the order that would expose a shared slot is taken).
+    """
     layout = job.layout
     bases = [m.tensor.data_ptr() for m in job.members]
     outer = layout.outer_offsets_bytes
@@ -55,19 +63,53 @@ def run_receive_launch(job, limits: Limits) -> None:
     region = job.rearrangement.region_bytes
     columns = np.arange(run)
     assert launch.items == len(bases) * outer.size * units * launch.pieces
-    for member in job.members:
-        memory = _byte_view(member.tensor).numpy()
+    # Every unit's words, in the kernels' item order: (member, outer index, unit).
+    memories = [_byte_view(member.tensor).numpy() for member in job.members]
+    starts, unit_words = [], []
+    for memory in memories:
         for outer_offset in outer:
             for blocks in job.unit_ids:
-                starts = [int(outer_offset) + int(b) * layout.block_stride_bytes for b in blocks]
-                unit = np.concatenate([memory[s : s + region] for s in starts]).view(word)
-                for piece in range(launch.pieces):
-                    words = unit[piece * launch.piece_words : (piece + 1) * launch.piece_words]
-                    gathered = words[src_rows[:, None] + columns[None, :]]
-                    words[dst_rows[:, None] + columns[None, :]] = gathered
-                unit_bytes = unit.view(np.uint8)
-                for k, s in enumerate(starts):
-                    memory[s : s + region] = unit_bytes[k * region : (k + 1) * region]
+                at = [int(outer_offset) + int(b) * layout.block_stride_bytes for b in blocks]
+                starts.append((memory, at))
+                unit_words.append(np.concatenate([memory[s : s + region] for s in at]).view(word))
+    if launch.mode == "split":
+        run_split(launch, unit_words, word)
+    else:
+        for words in unit_words:
+            for piece in range(launch.pieces):
+                piece_words = words[piece * launch.piece_words : (piece + 1) * launch.piece_words]
+                piece_words[dst_rows[:, None] + columns[None, :]] = piece_words[src_rows[:, None] + columns[None, :]]
+    for (memory, at), words in zip(starts, unit_words):
+        unit_bytes = words.view(np.uint8)
+        for k, s in enumerate(at):
+            memory[s : s + region] = unit_bytes[k * region : (k + 1) * region]
+
+
+def run_split(launch, unit_words: list[np.ndarray], word) -> None:
+    """The split kernel's arithmetic: pieces by job number, slots of a scratch, chunks of tile rows."""
+    rows, run, chunk_rows = launch.rows, launch.rows.run, launch.tile.rows
+    scratch = np.zeros(launch.scratch_words, dtype=word)
+    wire_rows, _ = row_offsets(rows)
+    columns = np.arange(run)
+
+    def piece(job: int) -> np.ndarray:
+        words = unit_words[job // launch.pieces]
+        return words[(job % launch.pieces) * launch.piece_words :][: launch.piece_words]
+
+    for r in launch.schedule:
+        assert r.items(launch.chunks) > 0 and launch.programs >= 1
+        for k in range(r.in_count):  # copy in, as the wire has it
+            slot = scratch[(r.in_slot + k) * launch.piece_words :][: launch.piece_words]
+            for chunk in range(launch.chunks):
+                lines = np.arange(chunk * chunk_rows, min((chunk + 1) * chunk_rows, rows.rows))
+                index = (lines * run)[:, None] + columns[None, :]
+                slot[index] = piece(r.in_first + k)[index]
+        for k in range(r.out_count):  # write back, rearranged
+            slot = scratch[(r.out_slot + k) * launch.piece_words :][: launch.piece_words]
+            for chunk in range(launch.chunks):
+                lines = np.arange(chunk * chunk_rows, min((chunk + 1) * chunk_rows, rows.rows))
+                target = piece(r.out_first + k)
+                target[(lines * run)[:, None] + columns[None, :]] = slot[wire_rows[lines][:, None] + columns[None, :]]
 
 
 def receive_cases() -> list[object]:
@@ -80,7 +122,11 @@ def receive_cases() -> list[object]:
     return cases
 
 
-@pytest.mark.parametrize("limits", [Limits(), SCRATCH_ONLY], ids=["registers", "scratch"])
+@pytest.mark.parametrize(
+    "limits",
+    [Limits(), SCRATCH_ONLY, SPLIT, Limits(barrier=False)],
+    ids=["registers", "scratch", "split", "no-barrier"],
+)
 @pytest.mark.parametrize(("layout", "kind", "k", "order"), receive_cases())
 def test_receive_launch_moves_what_the_sender_sent(layout, kind, k, order, limits):
     axes, physical, sizes = LAYOUTS[layout]
@@ -114,16 +160,95 @@ def test_head_major_16_to_token_major_64_stays_in_registers():
 
 
 def test_grouped_receive_uses_a_bounded_scratch():
-    """Remote block 64 -> local 16 (g = 4): one 128 KB piece spans four blocks; scratch stays in cache."""
+    """Remote block 64 -> local 16 (g = 4): one 128 KB piece spans four blocks; scratch stays in cache.
+
+    With a slot for every program the budget allows (128 here), pieces take the slots
+    mode; with more programs than that, the split mode (``test_large_pieces_fill_the_device``).
+    """
     layout = vllm_cache("KBNHC", tokens=16)
     plan = plan_receive(layout, "HNC", 64)
-    limits = Limits(programs=528, scratch_bytes=16 << 20)
+    limits = Limits(programs=128, scratch_bytes=16 << 20)
     launch = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=limits)
     assert not launch.in_registers and launch.pieces == 1 and launch.parts == 4
     assert launch.piece_words * launch.word_bytes == 4 * (32 << 10)
     assert launch.scratch_words * launch.word_bytes <= limits.scratch_bytes
     assert launch.programs == (16 << 20) // (128 << 10)
     assert launch.tile.words * launch.word_bytes <= limits.tile_bytes
+
+
+H200 = Limits(programs=132 * 4)  # 132 SMs, four programs each; the default 32 MiB scratch
+
+
+def grids(launch) -> list[int]:
+    """Programs of each launch, as ``kernels.receive_calls`` sizes them."""
+    if launch.mode != "split":
+        return [launch.programs]
+    return [max(1, min(r.items(launch.chunks), launch.programs)) for r in launch.schedule]
+
+
+@pytest.mark.parametrize(
+    ("heads", "remote", "units"),
+    [(32, 64, 100), (64, 256, 40), (64, 4096, 2), (8, 64, 100)],
+    ids=["32-heads-64", "64-heads-256", "piece-beyond-budget", "8-heads-64"],
+)
+def test_large_pieces_fill_the_device(heads, remote, units):
+    """Grouped receives (remote 64..4096 -> local 16) on a 132-SM GPU: every launch has every program busy.
+
+    As slots these were 64, 8 and 1 program (budget / piece); split, each launch's chunks
+    outnumber the device's programs, and scratch stays within the budget unless one piece
+    alone is larger (then it is that piece, once).
+    """
+    layout = Layout.of(make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=16, H=heads, C=128)), "KBNHC")
+    plan = plan_receive(layout, "HNC", remote)
+    launch = plan_receive_launch(plan, members=32, outer=2, units=units, alignment=256, limits=H200)
+    piece_bytes = launch.piece_words * launch.word_bytes
+    assert launch.mode == "split" and piece_bytes == remote * heads * 128 * 2
+    assert H200.scratch_bytes // piece_bytes < H200.programs  # too few slots for the device
+    assert all(grid == H200.programs for grid in grids(launch))
+    scratch = launch.scratch_words * launch.word_bytes
+    assert scratch <= max(H200.scratch_bytes, piece_bytes)
+    assert launch.tile.words * launch.word_bytes <= H200.tile_bytes
+    rounds = -(-launch.items // launch.round_pieces)
+    assert launch.launches == (rounds + 1 if launch.halves == 2 else 2 * rounds)
+
+
+@pytest.mark.parametrize(("items", "round_pieces", "halves"), [(1, 4, 2), (9, 4, 2), (8, 4, 2), (5, 1, 1), (7, 3, 1)])
+def test_split_schedule_moves_every_piece_once_through_a_slot_nobody_reuses_early(items, round_pieces, halves):
+    from kvhost_accelerator.launch import _schedule
+
+    slots: dict[int, int] = {}  # slot -> piece copied in and not yet written back
+    copied, written = [], []
+    for number, r in enumerate(_schedule(items, round_pieces, halves)):
+        outs = {r.out_slot + k: r.out_first + k for k in range(r.out_count)}
+        ins = {r.in_slot + k: r.in_first + k for k in range(r.in_count)}
+        assert not outs.keys() & ins.keys(), f"launch {number} reads and writes one slot"
+        assert max([*outs, *ins]) < round_pieces * halves
+        for slot, piece in outs.items():
+            assert slots.pop(slot) == piece  # copied in by an earlier launch, into this slot
+            written.append(piece)
+        for slot, piece in ins.items():
+            assert slot not in slots  # nothing waits there
+            slots[slot] = piece
+            copied.append(piece)
+    assert copied == written == list(range(items)) and not slots
+
+
+def test_pieces_with_a_slot_per_program_keep_one_launch():
+    """Remote 32 -> local 16 with 8 heads: 64 KB pieces, 512 slots for 528 programs: split; 384 programs: slots."""
+    layout = vllm_cache("KBNHC", tokens=16)
+    plan = plan_receive(layout, "HNC", 32)
+    assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=H200).mode == "split"
+    fewer = Limits(programs=384)
+    launch = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=fewer)
+    assert launch.mode == "slots" and launch.launches == 1 and launch.programs == 384
+
+
+def test_without_a_global_barrier_every_piece_is_split():
+    """Where the in-kernel barrier does not order global memory (XPU, older Intel Triton): no mode relies on it."""
+    plan = plan_receive(vllm_cache("KBNHC"), "HNC", 16)
+    assert plan_receive_launch(plan, members=4, outer=2, units=10, alignment=256, limits=Limits()).in_registers
+    launch = plan_receive_launch(plan, members=4, outer=2, units=10, alignment=256, limits=Limits(barrier=False))
+    assert launch.mode == "split" and launch.launches >= 2
 
 
 @pytest.mark.parametrize(

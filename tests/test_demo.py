@@ -1,9 +1,12 @@
-"""``kvhost demo``: real two-process hand-offs over NIXL/UCX, and the demo's own checks.
+"""``kvhost demo``: real hand-offs between engine processes over NIXL/UCX, and the demo's own checks.
 
-The two-process runs (direct, via the host buffer, prefill killed, prefill frozen) are
-started together by one fixture, since each spends most of its time starting Python and
-torch; every test then waits for its own run (bounded) and checks the outcome the run
-wrote as JSON. The in-process tests show that the verification itself can fail.
+The runs (direct, via the host buffer, decode ranks, prefill killed, prefill frozen) each
+start a prefill and a decode engine process; they are started together by one fixture,
+since each spends most of its time starting Python and torch (the demo's own process
+imports neither). Every test then waits for its own run (bounded) and checks the outcome
+the run wrote as JSON. The in-process tests show that the verification itself can fail.
+Several prefill engines, several decode engines and tensor parallelism either way are in
+test_xpyd.py; two hosts in test_netns.py.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import torch
 
 from kvhost.nixl import NIXL_MODULES
 from kvhost.testing import raw
-from kvhost_tools.demo.cli import config_from, main
-from kvhost_tools.demo.config import AXES, EXIT_FAILED
-from kvhost_tools.demo.decode import Rank, Request
+from kvhost_tools.demo.cli import main
+from kvhost_tools.demo.config import EXIT_FAILED, EngineShape, Model, Workload
+from kvhost_tools.demo.pull import Rank, Request
 from kvhost_tools.demo.report import Outcome, ProgressBar
 from kvhost_tools.demo.values import SENTINEL_BYTE, token_values, write_tokens
 from kvhost_tools.demo.verify import verify
@@ -51,7 +54,7 @@ RUNS = {
     ],
     # Two decode ranks of two heads each read their share of a head-major sender (heterogeneous TP).
     "ranks": [
-        *[*SMALL, "--heads", "4", "--requests", "6", "--decode-ranks", "2"],
+        *[*SMALL, "--heads", "4", "--requests", "6", "--decode-tp", "2"],
         *["--prefill-block-size", "4", "--decode-block-size", "8"],
     ],
     # Prefill killed once 3 requests arrived, with 3 transfers in flight at a time.
@@ -174,6 +177,11 @@ def test_direct_handoff_verifies_every_byte(runs):
     assert figures["decode_blocks"] * 4 >= figures["prefill_blocks"]  # r = 4
     assert figures["post_what"].startswith("kvhost.receive") and figures["backend"] == "cpu"
     assert "HND (memory KBHNC), block 4 tokens" in text and "NHD (memory KBNHC), block 16 tokens" in text
+    # Each step post-processed what had arrived, from the one sender, in one call.
+    assert sum(figures["post_step_sizes"]) == figures["requests"] == 8
+    assert len(figures["post_step_sizes"]) == figures["post_steps"] >= 1
+    assert "prefill 0: decode at 127.0.0.1:" in text and ": done" in text
+    assert "deregistered the cache" in text
 
 
 @needs_nixl
@@ -184,10 +192,11 @@ def test_via_host_handoff_verifies_every_byte(runs):
     figures = outcome["figures"]
     assert figures["decode_blocks"] == 4 * figures["prefill_blocks"]  # g = 4: whole groups
     assert figures["post_what"].startswith("kvhost.copy_blocks from the host buffer (")
-    assert figures["post_what"].endswith("then kvhost.receive, 1 group(s)")
+    assert figures["post_what"].endswith("then kvhost.receive, up to 1 group(s)")
     # Shaped like the cache, the host buffer takes the direct path's descriptors: each
-    # sender region (2 layers x K/V) in g = 4 chunks, one per decode block.
-    assert figures["descriptors"] == figures["prefill_blocks"] * 2 * 2 * 4
+    # sender region (2 layers x K/V) in g = 4 chunks, one per decode block, at most; chunks
+    # that continue one another on both sides (runs of ids) go as one descriptor.
+    assert 0 < figures["descriptors"] <= figures["prefill_blocks"] * 2 * 2 * 4
     assert figures["backend"] == "torch"
 
 
@@ -199,6 +208,7 @@ def test_decode_ranks_each_read_their_share_of_the_heads(runs):
     figures = outcome["figures"]
     assert figures["decode_ranks"] == 2
     assert "2 ranks of 2 heads each" in text and "on each of 2 ranks" in figures["post_what"]
+    assert "; r = 2, ranks [0] read" in text  # both decode ranks read from the one prefill rank
     # Between them the ranks read every sender block once: 4 tokens x K/V x 4 heads x 16
     # channels x 2 bytes x 2 layers per block.
     assert figures["transfer_bytes"] == figures["prefill_blocks"] * 4 * 2 * 4 * 16 * 2 * 2
@@ -208,14 +218,14 @@ def test_decode_ranks_each_read_their_share_of_the_heads(runs):
 @pytest.mark.timeout(RUN_SECONDS + 30)
 @pytest.mark.parametrize("name", ["direct", "freeze"])
 def test_every_socket_the_demo_listens_on_is_on_loopback(runs, name):
-    """Decode's control socket and both processes' NIXL/UCX agents listen on 127.0.0.1 (or
+    """Prefill's control socket and both engines' NIXL/UCX agents listen on 127.0.0.1 (or
     ::1) only: UCX would also listen on every other interface (UCX_NET_DEVICES=lo)."""
     run = runs[name]
     run.result()
     pids = {pid for pid, _, _ in run.listening}
-    decode_pid, prefill_pid = run.process.pid, run.outcome["figures"]["prefill_pid"]
+    decode_pid, [prefill_pid] = run.outcome["figures"]["decode_pid"], run.outcome["figures"]["prefill_pids"]
     assert {decode_pid, prefill_pid} <= pids, f"listening sockets seen: {sorted(run.listening)}"
-    assert len([s for s in run.listening if s[0] == decode_pid]) >= 2  # control socket and UCX
+    assert len([s for s in run.listening if s[0] == prefill_pid]) >= 2  # control socket and UCX
     outside = sorted(s for s in run.listening if not (s[1].startswith("127.") or s[1] == "::1"))
     assert not outside, f"listening beyond loopback: {outside}"
 
@@ -241,9 +251,9 @@ def test_killed_prefill_fails_the_rest_and_verifies_what_arrived(runs):
     _, received = check_partial(code, outcome, text)
     assert outcome["figures"]["fault_after"] == 3
     assert 3 <= len(received) <= 6  # those that arrived, and at most the 3 then in flight
-    assert "killed prefill" in text
+    assert "killed prefill 0" in text
     assert any("REMOTE_DISCONNECT" in why or "failed" in why for why in outcome["failed"].values())
-    assert "not started: the peer had failed" in outcome["failed"].values()
+    assert any(why.startswith("not started: prefill 0 (127.0.0.1:") for why in outcome["failed"].values())
 
 
 @needs_nixl
@@ -255,35 +265,33 @@ def test_frozen_prefill_times_out_instead_of_hanging(runs):
     assert any("no completion within 2 s" in why for why in outcome["failed"].values())
     # Decode gave up on the hung transfers after the timeout: a bounded run, not a hang.
     assert outcome["figures"]["transfer_seconds"] < 2 + 10
-    assert "froze (SIGSTOP) prefill" in text
+    assert "froze (SIGSTOP) prefill 0" in text
 
 
 # --- in process --------------------------------------------------------------------------------
 
 
-def config_for(*extra):
-    return config_from([*SMALL, "--no-progress", *extra])
+MODEL = Model("mha", 2, 2, 16, "bfloat16")
 
 
 def test_verification_catches_a_flipped_byte_and_a_stray_write():
-    config = config_for()
-    caches = config.caches("HND", 6, 8)
+    caches = MODEL.caches(EngineShape("HND", 8), 6)
     for tensor in caches.values():
         raw(tensor).view(torch.uint8).fill_(SENTINEL_BYTE)
-    request = Request("req-000", 0, 13, remote_ids=[], local_ids=[4, 1])
+    request = Request("req-000", 0, 13, None, remote_ids=[], local_ids=[4, 1])
     for layer, tensor in enumerate(caches.values()):
-        values = token_values(config.seed, 0, layer, 13, config.heads, config.head_dim, 2)
-        write_tokens(tensor, AXES, request.local_ids, values)
+        values = token_values(0, 0, layer, 13, MODEL.heads, MODEL.head_dim, 2)
+        write_tokens(tensor, MODEL.axes, request.local_ids, values)
 
     outcome = Outcome()
-    verify(config, [Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
+    verify(MODEL, 0, [Rank(caches, MODEL.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == ["req-000"] and outcome.mismatched == {}
 
     layer1 = caches["layer1"]
     raw(layer1)[1, 1, 12 - 8, 1, 3] ^= 1  # V, block 1 holds tokens 8..15: token 12, head 1, channel 3
     raw(caches["layer0"])[0, 5, 0, 0, 0] ^= 1  # a spare block
     outcome = Outcome()
-    verify(config, [Rank(caches, config.heads)], [request], [0, 2, 3, 5], outcome)
+    verify(MODEL, 0, [Rank(caches, MODEL.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == []
     assert outcome.mismatched["req-000"] == "layer1 token 12 K/V 1 head 1 channel 3 differs"
     assert outcome.mismatched["spare blocks"] == "a block no request owns was written"
@@ -291,27 +299,44 @@ def test_verification_catches_a_flipped_byte_and_a_stray_write():
 
 
 def test_each_rank_is_verified_against_its_own_heads():
-    config = config_for("--decode-ranks", "2")  # SMALL has 2 heads: one per rank
-    ranks = [Rank(config.caches("NHD", 4, 8, heads=1), 1, first_head=rank) for rank in range(2)]
-    request = Request("req-000", 0, 10, remote_ids=[], local_ids=[2, 0])
+    shape = EngineShape("NHD", 8, tp=2)  # 2 heads: one per rank
+    ranks = [Rank(MODEL.caches(shape, 4), 1, first_head=rank) for rank in range(2)]
+    request = Request("req-000", 0, 10, None, remote_ids=[], local_ids=[2, 0])
     for rank in ranks:
         for layer, tensor in enumerate(rank.caches.values()):
-            values = token_values(config.seed, 0, layer, 10, config.heads, config.head_dim, 2)
-            write_tokens(tensor, AXES, request.local_ids, values.narrow(2, rank.first_head, 1))
+            values = token_values(0, 0, layer, 10, MODEL.heads, MODEL.head_dim, 2)
+            write_tokens(tensor, MODEL.axes, request.local_ids, values.narrow(2, rank.first_head, 1))
     outcome = Outcome()
-    verify(config, ranks, [request], [], outcome)
+    verify(MODEL, 0, ranks, [request], [], outcome)
     assert outcome.verified == ["req-000"]
 
     raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1  # K, block 0 holds tokens 8..9: token 9
     outcome = Outcome()
-    verify(config, ranks, [request], [], outcome)
+    verify(MODEL, 0, ranks, [request], [], outcome)
     assert outcome.mismatched == {"req-000": "rank 1 layer0 token 9 K/V 0 head 1 channel 2 differs"}
     # A rank holding another rank's head is caught too.
     raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1
     ranks[0].first_head, ranks[1].first_head = 1, 0
     outcome = Outcome()
-    verify(config, ranks, [request], [], outcome)
+    verify(MODEL, 0, ranks, [request], [], outcome)
     assert outcome.mismatched["req-000"].startswith("rank 0 layer0 token 0 K/V 0 head 1")
+
+
+def test_an_mla_latent_is_verified_whole_on_every_rank():
+    model = Model("mla", 2, 1, 12, "float16")
+    shape = EngineShape("MLA", 8, tp=2)
+    ranks = [Rank(model.caches(shape, 3), 1) for _ in range(2)]
+    request = Request("req-001", 1, 11, None, remote_ids=[], local_ids=[2, 0])
+    for rank in ranks:
+        for layer, tensor in enumerate(rank.caches.values()):
+            write_tokens(tensor, "BNC", request.local_ids, token_values(0, 1, layer, 11, 1, 12, 2, kv=1))
+    outcome = Outcome()
+    verify(model, 0, ranks, [request], [1], outcome)
+    assert outcome.verified == ["req-001"]
+    raw(ranks[1].caches["layer1"])[0, 2, 5] ^= 1  # block 0 holds tokens 8..10: token 10
+    outcome = Outcome()
+    verify(model, 0, ranks, [request], [], outcome)
+    assert outcome.mismatched == {"req-001": "rank 1 layer1 token 10 K/V 0 head 0 channel 5 differs"}
 
 
 def test_values_differ_by_every_index():
@@ -328,9 +353,9 @@ def test_values_differ_by_every_index():
 
 
 def test_request_lengths_are_mixed_and_seeded():
-    config = config_from([])
-    lengths = config.lengths()
-    assert len(lengths) == 40 and lengths == config.lengths()
+    workload = Workload(40, 16, 2048, 0)
+    lengths = workload.lengths()
+    assert len(lengths) == 40 and lengths == workload.lengths()
     assert min(lengths) >= 16 and max(lengths) <= 2048
     assert min(lengths) < 64 and max(lengths) > 512  # short and long requests in one batch
 
@@ -356,8 +381,12 @@ def test_progress_bar_draws_on_a_terminal_only():
         (["--kill-prefill-after", "-1"], "--kill-prefill-after must be in [0, 16384], got -1"),
         (["--kill-prefill-after", "1", "--freeze-prefill-after", "1"], "not allowed with argument"),
         (["--dtype", "float64"], "invalid choice"),
-        (["--decode-ranks", "3"], "--heads 8 cannot be shared out evenly to 3 decode ranks"),
-        (["--decode-ranks", "2", "--prefill-layout", "NHD"], "--decode-ranks needs --prefill-layout HND"),
+        (["--decode-ranks", "3"], "--heads 8 cannot be shared out evenly to --decode-tp 3 ranks"),
+        (["--prefill-tp", "1,2", "--prefill-block-size", "16,32,64"], "list different numbers of engines"),
+        (["--prefill-layout", "HND,XYZ"], "--prefill-layout: 'XYZ' is not one of"),
+        (["--prefill-tp", "1,3"], "--heads 8 cannot be shared out evenly to --prefill-tp 3 ranks"),
+        (["--cache", "mla", "--decode-layout", "NHD"], "--decode-layout NHD does not hold a mla cache"),
+        (["--decodes", "0"], "--decodes must be in [1, 64], got 0"),
     ],
 )
 def test_bad_options_are_refused(argv, message, capsys):

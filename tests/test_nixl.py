@@ -29,6 +29,7 @@ from kvhost.nixl import (
     decode,
     encode,
     memory_spans,
+    merge_rows,
     plan_transfer,
     region_table,
 )
@@ -48,6 +49,12 @@ LAYOUT_PAIRS = {
 SIZES = {"r4": (4, 16, 8), "r2-partial": (8, 16, 5), "same": (8, 8, 3), "g4": (32, 8, 2), "g2": (16, 8, 3)}
 REMOTE_IDS = [7, 3, 12, 0, 5, 9, 1, 14]
 LOCAL_IDS = [20, 2, 11, 4, 17, 6, 22, 8, 1, 13, 15, 3]
+# Block ids as allocators hand them out: runs of consecutive ids.
+REMOTE_RUNS = [3, 4, 5, 6, 10, 11, 0, 1]
+LOCAL_RUNS = [5, 6, 7, 1, 2, 3, 12, 13, 14, 15, 20, 21]
+IDS = {"scattered": (LOCAL_IDS, REMOTE_IDS), "runs": (LOCAL_RUNS, REMOTE_RUNS)}
+# How descriptors are cut: one per piece (None), merged up to 3 pieces, merged without a bound.
+MERGES = {"per-piece": None, "merged-3": 3, "merged": 1 << 40}
 
 
 def caches_for(axes, memory, sizes, block_size, blocks, seed, layers=2):
@@ -61,6 +68,35 @@ def memmove_rows(local_rows, remote_rows):
     assert (local_rows[:, 1] == remote_rows[:, 1]).all()
     for (dst, length, _), (src, _, _) in zip(local_rows.tolist(), remote_rows.tolist()):
         ctypes.memmove(dst, src, length)
+
+
+def pairs(plan, local_ids, remote_ids, merge):
+    """The descriptor rows of a request: per piece (``merge`` None), or merged up to ``merge``
+    pieces, checked to be exactly the per-piece pairs, merged."""
+    local_rows, remote_rows = plan.descriptor_pairs(local_ids, remote_ids)
+    if merge is None:
+        return local_rows, remote_rows
+    bound = merge * plan.chunk_bytes if merge < 1 << 20 else merge
+    merged = plan.merged_pairs(local_ids, remote_ids, max_bytes=bound)
+    assert_same_pairs((local_rows, remote_rows), merged, plan.chunk_bytes)
+    assert (merged[0][:, 1] <= max(bound, plan.chunk_bytes)).all()
+    return merged
+
+
+def assert_same_pairs(per_piece, merged, chunk):
+    """Merged rows, cut back into pieces of ``chunk`` bytes, are the per-piece pairs (any order)."""
+    (local_rows, remote_rows), (merged_local, merged_remote) = per_piece, merged
+    assert (merged_local[:, 1] == merged_remote[:, 1]).all() and (merged_local[:, 1] % chunk == 0).all()
+    assert (merged_local[:, 2] == local_rows[0, 2]).all() and (merged_remote[:, 2] == remote_rows[0, 2]).all()
+    counts = (merged_local[:, 1] // chunk).astype(np.int64)
+    steps = np.arange(int(counts.sum()), dtype=np.uint64) - np.repeat(np.cumsum(counts) - counts, counts).astype(
+        np.uint64
+    )
+    cut = [np.repeat(rows[:, 0], counts) + steps * np.uint64(chunk) for rows in (merged_local, merged_remote)]
+    got = sorted(zip(cut[0].tolist(), cut[1].tolist()))
+    want = sorted(zip(local_rows[:, 0].tolist(), remote_rows[:, 0].tolist()))
+    assert got == want
+    assert len(merged_local) <= len(local_rows)
 
 
 def outer_streams(tensor, layout, ids):
@@ -79,22 +115,26 @@ def untouched_blocks_same(tensor, before, layout, ids):
     return torch.equal(raw(tensor).index_select(b, index), before.index_select(b, index))
 
 
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("ids", IDS)
 @pytest.mark.parametrize("sizes_name", SIZES)
 @pytest.mark.parametrize("pair", LAYOUT_PAIRS)
-def test_descriptors_land_wire_bytes(pair, sizes_name):
+def test_descriptors_land_wire_bytes(pair, sizes_name, ids, merge):
+    """Per piece or merged, the descriptors leave the wire model's bytes, and nothing else."""
     axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
+    all_local, all_remote = IDS[ids]
     remote_size, local_size, count = SIZES[sizes_name]
     remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
     local = caches_for(axes, local_memory, sizes, local_size, 24, seed=50)
     before = {name: raw(t).clone() for name, t in local.items()}
     plan = plan_transfer(region_table(local, axes), region_table(remote, axes))
-    remote_ids = REMOTE_IDS[:count]
-    local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
+    remote_ids = all_remote[:count]
+    local_ids = all_local[: plan.local_blocks_for(count)]
     assert plan.local_parts == max(local_size // remote_size, 1)
     assert plan.remote_parts == max(remote_size // local_size, 1)
     assert len(local_ids) * local_size >= count * remote_size > (len(local_ids) - 1) * local_size
 
-    local_rows, remote_rows = plan.descriptor_pairs(local_ids, remote_ids)
+    local_rows, remote_rows = pairs(plan, local_ids, remote_ids, MERGES[merge])
     memmove_rows(local_rows, remote_rows)
     assert int(local_rows[:, 1].sum()) == plan.bytes_for(count)
 
@@ -121,9 +161,11 @@ def test_descriptors_land_wire_bytes(pair, sizes_name):
         assert torch.equal(got, read_tokens(r.tensor, r.layout, remote_ids))
 
 
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("ids", IDS)
 @pytest.mark.parametrize(("remote_size", "local_size", "count"), [(4, 16, 7), (32, 8, 2), (8, 8, 3)])
 @pytest.mark.parametrize("memory", ["KBHNC", "KBNHC"])
-def test_token_runs_land_in_the_local_layout(memory, remote_size, local_size, count):
+def test_token_runs_land_in_the_local_layout(memory, remote_size, local_size, count, ids, merge):
     """Tables cut at N pair token runs: the bytes arrive already in local order, no post-process."""
     sizes = dict(K=2, H=3, C=4)
     remote = caches_for("KBNHC", memory, sizes, remote_size, 16, seed=3)
@@ -132,15 +174,105 @@ def test_token_runs_land_in_the_local_layout(memory, remote_size, local_size, co
     local_table, remote_table = region_table(local, "KBNHC").token_runs(), region_table(remote, "KBNHC").token_runs()
     assert local_table.split == ("H" if memory == "KBHNC" else "")
     plan = plan_transfer(local_table, remote_table)
-    local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
-    memmove_rows(*plan.descriptor_pairs(local_ids, REMOTE_IDS[:count]))
+    all_local, all_remote = IDS[ids]
+    local_ids, remote_ids = all_local[: plan.local_blocks_for(count)], all_remote[:count]
+    memmove_rows(*pairs(plan, local_ids, remote_ids, MERGES[merge]))
     tokens = count * remote_size
     for r, lo in zip(CacheSet(remote, "KBNHC").members, CacheSet(local, "KBNHC").members):
         got = read_tokens(lo.tensor, lo.layout, local_ids)
-        assert torch.equal(got[:tokens], read_tokens(r.tensor, r.layout, REMOTE_IDS[:count]))
+        assert torch.equal(got[:tokens], read_tokens(r.tensor, r.layout, remote_ids))
         old = read_tokens(before[lo.layer], lo.layout, local_ids)
         assert torch.equal(got[tokens:], old[tokens:])
         assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
+
+
+def test_merged_descriptors_follow_runs_up_to_the_bound():
+    """HND 4 -> NHD 16 (r = 4), 2 layers x K/V: 8 consecutive sender blocks into 2 consecutive
+    receiver blocks are 8 pieces per stream that continue one another on both sides."""
+    sizes = dict(K=2, H=2, C=4)
+    remote = caches_for("KBNHC", "KBHNC", sizes, 4, 16, seed=1)
+    local = caches_for("KBNHC", "KBNHC", sizes, 16, 8, seed=2)
+    plan = plan_transfer(region_table(local, "KBNHC"), region_table(remote, "KBNHC"))
+    chunk, streams = plan.chunk_bytes, 4
+    per_piece = plan.descriptor_pairs([3, 4], list(range(8, 16)))
+    assert per_piece[0].shape[0] == 8 * streams
+    for bound, per_stream in (
+        (chunk, 8),
+        (chunk - 1, 8),
+        (3 * chunk, 3),
+        (3 * chunk + 5, 3),
+        (8 * chunk, 1),
+        (1 << 30, 1),
+    ):
+        merged = plan.merged_pairs([3, 4], list(range(8, 16)), max_bytes=bound)
+        assert merged[0].shape[0] == per_stream * streams, bound
+        assert_same_pairs(per_piece, merged, chunk)
+    # A break on either side ends a descriptor: sender blocks 8..11 then 13..16; receiver 3, 5.
+    assert plan.merged_pairs([3, 4], [8, 9, 10, 11, 13, 14, 15, 12])[0].shape[0] == 3 * streams
+    assert plan.merged_pairs([3, 5], list(range(8, 16)))[0].shape[0] == 2 * streams
+    # Streams never merge by default; a negative domain merges nothing.
+    assert plan.merged_pairs([3, 4], list(range(8, 16)), local_domains=np.full(4, -1))[0].shape[0] == 8 * streams
+    with pytest.raises(ValueError, match="one label for each of 4 streams"):
+        plan.merged_pairs([3, 4], list(range(8, 16)), remote_domains=np.zeros(3))
+    with pytest.raises(ValueError, match="at least 1"):
+        plan.merged_pairs([3, 4], list(range(8, 16)), max_bytes=0)
+    with pytest.raises(ValueError, match="one length"):
+        rows = per_piece[0].copy()
+        rows[0, 1] = 1
+        merge_rows(rows, per_piece[1], 1 << 20, np.zeros(len(rows)), np.zeros(len(rows)))
+
+
+@pytest.mark.parametrize("bound", [1, 3, 1 << 40])
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize("pair", LAYOUT_PAIRS)
+def test_merging_stream_by_stream_finds_what_merge_rows_finds(pair, sizes_name, bound):
+    """When no two streams share a domain, ``merged_pairs`` finds its cuts from the ids alone:
+    on ids in ascending runs it gives the rows ``merge_rows`` makes of the per-piece pairs."""
+    axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
+    remote_size, local_size, count = SIZES[sizes_name]
+    remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
+    local = caches_for(axes, local_memory, sizes, local_size, 24, seed=50)
+    plan = plan_transfer(region_table(local, axes), region_table(remote, axes))
+    remote_ids = [3, 4, 5, 6, 10, 11, 12, 0][:count]
+    local_ids = [5, 6, 7, 1, 2, 3, 12, 13, 14, 15, 20, 21][: plan.local_blocks_for(count)]
+    max_bytes = bound * plan.chunk_bytes if bound < 1 << 20 else bound
+    fast = plan.merged_pairs(local_ids, remote_ids, max_bytes=max_bytes)
+    per_piece = plan.descriptor_pairs(local_ids, remote_ids)
+    labels = np.repeat(np.arange(len(plan.local.streams)), per_piece[0].shape[0] // len(plan.local.streams))
+    slow = merge_rows(*per_piece, max_bytes, labels, labels)
+    for got, want in zip(fast, slow):
+        assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, want.tolist()))
+
+
+def layer_views(buffer):
+    """Per-layer ``KBNHC`` views of one block-major ``[B, L, K, N, H, C]`` buffer: the layers of a
+    block lie back to back (a cross-layer layout)."""
+    return {f"l{i}": buffer[:, i].permute(1, 0, 2, 3, 4) for i in range(buffer.shape[1])}
+
+
+@pytest.mark.parametrize("bound", [1 << 30, 600])
+def test_layers_in_one_buffer_merge_across_layers(bound):
+    """Layers laid out block by block in one buffer, on both sides: where NIXL holds each side
+    as one region (one domain), a run of blocks moves as one descriptor for every layer."""
+    remote_buffer = fill_random(torch.empty(12, 3, 2, 8, 2, 4, dtype=torch.bfloat16), 3)
+    local_buffer = fill_random(torch.empty(10, 3, 2, 8, 2, 4, dtype=torch.bfloat16), 4)
+    expected = local_buffer.clone()
+    remote, local = layer_views(remote_buffer), layer_views(local_buffer)
+    plan = plan_transfer(region_table(local, "KBNHC"), region_table(remote, "KBNHC"))
+    assert plan.chunk_bytes == 2 * 8 * 2 * 4 * 2 and len(plan.local.streams) == 3
+    local_ids, remote_ids = [4, 5, 6, 1], [7, 8, 9, 2]
+    one = np.zeros(3, dtype=np.int64)
+    merged = plan.merged_pairs(local_ids, remote_ids, max_bytes=bound, local_domains=one, remote_domains=one)
+    per_piece = plan.descriptor_pairs(local_ids, remote_ids)
+    assert_same_pairs(per_piece, merged, plan.chunk_bytes)
+    if bound > 1 << 20:  # by local address: block 1 of every layer, then blocks 4..6 of every layer
+        assert merged[0][:, 1].tolist() == [3 * plan.chunk_bytes, 3 * 3 * plan.chunk_bytes]
+    else:  # two layer regions at most: block 1 as 2 + 1, blocks 4..6 as 2 + 2 + 2 + 2 + 1
+        assert merged[0][:, 1].tolist() == [512, 256, 512, 512, 512, 512, 256]
+    memmove_rows(*merged)
+    for local_block, remote_block in zip(local_ids, remote_ids):
+        expected[local_block] = remote_buffer[remote_block]
+    assert torch.equal(raw(local_buffer), raw(expected))
 
 
 # (axes, sender memory order, receiver memory order, sizes but B, N and H); the sender's 4
@@ -159,14 +291,17 @@ def heads_of(tokens, layout, first, count):
     return tokens.narrow(h, first, count)
 
 
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("ids", IDS)
 @pytest.mark.parametrize(("remote_size", "local_size", "count"), [(4, 16, 7), (32, 8, 2), (8, 8, 3)])
 @pytest.mark.parametrize("share", HEAD_SHARES)
-def test_each_receiver_rank_reads_its_share_of_the_heads(share, remote_size, local_size, count):
+def test_each_receiver_rank_reads_its_share_of_the_heads(share, remote_size, local_size, count, ids, merge):
     """Heterogeneous tensor parallelism: every rank's blocks end up with the sender's tokens of its heads."""
     axes, remote_memory, local_memory, sizes, token_runs = HEAD_SHARES[share]
     remote = caches_for(axes, remote_memory, dict(sizes, H=4), remote_size, 16, seed=4)
     remote_table = region_table(remote, axes)
-    remote_ids = REMOTE_IDS[:count]
+    all_local, all_remote = IDS[ids]
+    remote_ids = all_remote[:count]
     for rank in range(2):
         local = caches_for(axes, local_memory, dict(sizes, H=2), local_size, 24, seed=40 + rank)
         before = {name: raw(t).clone() for name, t in local.items()}
@@ -174,8 +309,8 @@ def test_each_receiver_rank_reads_its_share_of_the_heads(share, remote_size, loc
         if token_runs:
             local_table, share_table = local_table.token_runs(), remote_table.token_runs().heads(2 * rank, 2)
         plan = plan_transfer(local_table, share_table)
-        local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
-        local_rows, remote_rows = plan.descriptor_pairs(local_ids, remote_ids)
+        local_ids = all_local[: plan.local_blocks_for(count)]
+        local_rows, remote_rows = pairs(plan, local_ids, remote_ids, MERGES[merge])
         memmove_rows(local_rows, remote_rows)
         # Only the share moves: tokens x 2 heads x C x K x 2 layers x 2 bytes.
         assert (
@@ -328,8 +463,11 @@ def expose(sender, receiver, caches):
 
 @needs_nixl
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("ids", IDS)
 @pytest.mark.parametrize(("remote_size", "local_size", "count"), [(4, 16, 6), (32, 8, 2)])
-def test_nixl_read_lands_what_the_descriptors_say(agents, remote_size, local_size, count):
+def test_nixl_read_lands_what_the_descriptors_say(agents, remote_size, local_size, count, ids):
+    """A read with merged descriptors (the reader's default) lands what the per-piece rows,
+    moved one by one, would."""
     sender, receiver = agents
     sizes = dict(K=2, H=2, C=8)
     remote = caches_for("KBNHC", "KBHNC", sizes, remote_size, 16, seed=7, layers=3)
@@ -337,19 +475,81 @@ def test_nixl_read_lands_what_the_descriptors_say(agents, remote_size, local_siz
     simulated = {name: t.clone() for name, t in local.items()}
     peer, remote_table = expose(sender, receiver, remote)
     plan = plan_transfer(receiver.register(local, "KBNHC"), remote_table)
-    local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
-    transfer = receiver.reader(plan, peer).read(local_ids, REMOTE_IDS[:count])
+    all_local, all_remote = IDS[ids]
+    local_ids, remote_ids = all_local[: plan.local_blocks_for(count)], all_remote[:count]
+    transfer = receiver.reader(plan, peer).read(local_ids, remote_ids)
     transfer.wait(timeout=20)
     assert transfer.poll() and transfer.nbytes == plan.bytes_for(count)
+    per_piece = plan.descriptor_pairs(local_ids, remote_ids)[0].shape[0]
+    assert (transfer.descriptors < per_piece) if ids == "runs" else (transfer.descriptors <= per_piece)
     transfer.release()
     sim_plan = plan_transfer(region_table(simulated, "KBNHC"), remote_table)
-    memmove_rows(*sim_plan.descriptor_pairs(local_ids, REMOTE_IDS[:count]))
+    memmove_rows(*sim_plan.descriptor_pairs(local_ids, remote_ids))
     for name in local:
         assert torch.equal(raw(local[name]), raw(simulated[name])), name
     kvhost.receive(local, {"x": local_ids}, axes="KBNHC", remote_order="HNC", remote_block_size=remote_size)
     for (name, r), lo in zip(remote.items(), local.values()):
         got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, local_ids)[: count * remote_size]
-        assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, REMOTE_IDS[:count]))
+        assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, remote_ids))
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_nixl_merges_descriptors_within_registered_memory(agents):
+    """Layers laid out block by block in one buffer on both sides: the reader finds each side
+    registered as one region, and a run of blocks moves as one descriptor for every layer;
+    one descriptor per piece when asked. Both land the same bytes."""
+    sender, receiver = agents
+    remote_buffer = fill_random(torch.empty(12, 3, 2, 8, 2, 4, dtype=torch.bfloat16), 5)
+    peer, remote_table = expose(sender, receiver, layer_views(remote_buffer))
+    local_ids, remote_ids = [4, 5, 6, 1], [7, 8, 9, 2]
+    landed = []
+    for bound, descriptors in ((None, 12), (1 << 20, 2)):
+        local_buffer = torch.zeros(10, 3, 2, 8, 2, 4, dtype=torch.bfloat16)
+        plan = plan_transfer(receiver.register(layer_views(local_buffer), "KBNHC"), remote_table)
+        reader = receiver.reader(plan, peer, max_descriptor_bytes=bound)
+        if bound is not None:
+            assert reader.local_domains.tolist() == reader.remote_domains.tolist() == [0, 0, 0]
+        transfer = reader.read(local_ids, remote_ids)
+        transfer.wait(timeout=20)
+        assert transfer.descriptors == descriptors and transfer.nbytes == 4 * 3 * plan.chunk_bytes
+        transfer.release()
+        landed.append(local_buffer)
+    assert torch.equal(raw(landed[0]), raw(landed[1]))
+    assert torch.equal(raw(landed[1][[4, 5, 6, 1]]), raw(remote_buffer[[7, 8, 9, 2]]))
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_nixl_merges_nothing_a_peer_registered_block_by_block(agents):
+    """A peer that registered every block region on its own: no descriptor may span two, so
+    the reader merges nothing on that side, and the bytes still land."""
+    sender, receiver = agents
+    sizes = dict(K=2, H=2, C=8)
+    remote = caches_for("KBNHC", "KBHNC", sizes, 4, 8, seed=14, layers=2)
+    remote_table = region_table(remote, "KBNHC")
+    rows = [
+        (s.address + b * s.block_stride, remote_table.run_bytes, 0, "")
+        for s in remote_table.streams
+        for b in range(remote_table.num_blocks)
+    ]
+    registered = sender.nixl.register_memory(rows, "DRAM")
+    try:
+        peer = receiver.add_peer(sender.metadata())
+        local = caches_for("KBNHC", "KBNHC", sizes, 16, 4, seed=140, layers=2)
+        plan = plan_transfer(receiver.register(local, "KBNHC"), remote_table)
+        reader = receiver.reader(plan, peer)
+        assert (reader.remote_domains == -1).all() and (reader.local_domains >= 0).all()
+        transfer = reader.read([1, 2], [0, 1, 2, 3, 4, 5, 6, 7])
+        transfer.wait(timeout=20)
+        assert transfer.descriptors == 4 * 8  # streams x sender blocks: none merged
+        transfer.release()
+        for (name, r), lo in zip(remote.items(), local.values()):
+            kvhost.receive({name: lo}, {"x": [1, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+            got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, [1, 2])
+            assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, list(range(8))))
+    finally:
+        sender.nixl.deregister_memory(registered)
 
 
 @needs_nixl
@@ -415,6 +615,11 @@ def test_nixl_errors_are_kvhost_errors(agents):
     reader = receiver.reader(plan_transfer(local_table, region_table(registered, "KBNHC")), peer)
     with pytest.raises(RequestError):
         reader.read([0, 1], [2])  # one remote block of 8 fills one local block of 8, not two
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(TransferError, match="max_descriptor_bytes"):
+            receiver.reader(
+                plan_transfer(local_table, region_table(registered, "KBNHC")), peer, max_descriptor_bytes=bad
+            )
     reader.close()
     with pytest.raises(TransferError, match="closed"):
         reader.read([0], [1])

@@ -14,8 +14,6 @@ import importlib.util
 import random
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import zlib
 
@@ -36,10 +34,10 @@ from kvhost.nixl import (
     parse_hello,
     receive,
     region_table,
+    send,
 )
 from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION
 from kvhost.testing import make_cache
-from kvhost_tools.demo import cli as demo_cli
 from kvhost_tools.demo import config as demo_config
 from kvhost_tools.demo import decode as demo_decode
 
@@ -67,7 +65,7 @@ FRAME = encode("hello", HEADER, METADATA)
 
 def parse(frame):
     hello = parse_hello(decode(frame))
-    demo_decode.fill_seconds(hello)  # the demo's own field of the hello, read as its decode side reads it
+    hello.fields.seconds("fill_seconds", default=0.0)  # an application's own field, read as the demo reads it
     return hello
 
 
@@ -488,30 +486,43 @@ def test_garbage_agent_metadata_is_rejected_by_a_real_agent():
         decode(bytes(damaged_frame))
 
 
-FAKE_PREFILL = """
-import socket, sys
-with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as sock:
-    sock.sendall(bytes.fromhex(sys.argv[2]))
-    sock.recv(1)
-"""
-
-
 @needs_nixl
 @pytest.mark.timeout(120)
-def test_decode_exits_with_a_clear_error_on_a_malformed_hello(monkeypatch, capsys):
-    """The whole decode side, with a prefill process that proves who it is and then sends a
-    hello whose table is wrong."""
-    bad = mutated(set_path([T, "order"], "HNX"))
+def test_decode_exits_with_a_clear_error_on_a_malformed_offer(capsys, tmp_path):
+    """The whole decode engine, against a prefill that proves the secret and then offers a
+    table whose order is wrong."""
+    from kvhost.nixl.engine import EngineSpec
+    from kvhost.nixl.peers import CHALLENGE, ENGINE, KNOCK, OFFER, Offer, nonce_of, proof, write_secret_file
 
-    def fake_prefill(port, argv, secret):
-        auth = encode("auth", {"proof": secret.hex()})
-        command = [sys.executable, "-c", FAKE_PREFILL, str(port), (auth + bad).hex()]
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    secret_file = str(tmp_path / "secret")
+    secret = write_secret_file(secret_file)
+    spec = EngineSpec("mha", 2, 2, 4, "bfloat16", 4, "HNC", 1)
+    table = region_table(
+        {f"layer{i}": make_cache("KBNHC", "KBHNC", dict(K=2, B=12, N=4, H=2, C=4)) for i in range(2)}, "KBNHC"
+    )
+    header = Offer(spec, [table], [METADATA], []).header()
+    header["tables"][0]["order"] = "HNX"
 
-    monkeypatch.setattr(demo_decode, "start_prefill", fake_prefill)
-    code = demo_cli.main(["--requests", "2", "--layers", "1", "--heads", "2", "--head-dim", "4", "--max-tokens", "20"])
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def prefill():
+            conn, _ = listener.accept()
+            with conn:
+                knock = receive(conn, timeout=60, expect=KNOCK)
+                nonces = (nonce_of(knock.fields()), bytes(16))
+                send(conn, CHALLENGE, {"nonce": bytes(16).hex(), "proof": proof(secret, "prefill", nonces)}, timeout=5)
+                receive(conn, timeout=60, expect=ENGINE)
+                send(conn, OFFER, header, METADATA, timeout=5)
+                conn.recv(1)
+
+        thread = threading.Thread(target=prefill, daemon=True)
+        thread.start()
+        argv = ["--requests", "2", "--layers", "2", "--heads", "2", "--head-dim", "4", "--block-size", "4"]
+        code = demo_decode.main(
+            [*argv, "--prefill", f"127.0.0.1:{listener.getsockname()[1]}", "--secret-file", secret_file]
+        )
     out = capsys.readouterr().out
     assert code == demo_config.EXIT_ERROR
-    assert "ProtocolError: hello.table.order: 'HNX' must be distinct letters" in out
+    assert "ProtocolError: offer.tables[0].order: 'HNX' must be distinct letters" in out
     assert "FAILED: the hand-off did not run" in out
     assert issubclass(ProtocolError, KVHostError)

@@ -206,6 +206,27 @@ def test_a_peer_replaced_or_repointed_between_calls_is_read_again():
     assert torch.equal(raw(peer["a"][:, 6]), raw(caches["a"][:, 5]))
 
 
+def test_a_peer_layer_list_whose_tensor_was_swapped_is_read_again():
+    """A peer known by identity (the same layer objects) is only checked for moves; a layer
+    given as a list can change inside while staying the same object, so it is read again."""
+    caches = {"a": cache()}
+    host = kvhost.KVHost(caches, axes="KBNHC")
+    k, v = (torch.zeros(8, 8, 2, 4, dtype=torch.bfloat16) for _ in range(2))
+    layer = [k, v]
+    peer = {"a": layer}
+    host.copy_to(peer, [1], [2])
+    assert torch.equal(raw(layer[1][2]), raw(caches["a"][1, 1]))
+    layer[1] = torch.zeros(8, 8, 2, 4, dtype=torch.bfloat16)  # same list, another V
+    host.copy_to(peer, [3], [4])
+    assert torch.equal(raw(layer[1][4]), raw(caches["a"][1, 3]))
+    pair = (k, layer[1])
+    peer = {"a": pair}
+    host.copy_to(peer, [5], [6])
+    pair[0].set_(torch.zeros_like(pair[0]))  # the same tuple, its K re-pointed
+    host.copy_to(peer, [6], [7])
+    assert torch.equal(raw(pair[0][7]), raw(caches["a"][0, 6]))
+
+
 # --- threads: disjoint blocks, more peers than the caches hold ------------------------------
 
 

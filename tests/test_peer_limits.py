@@ -7,10 +7,11 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
 - A peer's block table that declares billions of blocks costs memory only for the blocks a
   request names (measured in a subprocess whose address space is capped, so a regression
   fails with MemoryError instead of exhausting the machine).
-- Stray connections to the demo's control port are dropped; the hand-off goes on.
+- Stray connections to a prefill engine's control port are dropped; the hand-off goes on.
 - ``kvhost demo`` exits 0 (every request verified), 1 (only: requests failed) or 2
-  (anything else), impossible options with one line naming the option.
-- The demo's NIXL/UCX agents listen on loopback unless the user says otherwise (the
+  (anything else), impossible options with one line naming the option; so do
+  ``kvhost prefill`` and ``kvhost decode``.
+- The engines' NIXL/UCX agents listen on loopback unless the user says otherwise (the
   sockets of running demos are checked in test_demo.py).
 """
 
@@ -51,9 +52,11 @@ from kvhost.nixl import (
 )
 from kvhost.nixl.fields import MAX_ARRAY_BYTES
 from kvhost.nixl.framing import HEADER_BYTES, MAX_JSON_BYTES, MAX_JSON_VALUES
+from kvhost.nixl.peers import read_secret_file
 from kvhost_tools.demo import cli as demo_cli
 from kvhost_tools.demo import config as demo_config
 from kvhost_tools.demo import decode as demo_decode
+from kvhost_tools.demo import netenv
 from kvhost_tools.demo import prefill as demo_prefill
 
 MiB = 1 << 20
@@ -109,7 +112,7 @@ def test_a_silent_peer_times_out_at_the_deadline():
         assert 0.25 < time.monotonic() - started < 3
 
 
-@pytest.mark.parametrize("option", ["--timeout", "--connect-timeout", "--hold-timeout"])
+@pytest.mark.parametrize("option", ["--timeout", "--connect-timeout", "--step"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-5", "1e9", "soon"])
 def test_the_demo_refuses_time_options_that_are_not_finite_seconds(option, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -485,40 +488,54 @@ def test_only_strays_end_in_a_clear_timeout():
             strays.close()
 
 
+ENGINE = ["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--max-tokens", "100"]
+
+
 @needs_nixl
-@pytest.mark.timeout(180)
-def test_the_hand_off_verifies_with_strays_on_the_port_first(monkeypatch, capsys):
-    """The whole demo (decode here, prefill its own process) with strays connected first."""
-    real_start = demo_decode.start_prefill
-    strays = []
+@pytest.mark.timeout(240)
+def test_the_hand_off_verifies_with_strays_on_the_port_first(tmp_path, capsys):
+    """A prefill engine (its own process) with strays connected to its port before decode
+    (here, in process): none stalls decode, and prefill counts them all as dropped."""
+    from kvhost.nixl import peers
 
-    def start_after_strays(port, argv, secret):
-        strays.append(Strays(port))
-        return real_start(port, argv, secret)
-
-    monkeypatch.setattr(demo_decode, "start_prefill", start_after_strays)
+    secret_file = str(tmp_path / "secret")
+    peers.write_secret_file(secret_file)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        command = [sys.executable, "-m", "kvhost_tools.demo", "prefill", *ENGINE, "--secret-file", secret_file]
+        command += ["--listen", f"127.0.0.1:{port}", "--listen-fd", str(listener.fileno())]
+        prefill = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, pass_fds=[listener.fileno()])
+    strays = Strays(port)
     try:
-        code = demo_cli.main(["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--no-progress"])
+        code = demo_decode.main(
+            [*ENGINE, "--prefill", f"127.0.0.1:{port}", "--secret-file", secret_file, "--connect-timeout", "180"]
+        )
         out = capsys.readouterr().out
         assert code == demo_config.EXIT_OK, out
         assert "result    OK: every byte of every request verified" in out
-        assert f"control   {len(strays[0].sockets) + 1} other connection(s) to the control port dropped" in out
+        said, _ = prefill.communicate(timeout=60)
+        assert prefill.returncode == 0, said
+        assert f"1 served, 0 refused, {len(strays.sockets) + 1} stray connection(s)" in said
     finally:
-        for group in strays:
-            group.close()
+        strays.close()
+        if prefill.poll() is None:
+            prefill.kill()
+            prefill.wait()
 
 
-def test_prefill_reads_its_secret_from_stdin_only():
+def test_secrets_come_from_stdin_or_a_private_file_within_a_deadline(monkeypatch):
     read, write = os.pipe()
-    with os.fdopen(read, "rb") as stream, os.fdopen(write, "wb") as out:
-        out.write(SECRET.hex().encode() + b"\n")
+    with os.fdopen(read, "r") as stream, os.fdopen(write, "w") as out:
+        out.write(SECRET.hex() + "\n")
         out.flush()
-        assert demo_prefill.read_secret(stream, 1.0) == SECRET
+        monkeypatch.setattr(sys, "stdin", stream)
+        assert read_secret_file("-", timeout=1.0) == SECRET
     read, write = os.pipe()
-    with os.fdopen(read, "rb") as stream, os.fdopen(write, "wb"):
+    with os.fdopen(read, "r") as stream, os.fdopen(write, "w"):
+        monkeypatch.setattr(sys, "stdin", stream)
         started = time.monotonic()
-        with pytest.raises(demo_config.DemoError, match="no secret on stdin"):
-            demo_prefill.read_secret(stream, 0.2)  # nothing written: the deadline ends the wait
+        with pytest.raises(ProtocolError, match="standard input: expected a secret of at least 32 bytes"):
+            read_secret_file("-", timeout=0.2)  # nothing written: the deadline ends the wait
         assert time.monotonic() - started < 2
 
 
@@ -533,7 +550,7 @@ IMPOSSIBLE = {
     "timeout-word": (["--timeout", "soon"], "argument --timeout:"),
     "connect-timeout-nan": (["--connect-timeout", "nan"], "argument --connect-timeout:"),
     "connect-timeout-inf": (["--connect-timeout", "inf"], "argument --connect-timeout:"),
-    "hold-timeout-inf": (["--hold-timeout", "inf"], "argument --hold-timeout:"),
+    "step-inf": (["--step", "inf"], "argument --step:"),
     "layers-too-many": (["--layers", "100000", "--heads", "1024"], "--layers must be in [1, 32768], got 100000"),
     "layers-and-heads-too-big": (["--layers", "30000", "--heads", "1024"], "--layers 30000 x --heads 1024"),
     "pool-too-big": (
@@ -548,9 +565,8 @@ IMPOSSIBLE = {
     "block-size-zero": (["--prefill-block-size", "0"], "--prefill-block-size must be in [1,"),
     "seed-negative": (["--seed", "-1"], "--seed must be in [0,"),
     "inflight-zero": (["--inflight", "0"], "--inflight must be in [1,"),
-    "decode-ranks-zero": (["--decode-ranks", "0"], "--decode-ranks must be in [1,"),
-    "port-out-of-range": (["--port", "70000"], "--port must be in [0, 65535]"),
-    "prefill-without-port": (["--role", "prefill"], "--port must be in [1, 65535] for prefill"),
+    "decode-ranks-zero": (["--decode-ranks", "0"], "--decode-tp must be in [1,"),
+    "prefill-tp-too-many": (["--prefill-tp", "2048"], "--prefill-tp must be in [1, 1024], got 2048"),
     "dtype": (["--dtype", "float64"], "argument --dtype: invalid choice"),
 }
 
@@ -568,12 +584,24 @@ def test_impossible_options_exit_2_with_one_line_naming_the_option(case, capsys,
 
 
 def test_the_memory_estimate_names_what_drives_it():
-    config = demo_cli.config_from(["--layers", "30000", "--heads", "1024"], check=False)
-    needed = demo_config.memory_needed(config)
-    small = demo_config.memory_needed(demo_cli.config_from([], check=False))
-    assert needed > 100 << 30  # far beyond this machine
-    assert needed > 30000 * 1024 / (4 * 8) * small / 2  # in proportion to layers x heads
+    def needed(*argv):
+        args = demo_cli.parser().parse_args(list(argv))
+        prefills, decode = demo_cli.engines_of(args)
+        return demo_config.memory_needed(
+            demo_cli.model_of(args), demo_cli.workload_of(args), prefills[0], decode, staging=False
+        )
+
+    big, small = needed("--layers", "30000", "--heads", "1024"), needed()
+    assert big > 100 << 30  # far beyond this machine
+    assert big > 30000 * 1024 / (4 * 8) * small / 2  # in proportion to layers x heads
     assert demo_config.memory_available() is None or demo_config.memory_available() > 0
+
+
+def test_the_tools_repeat_the_library_limits():
+    from kvhost.nixl import engine, handshake
+
+    assert demo_config.DTYPE_SIZES == engine.DTYPE_SIZES
+    assert (demo_config.MAX_REQUESTS, demo_config.MAX_TOKENS) == (handshake.MAX_REQUESTS, handshake.MAX_TOKENS)
 
 
 @pytest.mark.timeout(120)
@@ -602,19 +630,21 @@ def test_the_command_exits_2_with_one_line_and_no_traceback():
 
 
 @pytest.mark.timeout(60)
-def test_prefill_without_a_secret_exits_2():
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_an_engine_without_a_secret_exits_2(role):
     out = subprocess.run(
-        [sys.executable, "-m", "kvhost_tools.demo", "--role", "prefill", "--port", "9", "--connect-timeout", "1"],
+        [sys.executable, "-m", "kvhost_tools.demo", role, "--secret-file", "-", "--connect-timeout", "1"],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=50,
     )
     assert out.returncode == 2, out.stderr
-    assert (
-        out.stderr.strip()
-        == "prefill: DemoError: no secret on stdin within the connect timeout: prefill is started by kvhost demo"
-    )
+    line = "ProtocolError: standard input: expected a secret of at least 32 bytes as hex digits"
+    if role == "prefill":
+        assert out.stderr.strip() == f"prefill: {line}"
+    else:
+        assert f"  error     {line}" in out.stdout and "result    FAILED: the hand-off did not run" in out.stdout
 
 
 ALLOCATION_FAILURES = {
@@ -627,26 +657,26 @@ ALLOCATION_FAILURES = {
 
 
 @pytest.mark.parametrize("failure", ALLOCATION_FAILURES)
-def test_memory_running_out_after_the_estimate_exits_2(failure, monkeypatch, capsys):
+def test_memory_running_out_after_the_estimate_exits_2(failure, monkeypatch, capsys, tmp_path):
     """Memory taken by others between the estimate and the allocation: exit 2, said plainly."""
 
     def no_memory(*args, **kwargs):
         raise ALLOCATION_FAILURES[failure]
 
-    monkeypatch.setattr(demo_config.Config, "caches", no_memory)
-    monkeypatch.setattr(demo_decode, "start_prefill", lambda port, argv, secret: subprocess.Popen(["sleep", "30"]))
-    code = demo_cli.main(["--layers", "2", "--no-progress"])
-    out = capsys.readouterr().out
+    monkeypatch.setattr(demo_config.Model, "caches", no_memory)
+    secret = str(tmp_path / "secret")
+    code = demo_prefill.main(["--layers", "2", "--secret-file", secret, "--listen", "127.0.0.1:0"])
+    err = capsys.readouterr().err
     assert code == demo_config.EXIT_ERROR
-    assert "error     out of memory: --layers 2 x --heads 8 x --head-dim 64 x --dtype bfloat16" in out
-    assert "result    FAILED: the hand-off did not run" in out
+    assert err.startswith("prefill: out of memory: --layers 2 x --heads 8 x --head-dim 64 x --dtype bfloat16")
+    assert err.count("\n") == 1
 
 
 def test_a_bug_exits_2_not_1(monkeypatch, capsys):
     def bug(*args, **kwargs):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(demo_cli, "run_decode", bug)
+    monkeypatch.setattr(demo_cli, "run", bug)
     assert demo_cli.main([]) == demo_config.EXIT_ERROR
     assert "ZeroDivisionError: a bug" in capsys.readouterr().err
 
@@ -654,12 +684,14 @@ def test_a_bug_exits_2_not_1(monkeypatch, capsys):
 # --- where the agents listen -------------------------------------------------------------------
 
 
-def test_ucx_is_kept_on_loopback_unless_the_user_says_otherwise(monkeypatch):
-    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
-    with demo_cli.loopback_ucx():
-        assert os.environ["UCX_NET_DEVICES"] == "lo"
-    assert "UCX_NET_DEVICES" not in os.environ
-    monkeypatch.setenv("UCX_NET_DEVICES", "eth0")
-    with demo_cli.loopback_ucx():
-        assert os.environ["UCX_NET_DEVICES"] == "eth0"
-    assert os.environ["UCX_NET_DEVICES"] == "eth0"
+def test_ucx_is_kept_on_loopback_and_quiet_unless_the_user_says_otherwise():
+    env = {}
+    assert netenv.set_defaults(env, ["127.0.0.1"]) == env
+    assert env == {"UCX_NET_DEVICES": "lo", "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "ERROR"}
+    env = {"UCX_NET_DEVICES": "eth0", "UCX_LOG_LEVEL": "info"}
+    netenv.set_defaults(env, ["127.0.0.1"])
+    assert env["UCX_NET_DEVICES"] == "eth0" and env["UCX_LOG_LEVEL"] == "info"
+    env = {}
+    netenv.set_defaults(env, ["0.0.0.0"])  # every interface: UCX chooses
+    assert "UCX_NET_DEVICES" not in env
+    assert netenv.interface_of("127.0.0.1") == "lo" and netenv.interface_of("192.0.2.123") is None

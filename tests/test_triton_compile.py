@@ -22,6 +22,16 @@ from kvhost.testing import make_cache
 from kvhost.transform import plan_copy, plan_receive
 
 kernels = load_kernels()
+RECEIVE_CASES: list[object] = []
+COPY_CASES: list[object] = []
+ROCM_CASES: list[object] = []
+if kernels is not None and not kernels.interpreted():
+    from kvhost_accelerator import aot
+
+    RECEIVE_CASES = aot.receive_cases()  # type: ignore[assignment]
+    COPY_CASES = aot.copy_cases()
+    # The two that had the most registers before tiles were sized by register cost.
+    ROCM_CASES = [aot.Case("KBNHC/NCH", "bfloat16", 64, 16), aot.Case("KBNHC/NHD", "float8_e4m3fn", 64, 16, skip=3)]
 pytestmark = [
     pytest.mark.skipif(kernels is None, reason="triton is not installed"),
     pytest.mark.skipif(kernels is not None and kernels.interpreted(), reason="TRITON_INTERPRET=1 is set"),
@@ -31,29 +41,9 @@ pytestmark = [
 
 def compile_call(call, backend_name: str, arch: int | str, warp_size: int):
     """Compile ``call`` (a KernelCall) for a GPU target exactly as a launch would (Triton 3.3 and later)."""
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature, find_paths_if, get_iterable_path
 
-    target = GPUTarget(backend_name, arch, warp_size)
-    fn = call.kernel
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, _ = binder(*call.args, **call.constants)
-    options = backend.parse_options({k: v for k, v in call.constants.items() if k in ("num_warps", "num_stages")})
-    kinds = [kind for kind, _ in specialization]
-    signature = {param.name: kind for param, kind in zip(fn.params, kinds)}
-    constexprs = {
-        path: get_iterable_path(list(bound.values()), path)
-        for path in find_paths_if(kinds, lambda _, kind: kind == "constexpr")
-    }
-    hints = ["" if kind == "constexpr" else hint for kind, hint in specialization]
-    attrs = {
-        path: backend.parse_attr(get_iterable_path(hints, path))
-        for path in find_paths_if(hints, lambda _, hint: isinstance(hint, str))
-    }
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return aot.compile_call(call, GPUTarget(backend_name, arch, warp_size))
 
 
 def int64(n: int) -> torch.Tensor:
@@ -61,11 +51,12 @@ def int64(n: int) -> torch.Tensor:
 
 
 def receive_call(physical: str, tokens: int, remote_order: str, remote_size: int, limits: Limits):
+    """The launch plan and its first kernel call (split receives have several, all of one kernel)."""
     layout = Layout.of(make_cache("KBNHC", physical, dict(K=2, B=64, N=tokens, H=8, C=128)), "KBNHC")
     plan = plan_receive(layout, remote_order, remote_size)
     launch = plan_receive_launch(plan, members=4, outer=2, units=8, alignment=256, limits=limits)
     scratch = torch.zeros(max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes])
-    call = kernels.receive_call(
+    calls = kernels.receive_calls(
         launch,
         bases=int64(4),
         outer_offsets=int64(2),
@@ -74,7 +65,7 @@ def receive_call(physical: str, tokens: int, remote_order: str, remote_size: int
         units=8,
         block_stride=layout.block_stride_bytes,
     )
-    return launch, call
+    return launch, calls[0]
 
 
 def memory_ops(ptx: str) -> list[str]:
@@ -95,9 +86,12 @@ def test_register_mode_reads_every_word_before_writing_any():
 
 
 def test_scratch_mode_has_a_barrier_between_its_phases():
-    """Remote block 64 -> local 16 (g = 4): through the scratch slot; compiles for A100 too."""
-    launch, call = receive_call("KBNHC", 16, "HNC", 64, Limits(programs=528))
-    assert not launch.in_registers
+    """Remote block 64 -> local 16 (g = 4): through the scratch slot; compiles for A100 too.
+
+    128 programs: the budget's 256 slots serve them all (528 would take the split mode).
+    """
+    launch, call = receive_call("KBNHC", 16, "HNC", 64, Limits(programs=128))
+    assert not launch.in_registers and launch.mode == "slots"
     for arch in (80, 90):
         ops = memory_ops(compile_call(call, "cuda", arch, 32).asm["ptx"])
         assert ops.count("bar.sync") >= 2
@@ -130,8 +124,9 @@ def test_copy_kernel_compiles_with_wide_accesses(staging):
 
 @pytest.mark.skipif(kernels is None or "amd" not in kernels.compiler_targets(), reason="no AMD Triton backend")
 def test_kernels_compile_for_rocm():
-    for physical, tokens, order, remote in (("KBNHC", 64, "HNC", 16), ("KBNHC", 16, "HNC", 64)):
-        _, call = receive_call(physical, tokens, order, remote, Limits(programs=1216))
+    # 304 CUs x 4 programs; the g = 4 case with one slot per program of the budget's 256 (split: below).
+    for physical, tokens, order, remote, programs in (("KBNHC", 64, "HNC", 16, 1216), ("KBNHC", 16, "HNC", 64, 256)):
+        _, call = receive_call(physical, tokens, order, remote, Limits(programs=programs))
         try:
             assembly = compile_call(call, "hip", "gfx942", 64).asm["amdgcn"]
         except Exception as err:  # older Triton wheels leave the final link to a ROCm install
@@ -139,3 +134,142 @@ def test_kernels_compile_for_rocm():
                 pytest.skip(f"no ROCm linker for this Triton: {err}")
             raise
         assert "s_barrier" in assembly
+
+
+def rocm(call):
+    """AMDGCN and LLVM IR for gfx942, or a skip where this Triton leaves the link to a ROCm install."""
+    if "amd" not in kernels.compiler_targets():
+        pytest.skip("no AMD Triton backend")
+    try:
+        return compile_call(call, "hip", "gfx942", 64)
+    except Exception as err:
+        if "ld.lld not found" in str(err):
+            pytest.skip(f"no ROCm linker for this Triton: {err}")
+        raise
+
+
+# --- split receives: no barrier, the device full -------------------------------------------
+
+
+def test_split_mode_needs_no_barrier_and_moves_wide_words():
+    """32 heads, remote 64 -> local 16 on 132 SMs: 512 KB pieces, split into chunks; compiles for A100, H100, MI300."""
+    layout = Layout.of(make_cache("KBNHC", "KBNHC", dict(K=2, B=64, N=16, H=32, C=128)), "KBNHC")
+    plan = plan_receive(layout, "HNC", 64)
+    launch = plan_receive_launch(plan, members=4, outer=2, units=8, alignment=256, limits=Limits(programs=528))
+    assert launch.mode == "split"
+    calls = kernels.receive_calls(
+        launch,
+        bases=int64(4),
+        outer_offsets=int64(2),
+        ids=int64(8 * plan.parts),
+        scratch=torch.zeros(launch.scratch_words, dtype=kernels.TORCH_WORDS[launch.word_bytes]),
+        units=8,
+        block_stride=layout.block_stride_bytes,
+    )
+    assert len(calls) == launch.launches >= 2
+    keys = {aot.compile_key(call, aot.gpu_target("sm_90")) for call in calls}
+    assert len(keys) == 1  # every round runs the same compiled kernel
+    for arch in (80, 90):
+        ops = memory_ops(compile_call(calls[0], "cuda", arch, 32).asm["ptx"])
+        assert "bar.sync" not in ops and not any(op.startswith("barrier") for op in ops)
+        assert "ld.global.v2.b64" in ops and "st.global.v2.b64" in ops
+    assert "s_barrier" not in rocm(calls[0]).asm["amdgcn"]
+
+
+# --- the barrier the in-kernel modes rely on -------------------------------------------------
+
+
+def test_the_barrier_orders_global_memory_on_nvidia_and_amd():
+    """Registers and slots exchange words through global memory across ``tl.debug_barrier``.
+
+    NVIDIA: ``bar.sync``, which orders every prior memory access of the participating
+    threads, global included (PTX ISA, barrier). AMD: LLVM's workgroup-scope release and
+    acquire fences around ``s_barrier``, for every address space (no ``!mmra`` limiting
+    them to LDS); on gfx942 outside thread-group split mode the waves of a work-group share
+    one vector L1 in order, so LLVM's memory model needs no wait on global accesses there.
+    A compiler that narrows either fails here (then ``Limits.barrier`` must be False).
+    """
+    _, call = receive_call("KBNHC", 64, "HNC", 16, Limits(programs=528))
+    assert re.search(r"\bbar\.sync\s+0;", compile_call(call, "cuda", 90, 32).asm["ptx"])
+    llir = rocm(call).asm["llir"].splitlines()
+    barriers = [i for i, line in enumerate(llir) if "@llvm.amdgcn.s.barrier()" in line and "call" in line]
+    assert barriers
+    for i in barriers:
+        before = next(line for line in reversed(llir[:i]) if "fence" in line)
+        after = next(line for line in llir[i + 1 :] if "fence" in line)
+        assert 'fence syncscope("workgroup") release' in before and "!mmra" not in before
+        assert 'fence syncscope("workgroup") acquire' in after and "!mmra" not in after
+
+
+@pytest.mark.skipif(kernels is None or "intel" not in kernels.compiler_targets(), reason="no Intel Triton backend")
+def test_intel_barrier_fences_global_memory_exactly_when_the_backend_says():
+    """Intel's Triton lowers ``tl.debug_barrier`` to OpenCL ``barrier(flags)``: 1 = local memory, 2 = global.
+
+    Through 3.7.0 the flag is 1 (work-group local memory only), from 3.7.1 it is 3. The XPU
+    backend relies on the in-kernel barrier only where it fences global memory.
+    """
+    from kvhost_xpu import XpuBackend
+
+    _, call = receive_call("KBNHC", 64, "HNC", 16, Limits(programs=512))
+    llir = aot.compile_call(call, aot.gpu_target("xpu")).asm["llir"]
+    flags = {int(flag) for flag in re.findall(r"call spir_func void @_Z7barrierj\(i32 (\d+)\)", llir)}
+    assert flags and len(flags) == 1
+    assert bool(flags.pop() & 2) == XpuBackend().barrier_orders_global_memory()
+    # What runs where the barrier does not fence global memory: the split kernel, no barrier in it.
+    launch, call = receive_call("KBNHC", 64, "HNC", 16, Limits(programs=512, barrier=False))
+    assert launch.mode == "split"
+    assert "_Z7barrierj" not in aot.compile_call(call, aot.gpu_target("xpu")).asm["llir"]
+
+
+# --- registers and spills, compiles per batch size -------------------------------------------
+
+
+@pytest.mark.parametrize("case", RECEIVE_CASES, ids=lambda case: case.name)
+def test_receive_kernels_stay_within_their_registers(case):
+    """The conformance suite's layouts at serving sizes, dtypes and misaligned caches, on H100/H200 (sm_90).
+
+    Before tiles were sized by register cost, a cache whose last axis is not the channels
+    compiled to 255 registers a thread and a misaligned fp8 one to 239, a misaligned bf16
+    one to 128 with spills. Now no kernel spills and none needs more than 96 registers
+    (the common HND 16 -> NHD 64: 64, as before).
+    """
+    launch, calls = aot.receive_calls_for(case, Limits(programs=528))
+    used = aot.resources(aot.compile_call(calls[0], aot.gpu_target("sm_90")))
+    assert used.spill_bytes == 0, f"{case.name}: {launch.mode}, tile {launch.tile}: spills {used}"
+    assert used.registers <= 96, f"{case.name}: {launch.mode}, tile {launch.tile}: {used}"
+    if case == aot.Case("KBNHC/NHD", "bfloat16", 64, 16):
+        assert launch.in_registers and used.registers == 64
+
+
+@pytest.mark.parametrize("case", COPY_CASES, ids=lambda case: f"{case.layout} {case.dtype} +{case.skip}")
+def test_copy_kernels_stay_within_their_registers(case):
+    """Scattered copies between the copy suite's layout pairs at serving sizes (staging's device side)."""
+    launch, call = aot.copy_call_for(case, Limits(programs=528))
+    used = aot.resources(aot.compile_call(call, aot.gpu_target("sm_90")))
+    assert used.spill_bytes == 0 and used.registers <= 96, f"{case.name}: tile {launch.tile}: {used}"
+
+
+@pytest.mark.parametrize("case", ROCM_CASES, ids=lambda case: case.name)
+def test_receive_kernels_stay_within_their_registers_on_rocm(case):
+    launch, calls = aot.receive_calls_for(case, Limits(programs=1216))
+    used = aot.resources(rocm(calls[0]))
+    assert used.spill_bytes == 0 and used.registers <= 128, f"{case.name}: {launch.mode}: {used}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("barrier", [True, False], ids=["barrier", "split"])
+def test_batches_of_1_to_1000_blocks_compile_one_kernel_per_transform(barrier):
+    """Serving every batch size from 1 to 1000 blocks compiles each transform's kernel once.
+
+    Before: integer arguments specialized on 1 and on divisibility by 16, a pointer on
+    16-byte alignment that flipped with the batch's parity, and the staging buffer's outer
+    stride (a power of two of blocks) a compile-time constant: 4 kernels per receive
+    transform, 18 per staged host-span copy, 3 per bounced one, 4 per scattered device copy.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny host copies: a thread pool only adds wake-ups
+    try:
+        counts = aot.count_compiles(aot.gpu_target("sm_90"), range(1, 1001), Limits(programs=528, barrier=barrier))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(counts) == 7 and all(count == 1 for count in counts.values()), counts

@@ -30,16 +30,32 @@ pytestmark = pytest.mark.skipif(
 )
 
 TINY = Limits(register_bytes=0, tile_bytes=64, programs=3)  # scratch slots, tiles of a few words: every loop runs
+# Scratch for a slot or two: split receives, many rounds, one half or two, chunks of 8 words.
+SPLIT = Limits(register_bytes=0, tile_bytes=64, programs=3, scratch_bytes=512)
 
 
-def tiny_target() -> Target:
-    return Target(TritonInterpretBackend(TINY), "cpu")  # type: ignore[arg-type]
+def tiny_target(limits: Limits = TINY) -> Target:
+    return Target(TritonInterpretBackend(limits), "cpu")  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[::11])
 def test_receive_through_scratch_in_tiny_tiles(layout, kind, k, order):
     receive_conformance(tiny_target(), layout, kind, k, order)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[5::11])
+def test_receive_split_over_launches(layout, kind, k, order):
+    receive_conformance(tiny_target(SPLIT), layout, kind, k, order)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[7::23])
+def test_receive_without_an_in_kernel_barrier(layout, kind, k, order):
+    """As on XPU with an Intel Triton whose barrier fences only local memory: every receive split, default sizes."""
+    receive_conformance(tiny_target(Limits(register_bytes=4 << 10, tile_bytes=2 << 10, programs=4, barrier=False)),
+                        layout, kind, k, order)  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -72,7 +88,7 @@ def test_misaligned_caches_move_narrow_words(dtype, skip, word):
     assert launch.word_bytes == word
 
 
-@pytest.mark.parametrize("limits", [None, TINY], ids=["default", "tiny"])
+@pytest.mark.parametrize("limits", [None, TINY, SPLIT], ids=["default", "tiny", "split"])
 @pytest.mark.parametrize(("remote", "order"), [(2, "HNC"), (18, "HNC"), (6, "NHC")])
 def test_sizes_that_are_not_powers_of_two(remote, order, limits):
     """Local blocks of 6 tokens, 3 heads of 12 channels: r = 3, g = 3 and masks everywhere."""
@@ -121,3 +137,15 @@ def test_staged_host_copy_with_kernels_on_the_device_side(to_device, non_blockin
         b = d.layout.axes.index("B")
         for block in set(range(d.layout.num_blocks)) - set(dst_ids):
             assert torch.equal(raw(d.tensor).select(b, block), saved.select(b, block))
+
+
+def test_gpu_check_rows_count_launches_and_compare_bytes():
+    """The GPU check in the interpreter: launches, programs, and bytes equal to the torch path's."""
+    from kvhost_cuda.gpucheck import Sizes, measure
+
+    sizes = Sizes(layers=1, heads=2, channels=16, receive_units=4, staging_blocks=4, repeats=1)
+    backends = {"triton": TritonInterpretBackend(), "torch": TritonInterpretBackend().torch_path}
+    rows = measure(torch.device("cpu"), backends, sizes)  # type: ignore[arg-type]
+    triton_rows = [row for row in rows if row.method == "triton"]
+    assert len(triton_rows) == 7 and all(row.agrees == "yes" for row in rows if row.method != "memcpy")
+    assert all(row.launches >= 1 and 1 <= row.programs <= TritonInterpretBackend.limits.programs for row in triton_rows)

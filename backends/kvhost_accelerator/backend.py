@@ -15,12 +15,33 @@ and the Triton compiler that targets it. Everything device-specific goes through
   staging buffer in the host's letters, which crosses the bus as one copy to or from a
   pinned bounce buffer, and the CPU backend moves the host side between the bounce buffer
   and the host blocks (for a save, once the event has fired: on ``done()``/``wait()``).
+
+Streams and lifetimes, the contract:
+
+- A receive is ordered like any kernel the caller queues on its current stream, and
+  returns without waiting. Its id tables and scratch are made on that stream and dropped
+  after the launch: the caching allocator hands a freed block only to later work on the
+  same stream, and the pinned staging of the tables only after the copy that reads it.
+- A copy runs on the device's side stream, which first waits for the caller's current
+  stream: it sees everything queued before the call. The caller's stream does not wait
+  for it (that is what lets an offload overlap the next step's compute). With
+  ``non_blocking=False`` the call returns once the bytes are in place. With
+  ``non_blocking=True``, until the result's ``done()`` is True or ``wait()`` returns, no
+  stream may write the source blocks or touch the destination blocks, and the bytes of a
+  staged save reach the host only then.
+- The result (``EventCompletion``) keeps every buffer the copy uses alive until the copy
+  is complete: the caller's tensors, staging and bounce buffers, id tables. A result
+  dropped earlier completes itself first (waits for its event, runs the host step) and
+  warns: no buffer is released while a stream still uses it, and no save is lost.
+- The torch path's reused id buffers are per thread and stream (``IndexBuffers``): one
+  stream never refills or frees the buffer another stream may still be reading.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cached_property
@@ -54,7 +75,11 @@ def load_kernels() -> ModuleType | None:
 class EventCompletion(Completion):
     """Done once the device has passed ``event`` and ``finish`` (host work after it) has run.
 
-    ``keep`` holds the buffers the device still reads or writes until then.
+    ``keep`` holds the buffers the device still reads or writes until then: the caller's
+    tensors, staging and bounce buffers, id tables. A handle dropped before it was seen
+    done completes itself first (waits for the event, runs ``finish``) and warns with a
+    ``ResourceWarning``: nothing it keeps is released while a stream still uses it, and a
+    staged save still lands.
     """
 
     def __init__(self, event: Event, keep: Sequence[Any] = (), finish: Callable[[], None] | None = None) -> None:
@@ -63,6 +88,17 @@ class EventCompletion(Completion):
         self.finish = finish
         self._finished = False
         self._lock = threading.Lock()
+
+    def __del__(self) -> None:
+        if getattr(self, "_finished", True):
+            return
+        warnings.warn(
+            "a non-blocking kvhost copy was dropped before done() or wait() saw it complete; waiting for it now "
+            "(keep the CopyResult until then)",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        self.wait()
 
     def done(self) -> bool:
         if self._finished:
@@ -146,11 +182,24 @@ class AcceleratorBackend(Backend):
 
     def describe(self) -> str:
         path = "Triton kernels" if self.kernels is not None else f"torch ops ({self.kernels_missing})"
+        if self.kernels is not None and not self.barrier_orders_global_memory():
+            path += " (every receive in two launches: this Triton's barrier does not fence global memory)"
         return f"receive and scattered copies: {path}; host copies: pinned staging on a side stream, events"
+
+    def barrier_orders_global_memory(self) -> bool:
+        """Whether ``tl.debug_barrier`` orders global memory between the threads of a program.
+
+        The receive's registers and slots modes exchange words through global memory across
+        it. True for NVIDIA (``bar.sync``) and AMD (workgroup-scope fences for every
+        address space), checked on the compiled code by ``tests/test_triton_compile.py``.
+        Where it is False every receive is split: the kernel boundary is the barrier.
+        """
+        return True
 
     def limits_for(self, device: torch.device) -> Limits:
         programs = self.runtime.processors(device) * self.programs_per_processor
-        return replace(self.limits, programs=min(self.limits.programs, programs))
+        barrier = self.limits.barrier and self.barrier_orders_global_memory()
+        return replace(self.limits, programs=min(self.limits.programs, programs), barrier=barrier)
 
     # --- receive -------------------------------------------------------------------------
 
@@ -182,7 +231,7 @@ class AcceleratorBackend(Backend):
             scratch = torch.empty(
                 max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes], device=job.device
             )
-            call = kernels.receive_call(
+            calls = kernels.receive_calls(
                 launch,
                 bases=base_table,
                 outer_offsets=outer_table,
@@ -191,8 +240,13 @@ class AcceleratorBackend(Backend):
                 units=units,
                 block_stride=layout.block_stride_bytes,
             )
-            call.launch()
+            for call in calls:
+                self.launch(call)
         return None
+
+    def launch(self, call: Any) -> None:
+        """Launch one kernel call (``kernels.KernelCall``) on the current stream and device."""
+        call.launch()
 
     # --- copies --------------------------------------------------------------------------
 
@@ -255,7 +309,7 @@ class AcceleratorBackend(Backend):
             src_block_stride=job.plan.src_block_stride,
             dst_block_stride=job.plan.dst_block_stride,
         )
-        call.launch()
+        self.launch(call)
 
     def copy_host(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> Callable[[], None] | None:
         """Between host memory and this device; returns host work to run once the device is done.
@@ -402,17 +456,19 @@ class AcceleratorBackend(Backend):
     # --- helpers -------------------------------------------------------------------------
 
     def _upload(self, arrays: list[np.ndarray], device: torch.device, keep: list[Any]) -> list[torch.Tensor]:
-        """int64 arrays onto ``device`` in one non-blocking copy from pinned memory."""
-        sizes = [a.size for a in arrays]
-        host = self.runtime.host_buffer([max(sum(sizes), 1)], torch.int64)
-        host.numpy()[: sum(sizes)] = np.concatenate(arrays) if arrays else []
+        """int64 arrays onto ``device`` in one non-blocking copy from pinned memory.
+
+        Each array starts at a 16-byte boundary: Triton specializes a pointer on that
+        alignment, and a table placed after a batch-sized one would otherwise flip with
+        the batch's parity (one more compiled kernel).
+        """
+        starts = np.cumsum([0] + [a.size + a.size % 2 for a in arrays])
+        host = self.runtime.host_buffer([max(int(starts[-1]), 1)], torch.int64)
+        for array, start in zip(arrays, starts):
+            host.numpy()[start : start + array.size] = array
         table = host.to(device, non_blocking=True)
         keep += [host, table]
-        out, at = [], 0
-        for size in sizes:
-            out.append(table[at : at + size])
-            at += size
-        return out
+        return [table[start : start + array.size] for array, start in zip(arrays, starts)]
 
 
 def _job(pairs: list[tuple[Member, Member]], src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyJob:

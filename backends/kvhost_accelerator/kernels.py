@@ -8,11 +8,18 @@ Kernels take int64 byte addresses from small tables, one entry per tensor, so a 
 launch serves every layer of a job whatever its dtype: data moves as raw words (see
 ``launch.py``). Programs are persistent: program ``p`` takes items ``p, p + programs, ...``.
 Addresses come from ids the front end validated, and the caller keeps the tensors alive.
+
+Compile-time constants are what the transform and the device decide (dims, tile, word,
+alignment), never what the batch decides: counts of items, units and blocks, strides of
+staging buffers sized by the batch, and split rounds are run-time arguments that Triton
+does not specialize (``do_not_specialize``: no variant for a count equal to 1 or
+divisible by 16), so a new batch size never compiles a new kernel. Id tables start at
+16-byte boundaries (the backend pads them) for the same reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
@@ -29,11 +36,13 @@ TORCH_WORDS = {size: getattr(torch, name) for size, name in WORD_TYPES.items()}
 @triton.jit
 def _placed(
     rows, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, D4: tl.constexpr, D5: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, S4: tl.constexpr, S5: tl.constexpr,
+    S0, S1, S2, S3, S4, S5,
 ):  # fmt: skip
     """Word offset of each row on a side: its row-major index over D0..D5 dotted with S0..S5.
 
     One scalar per dim (not a tuple) so that older Triton (3.3, as torch 2.7 ships) compiles it.
+    Strides are compile-time constants for a receive (the transform's) and run-time values
+    for a copy (a staging buffer's outer strides grow with the batch).
     """
     offset = (rows % D5) * S5
     rest = rows // D5
@@ -76,7 +85,7 @@ def _unit_rows(
     return _rows_at(addresses, ALIGN, WORD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["items", "units"])
 def receive_kernel(
     bases, outer_offsets, ids, scratch, items, units, outer_count, block_stride,
     PARTS: tl.constexpr, PIECES: tl.constexpr, REGION_WORDS: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
@@ -151,19 +160,78 @@ def receive_kernel(
             tl.debug_barrier()
 
 
-@triton.jit
-def copy_kernel(
-    src_bases, dst_bases, src_ids, dst_ids, items, blocks, src_block_stride, dst_block_stride,
-    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
+@triton.jit(do_not_specialize=["units", "out_first", "out_count", "out_slot", "in_first", "in_count", "in_slot"])
+def receive_split_kernel(
+    bases, outer_offsets, ids, scratch, units, outer_count, block_stride,
+    out_first, out_count, out_slot, in_first, in_count, in_slot,
+    PARTS: tl.constexpr, PIECES: tl.constexpr, REGION_WORDS: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, D4: tl.constexpr, D5: tl.constexpr,
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, S4: tl.constexpr, S5: tl.constexpr,
-    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr, T5: tl.constexpr,
+    TILE_ROWS: tl.constexpr, TILE_RUN: tl.constexpr, CHUNKS: tl.constexpr,
+    ALIGN: tl.constexpr, WORD: tl.constexpr, WORD_BYTES: tl.constexpr,
+):  # fmt: skip
+    """One launch of a split receive (``launch.Round``): no barrier inside, every program shares every piece.
+
+    Item = (piece of the round, chunk of ``TILE_ROWS`` rows). The first ``out_count x
+    CHUNKS`` items write pieces ``out_first ..`` back into place from scratch slots
+    ``out_slot ..`` (local row ``r`` from slot word ``_placed(r)``); the rest copy pieces
+    ``in_first ..`` as they are into slots ``in_slot ..``. A piece's two halves are in
+    different launches, so the kernel boundary orders them on every device; the two
+    sets of one launch touch different pieces and different slots.
+    """
+    program = tl.program_id(0)
+    tile_rows = tl.arange(0, TILE_ROWS)
+    tile_cols = tl.arange(0, TILE_RUN)
+    out_items = out_count * CHUNKS
+    for item in range(program, out_items + in_count * CHUNKS, tl.num_programs(0)):
+        writing = item < out_items
+        step = tl.where(writing, item, item - out_items)
+        k = step // CHUNKS
+        job = tl.where(writing, out_first, in_first) + k
+        slot = scratch + (tl.where(writing, out_slot, in_slot) + k).to(tl.int64) * (ROWS * RUN)
+        piece = job % PIECES
+        rest = job // PIECES
+        unit = rest % units
+        rest = rest // units
+        outer = rest % outer_count
+        member = rest // outer_count
+        rows = (step % CHUNKS) * TILE_ROWS + tile_rows
+        ok = rows < ROWS
+        place = _unit_rows(
+            bases, outer_offsets, ids, member, outer, unit, piece * (ROWS * RUN) + rows * RUN, ok, block_stride,
+            PARTS, REGION_WORDS, ALIGN, WORD, WORD_BYTES,
+        )  # fmt: skip
+        if writing:
+            wire = _placed(rows, D0, D1, D2, D3, D4, D5, S0, S1, S2, S3, S4, S5)
+            for column in range(0, RUN, TILE_RUN):
+                cols = column + tile_cols
+                mask = ok[:, None] & (cols < RUN)[None, :]
+                words = tl.load(slot + wire[:, None] + cols[None, :], mask=mask)
+                tl.store(place[:, None] + cols[None, :], words, mask=mask)
+        else:
+            for column in range(0, RUN, TILE_RUN):
+                cols = column + tile_cols
+                mask = ok[:, None] & (cols < RUN)[None, :]
+                words = tl.load(place[:, None] + cols[None, :], mask=mask)
+                tl.store(slot + (rows * RUN)[:, None] + cols[None, :], words, mask=mask)
+
+
+COPY_STRIDES = [f"{side}{i}" for side in "ST" for i in range(6)]
+
+
+@triton.jit(do_not_specialize=["items", "blocks", *COPY_STRIDES])
+def copy_kernel(
+    src_bases, dst_bases, src_ids, dst_ids, items, blocks, src_block_stride, dst_block_stride,
+    S0, S1, S2, S3, S4, S5, T0, T1, T2, T3, T4, T5,
+    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, D4: tl.constexpr, D5: tl.constexpr,
     TILE_ROWS: tl.constexpr, TILE_RUN: tl.constexpr, ALIGN: tl.constexpr, WORD: tl.constexpr, WORD_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Block ``dst_ids[i]`` of pair ``p`` receives block ``src_ids[i]`` of pair ``p``.
 
     Item = (pair, i). A side that is not indexed (a staging buffer) uses block ``i``.
-    Row offsets are int64: outer strides of a large cache pass 2**31 words.
+    Row offsets are int64: outer strides of a large cache pass 2**31 words. Row strides
+    (S on the source side, T on the destination) are run-time values.
     """
     program = tl.program_id(0)
     tile_rows = tl.arange(0, TILE_ROWS).to(tl.int64)
@@ -202,7 +270,7 @@ class KernelCall:
         self.kernel[self.grid](*self.args, **self.constants)
 
 
-def receive_call(
+def receive_calls(
     launch: ReceiveLaunch,
     *,
     bases: torch.Tensor,
@@ -211,32 +279,54 @@ def receive_call(
     scratch: torch.Tensor,
     units: int,
     block_stride: int,
-) -> KernelCall:
-    """The receive launch for tables already on the device (int64 addresses and block ids)."""
+) -> list[KernelCall]:
+    """The receive's launches, in order, for tables already on the device (int64 addresses and block ids).
+
+    One launch in registers or slots mode; split, one per round of ``launch.schedule``.
+    """
     rows = launch.rows
-    return KernelCall(
-        receive_kernel,
-        (launch.programs,),
-        (bases, outer_offsets, ids, scratch, launch.items, units, outer_offsets.numel(), block_stride),
-        dict(
-            PARTS=launch.parts,
-            PIECES=launch.pieces,
-            REGION_WORDS=launch.region_words,
-            ROWS=rows.rows,
-            RUN=rows.run,
-            **_each("D", rows.dims),
-            **_each("S", rows.src_strides),
-            TILE_ROWS=launch.tile.rows,
-            TILE_RUN=launch.tile.run,
-            IN_REGISTERS=launch.in_registers,
-            ALIGN=launch.align_bytes,
-            WORD=TRITON_WORDS[launch.word_bytes],
-            WORD_BYTES=launch.word_bytes,
-            num_warps=launch.num_warps,
-            # One stage: no load of a later step is hoisted above a barrier.
-            num_stages=1,
-        ),
+    constants = dict(
+        PARTS=launch.parts,
+        PIECES=launch.pieces,
+        REGION_WORDS=launch.region_words,
+        ROWS=rows.rows,
+        RUN=rows.run,
+        **_each("D", rows.dims),
+        **_each("S", rows.src_strides),
+        TILE_ROWS=launch.tile.rows,
+        TILE_RUN=launch.tile.run,
+        ALIGN=launch.align_bytes,
+        WORD=TRITON_WORDS[launch.word_bytes],
+        WORD_BYTES=launch.word_bytes,
+        num_warps=launch.num_warps,
+        # One stage: no load of a later step is hoisted above a barrier.
+        num_stages=1,
     )
+    tables = (bases, outer_offsets, ids, scratch)
+    if launch.mode != "split":
+        return [
+            KernelCall(
+                receive_kernel,
+                (launch.programs,),
+                (*tables, launch.items, units, outer_offsets.numel(), block_stride),
+                dict(constants, IN_REGISTERS=launch.in_registers),
+            )
+        ]
+    return [
+        KernelCall(
+            receive_split_kernel,
+            (max(1, min(r.items(launch.chunks), launch.programs)),),
+            (*tables, units, outer_offsets.numel(), block_stride, *astuple(r)),
+            dict(constants, CHUNKS=launch.chunks),
+        )
+        for r in launch.schedule
+    ]
+
+
+def receive_call(launch: ReceiveLaunch, **tables: Any) -> KernelCall:
+    """The one launch of a receive in registers or slots mode (``receive_calls`` takes every mode)."""
+    (call,) = receive_calls(launch, **tables)
+    return call
 
 
 def copy_call(
@@ -265,6 +355,8 @@ def copy_call(
             blocks,
             src_block_stride,
             dst_block_stride,
+            *rows.src_strides,
+            *rows.dst_strides,
         ),
         dict(
             SRC_INDEXED=src_ids is not None,
@@ -272,8 +364,6 @@ def copy_call(
             ROWS=rows.rows,
             RUN=rows.run,
             **_each("D", rows.dims),
-            **_each("S", rows.src_strides),
-            **_each("T", rows.dst_strides),
             TILE_ROWS=launch.tile.rows,
             TILE_RUN=launch.tile.run,
             ALIGN=launch.align_bytes,

@@ -9,17 +9,36 @@ dotted with per-dim strides (in words). A program moves a tile of ``tile.rows x
 tile.run`` words per step, and loops over work *items* (persistent programs), so a
 launch needs only as many programs as the device runs at once.
 
-Receive, per item (one piece of one unit of one outer index of one member tensor):
-either the whole piece fits in one tile and stays in registers (read it all, barrier,
-write it back rearranged: one read and one write of every byte), or it goes through a
-per-program scratch slot in device memory (copy in, barrier, copy out rearranged): one
-scratch pass that stays in the device's cache, since only ``programs`` slots exist.
+Receive, per item (one piece of one unit of one outer index of one member tensor), one
+of three modes, chosen from the transform and the device alone (never from the batch, so
+a batch size never compiles a new kernel):
+
+- *registers*: the whole piece fits in one tile that a thread's registers can hold (read
+  it all, barrier, write it back rearranged: one read and one write of every byte);
+- *slots*: the piece goes through a per-program scratch slot in device memory (copy in,
+  barrier, copy out rearranged): one scratch pass that stays in the device's cache, since
+  only ``programs`` slots exist. Used when the scratch budget holds a slot for every
+  program the device runs;
+- *split*: pieces too large for that are cut into chunks of rows that every program
+  shares, and the barrier between copying a piece in and writing it back is a kernel
+  boundary: launch ``k`` writes back round ``k - 1`` from its half of the scratch and
+  copies round ``k`` into the other half. A launch has a program for every chunk of its
+  round, up to the device's programs, whatever the piece size: a round is up to half the
+  scratch budget, so a batch of a few pieces fills the device too. Also the mode of every
+  piece where the in-kernel barrier does not order global memory between a program's
+  threads (``Limits.barrier``).
+
+Registers are counted, not bytes: a thread holds its share of a tile's words plus one
+64-bit address per access, and with narrow words (a misaligned cache, a last axis that
+is not the channels) every word is an access of its own. Tiles are sized so that this
+estimate stays within ``Limits.thread_registers``; the compiled code's register count and
+spills are pinned by ``tests/test_triton_compile.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from math import prod
+from dataclasses import dataclass, field
+from math import ceil, prod
 
 from kvhost.errors import BackendError
 from kvhost.layout import contiguous_strides
@@ -47,13 +66,18 @@ class Limits:
     ``register_bytes``: the largest receive piece kept in registers; ``tile_bytes``: a
     step of the tiled loops (a power of two); ``programs``: the persistent grid's cap
     (a few per multiprocessor on a GPU; the interpreter runs programs one by one);
-    ``scratch_bytes``: all scratch slots together, so they stay in the device's cache.
+    ``scratch_bytes``: all scratch slots together, so they stay in the device's cache;
+    ``thread_registers``: the estimated registers one thread may hold for its share of
+    a tile (``register_cost``); ``barrier``: whether the kernels' in-kernel barrier orders
+    global memory between a program's threads (when not, every receive is split).
     """
 
     register_bytes: int = 32 << 10
     tile_bytes: int = 16 << 10
     programs: int = 1024
     scratch_bytes: int = 32 << 20  # within L2 (40 MB on A100, 50-60 MB on H100/H200)
+    thread_registers: int = 64
+    barrier: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,10 +129,35 @@ def _rows(dims: list[int], src: list[int], dst: list[int], run: int) -> Rows:
     return Rows((1,) * pad + tuple(dims), (0,) * pad + tuple(src), (0,) * pad + tuple(dst), run)
 
 
-def _tile(rows: Rows, word: int, tile_bytes: int) -> Tile:
-    words = max(1, tile_bytes // word)
+WARP = 32  # threads per warp on NVIDIA; AMD's 64-wide wavefronts halve a thread's share
+
+
+def _warps(tile: Tile, word: int) -> int:
+    return 8 if tile.words * word > (8 << 10) else 4
+
+
+def register_cost(tile: Tile, word: int, align: int) -> int:
+    """Estimated registers a thread holds for its share of ``tile``: words plus addresses.
+
+    Each access moves ``vector`` consecutive words (up to 16 bytes, as far as rows are
+    aligned) and needs its own 64-bit address (two registers); words narrower than a
+    register take a register each unless they share a vector. With 2-byte words and
+    rows of one word, that is three registers per two bytes moved.
+    """
+    vector = max(1, min(tile.run, align // word))
+    threads = _warps(tile, word) * WARP
+    accesses = ceil(tile.words / vector / threads)
+    return accesses * (max(1, vector * word // 4) + 2)
+
+
+def _tile(rows: Rows, word: int, align: int, limits: Limits) -> Tile:
+    """The largest tile of at most ``tile_bytes`` whose register cost fits ``thread_registers``."""
+    words = max(1, limits.tile_bytes // word)
     run = min(next_pow2(rows.run), words)
-    return Tile(min(next_pow2(rows.rows), max(1, words // run)), run)
+    tile = Tile(min(next_pow2(rows.rows), max(1, words // run)), run)
+    while tile.words > 1 and register_cost(tile, word, align) > limits.thread_registers:
+        tile = Tile(tile.rows // 2, tile.run) if tile.rows > 1 else Tile(1, tile.run // 2)
+    return tile
 
 
 def _items(count: int) -> int:
@@ -116,10 +165,6 @@ def _items(count: int) -> int:
     if count >= 1 << 31:
         raise BackendError(f"{count} work items in one launch; the kernels count items in int32 (split the call)")
     return count
-
-
-def _warps(tile: Tile, word: int) -> int:
-    return 8 if tile.words * word > (8 << 10) else 4
 
 
 def _piece_rows(shape: list[int], perm: tuple[int, ...], cut: int, keeps_run: bool) -> Rows:
@@ -137,14 +182,66 @@ def _piece_rows(shape: list[int], perm: tuple[int, ...], cut: int, keeps_run: bo
     return _rows(dims, src, [d * run for d in dst], run)
 
 
+MODES = ("registers", "slots", "split")
+
+
+@dataclass(frozen=True)
+class Round:
+    """One launch of a split receive: two independent sets of work, no barrier between them.
+
+    Write back pieces ``out_first .. out_first + out_count - 1`` (items in the kernels'
+    order) from scratch slots ``out_slot ..``, and copy pieces ``in_first ..`` into slots
+    ``in_slot ..``. A slot is one piece of scratch; the kernel boundary before the next
+    launch is the barrier between a piece's copy in and its write back.
+    """
+
+    out_first: int
+    out_count: int
+    out_slot: int
+    in_first: int
+    in_count: int
+    in_slot: int
+
+    def items(self, chunks: int) -> int:
+        return (self.out_count + self.in_count) * chunks
+
+
+def _schedule(items: int, round_pieces: int, halves: int) -> tuple[Round, ...]:
+    """Launches that copy every piece in and write it back, ``round_pieces`` pieces a round.
+
+    Two halves of scratch: launch ``k`` writes back round ``k - 1`` from one half while it
+    copies round ``k`` into the other (rounds + 1 launches). One half (a piece larger than
+    half the budget): copy in, then write back, round by round (2 x rounds launches).
+    """
+    spans = [(first, min(round_pieces, items - first)) for first in range(0, items, round_pieces)]
+    if halves == 1:
+        out: list[Round] = []
+        for first, count in spans:
+            out += [Round(0, 0, 0, first, count, 0), Round(first, count, 0, 0, 0, 0)]
+        return tuple(out)
+    none = (0, 0)
+    return tuple(
+        Round(
+            *(spans[k - 1] if k > 0 else none),
+            (k - 1) % 2 * round_pieces,
+            *(spans[k] if k < len(spans) else none),
+            k % 2 * round_pieces,
+        )
+        for k in range(len(spans) + 1)
+    )
+
+
 @dataclass(frozen=True)
 class ReceiveLaunch:
-    """One receive launch: every piece of every unit, outer index and member tensor of a job.
+    """Every piece of every unit, outer index and member tensor of a job: one launch or, split, several.
 
     Offsets are words into a unit's regions back to back (region ``k`` of a unit is its
     ``k``-th block); a piece is ``rows.words`` consecutive words of it, moved in place
     from the wire order to the local order. Row ``r`` of a piece is written at
-    ``r * run`` and read from ``rows.offsets(r)[0]``.
+    ``r * run`` and read from ``rows.offsets(r)[0]``. ``mode`` is one of ``MODES``
+    (module docstring). Split: a chunk is ``tile.rows`` rows of a piece (``chunks`` per
+    piece), a round ``round_pieces`` pieces, ``schedule`` the launches, each of at most
+    ``programs`` programs.
     """
 
     word_bytes: int
@@ -154,10 +251,18 @@ class ReceiveLaunch:
     pieces: int
     rows: Rows
     tile: Tile
-    in_registers: bool
+    mode: str
     items: int
     programs: int
     num_warps: int
+    chunks: int = 1
+    round_pieces: int = 0
+    halves: int = 0
+    schedule: tuple[Round, ...] = field(default=(), repr=False)
+
+    @property
+    def in_registers(self) -> bool:
+        return self.mode == "registers"
 
     @property
     def piece_words(self) -> int:
@@ -165,13 +270,22 @@ class ReceiveLaunch:
 
     @property
     def scratch_words(self) -> int:
-        return 0 if self.in_registers else self.programs * self.piece_words
+        if self.mode == "registers":
+            return 0
+        if self.mode == "slots":
+            return self.programs * self.piece_words
+        halves = min(self.halves, sum(1 for r in self.schedule if r.in_count))
+        return halves * self.round_pieces * self.piece_words
+
+    @property
+    def launches(self) -> int:
+        return len(self.schedule) if self.mode == "split" else 1
 
 
 def plan_receive_launch(
     plan: Rearrangement, *, members: int, outer: int, units: int, alignment: int, limits: Limits
 ) -> ReceiveLaunch:
-    """The launch that applies ``plan`` to ``units`` units of ``outer x members`` regions each.
+    """The launches that apply ``plan`` to ``units`` units of ``outer x members`` regions each.
 
     ``alignment`` is the OR of every base address, outer offset and block stride (bytes):
     the word may not be wider than its lowest set bit.
@@ -188,8 +302,11 @@ def plan_receive_launch(
     # Fewest pieces whose piece fits in registers; failing that, the smallest pieces (least scratch).
     for cut in range(common + 1):
         rows = _piece_rows(shape, plan.perm, cut, keeps_run)
+        # Rows start at multiples of the run (row strides are), so alignment is shared.
+        align = widest_word(alignment, rows.run * word, plan.region_bytes, most=16)
         whole = Tile(next_pow2(rows.rows), next_pow2(rows.run))
         in_registers = whole.words * word <= limits.register_bytes
+        in_registers = in_registers and register_cost(whole, word, align) <= limits.thread_registers
         if in_registers:
             break
     pieces = prod(shape[:cut])
@@ -197,24 +314,41 @@ def plan_receive_launch(
     reach = sum((d - 1) * s for d, s in zip(rows.dims, rows.src_strides)) + rows.run
     if rows.words * word * pieces != plan.unit_bytes or reach > rows.words:
         raise BackendError(f"receive launch does not tile its unit: {plan}, {rows}, {pieces} pieces of {word} B words")
-    tile = whole if in_registers else _tile(rows, word, limits.tile_bytes)
     items = _items(members * outer * units * pieces)
+    piece_bytes = rows.words * word
+    if in_registers and limits.barrier:
+        mode = "registers"
+    elif limits.barrier and limits.scratch_bytes // piece_bytes >= limits.programs:
+        mode = "slots"
+    else:
+        mode = "split"
+    tile = whole if mode == "registers" else _tile(rows, word, align, limits)
     programs = min(items, limits.programs)
-    if not in_registers:
-        programs = min(programs, limits.scratch_bytes // (rows.words * word))
+    chunks, round_pieces, halves = 1, 0, 0
+    schedule: tuple[Round, ...] = ()
+    if mode == "split":
+        # A piece beyond the budget still needs all of its scratch: one piece a round.
+        round_pieces = max(1, limits.scratch_bytes // (2 * piece_bytes))
+        halves = 2 if 2 * round_pieces * piece_bytes <= limits.scratch_bytes else 1
+        chunks = ceil(rows.rows / tile.rows)
+        schedule = _schedule(items, round_pieces, halves)
+        programs = limits.programs  # each launch: as many as its round's chunks, up to this
     return ReceiveLaunch(
         word_bytes=word,
-        # Rows start at multiples of the run (row strides are), so alignment is shared.
-        align_bytes=widest_word(alignment, rows.run * word, plan.region_bytes, most=16),
+        align_bytes=align,
         parts=plan.parts,
         region_words=plan.region_bytes // word,
         pieces=pieces,
         rows=rows,
         tile=tile,
-        in_registers=in_registers,
+        mode=mode,
         items=items,
         programs=max(1, programs),
         num_warps=_warps(tile, word),
+        chunks=chunks,
+        round_pieces=round_pieces,
+        halves=halves,
+        schedule=schedule,
     )
 
 
@@ -246,11 +380,12 @@ def plan_copy_launch(plan: CopyPlan, *, pairs: int, blocks: int, alignment: int,
         [d // word for d in loops.dst_strides],
         loops.run_bytes // word,
     )
-    tile = _tile(rows, word, limits.tile_bytes)
+    align = widest_word(alignment, *strides, most=16)
+    tile = _tile(rows, word, align, limits)
     items = _items(pairs * blocks)
     return CopyLaunch(
         word_bytes=word,
-        align_bytes=widest_word(alignment, *strides, most=16),
+        align_bytes=align,
         rows=rows,
         tile=tile,
         items=items,

@@ -1,13 +1,18 @@
 """Figures from one run on a GPU: staging bandwidth, and the Triton kernels against the torch path and memcpy.
 
-    python -m kvhost_cuda.gpucheck [--device cuda] [--quick] [--json PATH]
+    python -m kvhost_cuda.gpucheck [--device cuda] [--quick] [--out DIR]
 
 Every figure is a ratio measured side by side in this one process (medians of several
 repetitions, the device synchronized around each): a receive or device copy against a
 device-to-device ``copy_`` of the same bytes (memcpy, the roofline: an in-place
 rearrangement reads and writes every byte once), host staging against a plain ``copy_``
-of a contiguous pinned tensor of the same size, each way. ``ci/gpu-check.sh`` runs it
-after the cuda-marked conformance suite; ``measure`` also runs on the CPU (tests).
+of a contiguous pinned tensor of the same size, each way. Each row also says how many
+kernel launches one call made and how many programs the largest had (against the
+device's multiprocessors), and whether the method's bytes agree with the torch path's.
+
+Rows are printed and appended to ``DIR/figures.jsonl`` as they are measured, after
+``DIR/machine.json``: a run cut short still leaves every figure it took.
+``ci/gpu-check.sh`` runs it; ``measure`` also runs on the CPU (tests).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +33,7 @@ import torch
 
 import kvhost
 from kvhost.backend import Backend
-from kvhost.testing import make_cache
+from kvhost.testing import make_cache, raw
 
 
 @dataclass(frozen=True)
@@ -50,26 +56,32 @@ class Row:
     seconds: float  # median
     bytes: int
     fraction: float  # time of the reference (memcpy, or a plain pinned copy_ for staging) / this time
+    launches: int = 0  # kernel launches in one call (0: none of kvhost's kernels)
+    programs: int = 0  # programs of its largest launch
+    agrees: str = ""  # "yes" when the bytes equal the torch path's, "NO" when not, "" when not compared
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9
 
 
+Emit = Callable[[Row], None]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median wall time of ``run`` with the device drained before and after each repetition."""
-
-    def sync() -> None:
-        if device.type != "cpu":
-            torch.accelerator.synchronize(device)
-
     run()  # warm-up: compiles kernels, fills allocator caches
     times = []
     for _ in range(repeats):
-        sync()
+        _sync(device)
         start = time.perf_counter()
         run()
-        sync()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -81,6 +93,44 @@ def memcpy_seconds(device: torch.device, nbytes: int, repeats: int) -> float:
     return median_seconds(lambda: dst.copy_(src), device, repeats)
 
 
+class Launches:
+    """The grids of the kernels a backend launches (through ``AcceleratorBackend.launch``)."""
+
+    def __init__(self, backends: Mapping[str, Backend]) -> None:
+        self.grids: dict[str, list[int]] = {}
+        for method, backend in backends.items():
+            launch = getattr(backend, "launch", None)
+            if launch is None:
+                continue
+            grids = self.grids[method] = []
+
+            def recording(call: Any, launch: Callable[[Any], None] = launch, grids: list[int] = grids) -> None:
+                grids.append(int(call.grid[0]))
+                launch(call)
+
+            backend.launch = recording  # type: ignore[attr-defined]
+
+    def of(self, method: str, run: Callable[[], object]) -> tuple[int, int]:
+        """(launches, largest grid) of one call of ``run``."""
+        grids = self.grids.get(method)
+        if grids is None:
+            run()
+            return 0, 0
+        grids.clear()
+        run()
+        return len(grids), max(grids, default=0)
+
+
+def agreement(outputs: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:
+    """Per method, whether its bytes equal the torch path's (the first method's where there is none)."""
+    reference = outputs.get("torch", next(iter(outputs.values())))
+
+    def same(out: Mapping[str, torch.Tensor]) -> bool:
+        return all(torch.equal(raw(out[name]).cpu(), raw(reference[name]).cpu()) for name in reference)
+
+    return {method: "yes" if same(out) else "NO" for method, out in outputs.items()}
+
+
 def compare(
     rows: list[Row],
     workload: str,
@@ -88,14 +138,25 @@ def compare(
     reference: Callable[[int], float],
     device: torch.device,
     repeats: int,
+    *,
+    launches: Launches | None = None,
+    agrees: Mapping[str, str] | None = None,
+    emit: Emit | None = None,
 ) -> None:
     """Time every method of one workload against ``reference(bytes)``; bytes come from kvhost's own result."""
     nbytes = next(iter(calls.values()))().bytes_moved
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        if emit is not None:
+            emit(row)
+
     baseline = reference(nbytes)
-    rows.append(Row(workload, "memcpy", baseline, nbytes, 1.0))
+    add(Row(workload, "memcpy", baseline, nbytes, 1.0))
     for method, call in calls.items():
+        count, programs = launches.of(method, call) if launches is not None else (0, 0)
         seconds = median_seconds(call, device, repeats)
-        rows.append(Row(workload, method, seconds, nbytes, baseline / seconds))
+        add(Row(workload, method, seconds, nbytes, baseline / seconds, count, programs, (agrees or {}).get(method, "")))
 
 
 def cache_set(device: torch.device, sizes: Sizes, physical: str, blocks: int, tokens: int) -> dict[str, torch.Tensor]:
@@ -106,10 +167,39 @@ def cache_set(device: torch.device, sizes: Sizes, physical: str, blocks: int, to
     return caches
 
 
-def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes) -> list[Row]:
+def _clone(caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy with the same strides, pinned where the original is."""
+    out = {}
+    for name, t in caches.items():
+        copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=_pinned(t))
+        out[name] = copy.copy_(t)
+    return out
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and torch.accelerator.is_available() and t.is_pinned()
+
+
+def _outputs(
+    backends: Mapping[str, Backend],
+    writes: Mapping[str, torch.Tensor],
+    run: Callable[[Backend, dict[str, torch.Tensor]], object],
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each method's result: ``run(backend, copy)`` on its own copy of the tensors the workload writes."""
+    outputs = {}
+    for method, backend in backends.items():
+        copy = _clone(writes)
+        run(backend, copy)
+        outputs[method] = copy
+    return outputs
+
+
+def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, emit: Emit | None = None) -> list[Row]:
     """Every workload, every method; ``backends`` maps a method name ("triton", "torch") to a backend."""
     rows: list[Row] = []
     rng = np.random.default_rng(1)
+    launches = Launches(backends)
+    timed = functools.partial(compare, rows, device=device, repeats=sizes.repeats, launches=launches, emit=emit)
 
     def memcpy(nbytes: int) -> float:
         return memcpy_seconds(device, nbytes, sizes.repeats)
@@ -119,41 +209,45 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes) ->
         caches = cache_set(device, sizes, "KBNHC", sizes.receive_units * parts + 8, local)
         ids = rng.permutation(sizes.receive_units * parts + 8)[: sizes.receive_units * parts]
         requests = {f"r{i}": ids[i : i + 4 * parts] for i in range(0, ids.size, 4 * parts)}
-        calls = {
-            method: functools.partial(
-                kvhost.receive,
-                caches,
-                requests,
-                axes="KBNHC",
-                remote_order="HNC",
-                remote_block_size=remote,
-                backend=backend,
-            )
-            for method, backend in backends.items()
-        }
-        compare(rows, workload, calls, memcpy, device, sizes.repeats)
-        del caches, calls
+        receive = functools.partial(
+            kvhost.receive, requests=requests, axes="KBNHC", remote_order="HNC", remote_block_size=remote
+        )
+
+        def received(backend: Backend, out: dict[str, torch.Tensor], receive: Any = receive) -> object:
+            return receive(out, backend=backend)
+
+        outputs = _outputs(backends, caches, received)
+        calls = {method: functools.partial(receive, caches, backend=backend) for method, backend in backends.items()}
+        timed(workload, calls, memcpy, agrees=agreement(outputs))
+        del caches, calls, outputs
 
     # Scattered blocks between two layouts on the device (what a staged copy does on the device).
     blocks = sizes.staging_blocks
     src = cache_set(device, sizes, "KBNHC", 2 * blocks, 16)
     dst = cache_set(device, sizes, "KBHNC", 2 * blocks, 16)
     src_ids, dst_ids = rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks]
-    copies = {
-        method: functools.partial(kvhost.copy_blocks, src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend)
-        for method, backend in backends.items()
-    }
-    compare(rows, "device copy, scattered, NHD->HND", copies, memcpy, device, sizes.repeats)
-    del dst
-    rows += _staging(device, backends, sizes, src, rng)
+    copy = functools.partial(kvhost.copy_blocks, src_ids=src_ids, dst_ids=dst_ids, axes="KBNHC")
+
+    def copied(backend: Backend, out: dict[str, torch.Tensor]) -> object:
+        return copy(src, out, backend=backend)
+
+    outputs = _outputs(backends, dst, copied)
+    copies = {method: functools.partial(copy, src, dst, backend=backend) for method, backend in backends.items()}
+    timed("device copy, scattered, NHD->HND", copies, memcpy, agrees=agreement(outputs))
+    del dst, outputs
+    _staging(device, backends, sizes, src, rng, timed)
     return rows
 
 
 def _staging(
-    device: torch.device, backends: dict[str, Backend], sizes: Sizes, on_device: dict[str, torch.Tensor], rng: Any
-) -> list[Row]:
+    device: torch.device,
+    backends: dict[str, Backend],
+    sizes: Sizes,
+    on_device: dict[str, torch.Tensor],
+    rng: Any,
+    timed: Callable[..., None],
+) -> None:
     """Host <-> device through kvhost against a plain ``copy_`` of a contiguous pinned tensor of the same bytes."""
-    rows: list[Row] = []
     blocks = sizes.staging_blocks
     pin = device.type != "cpu"
 
@@ -175,30 +269,63 @@ def _staging(
             host = {name: t.pin_memory() for name, t in host.items()}
         for ids_name, device_ids in (("runs", runs), ("scattered", scattered)):
             for way in ("load", "save"):
-                src, dst, src_ids, dst_ids = (
-                    (host, on_device, slots, device_ids) if way == "load" else (on_device, host, device_ids, slots)
-                )
-                calls = {
-                    method: functools.partial(kvhost.copy_blocks, src, dst, src_ids, dst_ids, axes="KBNHC", backend=b)
-                    for method, b in backends.items()
-                }
+                src, dst = (host, on_device) if way == "load" else (on_device, host)
+                src_ids, dst_ids = (slots, device_ids) if way == "load" else (device_ids, slots)
+                copy = functools.partial(kvhost.copy_blocks, src_ids=src_ids, dst_ids=dst_ids, axes="KBNHC")
+
+                def staged(backend: Backend, out: dict[str, torch.Tensor], copy: Any = copy, src: Any = src) -> object:
+                    return copy(src, out, backend=backend)
+
+                outputs = _outputs(backends, dst, staged)
+                calls = {method: functools.partial(copy, src, dst, backend=b) for method, b in backends.items()}
                 workload = f"staging {way}, {ids_name} device ids, {'pinned' if pinned else 'pageable'} host"
-                compare(rows, workload, calls, plain(way), device, sizes.repeats)
-    return rows
+                timed(workload, calls, plain(way), agrees=agreement(outputs))
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'workload':48} {'method':8} {'ms':>9} {'GB/s':>8} {'x ref':>7}"]
-    for row in rows:
-        lines.append(f"{row.workload:48} {row.method:8} {row.seconds * 1e3:9.3f} {row.gbps:8.1f} {row.fraction:7.2f}")
-    return "\n".join(lines)
+    return "\n".join([header(), *(line(row) for row in rows)])
+
+
+def header() -> str:
+    columns = f"{'ms':>9} {'GB/s':>8} {'x ref':>7} {'launches':>8} {'programs':>8} {'agrees':>6}"
+    return f"{'workload':48} {'method':8} {columns}"
+
+
+def line(row: Row) -> str:
+    return (
+        f"{row.workload:48} {row.method:8} {row.seconds * 1e3:9.3f} {row.gbps:8.1f} {row.fraction:7.2f} "
+        f"{row.launches or '':>8} {row.programs or '':>8} {row.agrees:>6}"
+    )
+
+
+def machine(device: torch.device, chosen: Backend, sizes: Sizes) -> dict[str, Any]:
+    """The device (name, multiprocessors, L2, memory), the versions, and the backend's path."""
+    props = torch.get_device_module(device.type).get_device_properties(device)
+    info: dict[str, Any] = {"name": getattr(props, "name", str(device)), "device": device.type}
+    for key, names in (
+        ("multiprocessors", ("multi_processor_count", "gpu_subslice_count", "max_compute_units")),
+        ("L2_bytes", ("L2_cache_size",)),
+        ("memory_bytes", ("total_memory",)),
+    ):
+        info[key] = next((int(getattr(props, name)) for name in names if getattr(props, name, None)), None)
+    info["torch"] = torch.__version__
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    info["backend"] = chosen.describe()
+    info["sizes"] = asdict(sizes)
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvhost_cuda.gpucheck", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda or xpu (default cuda)")
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
-    parser.add_argument("--json", help="write the rows and the machine here")
+    parser.add_argument("--out", help="write machine.json and figures.jsonl here, each row as it is measured")
+    parser.add_argument("--json", help="also write every row and the machine to this file at the end")
     args = parser.parse_args(argv)
     device = torch.device(args.device, 0)
     if device.type not in ("cuda", "xpu"):
@@ -208,21 +335,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpucheck: the {device.type} backend cannot run here (kvhost picked {chosen.name!r})", file=sys.stderr)
         return 1
     backends = {"triton": chosen, "torch": type(chosen)(use_triton=False)}  # type: ignore[call-arg]
-    print(f"gpucheck: {chosen.describe()}", flush=True)
     sizes = QUICK if args.quick else Sizes()
-    rows = measure(device, backends, sizes)
-    print(table(rows))
+    info = machine(device, chosen, sizes)
+    print(f"gpucheck: {info}", flush=True)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "machine.json").write_text(json.dumps(info, indent=2))
+        (out / "figures.jsonl").write_text("")
+
+    def emit(row: Row) -> None:
+        print(line(row), flush=True)
+        if out is not None:
+            with open(out / "figures.jsonl", "a") as figures:
+                figures.write(json.dumps(asdict(row) | {"gbps": row.gbps}) + "\n")
+
+    print(header(), flush=True)
+    rows = measure(device, backends, sizes, emit)
     if args.json:
-        machine = {
-            "device": device.type,
-            "name": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-            "torch": torch.__version__,
-            "backend": chosen.describe(),
-            "sizes": asdict(sizes),
-        }
-        rows_out = [asdict(row) | {"gbps": row.gbps} for row in rows]
-        with open(args.json, "w") as out:
-            json.dump({"machine": machine, "rows": rows_out}, out, indent=2)
+        with open(args.json, "w") as file:
+            json.dump({"machine": info, "rows": [asdict(row) | {"gbps": row.gbps} for row in rows]}, file, indent=2)
+    disagree = [f"{row.workload} ({row.method})" for row in rows if row.agrees == "NO"]
+    if disagree:
+        print(f"gpucheck: FAIL: bytes differ from the torch path's: {'; '.join(disagree)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -8,9 +8,13 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
 ``kvhost.receive`` rearranges them in place.
 
     tables.py     RegionTable, region_table: where a layer dict's regions live
-    plans.py      TransferPlan, plan_transfer: two tables paired, descriptor rows per request
+    plans.py      TransferPlan, plan_transfer: two tables paired, descriptor rows per request, merged
     agent.py      Agent, Reader, Transfer: NIXL itself, imported on first use (load_nixl)
     handshake.py  auth, hello and done between two engines; accept_hello on a listening socket
+    engine.py     EngineSpec: what an engine holds; refusal: can two engines work together
+    ranks.py      tensor parallelism either way: head_shares, plan_ranks (RankPlan), RankReader
+    peers.py      engines on different hosts: the secret proved both ways, offers, beats (connect)
+    server.py     the prefill side: Server serves many decode engines, lets go when one goes away
     framing.py    the framed, checksummed control messages (encode, decode, send, receive)
     fields.py     strict checks of what a peer sends (Fields) and of every timeout
     errors.py     NixlUnavailableError, TransferError, ProtocolError, InvalidTimeoutError
@@ -18,12 +22,16 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
 Importing this package imports no NIXL: ``Agent`` loads it when one is made.
 """
 
-from kvhost.nixl.agent import NIXL_MODULES, Agent, Reader, Transfer, load_nixl
+from kvhost.nixl.agent import NIXL_MODULES, Agent, Reader, Transfer, load_nixl, merge_domains
+from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, refusal
 from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
 from kvhost.nixl.fields import MAX_WAIT_SECONDS, Fields, check_seconds
 from kvhost.nixl.framing import Message, decode, encode, receive, send
 from kvhost.nixl.handshake import Hello, RemoteRequest, accept_hello, parse_hello, prove, send_hello
-from kvhost.nixl.plans import TransferPlan, extent_rows, plan_transfer
+from kvhost.nixl.peers import Offer, Session, connect
+from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, merge_rows, plan_transfer, stream_extents
+from kvhost.nixl.ranks import HeadShare, RankPlan, RankReader, head_shares, latent_source, plan_ranks
+from kvhost.nixl.server import PeerHello, PeerRecord, Server
 from kvhost.nixl.tables import (
     COORD_LETTERS,
     MAX_STREAMS,
@@ -36,36 +44,55 @@ from kvhost.nixl.tables import (
 
 __all__ = [
     "COORD_LETTERS",
+    "MAX_DESCRIPTOR_BYTES",
     "MAX_STREAMS",
     "MAX_WAIT_SECONDS",
     "MEMORY_OF_DEVICE",
     "NIXL_MODULES",
     "Agent",
+    "EngineSpec",
     "Fields",
+    "HeadShare",
     "Hello",
+    "IncompatibleEngineError",
     "InvalidTimeoutError",
     "Message",
     "NixlUnavailableError",
+    "Offer",
+    "PeerHello",
+    "PeerRecord",
     "ProtocolError",
+    "RankPlan",
+    "RankReader",
     "Reader",
     "RegionTable",
     "RemoteRequest",
+    "Server",
+    "Session",
     "Stream",
     "Transfer",
     "TransferError",
     "TransferPlan",
     "accept_hello",
     "check_seconds",
+    "connect",
     "decode",
     "encode",
     "extent_rows",
+    "head_shares",
+    "latent_source",
     "load_nixl",
     "memory_spans",
+    "merge_domains",
+    "merge_rows",
     "parse_hello",
+    "plan_ranks",
     "plan_transfer",
     "prove",
     "receive",
+    "refusal",
     "region_table",
     "send",
     "send_hello",
+    "stream_extents",
 ]

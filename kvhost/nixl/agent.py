@@ -20,13 +20,14 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvhost.caches import CacheSet, Layer
 from kvhost.ids import Ids
 from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
 from kvhost.nixl.fields import check_seconds
-from kvhost.nixl.plans import TransferPlan, extent_rows
+from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, stream_extents
 from kvhost.nixl.tables import RegionTable, as_cache_set, memory_spans, region_table
 
 # The ``nixl`` meta package forwards ``nixl._api`` to whichever CUDA build is installed.
@@ -53,12 +54,17 @@ class Agent:
     ``register`` pins a layer dict (tensors are kept alive until ``close``) and returns its
     table; ``metadata()`` is what the peer needs to reach it; ``reader`` reads or writes
     the requests of a plan towards one peer.
+
+    ``progress_thread``: NIXL's progress thread drives the transport in the background. It
+    polls without pause (about half a core when idle, measured on a 2-core machine); an
+    agent that polls its transfers itself (``Transfer.poll``, ``get_new_notifs``) may go
+    without it.
     """
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = True) -> None:
         module = load_nixl()
         try:
-            config = module.nixl_agent_config(backends=list(backends))
+            config = module.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
             self._nixl: Any = module.nixl_agent(name, config)
         except Exception as err:  # NIXL raises its own exception types from C++
             raise NixlUnavailableError(f"could not start NIXL agent {name!r}: {type(err).__name__}: {err}") from None
@@ -115,12 +121,15 @@ class Agent:
             with contextlib.suppress(Exception):  # a peer that died may already be gone
                 self._nixl.remove_remote_agent(peer)
 
-    def reader(self, plan: TransferPlan, peer: str) -> Reader:
-        """Prepared descriptor lists of ``plan`` towards ``peer``, to read (or write) requests."""
+    def reader(
+        self, plan: TransferPlan, peer: str, *, max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES
+    ) -> Reader:
+        """A reader of ``plan`` towards ``peer``, to read (or write) requests; see ``Reader``
+        for ``max_descriptor_bytes``."""
         self._check_open()
         if peer not in self._peers:
             raise TransferError(f"agent {self.name!r} has no peer {peer!r}: add_peer its metadata first")
-        reader = Reader(self, plan, peer)
+        reader = Reader(self, plan, peer, max_descriptor_bytes=max_descriptor_bytes)
         self._readers.append(reader)
         return reader
 
@@ -158,24 +167,36 @@ class Reader:
     those. When the reader is made, both tables' extents (the first and last block of every
     stream) are checked against the memory NIXL knows to be registered: a peer's table that
     names memory its agent has not registered is refused here, not at its first read.
+
+    Pieces that continue one another on both sides go as one descriptor of up to
+    ``max_descriptor_bytes`` (``TransferPlan.merged_pairs``); None gives one descriptor per
+    piece, as engines post them today. A merged descriptor must lie in one registered
+    region on each side, so the reader asks NIXL once which memory one descriptor may span
+    (``merge_domains``): each stream whole, and streams that meet (layers laid out block by
+    block in one buffer) together where one region holds them all.
     """
 
-    def __init__(self, agent: Agent, plan: TransferPlan, peer: str) -> None:
+    def __init__(
+        self, agent: Agent, plan: TransferPlan, peer: str, *, max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES
+    ) -> None:
+        if max_descriptor_bytes is not None and (
+            isinstance(max_descriptor_bytes, bool)
+            or not isinstance(max_descriptor_bytes, int)
+            or max_descriptor_bytes < 1
+        ):
+            raise TransferError(
+                f"max_descriptor_bytes must be a positive integer or None, got {max_descriptor_bytes!r}"
+            )
         self.agent = agent
         self.plan = plan
         self.peer = peer
-        nixl = agent.nixl
-        for side, table, owner in (("local", plan.local, "NIXL_INIT_AGENT"), ("remote", plan.remote, peer)):
-            try:
-                nixl.prep_xfer_dlist(owner, extent_rows(table), table.memory).release()
-            except Exception as err:
-                if side == "local":
-                    raise TransferError(f"the local table names memory this agent has not registered: {err}") from None
-                raise TransferError(
-                    f"preparing the descriptors of peer {peer!r} failed ({err}): "
-                    f"its table names memory it has not registered ({len(table.streams)} streams of "
-                    f"{table.num_blocks} blocks of {table.run_bytes} bytes)"
-                ) from None
+        check_registered(agent, plan.local, None)
+        check_registered(agent, plan.remote, peer)
+        self.max_descriptor_bytes = max_descriptor_bytes
+        self.local_domains = self.remote_domains = None
+        if max_descriptor_bytes is not None:
+            self.local_domains = merge_domains(agent.nixl, "NIXL_INIT_AGENT", plan.local)
+            self.remote_domains = merge_domains(agent.nixl, peer, plan.remote)
         self.closed = False
 
     def read(self, local_ids: Ids, remote_ids: Ids, *, notify: bytes = b"") -> Transfer:
@@ -189,8 +210,8 @@ class Reader:
     def _start(self, op: str, local_ids: Ids, remote_ids: Ids, notify: bytes) -> Transfer:
         if self.closed:
             raise TransferError(f"reader towards {self.peer!r} is closed")
-        local_rows, remote_rows = self.plan.descriptor_pairs(local_ids, remote_ids)
-        nbytes = local_rows.shape[0] * self.plan.chunk_bytes
+        local_rows, remote_rows = self.descriptors(local_ids, remote_ids)
+        nbytes = int(local_rows[:, 1].sum())
         nixl = self.agent.nixl
         try:
             local = nixl.get_xfer_descs(local_rows, self.plan.local.memory)
@@ -198,28 +219,132 @@ class Reader:
             handle = nixl.initialize_xfer(op, local, remote, self.peer, notify)
         except Exception as err:
             raise TransferError(f"{op} from {self.peer!r}: creating the transfer failed: {err}") from None
-        return Transfer.post(self, handle, nbytes, op)
+        return Transfer.post(self, handle, nbytes, op, descriptors=local_rows.shape[0])
+
+    def descriptors(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
+        """The (address, length, device id) rows a read of these blocks posts: local and remote."""
+        if self.max_descriptor_bytes is None:
+            return self.plan.descriptor_pairs(local_ids, remote_ids)
+        return self.plan.merged_pairs(
+            local_ids,
+            remote_ids,
+            max_bytes=self.max_descriptor_bytes,
+            local_domains=self.local_domains,
+            remote_domains=self.remote_domains,
+        )
 
     def close(self) -> None:
         self.closed = True
+
+
+def merge_domains(nixl: Any, owner: str, table: RegionTable) -> np.ndarray:
+    """Per stream of ``table``, a label: streams with one label lie in one region NIXL has
+    registered for ``owner`` (``NIXL_INIT_AGENT``: this agent), so one descriptor may span
+    them; -1 where not even the stream's own blocks do (memory registered block by block).
+
+    Streams whose extents meet are tried together first (one descriptor covering them
+    all), then, where that is refused, each stream on its own: one NIXL call when every
+    cluster is registered whole, one per cluster and stream where it is not.
+    """
+    extents = stream_extents(table)
+    count = extents.shape[0]
+    order = np.argsort(extents[:, 0], kind="stable")
+    ends = extents[order, 0] + extents[order, 1]
+    reach = np.maximum.accumulate(ends)
+    cluster_of = np.concatenate(([0], np.cumsum(extents[order[1:], 0] > reach[:-1])))
+    clusters = int(cluster_of[-1]) + 1
+    first = np.flatnonzero(np.concatenate(([True], np.diff(cluster_of) > 0)))
+    spans = np.empty((clusters, 3), dtype=np.uint64)
+    spans[:, 0] = extents[order[first], 0]
+    spans[:, 1] = np.maximum.reduceat(ends, first) - spans[:, 0]
+    spans[:, 2] = table.device_id
+    labels = np.full(count, -1, dtype=np.int64)
+    if _registered(nixl, owner, spans, table.memory):
+        labels[order] = cluster_of
+        return labels
+    for cluster in range(clusters):
+        members = order[cluster_of == cluster]
+        if members.size > 1 and _registered(nixl, owner, spans[cluster : cluster + 1], table.memory):
+            labels[members] = cluster
+            continue
+        for stream in members.tolist():
+            if _registered(nixl, owner, extents[stream : stream + 1], table.memory):
+                labels[stream] = clusters + stream
+    return labels
+
+
+def _registered(nixl: Any, owner: str, rows: np.ndarray, memory: str) -> bool:
+    """Whether NIXL accepts every row as lying in one region registered for ``owner``."""
+    try:
+        nixl.prep_xfer_dlist(owner, rows, memory).release()
+    except Exception:  # NIXL refuses a list with any descriptor outside registered memory
+        return False
+    return True
+
+
+def check_registered(agent: Agent, table: RegionTable, peer: str | None) -> None:
+    """NIXL must accept the first and last block of every stream of ``table``: this agent's
+    (``peer`` None) or ``peer``'s registered memory. A TransferError names the side at fault."""
+    owner = "NIXL_INIT_AGENT" if peer is None else peer
+    try:
+        agent.nixl.prep_xfer_dlist(owner, extent_rows(table), table.memory).release()
+    except Exception as err:
+        if peer is None:
+            raise TransferError(f"the local table names memory this agent has not registered: {err}") from None
+        raise TransferError(
+            f"preparing the descriptors of peer {peer!r} failed ({err}): "
+            f"its table names memory it has not registered ({len(table.streams)} streams of "
+            f"{table.num_blocks} blocks of {table.run_bytes} bytes)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Link:
+    """An agent and one of its peers: what a transfer needs to be polled and named."""
+
+    agent: Agent
+    peer: str
+
+
+def post_rows(
+    agent: Agent,
+    peer: str,
+    op: str,
+    local_rows: np.ndarray,
+    remote_rows: np.ndarray,
+    memory: tuple[str, str],
+    *,
+    notify: bytes = b"",
+) -> Transfer:
+    """Post one transfer of descriptor rows built elsewhere (``kvhost.nixl.ranks``): local rows
+    ``memory[0]``, the peer's ``memory[1]``."""
+    nixl = agent.nixl
+    try:
+        local = nixl.get_xfer_descs(local_rows, memory[0])
+        remote = nixl.get_xfer_descs(remote_rows, memory[1])
+        handle = nixl.initialize_xfer(op, local, remote, peer, notify)
+    except Exception as err:
+        raise TransferError(f"{op} from {peer!r}: creating the transfer failed: {err}") from None
+    return Transfer.post(Link(agent, peer), handle, int(local_rows[:, 1].sum()), op)
 
 
 @dataclass
 class Transfer:
     """One posted transfer: ``poll()`` until True, or ``wait(timeout)``; ``release()`` when done."""
 
-    reader: Reader
+    reader: Reader | Link
     handle: Any = field(repr=False)
     nbytes: int
     op: str
+    descriptors: int = 0  # descriptor pairs posted
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
     released: bool = False
 
     @classmethod
-    def post(cls, reader: Reader, handle: Any, nbytes: int, op: str) -> Transfer:
+    def post(cls, reader: Reader | Link, handle: Any, nbytes: int, op: str, *, descriptors: int = 0) -> Transfer:
         """Post a created NIXL transfer (``handle``) towards ``reader``'s peer."""
-        transfer = cls(reader, handle, nbytes, op)
+        transfer = cls(reader, handle, nbytes, op, descriptors)
         try:
             state = reader.agent.nixl.transfer(handle)
         except Exception as err:

@@ -78,15 +78,20 @@ def hello_header(
     table: RegionTable, requests: Sequence[RemoteRequest], *, pid: int, extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The JSON of a hello: the table, and the requests as columns (bulk integers as arrays)."""
+    return {**(extra or {}), "pid": pid, "table": table.to_dict(), "requests": request_columns(requests, table)}
+
+
+def request_columns(requests: Sequence[RemoteRequest], table: RegionTable) -> dict[str, Any]:
+    """Requests whose blocks ``table`` holds, as columns: names (JSON); numbers, token counts
+    and the block ids of all of them back to back (arrays)."""
     id_type = np.uint32 if table.num_blocks <= 1 << 32 else np.uint64
     block_ids = [np.asarray(r.remote_ids, dtype=id_type) for r in requests]
-    columns = {
+    return {
         "name": [r.name for r in requests],
         "number": np.array([r.number for r in requests], dtype=np.uint32),
         "tokens": np.array([r.tokens for r in requests], dtype=np.uint32),
         "block_ids": np.concatenate(block_ids) if block_ids else np.zeros(0, dtype=id_type),
     }
-    return {**(extra or {}), "pid": pid, "table": table.to_dict(), "requests": columns}
 
 
 def send_hello(
@@ -111,33 +116,40 @@ def parse_hello(message: Message) -> Hello:
     """
     fields = message.fields(HELLO)
     table = RegionTable.from_dict(fields.fields("table").data, "hello.table", message.arrays)
-    columns = fields.fields("requests")
-    names = columns.texts("name", max_items=MAX_REQUESTS, max_length=64)
-    if not names:
+    requests = parse_requests(fields.fields("requests"), table.block_size, table.num_blocks)
+    if not requests:
         raise ProtocolError("hello.requests.name: empty")
+    if not message.blob:
+        raise ProtocolError("hello: no agent metadata")
+    return Hello(fields.integer("pid", minimum=1, maximum=1 << 31), table, requests, message.blob, fields)
+
+
+def parse_requests(columns: Fields, block_size: int, num_blocks: int) -> list[RemoteRequest]:
+    """Requests sent as ``request_columns``, every field checked: each request's block ids (a
+    view of the frame's bytes) must be as many as its tokens fill blocks of ``block_size``,
+    each below ``num_blocks``. Names are distinct."""
+    where = columns.where
+    names = columns.texts("name", max_items=MAX_REQUESTS, max_length=64)
     if len(set(names)) != len(names):
         i, twice = next((i, name) for i, name in enumerate(names) if name in names[:i])
-        raise ProtocolError(f"hello.requests.name[{i}]: request name {twice!r} appears twice")
+        raise ProtocolError(f"{where}.name[{i}]: request name {twice!r} appears twice")
     numbers = columns.array("number", maximum=1 << 31, max_length=MAX_REQUESTS)
     tokens = columns.array("tokens", minimum=1, maximum=MAX_TOKENS, max_length=MAX_REQUESTS)
     for name, values in (("number", numbers), ("tokens", tokens)):
         if values.size != len(names):
-            raise ProtocolError(f"hello.requests.{name}: {values.size} values for {len(names)} requests")
-    ends = np.cumsum(-(-tokens.astype(np.int64) // table.block_size))
-    ids = columns.array("block_ids", maximum=table.num_blocks - 1, max_length=MAX_ARRAY_BYTES)
-    if ids.size != int(ends[-1]):
+            raise ProtocolError(f"{where}.{name}: {values.size} values for {len(names)} requests")
+    ends = np.cumsum(-(-tokens.astype(np.int64) // block_size))
+    ids = columns.array("block_ids", maximum=num_blocks - 1, max_length=MAX_ARRAY_BYTES)
+    needed = int(ends[-1]) if ends.size else 0
+    if ids.size != needed:
         raise ProtocolError(
-            f"hello.requests.block_ids: {ids.size} block ids, but the requests' tokens need {int(ends[-1])} "
-            f"blocks of {table.block_size}"
+            f"{where}.block_ids: {ids.size} block ids, but the requests' tokens need {needed} blocks of {block_size}"
         )
     starts = [0, *ends[:-1].tolist()]
-    requests = [
+    return [
         RemoteRequest(name, number, count, ids[start:end])
         for name, number, count, start, end in zip(names, numbers.tolist(), tokens.tolist(), starts, ends.tolist())
     ]
-    if not message.blob:
-        raise ProtocolError("hello: no agent metadata")
-    return Hello(fields.integer("pid", minimum=1, maximum=1 << 31), table, requests, message.blob, fields)
 
 
 def send_done(sock: socket.socket, *, ok: bool, timeout: float) -> None:

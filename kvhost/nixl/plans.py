@@ -12,6 +12,12 @@ region order, the bytes then land in the receiver's own layout at its own block 
 with no post-process, at the price of more, smaller descriptors (for HND 16 -> 64, 8x as
 many; ``kvhost demo --via-host`` keeps the regions whole instead and lets
 ``kvhost.receive`` rearrange).
+
+``TransferPlan.merged_pairs`` hands NIXL fewer, larger descriptors: pairs whose pieces
+continue one another on both sides (runs of block ids, the r sub-blocks of one receiver
+block, layers laid out block by block in one buffer) become one pair, up to
+``MAX_DESCRIPTOR_BYTES``. The bytes that land are exactly those of ``descriptor_pairs``;
+only how many operations the transport posts changes (docs/design.md, "Transfers").
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ import numpy as np
 from kvhost.errors import LayoutError, RequestError
 from kvhost.ids import Ids, checked_ids
 from kvhost.nixl.tables import RegionTable, Stream
+
+# The most bytes one merged descriptor moves. Larger descriptors save the transport's
+# per-operation cost (a few microseconds each over UCX); a bound keeps a transfer several
+# operations long, so a transport with several lanes or workers can still spread it, and
+# a transfer's first bytes land before its last are read.
+MAX_DESCRIPTOR_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,113 @@ class TransferPlan:
         Each list is checked as ``kvhost.ids`` checks ids (in range, each block once) and
         may not be empty.
         """
+        local, remote = self._checked(local_ids, remote_ids)
+        chunks = np.arange(remote.size * self.remote_parts, dtype=np.int64)
+        return (
+            self._rows(self.local, self._local_streams, local, self.local_parts, chunks),
+            self._rows(self.remote, self._remote_streams, remote, self.remote_parts, chunks),
+        )
+
+    def merged_pairs(
+        self,
+        local_ids: Ids,
+        remote_ids: Ids,
+        *,
+        max_bytes: int = MAX_DESCRIPTOR_BYTES,
+        local_domains: np.ndarray | None = None,
+        remote_domains: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``descriptor_pairs`` with pairs that continue one another on both sides merged.
+
+        Two pairs merge when the second's local and remote bytes start where the first's
+        end, both lie in one merge domain on their side, and the merged pair moves at most
+        ``max_bytes`` (a single piece larger than that stays whole). Every byte lands where
+        ``descriptor_pairs`` puts it, no other byte is touched. Pieces of two streams merge
+        only where the streams share a domain and their blocks interleave (layers laid out
+        block by block in one buffer); otherwise each stream's pieces merge in the request's
+        order, found from the ids alone (no pass over every piece's address), and rows go
+        stream by stream.
+
+        A domain is memory one descriptor may span: ``local_domains[i]`` labels local stream
+        ``i``, ``remote_domains[j]`` remote stream ``j`` (in ``remote.streams`` order);
+        streams with one label may merge with one another, a negative label merges nothing.
+        By default each stream is its own domain: a stream is one outer index of one tensor,
+        which its owner registers whole (``Reader`` checks that with NIXL, and finds the
+        streams that share registered memory, such as layers laid out in one buffer).
+        """
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
+        kinds = self._merge_kinds(local_domains, remote_domains)
+        if kinds is None:
+            # Streams that share a domain interleave (layers laid out block by block): pieces
+            # of different streams may continue one another, found by sorting every piece.
+            local_rows, remote_rows = self.descriptor_pairs(local_ids, remote_ids)
+            local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)
+            per_stream = local_rows.shape[0] // len(self.local.streams)
+            return merge_rows(
+                local_rows,
+                remote_rows,
+                max_bytes,
+                np.repeat(local_labels, per_stream),
+                np.repeat(remote_labels, per_stream),
+            )
+        local, remote = self._checked(local_ids, remote_ids)
+        return self._merged_in_streams(local, remote, max(1, max_bytes // self.chunk_bytes), kinds)
+
+    def _stream_labels(
+        self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each local stream's domain, and its remote partner's (in the local streams' order)."""
+        local_labels = _labels(local_domains, len(self.local.streams), "local_domains")
+        remote_labels = _labels(remote_domains, len(self.remote.streams), "remote_domains")
+        return local_labels, remote_labels[list(self.remote_streams)]
+
+    def _merge_kinds(self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None) -> list[_Kind] | None:
+        """The streams grouped by how their pieces continue one another: (streams, dense
+        locally, dense remotely, may merge); None where streams that share a domain on a side
+        interleave in memory, so that pieces of two streams may continue one another.
+
+        Streams that share a domain but lie apart (K and V of one tensor) are merged each
+        on its own: two of their pieces continue one another only at a stream's last block,
+        and missing that merge moves the same bytes in one more descriptor. Kept per pair
+        of domain lists (a reader asks with the same two every time).
+        """
+        key = (_key(local_domains), _key(remote_domains))
+        if key in self._kinds_cache:
+            return self._kinds_cache[key]
+        local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)
+        (local_bases, local_strides), (remote_bases, remote_strides) = self._local_streams, self._remote_streams
+        kinds: list[_Kind] | None = None
+        if not (
+            _interleave(local_labels, local_bases, local_strides, self.local)
+            or _interleave(remote_labels, remote_bases, remote_strides, self.remote)
+        ):
+            local_dense = local_strides == np.uint64(self.local_parts * self.chunk_bytes)
+            remote_dense = remote_strides == np.uint64(self.remote_parts * self.chunk_bytes)
+            merging = (local_labels >= 0) & (remote_labels >= 0)
+            code = local_dense * 4 + remote_dense * 2 + merging
+            kinds = []
+            for kind in sorted(set(code.tolist())):
+                streams = np.flatnonzero(code == kind)
+                kinds.append(
+                    _Kind(
+                        (local_bases[streams, None], local_strides[streams, None]),
+                        (remote_bases[streams, None], remote_strides[streams, None]),
+                        bool(kind & 4),
+                        bool(kind & 2),
+                        bool(kind & 1),
+                    )
+                )
+        self._kinds_cache[key] = kinds
+        return kinds
+
+    @cached_property
+    def _kinds_cache(self) -> dict[tuple[object, object], list[_Kind] | None]:
+        return {}
+
+    def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
+        """Both id lists checked (``kvhost.ids``: in range, each block once, not empty), and
+        the local list the length the remote one needs."""
         remote = checked_ids(remote_ids, "remote_ids", self.remote.num_blocks, allow_empty=False)
         local = checked_ids(local_ids, "local_ids", self.local.num_blocks, allow_empty=False)
         want = self.local_blocks_for(remote.size)
@@ -78,11 +197,53 @@ class TransferPlan:
                 f"{remote.size} remote blocks of {self.remote.block_size} tokens need {want} local blocks of "
                 f"{self.local.block_size} tokens, got {local.size} local block ids"
             )
-        chunks = np.arange(remote.size * self.remote_parts, dtype=np.int64)
-        return (
-            self._rows(self.local, self._local_streams, local, self.local_parts, chunks),
-            self._rows(self.remote, self._remote_streams, remote, self.remote_parts, chunks),
-        )
+        return local, remote
+
+    def _merged_in_streams(
+        self, local: np.ndarray, remote: np.ndarray, per: int, kinds: list[_Kind]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Merged rows when pieces merge only within their stream, found from the ids alone.
+
+        A new row starts at piece ``c`` of a request where a side starts a block at ``c``
+        and either its blocks are not dense (block stride > run) or the block id there is
+        not one more than the one before; runs longer than ``per`` pieces are cut every
+        ``per``. That depends on the stream only through its kind (dense locally, dense
+        remotely, may merge), so the cuts are found once per kind (one kind in every cache
+        seen so far) from the places where ids stop counting up, and rows are made for the
+        merged pieces only: a fixed number of numpy calls, none over every piece.
+        """
+        chunk, lp, rp = self.chunk_bytes, self.local_parts, self.remote_parts
+        count = remote.size * rp
+        out: list[list[np.ndarray]] = [[], []]
+        for kind in kinds:
+            if kind.merges:
+                starts = np.zeros(count + 1, dtype=bool)
+                for ids, parts, dense in ((local, lp, kind.local_dense), (remote, rp, kind.remote_dense)):
+                    if dense:
+                        starts[parts * (np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1)] = True
+                    else:
+                        starts[parts::parts] = True
+                starts[0] = starts[count] = True
+                bounds = np.flatnonzero(starts)
+            else:
+                bounds = np.arange(count + 1, dtype=np.int64)
+            first, pieces = _split(bounds, per)
+            lengths = pieces.astype(np.uint64) * np.uint64(chunk)
+            for side, (table, ids, parts, (bases, strides)) in enumerate(
+                ((self.local, local, lp, kind.local), (self.remote, remote, rp, kind.remote))
+            ):
+                at = first if parts == 1 else first // parts
+                address = bases + ids[at].astype(np.uint64) * strides
+                if parts > 1:
+                    address += (first % parts).astype(np.uint64) * np.uint64(chunk)
+                rows = np.empty((bases.shape[0], first.size, 3), dtype=np.uint64)
+                rows[:, :, 0] = address
+                rows[:, :, 1] = lengths
+                rows[:, :, 2] = table.device_id
+                out[side].append(rows.reshape(-1, 3))
+        if len(kinds) == 1:
+            return out[0][0], out[1][0]
+        return np.concatenate(out[0]), np.concatenate(out[1])
 
     @cached_property
     def _local_streams(self) -> tuple[np.ndarray, np.ndarray]:
@@ -150,11 +311,138 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
     return TransferPlan(local, remote, chunk, local.run_bytes // chunk, remote.run_bytes // chunk, tuple(partner))
 
 
+def merge_rows(
+    local_rows: np.ndarray,
+    remote_rows: np.ndarray,
+    max_bytes: int,
+    local_labels: np.ndarray,
+    remote_labels: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of rows of one length, merged where they continue one another on both sides.
+
+    ``*_labels`` give each row's merge domain (negative: merges with nothing). Rows are
+    sorted by local address first: pieces that continue one another locally are then
+    neighbours, whatever order the plan built them in (a local byte is written once). A
+    run of mergeable pairs is cut every ``max_bytes // length`` rows. Vectorised: a few
+    numpy passes over the rows.
+    """
+    count = local_rows.shape[0]
+    if count == 0:
+        return local_rows, remote_rows
+    length = int(local_rows[0, 1])
+    if not ((local_rows[:, 1] == length).all() and (remote_rows[:, 1] == length).all()):
+        raise ValueError("merge_rows takes rows of one length")
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
+    per = max(1, max_bytes // length)
+    if per == 1 or count == 1:
+        return local_rows, remote_rows
+    order = np.argsort(local_rows[:, 0], kind="stable")
+    local_at, remote_at = local_rows[order, 0], remote_rows[order, 0]
+    local_label, remote_label = local_labels[order], remote_labels[order]
+    step = np.uint64(length)
+    follows = (
+        (local_at[1:] == local_at[:-1] + step)
+        & (remote_at[1:] == remote_at[:-1] + step)
+        & (local_label[1:] == local_label[:-1])
+        & (remote_label[1:] == remote_label[:-1])
+        & (local_label[1:] >= 0)
+        & (remote_label[1:] >= 0)
+    )
+    first, counts = _cut(follows, per)
+    pieces = counts.astype(np.uint64)
+    merged = []
+    for rows, at in ((local_rows, local_at), (remote_rows, remote_at)):
+        out = np.empty((first.size, 3), dtype=np.uint64)
+        out[:, 0] = at[first]
+        out[:, 1] = pieces * step
+        out[:, 2] = rows[order[first], 2]
+        merged.append(out)
+    return merged[0], merged[1]
+
+
+def _cut(follows: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where merged rows start, and how many pieces each holds: a new row wherever a piece
+    does not follow the one before it (``follows[i]``: piece i + 1 follows piece i), and
+    every ``per`` pieces of a run."""
+    starts = np.ones(follows.size + 2, dtype=bool)
+    starts[1:-1] = ~follows
+    return _split(np.flatnonzero(starts), per)
+
+
+def _split(bounds: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of pieces ``bounds[i]:bounds[i + 1]`` cut every ``per`` pieces: where each row
+    starts, and how many pieces it holds."""
+    first, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+    if lengths.size == 0 or int(lengths.max()) <= per:
+        return first, lengths
+    rows = (lengths + per - 1) // per
+    before = np.cumsum(rows) - rows
+    index = np.arange(int(rows.sum()), dtype=np.int64)
+    run = np.repeat(np.arange(rows.size), rows)
+    starts = first[run] + (index - before[run]) * per
+    return starts, np.minimum(per, bounds[1:][run] - starts)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Streams whose pieces continue one another alike: each side's (bases, block strides)
+    as columns, whether each side's blocks are dense (stride = run), whether they merge."""
+
+    local: tuple[np.ndarray, np.ndarray]
+    remote: tuple[np.ndarray, np.ndarray]
+    local_dense: bool
+    remote_dense: bool
+    merges: bool
+
+
+def _key(domains: np.ndarray | None) -> tuple[str, tuple[int, ...], bytes] | None:
+    """A list of domains as a dictionary key (its dtype, shape and bytes)."""
+    if domains is None:
+        return None
+    array = np.asarray(domains)
+    return array.dtype.str, array.shape, array.tobytes()
+
+
+def _interleave(labels: np.ndarray, bases: np.ndarray, strides: np.ndarray, table: RegionTable) -> bool:
+    """Whether two streams of one domain (a label of 0 or more) overlap in memory: their
+    blocks interleave, so a piece of one may continue a piece of the other."""
+    ends = bases + strides * np.uint64(table.num_blocks - 1) + np.uint64(table.run_bytes)
+    for label in set(labels[labels >= 0].tolist()):
+        members = np.flatnonzero(labels == label)
+        if members.size > 1:
+            order = members[np.argsort(bases[members], kind="stable")]
+            if (bases[order[1:]] < ends[order[:-1]]).any():
+                return True
+    return False
+
+
+def _labels(domains: np.ndarray | None, streams: int, name: str) -> np.ndarray:
+    """Per-stream merge domains: as given (one per stream), or each stream its own."""
+    if domains is None:
+        return np.arange(streams, dtype=np.int64)
+    labels = np.asarray(domains, dtype=np.int64)
+    if labels.shape != (streams,):
+        raise ValueError(f"{name}: expected one label for each of {streams} streams, got shape {labels.shape}")
+    return labels
+
+
 def _bases_and_strides(streams: Sequence[Stream]) -> tuple[np.ndarray, np.ndarray]:
     return (
         np.array([s.address for s in streams], dtype=np.uint64),
         np.array([s.block_stride for s in streams], dtype=np.uint64),
     )
+
+
+def stream_extents(table: RegionTable) -> np.ndarray:
+    """One (address, length, device id) row per stream: from its first block's run to the end
+    of its last block's run."""
+    bases, strides = _bases_and_strides(table.streams)
+    rows = np.empty((bases.size, 3), dtype=np.uint64)
+    rows[:, 0] = bases
+    rows[:, 1] = strides * np.uint64(table.num_blocks - 1) + np.uint64(table.run_bytes)
+    rows[:, 2] = table.device_id
+    return rows
 
 
 def extent_rows(table: RegionTable) -> np.ndarray:

@@ -9,13 +9,15 @@ wait for a scheduler time slice (8-16 ms per call measured here under load).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
 import os
 import random
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from kvhost_tools.bench.methods import KVHOST, METHODS, ROOFLINE, Workspace, pre
 from kvhost_tools.bench.output import other_tables, plot, table, target_table, to_json
 from kvhost_tools.bench.targets import evaluate, front_end_share
 from kvhost_tools.bench.timing import measure, summarise
+from kvhost_tools.bench.transfer import BOUNDS, PROGRESS, QUICK_DEMO, SWEEP
 from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
 
@@ -54,6 +57,33 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         "--xla-scaling", action="store_true", help="also run kvhost_tpu.scaling.measure_scaling() where present"
     )
     parser.add_argument("--seed", type=int, default=0)
+    transfer = parser.add_argument_group(
+        "transfer", "a NIXL hand-off of the demo's batch, side by side (kvhost_tools/bench/transfer.py)"
+    )
+    transfer.add_argument("--transfer", action="store_true", help="measure the transfer section only")
+    transfer.add_argument("--demo", default=None, help="kvhost demo options of the batch (default: the demo's own)")
+    transfer.add_argument("--inflight", type=int, default=8, help="transfers in flight at once (as the demo)")
+    transfer.add_argument(
+        "--progress",
+        choices=PROGRESS,
+        default="poll",
+        help="how both sides drive NIXL: poll (no progress thread) or NIXL's progress thread",
+    )
+    transfer.add_argument("--peer-netns", help="run the sender under ip netns exec in this network namespace")
+    transfer.add_argument(
+        "--peer-env", action="append", default=[], metavar="KEY=VALUE", help="environment of the sender only"
+    )
+    transfer.add_argument(
+        "--bounds",
+        default=",".join(str(b) for b in BOUNDS),
+        help="other merge bounds to time, bytes, comma-separated (empty: none)",
+    )
+    transfer.add_argument(
+        "--sweep",
+        default=",".join(str(b) for b in SWEEP),
+        help="descriptor sizes of the transport sweep, bytes, comma-separated (0: one per layer; empty: none)",
+    )
+    transfer.add_argument("--seconds", type=float, default=30.0, help="seconds of rounds to aim for")
     parser.add_argument("--in-process", action="store_true", help="measure in this process (see module docstring)")
     args = parser.parse_args(argv)
     if args.requests is not None:
@@ -74,6 +104,19 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for prefix in args.only:
         if not any(name.startswith(prefix) for name in names):
             parser.error(f"--only {prefix!r} matches no scenario ({', '.join(names)})")
+    for name in ("bounds", "sweep"):
+        given = getattr(args, name)
+        try:
+            setattr(args, name, tuple(int(b) for b in given.split(",") if b.strip()))
+        except ValueError:
+            parser.error(f"--{name} {given!r}: give byte counts as integers separated by commas")
+    if any(b < 1 for b in args.bounds) or any(b < 0 for b in args.sweep) or args.inflight < 1:
+        parser.error("--bounds and --inflight must be at least 1, --sweep sizes at least 0")
+    if any("=" not in item for item in args.peer_env):
+        parser.error(f"--peer-env {args.peer_env!r}: give KEY=VALUE")
+    if args.demo is None:
+        args.demo = QUICK_DEMO if args.quick else ""
+    args.argv = [a for a in argv if a != "--in-process"]
     default_dir = Path("bench-results") if args.quick else Path("docs")
     stem = "bench-quick" if args.quick else "bench"
     args.json = args.json or default_dir / f"{stem}.json"
@@ -100,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.transfer:
+        return run_transfer(args)
     preset = PRESETS["quick" if args.quick else "full"]
     if args.no_sweeps:
         preset = replace(preset, sweeps=False)
@@ -167,6 +212,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "verified": all(r["verified_against_baseline"] is not False for r in rows),
         "table": table(rows, [f"kvhost[{b}]" for b in args.backend]),
     }
+    result["transfer"] = _previous(args.json).get("transfer", {})  # measured by --transfer runs
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(to_json(result) + "\n")
     try:
@@ -191,6 +237,45 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not result["verified"]:
         return 2
     return 1 if args.check and not all(t["passed"] for t in targets) else 0
+
+
+def run_transfer(args: argparse.Namespace) -> int:
+    """The transfer section (``transfer.py``): measured, printed, and kept in the results file
+    under ``"transfer"``, one entry per setting, beside what the other scenarios measured."""
+    from kvhost_tools.bench import transfer
+
+    with _loopback_ucx():
+        section = transfer.run(args)
+    print(transfer.table(section))
+    previous = _previous(args.json)
+    key = f"{section['where']}, {section['block_ids']}"
+    previous["transfer"] = {**previous.get("transfer", {}), key: section}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(to_json(previous) + "\n")
+    print(f"\nwrote the transfer section {key!r} into {args.json}", file=sys.stderr)
+    return 1 if args.check and not section["targets"]["passed"] else 0
+
+
+def _previous(path: Path) -> dict[str, Any]:
+    """The results file as it stands (empty when there is none, or it is not ours)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@contextlib.contextmanager
+def _loopback_ucx() -> Iterator[None]:
+    """UCX on loopback, as the demo runs it, unless the caller chose its devices."""
+    added = "UCX_NET_DEVICES" not in os.environ
+    if added:
+        os.environ["UCX_NET_DEVICES"] = "lo"
+    try:
+        yield
+    finally:
+        if added:
+            os.environ.pop("UCX_NET_DEVICES", None)
 
 
 def _progress(row: dict[str, Any]) -> str:

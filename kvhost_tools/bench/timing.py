@@ -138,6 +138,16 @@ def run_queue_wait() -> float:
     return total / 1e9
 
 
+def per_round(measured: Measured, top: str, bottom: str) -> list[float]:
+    """``top / bottom`` in each round where both calls count: the spread of a ratio (its
+    quartiles over rounds)."""
+    pairs = zip(
+        measured.samples[top].seconds, measured.samples[bottom].seconds, measured.used[top], measured.used[bottom]
+    )
+    ratios = [t / b for t, b, keep_t, keep_b in pairs if keep_t and keep_b]
+    return [float(np.quantile(ratios, q)) for q in (0.25, 0.75)] if ratios else []
+
+
 def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str, Any]:
     samples = measured.used_samples()
     row: dict[str, Any] = {
@@ -163,14 +173,6 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
     best = min(baselines, key=lambda name: samples[name].median) if baselines else None
     row["baseline_best"] = best
 
-    def per_round(top: str, bottom: str) -> list[float]:
-        """``top / bottom`` in each round where both calls count: the spread of a ratio."""
-        pairs = zip(
-            measured.samples[top].seconds, measured.samples[bottom].seconds, measured.used[top], measured.used[bottom]
-        )
-        ratios = [t / b for t, b, keep_t, keep_b in pairs if keep_t and keep_b]
-        return [float(np.quantile(ratios, q)) for q in (0.25, 0.75)] if ratios else []
-
     for name, sample in samples.items():
         entry: dict[str, Any] = {
             "median_s": sample.median,
@@ -187,9 +189,9 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
             entry["gbps"] = prepared.nbytes / sample.median / 1e9
         if ROOFLINE in samples:
             entry["fraction"] = samples[ROOFLINE].median / sample.median
-            entry["fraction_rounds_p25_p75"] = per_round(ROOFLINE, name)
+            entry["fraction_rounds_p25_p75"] = per_round(measured, ROOFLINE, name)
         if best is not None:
             entry["speedup"] = samples[best].median / sample.median
-            entry["speedup_rounds_p25_p75"] = per_round(best, name)
+            entry["speedup_rounds_p25_p75"] = per_round(measured, best, name)
         row["methods"][name] = entry
     return row

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhost_tools.blocks import free_list
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -296,16 +298,6 @@ def _point(geometry: Geometry, scenario: str, *changes: Mapping[str, Any]) -> Po
 
 
 def allocator_ids(num_blocks: int, count: int, kind: str, rng: np.random.Generator) -> np.ndarray:
-    """``count`` block ids as an allocator hands them out after some churn.
-
-    ``runs``: runs of 1-8 consecutive free blocks in random order; ``scattered``: a random
-    permutation, so neighbours in the batch are (almost) never neighbours in memory.
-    """
-    if kind == "scattered":
-        return rng.permutation(num_blocks)[:count].astype(np.int64)
-    lengths = rng.integers(1, 9, size=num_blocks)
-    starts = np.cumsum(lengths) - lengths
-    starts, lengths = starts[starts < num_blocks], lengths[starts < num_blocks]
-    order = rng.permutation(starts.size)
-    runs = [np.arange(s, min(s + n, num_blocks)) for s, n in zip(starts[order], lengths[order])]
-    return np.concatenate(runs)[:count].astype(np.int64)
+    """The first ``count`` block ids an allocator hands out (``kvhost_tools.blocks.free_list``):
+    ``runs`` of 1-8 consecutive free blocks in random order, or ``scattered``."""
+    return free_list(num_blocks, rng, kind)[:count]

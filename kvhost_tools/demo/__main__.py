@@ -1,15 +1,21 @@
-"""``python -m kvhost_tools.demo``: the same as ``kvhost demo``; decode starts prefill this way.
+"""``python -m kvhost_tools.demo [prefill|decode] ...``: ``kvhost demo``, or one of its engines.
 
-Prefill's agent is closed by the time ``main`` returns; skipping the interpreter's teardown
-(a second with torch loaded) lets decode finish sooner.
+``kvhost demo`` starts every engine this way. An engine's NIXL agents are closed by the
+time its ``main`` returns; skipping the interpreter's teardown (a second with torch
+loaded) lets the demo finish sooner.
 """
 
 import os
 import sys
 
-from kvhost_tools.demo.cli import main
-
-code = main()
+role = sys.argv[1] if len(sys.argv) > 1 else ""
+if role == "prefill":
+    from kvhost_tools.demo.prefill import main
+elif role == "decode":
+    from kvhost_tools.demo.decode import main
+else:
+    from kvhost_tools.demo.cli import main
+code = main(sys.argv[2:] if role in ("prefill", "decode") else sys.argv[1:])
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(code)

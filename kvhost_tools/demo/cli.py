@@ -1,24 +1,31 @@
-"""``kvhost demo``: a prefill engine hands a batch of requests to a decode engine over real NIXL.
+"""``kvhost demo``: prefill engines hand a batch of requests to decode engines over real NIXL, on this host.
 
-Two OS processes, each with its own NIXL agent over UCX on loopback (UCX_NET_DEVICES=lo
-unless you set it). Decode (this process) listens on 127.0.0.1 only, starts prefill, hands it
-a secret on its stdin, and receives its agent metadata, block table and requests over that
-socket (``kvhost.nixl.handshake``); a connection that does not prove the secret first is
-dropped. Prefill fills its KV cache with values that are a seeded function of (request,
-layer, K/V, token, head, channel). Decode allocates blocks, pulls every request with NIXL
-(``kvhost.nixl``), post-processes the whole batch in one ``kvhost.receive`` call, and
-checks every token bit for bit against the same function.
+The one-command run of ``kvhost prefill`` and ``kvhost decode`` (the same code, see their
+``--help``): every engine is its own OS process with its own NIXL agents over UCX on
+loopback (UCX_NET_DEVICES=lo unless you set it). Prefill engines listen on 127.0.0.1;
+each decode engine connects to all of them, proves a secret this command made (handed to
+every engine on its stdin), pulls its requests with NIXL, post-processes what arrived in
+steps (one ``kvhost.receive`` per rank per step, whatever the senders' layouts), and
+checks every token bit for bit against values both sides compute from the options.
+
+One prefill engine per value of ``--prefill-layout``, ``--prefill-block-size`` and
+``--prefill-tp`` (comma lists; a single value serves every engine): request n is held by
+prefill engine n mod P. ``--decodes D`` decode engines share the prefill engines,
+decode engine j taking the requests j mod D. ``--decode-tp T`` splits each decode engine
+into T ranks, each reading its heads from the prefill ranks that hold them (either TP
+may be the larger); an MLA cache (``--cache mla``) is read once per rank, whole.
 
 ``--via-host`` lands the bytes in a registered host buffer shaped like the decode cache
-instead (the same descriptors), ``kvhost.copy_blocks`` loads them into the cache and
-``kvhost.receive`` rearranges them there: the path of decode engines whose memory NIXL
-cannot reach. ``--decode-ranks R`` splits decode into R ranks of heads/R heads, each
-reading only its share of the sender's heads (heterogeneous tensor parallelism).
-``--kill-prefill-after N`` kills prefill once N requests have arrived: decode reports the
-requests that failed, post-processes and verifies only those that arrived whole, and
-exits 1. ``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the transport
-needs the peer to answer (UCX over TCP alone), the transfers hang and decode's
-per-transfer timeout ends them.
+(the same descriptors); ``kvhost.copy_blocks`` loads them, ``kvhost.receive`` rearranges
+them. ``--kill-prefill-after N`` kills the first prefill engine once N requests have
+arrived at the first decode engine: decode reports the requests that failed,
+post-processes and verifies only those that arrived, and exits 1.
+``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the transport needs the
+peer to answer (UCX over TCP alone), transfers hang and the per-request ``--timeout``
+ends them.
+
+The demo waits for its decode engines ``--run-timeout`` seconds at most (then kills
+them); prefill engines are stopped once the decode engines are done.
 
 Exit status: 0 when every request verified, 1 only when requests failed (did not arrive,
 or did not verify), 2 for anything else (impossible options, a hand-off that could not run).
@@ -28,140 +35,280 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
-from collections.abc import Iterator, Sequence
-from typing import NoReturn
+from collections.abc import Sequence
 
-from kvhost.nixl import MAX_WAIT_SECONDS, InvalidTimeoutError, check_seconds
-from kvhost.nixl.handshake import MAX_REQUESTS
-from kvhost_tools.demo import prefill
-from kvhost_tools.demo.config import DTYPES, EXIT_ERROR, LAYOUTS, Config, refusal
-from kvhost_tools.demo.decode import run_decode
+from kvhost_tools.demo import netenv
+from kvhost_tools.demo.config import (
+    EXIT_ERROR,
+    EXIT_OK,
+    LAYOUTS,
+    EngineShape,
+    memory_available,
+    memory_needed,
+    model_refusal,
+)
+from kvhost_tools.demo.options import (
+    HelpFormatter,
+    Parser,
+    add_model,
+    add_output,
+    add_workload,
+    broadcast,
+    default_layout,
+    listed,
+    model_of,
+    seconds,
+    workload_of,
+)
+from kvhost_tools.demo.processes import Engine
 
-# Where the NIXL/UCX agents of both processes listen, unless the user set it: loopback.
-LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
+# What the engines of the demo pass on unchanged.
+SHARED = ("cache", "layers", "heads", "head_dim", "dtype", "requests", "min_tokens", "max_tokens", "seed")
+DECODE_ONLY = ("backend", "inflight", "timeout", "step")
+
+
+def parser() -> Parser:
+    p = Parser(prog="kvhost demo", description=__doc__, formatter_class=HelpFormatter)
+    add_model(p)
+    add_workload(p)
+    group = p.add_argument_group("prefill engines (one per value of a comma list)")
+    group.add_argument("--prefill-layout", type=listed(str, "LAYOUT"), default=None, help="HND, NHD (MLA)")
+    group.add_argument("--prefill-block-size", type=listed(int, "N"), default=[16], help="tokens per block")
+    group.add_argument("--prefill-tp", type=listed(int, "T"), default=[1], help="tensor-parallel ranks")
+    group = p.add_argument_group("decode engines")
+    group.add_argument("--decodes", type=int, default=1, metavar="D", help="decode engines sharing the prefill ones")
+    group.add_argument("--decode-layout", choices=sorted(LAYOUTS), default=None, help="HND, NHD (MLA)")
+    group.add_argument("--decode-block-size", type=int, default=64, metavar="N", help="tokens per decode block")
+    group.add_argument("--decode-tp", "--decode-ranks", type=int, default=1, metavar="T", help="decode TP ranks")
+    group.add_argument("--via-host", action="store_true", help="land bytes in a host buffer, then copy_blocks")
+    group.add_argument("--backend", default=None, help="kvhost backend for the post-process (None: by device)")
+    group.add_argument("--inflight", type=int, default=8, help="requests in flight at once, per decode engine")
+    group.add_argument("--timeout", type=seconds, default=10.0, help="seconds one request's transfers may take")
+    group.add_argument("--step", type=seconds, default=0.05, help="seconds between post-process steps")
+    faults = p.add_mutually_exclusive_group()
+    faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill 0 after N requests arrived")
+    faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill 0 after N arrived")
+    p.add_argument("--connect-timeout", type=seconds, default=60.0, help="seconds for the engines to start and connect")
+    p.add_argument(
+        "--run-timeout", type=seconds, default=3600.0, help="seconds the decode engines may take in all: then killed"
+    )
+    add_output(p)
+    return p
+
+
+def engines_of(args: argparse.Namespace) -> tuple[list[EngineShape], EngineShape]:
+    """The prefill engines (comma lists zipped, single values broadcast) and the decode engine's shape."""
+    layouts: list[str] = args.prefill_layout or [default_layout(args.cache, None, "HND")]
+    sizes: list[int] = args.prefill_block_size
+    tps: list[int] = args.prefill_tp
+    count = broadcast({"--prefill-layout": layouts, "--prefill-block-size": sizes, "--prefill-tp": tps})
+    for layout in layouts:
+        if layout not in LAYOUTS:
+            raise ValueError(f"--prefill-layout: {layout!r} is not one of {sorted(LAYOUTS)}")
+    prefills = [
+        EngineShape(layouts[min(i, len(layouts) - 1)], sizes[min(i, len(sizes) - 1)], tps[min(i, len(tps) - 1)])
+        for i in range(count)
+    ]
+    decode = EngineShape(default_layout(args.cache, args.decode_layout, "NHD"), args.decode_block_size, args.decode_tp)
+    return prefills, decode
+
+
+def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineShape) -> str | None:
+    """Why the options are impossible (one line naming the option), or None."""
+    model, workload = model_of(args), workload_of(args)
+    shapes = [("prefill-", shape) for shape in prefills] + [("decode-", decode)]
+    problem = model_refusal(model, workload, shapes)
+    if problem:
+        return problem
+    for shape in prefills:
+        big, small = sorted((shape.block_size, decode.block_size), reverse=True)
+        if big % small:
+            return f"block sizes {shape.block_size} and {decode.block_size} must divide one another"
+    for name, value, most in (
+        ("--decodes", args.decodes, 64),
+        ("--inflight", args.inflight, 1 << 14),
+        ("--kill-prefill-after", args.kill_prefill_after, 1 << 14),
+        ("--freeze-prefill-after", args.freeze_prefill_after, 1 << 14),
+    ):
+        least = 0 if "after" in name else 1
+        if value is not None and not least <= value <= most:
+            return f"{name} must be in [{least}, {most}], got {value}"
+    if len(prefills) > 16:
+        return f"at most 16 prefill engines, got {len(prefills)}"
+    needed = sum(memory_needed(model, workload, shape, decode, staging=args.via_host) for shape in prefills)
+    available = memory_available()
+    if available is not None and needed > available:
+        return (
+            f"--layers {model.layers} x --heads {model.heads} x --head-dim {model.head_dim} x --dtype "
+            f"{model.dtype_name}, --requests {workload.requests} of --min-tokens {workload.min_tokens} to "
+            f"--max-tokens {workload.max_tokens} need {needed / 1e9:,.1f} GB for the caches, more than the "
+            f"{available / 1e9:,.1f} GB of memory available"
+        )
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvhost demo``: decode (which starts prefill), or prefill itself (``--role prefill``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    config = config_from(argv)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    """``kvhost demo``: start the engines, wait for them, print what they said."""
+    p = parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        with loopback_ucx():
-            if config.role == "prefill":
-                return prefill.main(config)
-            return run_decode(config, argv)
+        prefills, decode = engines_of(args)
+    except ValueError as err:
+        p.error(str(err))
+    problem = refusal(args, prefills, decode)
+    if problem:
+        p.error(problem)
+    try:
+        return run(args, prefills, decode)
     except Exception:  # a bug: say where, but never exit 1, which means only that requests failed
         traceback.print_exc()
         return EXIT_ERROR
 
 
-def config_from(argv: Sequence[str], *, check: bool = True) -> Config:
-    """The options as a ``Config``; impossible ones (``check``) exit 2 with one line naming the option."""
-    p = parser()
-    args = p.parse_args(argv)
-    config = Config(
-        requests=args.requests,
-        min_tokens=args.min_tokens,
-        max_tokens=args.max_tokens,
-        layers=args.layers,
-        heads=args.heads,
-        head_dim=args.head_dim,
-        dtype=DTYPES[args.dtype],
-        seed=args.seed,
-        prefill_block_size=args.prefill_block_size,
-        decode_block_size=args.decode_block_size,
-        prefill_layout=args.prefill_layout,
-        decode_layout=args.decode_layout,
-        decode_ranks=args.decode_ranks,
-        via_host=args.via_host,
-        backend=args.backend,
-        kill_prefill_after=args.kill_prefill_after,
-        freeze_prefill_after=args.freeze_prefill_after,
-        inflight=args.inflight,
-        timeout=args.timeout,
-        connect_timeout=args.connect_timeout,
-        json_path=args.json,
-        progress=not args.no_progress,
-        role=args.role,
-        port=args.port,
-        hold_timeout=args.hold_timeout,
-    )
-    problem = refusal(config) if check else None
-    if problem is not None:
-        p.error(problem)
-    return config
+def passed(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """These options as the engines take them."""
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every option's default."""
+def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineShape) -> int:
+    env = dict(os.environ)
+    netenv.set_defaults(env, ["127.0.0.1"])
+    secret = os.urandom(32).hex()
+    common = passed(args, SHARED)
+    prefill_engines: list[Engine] = []
+    decode_engines: list[Engine] = []
+    addresses = []
+    progress_fd = os.dup(2) if sys.stderr.isatty() and not args.no_progress else None
+    with tempfile.TemporaryDirectory(prefix="kvhost-demo-") as scratch:
+        try:
+            for index, shape in enumerate(prefills):
+                with socket.create_server(("127.0.0.1", 0)) as listener:
+                    port = listener.getsockname()[1]
+                    argv = [
+                        *common,
+                        *["--layout", shape.layout, "--block-size", str(shape.block_size), "--tp", str(shape.tp)],
+                        *["--share", f"{index}/{len(prefills)}", "--serve", str(args.decodes)],
+                        *["--listen", f"127.0.0.1:{port}", "--listen-fd", str(listener.fileno())],
+                        *["--secret-file", "-", "--idle-timeout", str(args.connect_timeout + 60)],
+                    ]
+                    prefill_engines.append(
+                        Engine(f"prefill {index}", "prefill", argv, secret, pass_fds=[listener.fileno()], env=env)
+                    )
+                addresses.append(f"127.0.0.1:{port}")
+            for index in range(args.decodes):
+                argv = [
+                    *common,
+                    *passed(args, DECODE_ONLY),
+                    *["--layout", decode.layout, "--block-size", str(decode.block_size), "--tp", str(decode.tp)],
+                    *["--share", f"{index}/{args.decodes}", "--prefill", ",".join(addresses)],
+                    *["--secret-file", "-", "--connect-timeout", str(args.connect_timeout)],
+                    *["--json", os.path.join(scratch, f"decode-{index}.json")],
+                    *(["--via-host"] if args.via_host else []),
+                    *(["--no-progress"] if progress_fd is None else ["--progress-fd", str(progress_fd)]),
+                    *(fault_options(args, prefill_engines[0]) if index == 0 else []),
+                ]
+                fds = [progress_fd] if progress_fd is not None else []
+                decode_engines.append(Engine(f"decode {index}", "decode", argv, secret, pass_fds=fds, env=env))
+            deadline = time.monotonic() + args.run_timeout
+            codes = [finish(engine, deadline, args.run_timeout) for engine in decode_engines]
+            faulted = args.kill_prefill_after is not None or args.freeze_prefill_after is not None
+            killed = any(code == -9 for code in codes)  # no decode engine will say done to prefill
+            prefill_codes = [
+                e.stop(patience=0.5 if killed or (faulted and i == 0) else 15) for i, e in enumerate(prefill_engines)
+            ]
+        finally:
+            for engine in [*decode_engines, *prefill_engines]:
+                if engine.process.poll() is None:
+                    engine.stop(patience=0)
+            if progress_fd is not None:
+                os.close(progress_fd)
+        outcomes = [read_json(os.path.join(scratch, f"decode-{i}.json")) for i in range(len(decode_engines))]
+    report(args, prefill_engines, decode_engines, codes, prefill_codes, outcomes)
+    return max(codes) if all(c in (0, 1, 2) for c in codes) else EXIT_ERROR
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line on stderr naming the option, and exit 2 (``--help`` lists the options)."""
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
-
-
-def _seconds(text: str) -> float:
-    """An option's seconds: a finite number above 0, at most a week (never NaN or infinite)."""
+def finish(engine: Engine, deadline: float, limit: float) -> int:
+    """A decode engine's exit status, waiting until ``deadline`` at most: then it is killed
+    (and said so: a status of its own, never 1)."""
     try:
-        return check_seconds(float(text), "", positive=True)
-    except (ValueError, InvalidTimeoutError):
-        raise argparse.ArgumentTypeError(
-            f"expected a number of seconds in (0, {MAX_WAIT_SECONDS:g}], got {text!r}"
-        ) from None
+        return engine.wait(timeout=max(deadline - time.monotonic(), 0.01))
+    except subprocess.TimeoutExpired:
+        engine.output.shown.append(f"did not finish within --run-timeout {limit:g} s: killed")
+        engine.stop(patience=0)
+        return -9
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kvhost demo", description=__doc__, formatter_class=_HelpFormatter)
-    p.add_argument("--prefill-block-size", type=int, default=16, metavar="N", help="tokens per prefill block")
-    p.add_argument("--decode-block-size", type=int, default=64, metavar="N", help="tokens per decode block")
-    p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default="HND", help="prefill cache layout")
-    p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default="NHD", help="decode cache layout")
-    p.add_argument("--layers", type=int, default=4, help="layers, each a [2, blocks, N, heads, head_dim] cache")
-    p.add_argument("--heads", type=int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=64, help="channels per head")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="cache dtype")
-    p.add_argument("--requests", type=int, default=40, help=f"requests in the batch (at most {MAX_REQUESTS})")
-    p.add_argument("--min-tokens", type=int, default=16, help="shortest request")
-    p.add_argument("--max-tokens", type=int, default=2048, help="longest request (lengths are log-uniform)")
-    p.add_argument("--seed", type=int, default=0, help="seed of lengths, block ids and values")
-    p.add_argument("--backend", default=None, help="kvhost backend for the post-process (None: chosen by device)")
-    p.add_argument("--via-host", action="store_true", help="land bytes in a host buffer, then copy_blocks")
-    p.add_argument(
-        "--decode-ranks",
-        type=int,
-        default=1,
-        metavar="R",
-        help="decode ranks per prefill rank (heterogeneous TP): each holds and reads heads/R heads",
-    )
-    faults = p.add_mutually_exclusive_group()
-    faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill after N requests arrived")
-    faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill (SIGSTOP) after N arrived")
-    p.add_argument("--inflight", type=int, default=8, help="transfers in flight at once")
-    p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds one transfer may take")
-    p.add_argument("--connect-timeout", type=_seconds, default=60.0, help="seconds for prefill to start and say hello")
-    p.add_argument("--json", metavar="PATH", help="also write the outcome as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
-    # Set by decode when it starts prefill; not for people.
-    p.add_argument("--role", choices=["decode", "prefill"], default="decode", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--hold-timeout", type=_seconds, default=600.0, help=argparse.SUPPRESS)
-    return p
+def fault_options(args: argparse.Namespace, prefill: Engine) -> list[str]:
+    if args.kill_prefill_after is not None:
+        after, signal, label = args.kill_prefill_after, "KILL", "killed"
+    elif args.freeze_prefill_after is not None:
+        after, signal, label = args.freeze_prefill_after, "STOP", "froze (SIGSTOP)"
+    else:
+        return []
+    return [
+        *["--fault-after", str(after), "--fault-command", f"kill -{signal} {prefill.pid}"],
+        *["--fault-label", f"{label} prefill 0 (pid {prefill.pid})"],
+    ]
 
 
-@contextlib.contextmanager
-def loopback_ucx() -> Iterator[None]:
-    """UCX of this process and the prefill it starts on loopback only (``LOOPBACK_UCX``),
-    where the user did not say otherwise; the environment is restored afterwards."""
-    added = [key for key in LOOPBACK_UCX if key not in os.environ]
-    os.environ.update({key: LOOPBACK_UCX[key] for key in added})
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
+def read_json(path: str) -> dict[str, object] | None:
+    with contextlib.suppress(OSError, ValueError), open(path) as source:
+        data: dict[str, object] = json.load(source)
+        return data
+    return None
+
+
+def report(
+    args: argparse.Namespace,
+    prefills: list[Engine],
+    decodes: list[Engine],
+    codes: list[int],
+    prefill_codes: list[int],
+    outcomes: list[dict[str, object] | None],
+) -> None:
+    """Each decode engine's report as it printed it, what the prefill engines said, the noise summed up."""
+    out = sys.stdout
+    for engine, code in zip(decodes, codes):
+        if len(decodes) > 1:
+            out.write(f"--- {engine.name} (pid {engine.pid}, exit {code})\n")
+        for line in engine.output.stdout:
+            out.write(line + "\n")
+        for line in engine.output.shown:
+            out.write(f"  {engine.name}: {line}\n")
+    for engine, code in zip(prefills, prefill_codes):
+        for line in engine.output.stdout[1:]:  # the first says where it listens
+            out.write(f"  {engine.name}: {line.removeprefix('prefill: ')}\n")
+        for line in engine.output.shown:
+            out.write(f"  {engine.name}: {line}\n")
+        if code not in (0, 1):
+            out.write(f"  {engine.name}: exit {code}\n")
+    for engine in [*prefills, *decodes]:
+        summary = engine.output.summary()
+        if summary:
+            out.write(f"  noise     {summary}\n")
+    if len(decodes) > 1:
+        verdict = "OK" if all(c == EXIT_OK for c in codes) else "FAILED"
+        out.write(f"demo      {len(decodes)} decode engines: {verdict} (exit {', '.join(map(str, codes))})\n")
+    out.flush()
+    if args.json:
+        prefill_info = [{"pid": e.pid, "exit": c, "said": e.output.stdout} for e, c in zip(prefills, prefill_codes)]
+        data: dict[str, object]
+        if len(decodes) == 1 and outcomes[0] is not None:
+            data = {**outcomes[0], "prefills": prefill_info}
+        else:
+            data = {"ok": all(c == EXIT_OK for c in codes), "decodes": outcomes, "prefills": prefill_info}
+        with open(args.json, "w") as target:
+            json.dump(data, target, indent=1)

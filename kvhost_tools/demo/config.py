@@ -1,9 +1,15 @@
-"""What both processes of the demo agree on: the command line as typed values.
+"""What the engines of a hand-off agree on, as typed values: the model, the workload, each engine's cache.
 
-Decode starts prefill with its own options, so both derive the same request lengths, block
-ids and token values from one ``Config``. The options' least and most values are what a
-hello can carry, so decode never refuses its own prefill's hello; ``refusal`` names the
-first impossible option before anything starts.
+Every engine derives the same request lengths and token values from the ``Model`` and
+the ``Workload`` (the seed), so decode verifies bit for bit what no prefill sent it.
+An engine's own cache is an ``EngineShape`` (layout, block size, tensor parallelism).
+Request ``n`` is held by the prefill engine ``n mod P`` and read by the decode engine
+``n mod D`` (``Share``). Block ids are drawn in one place, ``allocate_blocks``.
+
+Nothing here imports kvhost or torch at module level: ``kvhost demo`` checks its options
+and starts the engine processes without either (importing torch takes seconds on a busy
+machine). The few limits it shares with the library are repeated here, and a test checks
+that they agree.
 """
 
 from __future__ import annotations
@@ -11,73 +17,137 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kvhost.errors import KVHostError
-from kvhost.nixl import MAX_STREAMS
-from kvhost.nixl.handshake import MAX_REQUESTS, MAX_TOKENS
-from kvhost.testing import make_cache
+from kvhost_tools.blocks import MAX_RUN, free_list
 
-AXES = "KBNHC"  # shape order of every cache here; the layout name sets the memory order
-LAYOUTS = {"NHD": "KBNHC", "HND": "KBHNC"}  # token-major, head-major
-DTYPES = {
-    name: getattr(torch, name)
-    for name in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+if TYPE_CHECKING:
+    import torch
+
+    from kvhost.nixl.engine import EngineSpec
+
+AXES = {"mha": "KBNHC", "mla": "BNC"}  # shape order of every cache of a kind
+LAYOUTS = {"NHD": "KBNHC", "HND": "KBHNC", "MLA": "BNC"}  # memory orders: token-major, head-major, a latent
+# As kvhost.nixl.engine.DTYPE_SIZES, kvhost.nixl.handshake.MAX_REQUESTS and MAX_TOKENS say.
+DTYPE_SIZES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
 }
+DTYPES = tuple(DTYPE_SIZES)
+MAX_REQUESTS = 1 << 14
+MAX_TOKENS = 1 << 24
 # 0: every request verified; 1: only that requests failed (did not arrive, or mismatched);
-# 2: anything else (bad options, the hand-off could not run).
+# 2: anything else (bad options, engines that cannot work together, a hand-off that could not run).
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
 
-class DemoError(KVHostError, RuntimeError):
-    """The hand-off could not run: prefill failed to start, or a pool is too small."""
+class DemoError(RuntimeError):
+    """The hand-off could not run: an engine failed to start, or a pool is too small."""
 
 
 @dataclass(frozen=True)
-class Config:
-    """The command line (``kvhost demo --help``), every option as a typed value."""
+class Model:
+    """What every engine must agree on (the handshake refuses engines that do not)."""
 
-    # The batch and the model.
+    kind: str  # mha or mla
+    layers: int
+    heads: int  # KV heads of the model (1 for mla)
+    head_dim: int  # channels per head, or of the latent
+    dtype_name: str
+
+    @property
+    def axes(self) -> str:
+        return AXES[self.kind]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype_name]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype_name)
+        return dtype
+
+    @property
+    def kv(self) -> int:
+        """K and V per head (2), or one latent (1)."""
+        return 2 if self.kind == "mha" else 1
+
+    def spec(self, shape: EngineShape) -> EngineSpec:
+        from kvhost.nixl.engine import EngineSpec
+
+        return EngineSpec(
+            self.kind, self.layers, self.heads, self.head_dim, self.dtype_name, shape.block_size, shape.order, shape.tp
+        )
+
+    def token_bytes(self) -> int:
+        """Bytes of one token of every layer (all heads)."""
+        return self.layers * self.kv * self.heads * self.head_dim * self.itemsize
+
+    def caches(self, shape: EngineShape, num_blocks: int) -> dict[str, torch.Tensor]:
+        """One rank's caches: every layer, the rank's heads (all of an mla latent)."""
+        from kvhost.testing import make_cache
+
+        heads = self.heads // shape.tp if self.kind == "mha" else 1
+        sizes = dict(K=2, B=num_blocks, N=shape.block_size, H=heads, C=self.head_dim)
+        memory = LAYOUTS[shape.layout]
+        return {
+            f"layer{i}": make_cache(self.axes, memory, {a: sizes[a] for a in memory}, self.dtype)
+            for i in range(self.layers)
+        }
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """One engine's own cache: its layout (``HND``, ``NHD``; ``MLA`` for a latent), block size and TP."""
+
+    layout: str
+    block_size: int
+    tp: int = 1
+
+    @property
+    def order(self) -> str:
+        """The region's memory order in letters, as ``RegionTable.order`` says it."""
+        return LAYOUTS[self.layout].split("B", 1)[1]
+
+    def describe(self) -> str:
+        tp = f", TP {self.tp}" if self.tp > 1 else ""
+        return f"{self.layout} (memory {LAYOUTS[self.layout]}), block {self.block_size} tokens{tp}"
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which requests an engine takes: those whose number is ``index`` mod ``count``."""
+
+    index: int = 0
+    count: int = 1
+
+    def holds(self, number: int) -> bool:
+        return number % self.count == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The batch: request lengths, seeded; the seed also keys every token's values."""
+
     requests: int
     min_tokens: int
     max_tokens: int
-    layers: int
-    heads: int
-    head_dim: int
-    dtype: torch.dtype
     seed: int
-    # Both sides' caches, and how decode lands and rearranges the bytes.
-    prefill_block_size: int
-    decode_block_size: int
-    prefill_layout: str
-    decode_layout: str
-    decode_ranks: int
-    via_host: bool
-    backend: str | None
-    # Faults, limits and output.
-    kill_prefill_after: int | None
-    freeze_prefill_after: int | None
-    inflight: int
-    timeout: float
-    connect_timeout: float
-    json_path: str | None
-    progress: bool
-    # Set by decode when it starts prefill.
-    role: str
-    port: int
-    hold_timeout: float
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    @property
-    def fault_after(self) -> int | None:
-        """Requests to let arrive before prefill is killed or frozen; None: no fault."""
-        return self.kill_prefill_after if self.kill_prefill_after is not None else self.freeze_prefill_after
 
     def lengths(self) -> list[int]:
         """Token counts of the requests: log-uniform in [min_tokens, max_tokens], seeded."""
@@ -85,98 +155,106 @@ class Config:
         logs = rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens + 1), self.requests)
         return [min(int(math.exp(x)), self.max_tokens) for x in logs]
 
-    def caches(
-        self, layout: str, num_blocks: int, block_size: int, heads: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Every layer's cache; ``heads`` less than the model's for one decode rank's share."""
-        sizes = dict(K=2, B=num_blocks, N=block_size, H=heads or self.heads, C=self.head_dim)
-        return {f"layer{i}": make_cache(AXES, LAYOUTS[layout], sizes, self.dtype) for i in range(self.layers)}
+    def numbers(self, share: Share) -> list[int]:
+        return [n for n in range(self.requests) if share.holds(n)]
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def pool_for(blocks: list[int]) -> int:
+def local_blocks_for(remote_blocks: int, remote_block_size: int, block_size: int) -> int:
+    """Local blocks that hold ``remote_blocks`` sender blocks (whole groups when the sender's are larger)."""
+    if remote_block_size > block_size:
+        return remote_blocks * (remote_block_size // block_size)
+    return -(-remote_blocks // (block_size // remote_block_size))
+
+
+def pool_for(blocks: Sequence[int]) -> int:
     """The blocks a side allocates for requests of ``blocks`` blocks: all of them, and spares."""
     return sum(blocks) + max(4, sum(blocks) // 8)
 
 
-# Option: (least, most). The most are what the hello can carry (requests, tokens, streams
-# of layers x K/V, sizes in a block table), so decode never refuses its own prefill's hello.
+def allocate_blocks(
+    pool: int, counts: Sequence[int], seed: int, stream: int, *, kind: str = "runs", max_run: int = MAX_RUN
+) -> tuple[list[list[int]], list[int]]:
+    """Block ids for requests of ``counts`` blocks out of ``pool``, and the ids left spare:
+    the one place the demo draws block ids, seeded by ``seed`` and ``stream``, as allocators
+    hand them out (``kvhost_tools.blocks.free_list``: runs of 1..``max_run`` consecutive
+    blocks in random order by default, or ``scattered``)."""
+    if sum(counts) > pool:
+        raise DemoError(f"{sum(counts)} blocks needed, the pool holds {pool}")
+    free = free_list(pool, np.random.default_rng([seed, stream]), kind, max_run).tolist()
+    taken, start = [], 0
+    for count in counts:
+        taken.append(free[start : start + count])
+        start += count
+    return taken, free[start:]
+
+
+# Option: (least, most). The most are what an offer can carry (requests, tokens, streams of
+# layers x K/V, sizes in a block table), so no engine refuses another's offer for its size.
 OPTION_RANGES = {
-    "prefill_block_size": (1, MAX_TOKENS),
-    "decode_block_size": (1, MAX_TOKENS),
-    "layers": (1, MAX_STREAMS // 2),
-    "heads": (1, 1 << 24),
+    "layers": (1, (1 << 16) // 2),
+    "heads": (1, 1 << 16),
     "head_dim": (1, 1 << 24),
     "requests": (1, MAX_REQUESTS),
     "min_tokens": (1, MAX_TOKENS),
     "max_tokens": (1, MAX_TOKENS),
     "seed": (0, (1 << 63) - 1),
-    "inflight": (1, MAX_REQUESTS),
-    "decode_ranks": (1, 1 << 24),
-    "kill_prefill_after": (0, MAX_REQUESTS),
-    "freeze_prefill_after": (0, MAX_REQUESTS),
-    "port": (0, 65535),
+    "block_size": (1, MAX_TOKENS),
+    "tp": (1, 1024),
 }
 
 
-def refusal(config: Config) -> str | None:
-    """Why the options are impossible (one line naming the option), or None."""
-    for name, (least, most) in OPTION_RANGES.items():
-        value = getattr(config, name)
-        if value is not None and not least <= value <= most:
-            return f"--{name.replace('_', '-')} must be in [{least}, {most}], got {value}"
-    big, small = sorted((config.prefill_block_size, config.decode_block_size), reverse=True)
-    if big % small:
-        return f"block sizes {config.prefill_block_size} and {config.decode_block_size} must divide one another"
-    if config.heads % config.decode_ranks:
-        return f"--heads {config.heads} cannot be shared out evenly to {config.decode_ranks} decode ranks"
-    if config.decode_ranks > 1 and config.prefill_layout != "HND":
-        return (
-            "--decode-ranks needs --prefill-layout HND: a token-major sender scatters a share of heads over every token"
-        )
-    if config.max_tokens < config.min_tokens:
-        return f"--max-tokens {config.max_tokens} is below --min-tokens {config.min_tokens}"
-    if config.role == "prefill":
-        if config.port < 1:
-            return f"--port must be in [1, 65535] for prefill, got {config.port}"
-        return None  # decode checked the memory before starting it, and holds some of it by now
-    needed, available = memory_needed(config), memory_available()
-    if available is not None and needed > available:
-        return (
-            f"{memory_options(config)} need {needed / 1e9:,.1f} GB for the caches of both processes, "
-            f"more than the {available / 1e9:,.1f} GB of memory available"
-        )
+def range_refusal(option: str, value: int | None, name: str | None = None) -> str | None:
+    least, most = OPTION_RANGES[name or option.lstrip("-").replace("-", "_")]
+    if value is not None and not least <= value <= most:
+        return f"{option} must be in [{least}, {most}], got {value}"
     return None
 
 
-def memory_options(config: Config) -> str:
-    """The options that size the caches, as given."""
-    text = (
-        f"--layers {config.layers} x --heads {config.heads} x --head-dim {config.head_dim} x "
-        f"--dtype {config.dtype_name}, --requests {config.requests} of --min-tokens {config.min_tokens} to "
-        f"--max-tokens {config.max_tokens}, --prefill-block-size {config.prefill_block_size}, "
-        f"--decode-block-size {config.decode_block_size}"
-    )
-    return text + (", --via-host" if config.via_host else "")
+def model_refusal(model: Model, workload: Workload, shapes: Sequence[tuple[str, EngineShape]]) -> str | None:
+    """Why the model, the workload or an engine (``(option prefix, shape)``) is impossible, naming the option."""
+    for option, value in (
+        ("--layers", model.layers),
+        ("--heads", model.heads),
+        ("--head-dim", model.head_dim),
+        ("--requests", workload.requests),
+        ("--min-tokens", workload.min_tokens),
+        ("--max-tokens", workload.max_tokens),
+        ("--seed", workload.seed),
+    ):
+        problem = range_refusal(option, value)
+        if problem:
+            return problem
+    if workload.max_tokens < workload.min_tokens:
+        return f"--max-tokens {workload.max_tokens} is below --min-tokens {workload.min_tokens}"
+    for prefix, shape in shapes:
+        problem = range_refusal(f"--{prefix}block-size", shape.block_size, "block_size") or range_refusal(
+            f"--{prefix}tp", shape.tp, "tp"
+        )
+        if problem:
+            return problem
+        if model.kind == "mha" and model.heads % shape.tp:
+            return f"--heads {model.heads} cannot be shared out evenly to --{prefix}tp {shape.tp} ranks"
+        if (model.kind == "mla") != (shape.layout == "MLA"):
+            return f"--{prefix}layout {shape.layout} does not hold a {model.kind} cache (MLA is the layout of mla)"
+    return None
 
 
-def memory_needed(config: Config) -> int:
-    """Bytes both processes allocate, estimated before anything is: prefill's cache, decode's
-    (twice with ``--via-host``: the host buffer is shaped like it), and working memory for
-    the largest request (its values as 32-bit words, a few times over)."""
-    itemsize = int(torch.empty(0, dtype=config.dtype).element_size())
-    per_token = config.layers * 2 * config.heads * config.head_dim * itemsize
-    prefill = [blocks_for(t, config.prefill_block_size) for t in config.lengths()]
-    decode = [blocks_for(n * config.prefill_block_size, config.decode_block_size) for n in prefill]
-    pools = [pool_for(blocks) for blocks in (prefill, decode)]
+def memory_needed(model: Model, workload: Workload, prefill: EngineShape, decode: EngineShape, *, staging: bool) -> int:
+    """Bytes the engines of one host allocate for one prefill and one decode engine, estimated
+    before anything is: prefill's cache, decode's (twice with a host buffer shaped like it),
+    and working memory for the largest request (its values as 32-bit words, a few times over)."""
+    per_token = model.token_bytes()
+    prefill_blocks = [blocks_for(t, prefill.block_size) for t in workload.lengths()]
+    decode_blocks = [local_blocks_for(n, prefill.block_size, decode.block_size) for n in prefill_blocks]
     caches = per_token * (
-        pools[0] * config.prefill_block_size + pools[1] * config.decode_block_size * (2 if config.via_host else 1)
+        pool_for(prefill_blocks) * prefill.block_size
+        + pool_for(decode_blocks) * decode.block_size * (2 if staging else 1)
     )
-    largest = max(prefill) * config.prefill_block_size
-    working = largest * 2 * config.heads * config.head_dim * 4 * 8
+    working = max(prefill_blocks) * prefill.block_size * model.kv * model.heads * model.head_dim * 4 * 8
     return int(caches + working)
 
 

@@ -1,98 +1,201 @@
-"""The prefill process: fill a KV cache, expose it with NIXL, hand decode its table, and wait.
+"""``kvhost prefill``: a prefill engine that serves its KV blocks to decode engines over NIXL.
 
-Decode starts it (``python -m kvhost_tools.demo`` with decode's options, ``--role prefill``
-and the control port) and writes a secret on its stdin; prefill proves the secret, says
-hello (``kvhost.nixl.handshake``) and holds its registered memory until decode is done.
+It fills its cache with the requests it holds (``--share I/N``: those whose number is I
+mod N), every tensor-parallel rank (``--tp``) its own cache and its own NIXL agent, and
+listens on ``--listen``. Every decode engine that proves the shared secret
+(``--secret-file``, created here if missing: copy it to the decode hosts) and can be
+served is offered the requests it asks for (``kvhost.nixl.server``): per rank a block
+table and agent metadata. What the engines must agree on is checked when they connect;
+a pair that cannot work together is refused then, in one line naming the field and both
+values.
+
+The registered memory stays while a decode engine reads it, and is let go as soon as it
+says done, closes its connection, or stops beating for ``--peer-timeout`` seconds (its
+host or the link gone). After ``--serve`` decode engines (0: no limit), or
+``--idle-timeout`` seconds without one, it deregisters everything and exits: 0 when every
+decode engine said done and all was well, 1 when one went away or failed, 2 for anything
+else.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import select
+import secrets
 import socket
 import sys
 import time
-from typing import Any
+from collections.abc import Sequence
 
-import numpy as np
+from kvhost_tools.demo import netenv
+from kvhost_tools.demo.config import EXIT_ERROR, EXIT_FAILED, EXIT_OK, DemoError, allocate_blocks, blocks_for, pool_for
+from kvhost_tools.demo.options import (
+    DEFAULT_PORT,
+    HelpFormatter,
+    Parser,
+    add_engine,
+    add_model,
+    add_network,
+    add_workload,
+    model_of,
+    seconds,
+    shape_of,
+    workload_of,
+)
 
-from kvhost.caches import CacheSet
-from kvhost.errors import KVHostError
-from kvhost.nixl import Agent, ProtocolError, RemoteRequest, prove, send_hello
-from kvhost.nixl.handshake import SECRET_BYTES, wait_done
-from kvhost.testing import raw
-from kvhost_tools.demo.config import AXES, EXIT_ERROR, EXIT_OK, Config, DemoError, blocks_for, memory_options, pool_for
-from kvhost_tools.demo.values import token_values, write_tokens
+
+def parser() -> Parser:
+    p = Parser(prog="kvhost prefill", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="ADDR:PORT", help="the control port")
+    p.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # a socket kvhost demo bound
+    p.add_argument("--serve", type=int, default=1, metavar="D", help="decode engines to serve, then exit (0: no limit)")
+    p.add_argument("--peer-timeout", type=seconds, default=5.0, help="seconds without a beat before a decode is gone")
+    p.add_argument("--idle-timeout", type=seconds, default=600.0, help="seconds without any decode engine: exit")
+    add_model(p)
+    add_workload(p)
+    add_engine(p, "HND", 16)
+    add_network(p)
+    return p
 
 
-def main(config: Config) -> int:
-    """Prefill, with its failures said in one line on stderr (exit 2)."""
+def say(line: str) -> None:
+    print(f"prefill: {line}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from kvhost_tools.demo.config import model_refusal
+    from kvhost_tools.demo.options import default_layout
+
+    model, workload = model_of(args), workload_of(args)
+    shape = shape_of(args, "HND")
+    problem = model_refusal(model, workload, [("", shape)])
+    if problem is None and args.serve < 0:
+        problem = f"--serve must be at least 0, got {args.serve}"
+    if problem is None and (args.cache == "mla") != (default_layout(args.cache, args.layout, "HND") == "MLA"):
+        problem = "--layout MLA goes with --cache mla"
     try:
-        return run_prefill(config)
-    except (KVHostError, OSError) as err:  # OSError: decode's socket was gone
-        print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
+        from kvhost.nixl.peers import parse_address
+
+        host, port = parse_address(args.listen)
+    except ValueError as err:
+        problem = problem or f"--listen: {err}"
+        host, port = "", 0
+    if problem:
+        p.error(problem)
+    netenv.set_defaults(os.environ, [args.advertise or host])
+    try:
+        return serve(args, host, port)
+    except DemoError as err:
+        print(f"prefill: {err}", file=sys.stderr)
     except MemoryError:
-        print(f"prefill: out of memory: {memory_options(config)}", file=sys.stderr)
-    except RuntimeError as err:
-        if "allocate" not in str(err):
+        print(f"prefill: out of memory: {memory_options(args)}", file=sys.stderr)
+    except Exception as err:
+        from kvhost.errors import KVHostError
+
+        if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's allocator
+            print(f"prefill: out of memory: {memory_options(args)}: {str(err).splitlines()[0]}", file=sys.stderr)
+        elif isinstance(err, (KVHostError, OSError)):
+            print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
+        else:
             raise
-        print(f"prefill: out of memory: {memory_options(config)}: {str(err).splitlines()[0]}", file=sys.stderr)
     return EXIT_ERROR
 
 
-def run_prefill(config: Config) -> int:
-    """Fill the cache, register it, prove who it is and send the hello, then hold the memory
-    until decode is done."""
-    secret = read_secret(sys.stdin.buffer, config.connect_timeout)
-    block_size = config.prefill_block_size
-    lengths = config.lengths()
-    needed = [blocks_for(t, block_size) for t in lengths]
-    pool = pool_for(needed)
-    free = np.random.default_rng([config.seed, 2]).permutation(pool).tolist()
-    caches = config.caches(config.prefill_layout, pool, block_size)
+def memory_options(args: argparse.Namespace) -> str:
+    """The options that size the cache, as given."""
+    return (
+        f"--layers {args.layers} x --heads {args.heads} x --head-dim {args.head_dim} x --dtype {args.dtype}, "
+        f"--requests {args.requests} of --min-tokens {args.min_tokens} to --max-tokens {args.max_tokens}, "
+        f"--block-size {args.block_size}"
+    )
+
+
+def serve(args: argparse.Namespace, host: str, port: int) -> int:
+    """Fill, register, serve, let go; the exit status."""
+    from kvhost.caches import CacheSet
+    from kvhost.nixl import Agent, Offer, PeerHello, PeerRecord, ProtocolError, RemoteRequest, Server
+    from kvhost.nixl.peers import read_secret_file, write_secret_file
+    from kvhost.testing import raw
+    from kvhost_tools.demo.values import token_values, write_tokens
+
+    model, workload = model_of(args), workload_of(args)
+    shape, share = shape_of(args, "HND"), args.share
+    spec = model.spec(shape)
+    if args.secret_file != "-" and not os.path.exists(args.secret_file):
+        secret = write_secret_file(args.secret_file)
+        say(f"wrote a new secret to {args.secret_file} (mode 600): copy it to the decode hosts")
+    else:
+        secret = read_secret_file(args.secret_file, timeout=args.connect_timeout)
+    if args.listen_fd is not None:
+        listener = socket.socket(fileno=args.listen_fd)
+    else:
+        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    host, port = listener.getsockname()[:2]
+
     started = time.perf_counter()
-    cache_set = CacheSet(caches, AXES)
-    for member in cache_set.members:
-        raw(member.tensor).zero_()
-    requests = []
-    for number, (tokens, count) in enumerate(zip(lengths, needed)):
-        ids, free = free[:count], free[count:]
-        requests.append(RemoteRequest(f"req-{number:03d}", number, tokens, ids))
-        for layer, member in enumerate(cache_set.members):
-            values = token_values(
-                config.seed, number, layer, tokens, config.heads, config.head_dim, member.layout.itemsize
+    lengths = workload.lengths()
+    numbers = workload.numbers(share)
+    counts = [blocks_for(lengths[n], shape.block_size) for n in numbers]
+    pool = pool_for(counts)
+    ids, _ = allocate_blocks(pool, counts, workload.seed, stream=100 + share.index)
+    per_rank = model.heads // shape.tp
+    rank_caches = [model.caches(shape, pool) for _ in range(shape.tp)]
+    cache_sets = [CacheSet(caches, model.axes) for caches in rank_caches]
+    for cache_set in cache_sets:
+        for member in cache_set.members:
+            raw(member.tensor).zero_()
+    held = []
+    for number, block_ids in zip(numbers, ids):
+        tokens = lengths[number]
+        held.append(RemoteRequest(f"req-{number:03d}", number, tokens, block_ids))
+        for layer in range(model.layers):
+            whole = token_values(
+                workload.seed, number, layer, tokens, model.heads, model.head_dim, model.itemsize, kv=model.kv
             )
-            write_tokens(member.tensor, AXES, ids, values)
+            for rank, cache_set in enumerate(cache_sets):
+                values = whole.narrow(2, rank * per_rank, per_rank) if model.kind == "mha" else whole
+                write_tokens(cache_set.members[layer].tensor, model.axes, block_ids, values)
     fill_seconds = time.perf_counter() - started
 
-    with Agent(f"prefill-{os.getpid()}") as agent:
-        table = agent.register(caches, AXES)
-        with socket.create_connection(("127.0.0.1", config.port), timeout=config.connect_timeout) as sock:
-            prove(sock, secret, timeout=config.connect_timeout)
-            extra = {"fill_seconds": fill_seconds}
-            send_hello(
-                sock, table, requests, agent.metadata(), pid=os.getpid(), timeout=config.connect_timeout, extra=extra
-            )
-            # The memory must stay registered until decode has read it all.
-            try:
-                wait_done(sock, timeout=config.hold_timeout)
-            except ProtocolError as err:
-                print(f"prefill: decode went away: {err}", file=sys.stderr)
-                return EXIT_ERROR
-    return EXIT_OK
-
-
-def read_secret(stream: Any, timeout: float) -> bytes:
-    """The secret decode writes on prefill's stdin (hex, one line), within ``timeout`` seconds.
-
-    Not argv, not the environment: any local user can read a process's command line in /proc.
-    """
-    ready, _, _ = select.select([stream], [], [], timeout)
-    line = stream.readline(200) if ready else b""
+    tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+    agents = [Agent(f"prefill-{tag}-r{rank}") for rank in range(shape.tp)]
     try:
-        secret = bytes.fromhex(line.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        secret = b""
-    if len(secret) != SECRET_BYTES:
-        raise DemoError("no secret on stdin within the connect timeout: prefill is started by kvhost demo")
-    return secret
+        tables = [agent.register(caches, model.axes) for agent, caches in zip(agents, rank_caches)]
+        metadata = [agent.metadata() for agent in agents]
+
+        def offer(peer: PeerHello) -> Offer:
+            wanted = peer.fields.fields("share")
+            index = wanted.integer("index", maximum=1 << 14)
+            count = wanted.integer("count", minimum=index + 1, maximum=1 << 14)
+            requests = [r for r in held if r.number % count == index]
+            if not requests:
+                raise ProtocolError(f"this prefill engine ({share}) holds none of the requests {index}/{count}")
+            extra = {"pid": os.getpid(), "fill_seconds": fill_seconds, "share": str(share)}
+            return Offer(spec, tables, metadata, requests, extra=extra)
+
+        last_release = [time.monotonic()]
+
+        def release(record: PeerRecord) -> None:
+            last_release[0] = time.monotonic()
+
+        say(
+            f"listening {host}:{port}: {spec.describe()}; {len(held)} requests ({share}), "
+            f"filled in {fill_seconds:.2f} s"
+        )
+        server = Server(listener, secret, spec, offer, release=release, peer_timeout=args.peer_timeout, log=say)
+        server.serve(peers=args.serve or None, idle_timeout=args.idle_timeout)
+    finally:
+        listener.close()
+        for agent in agents:
+            agent.close()
+    let_go = time.monotonic() - last_release[0]
+    served = [r for r in server.records if r.outcome != "refused"]
+    say(
+        f"deregistered the cache {let_go:.2f} s after the last decode engine let go; "
+        f"{len(served)} served, {len(server.records) - len(served)} refused, {server.dropped} stray connection(s)"
+    )
+    if not served:
+        return EXIT_ERROR
+    return EXIT_OK if all(r.outcome == "done" and r.ok for r in served) else EXIT_FAILED

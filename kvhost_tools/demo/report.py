@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from kvhost.nixl import Hello, TransferPlan
-from kvhost_tools.demo.config import LAYOUTS, Config
+from kvhost_tools.demo.config import LAYOUTS, EngineShape, Model
+
+if TYPE_CHECKING:
+    from kvhost_tools.demo.pull import Engine
 
 
 class ProgressBar:
@@ -72,55 +75,69 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
     return size / sorted(times)[repeats // 2] / 1e9
 
 
-def describe_setup(config: Config, plan: TransferPlan, hello: Hello, outcome: Outcome) -> None:
-    """The lines that say what runs: both processes, the model, the batch and the blocks."""
+def ratio(remote_block_size: int, block_size: int) -> str:
+    if block_size > remote_block_size:
+        return f"r = {block_size // remote_block_size}"
+    if block_size < remote_block_size:
+        return f"g = {remote_block_size // block_size}"
+    return "same block size"
+
+
+def describe_decode(model: Model, shape: EngineShape, engines: Sequence[Engine], outcome: Outcome) -> None:
+    """The lines that say what runs: every prefill engine, this decode engine, the model, the batch."""
     f = outcome.figures
-    lengths = [r.tokens for r in hello.requests]
-    local, remote = plan.local, plan.remote
-    ratio = local.block_size / remote.block_size
-    if ratio > 1:
-        relation = f"r = {int(ratio)} sender blocks per decode block"
-    elif ratio < 1:
-        relation = f"g = {round(1 / ratio)} decode blocks per sender block"
-    else:
-        relation = "same block size"
-    mode = "into a host buffer shaped like the cache" if config.via_host else "straight into the decode cache"
+    for engine in engines:
+        offer = engine.session.offer
+        spec = offer.spec
+        extra = offer.fields
+        pid = extra.integer("pid") if extra is not None and "pid" in extra.data else 0
+        filled = extra.seconds("fill_seconds", default=0.0) if extra is not None else 0.0
+        feeds = sorted({s.rank for plan in engine.plans for s in plan.sources})
+        name = next((n for n, memory in LAYOUTS.items() if memory.split("B", 1)[1] == spec.layout), spec.layout)
+        outcome.lines.append(
+            f"prefill   {engine.index} at {engine.session.address} (pid {pid}): "
+            f"{EngineShape(name, spec.block_size, spec.tp_size).describe()}; {len(offer.requests)} requests, "
+            f"filled in {filled:.2f} s; {ratio(spec.block_size, shape.block_size)}, ranks {feeds} read"
+        )
+    heads = "the latent" if model.kind == "mla" else f"{model.heads // shape.tp} heads"
+    ranks = f"; {shape.tp} ranks of {heads} each" if shape.tp > 1 else ""
     outcome.lines += [
-        f"prefill   pid {hello.pid}: {config.prefill_layout} (memory {LAYOUTS[config.prefill_layout]}), "
-        f"block {remote.block_size} tokens, {remote.num_blocks} blocks; filled in {f['fill_seconds']:.2f} s, "
-        f"said hello {f['hello_seconds']:.2f} s after the start",
-        f"decode    pid {os.getpid()}: {config.decode_layout} (memory {LAYOUTS[config.decode_layout]}), "
-        f"block {config.decode_block_size} tokens, {f['pool']} blocks"
+        f"decode    pid {os.getpid()}: {shape.describe()}, {f['pool']} blocks{ranks}",
+        f"model     {model.kind}: {model.layers} layers x "
         + (
-            f"; {f['decode_ranks']} ranks of {config.heads // f['decode_ranks']} heads each"
-            if f["decode_ranks"] > 1
-            else ""
-        ),
-        f"model     {config.layers} layers x K/V x {config.heads} heads x {config.head_dim} channels, "
-        f"{config.dtype_name}",
-        f"requests  {f['requests']} ({min(lengths)}..{max(lengths)} tokens, {f['tokens']:,} in all)",
-        f"blocks    {f['prefill_blocks']:,} prefill -> {f['decode_blocks']:,} decode ({relation}); "
-        f"{f['descriptors']:,} descriptors of {plan.chunk_bytes:,} bytes, {mode}",
+            f"K/V x {model.heads} heads x {model.head_dim} channels"
+            if model.kind == "mha"
+            else f"latent {model.head_dim}"
+        )
+        + f", {model.dtype_name}",
+        f"requests  {f['requests']} ({f['tokens']:,} tokens in all); said hello to every prefill "
+        f"{f['hello_seconds']:.2f} s after the start",
+        f"blocks    {f['prefill_blocks']:,} prefill -> {f['decode_blocks']:,} decode",
     ]
 
 
 def print_report(outcome: Outcome, stream: TextIO) -> None:
     f = outcome.figures
-    devices = f.get("ucx_net_devices", "lo")
-    where = "127.0.0.1" if devices == "lo" else f"UCX_NET_DEVICES={devices}"
-    stream.write(f"kvhost demo: prefill -> decode over NIXL (UCX, {where}), two processes\n")
+    engines = len(f.get("prefill_pids", [])) or "the"
+    plural = "s" if engines != 1 else ""
+    stream.write(
+        f"kvhost decode: {engines} prefill engine{plural} -> this decode engine over NIXL "
+        f"(UCX, {f.get('network', '')})\n"
+    )
     for line in outcome.lines:
         stream.write(f"  {line}\n")
     if "transfer_seconds" in f:
         stream.write(
             f"  transfer  {_gb(f['transfer_bytes'])} in {f['transfer_seconds']:.3f} s = "
-            f"{_rate(f['transfer_bytes'], f['transfer_seconds'])}{_ratio(f, 'transfer')} (NIXL READ)\n"
+            f"{_rate(f['transfer_bytes'], f['transfer_seconds'])}{_ratio(f, 'transfer')} (NIXL READ, "
+            f"{f.get('descriptors', 0):,} descriptors)\n"
         )
     if "post_seconds" in f:
         stream.write(
-            f"  post      {f['post_what']}, backend {f['backend']}: {_gb(f['post_bytes'])} in "
-            f"{f['post_seconds']:.3f} s = {_rate(f['post_bytes'], f['post_seconds'])}{_ratio(f, 'post')} "
-            f"(first call on scratch blocks before it: {f['warm_up_seconds']:.2f} s)\n"
+            f"  post      {f['post_steps']} step(s), each one call per rank for what had arrived: {f['post_what']}, "
+            f"backend {f['backend'] or '-'}: {_gb(f['post_bytes'])} in {f['post_seconds']:.3f} s = "
+            f"{_rate(f['post_bytes'], f['post_seconds'])}{_ratio(f, 'post')} "
+            f"(first calls on scratch blocks before: {f.get('warm_up_seconds', 0):.2f} s)\n"
         )
     if "memcpy_gbps" in f:
         stream.write(f"  memcpy    {f['memcpy_gbps']:.2f} GB/s on this machine now (median of 5 copies)\n")

@@ -8,47 +8,53 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
 from kvhost.caches import CacheSet
 from kvhost.testing import raw
-from kvhost_tools.demo.config import AXES, Config
+from kvhost_tools.demo.config import Model
 from kvhost_tools.demo.report import Outcome, ProgressBar
 from kvhost_tools.demo.values import SENTINEL_BYTE, read_tokens_fast, token_values
 
 if TYPE_CHECKING:
-    from kvhost_tools.demo.decode import Rank, Request
+    from kvhost_tools.demo.pull import Rank, Request
 
 
 def verify(
-    config: Config,
-    ranks: list[Rank],
-    arrived: list[Request],
-    spare: list[int],
+    model: Model,
+    seed: int,
+    ranks: Sequence[Rank],
+    arrived: Sequence[Request],
+    spare: Sequence[int],
     outcome: Outcome,
+    *,
+    progress: TextIO | None = None,
 ) -> None:
     """Every token of every arrived request on every rank (its heads), bit for bit; spare
     blocks must hold the sentinel."""
     started = time.perf_counter()
-    cache_sets = [CacheSet(rank.caches, AXES) for rank in ranks]
-    bar = ProgressBar("verify", len(arrived), sys.stderr, config.progress and sys.stderr.isatty())
+    axes = model.axes
+    cache_sets = [CacheSet(rank.caches, axes) for rank in ranks]
+    bar = ProgressBar("verify", len(arrived), progress or sys.stderr, progress is not None)
     for done, request in enumerate(arrived, 1):
         problem = None
         for layer in range(len(cache_sets[0].members)):
             whole = token_values(
-                config.seed,
+                seed,
                 request.number,
                 layer,
                 request.tokens,
-                config.heads,
-                config.head_dim,
+                model.heads,
+                model.head_dim,
                 cache_sets[0].members[layer].layout.itemsize,
+                kv=model.kv,
             )
             for number, (rank, cache_set) in enumerate(zip(ranks, cache_sets)):
                 member = cache_set.members[layer]
-                got = read_tokens_fast(member.tensor, AXES, request.local_ids)[: request.tokens]
+                got = read_tokens_fast(member.tensor, axes, request.local_ids)[: request.tokens]
                 want = whole.narrow(2, rank.first_head, rank.heads)  # [tokens, K, H, C]
                 if not torch.equal(got, want):
                     bad = (got != want).nonzero()[0].tolist()
@@ -68,9 +74,9 @@ def verify(
     bar.close(len(arrived))
     untouched = True
     if spare:
-        index = torch.as_tensor(spare)
+        index = torch.as_tensor(list(spare))
         for member in (m for cache_set in cache_sets for m in cache_set.members):
-            blocks = raw(member.tensor).index_select(AXES.index("B"), index).contiguous().view(torch.uint8)
+            blocks = raw(member.tensor).index_select(axes.index("B"), index).contiguous().view(torch.uint8)
             untouched &= bool((blocks == SENTINEL_BYTE).all())
     if not untouched:
         outcome.mismatched["spare blocks"] = "a block no request owns was written"
@@ -78,5 +84,5 @@ def verify(
         verify_seconds=time.perf_counter() - started,
         spare_untouched=untouched,
         verified_tokens=sum(r.tokens for r in arrived if r.name in outcome.verified),
-        layers=config.layers,
+        layers=model.layers,
     )

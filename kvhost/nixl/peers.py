@@ -1,0 +1,297 @@
+"""Engines on different hosts: the messages between a prefill engine and the decode engines it serves.
+
+The engine that holds the blocks (prefill) listens (``kvhost.nixl.server``); each engine
+that reads them (decode) connects to it (``connect``). Both know a shared secret, given
+to each by a channel of its own (a file); it never crosses the wire. Every message is one
+frame (``kvhost.nixl.framing``):
+
+1. ``knock`` (decode): a fresh nonce.
+2. ``challenge`` (prefill): a fresh nonce of its own, and its proof of the secret:
+   HMAC-SHA256(secret, "prefill" + both nonces). Decode refuses a prefill that cannot prove it.
+3. ``engine`` (decode): its proof, HMAC-SHA256(secret, "decode" + both nonces), its
+   ``EngineSpec`` and fields of the application's own (which requests it wants).
+4. ``offer`` (prefill): its ``EngineSpec``, one block table and NIXL agent metadata per
+   tensor-parallel rank, the requests it holds for this peer, and how often to beat; or
+   ``refuse``: one line naming the field the engines disagree on and both values
+   (``kvhost.nixl.engine.refusal``). Decode checks the offer the same way, and every
+   table against the spec, before it reads a byte.
+5. ``beat`` (decode), every ``beat_seconds`` while it reads: a prefill that hears nothing
+   for a few beats knows decode is gone (a host down, a link cut: no socket ever closes)
+   and lets go of what it held for it.
+6. ``done`` (decode): every block read; prefill may let go.
+
+Fresh nonces on both sides make a recorded handshake useless; proofs are compared in
+constant time. The channel authenticates the peers, not the bytes after (nor does UCX
+its own traffic): across hosts, run it on a network you trust, or under a tunnel.
+Every wait has a deadline, and everything a peer sends is bounded in size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import select
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, refusal, table_refusal
+from kvhost.nixl.errors import ProtocolError
+from kvhost.nixl.fields import Fields, check_seconds
+from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, receive, send
+from kvhost.nixl.handshake import AUTH_FRAME_BYTES, RemoteRequest, parse_requests, request_columns
+from kvhost.nixl.tables import RegionTable
+
+KNOCK, CHALLENGE, ENGINE, OFFER, REFUSE, BEAT, DONE = "knock", "challenge", "engine", "offer", "refuse", "beat", "done"
+NONCE_BYTES = 16
+SECRET_BYTES = 32  # at least; a secret file holds it as hex
+ENGINE_FRAME_BYTES = 64 << 10  # an engine message: a spec and the application's few fields
+# How often decode must beat, as the prefill tells it: between these.
+MIN_BEAT_SECONDS, MAX_BEAT_SECONDS = 0.05, 60.0
+
+
+def proof(secret: bytes, role: str, nonces: tuple[bytes, bytes]) -> str:
+    """What ``role`` sends to prove the secret for this pair of nonces (decode's, prefill's)."""
+    return hmac.new(secret, role.encode() + nonces[0] + nonces[1], hashlib.sha256).hexdigest()
+
+
+def proves(secret: bytes, role: str, nonces: tuple[bytes, bytes], claimed: str) -> bool:
+    return hmac.compare_digest(proof(secret, role, nonces).encode(), claimed.encode())
+
+
+def nonce_of(fields: Fields) -> bytes:
+    text = fields.text("nonce", max_length=2 * NONCE_BYTES)
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        value = b""
+    if len(value) != NONCE_BYTES:
+        raise ProtocolError(f"{fields.where}.nonce: expected {NONCE_BYTES} bytes in hex")
+    return value
+
+
+def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
+    """The shared secret from a file of hex digits (at least ``SECRET_BYTES`` bytes' worth).
+
+    ``-`` reads one line from standard input, within ``timeout`` seconds (not argv, not the
+    environment: any local user can read a process's command line). A file others may
+    read is refused: the secret is what keeps strangers from reading the cache.
+    """
+    if path == "-":
+        ready, _, _ = select.select([sys.stdin], [], [], check_seconds(timeout, "secret timeout"))
+        text = sys.stdin.readline(4096) if ready else ""
+        where = "standard input"
+    else:
+        where = f"secret file {path}"
+        try:
+            mode = os.stat(path).st_mode
+            if mode & 0o077:
+                raise ProtocolError(f"{where}: readable by others (mode {mode & 0o777:o}); chmod 600 it")
+            with open(path) as source:
+                text = source.read(4096)
+        except OSError as err:
+            raise ProtocolError(f"{where}: {err.strerror}") from None
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        secret = b""
+    if len(secret) < SECRET_BYTES:
+        raise ProtocolError(f"{where}: expected a secret of at least {SECRET_BYTES} bytes as hex digits")
+    return secret
+
+
+def write_secret_file(path: str) -> bytes:
+    """A new random secret in a new file only its owner can read (never over an existing one)."""
+    secret = os.urandom(SECRET_BYTES)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as err:
+        raise ProtocolError(f"secret file {path}: {err.strerror}") from None
+    with os.fdopen(descriptor, "w") as out:
+        out.write(secret.hex() + "\n")
+    return secret
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a prefill engine offers one decode engine: per rank its table and agent metadata,
+    the requests whose blocks it holds for that peer, and fields of the application's own."""
+
+    spec: EngineSpec
+    tables: Sequence[RegionTable]
+    metadata: Sequence[bytes]
+    requests: Sequence[RemoteRequest]
+    beat_seconds: float = 1.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    fields: Fields | None = field(default=None, repr=False, compare=False)
+
+    def header(self) -> dict[str, Any]:
+        """The offer's JSON (bulk integers as arrays); its metadata travels as the blob."""
+        return {
+            **self.extra,
+            "engine": self.spec.to_dict(),
+            "tables": [table.to_dict() for table in self.tables],
+            "metadata_bytes": np.array([len(m) for m in self.metadata], dtype=np.uint32),
+            "requests": request_columns(self.requests, min(self.tables, key=lambda t: t.num_blocks)),
+            "beat_seconds": self.beat_seconds,
+        }
+
+
+def parse_offer(message: Message, local: EngineSpec) -> Offer:
+    """A prefill's offer, every field checked; its engine against ``local`` (a refusal is an
+    IncompatibleEngineError naming the field and both values) and each table against its spec."""
+    fields = message.fields(OFFER)
+    spec = EngineSpec.from_dict(fields.fields("engine").data, "offer.engine")
+    why = refusal(local, spec, local_name="decode", remote_name="prefill")
+    if why is not None:
+        raise IncompatibleEngineError(why)
+    tables = []
+    for rank, data in enumerate(fields.items("tables", max_length=spec.tp_size + 1)):
+        table = RegionTable.from_dict(data, f"offer.tables[{rank}]", message.arrays)
+        problem = table_refusal(spec, rank, table)
+        if problem is not None:
+            raise IncompatibleEngineError(f"prefill {problem}")
+        tables.append(table)
+    if len(tables) != spec.tp_size:
+        raise ProtocolError(f"offer.tables: {len(tables)} tables for TP {spec.tp_size}")
+    lengths = fields.array("metadata_bytes", minimum=1, maximum=MAX_BLOB_BYTES, max_length=spec.tp_size)
+    if lengths.size != spec.tp_size or int(lengths.sum()) != len(message.blob):
+        raise ProtocolError(
+            f"offer.metadata_bytes: {lengths.tolist()} for {spec.tp_size} ranks and {len(message.blob)} blob bytes"
+        )
+    ends = np.cumsum(lengths).tolist()
+    metadata = [message.blob[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+    requests = parse_requests(fields.fields("requests"), spec.block_size, min(t.num_blocks for t in tables))
+    beat = fields.seconds("beat_seconds")
+    if not MIN_BEAT_SECONDS <= beat <= MAX_BEAT_SECONDS:
+        raise ProtocolError(f"offer.beat_seconds: {beat:g} is not in [{MIN_BEAT_SECONDS}, {MAX_BEAT_SECONDS}]")
+    return Offer(spec, tables, metadata, requests, beat, fields=fields)
+
+
+class Session:
+    """One decode engine's connection to one prefill engine: its offer, the beats, ``done``.
+
+    ``start_beats`` sends a beat every ``offer.beat_seconds`` from a thread until ``done``
+    or ``close``; a send that fails ends the beats (``beat_error`` says why).
+    """
+
+    def __init__(self, sock: socket.socket, address: str, offer: Offer) -> None:
+        self.sock = sock
+        self.address = address
+        self.offer = offer
+        self.beat_error: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start_beats(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._beat, name=f"beats to {self.address}", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        interval = self.offer.beat_seconds
+        while not self._stop.wait(interval):
+            try:
+                with self._lock:
+                    send(self.sock, BEAT, {}, timeout=interval)
+            except ProtocolError as err:
+                self.beat_error = str(err)
+                return
+
+    def done(self, *, ok: bool, timeout: float) -> None:
+        """Tell prefill every block has been read (``ok``: and all was well); ends the beats."""
+        self._stop.set()
+        with self._lock:
+            send(self.sock, DONE, {"ok": ok}, timeout=timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)  # a beat blocked on a dead link ends within its own timeout
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``HOST:PORT`` (``[V6]:PORT``, or ``PORT`` alone on ``default_host``) as a pair; a bad one is a ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = default_host, text
+    host = host.strip("[]") or default_host
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT with a port in [0, 65535]")
+    return host, int(port)
+
+
+def connect(
+    address: tuple[str, int],
+    secret: bytes,
+    spec: EngineSpec,
+    *,
+    timeout: float,
+    extra: Mapping[str, Any] | None = None,
+) -> Session:
+    """Connect to a prefill engine, prove the secret both ways, and take its offer.
+
+    Connecting is retried until ``timeout`` seconds have passed (the prefill may still be
+    starting); every later step has what is left of them. A prefill that cannot prove the
+    secret, or says something malformed, is a ProtocolError; one whose engine cannot be
+    served is an IncompatibleEngineError (it refused, or decode does, naming the field).
+    """
+    seconds = check_seconds(timeout, "connect timeout")
+    deadline = time.monotonic() + seconds
+    name = f"prefill at {address[0]}:{address[1]}"
+    sock = _connect(address, deadline, name)
+    try:
+        mine = os.urandom(NONCE_BYTES)
+        send(sock, KNOCK, {"nonce": mine.hex()}, timeout=_left(deadline))
+        challenge = receive(sock, timeout=_left(deadline), expect=CHALLENGE, limit=AUTH_FRAME_BYTES)
+        fields = challenge.fields()
+        nonces = (mine, nonce_of(fields))
+        if not proves(secret, "prefill", nonces, fields.text("proof", max_length=64)):
+            raise ProtocolError(f"{name} did not prove the shared secret")
+        header = {**(extra or {}), "proof": proof(secret, "decode", nonces), "engine": spec.to_dict()}
+        send(sock, ENGINE, header, timeout=_left(deadline))
+        answer = receive(sock, timeout=_left(deadline))
+        if answer.kind == REFUSE:
+            why = answer.fields().text("reason", max_length=400)
+            raise IncompatibleEngineError(f"{name} refused: {why}")
+        if answer.kind != OFFER:
+            raise ProtocolError(f"{name}: expected an offer, got {answer.kind!r:.40}")
+        try:
+            offer = parse_offer(answer, spec)
+        except IncompatibleEngineError as err:
+            with contextlib.suppress(ProtocolError):
+                send(sock, REFUSE, {"reason": str(err)[:400]}, timeout=1.0)
+            raise IncompatibleEngineError(f"{name}: {err}") from None
+        return Session(sock, f"{address[0]}:{address[1]}", offer)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.1)
+
+
+def _connect(address: tuple[str, int], deadline: float, name: str) -> socket.socket:
+    last = ""
+    while True:
+        try:
+            sock = socket.create_connection(address, timeout=_left(deadline))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as err:
+            last = err.strerror or str(err)
+        if time.monotonic() + 0.2 > deadline:
+            raise ProtocolError(f"could not connect to {name} before the connect timeout: {last}")
+        time.sleep(0.2)

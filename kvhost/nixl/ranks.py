@@ -1,0 +1,382 @@
+"""Tensor parallelism either way: which remote ranks feed a local rank, and the plans that move their bytes.
+
+Rank ``i`` of an engine of ``tp`` ranks holds the KV heads ``i * per_rank .. (i + 1) *
+per_rank - 1`` (``per_rank = kv_heads / tp``). A local rank's heads come from every
+remote rank whose heads overlap them (``head_shares``): one whole rank when both sides
+have the same TP, a share of one rank when the local TP is larger, several whole ranks
+when it is smaller (the local rank gathers its heads from several remote ranks into each
+of its blocks). An MLA cache is not split by heads: every rank holds the whole latent, so
+each local rank reads it once, from one remote rank (``latent_source``).
+
+The bytes land as they would from one *virtual sender*: an engine with the remote ranks'
+region order and block size that holds exactly this rank's heads. So the wire model of
+docs/design.md holds unchanged and one ``kvhost.receive`` with the remote order and block
+size finishes the job, whatever the ranks. Each remote rank contributes byte runs of its
+region (one run when heads lead the region, one per token when tokens do) to runs of the
+virtual sender's region, which land in the local blocks as the wire model says: the
+virtual region ``k`` of a request is sub-block ``k mod r`` of local block ``k // r``, or
+spans the group of ``g`` local blocks ``k * g ..``. ``plan_ranks`` turns each of these
+placements into a ``TransferPlan`` made by ``plan_transfer`` (over byte windows of both
+tables where a share is not a whole region), so every descriptor row comes from
+``TransferPlan.descriptor_pairs``. ``RankReader`` posts one NIXL transfer per remote rank
+that feeds the local one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+from kvhost.errors import LayoutError, RequestError
+from kvhost.ids import Ids, checked_ids
+from kvhost.nixl.agent import Agent, Transfer, check_registered, merge_domains, post_rows
+from kvhost.nixl.errors import TransferError
+from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, plan_transfer
+from kvhost.nixl.tables import RegionTable, Stream
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """Heads ``local_first ..`` of the local rank are heads ``remote_first ..`` of ``remote_rank``."""
+
+    remote_rank: int
+    local_first: int
+    remote_first: int
+    count: int
+
+
+def head_shares(local_rank: int, local_tp: int, remote_tp: int, kv_heads: int) -> list[HeadShare]:
+    """The remote ranks that hold some of this local rank's heads, and which, in head order."""
+    for name, tp in (("local", local_tp), ("remote", remote_tp)):
+        if tp < 1 or kv_heads % tp:
+            raise LayoutError(f"{kv_heads} KV heads cannot be shared evenly by {name} TP {tp}")
+    if not 0 <= local_rank < local_tp:
+        raise LayoutError(f"local rank {local_rank} is not one of {local_tp} ranks")
+    mine, theirs = kv_heads // local_tp, kv_heads // remote_tp
+    low, high = local_rank * mine, (local_rank + 1) * mine
+    shares = []
+    for rank in range(low // theirs, -(-high // theirs)):
+        first, last = max(low, rank * theirs), min(high, (rank + 1) * theirs)
+        shares.append(HeadShare(rank, first - low, first - rank * theirs, last - first))
+    return shares
+
+
+def latent_source(local_rank: int, local_tp: int, remote_tp: int) -> int:
+    """The remote rank a local rank reads an MLA latent from: each reads it once, the local
+    ranks spread over the remote ones."""
+    if not 0 <= local_rank < local_tp or remote_tp < 1:
+        raise LayoutError(f"local rank {local_rank} of {local_tp}, remote TP {remote_tp}")
+    return local_rank % remote_tp
+
+
+@dataclass(frozen=True)
+class Part:
+    """One ``TransferPlan`` of a source and the blocks of a request it moves.
+
+    ``phase`` None: all of them (the plan pairs whole regions, any block sizes). Otherwise,
+    with a local block r >= 1 times the remote one, remote blocks ``phase, phase + r, ..``
+    into sub-block ``phase`` of the local blocks in order; with a remote block g > 1 times
+    the local one, every remote block into local block ``phase`` of its group.
+    """
+
+    plan: TransferPlan
+    phase: int | None = None
+
+
+@dataclass(frozen=True)
+class Source:
+    """A remote rank that feeds the local one: which heads (None: all, or an MLA latent) and how."""
+
+    rank: int
+    share: HeadShare | None
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """How one local rank's blocks receive a request's bytes from the remote ranks that hold them."""
+
+    local: RegionTable
+    remotes: tuple[RegionTable, ...]  # every remote rank's table, by rank
+    sources: tuple[Source, ...]
+
+    @property
+    def remote_order(self) -> str:
+        """The order ``kvhost.receive`` must be told the wire bytes arrived in (every remote rank's)."""
+        return self.remotes[0].order
+
+    @property
+    def remote_block_size(self) -> int:
+        return self.remotes[0].block_size
+
+    @property
+    def r(self) -> int:
+        return max(self.local.block_size // self.remote_block_size, 1)
+
+    @property
+    def g(self) -> int:
+        return max(self.remote_block_size // self.local.block_size, 1)
+
+    def local_blocks_for(self, remote_blocks: int) -> int:
+        """Local blocks that hold ``remote_blocks`` sender blocks (whole groups when g > 1)."""
+        return remote_blocks * self.g if self.g > 1 else -(-remote_blocks // self.r)
+
+    def bytes_for(self, remote_blocks: int) -> int:
+        """Bytes one request of ``remote_blocks`` sender blocks moves into this rank, from all sources."""
+        return sum(p.plan.bytes_for(self._count(p, remote_blocks)) for s in self.sources for p in s.parts)
+
+    def rows(
+        self,
+        source: Source,
+        local_ids: Ids,
+        remote_ids: Ids,
+        *,
+        max_bytes: int | None = None,
+        domains: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The (address, length, device id) rows that move ``source``'s part of one request: local and remote.
+
+        ``max_bytes`` None: one row per piece; otherwise pieces that continue one another
+        merged up to it (``TransferPlan.merged_pairs``), with ``domains[i]`` the (local,
+        remote) merge domains of ``source.parts[i]`` (None: each stream its own).
+        """
+        remote = checked_ids(remote_ids, "remote_ids", self.remote_block_count, allow_empty=False)
+        local = checked_ids(local_ids, "local_ids", self.local.num_blocks, allow_empty=False)
+        want = self.local_blocks_for(remote.size)
+        if local.size != want:
+            raise RequestError(
+                f"{remote.size} remote blocks of {self.remote_block_size} tokens need {want} local blocks of "
+                f"{self.local.block_size} tokens, got {local.size} local block ids"
+            )
+        pairs = []
+        for index, part in enumerate(source.parts):
+            if part.phase is None:
+                chosen = local, remote
+            elif self.g == 1:
+                picked = remote[part.phase :: self.r]
+                chosen = local[: picked.size], picked
+            else:
+                chosen = local[part.phase :: self.g], remote
+            if not chosen[1].size:
+                continue
+            if max_bytes is None:
+                pairs.append(part.plan.descriptor_pairs(*chosen))
+            else:
+                local_domains, remote_domains = domains[index] if domains is not None else (None, None)
+                pairs.append(
+                    part.plan.merged_pairs(
+                        *chosen, max_bytes=max_bytes, local_domains=local_domains, remote_domains=remote_domains
+                    )
+                )
+        return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+    @property
+    def remote_block_count(self) -> int:
+        return min(t.num_blocks for t in self.remotes)
+
+    def _count(self, part: Part, remote_blocks: int) -> int:
+        if part.phase is None or self.g > 1:
+            return remote_blocks
+        return len(range(part.phase, remote_blocks, self.r))
+
+
+def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequence[RegionTable]) -> RankPlan:
+    """Pair one local rank's table with the tables of every rank of a remote engine (by rank).
+
+    Heads are shared as ``head_shares`` says when both tables have them (``H``); without
+    (MLA) the local rank reads the whole latent from ``latent_source``. Tables must agree
+    but in ``N`` and ``H`` (``plan_transfer``'s checks); block sizes must divide.
+    """
+    if not remotes:
+        raise LayoutError("no remote ranks to read from")
+    first = remotes[0]
+    for rank, table in enumerate(remotes):
+        if (table.order, table.block_size, table.sizes) != (first.order, first.block_size, first.sizes):
+            raise LayoutError(f"remote rank {rank}'s table differs from rank 0's in order, block size or sizes")
+    big, small = max(local.block_size, first.block_size), min(local.block_size, first.block_size)
+    if big % small:
+        raise LayoutError(f"block sizes {local.block_size} (local) and {first.block_size} (remote) do not divide")
+    remote_tp = len(remotes)
+    if "H" not in local.sizes and "H" not in first.sizes:
+        rank = latent_source(local_rank, local_tp, remote_tp)
+        latent = Source(rank, None, (Part(plan_transfer(local, remotes[rank])),))
+        return RankPlan(local, tuple(remotes), (latent,))
+    if "H" not in local.sizes or "H" not in first.sizes:
+        raise LayoutError("one side's tables have heads (H) and the other's do not")
+    kv_heads = local.sizes["H"] * local_tp
+    if first.sizes["H"] * remote_tp != kv_heads:
+        raise LayoutError(
+            f"local {local.sizes['H']} heads x TP {local_tp} and remote {first.sizes['H']} heads x TP "
+            f"{remote_tp} are not the same KV heads"
+        )
+    sources = tuple(
+        Source(share.remote_rank, share, _parts(local, remotes[share.remote_rank], share))
+        for share in head_shares(local_rank, local_tp, remote_tp, kv_heads)
+    )
+    return RankPlan(local, tuple(remotes), sources)
+
+
+def _parts(local: RegionTable, remote: RegionTable, share: HeadShare) -> tuple[Part, ...]:
+    """The plans that move one remote rank's share of the heads into the local rank's blocks."""
+    local_heads, remote_heads, count = local.sizes["H"], remote.sizes["H"], share.count
+    if count == local_heads == remote_heads:  # equal TP: whole regions
+        return (Part(plan_transfer(local, remote)),)
+    local_coord = "H" in dict(local.streams[0].coords)
+    remote_coord = "H" in dict(remote.streams[0].coords)
+    if local_coord and remote_coord:  # heads are streams: pick and renumber them on both sides
+        return (Part(plan_transfer(local.heads(share.local_first, count), remote.heads(share.remote_first, count))),)
+    if local_coord or remote_coord:
+        raise LayoutError("heads are streams on one side only: the tables cannot share heads")
+    if count == local_heads and remote.run_order.startswith("H"):  # a share of a head-major region: one run
+        return (Part(plan_transfer(local, remote.heads(share.remote_first, count))),)
+    return _window_parts(local, remote, share)
+
+
+def _window_parts(local: RegionTable, remote: RegionTable, share: HeadShare) -> tuple[Part, ...]:
+    """A share that is runs of the remote region into runs of the virtual sender's: one plan
+    per placement (sub-block, or part of a group) and run length, over byte windows."""
+    if local.split or remote.split:
+        raise LayoutError("token-run tables are not shared out by heads across ranks; pair region tables")
+    if sorted(local.run_order) != sorted(remote.run_order):
+        raise LayoutError(f"local region {local.order!r} and remote region {remote.order!r} hold different letters")
+    others = {a: n for a, n in local.sizes.items() if a not in "NH"}
+    if others != {a: n for a, n in remote.sizes.items() if a not in "NH"}:
+        raise LayoutError(f"local sizes {local.sizes} and remote sizes {remote.sizes} differ beyond N and H")
+    runs = _share_runs(remote, share, local.sizes["H"])
+    virtual = remote.run_bytes // remote.sizes["H"] * local.sizes["H"]  # one region of the virtual sender
+    n_remote, n_local = remote.block_size, local.block_size
+    placements: list[tuple[int, int, int, int]] = []  # (phase, local offset, remote offset, length)
+    if n_local >= n_remote:
+        for phase in range(n_local // n_remote):
+            placements += [(phase, phase * virtual + at, start, length) for start, at, length in runs]
+    else:
+        region = local.run_bytes  # a group of g local regions holds one virtual region: cut runs at their ends
+        for start, at, length in runs:
+            while length:
+                phase, offset = divmod(at, region)
+                piece = min(length, region - offset)
+                placements.append((phase, offset, start, piece))
+                start, at, length = start + piece, at + piece, length - piece
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for phase, local_offset, remote_offset, length in placements:
+        groups.setdefault((phase, length), []).append((local_offset, remote_offset))
+    return tuple(
+        Part(
+            plan_transfer(
+                _window(local, [o for o, _ in offsets], length), _window(remote, [o for _, o in offsets], length)
+            ),
+            phase,
+        )
+        for (phase, length), offsets in groups.items()
+    )
+
+
+def _share_runs(remote: RegionTable, share: HeadShare, local_heads: int) -> list[tuple[int, int, int]]:
+    """(offset in the remote region, offset in the virtual region, length) of the share's byte
+    runs: one per index of the letters before H in the region, adjacent runs merged."""
+    order = remote.run_order
+    remote_sizes = {a: remote.sizes[a] for a in order}
+    virtual_sizes = {**remote_sizes, "H": local_heads}
+
+    def strides(sizes: Mapping[str, int]) -> dict[str, int]:
+        return {a: prod(sizes[b] for b in order[i + 1 :]) * remote.itemsize for i, a in enumerate(order)}
+
+    remote_strides, virtual_strides = strides(remote_sizes), strides(virtual_sizes)
+    head = remote_strides["H"]  # bytes of one head's inner letters, alike on both sides
+    before = order[: order.index("H")]
+    runs: list[tuple[int, int, int]] = []
+    for index in itertools.product(*(range(remote_sizes[a]) for a in before)):
+        start = sum(i * remote_strides[a] for a, i in zip(before, index)) + share.remote_first * head
+        at = sum(i * virtual_strides[a] for a, i in zip(before, index)) + share.local_first * head
+        length = share.count * head
+        if runs and runs[-1][0] + runs[-1][2] == start and runs[-1][1] + runs[-1][2] == at:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+        else:
+            runs.append((start, at, length))
+    return runs
+
+
+def _window(table: RegionTable, offsets: Sequence[int], length: int) -> RegionTable:
+    """The runs ``offset .. offset + length`` of every block of every stream, one stream per
+    offset: a table of bytes (letters ``NC``, one token of ``length`` bytes), for pairing
+    with a window of the same offsets' count and length on the other side."""
+    streams = tuple(
+        Stream(s.layer, (*s.coords, ("run", i)), s.address + offset, s.block_stride)
+        for s in table.streams
+        for i, offset in enumerate(offsets)
+    )
+    sizes = {"N": 1, "C": length // table.itemsize}
+    return RegionTable(table.memory, table.device_id, "NC", "", sizes, table.itemsize, table.num_blocks, streams)
+
+
+class RankReader:
+    """A ``RankPlan`` towards the agents of the remote ranks it reads from (``peers``: rank ->
+    agent name): each read posts one NIXL transfer per source. Every table's extents are
+    checked against registered memory when it is made, as ``Reader`` does; pieces that
+    continue one another go as one descriptor of up to ``max_descriptor_bytes`` (None: one
+    per piece), within the memory NIXL says one descriptor may span (``merge_domains``)."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        plan: RankPlan,
+        peers: Mapping[int, str],
+        *,
+        max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES,
+    ) -> None:
+        if max_descriptor_bytes is not None and (
+            isinstance(max_descriptor_bytes, bool)
+            or not isinstance(max_descriptor_bytes, int)
+            or max_descriptor_bytes < 1
+        ):
+            raise TransferError(
+                f"max_descriptor_bytes must be a positive integer or None, got {max_descriptor_bytes!r}"
+            )
+        self.agent = agent
+        self.plan = plan
+        missing = [s.rank for s in plan.sources if s.rank not in peers]
+        if missing:
+            raise LayoutError(f"no agent for remote rank(s) {missing}")
+        self.peers = {s.rank: peers[s.rank] for s in plan.sources}
+        self.descriptors = 0  # rows posted so far, a side
+        check_registered(agent, plan.local, None)
+        for source in plan.sources:
+            check_registered(agent, plan.remotes[source.rank], self.peers[source.rank])
+        self.max_descriptor_bytes = max_descriptor_bytes
+        self.domains: dict[int, list[tuple[np.ndarray | None, np.ndarray | None]]] = {}
+        if max_descriptor_bytes is not None:
+            for source in plan.sources:
+                self.domains[source.rank] = [
+                    (
+                        merge_domains(agent.nixl, "NIXL_INIT_AGENT", part.plan.local),
+                        merge_domains(agent.nixl, self.peers[source.rank], part.plan.remote),
+                    )
+                    for part in source.parts
+                ]
+
+    def read(self, local_ids: Ids, remote_ids: Ids) -> list[Transfer]:
+        """Start pulling the request's ``remote_ids`` of every source into ``local_ids``."""
+        transfers: list[Transfer] = []
+        try:
+            for source in self.plan.sources:
+                local_rows, remote_rows = self.plan.rows(
+                    source,
+                    local_ids,
+                    remote_ids,
+                    max_bytes=self.max_descriptor_bytes,
+                    domains=self.domains.get(source.rank),
+                )
+                self.descriptors += local_rows.shape[0]
+                memory = (self.plan.local.memory, self.plan.remotes[source.rank].memory)
+                transfers.append(
+                    post_rows(self.agent, self.peers[source.rank], "READ", local_rows, remote_rows, memory)
+                )
+        except BaseException:
+            for transfer in transfers:
+                transfer.release()
+            raise
+        return transfers

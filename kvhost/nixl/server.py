@@ -1,0 +1,314 @@
+"""The prefill side of ``kvhost.nixl.peers``: one loop that serves many decode engines at once.
+
+``Server.serve`` accepts connections on a listening socket and walks each through the
+handshake (knock, challenge, engine, offer) to a *hold*: the peer reads the blocks it was
+offered with NIXL while the server waits for its ``done``. A hold ends when the peer says
+``done``, closes its socket (its process ended), or stops beating for ``peer_timeout``
+seconds (its host or the link went down: no socket ever closes then); ``release`` is
+called at once, so the application lets go of what it held for that peer.
+
+Nothing a peer does is trusted: before it proves the secret a connection may send one
+frame of at most ``AUTH_FRAME_BYTES`` (its engine message at most ``ENGINE_FRAME_BYTES``)
+within ``auth_timeout`` seconds; at most ``MAX_CONNECTIONS`` connections are held, the
+oldest unproven one dropped for a new one; frames are read only up to their end, and a
+held peer may send only small frames. Everything runs on the calling thread; the only
+wait that is not on the selector is sending an offer, bounded by ``send_timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvhost.nixl.engine import EngineSpec, refusal
+from kvhost.nixl.errors import ProtocolError
+from kvhost.nixl.fields import Fields, check_seconds
+from kvhost.nixl.framing import HEADER_BYTES, Message, decode, encode, parse_header
+from kvhost.nixl.handshake import AUTH_FRAME_BYTES, AUTH_SECONDS
+from kvhost.nixl.peers import (
+    BEAT,
+    CHALLENGE,
+    DONE,
+    ENGINE,
+    ENGINE_FRAME_BYTES,
+    KNOCK,
+    NONCE_BYTES,
+    OFFER,
+    REFUSE,
+    Offer,
+    nonce_of,
+    proof,
+    proves,
+)
+
+MAX_CONNECTIONS = 64  # proven or not, held at once
+
+
+@dataclass(frozen=True)
+class PeerHello:
+    """A decode engine that proved the secret: where from, its spec, and all it said."""
+
+    address: str
+    spec: EngineSpec
+    fields: Fields = field(repr=False)
+
+
+@dataclass
+class PeerRecord:
+    """What became of one decode engine that was offered blocks (or refused).
+
+    ``outcome``: ``done`` (it said so), ``closed`` (its socket closed first), ``silent`` (no
+    beat for ``peer_timeout`` seconds), ``refused`` (the engines cannot work together; by
+    either side), ``failed`` (the offer could not be sent).
+    """
+
+    address: str
+    outcome: str = ""
+    detail: str = ""
+    requests: int = 0
+    held_seconds: float = 0.0
+    ok: bool | None = None  # what ``done`` said
+
+
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    address: str
+    deadline: float
+    stage: str = KNOCK  # what it must send next: knock, engine, then beats and done (hold)
+    data: bytearray = field(default_factory=bytearray)
+    nonces: tuple[bytes, bytes] = (b"", b"")
+    record: PeerRecord | None = None
+    held_since: float = 0.0
+
+
+class Server:
+    """Serves ``spec``'s blocks to decode engines that prove ``secret``.
+
+    ``offer(peer)`` says what a peer that proved itself and can be served gets (it may
+    raise ProtocolError to refuse it, with its message); ``release(record)`` is called when
+    a hold ends, however it ends. ``log`` receives one line per event worth telling.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        secret: bytes,
+        spec: EngineSpec,
+        offer: Callable[[PeerHello], Offer],
+        *,
+        release: Callable[[PeerRecord], None] | None = None,
+        peer_timeout: float = 5.0,
+        auth_timeout: float = AUTH_SECONDS,
+        send_timeout: float = 10.0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.listener = listener
+        self.secret = secret
+        self.spec = spec
+        self.offer = offer
+        self.release = release
+        self.peer_timeout = check_seconds(peer_timeout, "peer timeout", positive=True)
+        self.auth_timeout = check_seconds(auth_timeout, "auth timeout", positive=True)
+        self.send_timeout = check_seconds(send_timeout, "send timeout", positive=True)
+        self.log = log or (lambda line: None)
+        self.records: list[PeerRecord] = []
+        self.dropped = 0  # connections that never proved the secret
+        self._connections: dict[socket.socket, _Connection] = {}
+
+    @property
+    def beat_seconds(self) -> float:
+        """How often peers are told to beat: four beats fit in ``peer_timeout``."""
+        return min(max(self.peer_timeout / 4, 0.05), 60.0)
+
+    def serve(self, *, peers: int | None, idle_timeout: float, stop: Callable[[], bool] | None = None) -> None:
+        """Serve until ``peers`` holds have ended (None: until ``stop`` says so), or until no
+        connection has been held for ``idle_timeout`` seconds. Every connection still open
+        when it returns is closed (and a hold released)."""
+        idle = check_seconds(idle_timeout, "idle timeout", positive=True)
+        self.listener.setblocking(False)
+        quiet_since = time.monotonic()
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.listener, selectors.EVENT_READ)
+            try:
+                while True:
+                    ended = sum(1 for r in self.records if r.outcome != "refused")
+                    if (peers is not None and ended >= peers and not self._holds()) or (stop and stop()):
+                        return
+                    now = time.monotonic()
+                    if self._connections:
+                        quiet_since = now
+                    elif now - quiet_since > idle:
+                        self.log(f"no decode engine for {idle:g} s: stopping")
+                        return
+                    for conn in [c for c in self._connections.values() if now > c.deadline]:
+                        self._expire(selector, conn)
+                    for key, _ in selector.select(timeout=0.05):
+                        if key.fileobj is self.listener:
+                            self._accept(selector)
+                        elif key.fileobj in self._connections:
+                            self._read(selector, self._connections[key.fileobj])
+            finally:
+                for conn in list(self._connections.values()):
+                    self._end(selector, conn, "closed", "the server stopped")
+
+    def _holds(self) -> int:
+        return sum(1 for c in self._connections.values() if c.stage == BEAT)
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        while True:
+            try:
+                sock, address = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # the peer gave up between the listen queue and accept
+                return
+            if len(self._connections) >= MAX_CONNECTIONS:
+                unproven = [c for c in self._connections.values() if c.stage != BEAT]
+                if not unproven:
+                    sock.close()
+                    self.dropped += 1
+                    continue
+                self._end(selector, unproven[0], "", "")  # the oldest unproven one
+            sock.setblocking(False)
+            conn = _Connection(sock, f"{address[0]}:{address[1]}", time.monotonic() + self.auth_timeout)
+            self._connections[sock] = conn
+            selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+        limit = ENGINE_FRAME_BYTES if conn.stage == ENGINE else AUTH_FRAME_BYTES
+        try:
+            message = _read_frame(conn, limit)
+        except _Closed as err:
+            self._end(selector, conn, "closed" if conn.stage == BEAT else "", str(err))
+            return
+        except ProtocolError as err:
+            self._end(selector, conn, "failed" if conn.stage == BEAT else "", str(err))
+            return
+        if message is None:
+            return
+        try:
+            if conn.stage == KNOCK and message.kind == KNOCK:
+                self._challenge(conn, message)
+            elif conn.stage == ENGINE and message.kind == ENGINE:
+                self._answer(selector, conn, message)
+            elif conn.stage == BEAT and message.kind == BEAT:
+                conn.deadline = time.monotonic() + self.peer_timeout
+            elif conn.stage == BEAT and message.kind == DONE:
+                assert conn.record is not None
+                conn.record.ok = message.fields().data.get("ok") is True
+                self._end(selector, conn, "done", "")
+            elif conn.stage == BEAT and message.kind == REFUSE:
+                self._end(selector, conn, "refused", message.fields().text("reason", max_length=400))
+            else:
+                raise ProtocolError(f"unexpected {message.kind!r:.40} message")
+        except ProtocolError as err:
+            self._end(selector, conn, "failed" if conn.stage == BEAT else "", str(err))
+
+    def _challenge(self, conn: _Connection, message: Message) -> None:
+        mine = os.urandom(NONCE_BYTES)
+        conn.nonces = (nonce_of(message.fields()), mine)
+        _send(conn.sock, CHALLENGE, {"nonce": mine.hex(), "proof": proof(self.secret, "prefill", conn.nonces)}, 1.0)
+        conn.stage = ENGINE
+
+    def _answer(self, selector: selectors.BaseSelector, conn: _Connection, message: Message) -> None:
+        fields = message.fields()
+        if not proves(self.secret, "decode", conn.nonces, fields.text("proof", max_length=64)):
+            raise ProtocolError("wrong proof of the secret")
+        record = conn.record = PeerRecord(conn.address)
+        self.records.append(record)
+        conn.stage = BEAT  # proven: from here on it is a peer, and what happens to it is recorded
+        conn.held_since = time.monotonic()
+        try:
+            spec = EngineSpec.from_dict(fields.fields("engine").data, "engine.engine")
+            why = refusal(spec, self.spec, local_name="decode", remote_name="prefill")
+            if why is not None:
+                raise ProtocolError(why)
+            offer = self.offer(PeerHello(conn.address, spec, fields))
+        except ProtocolError as err:
+            with contextlib.suppress(ProtocolError):
+                _send(conn.sock, REFUSE, {"reason": str(err)[:400]}, self.send_timeout)
+            self._end(selector, conn, "refused", str(err))
+            return
+        record.requests = len(offer.requests)
+        offer = Offer(offer.spec, offer.tables, offer.metadata, offer.requests, self.beat_seconds, offer.extra)
+        _send(conn.sock, OFFER, offer.header(), self.send_timeout, blob=b"".join(offer.metadata))
+        conn.deadline = time.monotonic() + self.peer_timeout
+        self.log(f"offered {len(offer.requests)} requests to decode at {conn.address}")
+
+    def _expire(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+        if conn.stage == BEAT:
+            self._end(selector, conn, "silent", f"no beat for {self.peer_timeout:g} s")
+        else:
+            self._end(selector, conn, "", "")
+
+    def _end(self, selector: selectors.BaseSelector, conn: _Connection, outcome: str, detail: str) -> None:
+        """Close a connection; a proven one's record says how it ended and ``release`` is told."""
+        selector.unregister(conn.sock)
+        del self._connections[conn.sock]
+        conn.sock.close()
+        if conn.record is None:
+            self.dropped += 1
+            return
+        conn.record.outcome, conn.record.detail = outcome or "failed", detail
+        conn.record.held_seconds = time.monotonic() - conn.held_since
+        self.log(f"decode at {conn.address}: {conn.record.outcome}" + (f": {detail}" if detail else ""))
+        if self.release is not None and outcome != "refused":
+            self.release(conn.record)
+
+
+def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: float, *, blob: bytes = b"") -> None:
+    """One frame on a non-blocking socket, within ``timeout`` seconds."""
+    frame = memoryview(encode(kind, header, blob))
+    deadline = time.monotonic() + timeout
+    try:
+        sock.settimeout(timeout)
+        while frame:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError(f"could not send {kind!r} within {timeout:g} s: the peer does not read")
+            sock.settimeout(left)
+            sent = sock.send(frame)
+            frame = frame[sent:]
+    except TimeoutError:
+        raise ProtocolError(f"could not send {kind!r} within {timeout:g} s: the peer does not read") from None
+    except OSError as err:
+        raise ProtocolError(f"could not send {kind!r}: {err}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+
+
+class _Closed(ProtocolError):
+    """The peer's socket closed or failed."""
+
+
+def _read_frame(conn: _Connection, limit: int) -> Message | None:
+    """Read what has arrived of the connection's next frame, never past it: the message once
+    whole, None while incomplete; a closed socket or a frame over ``limit`` bytes is a ProtocolError."""
+    data = conn.data
+    need = HEADER_BYTES
+    if len(data) >= HEADER_BYTES:
+        json_len, blob_len, array_len, _ = parse_header(data)
+        need = HEADER_BYTES + json_len + blob_len + array_len
+        if need > limit:
+            raise ProtocolError(f"a frame of {need} bytes, more than the {limit} allowed here")
+    try:
+        chunk = conn.sock.recv(need - len(data))
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as err:
+        raise _Closed(f"the connection failed: {err}") from None
+    if not chunk:
+        raise _Closed("the peer closed the connection" + (f" {len(data)} bytes into a frame" if data else ""))
+    data += chunk
+    if len(data) < need or need == HEADER_BYTES:
+        return None
+    message = decode(bytes(data))
+    data.clear()
+    return message

@@ -1,0 +1,699 @@
+"""``kvhost bench --transfer``: a NIXL hand-off, side by side with memcpy, per piece and merged.
+
+The demo's batch (``kvhost demo``'s options, ``--demo``: 40 requests of mixed length, its
+model, its block sizes and layouts, block ids as its allocators hand them out) moves from
+a sender process to this one over NIXL (UCX), the way ``kvhost demo`` moves it. The sender
+(``python -m kvhost_tools.bench.transfer``, under ``ip netns exec`` with ``--peer-netns``)
+fills the prefill cache, registers it and sends its table and agent metadata over a
+socket pair; before every timed call it evicts the blocks that are read from it, as this
+process evicts what it touches (``machine.Device``). Methods, interleaved in a random
+order per round, medians over rounds (``timing.measure``):
+
+- ``memcpy``: a plain copy of the same bytes in this process (the roofline);
+- ``per-piece``: one descriptor per sender region (or the r sub-regions of one receiver
+  block), lists built per transfer (NIXL ``initialize_xfer``): kvhost's reader before
+  merging;
+- ``per-piece-prepped``: the same descriptors prepared once for every block of both caches
+  (``prep_xfer_dlist``) and picked by index per transfer (``make_prepped_xfer``): how
+  vLLM's NixlConnector hands its per-block descriptors to NIXL. NIXL's ``makeXferReq``
+  itself joins neighbouring indices whose descriptors continue one another on both sides
+  (unless ``skip_desc_merge``), without a size bound, so this way posts merged
+  descriptors too;
+- ``per-piece-prepped-unmerged``: the same with ``skip_desc_merge=True``: one operation per
+  piece through the prepared path;
+- ``kvhost``: kvhost's merged descriptors (``Reader``, up to ``MAX_DESCRIPTOR_BYTES``),
+  lists built per transfer; ``kvhost<=N``: the same with other bounds, which shows the
+  transport's per-operation cost against descriptor size;
+- ``hand-off``: ``kvhost``'s transfer, then one ``kvhost.receive`` of the batch (a
+  ``KVHost`` registered once): everything on the critical path from the first read to
+  blocks attention can read;
+- ``build ...``: creating every request's transfer without posting it (descriptor rows
+  and NIXL's request), per way of handing descriptors to NIXL: what each costs;
+- ``span/N``: the transport alone (``--sweep``): the batch's bytes read from one
+  contiguous span of each layer in descriptors of N bytes, one request made once and
+  posted again each round: the transport's per-operation cost against descriptor size,
+  and its bandwidth when descriptors are as large as they come.
+
+Each request is read with up to ``--inflight`` transfers in flight, as the demo does.
+Before timing, every way's bytes are checked to be the same, and the hand-off's blocks to
+hold the sender's tokens bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import select
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+import kvhost
+from kvhost.caches import CacheSet
+from kvhost.nixl import MAX_DESCRIPTOR_BYTES, Agent, RegionTable, Transfer, TransferPlan, plan_transfer
+from kvhost.nixl.framing import receive, send
+from kvhost.testing import fill_random, raw, read_tokens
+from kvhost_tools.bench.machine import Device, block_ranges, machine
+from kvhost_tools.bench.methods import ROOFLINE, Workspace
+from kvhost_tools.bench.output import format_table
+from kvhost_tools.bench.targets import check
+from kvhost_tools.bench.timing import Measured, measure, per_round
+from kvhost_tools.bench.workloads import PRESETS
+from kvhost_tools.blocks import BLOCK_ID_KINDS, MAX_RUN, free_list
+from kvhost_tools.demo.config import LAYOUTS, EngineShape, Model, Workload, blocks_for, local_blocks_for, pool_for
+from kvhost_tools.demo.options import add_model, add_workload, default_layout, model_of, workload_of
+
+PER_PIECE = "per-piece"
+PREPPED = "per-piece-prepped"
+UNMERGED = "per-piece-prepped-unmerged"
+KVHOST = "kvhost"
+HANDOFF = "hand-off"
+BOUNDS = (64 << 10, 256 << 10, 4 << 20, 1 << 40)  # other merge bounds, beside MAX_DESCRIPTOR_BYTES
+# Descriptor sizes of the transport sweep: the batch's bytes, read from one contiguous span
+# per layer in descriptors of this size (0: one per layer).
+SWEEP = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 0)
+QUICK_DEMO = "--layers 2 --heads 2 --head-dim 16 --requests 8 --min-tokens 5 --max-tokens 150"
+TIMEOUT_S = 120.0  # any one control message, and any one transfer
+SENTINEL = 0xA5
+# How each side drives NIXL: "poll" (no progress thread; the receiver polls its transfers,
+# the sender asks for notifications every POLL_S while it waits), or NIXL's progress
+# thread on both sides, which polls without pause (half a core each when idle, here).
+PROGRESS = ("poll", "thread")
+POLL_S = 1e-4
+SEED = 1000  # the sender's layer i holds fill_random(seed SEED + i)
+
+
+class _DemoParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SystemExit(f"kvhost bench --demo: {message}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The demo's batch as ``--demo`` gives it: the model, the workload, both engines' caches
+    (one rank each) and how both sides' allocators hand out block ids."""
+
+    model: Model
+    workload: Workload
+    prefill: EngineShape
+    decode: EngineShape
+    block_ids: str
+    max_run: int
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        p = _DemoParser(prog="kvhost bench --demo", add_help=False)
+        add_model(p)
+        add_workload(p)
+        p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default=None)
+        p.add_argument("--prefill-block-size", type=int, default=16)
+        p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default=None)
+        p.add_argument("--decode-block-size", type=int, default=64)
+        p.add_argument("--block-ids", choices=BLOCK_ID_KINDS, default="runs")
+        p.add_argument("--max-run", type=int, default=MAX_RUN)
+        args = p.parse_args(shlex.split(text))
+        prefill = EngineShape(default_layout(args.cache, args.prefill_layout, "HND"), args.prefill_block_size)
+        decode = EngineShape(default_layout(args.cache, args.decode_layout, "NHD"), args.decode_block_size)
+        return cls(model_of(args), workload_of(args), prefill, decode, args.block_ids, args.max_run)
+
+    @property
+    def axes(self) -> str:
+        return self.model.axes
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The demo's batch: per request, the sender's block ids and the receiver's."""
+
+    setting: Setting
+    remote_pool: int
+    local_pool: int
+    remote_ids: list[list[int]]
+    local_ids: list[list[int]]
+
+    @classmethod
+    def of(cls, setting: Setting) -> Batch:
+        prefill, decode, seed = setting.prefill, setting.decode, setting.workload.seed
+        needed = [blocks_for(t, prefill.block_size) for t in setting.workload.lengths()]
+        local_needed = [local_blocks_for(n, prefill.block_size, decode.block_size) for n in needed]
+        remote_pool, local_pool = pool_for(needed), pool_for(local_needed)
+        remote_free, local_free = (
+            free_list(pool, np.random.default_rng([seed, side]), setting.block_ids, setting.max_run).tolist()
+            for pool, side in ((remote_pool, 2), (local_pool, 3))
+        )
+        remote_ids, local_ids = [], []
+        for count, local_count in zip(needed, local_needed):
+            remote_ids.append(remote_free[:count])
+            local_ids.append(local_free[:local_count])
+            remote_free, local_free = remote_free[count:], local_free[local_count:]
+        return cls(setting, remote_pool, local_pool, remote_ids, local_ids)
+
+    def sender_caches(self) -> dict[str, torch.Tensor]:
+        """The sender's cache, filled as the sender fills it (seeded)."""
+        caches = self.setting.model.caches(self.setting.prefill, self.remote_pool)
+        for i, tensor in enumerate(caches.values()):
+            fill_random(tensor, SEED + i)
+        return caches
+
+
+# --- the sender ------------------------------------------------------------------------------
+
+
+def peer_main(argv: Sequence[str]) -> int:
+    """The sender: ``--fd N`` (its end of the socket pair), ``--cache`` and the demo's options."""
+    parser = argparse.ArgumentParser(prog="python -m kvhost_tools.bench.transfer")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--cache", default="data")
+    parser.add_argument("--demo", default="")
+    parser.add_argument("--progress", choices=PROGRESS, default="poll")
+    args = parser.parse_args(argv)
+    batch = Batch.of(Setting.parse(args.demo))
+    axes = batch.setting.axes
+    caches = batch.sender_caches()
+    device = Device("cpu", args.cache)
+    thread = args.progress == "thread"
+    with socket.socket(fileno=args.fd) as sock, Agent(f"bench-prefill-{os.getpid()}", progress_thread=thread) as agent:
+        table = agent.register(caches, axes)
+        send(sock, "hello", {"table": table.to_dict(), "pid": os.getpid()}, agent.metadata(), timeout=TIMEOUT_S)
+        ids = np.array(sorted({b for r in batch.remote_ids for b in r}), dtype=np.int64)
+        touched = block_ranges(caches, axes, ids)
+        while True:
+            if not thread:  # drive the transport while no control message waits
+                while not select.select([sock], [], [], POLL_S)[0]:
+                    agent.nixl.get_new_notifs()
+            message = receive(sock, timeout=24 * 3600.0)
+            if message.kind == "evict":
+                device.flush(touched)
+                send(sock, "evicted", {}, timeout=TIMEOUT_S)
+            elif message.kind == "quit":
+                return 0
+
+
+class Peer:
+    """The sender process, and the control socket to it."""
+
+    def __init__(self, demo: str, cache: str, netns: str | None, env: dict[str, str], progress: str) -> None:
+        ours, theirs = socket.socketpair()
+        command = [sys.executable, "-m", "kvhost_tools.bench.transfer", "--fd", str(theirs.fileno())]
+        command += ["--cache", cache, "--demo", demo, "--progress", progress]
+        if netns:
+            command = ["ip", "netns", "exec", netns, *command]
+        self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=dict(os.environ, **env))
+        theirs.close()
+        self.sock = ours
+        hello = receive(ours, timeout=TIMEOUT_S, expect="hello")
+        fields = hello.fields()
+        self.table = RegionTable.from_dict(fields.data["table"], "hello.table", hello.arrays)
+        self.metadata = hello.blob
+        self.pid = fields.integer("pid")
+
+    def evict(self) -> None:
+        send(self.sock, "evict", {}, timeout=TIMEOUT_S)
+        receive(self.sock, timeout=TIMEOUT_S, expect="evicted")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            send(self.sock, "quit", {}, timeout=5.0)
+        self.sock.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class BothSides(Device):
+    """Evicts what this process touches, and asks the sender to evict what is read from it."""
+
+    def __init__(self, cache: str, peer: Peer) -> None:
+        super().__init__("cpu", cache)
+        self.peer = peer
+
+    def flush(self, touched: np.ndarray | None = None) -> None:
+        super().flush(touched)
+        if self.cold:
+            self.peer.evict()
+
+
+# --- ways of handing descriptors to NIXL -------------------------------------------------------
+
+
+class Prepared:
+    """Every piece of both tables prepared once (``prep_xfer_dlist``), and transfers made by
+    index (``make_prepped_xfer``): the per-block way of vLLM's NixlConnector."""
+
+    def __init__(self, agent: Agent, plan: TransferPlan, peer: str, *, nixl_merges: bool = True) -> None:
+        self.nixl, self.plan, self.peer = agent.nixl, plan, peer
+        self.nixl_merges = nixl_merges
+        remote_streams = [plan.remote.streams[i] for i in plan.remote_streams]
+        self.local = self.nixl.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _every_piece(plan.local, plan.local.streams, plan), plan.local.memory
+        )
+        self.remote = self.nixl.prep_xfer_dlist(
+            peer, _every_piece(plan.remote, remote_streams, plan), plan.remote.memory
+        )
+
+    def indices(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Indices of a request's pieces in the prepared lists, in ``descriptor_pairs``' order."""
+        plan = self.plan
+        chunks = np.arange(len(remote_ids) * plan.remote_parts, dtype=np.int64)
+        out = []
+        for table, ids, parts in (
+            (plan.local, np.asarray(local_ids), plan.local_parts),
+            (plan.remote, np.asarray(remote_ids), plan.remote_parts),
+        ):
+            within = ids[chunks // parts] * parts + chunks % parts
+            per_stream = table.num_blocks * parts
+            streams = np.arange(len(plan.local.streams), dtype=np.int64)[:, None] * per_stream
+            out.append((streams + within[None, :]).reshape(-1).astype(np.int32))
+        return out[0], out[1]
+
+    def make(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> Any:
+        local, remote = self.indices(local_ids, remote_ids)
+        return self.nixl.make_prepped_xfer(
+            "READ", self.local, local, self.remote, remote, skip_desc_merge=not self.nixl_merges
+        )
+
+    def read(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> NixlTransfer:
+        handle = self.make(local_ids, remote_ids)
+        return NixlTransfer(self.nixl, handle, self.nixl.transfer(handle))
+
+    def close(self) -> None:
+        self.local.release()
+        self.remote.release()
+
+
+def _every_piece(table: RegionTable, streams: Sequence[Any], plan: TransferPlan) -> np.ndarray:
+    """(address, length, device) of every piece of every block of ``streams``: stream-major,
+    then block, then part."""
+    parts = plan.local_parts if table is plan.local else plan.remote_parts
+    bases = np.array([s.address for s in streams], dtype=np.uint64)
+    strides = np.array([s.block_stride for s in streams], dtype=np.uint64)
+    blocks = np.arange(table.num_blocks, dtype=np.uint64)
+    offsets = np.arange(parts, dtype=np.uint64) * np.uint64(plan.chunk_bytes)
+    addresses = bases[:, None, None] + blocks[None, :, None] * strides[:, None, None] + offsets[None, None, :]
+    rows = np.empty((addresses.size, 3), dtype=np.uint64)
+    rows[:, 0] = addresses.reshape(-1)
+    rows[:, 1] = plan.chunk_bytes
+    rows[:, 2] = table.device_id
+    return rows
+
+
+@dataclass
+class NixlTransfer:
+    """A posted NIXL request, polled like ``kvhost.nixl.Transfer``."""
+
+    nixl: Any
+    handle: Any
+    state: str
+
+    def poll(self) -> bool:
+        if self.state == "PROC":
+            self.state = self.nixl.check_xfer_state(self.handle)
+        if self.state not in ("DONE", "PROC"):
+            raise RuntimeError(f"transfer failed: {self.state}")
+        return self.state == "DONE"
+
+    def release(self) -> None:
+        self.handle.release()
+
+
+def pull(start: Callable[[int], Transfer | NixlTransfer], requests: int, inflight: int) -> None:
+    """Start request ``i`` with ``start(i)``, up to ``inflight`` at once, until every one is done."""
+    pending = list(range(requests))[::-1]
+    running: list[Transfer | NixlTransfer] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    while pending or running:
+        while pending and len(running) < inflight:
+            running.append(start(pending.pop()))
+        done = [t for t in running if t.poll()]
+        for transfer in done:
+            transfer.release()
+            running.remove(transfer)
+        if not done:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"transfers did not finish within {TIMEOUT_S:g} s")
+            time.sleep(2e-4)
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    """Both sides connected: the batch, the plan, and every way to read it."""
+
+    batch: Batch
+    agent: Agent
+    peer: Peer
+    local: dict[str, torch.Tensor]
+    plan: TransferPlan
+    readers: dict[str, Any] = field(default_factory=dict)  # name -> Reader or Prepared
+    handles: list[Any] = field(default_factory=list)  # NIXL requests made once, released at the end
+
+    def requests(self) -> dict[str, list[int]]:
+        return {f"req-{i:03d}": ids for i, ids in enumerate(self.batch.local_ids)}
+
+    def transfer(self, name: str, inflight: int) -> Callable[[], None]:
+        reader, batch = self.readers[name], self.batch
+        count = len(batch.remote_ids)
+        return lambda: pull(lambda i: reader.read(batch.local_ids[i], batch.remote_ids[i]), count, inflight)
+
+    def build(self, name: str) -> Callable[[], None]:
+        """Create every request's NIXL transfer and release it unposted: what handing the
+        descriptors over costs, without moving a byte."""
+        reader, batch = self.readers[name], self.batch
+        nixl = self.agent.nixl
+        memory = self.plan.local.memory
+
+        def build() -> None:
+            for local_ids, remote_ids in zip(batch.local_ids, batch.remote_ids):
+                if isinstance(reader, Prepared):
+                    handle = reader.make(local_ids, remote_ids)
+                else:
+                    local_rows, remote_rows = reader.descriptors(local_ids, remote_ids)
+                    handle = nixl.initialize_xfer(
+                        "READ",
+                        nixl.get_xfer_descs(local_rows, memory),
+                        nixl.get_xfer_descs(remote_rows, self.plan.remote.memory),
+                        reader.peer,
+                    )
+                handle.release()
+
+        return build
+
+    def span(self, size: int, nbytes: int) -> tuple[Any, int]:
+        """One NIXL request reading ``nbytes`` from one contiguous span of each layer into one of
+        each local layer, in descriptors of ``size`` bytes (0: one per layer); and its count."""
+        nixl = self.agent.nixl
+        local = CacheSet(self.local, self.batch.setting.axes)
+        starts = {name: min(m.tensor.data_ptr() for m in ms) for name, ms in local.layers.items()}
+        remote_starts: dict[str, int] = {}
+        for stream in self.plan.remote.streams:
+            remote_starts[stream.layer] = min(remote_starts.get(stream.layer, stream.address), stream.address)
+        per_layer = nbytes // len(starts)
+        size = size or per_layer
+        offsets = np.arange(0, per_layer, size, dtype=np.uint64)
+        lengths = np.minimum(np.uint64(size), np.uint64(per_layer) - offsets)
+        rows = []
+        for bases in (list(starts.values()), [remote_starts[name] for name in starts]):
+            at = (np.array(bases, dtype=np.uint64)[:, None] + offsets[None, :]).reshape(-1)
+            rows.append(np.stack([at, np.tile(lengths, len(bases)), np.zeros_like(at)], axis=1))
+        memory = self.plan.local.memory
+        handle = nixl.initialize_xfer(
+            "READ",
+            nixl.get_xfer_descs(rows[0], memory),
+            nixl.get_xfer_descs(rows[1], memory),
+            self.readers[KVHOST].peer,
+        )
+        return handle, rows[0].shape[0]
+
+    def descriptors(self, name: str) -> int:
+        """Descriptors the transport is handed for the whole batch. For the prepared way as
+        NIXL merges it: neighbouring indices joined where they continue one another in one
+        registered region on both sides, without a bound (kvhost's rule, unbounded)."""
+        reader, batch = self.readers[name], self.batch
+        if isinstance(reader, Prepared) and reader.nixl_merges:
+            merged = self.readers[KVHOST]
+            return sum(
+                self.plan.merged_pairs(
+                    lo,
+                    re,
+                    max_bytes=1 << 62,
+                    local_domains=merged.local_domains,
+                    remote_domains=merged.remote_domains,
+                )[0].shape[0]
+                for lo, re in zip(batch.local_ids, batch.remote_ids)
+            )
+        if isinstance(reader, Prepared):
+            return sum(len(reader.indices(lo, re)[0]) for lo, re in zip(batch.local_ids, batch.remote_ids))
+        return sum(reader.descriptors(lo, re)[0].shape[0] for lo, re in zip(batch.local_ids, batch.remote_ids))
+
+
+def connect(args: argparse.Namespace) -> Setup:
+    setting = Setting.parse(args.demo)
+    batch = Batch.of(setting)
+    env = dict(item.split("=", 1) for item in args.peer_env)
+    peer = Peer(args.demo, args.cache, args.peer_netns, env, args.progress)
+    agent = Agent(f"bench-decode-{os.getpid()}", progress_thread=args.progress == "thread")
+    local = setting.model.caches(setting.decode, batch.local_pool)
+    plan = plan_transfer(agent.register(local, setting.axes), peer.table)
+    name = agent.add_peer(peer.metadata)
+    setup = Setup(batch, agent, peer, local, plan)
+    setup.readers[PER_PIECE] = agent.reader(plan, name, max_descriptor_bytes=None)
+    setup.readers[PREPPED] = Prepared(agent, plan, name)
+    setup.readers[UNMERGED] = Prepared(agent, plan, name, nixl_merges=False)
+    setup.readers[KVHOST] = agent.reader(plan, name)
+    for bound in args.bounds:
+        setup.readers[bound_name(bound)] = agent.reader(plan, name, max_descriptor_bytes=bound)
+    return setup
+
+
+def span_name(size: int) -> str:
+    if size == 0:
+        return "span/layer"
+    return f"span/{size >> 20}MiB" if size >= 1 << 20 else f"span/{size >> 10}KiB"
+
+
+def repost(nixl: Any, handle: Any) -> Callable[[], None]:
+    """Post a NIXL request made once, and wait for it."""
+
+    def post() -> None:
+        transfer = NixlTransfer(nixl, handle, nixl.transfer(handle))
+        deadline = time.monotonic() + TIMEOUT_S
+        while not transfer.poll():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a transfer did not finish within {TIMEOUT_S:g} s")
+            time.sleep(2e-4)
+
+    return post
+
+
+def bound_name(bound: int) -> str:
+    if bound >= 1 << 30:
+        return f"{KVHOST}<=any"
+    return f"{KVHOST}<={bound >> 20}MiB" if bound >= 1 << 20 else f"{KVHOST}<={bound >> 10}KiB"
+
+
+def verify(setup: Setup, inflight: int) -> None:
+    """Every way lands the same bytes, and after ``kvhost.receive`` every request's blocks hold
+    the sender's tokens, bit for bit; blocks no request names keep the sentinel."""
+    axes = setup.batch.setting.axes
+    local_set = CacheSet(setup.local, axes)
+    snapshots = []
+    for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST):
+        for tensor in setup.local.values():
+            raw(tensor).view(torch.uint8).fill_(SENTINEL)
+        setup.transfer(name, inflight)()
+        snapshots.append([raw(m.tensor).clone() for m in local_set.members])
+    for snapshot in snapshots[1:]:
+        if not all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshot)):
+            raise AssertionError("per-piece and merged descriptors landed different bytes")
+    del snapshots
+    post_process(setup)
+    sender = CacheSet(setup.batch.sender_caches(), axes)
+    size = setup.batch.setting.prefill.block_size
+    for remote_ids, local_ids in zip(setup.batch.remote_ids, setup.batch.local_ids):
+        tokens = len(remote_ids) * size
+        for r, lo in zip(sender.members, local_set.members):
+            if not torch.equal(
+                read_tokens(lo.tensor, lo.layout, local_ids)[:tokens], read_tokens(r.tensor, r.layout, remote_ids)
+            ):
+                raise AssertionError("the hand-off's blocks do not hold the sender's tokens")
+    spare = sorted(set(range(setup.batch.local_pool)) - {b for ids in setup.batch.local_ids for b in ids})
+    for member in local_set.members:
+        kept = raw(member.tensor).index_select(member.layout.axes.index("B"), torch.tensor(spare))
+        if not bool((kept.view(torch.uint8) == SENTINEL).all()):
+            raise AssertionError("a block no request names was written")
+
+
+def post_process(setup: Setup, host: kvhost.KVHost | None = None) -> None:
+    """One ``kvhost.receive`` of the whole batch (through ``host`` when given)."""
+    plan = setup.plan
+    if host is None:
+        kvhost.receive(
+            setup.local,
+            setup.requests(),
+            axes=setup.batch.setting.axes,
+            remote_order=plan.remote_order,
+            remote_block_size=plan.remote_block_size,
+        )
+    else:
+        host.receive(setup.requests(), remote_order=plan.remote_order, remote_block_size=plan.remote_block_size)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Connect, verify, measure; the section of the results (``"transfer"``) for this setting."""
+    load_before = os.getloadavg()[0]
+    setup = connect(args)
+    try:
+        verify(setup, args.inflight)
+        nbytes = setup.plan.bytes_for(sum(len(r) for r in setup.batch.remote_ids))
+        device = BothSides(args.cache, setup.peer)
+        space = Workspace(device)
+        axes = setup.batch.setting.axes
+        host = kvhost.KVHost(setup.local, axes=axes)
+        parts: dict[str, list[float]] = {"transfer": [], "receive": []}
+        merged = setup.transfer(KVHOST, args.inflight)
+
+        def handoff() -> None:
+            started = time.perf_counter()
+            merged()
+            landed = time.perf_counter()
+            post_process(setup, host)
+            parts["transfer"].append(landed - started)
+            parts["receive"].append(time.perf_counter() - landed)
+
+        transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, *(bound_name(b) for b in args.bounds)]
+        methods: dict[str, Callable[[], object]] = {ROOFLINE: space.memcpy(nbytes, device.device, device.device)}
+        methods |= {name: setup.transfer(name, args.inflight) for name in transfers}
+        methods[HANDOFF] = handoff
+        methods |= {f"build {name}": setup.build(name) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST)}
+        spans = {span_name(size): setup.span(size, nbytes) for size in args.sweep}
+        setup.handles += [handle for handle, _ in spans.values()]
+        methods |= {name: repost(setup.agent.nixl, handle) for name, (handle, _) in spans.items()}
+        ids = np.array(sorted({b for r in setup.batch.local_ids for b in r}), dtype=np.int64)
+        touched = np.concatenate(
+            [block_ranges(setup.local, axes, ids), space.memcpy_ranges(nbytes, device.device, device.device)]
+        )
+        preset = replace(PRESETS["quick" if args.quick else "full"], seconds_per_point=args.seconds)
+        measured = measure(methods, device, preset, args.rounds, random.Random(args.seed), touched)
+        counts = {name: count for name, (_, count) in spans.items()}
+        return summarise(args, setup, measured, nbytes, transfers, parts, load_before, counts)
+    finally:
+        for handle in setup.handles:
+            handle.release()
+        for reader in setup.readers.values():
+            reader.close()
+        setup.agent.close()
+        setup.peer.close()
+
+
+def summarise(
+    args: argparse.Namespace,
+    setup: Setup,
+    measured: Measured,
+    nbytes: int,
+    transfers: list[str],
+    parts: dict[str, list[float]],
+    load_before: float,
+    span_descriptors: dict[str, int],
+) -> dict[str, Any]:
+    samples = measured.used_samples()
+    roof = samples[ROOFLINE].median
+    # The per-block baseline: the faster way that posts one operation per piece. The
+    # prepared way as NIXL merges it is reported beside it ("vs_prepped").
+    best = min((PER_PIECE, UNMERGED), key=lambda name: samples[name].median)
+    methods: dict[str, Any] = {}
+    for name, sample in samples.items():
+        entry: dict[str, Any] = {
+            "median_s": sample.median,
+            "p25_s": sample.quantile(0.25),
+            "p75_s": sample.quantile(0.75),
+            "rounds": len(sample.seconds),
+            "samples_s": measured.samples[name].seconds,
+            "used": measured.used[name],
+        }
+        if not name.startswith("build "):
+            entry["gbps"] = nbytes / sample.median / 1e9
+            entry["fraction"] = roof / sample.median
+            entry["fraction_rounds_p25_p75"] = per_round(measured, ROOFLINE, name)
+        if name in transfers or name == HANDOFF:
+            entry["speedup"] = samples[best].median / sample.median
+            entry["speedup_rounds_p25_p75"] = per_round(measured, best, name)
+            entry["vs_prepped"] = samples[PREPPED].median / sample.median
+        reader_name = name.removeprefix("build ")
+        if reader_name in setup.readers:
+            entry["descriptors"] = setup.descriptors(reader_name)
+        if name in span_descriptors:
+            entry["descriptors"] = span_descriptors[name]
+        methods[name] = entry
+    methods[HANDOFF]["transfer_median_s"] = float(np.median(parts["transfer"]))
+    methods[HANDOFF]["receive_median_s"] = float(np.median(parts["receive"]))
+    where = "two network namespaces over TCP" if args.peer_netns else "same host"
+    checks = [
+        check(where, "kvhost / per-piece (best)", methods[KVHOST]["speedup"], ">=", 2.0 if args.peer_netns else 3.0)
+    ]
+    if not args.peer_netns:
+        checks.append(check(where, "kvhost / memcpy", methods[KVHOST]["fraction"], ">=", 0.7))
+        checks.append(check(where, "hand-off / memcpy", methods[HANDOFF]["fraction"], ">=", 0.5))
+    c = setup.batch.setting
+    m = c.model
+    return {
+        "where": where,
+        "command": " ".join(["kvhost bench", *args.argv]),
+        "demo": args.demo,
+        "model": f"{m.layers} layers x {'K/V x ' if m.kv == 2 else ''}{m.heads} heads x {m.head_dim} channels, "
+        f"{m.dtype_name}",
+        "sender": f"{c.prefill.layout} blocks of {c.prefill.block_size} tokens",
+        "receiver": f"{c.decode.layout} blocks of {c.decode.block_size} tokens",
+        "requests": len(setup.batch.remote_ids),
+        "block_ids": f"{c.block_ids}" + (f" of 1..{c.max_run}" if c.block_ids == "runs" else ""),
+        "bytes": nbytes,
+        "pieces": setup.descriptors(PER_PIECE),
+        "piece_bytes": setup.plan.chunk_bytes,
+        "max_descriptor_bytes": MAX_DESCRIPTOR_BYTES,
+        "inflight": args.inflight,
+        "progress": args.progress,
+        "ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "peer_netns": args.peer_netns,
+        "peer_env": list(args.peer_env),
+        "cache": args.cache,
+        "load_average": [load_before, os.getloadavg()[0]],
+        "machine": machine(),
+        "rounds_run": len(next(iter(measured.samples.values())).seconds),
+        "baseline_best": best,
+        "methods": methods,
+        "targets": {"checks": checks, "passed": all(c["passed"] for c in checks)},
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """One line per method: descriptors, time, GB/s, fraction of memcpy (with its spread over
+    rounds), speedup over the faster per-piece way."""
+    lines = [["method", "descriptors", "median ms", "GB/s", "x memcpy", "rounds p25-p75", "x per-piece", "x prepped"]]
+    for name, m in result["methods"].items():
+        spread = m.get("fraction_rounds_p25_p75") or []
+        lines.append(
+            [
+                name,
+                f"{m['descriptors']:,}" if "descriptors" in m else "-",
+                f"{m['median_s'] * 1e3:.1f}",
+                f"{m['gbps']:.2f}" if "gbps" in m else "-",
+                f"{m['fraction']:.2f}" if "fraction" in m else "-",
+                f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
+                f"{m['speedup']:.1f}x" if "speedup" in m else "-",
+                f"{m['vs_prepped']:.2f}x" if "vs_prepped" in m else "-",
+            ]
+        )
+    h = result["methods"][HANDOFF]
+    head = (
+        f"transfer ({result['where']}): {result['requests']} requests, {result['bytes'] / 1e6:,.1f} MB, "
+        f"{result['model']}, {result['sender']} -> {result['receiver']}, block ids {result['block_ids']}; "
+        f"{result['pieces']:,} pieces of {result['piece_bytes']:,} bytes; load {result['load_average'][0]:.1f}"
+    )
+    tail = (
+        f"hand-off = transfer {h['transfer_median_s'] * 1e3:.1f} ms + receive {h['receive_median_s'] * 1e3:.1f} ms "
+        f"(medians); build: creating every request's NIXL transfer, unposted; x per-piece: against the "
+        f"faster way of one operation per piece ({result['baseline_best']}); x prepped: against "
+        f"{PREPPED}, whose neighbouring descriptors NIXL joins itself"
+    )
+    verdicts = [
+        f"{c['what']} {c['value']:.2f} {c['op']} {c['limit']}: {'PASS' if c['passed'] else 'FAIL'}"
+        for c in result["targets"]["checks"]
+    ]
+    return "\n".join([head, format_table(lines), tail, *verdicts])
+
+
+if __name__ == "__main__":
+    raise SystemExit(peer_main(sys.argv[1:]))

@@ -1,0 +1,86 @@
+"""Where NIXL/UCX listen and how much they say: the environment the commands set unless the user did.
+
+UCX chooses its interfaces from ``UCX_NET_DEVICES`` and its transports from ``UCX_TLS``.
+The commands set ``UCX_NET_DEVICES`` to the interface of the address an engine works on
+(``lo`` on loopback, the default: nothing listens beyond it), and quieten UCX and NIXL
+(``UCX_LOG_LEVEL=error``, ``NIXL_LOG_LEVEL=ERROR``), each only where the user has not
+set it. ``UCX_TLS`` is the user's: on a real network UCX picks the best transport
+itself; two network namespaces of one machine look to UCX like one host, so it reads
+through shared memory unless told ``UCX_TLS=tcp,self`` (the namespace test does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Iterable, MutableMapping
+
+QUIET = {"UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "ERROR"}
+SIOCGIFADDR = 0x8915
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface that holds the IPv4 ``address``, or None (not found, not IPv4)."""
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    if wanted.is_loopback:
+        return "lo"
+    if wanted.version != 4:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                request = struct.pack("256s", name.encode()[:15])
+                answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)
+                if socket.inet_ntoa(answer[20:24]) == str(wanted):
+                    return name
+    return None
+
+
+def route_source(host: str, port: int) -> str | None:
+    """The local address this host would reach ``host`` from (no packet is sent), or None."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
+    return None
+
+
+def ucx_devices(addresses: Iterable[str]) -> str | None:
+    """``UCX_NET_DEVICES`` for an engine working on ``addresses`` (its own): their interfaces,
+    or None where one cannot be told (a wildcard address, IPv6 beyond loopback)."""
+    names: list[str] = []
+    for address in addresses:
+        if address in ("0.0.0.0", "::", ""):
+            return None
+        name = interface_of(address)
+        if name is None:
+            return None
+        if name not in names:
+            names.append(name)
+    return ",".join(names) or None
+
+
+def set_defaults(env: MutableMapping[str, str], addresses: Iterable[str]) -> dict[str, str]:
+    """Quiet transports and UCX on the interfaces of ``addresses``, where ``env`` does not say
+    otherwise; returns what was set."""
+    chosen = dict(QUIET)
+    devices = ucx_devices(addresses)
+    if devices is not None:
+        chosen["UCX_NET_DEVICES"] = devices
+    added = {key: value for key, value in chosen.items() if key not in env}
+    env.update(added)
+    return added
+
+
+def describe_network() -> str:
+    """UCX's settings as this process runs with them, for the report."""
+    devices = os.environ.get("UCX_NET_DEVICES", "all")
+    transports = os.environ.get("UCX_TLS")
+    where = "127.0.0.1" if devices == "lo" else f"UCX_NET_DEVICES={devices}"
+    return where + (f", UCX_TLS={transports}" if transports else "")

@@ -1,0 +1,130 @@
+"""The options the three commands share (``kvhost demo``, ``kvhost prefill``, ``kvhost decode``), as typed values.
+
+Impossible options end the command with status 2 and one line naming the option
+(``Parser.error``). Like ``config``, nothing here imports kvhost or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import NoReturn
+
+from kvhost_tools.demo.config import DTYPES, EXIT_ERROR, LAYOUTS, MAX_REQUESTS, EngineShape, Model, Share, Workload
+
+MAX_WAIT_SECONDS = 7 * 24 * 3600.0  # as kvhost.nixl.fields says: every wait is finite
+DEFAULT_PORT = 7600
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line on stderr naming the option, and exit 2 (``--help`` lists the options)."""
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def seconds(text: str) -> float:
+    """An option's seconds: a finite number above 0, at most a week (never NaN or infinite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_WAIT_SECONDS):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, {MAX_WAIT_SECONDS:g}], got {text!r}")
+    return value
+
+
+def share(text: str) -> Share:
+    """``I/N``: the requests whose number is I mod N."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count) <= MAX_REQUESTS):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N <= {MAX_REQUESTS}, got {text!r}")
+    return Share(int(index), int(count))
+
+
+def add_model(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("the model (every engine must give the same)")
+    group.add_argument("--cache", choices=["mha", "mla"], default="mha", help="K/V per head, or one MLA latent")
+    group.add_argument("--layers", type=int, default=4, help="layers")
+    group.add_argument("--heads", type=int, default=8, help="KV heads of the model, shared out by each engine's ranks")
+    group.add_argument("--head-dim", type=int, default=64, help="channels per head (mla: of the latent)")
+    group.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="cache dtype")
+
+
+def add_workload(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("the batch (every engine must give the same)")
+    group.add_argument("--requests", type=int, default=40, help=f"requests in the batch (at most {MAX_REQUESTS})")
+    group.add_argument("--min-tokens", type=int, default=16, help="shortest request")
+    group.add_argument("--max-tokens", type=int, default=2048, help="longest request (lengths are log-uniform)")
+    group.add_argument("--seed", type=int, default=0, help="seed of lengths, block ids and values")
+
+
+def add_engine(p: argparse.ArgumentParser, layout: str, block_size: int) -> None:
+    group = p.add_argument_group("this engine's cache")
+    group.add_argument("--layout", choices=sorted(LAYOUTS), default=None, help=f"cache layout (default {layout}; MLA)")
+    group.add_argument("--block-size", type=int, default=block_size, metavar="N", help="tokens per block")
+    group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks, each its own NIXL agent")
+    group.add_argument("--share", type=share, default=Share(), metavar="I/N", help="take requests I mod N")
+
+
+def add_network(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("network")
+    group.add_argument(
+        "--secret-file",
+        required=True,
+        metavar="PATH",
+        help="the secret both engines prove (hex; mode 600; '-': one line on stdin); prefill creates it if missing",
+    )
+    group.add_argument(
+        "--advertise",
+        metavar="ADDR",
+        help="the address whose interface NIXL/UCX uses (sets UCX_NET_DEVICES unless it is set)",
+    )
+    group.add_argument("--connect-timeout", type=seconds, default=60.0, help="seconds for the engines to connect")
+
+
+def add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="also write the outcome as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
+
+
+def model_of(args: argparse.Namespace) -> Model:
+    heads = args.heads if args.cache == "mha" else 1
+    return Model(args.cache, args.layers, heads, args.head_dim, args.dtype)
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    return Workload(args.requests, args.min_tokens, args.max_tokens, args.seed)
+
+
+def default_layout(kind: str, given: str | None, default: str) -> str:
+    return given or ("MLA" if kind == "mla" else default)
+
+
+def shape_of(args: argparse.Namespace, default_layout_name: str) -> EngineShape:
+    return EngineShape(default_layout(args.cache, args.layout, default_layout_name), args.block_size, args.tp)
+
+
+def listed(kind: type, name: str) -> type:
+    """An option that takes one value or a comma-separated list of them (one per engine)."""
+
+    def parse(text: str) -> list[object]:
+        try:
+            values = [kind(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}[,{name}...], got {text!r}") from None
+        return values
+
+    return parse  # type: ignore[return-value]
+
+
+def broadcast(options: dict[str, Sequence[object]]) -> int:
+    """How many engines comma lists describe: every list has that many values, or one."""
+    lengths = {len(v) for v in options.values() if len(v) > 1}
+    if len(lengths) > 1:
+        raise ValueError(f"{', '.join(sorted(options))} list different numbers of engines: {sorted(lengths)}")
+    return lengths.pop() if lengths else 1

@@ -1,0 +1,85 @@
+"""kvhost bench --transfer: the NIXL hand-off section on tiny shapes, end to end (two processes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from kvhost.nixl import NIXL_MODULES
+from kvhost_tools.bench import cli, transfer
+from kvhost_tools.bench.methods import ROOFLINE
+
+NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
+needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
+
+
+@needs_nixl
+@pytest.mark.timeout(300)
+def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
+    out_json = tmp_path / "bench.json"
+    out_json.write_text(json.dumps({"scenarios": ["kept"], "transfer": {"earlier": {"kept": True}}}))
+    argv = ["--quick", "--transfer", "--in-process", "--rounds", "3", "--seconds", "1"]
+    argv += ["--bounds", "2048", "--sweep", "4096,0", "--json", str(out_json)]
+    code = cli.main(argv)
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+
+    result = json.loads(out_json.read_text())
+    assert result["scenarios"] == ["kept"] and result["transfer"]["earlier"] == {"kept": True}
+    section = result["transfer"]["same host, runs of 1..8"]
+    assert section["where"] == "same host" and section["requests"] == 8
+    assert section["bytes"] == section["pieces"] * section["piece_bytes"] > 0
+    methods = section["methods"]
+    assert set(methods) == {
+        ROOFLINE,
+        transfer.PER_PIECE,
+        transfer.PREPPED,
+        transfer.UNMERGED,
+        transfer.KVHOST,
+        "kvhost<=2KiB",
+        transfer.HANDOFF,
+        *(f"build {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.UNMERGED, transfer.KVHOST)),
+        "span/4KiB",
+        "span/layer",
+    }
+    assert methods[ROOFLINE]["fraction"] == pytest.approx(1.0)
+    # Per piece, both ways post one descriptor per piece; merged posts fewer; the 2 KiB bound
+    # (two pieces of 1 KiB) lies between; NIXL joins prepared neighbours without a bound.
+    pieces = section["pieces"]
+    assert methods[transfer.PER_PIECE]["descriptors"] == methods[transfer.UNMERGED]["descriptors"] == pieces
+    merged = methods[transfer.KVHOST]["descriptors"]
+    assert methods[transfer.PREPPED]["descriptors"] <= merged
+    assert 0 < merged < methods["kvhost<=2KiB"]["descriptors"] < pieces
+    assert methods["build kvhost"]["descriptors"] == merged
+    assert methods["span/layer"]["descriptors"] == 2  # one per layer of the quick model
+    assert methods["span/4KiB"]["descriptors"] == 2 * -(-section["bytes"] // 2 // 4096)
+    for name, entry in methods.items():
+        used = [t for t, keep in zip(entry["samples_s"], entry["used"]) if keep]
+        assert len(used) == entry["rounds"] >= 1 and entry["median_s"] > 0
+        assert entry["median_s"] == pytest.approx(float(np.median(used)), rel=1e-4)
+        if not name.startswith("build "):
+            assert entry["fraction"] == pytest.approx(methods[ROOFLINE]["median_s"] / entry["median_s"], rel=1e-4)
+            assert entry["gbps"] == pytest.approx(section["bytes"] / entry["median_s"] / 1e9, rel=1e-4)
+    assert section["baseline_best"] in (transfer.PER_PIECE, transfer.UNMERGED)
+    best = methods[section["baseline_best"]]["median_s"]
+    assert methods[transfer.KVHOST]["speedup"] == pytest.approx(best / methods[transfer.KVHOST]["median_s"], rel=1e-4)
+    handoff = methods[transfer.HANDOFF]
+    assert handoff["transfer_median_s"] > 0 and handoff["receive_median_s"] > 0
+    checks = section["targets"]["checks"]
+    assert [c["what"] for c in checks] == ["kvhost / per-piece (best)", "kvhost / memcpy", "hand-off / memcpy"]
+    assert section["targets"]["passed"] == all(c["passed"] for c in checks)
+    assert "transfer (same host): 8 requests" in out and "x per-piece" in out and "hand-off = transfer" in out
+
+
+def test_transfer_options_are_checked(capsys):
+    for argv, message in (
+        (["--transfer", "--bounds", "x"], "--bounds"),
+        (["--transfer", "--sweep", "-1"], "--sweep sizes at least 0"),
+        (["--transfer", "--peer-env", "UCX_TLS"], "KEY=VALUE"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.parse(argv)
+        assert message in capsys.readouterr().err

@@ -1,0 +1,291 @@
+"""Two hosts: ``kvhost prefill`` in one network namespace, ``kvhost decode`` in another.
+
+The namespaces are joined by a veth pair (10.77.N.1 <-> 10.77.N.2), so the engines talk
+over a real network interface. UCX sees one machine and would read through shared
+memory (CMA), so the engines run with ``UCX_TLS=tcp``; ``UCX_NET_DEVICES`` is what the
+commands set from the addresses they work on (the veth). That the bytes went over the
+wire is checked from the veth's own counters inside the namespaces.
+
+Faults: the link set down mid-transfer (decode's ``--fault-command``) ends in bounded
+time, decode's deadline failing the transfers NIXL/UCX never report on, and prefill
+lets go of its memory once decode's beats stop; packets dropped at random by nftables
+only slow the transfers down.
+
+Needs root, ``ip`` and network namespaces (skipped with the reason otherwise);
+packet loss also needs ``nft``. Every namespace is removed after its test, whatever
+happened (deleting a namespace deletes its end of the veth, and so the pair).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+from test_nixl import needs_nixl
+
+from kvhost.nixl.peers import write_secret_file
+
+pytestmark = [pytest.mark.netns, needs_nixl]
+
+COMMON = ["--layers", "2", "--heads", "4", "--head-dim", "64", "--min-tokens", "16", "--max-tokens", "1024"]
+START_SECONDS = 300  # a loaded 2-core machine can take minutes to start Python and torch
+_serial = itertools.count()
+
+
+def run_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+def why_no_namespaces() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "no `ip` command (iproute2)"
+    return None
+
+
+@dataclass
+class Pair:
+    """Two namespaces joined by a veth pair: prefill's side and decode's side."""
+
+    prefill_ns: str
+    decode_ns: str
+    prefill_if: str
+    decode_if: str
+    prefill_ip: str
+    decode_ip: str
+
+    def counter(self, side: str, name: str) -> int:
+        ns, interface = (self.prefill_ns, self.prefill_if) if side == "prefill" else (self.decode_ns, self.decode_if)
+        out = run_ip("netns", "exec", ns, "cat", f"/sys/class/net/{interface}/statistics/{name}")
+        return int(out.stdout)
+
+    def command(self, side: str, role: str, argv: list[str]) -> list[str]:
+        ns = self.prefill_ns if side == "prefill" else self.decode_ns
+        return ["ip", "netns", "exec", ns, sys.executable, "-m", "kvhost_tools.cli", role, *argv]
+
+
+@pytest.fixture
+def pair():
+    reason = why_no_namespaces()
+    if reason:
+        pytest.skip(reason)
+    serial = next(_serial)
+    tag = f"{os.getpid() % 100000}{serial}"  # unique per run and test; interface names fit 15 bytes
+    subnet = 10 + (os.getpid() + serial) % 240
+    made = Pair(f"kvhp{tag}", f"kvhd{tag}", f"kvp{tag}", f"kvd{tag}", f"10.77.{subnet}.1", f"10.77.{subnet}.2")
+    try:
+        first = run_ip("netns", "add", made.prefill_ns, check=False)
+        if first.returncode:
+            pytest.skip(f"cannot make a network namespace here: {first.stderr.strip()}")
+        run_ip("netns", "add", made.decode_ns)
+        run_ip("link", "add", made.prefill_if, "type", "veth", "peer", "name", made.decode_if)
+        for ns, interface, address in (
+            (made.prefill_ns, made.prefill_if, made.prefill_ip),
+            (made.decode_ns, made.decode_if, made.decode_ip),
+        ):
+            run_ip("link", "set", interface, "netns", ns)
+            run_ip("-n", ns, "addr", "add", f"{address}/24", "dev", interface)
+            run_ip("-n", ns, "link", "set", interface, "up")
+            run_ip("-n", ns, "link", "set", "lo", "up")
+        yield made
+    finally:
+        for ns in (made.prefill_ns, made.decode_ns):
+            run_ip("netns", "del", ns, check=False)
+        run_ip("link", "del", made.prefill_if, check=False)  # only if it never reached its namespace
+
+
+def engine_env() -> dict[str, str]:
+    """UCX over TCP only: the other namespace is this machine, and UCX would use shared memory."""
+    env = dict(os.environ, UCX_TLS="tcp")
+    env.pop("UCX_NET_DEVICES", None)  # the commands choose the veth from their addresses
+    return env
+
+
+@dataclass
+class Outcome:
+    code: int
+    data: dict
+    text: str
+    prefill_code: int
+    prefill_text: str
+    decode_ended: float  # time.time()
+    prefill_ended: float
+
+
+def hand_off(pair: Pair, tmp_path, *, prefill: list[str] = (), decode: list[str] = (), port: int = 7600) -> Outcome:
+    """Start prefill in its namespace, then decode in the other; wait for both (bounded)."""
+    secret = str(tmp_path / "secret")
+    write_secret_file(secret)
+    report = tmp_path / "decode.json"
+    prefill_argv = [*COMMON, *prefill, "--listen", f"{pair.prefill_ip}:{port}", "--secret-file", secret]
+    prefill_argv += ["--idle-timeout", str(START_SECONDS + 120)]
+    decode_argv = [*COMMON, *decode, "--prefill", f"{pair.prefill_ip}:{port}", "--secret-file", secret]
+    decode_argv += ["--connect-timeout", str(START_SECONDS), "--no-progress", "--json", str(report)]
+    env = engine_env()
+    with open(tmp_path / "prefill.out", "w+") as prefill_out, open(tmp_path / "decode.out", "w+") as decode_out:
+        server = subprocess.Popen(
+            pair.command("prefill", "prefill", prefill_argv), stdout=prefill_out, stderr=subprocess.STDOUT, env=env
+        )
+        client = None
+        try:
+            client = subprocess.Popen(
+                pair.command("decode", "decode", decode_argv), stdout=decode_out, stderr=subprocess.STDOUT, env=env
+            )
+            ended: dict[str, float] = {}
+            deadline = time.monotonic() + 2 * START_SECONDS
+            while len(ended) < 2 and time.monotonic() < deadline:
+                for name, process in (("decode", client), ("prefill", server)):
+                    if name not in ended and process.poll() is not None:
+                        ended[name] = time.time()
+                time.sleep(0.05)
+            if len(ended) < 2:
+                pytest.fail(f"the engines did not finish within {2 * START_SECONDS} s: {sorted(ended)} did")
+        finally:
+            for process in (client, server):
+                if process is not None and process.poll() is None:
+                    process.kill()
+                    process.wait()
+        decode_out.seek(0)
+        prefill_out.seek(0)
+        text, prefill_text = decode_out.read(), prefill_out.read()
+    assert report.exists(), f"decode wrote no JSON:\n{text}\n--- prefill:\n{prefill_text}"
+    data = json.loads(report.read_text())
+    return Outcome(client.returncode, data, text, server.returncode, prefill_text, ended["decode"], ended["prefill"])
+
+
+def show(what: str, **figures: object) -> None:
+    """The figures the README reports (pytest -s shows them)."""
+    print(f"\n[netns] {what}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+
+
+@pytest.mark.timeout(2 * START_SECONDS + 120)
+def test_prefill_and_decode_in_two_namespaces_verify_every_byte_over_the_veth(pair, tmp_path):
+    """Prefill (TP 2, head-major blocks of 16) in one namespace, decode (TP 1, token-major
+    blocks of 64) in the other: every request verified, and the veth carried the bytes."""
+    before = {side: pair.counter(side, name) for side, name in (("decode", "rx_bytes"), ("prefill", "tx_bytes"))}
+    out = hand_off(
+        pair,
+        tmp_path,
+        prefill=["--requests", "12", "--tp", "2", "--layout", "HND", "--block-size", "16"],
+        decode=["--requests", "12", "--layout", "NHD", "--block-size", "64"],
+    )
+    assert out.code == 0, out.text
+    assert out.prefill_code == 0, out.prefill_text
+    figures = out.data["figures"]
+    assert out.data["verified"] == out.data["received"] == [f"req-{i:03d}" for i in range(12)]
+    assert "result    OK: every byte of every request verified" in out.text
+    assert f"UCX_NET_DEVICES={pair.decode_if}, UCX_TLS=tcp" in figures["network"]
+    assert f"prefill   0 at {pair.prefill_ip}:7600" in out.text and "ranks [0, 1] read" in out.text
+    assert f"decode at {pair.decode_ip}:" in out.prefill_text
+    received = pair.counter("decode", "rx_bytes") - before["decode"]
+    sent = pair.counter("prefill", "tx_bytes") - before["prefill"]
+    # Every byte NIXL read crossed the veth (plus TCP/IP headers and the control connection).
+    assert received >= figures["transfer_bytes"] > 0 and sent >= figures["transfer_bytes"]
+    show(
+        "two namespaces",
+        transfer_bytes=figures["transfer_bytes"],
+        veth_rx_bytes=received,
+        transfer_seconds=round(figures["transfer_seconds"], 3),
+        descriptors=figures["descriptors"],
+    )
+
+
+@pytest.mark.timeout(2 * START_SECONDS + 120)
+def test_a_link_set_down_mid_transfer_ends_every_request_within_the_deadline(pair, tmp_path):
+    """Decode takes its veth down once 3 requests arrived: NIXL/UCX say nothing for minutes,
+    so decode's --timeout fails the transfers in flight, the rest fail at once naming the
+    prefill engine, what arrived verifies; prefill hears no beat and lets go within
+    --peer-timeout; UCX's noise stays out of the output."""
+    timeout, peer_timeout = 8.0, 5.0
+    workload = ["--requests", "24", "--max-tokens", "2048"]
+    out = hand_off(
+        pair,
+        tmp_path,
+        prefill=[*workload, "--peer-timeout", str(peer_timeout)],
+        decode=[
+            *[*workload, "--inflight", "2", "--timeout", str(timeout)],
+            *["--fault-after", "3", "--fault-command", f"ip link set {pair.decode_if} down"],
+            *["--fault-label", f"took {pair.decode_if} down"],
+        ],
+    )
+    assert out.code == 1, out.text
+    data, figures = out.data, out.data["figures"]
+    names = [f"req-{i:03d}" for i in range(24)]
+    assert sorted([*data["received"], *data["failed"]]) == names  # every request ended one way
+    assert not set(data["received"]) & set(data["failed"])  # a failed one is never marked received
+    assert data["verified"] == data["received"] and data["mismatched"] == {}
+    assert 3 <= len(data["received"]) < 24
+    reasons = set(data["failed"].values())
+    assert f"no completion within {timeout:g} s" in reasons
+    assert all(
+        why == f"no completion within {timeout:g} s" or why.startswith(f"not started: prefill 0 ({pair.prefill_ip}")
+        for why in reasons
+    ), reasons
+    assert f"took {pair.decode_if} down after 3 requests" in out.text
+    fault_at = figures["fault_at"]
+    decode_after, prefill_after = out.decode_ended - fault_at, out.prefill_ended - fault_at
+    # Bounded: the deadline plus closing up (a loaded machine), not UCX's minutes.
+    assert decode_after < timeout + 30, out.text
+    assert "silent: no beat for" in out.prefill_text, out.prefill_text
+    assert prefill_after < peer_timeout + 30, out.prefill_text
+    assert out.prefill_code == 1, out.prefill_text  # a decode engine went away
+    transport_lines = [line for line in out.text.splitlines() if " UCX " in line or "nixl_agent" in line]
+    assert len(transport_lines) < 5, transport_lines[:5]
+    show(
+        "link down",
+        arrived=len(data["received"]),
+        failed=len(data["failed"]),
+        decode_exit_after_fault_s=round(decode_after, 1),
+        prefill_exit_after_fault_s=round(prefill_after, 1),
+        timeout_s=timeout,
+        peer_timeout_s=peer_timeout,
+    )
+
+
+@pytest.mark.timeout(2 * START_SECONDS + 120)
+def test_packets_dropped_at_random_only_slow_the_transfers(pair, tmp_path):
+    """nftables drops 5% of what reaches decode's side: TCP resends, every byte verifies."""
+    if shutil.which("nft") is None:
+        pytest.skip("no `nft` command (nftables) to drop packets with")
+    table = "kvhost_loss"
+    rules = (
+        f"table inet {table} {{\n  chain input {{\n    type filter hook input priority 0; policy accept;\n"
+        f'    iifname "{pair.decode_if}" numgen random mod 100 < 5 counter drop\n  }}\n}}\n'
+    )
+    loaded = subprocess.run(
+        ["ip", "netns", "exec", pair.decode_ns, "nft", "-f", "-"],
+        input=rules,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if loaded.returncode:
+        pytest.skip(f"nft cannot load a rule here: {loaded.stderr.strip()}")
+    workload = ["--requests", "12"]
+    out = hand_off(pair, tmp_path, prefill=workload, decode=[*workload, "--timeout", "60"])
+    assert out.code == 0, out.text
+    assert out.data["verified"] == [f"req-{i:03d}" for i in range(12)]
+    listed = subprocess.run(
+        ["ip", "netns", "exec", pair.decode_ns, "nft", "list", "table", "inet", table],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    dropped = int(listed.split("counter packets ")[1].split()[0])
+    assert dropped > 0, listed
+    figures = out.data["figures"]
+    show(
+        "5% loss",
+        dropped_packets=dropped,
+        transfer_bytes=figures["transfer_bytes"],
+        transfer_seconds=round(figures["transfer_seconds"], 3),
+    )

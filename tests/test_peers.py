@@ -1,0 +1,273 @@
+"""Engines on different hosts (kvhost.nixl.peers, kvhost.nixl.server): the handshake, refusals, and letting go.
+
+A ``Server`` runs on a thread with a real listening socket; decode engines are ``connect``
+calls (or raw sockets misbehaving). No NIXL: offers carry real tables and stand-in
+metadata. Pinned here:
+
+- the secret is proved both ways and never sent; strays and impostors are dropped and do
+  not stall a real peer;
+- engines that cannot work together are refused at the handshake, in one line naming the
+  field and both values, on both sides; pairs that differ only in block size, layout or TP
+  are accepted;
+- a hold ends, and ``release`` is told, when the peer says done, closes its socket, or
+  stops beating (a host or link gone: no socket closes), each within its bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from kvhost.nixl import EngineSpec, IncompatibleEngineError, ProtocolError, RemoteRequest, region_table
+from kvhost.nixl.engine import refusal, table_refusal
+from kvhost.nixl.framing import encode, receive, send
+from kvhost.nixl.peers import (
+    KNOCK,
+    Offer,
+    connect,
+    parse_address,
+    read_secret_file,
+    write_secret_file,
+)
+from kvhost.nixl.server import PeerHello, Server
+from kvhost.testing import make_cache
+
+SECRET = bytes(range(32))
+PREFILL = EngineSpec("mha", 2, 4, 8, "bfloat16", 16, "HNC", 2)
+DECODE = EngineSpec("mha", 2, 4, 8, "bfloat16", 64, "NHC", 1)
+
+
+def rank_table(spec, blocks=8):
+    sizes = dict(K=2, B=blocks, N=spec.block_size, H=spec.heads_per_rank, C=spec.head_dim)
+    memory = "KB" + spec.layout
+    caches = {f"layer{i}": make_cache("KBNHC", memory, sizes, torch.bfloat16) for i in range(spec.layers)}
+    return caches, region_table(caches, "KBNHC")
+
+
+class Running:
+    """A server on a thread; ``records`` and ``released`` once it returns."""
+
+    def __init__(self, spec=PREFILL, peers=1, idle=20.0, **options):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.keep = [rank_table(spec) for _ in range(spec.tp_size)]  # the tables' memory stays alive
+        self.released = []
+        self.lines = []
+        self.asked = []
+
+        def offer(peer: PeerHello) -> Offer:
+            self.asked.append(peer)
+            requests = [RemoteRequest("req-0", 0, 40, [1, 4, 2]), RemoteRequest("req-1", 1, 5, [7])]
+            return Offer(spec, [t for _, t in self.keep], [b"meta0", b"meta1"][: spec.tp_size], requests)
+
+        self.server = Server(
+            self.listener, SECRET, spec, offer, release=self.released.append, log=self.lines.append, **options
+        )
+        self.thread = threading.Thread(target=self.server.serve, kwargs=dict(peers=peers, idle_timeout=idle))
+        self.thread.start()
+
+    def finish(self, within=15.0):
+        self.thread.join(within)
+        assert not self.thread.is_alive(), "the server did not return"
+        self.listener.close()
+        return self.server.records
+
+
+def test_a_decode_engine_takes_the_offer_beats_and_says_done():
+    running = Running(peer_timeout=1.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10, extra={"want": "all"})
+    try:
+        offer = session.offer
+        assert offer.spec == PREFILL and len(offer.tables) == 2 and offer.metadata == [b"meta0", b"meta1"]
+        assert [(r.name, r.tokens, list(r.remote_ids)) for r in offer.requests] == [
+            ("req-0", 40, [1, 4, 2]),
+            ("req-1", 5, [7]),
+        ]
+        assert offer.beat_seconds == 0.25
+        assert running.asked[0].spec == DECODE and running.asked[0].fields.text("want") == "all"
+        session.start_beats()
+        time.sleep(2.0)  # longer than peer_timeout: only the beats keep the hold
+        assert not running.released
+        session.done(ok=True, timeout=5)
+    finally:
+        session.close()
+    [record] = running.finish()
+    assert (record.outcome, record.ok, record.requests) == ("done", True, 2)
+    assert running.released == [record] and record.held_seconds >= 2.0
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        (dict(dtype="float16"), "dtype: decode float16, prefill bfloat16 (must agree)"),
+        (dict(layers=3), "layers: decode 3, prefill 2 (must agree)"),
+        (dict(head_dim=16), "head_dim: decode 16, prefill 8 (must agree)"),
+        (
+            dict(kv_heads=8),
+            "kv_heads: decode 8 (8 per rank x 1), prefill 4 (2 per rank x 2) (the model's KV heads must agree)",
+        ),
+        (dict(block_size=24), "block_size: decode 24, prefill 16 (neither divides the other)"),
+        (dict(kind="mla", kv_heads=1, layout="NC"), "kind: decode mla, prefill mha (must agree)"),
+    ],
+)
+def test_engines_that_cannot_work_together_are_refused_at_the_handshake(change, line):
+    running = Running(peers=None, idle=3.0)
+    decode = EngineSpec(**{**DECODE.to_dict(), **change})
+    started = time.monotonic()
+    with pytest.raises(IncompatibleEngineError) as refused:
+        connect(("127.0.0.1", running.port), SECRET, decode, timeout=10)
+    assert time.monotonic() - started < 5
+    assert str(refused.value) == f"prefill at 127.0.0.1:{running.port} refused: {line}"
+    assert "\n" not in str(refused.value)
+    [record] = running.finish()
+    assert (record.outcome, record.detail) == ("refused", line)
+    assert not running.released
+
+
+@pytest.mark.parametrize(
+    "change", [dict(block_size=16), dict(block_size=128), dict(layout="HNC"), dict(tp_size=4), dict(tp_size=2)]
+)
+def test_block_sizes_layouts_and_tp_that_differ_are_served(change):
+    assert refusal(EngineSpec(**{**DECODE.to_dict(), **change}), PREFILL) is None
+
+
+def test_a_table_that_is_not_what_the_engine_says_is_refused_by_decode():
+    _, table = rank_table(EngineSpec("mha", 2, 4, 8, "bfloat16", 32, "HNC", 2))  # blocks of 32, not 16
+    assert table_refusal(PREFILL, 1, table) == "rank 1 table: N is 32, the engine says 16"
+    _, table = rank_table(EngineSpec("mha", 2, 4, 8, "bfloat16", 16, "NHC", 2))
+    assert table_refusal(PREFILL, 0, table) == "rank 0 table: region order 'NHC', the engine says 'HNC'"
+    _, table = rank_table(EngineSpec("mha", 3, 4, 8, "bfloat16", 16, "HNC", 2))
+    assert table_refusal(PREFILL, 0, table) == "rank 0 table: 3 layers, the engine says 2"
+
+    running = Running(peers=None, idle=3.0)
+    running.keep[1] = rank_table(EngineSpec("mha", 2, 4, 8, "bfloat16", 32, "HNC", 2))
+    with pytest.raises(IncompatibleEngineError, match=r"prefill rank 1 table: N is 32, the engine says 16"):
+        connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    [record] = running.finish()
+    assert record.outcome == "refused" and "rank 1 table: N is 32" in record.detail
+
+
+def test_a_peer_that_stops_beating_is_let_go_within_the_peer_timeout():
+    """A host or link gone closes no socket: only the missing beats tell."""
+    running = Running(peer_timeout=1.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    started = time.monotonic()
+    try:
+        [record] = running.finish(within=10)  # no beats are sent
+        assert time.monotonic() - started < 3.0
+        assert (record.outcome, record.detail) == ("silent", "no beat for 1 s")
+        assert running.released == [record]
+    finally:
+        session.close()
+
+
+def test_a_peer_whose_process_ends_is_let_go_at_once():
+    running = Running(peer_timeout=30.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    started = time.monotonic()
+    session.close()
+    [record] = running.finish(within=10)
+    assert time.monotonic() - started < 1.0
+    assert record.outcome == "closed" and running.released == [record]
+
+
+def test_prefill_must_prove_the_secret_too():
+    """An impostor listening where decode expects prefill cannot prove the secret."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def impostor():
+            conn, _ = listener.accept()
+            with conn:
+                knock = receive(conn, timeout=5, expect=KNOCK)
+                send(conn, "challenge", {"nonce": os.urandom(16).hex(), "proof": "00" * 32}, timeout=5)
+                del knock
+                time.sleep(1)
+
+        thread = threading.Thread(target=impostor)
+        thread.start()
+        with pytest.raises(ProtocolError, match="did not prove the shared secret"):
+            connect(listener.getsockname(), SECRET, DECODE, timeout=5)
+        thread.join()
+
+
+def test_strays_and_impostors_are_dropped_and_do_not_stall_a_real_peer():
+    running = Running(auth_timeout=1.0, peer_timeout=5.0)
+    strays = []
+    try:
+        for data in (b"GET / HTTP/1.1\r\n\r\n" + os.urandom(100), b"", encode(KNOCK, {"nonce": "zz"})):
+            sock = socket.create_connection(("127.0.0.1", running.port))
+            sock.sendall(data)
+            strays.append(sock)
+        big = encode(KNOCK, {"nonce": "x" * 4000})
+        strays.append(socket.create_connection(("127.0.0.1", running.port)))
+        strays[-1].sendall(big[:24])  # claims a frame far over the limit
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match="did not prove"):
+            connect(("127.0.0.1", running.port), b"\x01" * 32, DECODE, timeout=5)  # a wrong secret
+        session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+        assert time.monotonic() - started < 1.0, "strays stalled the real peer"
+        session.done(ok=True, timeout=5)
+        session.close()
+        [record] = running.finish()
+        assert record.outcome == "done"
+        assert running.server.dropped == len(strays) + 1
+        for sock in strays:  # each was closed by the server within the auth timeout
+            sock.settimeout(3)
+            with contextlib.suppress(OSError):
+                while sock.recv(4096):
+                    pass
+    finally:
+        for sock in strays:
+            sock.close()
+
+
+def test_an_idle_server_stops_on_its_own():
+    running = Running(peers=None, idle=0.5)
+    records = running.finish(within=5)
+    assert records == [] and running.lines == ["no decode engine for 0.5 s: stopping"]
+
+
+def test_a_server_serves_several_decode_engines_at_once():
+    running = Running(peers=3, peer_timeout=2.0)
+    sessions = [connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10) for _ in range(3)]
+    for session in sessions:
+        session.start_beats()
+    sessions[0].done(ok=True, timeout=5)
+    sessions[1].close()
+    sessions[2].done(ok=False, timeout=5)
+    for session in sessions:
+        session.close()
+    records = running.finish()
+    assert sorted((r.outcome, r.ok) for r in records) == [("closed", None), ("done", False), ("done", True)]
+
+
+def test_secret_files_are_private_and_checked(tmp_path):
+    path = str(tmp_path / "secret")
+    secret = write_secret_file(path)
+    assert read_secret_file(path) == secret and os.stat(path).st_mode & 0o777 == 0o600
+    with pytest.raises(ProtocolError, match="File exists"):
+        write_secret_file(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(ProtocolError, match="readable by others"):
+        read_secret_file(path)
+    short = tmp_path / "short"
+    short.write_text("abcd\n")
+    short.chmod(0o600)
+    with pytest.raises(ProtocolError, match="a secret of at least 32 bytes"):
+        read_secret_file(str(short))
+    with pytest.raises(ProtocolError, match="No such file"):
+        read_secret_file(str(tmp_path / "missing"))
+
+
+def test_addresses():
+    assert parse_address("10.0.0.1:5000") == ("10.0.0.1", 5000)
+    assert parse_address("5000") == ("127.0.0.1", 5000)
+    assert parse_address("[::1]:7") == ("::1", 7)
+    with pytest.raises(ValueError):
+        parse_address("host:http")

@@ -1,0 +1,212 @@
+"""Tensor parallelism either way (kvhost.nixl.ranks): descriptors of several remote ranks into one local rank.
+
+Every remote rank's cache is filled at random; each local rank's descriptor rows are moved
+with ``memmove`` (what NIXL does with each pair), then ``kvhost.receive`` with the remote
+order and block size must leave, in the local rank's blocks, the tokens of exactly its
+heads, gathered from the remote ranks that hold them; no other block is written. The same
+plans over real NIXL between processes are in test_xpyd.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from test_nixl import LOCAL_IDS, LOCAL_RUNS, REMOTE_IDS, REMOTE_RUNS, memmove_rows, needs_nixl, untouched_blocks_same
+
+import kvhost
+from kvhost.caches import CacheSet
+from kvhost.errors import LayoutError
+from kvhost.nixl import region_table
+from kvhost.nixl.ranks import HeadShare, head_shares, latent_source, plan_ranks
+from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens
+
+# name: (axes, memory order). Head-major, token-major, K inside the block, heads as streams.
+LAYOUTS = {
+    "HND": ("KBNHC", "KBHNC"),
+    "NHD": ("KBNHC", "KBNHC"),
+    "blockfirst-NHD": ("BKNHC", "BKNHC"),
+    "blockfirst-HND": ("BKNHC", "BKHNC"),
+}
+PAIRS = [("HND", "NHD"), ("NHD", "NHD"), ("NHD", "HND"), ("HND", "HND"), ("blockfirst-NHD", "blockfirst-HND")]
+# (remote block size, local block size, remote blocks in the request)
+SIZES = {"r4": (4, 16, 7), "same": (8, 8, 3), "g2": (16, 8, 3), "g4": (32, 8, 2)}
+# (remote TP, local TP) over 4 KV heads
+TPS = [(1, 1), (2, 1), (4, 1), (4, 2), (2, 4), (1, 2), (1, 4)]
+HEADS, CHANNELS = 4, 4
+
+
+def engine_caches(axes, memory, heads, block_size, blocks, seed, layers=2):
+    sizes = {"K": 2, "H": heads, "C": CHANNELS, "N": block_size, "B": blocks}
+    return {
+        f"l{i}": fill_random(make_cache(axes, memory, {a: sizes[a] for a in memory}), seed + i) for i in range(layers)
+    }
+
+
+def check_rank(local, axes, plan, local_ids, remote_caches, remote_ids, tokens, share_of):
+    """The local rank's tokens are its heads' tokens, gathered from the remote ranks in head order."""
+    for name in local:
+        layout = CacheSet(local, axes).members[0].layout
+        got = read_tokens(local[name], layout, local_ids)[:tokens]
+        parts = []
+        for source in plan.sources:
+            remote = remote_caches[source.rank][name]
+            remote_layout = CacheSet(remote_caches[source.rank], axes).members[0].layout
+            truth = read_tokens(remote, remote_layout, remote_ids)
+            h = 1 + block_letters(remote_layout).index("H")
+            parts.append(truth.narrow(h, *share_of(source)))
+        want = torch.cat(parts, dim=1 + block_letters(layout).index("H"))
+        assert torch.equal(got, want), f"{name}: tokens differ from the remote ranks' heads"
+
+
+@pytest.mark.parametrize("merge", [None, 1 << 40], ids=["per-piece", "merged"])
+@pytest.mark.parametrize("tp", TPS, ids=lambda tp: f"P{tp[0]}D{tp[1]}")
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize("pair", PAIRS, ids="->".join)
+def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name, tp, merge):
+    remote_name, local_name = pair
+    axes, remote_memory = LAYOUTS[remote_name]
+    local_axes, local_memory = LAYOUTS[local_name]
+    assert axes == local_axes
+    remote_size, local_size, count = SIZES[sizes_name]
+    remote_tp, local_tp = tp
+    remote_caches = [
+        engine_caches(axes, remote_memory, HEADS // remote_tp, remote_size, 16, seed=10 * q) for q in range(remote_tp)
+    ]
+    remote_tables = [region_table(c, axes) for c in remote_caches]
+    # Merged descriptors on ids in runs (where pieces continue one another), per piece on scattered ones.
+    all_local, all_remote = (LOCAL_IDS, REMOTE_IDS) if merge is None else (LOCAL_RUNS, REMOTE_RUNS)
+    remote_ids = all_remote[:count]
+    tokens = count * remote_size
+    for rank in range(local_tp):
+        local = engine_caches(axes, local_memory, HEADS // local_tp, local_size, 24, seed=100 + rank)
+        before = {name: raw(t).clone() for name, t in local.items()}
+        plan = plan_ranks(region_table(local, axes), rank, local_tp, remote_tables)
+        local_ids = all_local[: plan.local_blocks_for(count)]
+        moved = 0
+        for source in plan.sources:
+            local_rows, remote_rows = plan.rows(source, local_ids, remote_ids, max_bytes=merge)
+            if merge is not None:
+                assert local_rows.shape[0] <= plan.rows(source, local_ids, remote_ids)[0].shape[0]
+            memmove_rows(local_rows, remote_rows)
+            moved += int(local_rows[:, 1].sum())
+        # Only this rank's heads move: tokens x heads x C x K x 2 layers x 2 bytes.
+        assert moved == plan.bytes_for(count) == tokens * (HEADS // local_tp) * CHANNELS * 2 * 2 * 2
+        assert {s.rank for s in plan.sources} == {s.remote_rank for s in head_shares(rank, local_tp, remote_tp, 4)}
+        kvhost.receive(
+            local, {"x": local_ids}, axes=axes, remote_order=plan.remote_order, remote_block_size=remote_size
+        )
+        check_rank(
+            local,
+            axes,
+            plan,
+            local_ids,
+            remote_caches,
+            remote_ids,
+            tokens,
+            lambda s: (s.share.remote_first, s.share.count),
+        )
+        for name, tensor in local.items():
+            assert untouched_blocks_same(tensor, before[name], CacheSet(local, axes).members[0].layout, local_ids)
+
+
+@pytest.mark.parametrize("tp", [(1, 2), (2, 1), (2, 4), (4, 2)], ids=lambda tp: f"P{tp[0]}D{tp[1]}")
+@pytest.mark.parametrize("sizes_name", ["r4", "g2"])
+def test_an_mla_latent_is_read_once_from_one_remote_rank(sizes_name, tp):
+    remote_size, local_size, count = SIZES[sizes_name]
+    remote_tp, local_tp = tp
+    # Every remote rank holds the same latent.
+    remote_caches = [
+        {f"l{i}": fill_random(make_cache("BNC", "BNC", dict(B=16, N=remote_size, C=12)), 7 + i) for i in range(2)}
+        for _ in range(remote_tp)
+    ]
+    remote_tables = [region_table(c, "BNC") for c in remote_caches]
+    readers = []
+    for rank in range(local_tp):
+        local = {
+            f"l{i}": fill_random(make_cache("BNC", "BNC", dict(B=24, N=local_size, C=12)), 50 + i) for i in range(2)
+        }
+        plan = plan_ranks(region_table(local, "BNC"), rank, local_tp, remote_tables)
+        assert [s.rank for s in plan.sources] == [latent_source(rank, local_tp, remote_tp)]
+        readers.append(plan.sources[0].rank)
+        local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
+        local_rows, remote_rows = plan.rows(plan.sources[0], local_ids, REMOTE_IDS[:count])
+        memmove_rows(local_rows, remote_rows)
+        assert int(local_rows[:, 1].sum()) == count * remote_size * 12 * 2 * 2  # the latent once
+        layout = CacheSet(local, "BNC").members[0].layout
+        for name in local:
+            got = read_tokens(local[name], layout, local_ids)[: count * remote_size]
+            assert torch.equal(got, read_tokens(remote_caches[0][name], layout, REMOTE_IDS[:count]))
+    assert set(readers) == set(range(min(remote_tp, local_tp)))  # spread over the remote ranks
+
+
+def test_head_shares_cover_every_head_once():
+    for remote_tp in (1, 2, 4, 8):
+        for local_tp in (1, 2, 4, 8):
+            covered = []
+            for rank in range(local_tp):
+                shares = head_shares(rank, local_tp, remote_tp, 8)
+                assert sum(s.count for s in shares) == 8 // local_tp
+                covered += [
+                    s.remote_rank * (8 // remote_tp) + s.remote_first + i for s in shares for i in range(s.count)
+                ]
+            assert covered == list(range(8))
+    assert head_shares(1, 2, 4, 8) == [HeadShare(2, 0, 0, 2), HeadShare(3, 2, 0, 2)]
+    assert head_shares(3, 4, 2, 8) == [HeadShare(1, 0, 2, 2)]
+    with pytest.raises(LayoutError, match="cannot be shared evenly"):
+        head_shares(0, 3, 1, 8)
+
+
+def test_ranks_that_do_not_match_are_refused():
+    caches = engine_caches("KBNHC", "KBHNC", 2, 8, 4, seed=1)
+    table = region_table(caches, "KBNHC")
+    with pytest.raises(LayoutError, match="not the same KV heads"):
+        plan_ranks(table, 0, 1, [table, table])  # 2 heads locally, 2 x 2 remotely
+    mla = region_table({"l0": make_cache("BNC", "BNC", dict(B=4, N=8, C=4))}, "BNC")
+    with pytest.raises(LayoutError, match="heads"):
+        plan_ranks(table, 0, 1, [mla])
+    odd = region_table(engine_caches("KBNHC", "KBHNC", 2, 12, 4, seed=1), "KBNHC")
+    with pytest.raises(LayoutError, match="do not divide"):
+        plan_ranks(table, 0, 1, [odd])
+
+
+def test_a_gather_costs_one_descriptor_per_remote_block_and_stream_when_heads_lead():
+    """Head-major senders give each local rank one run per remote block from each remote rank."""
+    remote_tables = [region_table(engine_caches("KBNHC", "KBHNC", 1, 16, 8, seed=q), "KBNHC") for q in range(4)]
+    local = region_table(engine_caches("KBNHC", "KBNHC", 4, 64, 8, seed=9), "KBNHC")
+    plan = plan_ranks(local, 0, 1, remote_tables)
+    assert len(plan.sources) == 4
+    rows = [plan.rows(s, [3], [0, 1, 2, 3])[0] for s in plan.sources]
+    streams = len(local.streams)
+    assert [r.shape[0] for r in rows] == [4 * streams] * 4
+    assert np.unique(np.concatenate(rows)[:, 0]).size == 16 * streams  # no byte written twice
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_rank_readers_gather_over_nixl_from_several_agents():
+    """Four prefill ranks (four agents, head-major blocks of 16) into two decode ranks
+    (token-major blocks of 64): each decode rank's read posts one transfer per source."""
+    from kvhost.nixl import Agent, RankReader
+
+    remote_caches = [engine_caches("KBNHC", "KBHNC", 1, 16, 16, seed=q) for q in range(4)]
+    with contextlib.ExitStack() as stack:
+        senders = [stack.enter_context(Agent(f"ranks-prefill-{q}")) for q in range(4)]
+        tables = [agent.register(c, "KBNHC") for agent, c in zip(senders, remote_caches)]
+        for rank in range(2):
+            receiver = stack.enter_context(Agent(f"ranks-decode-{rank}"))
+            local = engine_caches("KBNHC", "KBNHC", 2, 64, 8, seed=90 + rank)
+            plan = plan_ranks(receiver.register(local, "KBNHC"), rank, 2, tables)
+            peers = {s.rank: receiver.add_peer(senders[s.rank].metadata()) for s in plan.sources}
+            transfers = RankReader(receiver, plan, peers).read([5, 2], REMOTE_IDS[:7])
+            assert len(transfers) == 2
+            for transfer in transfers:
+                transfer.wait(timeout=30)
+                transfer.release()
+            assert sum(t.nbytes for t in transfers) == plan.bytes_for(7)
+            kvhost.receive(local, {"x": [5, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=16)
+            check_rank(
+                local, "KBNHC", plan, [5, 2], remote_caches, REMOTE_IDS[:7], 7 * 16, lambda s: (0, s.share.count)
+            )
