@@ -32,27 +32,33 @@ def test_host_ids_are_used_in_place():
     assert index.data_ptr() == ids.ctypes.data and index.tolist() == [3, 1, 2]
 
 
+def _buffer(buffers: IndexBuffers) -> torch.Tensor:
+    """The one buffer ``buffers`` holds for this thread (one device, one stream here)."""
+    (buffer,) = buffers._local.buffers.values()
+    return buffer
+
+
 def test_device_ids_go_through_one_growing_buffer_per_thread():
     buffers = IndexBuffers()
     index = buffers(np.arange(5), META)
     assert (index.device, index.shape, index.dtype) == (META, (5,), torch.int64)
-    buffer = buffers._local.buffer
+    buffer = _buffer(buffers)
     assert buffer.numel() == 1024 and buffer.device == META  # at least 1024
-    assert buffers(np.arange(1024), META).shape == (1024,) and buffers._local.buffer is buffer  # fits: reused
+    assert buffers(np.arange(1024), META).shape == (1024,) and _buffer(buffers) is buffer  # fits: reused
     assert buffers(np.arange(1025), META).shape == (1025,)
-    assert buffers._local.buffer.numel() == 2048  # grown to the next power of two
+    assert _buffer(buffers).numel() == 2048  # grown to the next power of two
     assert IndexBuffers()(np.arange(3000), META).shape == (3000,)
     fresh = IndexBuffers()
     fresh(np.arange(3000), META)
-    assert fresh._local.buffer.numel() == 4096
+    assert _buffer(fresh).numel() == 4096
     exact = IndexBuffers()
     exact(np.arange(2048), META)
-    assert exact._local.buffer.numel() == 2048  # a power of two is room enough for itself
+    assert _buffer(exact).numel() == 2048  # a power of two is room enough for itself
     elsewhere: list[torch.Tensor] = []
-    thread = threading.Thread(target=lambda: (buffers(np.arange(2), META), elsewhere.append(buffers._local.buffer)))
+    thread = threading.Thread(target=lambda: (buffers(np.arange(2), META), elsewhere.append(_buffer(buffers))))
     thread.start()
     thread.join()
-    assert elsewhere[0] is not buffers._local.buffer  # each thread its own
+    assert elsewhere[0] is not _buffer(buffers)  # each thread its own
 
 
 # --- the torch backend ---------------------------------------------------------------------
