@@ -70,8 +70,11 @@ MODULES = [
     Module("kvhost/transform.py", ("tests/test_layout.py", "tests/test_plans.py", *CONFORMANCE, *CHECKS)),
     Module("kvhost/caches.py", (*CHECKS, "tests/test_cache_sets.py", "tests/test_front_end.py", *CONFORMANCE)),
     Module("kvhost/ids.py", ("tests/test_ids.py", "tests/test_errors.py", "tests/test_bad_input.py", *CONFORMANCE)),
-    Module("kvhost/batch.py", ("tests/test_front_end.py", *CHECKS, *CONFORMANCE)),
-    Module("kvhost/api.py", ("tests/test_front_end.py", "tests/test_cache_sets.py", *CHECKS, *CONFORMANCE)),
+    Module("kvhost/batch.py", ("tests/test_front_end.py", "tests/test_partial_blocks.py", *CHECKS, *CONFORMANCE)),
+    Module(
+        "kvhost/api.py",
+        ("tests/test_front_end.py", "tests/test_cache_sets.py", "tests/test_partial_blocks.py", *CHECKS, *CONFORMANCE),
+    ),
     Module("kvhost/torch_backend.py", tuple(BACKENDS)),
     Module("backends/kvhost_cpu/backend.py", tuple(BACKENDS)),
     Module("backends/kvhost_cpu/kernels.py", tuple(BACKENDS)),
