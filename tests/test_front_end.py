@@ -55,6 +55,8 @@ def test_a_request_that_names_half_its_sender_takes_the_rest_from_the_call(targe
 
 
 def test_without_a_sender_spec_anywhere_the_local_one_is_assumed(target):
+    if target.device == "xla":
+        pytest.skip("XLA tensors have no strides: their memory order is their shape order")
     # Head-major blocks: a sender of 4-token blocks in the local region order is work.
     caches = {"l": make_cache("KBNHC", "KBHNC", SIZES, device=target.device)}
     case = ReceiveCase(caches, "KBNHC", seed=4)

@@ -83,6 +83,8 @@ def test_size_1_letters_never_split_a_copy():
 
 
 def test_blocks_that_are_not_back_to_back_are_copied_one_by_one(target):
+    if target.device == "xla":
+        pytest.skip("XLA tensors have no strides: a view of every other block is a copy there")
     # Every other block of two buffers: runs of ids are consecutive, their bytes are not.
     sizes = dict(K=2, B=16, N=8, H=2, C=4)
     src_memory = fill_random(make_cache("KBNHC", "KBNHC", sizes, device=target.device), 1)
