@@ -17,7 +17,7 @@ import torch
 import kvhost
 from kvhost.backend import OptionalKernels
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
-from kvhost.torch_backend import IndexBuffers, TorchBackend
+from kvhost.torch_backend import IndexBuffers, TorchBackend, current_stream
 
 SIZES = dict(K=2, B=8, N=8, H=2, C=4)
 META = torch.device("meta")
@@ -30,6 +30,12 @@ def test_host_ids_are_used_in_place():
     ids = np.array([3, 1, 2], dtype=np.int64)
     index = IndexBuffers()(ids, torch.device("cpu"))
     assert index.data_ptr() == ids.ctypes.data and index.tolist() == [3, 1, 2]
+
+
+def test_current_stream_is_torch_s_own_or_none():
+    """The host's stream is ``torch.cpu``'s (torch gives the host a stream); meta has none."""
+    assert isinstance(current_stream(torch.device("cpu")), torch.cpu.Stream)
+    assert current_stream(META) is None
 
 
 def _buffer(buffers: IndexBuffers) -> torch.Tensor:
@@ -294,3 +300,27 @@ def test_loops_with_every_letter_apart(target):
         assert torch.equal(now[:, :, d], source[:, :, s])
     for block in (0, 1, 5):
         assert torch.equal(now[:, :, block], before[:, :, block])
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "max_run_copies", "passes"),
+    [
+        # Two runs, the destination's one: gathered straight into it, no copy per run.
+        ([5, 1], [2, 3], 64, dict(copy_=0, index_select=0, index_copy_=0)),
+        # Three runs, more than max_run_copies, the destination's one (as many as it allows).
+        ([0, 5, 3], [5, 6, 7], 1, dict(copy_=0, index_select=0, index_copy_=0)),
+        # Three runs, the source's one: scattered straight from it, no gather.
+        ([0, 1, 2], [5, 2, 7], 1, dict(copy_=0, index_select=0, index_copy_=1)),
+        # Both sides scattered: a gather, then a scatter.
+        ([0, 5, 3], [5, 2, 7], 1, dict(copy_=0, index_select=1, index_copy_=1)),
+    ],
+)
+def test_a_copy_takes_the_fewest_passes(monkeypatch, src_ids, dst_ids, max_run_copies, passes):
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
+    dst = {"l": torch.zeros_like(src["l"])}
+    calls = {method: counted(monkeypatch, method) for method in passes}
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=max_run_copies))
+    assert {method: len(made) for method, made in calls.items()} == passes
+    assert torch.equal(raw(dst["l"])[:, dst_ids], raw(src["l"])[:, src_ids])
+    others = [b for b in range(raw(dst["l"]).shape[1]) if b not in dst_ids]
+    assert not raw(dst["l"])[:, others].any()

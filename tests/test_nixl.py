@@ -21,6 +21,7 @@ import kvhost
 from kvhost.caches import CacheSet
 from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.nixl import (
+    MAX_DESCRIPTOR_BYTES,
     NIXL_MODULES,
     NixlUnavailableError,
     ProtocolError,
@@ -28,11 +29,14 @@ from kvhost.nixl import (
     TransferError,
     decode,
     encode,
+    extent_rows,
     memory_spans,
     merge_rows,
     plan_transfer,
     region_table,
+    stream_extents,
 )
+from kvhost.nixl.tables import Stream
 from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens, write_wire
 
 # (axes, remote memory order, local memory order, sizes but B and N)
@@ -655,3 +659,152 @@ def test_missing_nixl_is_a_clear_error(monkeypatch):
             Agent("nowhere")
     finally:
         nixl_agent.load_nixl.cache_clear()
+
+
+def fake_table(addresses, stride, num_blocks, run=64, order="NC", tokens=1):
+    """A table of streams at made-up addresses (plans never touch the memory): 1-byte items,
+    ``tokens`` tokens of ``run`` bytes a block, stream ``i`` keyed ``K=i``."""
+    streams = tuple(Stream("l", (("K", i),), address, stride) for i, address in enumerate(addresses))
+    sizes = {"N": tokens, "C": run} if order == "NC" else {"H": 4, "N": tokens, "C": run // 4}
+    return RegionTable("DRAM", 0, order, "", sizes, 1, num_blocks, streams)
+
+
+def rows_of(pair):
+    return [rows.tolist() for rows in pair]
+
+
+def test_merged_pairs_default_bound_is_one_mebibyte():
+    """Runs of 512 KiB blocks, dense on both sides: by default a merged row moves 1 MiB at most."""
+    run = 1 << 19
+    plan = plan_transfer(fake_table([0], run, 8, run), fake_table([1 << 30], run, 8, run))
+    assert MAX_DESCRIPTOR_BYTES == 1 << 20
+    local, remote = plan.merged_pairs(range(4), range(4))
+    assert local.tolist() == [[0, 1 << 20, 0], [1 << 20, 1 << 20, 0]]
+    assert remote.tolist() == [[1 << 30, 1 << 20, 0], [(1 << 30) + (1 << 20), 1 << 20, 0]]
+
+
+def test_interleaving_on_one_side_merges_across_streams():
+    """Local streams interleave (the two layers' 128-byte blocks back to back); remote streams
+    lie apart, stream 1 starting where stream 0's last 64-byte block ends. One domain a side: a
+    local block holds two remote blocks, and the second half of stream 0's block and the first
+    half of stream 1's continue one another on both sides when they hold remote blocks 4 then 0."""
+    local = fake_table([0, 128], 256, 4, tokens=2)
+    remote = fake_table([10_000, 10_000 + 5 * 64], 64, 5)
+    plan = plan_transfer(local, remote)
+    assert (plan.chunk_bytes, plan.local_parts, plan.remote_parts) == (64, 2, 1)
+    zero = np.zeros(2, dtype=np.int64)
+    # Pairs (local, remote): (512, 10000), (576, 10256), (640, 10320), (704, 10576).
+    got = plan.merged_pairs([2], [0, 4], local_domains=zero, remote_domains=zero)
+    assert rows_of(got) == [
+        [[512, 64, 0], [576, 128, 0], [704, 64, 0]],
+        [[10_000, 64, 0], [10_256, 128, 0], [10_576, 64, 0]],
+    ]
+    # Each stream its own domain: nothing merges across streams, rows go stream by stream.
+    assert rows_of(plan.merged_pairs([2], [0, 4])) == [
+        [[512, 64, 0], [576, 64, 0], [640, 64, 0], [704, 64, 0]],
+        [[10_000, 64, 0], [10_256, 64, 0], [10_320, 64, 0], [10_576, 64, 0]],
+    ]
+
+
+def test_streams_that_touch_but_do_not_overlap_merge_each_on_its_own():
+    """K and V of one tensor, V's blocks right after K's last, one domain a side: the streams do
+    not interleave, so each merges on its own; K's last block and V's first (ids 4 then 0)
+    would continue one another, and that merge is left out (one more row, same bytes)."""
+    local = fake_table([0, 5 * 64], 64, 5)
+    remote = fake_table([10_000, 10_000 + 5 * 64], 64, 5)
+    plan = plan_transfer(local, remote)
+    zero = np.zeros(2, dtype=np.int64)
+    got = plan.merged_pairs([4, 0], [4, 0], local_domains=zero, remote_domains=zero)
+    assert rows_of(got) == [
+        [[256, 64, 0], [0, 64, 0], [576, 64, 0], [320, 64, 0]],
+        [[10_256, 64, 0], [10_000, 64, 0], [10_576, 64, 0], [10_320, 64, 0]],
+    ]
+
+
+def test_streams_of_two_kinds_all_get_rows():
+    """Stream 0 merges, stream 1 (a negative domain) does not: two kinds of stream, rows for both."""
+    local = fake_table([0, 10_000], 64, 8)
+    remote = fake_table([20_000, 30_000], 64, 8)
+    plan = plan_transfer(local, remote)
+    got = plan.merged_pairs([1, 2, 3], [5, 6, 7], local_domains=np.array([-1, 0]))
+    assert rows_of(got) == [
+        [[64, 64, 0], [128, 64, 0], [192, 64, 0], [10_064, 192, 0]],
+        [[20_320, 64, 0], [20_384, 64, 0], [20_448, 64, 0], [30_320, 192, 0]],
+    ]
+
+
+def test_merge_rows_edge_cases():
+    """No rows come back as they are; a bound below 1 is refused; a bound of one piece keeps
+    the rows as given, in their order."""
+    empty = np.empty((0, 3), dtype=np.uint64)
+    got = merge_rows(empty, empty, 1 << 20, np.zeros(0), np.zeros(0))
+    assert got[0].shape == (0, 3) and got[1].shape == (0, 3)
+    local = np.array([[128, 64, 0], [64, 64, 0], [0, 64, 0]], dtype=np.uint64)
+    remote = np.array([[1128, 64, 1], [1064, 64, 1], [1000, 64, 1]], dtype=np.uint64)
+    zero = np.zeros(3, dtype=np.int64)
+    with pytest.raises(ValueError, match="max_bytes must be at least 1, got 0"):
+        merge_rows(local, remote, 0, zero, zero)
+    assert rows_of(merge_rows(local, remote, 64, zero, zero)) == [local.tolist(), remote.tolist()]
+    assert rows_of(merge_rows(local, remote, 127, zero, zero)) == [local.tolist(), remote.tolist()]
+    assert rows_of(merge_rows(local, remote, 192, zero, zero)) == [[[0, 192, 0]], [[1000, 192, 1]]]
+
+
+def test_plans_refuse_empty_requests():
+    plan = plan_transfer(fake_table([0], 64, 4), fake_table([1000], 64, 4))
+    with pytest.raises(RequestError, match=r"^remote_ids: empty \(no block ids\)$"):
+        plan.descriptor_pairs([], [])
+    with pytest.raises(RequestError, match=r"^remote_ids: empty \(no block ids\)$"):
+        plan.merged_pairs([1], [])
+
+
+def test_stream_extents_and_region_bytes():
+    table = fake_table([0, 5000], 128, 6)
+    assert stream_extents(table).tolist() == [[0, 5 * 128 + 64, 0], [5000, 5 * 128 + 64, 0]]
+    assert extent_rows(table).tolist() == [[0, 64, 0], [640, 64, 0], [5000, 64, 0], [5640, 64, 0]]
+    assert table.region_bytes == 64
+    runs = table.token_runs()
+    assert runs is table  # N leads the region: nothing to cut
+    head_major = fake_table([0], 256, 6, order="HNC")
+    runs = head_major.token_runs()
+    assert runs.split == "H" and runs.region_bytes == 64 and runs.run_bytes == 16
+    assert [s.address for s in runs.streams] == [0, 16, 32, 48]
+    assert runs.token_runs() is runs
+
+
+def test_heads_of_a_table_with_one_stream():
+    """Head-major regions in one stream (one layer, no K): a share of the heads is an offset."""
+    share = fake_table([1000], 256, 6, order="HNC").heads(1, 2)
+    assert [s.address for s in share.streams] == [1016]
+    assert share.sizes["H"] == 2 and share.run_bytes == 32
+
+
+def test_a_tuple_of_tensors_without_k_numbers_its_members():
+    """Two tensors per layer, axes without K: each is a stream of its own, keyed by its place."""
+    caches = {
+        name: tuple(fill_random(make_cache("BNHC", "BNHC", dict(H=2, C=4, N=8, B=5)), k) for k in range(2))
+        for name in ("l0", "l1")
+    }
+    table = region_table(caches, "BNHC")
+    assert [(s.layer, s.coords) for s in table.streams] == [
+        ("l0", (("#", 0),)),
+        ("l0", (("#", 1),)),
+        ("l1", (("#", 0),)),
+        ("l1", (("#", 1),)),
+    ]
+    assert [s.address for s in table.streams] == [t.data_ptr() for name in ("l0", "l1") for t in caches[name]]
+    assert len(table.by_key) == 4
+
+
+def test_domains_split_interleaved_streams():
+    """Three layers laid out block by block on both sides; locally the third is a domain of its
+    own: pieces merge across the first two layers only, never into the third."""
+    local = fake_table([0, 64, 128], 192, 4)
+    remote = fake_table([10_000, 10_064, 10_128], 192, 4)
+    plan = plan_transfer(local, remote)
+    got = plan.merged_pairs([1, 2], [1, 2], local_domains=np.array([0, 0, 1]), remote_domains=np.zeros(3))
+    assert rows_of(got) == [
+        [[192, 128, 0], [320, 64, 0], [384, 128, 0], [512, 64, 0]],
+        [[10_192, 128, 0], [10_320, 64, 0], [10_384, 128, 0], [10_512, 64, 0]],
+    ]
+    got = plan.merged_pairs([1, 2], [1, 2], local_domains=np.zeros(3), remote_domains=np.zeros(3))
+    assert rows_of(got) == [[[192, 384, 0]], [[10_192, 384, 0]]]

@@ -189,3 +189,16 @@ def test_bad_token_counts_are_refused_before_a_byte_moves(request_, message):
     with pytest.raises(kvhost.RequestError, match=message):
         kvhost.receive(caches, {"ok": good, "bad": request_}, axes=axes)
     assert case.same_as(before)
+
+
+def test_one_block_cut_and_one_zeroed_whole(target):
+    """A request alone: its second block cut from a token on, its third zeroed whole (as many
+    blocks cut as zeroed whole)."""
+    axes, _, caches = caches_for("KBNHC/NHD", 6, target.device)
+    case = ReceiveCase(caches, axes, seed=3)
+    case.send("x", [4, 0, 2], "HNC", BLOCK, tokens=BLOCK + 3)
+    stats = kvhost.receive(
+        caches, {"x": kvhost.Incoming([4, 0, 2], "HNC", BLOCK, tokens=BLOCK + 3)}, axes=axes, backend=target.backend
+    )
+    case.check()
+    assert stats.zeroed_blocks == 2
