@@ -22,7 +22,7 @@ only how many operations the transport posts changes (docs/design.md, "Transfers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -187,17 +187,9 @@ class TransferPlan:
         return {}
 
     def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
-        """Both id lists checked (``kvhost.ids``: in range, each block once, not empty), and
-        the local list the length the remote one needs."""
-        remote = checked_ids(remote_ids, "remote_ids", self.remote.num_blocks, allow_empty=False)
-        local = checked_ids(local_ids, "local_ids", self.local.num_blocks, allow_empty=False)
-        want = self.local_blocks_for(remote.size)
-        if local.size != want:
-            raise RequestError(
-                f"{remote.size} remote blocks of {self.remote.block_size} tokens need {want} local blocks of "
-                f"{self.local.block_size} tokens, got {local.size} local block ids"
-            )
-        return local, remote
+        return checked_request_ids(
+            local_ids, remote_ids, self.local, self.remote.num_blocks, self.remote.block_size, self.local_blocks_for
+        )
 
     def _merged_in_streams(
         self, local: np.ndarray, remote: np.ndarray, per: int, kinds: list[_Kind]
@@ -271,6 +263,27 @@ class TransferPlan:
         rows[:, 1] = self.chunk_bytes
         rows[:, 2] = table.device_id
         return rows
+
+
+def checked_request_ids(
+    local_ids: Ids,
+    remote_ids: Ids,
+    local: RegionTable,
+    remote_blocks: int,
+    remote_block_size: int,
+    local_blocks_for: Callable[[int], int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """One request's id lists checked (``kvhost.ids``: in range, each block once, not
+    empty), and the local list the length the remote one needs: local, remote."""
+    remote = checked_ids(remote_ids, "remote_ids", remote_blocks, allow_empty=False)
+    checked = checked_ids(local_ids, "local_ids", local.num_blocks, allow_empty=False)
+    want = local_blocks_for(remote.size)
+    if checked.size != want:
+        raise RequestError(
+            f"{remote.size} remote blocks of {remote_block_size} tokens need {want} local blocks of "
+            f"{local.block_size} tokens, got {checked.size} local block ids"
+        )
+    return checked, remote
 
 
 def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:

@@ -31,10 +31,10 @@ from math import prod
 
 import numpy as np
 
-from kvhost.errors import LayoutError, RequestError
-from kvhost.ids import Ids, checked_ids
+from kvhost.errors import LayoutError
+from kvhost.ids import Ids
 from kvhost.nixl.agent import Agent, Transfer, check_descriptor_bound, check_registered, merge_domains, post_rows
-from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, plan_transfer
+from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_request_ids, plan_transfer
 from kvhost.nixl.tables import RegionTable, Stream
 
 
@@ -143,14 +143,9 @@ class RankPlan:
         merged up to it (``TransferPlan.merged_pairs``), with ``domains[i]`` the (local,
         remote) merge domains of ``source.parts[i]`` (None: each stream its own).
         """
-        remote = checked_ids(remote_ids, "remote_ids", self.remote_block_count, allow_empty=False)
-        local = checked_ids(local_ids, "local_ids", self.local.num_blocks, allow_empty=False)
-        want = self.local_blocks_for(remote.size)
-        if local.size != want:
-            raise RequestError(
-                f"{remote.size} remote blocks of {self.remote_block_size} tokens need {want} local blocks of "
-                f"{self.local.block_size} tokens, got {local.size} local block ids"
-            )
+        local, remote = checked_request_ids(
+            local_ids, remote_ids, self.local, self.remote_block_count, self.remote_block_size, self.local_blocks_for
+        )
         pairs = []
         for index, part in enumerate(source.parts):
             if part.phase is None:
