@@ -117,18 +117,46 @@ def listening_sockets(pids):
     return found
 
 
-class Run:
-    def __init__(self, name, directory):
+class DemoRun:
+    """One ``kvhost demo`` process, started now; ``result()`` waits for it (at most
+    ``seconds``) and reads its exit code, JSON outcome and output once."""
+
+    def __init__(self, name, argv, directory, seconds, env=None):
         self.name = name
+        self.seconds = seconds
         self.json = directory / f"{name}.json"
         self.out = open(directory / f"{name}.out", "w+")  # noqa: SIM115 - closed in result()
-        command = [sys.executable, "-m", "kvhost_tools.cli", "demo", *RUNS[name], "--json", str(self.json)]
-        env = dict(os.environ, **ENV.get(name, {}))
-        env.pop("UCX_NET_DEVICES", None)  # the demo's own default is what is tested
-        self.started = time.monotonic()
+        command = [sys.executable, "-m", "kvhost_tools.cli", "demo", *argv, "--json", str(self.json)]
         self.process = subprocess.Popen(command, stdout=self.out, stderr=subprocess.STDOUT, env=env)
         self.outcome = None
-        # Every listening socket of the run's processes, sampled while it runs.
+
+    def ended(self):
+        """Called once the process has ended, before its output is read."""
+
+    def result(self):
+        if self.outcome is None:
+            try:
+                self.process.wait(timeout=self.seconds)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                pytest.fail(f"kvhost demo ({self.name}) did not finish within {self.seconds} s")
+            self.ended()
+            self.out.seek(0)
+            self.text = self.out.read()
+            self.out.close()
+            assert self.json.exists(), f"no JSON outcome; output:\n{self.text}"
+            self.outcome = json.loads(self.json.read_text())
+        return self.process.returncode, self.outcome, self.text
+
+
+class Run(DemoRun):
+    """One of ``RUNS``, with every listening socket of its processes sampled while it runs."""
+
+    def __init__(self, name, directory):
+        env = dict(os.environ, **ENV.get(name, {}))
+        env.pop("UCX_NET_DEVICES", None)  # the demo's own default is what is tested
+        super().__init__(name, RUNS[name], directory, RUN_SECONDS, env)
         self.listening = set()
         self.watcher = threading.Thread(target=self._watch, daemon=True)
         self.watcher.start()
@@ -138,22 +166,8 @@ class Run:
             self.listening |= listening_sockets(process_tree(self.process.pid))
             time.sleep(0.02)
 
-    def result(self):
-        if self.outcome is None:
-            try:
-                self.process.wait(timeout=RUN_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                pytest.fail(f"kvhost demo ({self.name}) did not finish within {RUN_SECONDS} s")
-            self.seconds = time.monotonic() - self.started
-            self.watcher.join(10)
-            self.out.seek(0)
-            self.text = self.out.read()
-            self.out.close()
-            assert self.json.exists(), f"no JSON outcome; output:\n{self.text}"
-            self.outcome = json.loads(self.json.read_text())
-        return self.process.returncode, self.outcome, self.text
+    def ended(self):
+        self.watcher.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ the field and both values (``kvhost prefill`` and ``kvhost decode`` run apart).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 
 import pytest
+from test_demo import DemoRun
 from test_nixl import needs_nixl
 
 from kvhost.nixl.peers import write_secret_file
@@ -48,35 +48,10 @@ RUNS = {
 RUN_SECONDS = 540
 
 
-class Run:
-    def __init__(self, name, directory):
-        self.name = name
-        self.json = directory / f"{name}.json"
-        self.out = open(directory / f"{name}.out", "w+")  # noqa: SIM115 - closed in result()
-        command = [sys.executable, "-m", "kvhost_tools.cli", "demo", *RUNS[name], "--json", str(self.json)]
-        self.process = subprocess.Popen(command, stdout=self.out, stderr=subprocess.STDOUT)
-        self.outcome = None
-
-    def result(self):
-        if self.outcome is None:
-            try:
-                self.process.wait(timeout=RUN_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                pytest.fail(f"kvhost demo ({self.name}) did not finish within {RUN_SECONDS} s")
-            self.out.seek(0)
-            self.text = self.out.read()
-            self.out.close()
-            assert self.json.exists(), f"no JSON outcome; output:\n{self.text}"
-            self.outcome = json.loads(self.json.read_text())
-        return self.process.returncode, self.outcome, self.text
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("xpyd")
-    started = {name: Run(name, directory) for name in RUNS}
+    started = {name: DemoRun(name, RUNS[name], directory, RUN_SECONDS) for name in RUNS}
     yield started
     for run in started.values():
         if run.process.poll() is None:
