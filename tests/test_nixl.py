@@ -12,6 +12,7 @@ import ctypes
 import importlib.util
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -603,6 +604,42 @@ def test_nixl_write_pushes_token_runs_into_the_peer_layout(agents):
 
 @needs_nixl
 @pytest.mark.timeout(60)
+def test_nixl_metadata_loaded_again_replaces_the_peers_old_registrations(agents):
+    """A peer registered 64-byte pieces, deregistered them and registered the whole buffer.
+    NIXL alone merges the two views and then refuses 95 of the buffer's 128 pieces (found
+    when a CI run's heap put one test's tensors where another's had been); add_peer loads
+    the peer afresh, so every piece is found and a read of the whole buffer lands."""
+    sender, receiver = agents
+    buffer = torch.arange(8192, dtype=torch.int32).to(torch.uint8)
+    start = buffer.data_ptr()
+    pieces = sender.nixl.register_memory([(start + 128 * i, 64, 0, "") for i in range(32)], "DRAM")
+    peer = receiver.add_peer(sender.metadata())
+    sender.nixl.deregister_memory(pieces)
+    whole = sender.nixl.register_memory([(start, 8192, 0, "")], "DRAM")
+    landing = torch.zeros(8192, dtype=torch.uint8)
+    mine = receiver.nixl.register_memory([(landing.data_ptr(), 8192, 0, "")], "DRAM")
+    try:
+        assert receiver.add_peer(sender.metadata()) == peer
+        for offset in range(0, 8192, 64):
+            rows = np.array([[start + offset, 64, 0]], dtype=np.uint64)
+            receiver.nixl.prep_xfer_dlist(peer, rows, "DRAM").release()
+        local = receiver.nixl.get_xfer_descs(np.array([[landing.data_ptr(), 8192, 0]], dtype=np.uint64), "DRAM")
+        remote = receiver.nixl.get_xfer_descs(np.array([[start, 8192, 0]], dtype=np.uint64), "DRAM")
+        handle = receiver.nixl.initialize_xfer("READ", local, remote, peer, b"")
+        state, deadline = receiver.nixl.transfer(handle), time.monotonic() + 20
+        while state == "PROC" and time.monotonic() < deadline:
+            state = receiver.nixl.check_xfer_state(handle)
+        assert state == "DONE"
+        receiver.nixl.release_xfer_handle(handle)
+        assert torch.equal(landing, buffer)
+    finally:
+        receiver.nixl.deregister_memory(mine)
+        sender.nixl.deregister_memory(whole)
+        receiver.add_peer(sender.metadata())
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
 def test_nixl_errors_are_kvhost_errors(agents):
     sender, receiver = agents
     sizes = dict(K=2, H=2, C=8)
@@ -616,6 +653,8 @@ def test_nixl_errors_are_kvhost_errors(agents):
         receiver.reader(plan_transfer(local_table, region_table(registered, "KBNHC")), "nobody")
     with pytest.raises(ProtocolError, match="rejected by NIXL"):
         receiver.add_peer(b"nixlSerDes|" + bytes(range(64)))
+    with pytest.raises(ProtocolError, match="must be bytes, got str"):
+        receiver.add_peer("nixlSerDes|")
     reader = receiver.reader(plan_transfer(local_table, region_table(registered, "KBNHC")), peer)
     with pytest.raises(RequestError):
         reader.read([0, 1], [2])  # one remote block of 8 fills one local block of 8, not two

@@ -74,7 +74,7 @@ class Agent:
             raise NixlUnavailableError(f"NIXL backend(s) {missing} unavailable (plugins: {plugins})")
         self.name = name
         self._registered: list[tuple[Any, list[torch.Tensor]]] = []
-        self._peers: set[str] = set()
+        self._peers: dict[str, bytes] = {}  # each peer's metadata as last loaded
         self._readers: list[Reader] = []
         self.closed = False
 
@@ -105,19 +105,36 @@ class Agent:
         return bytes(self._nixl.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its agent name. Bad metadata is a ProtocolError."""
+        """Load a peer's metadata; returns its agent name. Bad metadata is a ProtocolError.
+
+        Metadata of a peer already known replaces what was loaded before. NIXL itself adds
+        the new registrations to the old ones, and where a region the peer has since
+        deregistered overlaps one it registered after, NIXL finds neither: every descriptor
+        there is refused. So a known peer is removed and loaded afresh; readers towards it
+        made before must be made again, and its transfers must have finished. The same
+        metadata loaded again changes nothing.
+        """
         self._check_open()
+        if not isinstance(metadata, (bytes, bytearray, memoryview)):
+            raise ProtocolError(f"peer agent metadata must be bytes, got {type(metadata).__name__}")
+        metadata = bytes(metadata)
+        peer = self._load_peer(metadata)
+        if self._peers.get(peer, metadata) != metadata:
+            self.remove_peer(peer)
+            peer = self._load_peer(metadata)
+        self._peers[peer] = metadata
+        return peer
+
+    def _load_peer(self, metadata: bytes) -> str:
         try:
             name = self._nixl.add_remote_agent(metadata)
         except Exception as err:
             raise ProtocolError(f"peer agent metadata ({len(metadata)} bytes) rejected by NIXL: {err}") from None
-        peer = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-        self._peers.add(peer)
-        return peer
+        return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 
     def remove_peer(self, peer: str) -> None:
         if peer in self._peers:
-            self._peers.discard(peer)
+            del self._peers[peer]
             with contextlib.suppress(Exception):  # a peer that died may already be gone
                 self._nixl.remove_remote_agent(peer)
 
