@@ -42,6 +42,7 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         "kvhost<=2KiB",
         transfer.HANDOFF,
         *(f"build {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.UNMERGED, transfer.KVHOST)),
+        *(f"plan {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.KVHOST)),
         "span/4KiB",
         "span/layer",
     }
@@ -53,14 +54,14 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     merged = methods[transfer.KVHOST]["descriptors"]
     assert methods[transfer.PREPPED]["descriptors"] <= merged
     assert 0 < merged < methods["kvhost<=2KiB"]["descriptors"] < pieces
-    assert methods["build kvhost"]["descriptors"] == merged
+    assert methods["build kvhost"]["descriptors"] == methods["plan kvhost"]["descriptors"] == merged
     assert methods["span/layer"]["descriptors"] == 2  # one per layer of the quick model
     assert methods["span/4KiB"]["descriptors"] == 2 * -(-section["bytes"] // 2 // 4096)
     for name, entry in methods.items():
         used = [t for t, keep in zip(entry["samples_s"], entry["used"]) if keep]
         assert len(used) == entry["rounds"] >= 1 and entry["median_s"] > 0
         assert entry["median_s"] == pytest.approx(float(np.median(used)), rel=1e-4)
-        if not name.startswith("build "):
+        if not name.startswith(("build ", "plan ")):
             assert entry["fraction"] == pytest.approx(methods[ROOFLINE]["median_s"] / entry["median_s"], rel=1e-4)
             assert entry["gbps"] == pytest.approx(section["bytes"] / entry["median_s"] / 1e9, rel=1e-4)
     assert section["baseline_best"] in (transfer.PER_PIECE, transfer.UNMERGED)

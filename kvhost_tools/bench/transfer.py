@@ -390,6 +390,18 @@ class Setup:
 
         return build
 
+    def plan_only(self, name: str) -> Callable[[], None]:
+        """Work out every request's descriptors (rows, or indices into prepared lists) without
+        handing them to NIXL: kvhost's share of ``build``."""
+        reader, batch = self.readers[name], self.batch
+        rows = reader.indices if isinstance(reader, Prepared) else reader.descriptors
+
+        def plan() -> None:
+            for local_ids, remote_ids in zip(batch.local_ids, batch.remote_ids):
+                rows(local_ids, remote_ids)
+
+        return plan
+
     def span(self, size: int, nbytes: int) -> tuple[Any, int]:
         """One NIXL request reading ``nbytes`` from one contiguous span of each layer into one of
         each local layer, in descriptors of ``size`` bytes (0: one per layer); and its count."""
@@ -557,6 +569,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         methods |= {name: setup.transfer(name, args.inflight) for name in transfers}
         methods[HANDOFF] = handoff
         methods |= {f"build {name}": setup.build(name) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST)}
+        methods |= {f"plan {name}": setup.plan_only(name) for name in (PER_PIECE, PREPPED, KVHOST)}
         spans = {span_name(size): setup.span(size, nbytes) for size in args.sweep}
         setup.handles += [handle for handle, _ in spans.values()]
         methods |= {name: repost(setup.agent.nixl, handle) for name, (handle, _) in spans.items()}
@@ -602,7 +615,7 @@ def summarise(
             "samples_s": measured.samples[name].seconds,
             "used": measured.used[name],
         }
-        if not name.startswith("build "):
+        if not name.startswith(("build ", "plan ")):
             entry["gbps"] = nbytes / sample.median / 1e9
             entry["fraction"] = roof / sample.median
             entry["fraction_rounds_p25_p75"] = per_round(measured, ROOFLINE, name)
@@ -610,7 +623,7 @@ def summarise(
             entry["speedup"] = samples[best].median / sample.median
             entry["speedup_rounds_p25_p75"] = per_round(measured, best, name)
             entry["vs_prepped"] = samples[PREPPED].median / sample.median
-        reader_name = name.removeprefix("build ")
+        reader_name = name.removeprefix("build ").removeprefix("plan ")
         if reader_name in setup.readers:
             entry["descriptors"] = setup.descriptors(reader_name)
         if name in span_descriptors:
@@ -682,7 +695,8 @@ def table(result: dict[str, Any]) -> str:
     )
     tail = (
         f"hand-off = transfer {h['transfer_median_s'] * 1e3:.1f} ms + receive {h['receive_median_s'] * 1e3:.1f} ms "
-        f"(medians); build: creating every request's NIXL transfer, unposted; x per-piece: against the "
+        f"(medians); build: creating every request's NIXL transfer, unposted; plan: its descriptors "
+        f"(rows, or indices into prepared lists) alone, without NIXL; x per-piece: against the "
         f"faster way of one operation per piece ({result['baseline_best']}); x prepped: against "
         f"{PREPPED}, whose neighbouring descriptors NIXL joins itself"
     )
