@@ -13,6 +13,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -378,7 +379,8 @@ def test_k_as_tuple_pairs_with_k_as_axis():
 def test_tables_and_plans_reject_mismatches():
     small = dict(K=2, H=2, C=4)
     hnd = region_table(caches_for("KBNHC", "KBHNC", small, 4, 8, seed=0), "KBNHC")
-    nhd16 = region_table(caches_for("KBNHC", "KBNHC", small, 16, 8, seed=0), "KBNHC")
+    nhd16_caches = caches_for("KBNHC", "KBNHC", small, 16, 8, seed=0)
+    nhd16 = region_table(nhd16_caches, "KBNHC")
     with pytest.raises(LayoutError, match=r"sizes .* differ beyond N"):
         plan_transfer(region_table(caches_for("KBNHC", "KBNHC", dict(K=2, H=3, C=4), 16, 8, seed=0), "KBNHC"), hnd)
     with pytest.raises(LayoutError, match="do not divide"):
@@ -390,6 +392,8 @@ def test_tables_and_plans_reject_mismatches():
     with pytest.raises(LayoutError, match="no partner"):
         renamed = caches_for("KBNHC", "KBNHC", small, 16, 8, seed=0)
         plan_transfer(region_table({"other": renamed["l0"], "l1": renamed["l1"]}, "KBNHC"), hnd)
+    with pytest.raises(LayoutError, match=r"remote .* has no partner among the local streams"):
+        plan_transfer(region_table({"l0": nhd16_caches["l0"]}, "KBNHC"), hnd)
     with pytest.raises(LayoutError, match="item size"):
         plan_transfer(
             region_table({"l0": make_cache("KBNHC", "KBNHC", dict(small, N=16, B=8), torch.float32)}, "KBNHC"),
@@ -745,6 +749,32 @@ def test_interleaving_on_one_side_merges_across_streams():
     ]
 
 
+@pytest.mark.parametrize(
+    ("second", "blocks", "want"),
+    [
+        # Two blocks, stream 1 inside stream 0's blocks: the extents meet only in the last run.
+        (64, 2, [(0, 256)]),
+        # Three blocks, stream 1 one and a half strides in: stream 0's block 1, stream 1's
+        # block 0, stream 0's block 2 and stream 1's block 1 continue one another.
+        (192, 3, [(0, 64), (128, 256), (448, 64)]),
+    ],
+)
+def test_streams_whose_extents_overlap_merge_across_streams(second, blocks, want):
+    """Two streams of 64-byte blocks every 128 bytes, one domain a side, the same on both:
+    wherever their extents overlap, pieces of the two streams may continue one another, and
+    merged rows take them together."""
+    local = fake_table([0, second], 128, blocks)
+    remote = fake_table([10_000, 10_000 + second], 128, blocks)
+    plan = plan_transfer(local, remote)
+    zero = np.zeros(2, dtype=np.int64)
+    ids = list(range(blocks))
+    got = plan.merged_pairs(ids, ids, local_domains=zero, remote_domains=zero)
+    assert rows_of(got) == [
+        [[start, length, 0] for start, length in want],
+        [[10_000 + start, length, 0] for start, length in want],
+    ]
+
+
 def test_streams_that_touch_but_do_not_overlap_merge_each_on_its_own():
     """K and V of one tensor, V's blocks right after K's last, one domain a side: the streams do
     not interleave, so each merges on its own; K's last block and V's first (ids 4 then 0)
@@ -786,6 +816,16 @@ def test_merge_rows_edge_cases():
     assert rows_of(merge_rows(local, remote, 64, zero, zero)) == [local.tolist(), remote.tolist()]
     assert rows_of(merge_rows(local, remote, 127, zero, zero)) == [local.tolist(), remote.tolist()]
     assert rows_of(merge_rows(local, remote, 192, zero, zero)) == [[[0, 192, 0]], [[1000, 192, 1]]]
+    # A bound of 1 byte is allowed, and any bound under one piece keeps every piece whole.
+    assert rows_of(merge_rows(local, remote, 1, zero, zero)) == [local.tolist(), remote.tolist()]
+    assert rows_of(merge_rows(local, remote, 32, zero, zero)) == [local.tolist(), remote.tolist()]
+    # One row comes back as it is; two that continue one another become one.
+    assert rows_of(merge_rows(local[2:], remote[2:], 192, zero[2:], zero[2:])) == [[[0, 64, 0]], [[1000, 64, 1]]]
+    assert rows_of(merge_rows(local[1:], remote[1:], 192, zero[1:], zero[1:])) == [[[0, 128, 0]], [[1000, 128, 1]]]
+    # A negative label merges nothing, on either side, even where the labels are equal.
+    apart = np.full(3, -1, dtype=np.int64)
+    assert rows_of(merge_rows(local, remote, 192, zero, apart)) == [local[::-1].tolist(), remote[::-1].tolist()]
+    assert rows_of(merge_rows(local, remote, 192, apart, zero)) == [local[::-1].tolist(), remote[::-1].tolist()]
 
 
 def test_plans_refuse_empty_requests():
@@ -800,6 +840,8 @@ def test_stream_extents_and_region_bytes():
     table = fake_table([0, 5000], 128, 6)
     assert stream_extents(table).tolist() == [[0, 5 * 128 + 64, 0], [5000, 5 * 128 + 64, 0]]
     assert extent_rows(table).tolist() == [[0, 64, 0], [640, 64, 0], [5000, 64, 0], [5640, 64, 0]]
+    on_device = replace(table, device_id=3)
+    assert stream_extents(on_device)[:, 2].tolist() == extent_rows(on_device)[:, 2].tolist()[::2] == [3, 3]
     assert table.region_bytes == 64
     runs = table.token_runs()
     assert runs is table  # N leads the region: nothing to cut
