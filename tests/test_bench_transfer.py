@@ -39,10 +39,13 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         transfer.PREPPED,
         transfer.UNMERGED,
         transfer.KVHOST,
+        transfer.BATCH,
         "kvhost<=2KiB",
         transfer.HANDOFF,
         *(f"build {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.UNMERGED, transfer.KVHOST)),
         *(f"plan {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.KVHOST)),
+        f"build {transfer.BATCH}",
+        f"plan {transfer.BATCH}",
         "span/4KiB",
         "span/layer",
     }
@@ -55,6 +58,8 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     assert methods[transfer.PREPPED]["descriptors"] <= merged
     assert 0 < merged < methods["kvhost<=2KiB"]["descriptors"] < pieces
     assert methods["build kvhost"]["descriptors"] == methods["plan kvhost"]["descriptors"] == merged
+    # One transfer for the batch: the same rows, planned at once (no request's ids meet another's).
+    assert methods[transfer.BATCH]["descriptors"] == methods[f"plan {transfer.BATCH}"]["descriptors"] == merged
     assert methods["span/layer"]["descriptors"] == 2  # one per layer of the quick model
     assert methods["span/4KiB"]["descriptors"] == 2 * -(-section["bytes"] // 2 // 4096)
     for name, entry in methods.items():
@@ -70,7 +75,8 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     handoff = methods[transfer.HANDOFF]
     assert handoff["transfer_median_s"] > 0 and handoff["receive_median_s"] > 0
     checks = section["targets"]["checks"]
-    assert [c["what"] for c in checks] == ["kvhost / per-piece (best)", "kvhost / memcpy", "hand-off / memcpy"]
+    names = ["kvhost-batch / per-piece (best)", "kvhost-batch / memcpy", "hand-off / memcpy"]
+    assert [c["what"] for c in checks] == names
     assert section["targets"]["passed"] == all(c["passed"] for c in checks)
     assert "transfer (same host): 8 requests" in out and "x per-piece" in out and "hand-off = transfer" in out
 

@@ -250,6 +250,95 @@ def test_merging_stream_by_stream_finds_what_merge_rows_finds(pair, sizes_name, 
         assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, want.tolist()))
 
 
+def split_batch(plan, remote_counts, local_pool, remote_pool, seed):
+    """Requests of ``remote_counts`` remote blocks each, ids drawn without repeats on the
+    local side (runs of 1..3 and single blocks mixed), repeats allowed across requests remotely."""
+    rng = np.random.default_rng(seed)
+    local_free = [int(b) for b in rng.permutation(local_pool)]
+    requests = []
+    for count in remote_counts:
+        want = plan.local_blocks_for(count)
+        start = int(rng.integers(0, local_pool - want)) if rng.random() < 0.5 else None
+        if start is not None and all(b in local_free for b in range(start, start + want)):
+            local_ids = list(range(start, start + want))
+        else:
+            local_ids = local_free[:want]
+        local_free = [b for b in local_free if b not in local_ids]
+        remote_start = int(rng.integers(0, remote_pool - count + 1))
+        remote_ids = list(range(remote_start, remote_start + count)) if rng.random() < 0.5 else None
+        if remote_ids is None:
+            remote_ids = [int(b) for b in rng.choice(remote_pool, count, replace=False)]
+        requests.append((local_ids, remote_ids))
+    return requests
+
+
+def row_pairs(rows):
+    return sorted(zip(map(tuple, rows[0].tolist()), map(tuple, rows[1].tolist())))
+
+
+@pytest.mark.parametrize("bound", [None, 1, 3, 1 << 40])
+@pytest.mark.parametrize("domains", ["own", "shared", "mixed"])
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize("pair", LAYOUT_PAIRS)
+def test_a_batch_plans_what_its_requests_plan_one_by_one(pair, sizes_name, domains, bound):
+    """``merged_batch`` (and ``descriptor_batch``) of several requests, each with its own count
+    of blocks (partial local blocks included), make exactly the rows of each request planned
+    alone, back to back: whatever the layouts, r or g, bound and merge domains."""
+    axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
+    remote_size, local_size, _ = SIZES[sizes_name]
+    remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
+    local = caches_for(axes, local_memory, sizes, local_size, 80, seed=50)
+    plan = plan_transfer(region_table(local, axes), region_table(remote, axes))
+    streams = len(plan.local.streams)
+    labels = {
+        "own": None,
+        "shared": np.zeros(streams, dtype=np.int64),
+        "mixed": np.array([-1 if i % 2 else 0 for i in range(streams)], dtype=np.int64),
+    }[domains]
+    requests = split_batch(plan, [1, 3, 2, 5, 1, 4], 80, 16, seed=len(pair) + len(sizes_name))
+    if bound is None:
+        alone = [plan.descriptor_pairs(*request) for request in requests]
+        together = plan.descriptor_batch(requests)
+    else:
+        max_bytes = bound * plan.chunk_bytes if bound < 1 << 20 else bound
+        kwargs = dict(max_bytes=max_bytes, local_domains=labels, remote_domains=labels)
+        alone = [plan.merged_pairs(*request, **kwargs) for request in requests]
+        together = plan.merged_batch(requests, **kwargs)
+    want = (np.concatenate([rows for rows, _ in alone]), np.concatenate([rows for _, rows in alone]))
+    if plan._merge_kinds(labels, labels) is None and bound is not None:
+        # Interleaved streams sort every piece of the batch at once: pieces of two requests
+        # may merge, so compare the bytes each local byte receives instead of the rows.
+        assert together[0].shape[0] <= want[0].shape[0]
+        assert pieces_of(together, plan.chunk_bytes) == pieces_of(want, plan.chunk_bytes)
+    else:
+        assert row_pairs(together) == row_pairs(want)
+
+
+def pieces_of(rows, chunk):
+    """The (local address, remote address) of every chunk that merged rows move."""
+    counts = (rows[0][:, 1] // np.uint64(chunk)).astype(np.int64)
+    steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    cut = [np.repeat(side[:, 0], counts) + steps.astype(np.uint64) * np.uint64(chunk) for side in rows]
+    return sorted(zip(cut[0].tolist(), cut[1].tolist()))
+
+
+def test_a_batch_is_checked_whole():
+    """Every request of a batch is checked, with the request's own words; no local block may
+    be named by two requests; a remote block may; an empty batch is refused."""
+    plan = plan_transfer(fake_table([0], 64, 8), fake_table([1000], 64, 8))
+    for plan_batch in (plan.merged_batch, plan.descriptor_batch):
+        with pytest.raises(RequestError, match="at least one request"):
+            plan_batch([])
+        with pytest.raises(RequestError, match="same local block"):
+            plan_batch([([1, 2], [0, 1]), ([3, 2], [4, 5])])
+        with pytest.raises(RequestError, match="out of range"):
+            plan_batch([([1], [0]), ([2], [8])])
+        shared = plan_batch([([1, 2], [0, 1]), ([3, 4], [0, 1])])
+        assert pieces_of(shared, 64) == [(64, 1000), (128, 1064), (192, 1000), (256, 1064)]
+    with pytest.raises(ValueError, match="max_bytes"):
+        plan.merged_batch([([1], [0])], max_bytes=True)
+
+
 def layer_views(buffer):
     """Per-layer ``KBNHC`` views of one block-major ``[B, L, K, N, H, C]`` buffer: the layers of a
     block lie back to back (a cross-layer layout)."""
@@ -500,6 +589,40 @@ def test_nixl_read_lands_what_the_descriptors_say(agents, remote_size, local_siz
     for (name, r), lo in zip(remote.items(), local.values()):
         got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, local_ids)[: count * remote_size]
         assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, remote_ids))
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_nixl_reads_a_batch_of_requests_as_one_transfer(agents):
+    """Several requests read as one transfer land what each read alone lands; a batch that
+    names one local block twice is refused before anything moves."""
+    sender, receiver = agents
+    sizes = dict(K=2, H=2, C=8)
+    remote = caches_for("KBNHC", "KBHNC", sizes, 4, 16, seed=17, layers=3)
+    peer, remote_table = expose(sender, receiver, remote)
+    landed = []
+    for together in (False, True):
+        local = caches_for("KBNHC", "KBNHC", sizes, 16, 24, seed=71, layers=3)
+        plan = plan_transfer(receiver.register(local, "KBNHC"), remote_table)
+        requests = split_batch(plan, [5, 1, 8, 3], 24, 16, seed=3)
+        reader = receiver.reader(plan, peer)
+        if together:
+            before = [raw(t).clone() for t in local.values()]
+            with pytest.raises(RequestError, match="same local block"):
+                reader.read_batch([requests[0], requests[0]])
+            assert all(torch.equal(raw(t), b) for t, b in zip(local.values(), before))
+            transfer = reader.read_batch(requests)
+            transfer.wait(timeout=20)
+            assert transfer.nbytes == plan.bytes_for(17)
+            assert transfer.descriptors == reader.batch_descriptors(requests)[0].shape[0]
+            transfer.release()
+        else:
+            for request in requests:
+                transfer = reader.read(*request)
+                transfer.wait(timeout=20)
+                transfer.release()
+        landed.append([raw(t).clone() for t in local.values()])
+    assert all(torch.equal(a, b) for a, b in zip(*landed))
 
 
 @needs_nixl

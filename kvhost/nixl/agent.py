@@ -217,10 +217,21 @@ class Reader:
         """Start pushing ``local_ids`` to the peer's ``remote_ids`` (the same pairing, the other way)."""
         return self._start("WRITE", local_ids, remote_ids, notify)
 
+    def read_batch(self, requests: Sequence[tuple[Ids, Ids]], *, notify: bytes = b"") -> Transfer:
+        """Start pulling several requests (``(local_ids, remote_ids)`` each) as one transfer:
+        one NIXL request, its descriptors worked out for the whole batch at once
+        (``TransferPlan.merged_batch``); a step's requests from one peer go together."""
+        if self.closed:
+            raise TransferError(f"reader towards {self.peer!r} is closed")
+        return self._post("READ", self.batch_descriptors(requests), notify)
+
     def _start(self, op: str, local_ids: Ids, remote_ids: Ids, notify: bytes) -> Transfer:
         if self.closed:
             raise TransferError(f"reader towards {self.peer!r} is closed")
-        local_rows, remote_rows = self.descriptors(local_ids, remote_ids)
+        return self._post(op, self.descriptors(local_ids, remote_ids), notify)
+
+    def _post(self, op: str, rows: tuple[np.ndarray, np.ndarray], notify: bytes) -> Transfer:
+        local_rows, remote_rows = rows
         nbytes = int(local_rows[:, 1].sum())
         nixl = self.agent.nixl
         try:
@@ -238,6 +249,17 @@ class Reader:
         return self.plan.merged_pairs(
             local_ids,
             remote_ids,
+            max_bytes=self.max_descriptor_bytes,
+            local_domains=self.local_domains,
+            remote_domains=self.remote_domains,
+        )
+
+    def batch_descriptors(self, requests: Sequence[tuple[Ids, Ids]]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows one transfer of several requests posts: local and remote."""
+        if self.max_descriptor_bytes is None:
+            return self.plan.descriptor_batch(requests)
+        return self.plan.merged_batch(
+            requests,
             max_bytes=self.max_descriptor_bytes,
             local_domains=self.local_domains,
             remote_domains=self.remote_domains,

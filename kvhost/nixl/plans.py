@@ -82,7 +82,9 @@ class TransferPlan:
         Each list is checked as ``kvhost.ids`` checks ids (in range, each block once) and
         may not be empty.
         """
-        local, remote = self._checked(local_ids, remote_ids)
+        return self._pairs(*self._checked(local_ids, remote_ids))
+
+    def _pairs(self, local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         chunks = np.arange(remote.size * self.remote_parts, dtype=np.int64)
         return (
             self._rows(self.local, self._local_streams, local, self.local_parts, chunks),
@@ -106,8 +108,7 @@ class TransferPlan:
         ``descriptor_pairs`` puts it, no other byte is touched. Pieces of two streams merge
         only where the streams share a domain and their blocks interleave (layers laid out
         block by block in one buffer); otherwise each stream's pieces merge in the request's
-        order, found from the ids alone (no pass over every piece's address), and rows go
-        stream by stream.
+        order, found from the ids alone, and rows go stream by stream.
 
         A domain is memory one descriptor may span: ``local_domains[i]`` labels local stream
         ``i``, ``remote_domains[j]`` remote stream ``j`` (in ``remote.streams`` order);
@@ -116,24 +117,68 @@ class TransferPlan:
         which its owner registers whole (``Reader`` checks that with NIXL, and finds the
         streams that share registered memory, such as layers laid out in one buffer).
         """
-        if max_bytes < 1:
-            raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
+        return self.merged_batch(
+            [(local_ids, remote_ids)], max_bytes=max_bytes, local_domains=local_domains, remote_domains=remote_domains
+        )
+
+    def merged_batch(
+        self,
+        requests: Sequence[tuple[Ids, Ids]],
+        *,
+        max_bytes: int = MAX_DESCRIPTOR_BYTES,
+        local_domains: np.ndarray | None = None,
+        remote_domains: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``merged_pairs`` of several requests (``(local_ids, remote_ids)`` each) as one pair
+        of lists, for one transfer: what each request's own rows would move, worked out with
+        a fixed number of numpy calls for the whole batch instead of that many per request.
+
+        Each request is checked as ``descriptor_pairs`` checks it, and no local block may
+        be named by two requests (it would be written twice); a remote block may (two
+        requests reading one shared prefix). Pieces merge within a request, never across
+        two, except where streams interleave (then every piece is sorted, as for one).
+        """
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an integer of at least 1, got {max_bytes!r}")
+        checked, local = self._checked_batch(requests)
+        remote = checked[0][1] if len(checked) == 1 else np.concatenate([c[1] for c in checked])
         kinds = self._merge_kinds(local_domains, remote_domains)
         if kinds is None:
             # Streams that share a domain interleave (layers laid out block by block): pieces
             # of different streams may continue one another, found by sorting every piece.
-            local_rows, remote_rows = self.descriptor_pairs(local_ids, remote_ids)
             local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)
-            per_stream = local_rows.shape[0] // len(self.local.streams)
+            pairs = [self._pairs(lo, re) for lo, re in checked]
+            counts = [rows.shape[0] // len(self.local.streams) for rows, _ in pairs]
             return merge_rows(
-                local_rows,
-                remote_rows,
+                np.concatenate([rows for rows, _ in pairs]),
+                np.concatenate([rows for _, rows in pairs]),
                 max_bytes,
-                np.repeat(local_labels, per_stream),
-                np.repeat(remote_labels, per_stream),
+                np.concatenate([np.repeat(local_labels, count) for count in counts]),
+                np.concatenate([np.repeat(remote_labels, count) for count in counts]),
             )
-        local, remote = self._checked(local_ids, remote_ids)
-        return self._merged_in_streams(local, remote, max(1, max_bytes // self.chunk_bytes), kinds)
+        sizes = None if len(checked) == 1 else np.array([[lo.size, re.size] for lo, re in checked], dtype=np.int64)
+        return self._merged_in_streams(local, remote, sizes, max(1, max_bytes // self.chunk_bytes), kinds)
+
+    def descriptor_batch(self, requests: Sequence[tuple[Ids, Ids]]) -> tuple[np.ndarray, np.ndarray]:
+        """``descriptor_pairs`` of several requests back to back, for one transfer, checked
+        as ``merged_batch`` checks them."""
+        checked, _ = self._checked_batch(requests)
+        pairs = [self._pairs(local, remote) for local, remote in checked]
+        return np.concatenate([rows for rows, _ in pairs]), np.concatenate([rows for _, rows in pairs])
+
+    def _checked_batch(
+        self, requests: Sequence[tuple[Ids, Ids]]
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+        """Each request's ids checked, and the local ids back to back, no block named twice."""
+        if not requests:
+            raise RequestError("a transfer needs at least one request")
+        checked = [self._checked(local_ids, remote_ids) for local_ids, remote_ids in requests]
+        if len(checked) == 1:
+            return checked, checked[0][0]
+        local = np.concatenate([ids for ids, _ in checked])
+        if np.unique(local).size != local.size:
+            raise RequestError("two requests of one transfer name the same local block: it would be written twice")
+        return checked, local
 
     def _stream_labels(
         self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None
@@ -192,47 +237,65 @@ class TransferPlan:
         )
 
     def _merged_in_streams(
-        self, local: np.ndarray, remote: np.ndarray, per: int, kinds: list[_Kind]
+        self, local: np.ndarray, remote: np.ndarray, sizes: np.ndarray | None, per: int, kinds: list[_Kind]
     ) -> tuple[np.ndarray, np.ndarray]:
         """Merged rows when pieces merge only within their stream, found from the ids alone.
 
-        A new row starts at piece ``c`` of a request where a side starts a block at ``c``
-        and either its blocks are not dense (block stride > run) or the block id there is
-        not one more than the one before; runs longer than ``per`` pieces are cut every
-        ``per``. That depends on the stream only through its kind (dense locally, dense
-        remotely, may merge), so the cuts are found once per kind (one kind in every cache
-        seen so far) from the places where ids stop counting up, and rows are made for the
-        merged pieces only: a fixed number of numpy calls, none over every piece.
+        ``local`` and ``remote`` are the requests' ids back to back, ``sizes[k]`` request
+        ``k``'s (local, remote) id counts (None: one request). Piece ``c`` of request ``k``
+        is chunk ``c`` of its blocks on each side. A new row starts where a request starts,
+        and where a side starts a block whose blocks are not dense (block stride > run) or whose id is not
+        one more than the one before; runs longer than ``per`` pieces are cut every ``per``.
+        That depends on the stream only through its kind (dense locally, dense remotely,
+        may merge), so the cuts are found once per kind, from the places where ids stop
+        counting up, and rows are made for the merged pieces only: a fixed number of numpy
+        calls for the whole batch, none over every piece.
         """
-        chunk, lp, rp = self.chunk_bytes, self.local_parts, self.remote_parts
-        count = remote.size * rp
+        chunk = self.chunk_bytes
+        total = remote.size * self.remote_parts
+        first_piece = np.zeros(1, dtype=np.int64)
+        sides = (_Side(self.local, local, self.local_parts, None), _Side(self.remote, remote, self.remote_parts, None))
+        if sizes is not None:
+            first_piece = _starts(sizes[:, 1] * self.remote_parts)  # each request's pieces
+            sides = (
+                _Side(self.local, local, self.local_parts, _starts(sizes[:, 0])),
+                _Side(self.remote, remote, self.remote_parts, _starts(sizes[:, 1])),
+            )
         out: list[list[np.ndarray]] = [[], []]
         for kind in kinds:
             if kind.merges:
-                starts = np.zeros(count + 1, dtype=bool)
-                for ids, parts, dense in ((local, lp, kind.local_dense), (remote, rp, kind.remote_dense)):
-                    if dense:
-                        starts[parts * (np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1)] = True
-                    else:
-                        starts[parts::parts] = True
-                starts[0] = starts[count] = True
+                starts = np.zeros(total + 1, dtype=bool)
+                starts[first_piece] = True
+                starts[total] = True
+                for side, dense in zip(sides, (kind.local_dense, kind.remote_dense)):
+                    ids = side.ids
+                    blocks = np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1 if dense else np.arange(1, ids.size)
+                    if side.first_block is None:
+                        starts[side.parts * blocks] = True
+                        continue
+                    # A block's first piece: its request's first piece, then parts per block
+                    # before it in the request (every block of a request holds a piece of it).
+                    request = np.searchsorted(side.first_block, blocks, side="right") - 1
+                    starts[first_piece[request] + side.parts * (blocks - side.first_block[request])] = True
                 bounds = np.flatnonzero(starts)
             else:
-                bounds = np.arange(count + 1, dtype=np.int64)
+                bounds = np.arange(total + 1, dtype=np.int64)
             first, pieces = _split(bounds, per)
             lengths = pieces.astype(np.uint64) * np.uint64(chunk)
-            for side, (table, ids, parts, (bases, strides)) in enumerate(
-                ((self.local, local, lp, kind.local), (self.remote, remote, rp, kind.remote))
-            ):
-                at = first if parts == 1 else first // parts
-                address = bases + ids[at].astype(np.uint64) * strides
-                if parts > 1:
-                    address += (first % parts).astype(np.uint64) * np.uint64(chunk)
+            row_request = None if sizes is None else np.searchsorted(first_piece, first, side="right") - 1
+            for index, (side, (bases, strides)) in enumerate(zip(sides, (kind.local, kind.remote))):
+                # Each row's first piece as a chunk of its side: block, then part of the block.
+                at = first
+                if row_request is not None and side.first_block is not None:
+                    at = first - first_piece[row_request] + side.parts * side.first_block[row_request]
+                address = bases + side.ids[at if side.parts == 1 else at // side.parts].astype(np.uint64) * strides
+                if side.parts > 1:
+                    address += (at % side.parts).astype(np.uint64) * np.uint64(chunk)
                 rows = np.empty((bases.shape[0], first.size, 3), dtype=np.uint64)
                 rows[:, :, 0] = address
                 rows[:, :, 1] = lengths
-                rows[:, :, 2] = table.device_id
-                out[side].append(rows.reshape(-1, 3))
+                rows[:, :, 2] = side.table.device_id
+                out[index].append(rows.reshape(-1, 3))
         if len(kinds) == 1:
             return out[0][0], out[1][0]
         return np.concatenate(out[0]), np.concatenate(out[1])
@@ -395,6 +458,23 @@ def _split(bounds: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
     run = np.repeat(np.arange(rows.size), rows)
     starts = first[run] + (index - before[run]) * per
     return starts, np.minimum(per, bounds[1:][run] - starts)
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One side of a batch: its table, the requests' ids back to back, chunks per block,
+    and where each request's ids start."""
+
+    table: RegionTable
+    ids: np.ndarray
+    parts: int
+    first_block: np.ndarray | None  # None: one request
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Where each of several runs of ``counts`` items starts, laid back to back."""
+    starts: np.ndarray = np.cumsum(counts) - counts
+    return starts
 
 
 @dataclass(frozen=True)
