@@ -14,11 +14,21 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from test_nixl import LOCAL_IDS, LOCAL_RUNS, REMOTE_IDS, REMOTE_RUNS, memmove_rows, needs_nixl, untouched_blocks_same
+from test_nixl import (
+    LOCAL_IDS,
+    LOCAL_RUNS,
+    REMOTE_IDS,
+    REMOTE_RUNS,
+    memmove_rows,
+    needs_nixl,
+    row_pairs,
+    split_batch,
+    untouched_blocks_same,
+)
 
 import kvhost
 from kvhost.caches import CacheSet
-from kvhost.errors import LayoutError
+from kvhost.errors import LayoutError, RequestError
 from kvhost.nixl import region_table
 from kvhost.nixl.ranks import HeadShare, head_shares, latent_source, plan_ranks
 from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens
@@ -112,6 +122,36 @@ def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name,
             assert untouched_blocks_same(tensor, before[name], CacheSet(local, axes).members[0].layout, local_ids)
 
 
+@pytest.mark.parametrize("merge", [None, 3, 1 << 40], ids=["per-piece", "merged-3", "merged"])
+@pytest.mark.parametrize("tp", TPS, ids=lambda tp: f"P{tp[0]}D{tp[1]}")
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize("pair", PAIRS, ids="->".join)
+def test_a_batch_of_requests_gets_each_requests_own_rows(pair, sizes_name, tp, merge):
+    """``batch_rows`` of several requests (r or g phases, partial local blocks) are each
+    request's ``rows`` back to back, for every source of every local rank; a batch naming one
+    local block twice is refused."""
+    remote_name, local_name = pair
+    axes, remote_memory = LAYOUTS[remote_name]
+    _, local_memory = LAYOUTS[local_name]
+    remote_size, local_size, _ = SIZES[sizes_name]
+    remote_tp, local_tp = tp
+    remote_tables = [
+        region_table(engine_caches(axes, remote_memory, HEADS // remote_tp, remote_size, 16, seed=q), axes)
+        for q in range(remote_tp)
+    ]
+    for rank in range(local_tp):
+        local = engine_caches(axes, local_memory, HEADS // local_tp, local_size, 80, seed=100 + rank)
+        plan = plan_ranks(region_table(local, axes), rank, local_tp, remote_tables)
+        requests = split_batch(plan, [3, 1, 5, 2], 80, 16, seed=rank + len(sizes_name))
+        max_bytes = merge * plan.sources[0].parts[0].plan.chunk_bytes if merge == 3 else merge
+        for source in plan.sources:
+            alone = [plan.rows(source, *request, max_bytes=max_bytes) for request in requests]
+            want = (np.concatenate([rows for rows, _ in alone]), np.concatenate([rows for _, rows in alone]))
+            assert row_pairs(plan.batch_rows(source, requests, max_bytes=max_bytes)) == row_pairs(want)
+            with pytest.raises(RequestError, match="same local block"):
+                plan.batch_rows(source, [requests[0], requests[0]], max_bytes=max_bytes)
+
+
 @pytest.mark.parametrize("tp", [(1, 2), (2, 1), (2, 4), (4, 2)], ids=lambda tp: f"P{tp[0]}D{tp[1]}")
 @pytest.mark.parametrize("sizes_name", ["r4", "g2"])
 def test_an_mla_latent_is_read_once_from_one_remote_rank(sizes_name, tp):
@@ -200,13 +240,21 @@ def test_rank_readers_gather_over_nixl_from_several_agents():
             local = engine_caches("KBNHC", "KBNHC", 2, 64, 8, seed=90 + rank)
             plan = plan_ranks(receiver.register(local, "KBNHC"), rank, 2, tables)
             peers = {s.rank: receiver.add_peer(senders[s.rank].metadata()) for s in plan.sources}
-            transfers = RankReader(receiver, plan, peers).read([5, 2], REMOTE_IDS[:7])
+            reader = RankReader(receiver, plan, peers)
+            transfers = reader.read([5, 2], REMOTE_IDS[:7])
             assert len(transfers) == 2
-            for transfer in transfers:
+            # A second step's two requests as one transfer per source.
+            batch = reader.read_batch([([6], REMOTE_IDS[7:]), ([0, 1], REMOTE_IDS[2:8])])
+            assert len(batch) == 2
+            for transfer in transfers + batch:
                 transfer.wait(timeout=30)
                 transfer.release()
             assert sum(t.nbytes for t in transfers) == plan.bytes_for(7)
-            kvhost.receive(local, {"x": [5, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=16)
-            check_rank(
-                local, "KBNHC", plan, [5, 2], remote_caches, REMOTE_IDS[:7], 7 * 16, lambda s: (0, s.share.count)
-            )
+            assert sum(t.nbytes for t in batch) == plan.bytes_for(7)
+            requests = {"x": [5, 2], "y": [6], "z": [0, 1]}
+            kvhost.receive(local, requests, axes="KBNHC", remote_order="HNC", remote_block_size=16)
+            for local_ids, remote_ids in (([5, 2], REMOTE_IDS[:7]), ([6], REMOTE_IDS[7:]), ([0, 1], REMOTE_IDS[2:8])):
+                tokens = len(remote_ids) * 16
+                check_rank(
+                    local, "KBNHC", plan, local_ids, remote_caches, remote_ids, tokens, lambda s: (0, s.share.count)
+                )

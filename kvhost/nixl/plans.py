@@ -169,16 +169,7 @@ class TransferPlan:
     def _checked_batch(
         self, requests: Sequence[tuple[Ids, Ids]]
     ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
-        """Each request's ids checked, and the local ids back to back, no block named twice."""
-        if not requests:
-            raise RequestError("a transfer needs at least one request")
-        checked = [self._checked(local_ids, remote_ids) for local_ids, remote_ids in requests]
-        if len(checked) == 1:
-            return checked, checked[0][0]
-        local = np.concatenate([ids for ids, _ in checked])
-        if np.unique(local).size != local.size:
-            raise RequestError("two requests of one transfer name the same local block: it would be written twice")
-        return checked, local
+        return checked_batch(requests, self._checked)
 
     def _stream_labels(
         self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None
@@ -347,6 +338,22 @@ def checked_request_ids(
             f"{local.block_size} tokens, got {checked.size} local block ids"
         )
     return checked, remote
+
+
+def checked_batch(
+    requests: Sequence[tuple[Ids, Ids]], check: Callable[[Ids, Ids], tuple[np.ndarray, np.ndarray]]
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """Each request of a batch checked (``check``: its local and remote ids), and the local
+    ids back to back: no block may be named by two requests (it would be written twice)."""
+    if not requests:
+        raise RequestError("a transfer needs at least one request")
+    checked = [check(local_ids, remote_ids) for local_ids, remote_ids in requests]
+    if len(checked) == 1:
+        return checked, checked[0][0]
+    local = np.concatenate([ids for ids, _ in checked])
+    if np.unique(local).size != local.size:
+        raise RequestError("two requests of one transfer name the same local block: it would be written twice")
+    return checked, local
 
 
 def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:

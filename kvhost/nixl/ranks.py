@@ -34,7 +34,7 @@ import numpy as np
 from kvhost.errors import LayoutError
 from kvhost.ids import Ids
 from kvhost.nixl.agent import Agent, Transfer, check_descriptor_bound, check_registered, merge_domains, post_rows
-from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_request_ids, plan_transfer
+from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch, checked_request_ids, plan_transfer
 from kvhost.nixl.tables import RegionTable, Stream
 
 
@@ -143,30 +143,49 @@ class RankPlan:
         merged up to it (``TransferPlan.merged_pairs``), with ``domains[i]`` the (local,
         remote) merge domains of ``source.parts[i]`` (None: each stream its own).
         """
-        local, remote = checked_request_ids(
-            local_ids, remote_ids, self.local, self.remote_block_count, self.remote_block_size, self.local_blocks_for
-        )
+        return self.batch_rows(source, [(local_ids, remote_ids)], max_bytes=max_bytes, domains=domains)
+
+    def batch_rows(
+        self,
+        source: Source,
+        requests: Sequence[tuple[Ids, Ids]],
+        *,
+        max_bytes: int | None = None,
+        domains: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``rows`` of several requests (``(local_ids, remote_ids)`` each) for one transfer,
+        each part planned for the whole batch at once (``TransferPlan.merged_batch``). No
+        local block may be named by two requests."""
+        checked, _ = checked_batch(requests, self._checked)
         pairs = []
         for index, part in enumerate(source.parts):
-            if part.phase is None:
-                chosen = local, remote
-            elif self.g == 1:
-                picked = remote[part.phase :: self.r]
-                chosen = local[: picked.size], picked
-            else:
-                chosen = local[part.phase :: self.g], remote
-            if not chosen[1].size:
+            chosen = [pair for pair in (self._chosen(part, lo, re) for lo, re in checked) if pair[1].size]
+            if not chosen:
                 continue
             if max_bytes is None:
-                pairs.append(part.plan.descriptor_pairs(*chosen))
+                pairs.append(part.plan.descriptor_batch(chosen))
             else:
                 local_domains, remote_domains = domains[index] if domains is not None else (None, None)
                 pairs.append(
-                    part.plan.merged_pairs(
-                        *chosen, max_bytes=max_bytes, local_domains=local_domains, remote_domains=remote_domains
+                    part.plan.merged_batch(
+                        chosen, max_bytes=max_bytes, local_domains=local_domains, remote_domains=remote_domains
                     )
                 )
         return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+    def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
+        return checked_request_ids(
+            local_ids, remote_ids, self.local, self.remote_block_count, self.remote_block_size, self.local_blocks_for
+        )
+
+    def _chosen(self, part: Part, local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of one request that ``part`` moves: all of them, or its phase of r or g."""
+        if part.phase is None:
+            return local, remote
+        if self.g == 1:
+            picked = remote[part.phase :: self.r]
+            return local[: picked.size], picked
+        return local[part.phase :: self.g], remote
 
     @property
     def remote_block_count(self) -> int:
@@ -347,13 +366,17 @@ class RankReader:
 
     def read(self, local_ids: Ids, remote_ids: Ids) -> list[Transfer]:
         """Start pulling the request's ``remote_ids`` of every source into ``local_ids``."""
+        return self.read_batch([(local_ids, remote_ids)])
+
+    def read_batch(self, requests: Sequence[tuple[Ids, Ids]]) -> list[Transfer]:
+        """Start pulling several requests (``(local_ids, remote_ids)`` each): one transfer per
+        source for the whole batch, planned at once (``RankPlan.batch_rows``)."""
         transfers: list[Transfer] = []
         try:
             for source in self.plan.sources:
-                local_rows, remote_rows = self.plan.rows(
+                local_rows, remote_rows = self.plan.batch_rows(
                     source,
-                    local_ids,
-                    remote_ids,
+                    requests,
                     max_bytes=self.max_descriptor_bytes,
                     domains=self.domains.get(source.rank),
                 )
