@@ -295,23 +295,24 @@ def test_a_batch_plans_what_its_requests_plan_one_by_one(pair, sizes_name, domai
         "shared": np.zeros(streams, dtype=np.int64),
         "mixed": np.array([-1 if i % 2 else 0 for i in range(streams)], dtype=np.int64),
     }[domains]
-    requests = split_batch(plan, [1, 3, 2, 5, 1, 4], 80, 16, seed=len(pair) + len(sizes_name))
-    if bound is None:
-        alone = [plan.descriptor_pairs(*request) for request in requests]
-        together = plan.descriptor_batch(requests)
-    else:
-        max_bytes = bound * plan.chunk_bytes if bound < 1 << 20 else bound
-        kwargs = dict(max_bytes=max_bytes, local_domains=labels, remote_domains=labels)
-        alone = [plan.merged_pairs(*request, **kwargs) for request in requests]
-        together = plan.merged_batch(requests, **kwargs)
-    want = (np.concatenate([rows for rows, _ in alone]), np.concatenate([rows for _, rows in alone]))
-    if plan._merge_kinds(labels, labels) is None and bound is not None:
-        # Interleaved streams sort every piece of the batch at once: pieces of two requests
-        # may merge, so compare the bytes each local byte receives instead of the rows.
-        assert together[0].shape[0] <= want[0].shape[0]
-        assert pieces_of(together, plan.chunk_bytes) == pieces_of(want, plan.chunk_bytes)
-    else:
-        assert row_pairs(together) == row_pairs(want)
+    six = split_batch(plan, [1, 3, 2, 5, 1, 4], 80, 16, seed=len(pair) + len(sizes_name))
+    for requests in (six, six[2:4]):
+        if bound is None:
+            alone = [plan.descriptor_pairs(*request) for request in requests]
+            together = plan.descriptor_batch(requests)
+        else:
+            max_bytes = bound * plan.chunk_bytes if bound < 1 << 20 else bound
+            kwargs = dict(max_bytes=max_bytes, local_domains=labels, remote_domains=labels)
+            alone = [plan.merged_pairs(*request, **kwargs) for request in requests]
+            together = plan.merged_batch(requests, **kwargs)
+        want = (np.concatenate([rows for rows, _ in alone]), np.concatenate([rows for _, rows in alone]))
+        if plan._merge_kinds(labels, labels) is None and bound is not None:
+            # Interleaved streams sort every piece of the batch at once: pieces of two requests
+            # may merge, so compare the bytes each local byte receives instead of the rows.
+            assert together[0].shape[0] <= want[0].shape[0]
+            assert pieces_of(together, plan.chunk_bytes) == pieces_of(want, plan.chunk_bytes)
+        else:
+            assert row_pairs(together) == row_pairs(want)
 
 
 def pieces_of(rows, chunk):
@@ -957,6 +958,53 @@ def test_plans_refuse_empty_requests():
         plan.descriptor_pairs([], [])
     with pytest.raises(RequestError, match=r"^remote_ids: empty \(no block ids\)$"):
         plan.merged_pairs([1], [])
+    with pytest.raises(RequestError, match=r"^local_ids: empty \(no block ids\)$"):
+        plan.merged_pairs([], [1])
+    assert plan.remote_block_size == 1 and plan.remote_order == "NC"
+
+
+def test_a_bound_of_one_byte_merges_nothing():
+    plan = plan_transfer(fake_table([0], 64, 4), fake_table([1000], 64, 4))
+    assert rows_of(plan.merged_pairs([0, 1], [2, 3], max_bytes=1)) == rows_of(plan.descriptor_pairs([0, 1], [2, 3]))
+    with pytest.raises(ValueError, match="max_bytes must be an integer of at least 1, got 0"):
+        plan.merged_pairs([0, 1], [2, 3], max_bytes=0)
+
+
+def test_merge_rows_refuses_rows_of_two_lengths_on_either_side():
+    local = np.array([[0, 64, 0], [64, 64, 0]], dtype=np.uint64)
+    other = np.array([[1000, 64, 0], [1064, 32, 0]], dtype=np.uint64)
+    zero = np.zeros(2, dtype=np.int64)
+    for rows in ((local, other), (other, local)):
+        with pytest.raises(ValueError, match="rows of one length"):
+            merge_rows(*rows, 1 << 20, zero, zero)
+
+
+def test_one_plan_asked_with_other_domains_answers_for_them():
+    """Kinds are remembered per pair of domain lists: asking again with other lists (one
+    domain, then nothing merging) gets their own answer, not the first one's."""
+    plan = plan_transfer(fake_table([0], 64, 4), fake_table([1000], 64, 4))
+    together = np.zeros(1, dtype=np.int64)
+    apart = np.full(1, -1, dtype=np.int64)
+    assert rows_of(plan.merged_pairs([0, 1], [2, 3], local_domains=together, remote_domains=together)) == [
+        [[0, 128, 0]],
+        [[1128, 128, 0]],
+    ]
+    assert rows_of(plan.merged_pairs([0, 1], [2, 3], local_domains=apart, remote_domains=apart)) == [
+        [[0, 64, 0], [64, 64, 0]],
+        [[1128, 64, 0], [1192, 64, 0]],
+    ]
+
+
+def test_streams_that_merge_nothing_keep_their_order_even_when_they_interleave():
+    """Two interleaved streams whose domains are negative (merging nothing): rows go stream
+    by stream, each in the request's order, as for streams apart."""
+    local = fake_table([0, 64], 128, 4)
+    remote = fake_table([10_000, 10_064], 128, 4)
+    plan = plan_transfer(local, remote)
+    apart = np.full(2, -1, dtype=np.int64)
+    got = plan.merged_pairs([3, 1], [3, 1], local_domains=apart, remote_domains=apart)
+    assert rows_of(got) == rows_of(plan.descriptor_pairs([3, 1], [3, 1]))
+    assert got[0][:, 0].tolist() == [384, 128, 448, 192]
 
 
 def test_stream_extents_and_region_bytes():
