@@ -235,8 +235,9 @@ class TransferPlan:
         ``local`` and ``remote`` are the requests' ids back to back, ``sizes[k]`` request
         ``k``'s (local, remote) id counts (None: one request). Piece ``c`` of request ``k``
         is chunk ``c`` of its blocks on each side. A new row starts where a request starts,
-        and where a side starts a block whose blocks are not dense (block stride > run) or whose id is not
-        one more than the one before; runs longer than ``per`` pieces are cut every ``per``.
+        and where a side starts a block whose blocks are not dense (block stride > run) or
+        whose id is not one more than the one before; runs longer than ``per`` pieces are
+        cut every ``per``.
         That depends on the stream only through its kind (dense locally, dense remotely,
         may merge), so the cuts are found once per kind, from the places where ids stop
         counting up, and rows are made for the merged pieces only: a fixed number of numpy
