@@ -1023,6 +1023,32 @@ def test_stream_extents_and_region_bytes():
     assert runs.token_runs() is runs
 
 
+def test_tables_refuse_layers_that_differ():
+    """One table needs every layer alike: as many tensors a layer, one region order."""
+    sizes = dict(H=2, C=4, N=8, B=10)
+    pair = tuple(make_cache("BNHC", "BNHC", sizes) for _ in range(2))
+    with pytest.raises(LayoutError, match=r"layers hold different numbers of tensors \[1, 2\]"):
+        region_table({"a": pair, "b": (make_cache("BNHC", "BNHC", sizes),)}, "KBNHC")
+    head_major = make_cache("KBNHC", "KBHNC", dict(sizes, K=2))
+    token_major = make_cache("KBNHC", "KBNHC", dict(sizes, K=2))
+    with pytest.raises(LayoutError, match="one table needs one region order"):
+        region_table({"a": head_major, "b": token_major}, "KBNHC")
+
+
+def test_table_facts_of_a_two_byte_cache_and_its_shares_of_heads():
+    """Region bytes count the item size; a table of one stream knows its outer letters; a
+    share of one head is allowed, a share from before the first head is not."""
+    table = region_table({"l": make_cache("KBNHC", "KBHNC", dict(K=2, H=4, C=8, N=4, B=3))}, "KBNHC")
+    assert table.itemsize == 2 and table.region_bytes == 4 * 4 * 8 * 2 and table.outer == "K"
+    assert fake_table([0], 64, 2).outer == "K"
+    one = table.heads(3, 1)
+    assert one.sizes["H"] == 1 and [s.address for s in one.streams] == [s.address + 3 * 64 for s in table.streams]
+    with pytest.raises(LayoutError, match=r"heads -1\.\.-1 are not within the 4 heads"):
+        table.heads(-1, 1)
+    with pytest.raises(LayoutError, match="are not within"):
+        table.heads(0, 0)
+
+
 def test_heads_of_a_table_with_one_stream():
     """Head-major regions in one stream (one layer, no K): a share of the heads is an offset."""
     share = fake_table([1000], 256, 6, order="HNC").heads(1, 2)
