@@ -231,16 +231,8 @@ class Reader:
         return self._post(op, self.descriptors(local_ids, remote_ids), notify)
 
     def _post(self, op: str, rows: tuple[np.ndarray, np.ndarray], notify: bytes) -> Transfer:
-        local_rows, remote_rows = rows
-        nbytes = int(local_rows[:, 1].sum())
-        nixl = self.agent.nixl
-        try:
-            local = nixl.get_xfer_descs(local_rows, self.plan.local.memory)
-            remote = nixl.get_xfer_descs(remote_rows, self.plan.remote.memory)
-            handle = nixl.initialize_xfer(op, local, remote, self.peer, notify)
-        except Exception as err:
-            raise TransferError(f"{op} from {self.peer!r}: creating the transfer failed: {err}") from None
-        return Transfer.post(self, handle, nbytes, op, descriptors=local_rows.shape[0])
+        memory = (self.plan.local.memory, self.plan.remote.memory)
+        return post_rows(self.agent, self.peer, op, *rows, memory, notify=notify)
 
     def descriptors(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
         """The (address, length, device id) rows a read of these blocks posts: local and remote."""
@@ -356,8 +348,8 @@ def post_rows(
     *,
     notify: bytes = b"",
 ) -> Transfer:
-    """Post one transfer of descriptor rows built elsewhere (``kvhost.nixl.ranks``): local rows
-    ``memory[0]``, the peer's ``memory[1]``."""
+    """Post one transfer of descriptor rows (a ``Reader``'s, or ``kvhost.nixl.ranks``'): local
+    rows ``memory[0]``, the peer's ``memory[1]``."""
     nixl = agent.nixl
     try:
         local = nixl.get_xfer_descs(local_rows, memory[0])
@@ -365,14 +357,14 @@ def post_rows(
         handle = nixl.initialize_xfer(op, local, remote, peer, notify)
     except Exception as err:
         raise TransferError(f"{op} from {peer!r}: creating the transfer failed: {err}") from None
-    return Transfer.post(Link(agent, peer), handle, int(local_rows[:, 1].sum()), op)
+    return Transfer.post(Link(agent, peer), handle, int(local_rows[:, 1].sum()), op, descriptors=local_rows.shape[0])
 
 
 @dataclass
 class Transfer:
     """One posted transfer: ``poll()`` until True, or ``wait(timeout)``; ``release()`` when done."""
 
-    reader: Reader | Link
+    reader: Link
     handle: Any = field(repr=False)
     nbytes: int
     op: str
@@ -382,7 +374,7 @@ class Transfer:
     released: bool = False
 
     @classmethod
-    def post(cls, reader: Reader | Link, handle: Any, nbytes: int, op: str, *, descriptors: int = 0) -> Transfer:
+    def post(cls, reader: Link, handle: Any, nbytes: int, op: str, *, descriptors: int = 0) -> Transfer:
         """Post a created NIXL transfer (``handle``) towards ``reader``'s peer."""
         transfer = cls(reader, handle, nbytes, op, descriptors)
         try:
