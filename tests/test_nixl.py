@@ -94,15 +94,17 @@ def assert_same_pairs(per_piece, merged, chunk):
     (local_rows, remote_rows), (merged_local, merged_remote) = per_piece, merged
     assert (merged_local[:, 1] == merged_remote[:, 1]).all() and (merged_local[:, 1] % chunk == 0).all()
     assert (merged_local[:, 2] == local_rows[0, 2]).all() and (merged_remote[:, 2] == remote_rows[0, 2]).all()
-    counts = (merged_local[:, 1] // chunk).astype(np.int64)
-    steps = np.arange(int(counts.sum()), dtype=np.uint64) - np.repeat(np.cumsum(counts) - counts, counts).astype(
-        np.uint64
-    )
-    cut = [np.repeat(rows[:, 0], counts) + steps * np.uint64(chunk) for rows in (merged_local, merged_remote)]
-    got = sorted(zip(cut[0].tolist(), cut[1].tolist()))
     want = sorted(zip(local_rows[:, 0].tolist(), remote_rows[:, 0].tolist()))
-    assert got == want
+    assert pieces_of(merged, chunk) == want
     assert len(merged_local) <= len(local_rows)
+
+
+def pieces_of(rows, chunk):
+    """The (local address, remote address) of every chunk that merged rows move."""
+    counts = (rows[0][:, 1] // np.uint64(chunk)).astype(np.int64)
+    steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    cut = [np.repeat(side[:, 0], counts) + steps.astype(np.uint64) * np.uint64(chunk) for side in rows]
+    return sorted(zip(cut[0].tolist(), cut[1].tolist()))
 
 
 def outer_streams(tensor, layout, ids):
@@ -313,14 +315,6 @@ def test_a_batch_plans_what_its_requests_plan_one_by_one(pair, sizes_name, domai
             assert pieces_of(together, plan.chunk_bytes) == pieces_of(want, plan.chunk_bytes)
         else:
             assert row_pairs(together) == row_pairs(want)
-
-
-def pieces_of(rows, chunk):
-    """The (local address, remote address) of every chunk that merged rows move."""
-    counts = (rows[0][:, 1] // np.uint64(chunk)).astype(np.int64)
-    steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    cut = [np.repeat(side[:, 0], counts) + steps.astype(np.uint64) * np.uint64(chunk) for side in rows]
-    return sorted(zip(cut[0].tolist(), cut[1].tolist()))
 
 
 def test_a_batch_is_checked_whole():
