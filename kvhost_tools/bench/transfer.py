@@ -72,8 +72,16 @@ from kvhost_tools.bench.output import format_table
 from kvhost_tools.bench.targets import check
 from kvhost_tools.bench.timing import Measured, measure, per_round
 from kvhost_tools.bench.workloads import PRESETS
-from kvhost_tools.blocks import free_list
-from kvhost_tools.demo.config import LAYOUTS, EngineShape, Model, Workload, blocks_for, local_blocks_for, pool_for
+from kvhost_tools.demo.config import (
+    LAYOUTS,
+    EngineShape,
+    Model,
+    Workload,
+    allocate_blocks,
+    blocks_for,
+    local_blocks_for,
+    pool_for,
+)
 from kvhost_tools.demo.options import add_model, add_workload, default_layout, model_of, workload_of
 
 PER_PIECE = "per-piece"
@@ -104,15 +112,13 @@ class _DemoParser(argparse.ArgumentParser):
 
 @dataclass(frozen=True)
 class Setting:
-    """The demo's batch as ``--demo`` gives it: the model, the workload, both engines' caches
-    (one rank each) and how both sides' allocators hand out block ids."""
+    """The demo's batch as ``--demo`` gives it: the model, the workload (with how both sides'
+    allocators hand out block ids) and both engines' caches (one rank each)."""
 
     model: Model
     workload: Workload
     prefill: EngineShape
     decode: EngineShape
-    block_ids: str
-    max_run: int
 
     @classmethod
     def parse(cls, text: str) -> Setting:
@@ -126,7 +132,7 @@ class Setting:
         args = p.parse_args(shlex.split(text))
         prefill = EngineShape(default_layout(args.cache, args.prefill_layout, "HND"), args.prefill_block_size)
         decode = EngineShape(default_layout(args.cache, args.decode_layout, "NHD"), args.decode_block_size)
-        return cls(model_of(args), workload_of(args), prefill, decode, args.block_ids, args.max_run)
+        return cls(model_of(args), workload_of(args), prefill, decode)
 
     @property
     def axes(self) -> str:
@@ -145,19 +151,12 @@ class Batch:
 
     @classmethod
     def of(cls, setting: Setting) -> Batch:
-        prefill, decode, seed = setting.prefill, setting.decode, setting.workload.seed
-        needed = [blocks_for(t, prefill.block_size) for t in setting.workload.lengths()]
+        prefill, decode, workload = setting.prefill, setting.decode, setting.workload
+        needed = [blocks_for(t, prefill.block_size) for t in workload.lengths()]
         local_needed = [local_blocks_for(n, prefill.block_size, decode.block_size) for n in needed]
         remote_pool, local_pool = pool_for(needed), pool_for(local_needed)
-        remote_free, local_free = (
-            free_list(pool, np.random.default_rng([seed, side]), setting.block_ids, setting.max_run).tolist()
-            for pool, side in ((remote_pool, 2), (local_pool, 3))
-        )
-        remote_ids, local_ids = [], []
-        for count, local_count in zip(needed, local_needed):
-            remote_ids.append(remote_free[:count])
-            local_ids.append(local_free[:local_count])
-            remote_free, local_free = remote_free[count:], local_free[local_count:]
+        remote_ids, _ = allocate_blocks(remote_pool, needed, workload, stream=2)
+        local_ids, _ = allocate_blocks(local_pool, local_needed, workload, stream=3)
         return cls(setting, remote_pool, local_pool, remote_ids, local_ids)
 
     def sender_caches(self) -> dict[str, torch.Tensor]:
@@ -668,7 +667,7 @@ def summarise(
         checks.append(check(where, "kvhost-batch / memcpy", methods[BATCH]["fraction"], ">=", 0.7))
         checks.append(check(where, "hand-off / memcpy", methods[HANDOFF]["fraction"], ">=", 0.5))
     c = setup.batch.setting
-    m = c.model
+    m, w = c.model, c.workload
     return {
         "where": where,
         "command": " ".join(["kvhost bench", *args.argv]),
@@ -678,7 +677,7 @@ def summarise(
         "sender": f"{c.prefill.layout} blocks of {c.prefill.block_size} tokens",
         "receiver": f"{c.decode.layout} blocks of {c.decode.block_size} tokens",
         "requests": len(setup.batch.remote_ids),
-        "block_ids": f"{c.block_ids}" + (f" of 1..{c.max_run}" if c.block_ids == "runs" else ""),
+        "block_ids": f"{w.block_ids}" + (f" of 1..{w.max_run}" if w.block_ids == "runs" else ""),
         "bytes": nbytes,
         "pieces": setup.descriptors(PER_PIECE),
         "piece_bytes": setup.plan.chunk_bytes,
