@@ -461,7 +461,7 @@ def _split(bounds: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
     if lengths.size == 0 or int(lengths.max()) <= per:
         return first, lengths
     rows = (lengths + per - 1) // per
-    before = np.cumsum(rows) - rows
+    before = _starts(rows)
     index = np.arange(int(rows.sum()), dtype=np.int64)
     run = np.repeat(np.arange(rows.size), rows)
     starts = first[run] + (index - before[run]) * per
