@@ -58,7 +58,8 @@ def copy_blocks(
     """
     source = CacheSet(src, axes, role="src")
     dest = CacheSet(dst, dst_axes or axes, role="dst")
-    return _copy(source, dest, src_ids, dst_ids, non_blocking, backend)
+    chosen = _backend(backend, _copy_device(source.device, dest.device))
+    return _copy(source, dest, src_ids, dst_ids, non_blocking, chosen)
 
 
 class KVHost:
@@ -71,7 +72,7 @@ class KVHost:
     def __init__(self, caches: Mapping[str, Layer], *, axes: str, backend: str | Backend | None = None) -> None:
         self.caches = CacheSet(caches, axes)
         self.backend = _backend(backend, self.caches.device)
-        self._peers: LRU[tuple[int, str, str], CacheSet] = LRU(4)
+        self._peers: LRU[tuple[int, str, str], tuple[CacheSet, Backend]] = LRU(4)
 
     @property
     def device(self) -> torch.device:
@@ -94,8 +95,8 @@ class KVHost:
     ) -> CopyResult:
         """Copy registered blocks ``src_ids`` out to ``dst`` (e.g. save to a host buffer)."""
         self.caches.check_current()
-        dest = self._peer(dst, dst_axes or self.caches.axes, "dst")
-        return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, self._copy_backend(dest.device))
+        dest, backend = self._peer(dst, dst_axes or self.caches.axes, "dst")
+        return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, backend)
 
     def copy_from(
         self,
@@ -108,24 +109,25 @@ class KVHost:
     ) -> CopyResult:
         """Copy blocks ``src_ids`` of ``src`` into registered blocks ``dst_ids`` (a load)."""
         self.caches.check_current()
-        source = self._peer(src, src_axes or self.caches.axes, "src")
-        return _copy(source, self.caches, src_ids, dst_ids, non_blocking, self._copy_backend(source.device))
+        source, backend = self._peer(src, src_axes or self.caches.axes, "src")
+        return _copy(source, self.caches, src_ids, dst_ids, non_blocking, backend)
 
-    def _peer(self, caches: Mapping[str, Layer], axes: str, role: str) -> CacheSet:
-        """The other side of a copy, read once while the same mapping holds the same tensors.
+    def _peer(self, caches: Mapping[str, Layer], axes: str, role: str) -> tuple[CacheSet, Backend]:
+        """The other side of a copy, and the backend a copy with it runs on: read once while
+        the same mapping holds the same tensors.
 
         A connector's host buffer is allocated once and passed on every call; its layouts
-        need not be read again. A few peers are remembered (and kept alive).
+        need not be read again, nor its backend chosen again. A few peers are remembered
+        (and kept alive).
         """
         key = (id(caches), axes, role)
         known = self._peers.get(key)
-        if known is not None and known.describes(caches):
+        if known is not None and known[0].describes(caches):
             return known
-        return self._peers.put(key, CacheSet(caches, axes, role=role))
-
-    def _copy_backend(self, other: torch.device) -> Backend | None:
-        """The registered backend, unless the other side is the accelerator of a host cache."""
-        return self.backend if other.type in ("cpu", self.device.type) else None
+        peer = CacheSet(caches, axes, role=role)
+        # The registered backend, unless the peer is the accelerator of a host cache.
+        backend = self.backend if peer.device.type in ("cpu", self.device.type) else None
+        return self._peers.put(key, (peer, _backend(backend, _copy_device(self.device, peer.device))))
 
 
 def _receive(
@@ -158,18 +160,17 @@ def _receive(
 
 
 def _copy(
-    source: CacheSet, dest: CacheSet, src_ids: Ids, dst_ids: Ids, non_blocking: bool, backend: str | Backend | None
+    source: CacheSet, dest: CacheSet, src_ids: Ids, dst_ids: Ids, non_blocking: bool, backend: Backend
 ) -> CopyResult:
     if not isinstance(non_blocking, bool):
         raise RequestError(f"non_blocking must be True or False, got {non_blocking!r}")
-    chosen = _backend(backend, _copy_device(source.device, dest.device))
     batch = plan_copy_batch(source, dest, src_ids, dst_ids, non_blocking)
-    completions = [chosen.copy(job) for job in batch.jobs]
+    completions = [backend.copy(job) for job in batch.jobs]
     return CopyResult(
         blocks=batch.blocks,
         bytes_moved=batch.bytes_moved,
-        backend=chosen.name,
-        completion=_AllOf(completions),
+        backend=backend.name,
+        completion=completions[0] if len(completions) == 1 else _AllOf(completions),
         job=batch.jobs[0] if batch.jobs else None,
     )
 

@@ -253,6 +253,63 @@ def test_copy_work_items_hold_at_most_2_mib_of_blocks_and_at_least_one_block():
     assert most_blocks(torch.empty(2, 1024, 1024, device=META)) == 1  # a 4 MiB block is an item alone
 
 
+# --- streamed stores ---------------------------------------------------------------------
+
+
+def _kernel_params_seen(monkeypatch) -> list[tuple[int, int]]:
+    """(stream flag, threads) of every copy kernel launch from here on; the launches still run."""
+    import kvhost_cpu.kernels as kernels
+
+    seen: list[tuple[int, int]] = []
+    launcher = kernels.launcher
+
+    def recording(name: str, nbytes: int):  # type: ignore[no-untyped-def]
+        kernel, threads = launcher(name, nbytes)
+
+        def run(*args):  # type: ignore[no-untyped-def]
+            seen.append((int(args[4][5]), threads))
+            return kernel(*args)
+
+        return run, threads
+
+    monkeypatch.setattr(kernels, "launcher", recording)
+    return seen
+
+
+@pytest.mark.parametrize("block_bytes", [40961, 4097, 300, 255])
+def test_copies_of_1_mib_and_more_stream_their_runs_exactly(monkeypatch, block_bytes):
+    # Odd block sizes put every destination run at another alignment; runs of 255 bytes
+    # are too short to stream and take the cached path inside a streamed copy. Ids in
+    # runs and alone; every byte of every block not written keeps its sentinel.
+    import kvhost_cpu.kernels as kernels
+
+    blocks = -(-kernels.STREAM_BYTES // block_bytes) * 2 + 8
+    src = {"l": torch.randint(0, 256, (blocks, 1, block_bytes), dtype=torch.uint8)}
+    dst = {"l": torch.full((blocks, 1, block_bytes), 0xA5, dtype=torch.uint8)}
+    count = blocks // 2 + 2  # at least 1 MiB
+    src_ids = [*range(3, 3 + count - 3), 0, blocks - 1, 1]
+    dst_ids = [*range(blocks - count + 3, blocks), 1, 0, 5]
+    seen = _kernel_params_seen(monkeypatch)
+    result = kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="BNC").wait()
+    assert result.bytes_moved == count * block_bytes >= kernels.STREAM_BYTES
+    assert [flag for flag, _ in seen] == [1]
+    assert torch.equal(dst["l"][dst_ids], src["l"][src_ids])
+    untouched = sorted(set(range(blocks)) - set(dst_ids))
+    assert untouched and bool((dst["l"][untouched] == 0xA5).all())
+
+
+def test_copies_under_1_mib_write_through_the_caches(monkeypatch):
+    import kvhost_cpu.kernels as kernels
+
+    seen = _kernel_params_seen(monkeypatch)
+    src = {"l": torch.randint(0, 256, (64, 1, 1 << 14), dtype=torch.uint8)}
+    dst = {"l": torch.zeros(64, 1, 1 << 14, dtype=torch.uint8)}
+    kvhost.copy_blocks(src, dst, list(range(63)), list(range(63)), axes="BNC").wait()  # 1 MiB - 16 KiB
+    kvhost.copy_blocks(src, dst, list(range(64)), list(range(64)), axes="BNC").wait()  # 1 MiB
+    assert seen == [(0, 1), (1, kernels.threads())]
+    assert torch.equal(dst["l"], src["l"])
+
+
 # --- runs of any length ---------------------------------------------------------------------
 
 

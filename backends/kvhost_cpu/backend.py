@@ -51,9 +51,10 @@ class CpuBackend(Backend):
         kernels = KERNELS.module
         if kernels is None or job.src_device.type != "cpu" or job.dst_device.type != "cpu":
             return self.torch_path.copy(job)
-        params = _copy_params(job.plan)
+        nbytes = job.bytes_moved
+        params = _copy_params(job.plan, nbytes >= kernels.STREAM_BYTES)
         addresses = (job.group.sources.addresses, job.group.destinations.addresses)
-        kernel, threads = kernels.launcher("copy_runs", job.bytes_moved)
+        kernel, threads = kernels.launcher("copy_runs", nbytes)
         with _launch:
             kernel(*addresses, job.src_ids, job.dst_ids, params, threads)
         return Completion()
@@ -102,10 +103,10 @@ def _receive_params(plan: Rearrangement, block_stride: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=256)
-def _copy_params(plan: CopyPlan) -> np.ndarray:
+def _copy_params(plan: CopyPlan, stream: bool = False) -> np.ndarray:
     kernels = KERNELS.module
     assert kernels is not None
     most_blocks = max(1, MAX_ITEM_BYTES // plan.block_bytes)
     return kernels.copy_params(  # type: ignore[no-any-return]
-        plan.src_block_stride, plan.dst_block_stride, plan.merge_blocks, most_blocks, plan.loops
+        plan.src_block_stride, plan.dst_block_stride, plan.merge_blocks, most_blocks, plan.loops, stream
     )
