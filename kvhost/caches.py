@@ -301,10 +301,16 @@ def _meeting_pairs(sources: list[Member], destinations: list[Member]) -> list[tu
 
 @dataclass
 class CopyGroup:
-    """Source and destination members that share one copy plan."""
+    """Source and destination members that share one copy plan.
+
+    ``derived`` is where a backend keeps what it works out from the group once (views of
+    its tensors, parameters), so that it lives and dies with the group: a connector's
+    groups are kept and reused, a one-off call's go with the call.
+    """
 
     plan: CopyPlan
     pairs: list[tuple[Member, Member]]
+    derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property
     def sources(self) -> MemberList:

@@ -157,6 +157,37 @@ def test_up_to_max_run_copies_runs_a_copy_is_one_copy_per_run(monkeypatch):
     assert torch.equal(raw(dst["l"])[:, [2, 3, 6, 0]], raw(src["l"])[:, [0, 1, 5, 3]])
 
 
+def test_a_registered_copy_makes_its_views_once(monkeypatch):
+    # The torch path keeps each pair's views with the copy group: a connector's second
+    # save with other ids makes none, and still moves exactly its blocks.
+    cache = {f"l{i}": fill_random(make_cache("KBNHC", "KBNHC", SIZES), i) for i in range(3)}
+    buffer = {name: torch.zeros_like(t) for name, t in cache.items()}
+    host = kvhost.KVHost(cache, axes="KBNHC", backend=TorchBackend())
+    host.copy_to(buffer, [4, 5], [0, 1]).wait()
+    permutes = counted(monkeypatch, "permute")
+    host.copy_to(buffer, [7, 2, 3], [2, 3, 4]).wait()
+    assert permutes == []
+    for name in cache:
+        assert torch.equal(raw(buffer[name])[:, :5], raw(cache[name])[:, [4, 5, 7, 2, 3]])
+        assert not raw(buffer[name])[:, 5:].any()
+
+
+def test_views_of_memory_without_an_address_are_made_on_every_call():
+    # XLA tensors (like meta ones here) have no address; their views are not kept.
+    from kvhost.batch import plan_copy_batch
+    from kvhost.caches import CacheSet
+    from kvhost.torch_backend import _pair_views
+
+    src = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}, "KBNHC")
+    dst = CacheSet({"l": make_cache("KBNHC", "KBHNC", SIZES, device=META)}, "KBNHC")
+    (job,) = plan_copy_batch(src, dst, [1, 2], [3, 4], False).jobs
+    first = _pair_views(job)
+    assert _pair_views(job) is not first and "torch views" not in job.group.derived
+    host = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES)}, "KBNHC")
+    (job,) = plan_copy_batch(host, host, [1, 2], [3, 4], False).jobs
+    assert _pair_views(job) is _pair_views(job) is job.group.derived["torch views"]
+
+
 # --- the CPU backend with and without its kernels ------------------------------------------
 
 
