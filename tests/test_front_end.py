@@ -158,6 +158,22 @@ def test_waiting_on_a_copy_waits_on_every_backend_call():
     assert log == ["job1", "job2"]
 
 
+def test_a_copy_of_one_job_hands_back_that_job_s_completion():
+    # Nothing to combine: the caller waits on what the backend returned, itself.
+    returned: list[object] = []
+
+    class Handing(Recorder):
+        def copy(self, job):  # type: ignore[no-untyped-def]
+            super().copy(job)
+            returned.append(_Tracked([], "only"))
+            return returned[-1]
+
+    src = {"a": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
+    dst = {"a": make_cache("KBNHC", "KBNHC", SIZES)}
+    result = kvhost.copy_blocks(src, dst, [1, 2], [3, 4], axes="KBNHC", backend=Handing())
+    assert len(returned) == 1 and result.completion is returned[0]
+
+
 def test_copies_run_on_the_backend_of_the_device_side():
     # meta stands in for an accelerator: the host side never picks the backend.
     from kvhost.api import _copy_device
