@@ -31,7 +31,8 @@ SHORT_RUN = 1024  # runs up to this many bytes are copied inline
 # that bypass the caches: a staging copy's destination is written once and read later by
 # someone else (a NIC, another engine, the next step), and a cached store would first
 # read every destination line it overwrites. Measured here (kvhost bench --only stage),
-# 1.3-1.4x the throughput of cached stores at 4-256 MiB, whatever the caches held.
+# 1.1-1.2x the throughput of cached stores at 4 MiB, 1.4-1.5x at 64-128 MiB, whatever the
+# caches held beforehand.
 STREAM_BYTES = 1 << 20
 STREAM_RUN = 256
 SERIAL_BYTES = 1 << 20  # jobs below this run on the calling thread
