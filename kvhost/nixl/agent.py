@@ -364,7 +364,7 @@ def post_rows(
 class Transfer:
     """One posted transfer: ``poll()`` until True, or ``wait(timeout)``; ``release()`` when done."""
 
-    reader: Link
+    link: Link  # the agent and the peer it reads from
     handle: Any = field(repr=False)
     nbytes: int
     op: str
@@ -374,14 +374,14 @@ class Transfer:
     released: bool = False
 
     @classmethod
-    def post(cls, reader: Link, handle: Any, nbytes: int, op: str, *, descriptors: int = 0) -> Transfer:
-        """Post a created NIXL transfer (``handle``) towards ``reader``'s peer."""
-        transfer = cls(reader, handle, nbytes, op, descriptors)
+    def post(cls, link: Link, handle: Any, nbytes: int, op: str, *, descriptors: int = 0) -> Transfer:
+        """Post a created NIXL transfer (``handle``) towards ``link``'s peer."""
+        transfer = cls(link, handle, nbytes, op, descriptors)
         try:
-            state = reader.agent.nixl.transfer(handle)
+            state = link.agent.nixl.transfer(handle)
         except Exception as err:
             transfer.release()
-            raise TransferError(f"{op} from {reader.peer!r}: posting the transfer failed: {err}") from None
+            raise TransferError(f"{op} from {link.peer!r}: posting the transfer failed: {err}") from None
         transfer._note(state)
         return transfer
 
@@ -390,11 +390,11 @@ class Transfer:
         if self.finished is not None:
             return True
         if self.released:
-            raise TransferError(f"{self.op} from {self.reader.peer!r} was released before it finished")
+            raise TransferError(f"{self.op} from {self.link.peer!r} was released before it finished")
         try:
-            state = self.reader.agent.nixl.check_xfer_state(self.handle)
+            state = self.link.agent.nixl.check_xfer_state(self.handle)
         except Exception as err:
-            raise TransferError(f"{self.op} from {self.reader.peer!r} failed: {err}") from None
+            raise TransferError(f"{self.op} from {self.link.peer!r} failed: {err}") from None
         return self._note(state)
 
     def wait(self, timeout: float, *, interval: float = 1e-4) -> None:
@@ -412,7 +412,7 @@ class Transfer:
         while not self.poll():
             if time.monotonic() > deadline:
                 raise TransferError(
-                    f"{self.op} from {self.reader.peer!r} did not finish within {seconds:g} s", timed_out=True
+                    f"{self.op} from {self.link.peer!r} did not finish within {seconds:g} s", timed_out=True
                 )
             time.sleep(pause)
 
@@ -433,4 +433,4 @@ class Transfer:
             return True
         if state == "PROC":
             return False
-        raise TransferError(f"{self.op} from {self.reader.peer!r} failed: transport state {state!r}")
+        raise TransferError(f"{self.op} from {self.link.peer!r} failed: transport state {state!r}")
