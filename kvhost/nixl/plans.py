@@ -140,7 +140,7 @@ class TransferPlan:
         """
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be an integer of at least 1, got {max_bytes!r}")
-        checked, local = self._checked_batch(requests)
+        checked, local = checked_batch(requests, self._checked)
         remote = checked[0][1] if len(checked) == 1 else np.concatenate([c[1] for c in checked])
         kinds = self._merge_kinds(local_domains, remote_domains)
         if kinds is None:
@@ -162,14 +162,9 @@ class TransferPlan:
     def descriptor_batch(self, requests: Sequence[tuple[Ids, Ids]]) -> tuple[np.ndarray, np.ndarray]:
         """``descriptor_pairs`` of several requests back to back, for one transfer, checked
         as ``merged_batch`` checks them."""
-        checked, _ = self._checked_batch(requests)
+        checked, _ = checked_batch(requests, self._checked)
         pairs = [self._pairs(local, remote) for local, remote in checked]
         return np.concatenate([rows for rows, _ in pairs]), np.concatenate([rows for _, rows in pairs])
-
-    def _checked_batch(
-        self, requests: Sequence[tuple[Ids, Ids]]
-    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
-        return checked_batch(requests, self._checked)
 
     def _stream_labels(
         self, local_domains: np.ndarray | None, remote_domains: np.ndarray | None
