@@ -278,7 +278,7 @@ def test_copy_work_items_hold_at_most_2_mib_of_blocks_and_at_least_one_block():
 
     def most_blocks(block: torch.Tensor) -> int:
         layout = Layout.of(block, "BNC")
-        return int(_copy_params(plan_copy(layout, layout))[4])
+        return int(_copy_params(plan_copy(layout, layout), False)[4])
 
     assert most_blocks(torch.empty(4, 8, 16, device=META)) == (2 << 20) // 512  # 512-byte blocks
     assert most_blocks(torch.empty(2, 1024, 1024, device=META)) == 1  # a 4 MiB block is an item alone

@@ -103,7 +103,7 @@ def _receive_params(plan: Rearrangement, block_stride: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=256)
-def _copy_params(plan: CopyPlan, stream: bool = False) -> np.ndarray:
+def _copy_params(plan: CopyPlan, stream: bool) -> np.ndarray:
     kernels = KERNELS.module
     assert kernels is not None
     most_blocks = max(1, MAX_ITEM_BYTES // plan.block_bytes)

@@ -329,7 +329,7 @@ def scratch_bytes(params: np.ndarray) -> int:
 
 
 def copy_params(
-    src_block: int, dst_block: int, merge: bool, most_blocks: int, loops: Loops, stream: bool = False
+    src_block: int, dst_block: int, merge: bool, most_blocks: int, loops: Loops, stream: bool
 ) -> np.ndarray:
     """The int64 parameters of ``copy_runs``: ``most_blocks`` caps one work item; ``stream``
     writes long runs with stores that bypass the caches."""
