@@ -12,17 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 import torch
 
-from kvhost.caches import CacheSet, CopyGroup, Member, MemberList
+from kvhost.caches import CacheSet, CopyGroup, Member, MemberList, ReceiveGroup
 from kvhost.errors import KVHostError, RequestError
 from kvhost.ids import IdBatch, Ids, find_runs
 from kvhost.layout import Layout, check_letters
 from kvhost.memory import first_shared
-from kvhost.transform import CopyPlan, Rearrangement, plan_receive
+from kvhost.transform import CopyPlan, Rearrangement
 
 __all__ = [
     "CopyBatch",
@@ -64,11 +63,21 @@ class ReceiveJob:
     every outer index of every member tensor is rearranged for every unit.
     """
 
-    members: MemberList
-    layout: Layout
-    rearrangement: Rearrangement
+    group: ReceiveGroup
     unit_ids: np.ndarray
     device: torch.device
+
+    @property
+    def members(self) -> MemberList:
+        return self.group.members
+
+    @property
+    def layout(self) -> Layout:
+        return self.group.layout
+
+    @property
+    def rearrangement(self) -> Rearrangement:
+        return self.group.rearrangement
 
     @property
     def bytes_moved(self) -> int:
@@ -130,15 +139,21 @@ def plan_receive_batch(
     the checks to protect: its ids are counted, not read, and the call costs about what
     an empty one does (an engine calls it every step whatever the peer's layout).
     """
-    if not isinstance(requests, Mapping):
+    if type(requests) is not dict and not isinstance(requests, Mapping):  # a dict skips the ABC's slower check
         raise RequestError(f"requests must be a mapping of request id to block ids, got {type(requests).__name__}")
     local = caches.layout
     call_key = (
         _remote_order(remote_order, local.region, "remote_order"),
         _remote_block_size(remote_block_size, local.block_size, "remote_block_size"),
     )
-    blocks = _identity_block_count(caches, requests, call_key)
-    if blocks is not None:
+    try:
+        call_groups: tuple[ReceiveGroup, ...] | None = caches.receive_groups(*call_key)
+    except KVHostError:
+        call_groups = None  # the checked path words the error, naming a request
+    if call_groups == () and set(map(type, requests.values())) <= _PLAIN_ID_LISTS:
+        # Every request takes the call's transform, the identity: only the id containers'
+        # types are checked (an Incoming, a tensor or anything odd takes the checked path).
+        blocks = sum(map(len, requests.values()))  # type: ignore[arg-type]  # no Incoming, as just checked
         return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
     batch = IdBatch()
     keys: dict[tuple[str, int], int] = {}
@@ -162,17 +177,16 @@ def plan_receive_batch(
 
     # The planner validates letters and sizes, once per key and layout.
     key_list = list(keys)
-    plans: dict[tuple[Layout, int], Rearrangement | None] = {}
-    for layout, _ in caches.by_layout():
-        for k, (order, size) in enumerate(key_list):
-            try:
-                plans[layout, k] = plan_receive(layout, order, size)
-            except KVHostError as err:
-                raise RequestError(f"{batch.subjects[key_of_request.index(k)]}: {err}") from None
+    groups_of_key: list[tuple[ReceiveGroup, ...]] = []
+    for k, key in enumerate(key_list):
+        try:
+            groups_of_key.append(caches.receive_groups(*key))
+        except KVHostError as err:
+            raise RequestError(f"{batch.subjects[key_of_request.index(k)]}: {err}") from None
 
     # Whole groups are owed even when the transform is the identity: a sender block spans g.
     parts = [max(size // local.block_size, 1) for _, size in key_list]
-    if any(p > 1 for p in parts):
+    if max(parts, default=1) > 1:
         for subject, length, k in zip(batch.subjects, batch.lengths, key_of_request):
             if length % parts[k]:
                 raise RequestError(
@@ -184,7 +198,7 @@ def plan_receive_batch(
 
     jobs: list[ReceiveJob] = []
     groups = skipped = 0
-    with_work = [k for k in range(len(key_list)) if any(plans[layout, k] for layout, _ in caches.by_layout())]
+    with_work = [k for k, groups in enumerate(groups_of_key) if groups]
     ids = batch.array() if with_work or partial else None
     request_key = np.repeat(np.array(key_of_request), batch.lengths) if len(key_list) > 1 and with_work else None
     for k in range(len(key_list)):
@@ -199,10 +213,8 @@ def plan_receive_batch(
         if not group_ids.size:
             continue
         groups += 1
-        for layout, members in caches.by_layout():
-            plan = plans[layout, k]
-            if plan is not None:
-                jobs.append(ReceiveJob(members, layout, plan, group_ids.reshape(-1, plan.parts), caches.device))
+        for group in groups_of_key[k]:
+            jobs.append(ReceiveJob(group, group_ids.reshape(-1, group.rearrangement.parts), caches.device))
     zero_jobs = []
     if partial is not None and partial.blocks:
         assert ids is not None
@@ -351,24 +363,6 @@ def _check_reads_apart_from_writes(meeting: list[tuple[Member, Member]], source:
 # --- helpers -------------------------------------------------------------------------
 
 
-def _identity_block_count(caches: CacheSet, requests: Mapping[str, Any], call_key: tuple[str, int]) -> int | None:
-    """How many blocks the batch names, when every request takes the call's transform and
-    that transform is the identity for every layout; otherwise None (the checked path,
-    which also words any error).
-
-    Only the id containers' types are checked here (two passes at C speed); an Incoming,
-    a tensor or anything that is not a list, tuple, range or numpy array takes the checked path.
-    """
-    try:
-        if any(plan_receive(layout, *call_key) for layout, _ in caches.by_layout()):
-            return None
-    except KVHostError:
-        return None
-    if not set(map(type, requests.values())) <= _PLAIN_ID_LISTS:
-        return None
-    return sum(map(len, requests.values()))
-
-
 _PLAIN_ID_LISTS = {list, tuple, range, np.ndarray}
 
 
@@ -391,6 +385,8 @@ def _remote_block_size(size: object, default: int, what: str) -> int:
     """A sender's tokens per block as given (None: ``default``): a positive integer, never coerced."""
     if size is None:
         return default
+    if type(size) is int and size > 0:  # the common case, with no look-up of numpy's types
+        return size
     if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
         raise RequestError(f"{what} must be a positive integer, got {size!r}")
     return int(size)

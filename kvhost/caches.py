@@ -20,7 +20,7 @@ from kvhost.errors import KVHostError, LayoutError
 from kvhost.layout import Layout
 from kvhost.lru import LRU
 from kvhost.memory import find_overlap
-from kvhost.transform import CopyPlan, plan_copy
+from kvhost.transform import CopyPlan, Rearrangement, plan_copy, plan_receive
 
 Layer = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -155,6 +155,7 @@ class CacheSet:
         self.layout = first.layout
         self._by_layout: list[tuple[Layout, MemberList]] | None = None
         self._copy_groups: LRU[int, tuple[CacheSet, CopyGroups]] = LRU(4)
+        self._receive_groups: LRU[tuple[str, int], tuple[ReceiveGroup, ...]] = LRU(16)
         check_owned_once(self.members, role)
         self._tensors = tuple(m.tensor for m in self.members)
         self._data_ptrs = tuple(m.data_ptr for m in self.members)
@@ -222,6 +223,23 @@ class CacheSet:
                 groups.setdefault(member.layout, MemberList()).append(member)
             self._by_layout = list(groups.items())
         return self._by_layout
+
+    def receive_groups(self, remote_order: str, remote_block_size: int) -> tuple[ReceiveGroup, ...]:
+        """The layouts that a sender's region order and block size leave work in, each with
+        its rearrangement; none when the transform is the identity everywhere.
+
+        Planned once per transform and kept (a few transforms: a peer can name many), so a
+        connector receiving from the same sender every step plans once. The planner
+        raises for letters or sizes it cannot serve, and nothing is kept then.
+        """
+        key = (remote_order, remote_block_size)
+        groups = self._receive_groups.get(key)
+        if groups is None:
+            planned = ((layout, members, plan_receive(layout, *key)) for layout, members in self.by_layout())
+            groups = self._receive_groups.put(
+                key, tuple(ReceiveGroup(members, layout, plan) for layout, members, plan in planned if plan)
+            )
+        return groups
 
     def copy_groups(self, dst: CacheSet) -> CopyGroups:
         """Every member paired with its counterpart in ``dst``, grouped by the copy plan.
@@ -319,6 +337,17 @@ class CopyGroup:
     @cached_property
     def destinations(self) -> MemberList:
         return MemberList(d for _, d in self.pairs)
+
+
+@dataclass(eq=False)
+class ReceiveGroup:
+    """The members of one layout and the rearrangement that a sender's layout takes them
+    through; ``derived`` is a backend's, as in CopyGroup."""
+
+    members: MemberList
+    layout: Layout
+    rearrangement: Rearrangement
+    derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
 
 def check_owned_once(members: list[Member], role: str) -> None:

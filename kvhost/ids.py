@@ -34,7 +34,9 @@ class IdBatch:
         self.flat: list[Any] = []
 
     def add(self, subject: str, ids: Any) -> None:
-        if isinstance(ids, (np.ndarray, torch.Tensor)):
+        if type(ids) in _PLAIN:  # the common case first: no look-up of numpy's and torch's types
+            pass
+        elif isinstance(ids, (np.ndarray, torch.Tensor)):
             if ids.ndim != 1:
                 raise RequestError(f"{subject}: block ids must be a flat sequence, got shape {tuple(ids.shape)}")
             if not _integer_dtype(ids.dtype):
@@ -51,7 +53,8 @@ class IdBatch:
         flat = self.flat
         if not flat:
             return
-        if not all(_integer_type(kind) for kind in set(map(type, flat))):
+        kinds = set(map(type, flat))
+        if kinds != _INT and not all(_integer_type(kind) for kind in kinds):
             position = next(i for i, x in enumerate(flat) if not _integer_type(type(x)))
             subject, at = self._where(position)
             raise RequestError(f"{subject}: block ids must be integers, got {flat[position]!r} at position {at}")
@@ -102,6 +105,10 @@ def find_runs(src_ids: np.ndarray, dst_ids: np.ndarray | None = None) -> np.ndar
     starts = np.concatenate(([0], breaks))
     counts = np.diff(np.concatenate((starts, [src_ids.size])))
     return np.stack([src_ids[starts], dst[starts], counts], axis=1)
+
+
+_PLAIN = {list, tuple, range}
+_INT = {int}
 
 
 def _integer_type(kind: type) -> bool:

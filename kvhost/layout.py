@@ -28,6 +28,8 @@ REQUIRED_LETTERS = "BNC"
 
 def check_letters(letters: str, *, what: str, error: type[Exception] = LayoutError) -> None:
     """Reject anything but a string of known, distinct letters; ``what`` says where they came from."""
+    if type(letters) is str and letters in _good_letters:  # a set lookup: this runs on every receive
+        return
     if not isinstance(letters, str) or not letters:
         raise error(f"{what} must be a non-empty string of axis letters from {AXIS_LETTERS!r}, got {letters!r}")
     unknown = sorted(set(letters) - set(AXIS_LETTERS))
@@ -38,6 +40,13 @@ def check_letters(letters: str, *, what: str, error: type[Exception] = LayoutErr
     repeated = sorted({a for a in letters if letters.count(a) > 1})
     if repeated:
         raise error(f"{what} {letters!r} repeats letter(s) {''.join(repeated)!r}")
+    if type(letters) is str:
+        _good_letters.add(letters)
+
+
+# Letter strings that passed: bounded without an eviction rule, since each is an ordered
+# pick of distinct letters from AXIS_LETTERS (1,956 strings at most).
+_good_letters: set[str] = set()
 
 
 # Validated layouts by (axes, shape, strides, item size): a miss validates again.

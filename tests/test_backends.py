@@ -214,6 +214,60 @@ def test_the_cpu_backend_runs_its_kernels_on_host_memory():
     assert torch.equal(raw(other["l"][:, 2]), raw(caches["l"][:, 1]))
 
 
+def test_the_cpu_backend_works_out_a_group_s_launch_once(monkeypatch):
+    # What the kernels need from a group (parameters, addresses) is kept with the group:
+    # a connector's later calls work none of it out again, and still move exactly their blocks.
+    import kvhost_cpu.backend as cpu
+
+    caches = {f"l{i}": make_cache("KBNHC", "KBNHC", SIZES) for i in range(3)}
+    buffer = {name: torch.zeros_like(t) for name, t in caches.items()}
+    host = kvhost.KVHost(caches, axes="KBNHC", backend=cpu.CpuBackend())
+    case = ReceiveCase(caches, "KBNHC", seed=4)
+    case.send("a", [1, 4], "HNC", 4)
+    host.receive({"a": [1, 4]}, remote_order="HNC", remote_block_size=4)
+    host.copy_to(buffer, [1], [0]).wait()
+    (receive_group,) = host.caches.receive_groups("HNC", 4)
+    launch = receive_group.derived["cpu"]
+    worked_out: list[object] = []
+    monkeypatch.setattr(cpu, "_receive_params", lambda *args: worked_out.append(args))
+    monkeypatch.setattr(cpu, "_copy_params", lambda *args: worked_out.append(args))
+    case.send("b", [6, 2], "HNC", 4)
+    host.receive({"b": [6, 2]}, remote_order="HNC", remote_block_size=4)
+    host.copy_to(buffer, [6, 7], [1, 2]).wait()
+    assert worked_out == [] and receive_group.derived["cpu"] is launch
+    case.check()
+    for name in caches:
+        assert torch.equal(raw(buffer[name])[:, :3], raw(caches[name])[:, [1, 6, 7]])
+        assert not raw(buffer[name])[:, 3:].any()
+
+
+def test_a_group_on_memory_without_an_address_is_marked_for_the_torch_path():
+    from kvhost_cpu import CpuBackend
+
+    from kvhost.batch import plan_copy_batch, plan_receive_batch
+    from kvhost.caches import CacheSet
+
+    class Recorded:
+        def __init__(self) -> None:
+            self.jobs: list[object] = []
+
+        def receive(self, job):  # type: ignore[no-untyped-def]
+            self.jobs.append(job)
+
+        copy = receive
+
+    backend = CpuBackend()
+    backend.torch_path = Recorded()  # type: ignore[assignment]
+    meta = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}, "KBNHC")
+    (receive_job,) = plan_receive_batch(meta, {"r": [1, 2]}, "HNC", 4).jobs
+    (copy_job,) = plan_copy_batch(meta, meta, [1], [2], False).jobs
+    for _ in range(2):
+        backend.receive(receive_job)
+        backend.copy(copy_job)
+    assert backend.torch_path.jobs == [receive_job, copy_job] * 2  # type: ignore[attr-defined]
+    assert receive_job.group.derived["cpu"] is False and copy_job.group.derived["cpu"] is False
+
+
 def test_without_numba_the_cpu_backend_runs_the_torch_path(monkeypatch):
     import kvhost_cpu.backend as cpu
 

@@ -156,6 +156,31 @@ def test_copy_groups_and_layout_groups_are_worked_out_once():
     assert src.by_layout() is src.by_layout()
 
 
+def test_receive_groups_are_planned_once_per_transform_and_a_few_are_kept():
+    from kvhost.transform import plan_receive
+
+    token_major, head_major = cache(), make_cache("KBNHC", "KBHNC", SIZES)
+    cache_set = CacheSet({"a": token_major, "b": head_major, "c": cache(3)}, "KBNHC")
+    groups = cache_set.receive_groups("HNC", 4)
+    assert cache_set.receive_groups("HNC", 4) is groups
+    # One group per layout with work, in first-seen order, with that layout's plan.
+    assert [[m.tensor for m in g.members] for g in groups] == [[token_major, cache_set.members[2].tensor], [head_major]]
+    assert [g.rearrangement for g in groups] == [plan_receive(g.layout, "HNC", 4) for g in groups]
+    # Head-major senders of 8-token blocks leave the head-major layer as it is.
+    (only,) = cache_set.receive_groups("HNC", 8)
+    assert [m.tensor for m in only.members] == [token_major, cache_set.members[2].tensor]
+    assert CacheSet({"a": cache()}, "KBNHC").receive_groups("NHC", 8) == ()  # the identity everywhere
+    with pytest.raises(kvhost.KVHostError, match="remote block size 3"):
+        cache_set.receive_groups("HNC", 3)
+    # A peer may name many transforms: 16 are kept, the least recently used goes first.
+    transforms = [(order, size) for order in ("HNC", "NHC", "HCN", "CNH") for size in (1, 2, 4, 8, 16)]
+    kept = [cache_set.receive_groups(*t) for t in transforms[:16]]
+    assert all(cache_set.receive_groups(*t) is g for t, g in zip(transforms[:16], kept))
+    cache_set.receive_groups(*transforms[16])
+    assert cache_set.receive_groups(*transforms[0]) is not kept[0]
+    assert cache_set.receive_groups(*transforms[2]) is kept[2]
+
+
 # --- dtypes and tuples ----------------------------------------------------------------------
 
 

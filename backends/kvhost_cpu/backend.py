@@ -9,7 +9,8 @@ use, not with kvhost.
 from __future__ import annotations
 
 import threading
-from functools import lru_cache
+from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
@@ -37,27 +38,72 @@ class CpuBackend(Backend):
         return "numba kernels" if KERNELS.module is not None else f"torch ops (numba unavailable: {KERNELS.reason})"
 
     def receive(self, job: ReceiveJob) -> None:
-        kernels = KERNELS.module
-        if kernels is None or job.device.type != "cpu":  # the kernels need host addresses
+        launch = job.group.derived.get("cpu")
+        if launch is None:
+            launch = job.group.derived["cpu"] = _receive_launch(job)
+        if not isinstance(launch, _ReceiveLaunch):  # the kernels need numba and host addresses
             return self.torch_path.receive(job)
-        params = _receive_params(job.rearrangement, job.layout.block_stride_bytes)
-        kernel, threads = kernels.launcher("rearrange_units", job.bytes_moved)
+        kernel, threads = launch.kernels.launcher("rearrange_units", job.unit_ids.shape[0] * launch.unit_bytes)
         with _launch:
-            scratch = _scratch.rows(threads, kernels.scratch_bytes(params))
-            kernel(job.members.addresses, job.layout.outer_offsets_bytes, job.unit_ids, params, scratch, threads)
+            scratch = _scratch.rows(threads, launch.scratch_bytes)
+            kernel(launch.addresses, launch.outer, job.unit_ids, launch.params, scratch, threads)
         return None
 
     def copy(self, job: CopyJob) -> Completion:
-        kernels = KERNELS.module
-        if kernels is None or job.src_device.type != "cpu" or job.dst_device.type != "cpu":
+        launch = job.group.derived.get("cpu")
+        if launch is None:
+            launch = job.group.derived["cpu"] = _copy_launch(job)
+        if not isinstance(launch, _CopyLaunch):
             return self.torch_path.copy(job)
-        nbytes = job.bytes_moved
-        params = _copy_params(job.plan, nbytes >= kernels.STREAM_BYTES)
-        addresses = (job.group.sources.addresses, job.group.destinations.addresses)
-        kernel, threads = kernels.launcher("copy_runs", nbytes)
+        nbytes = job.src_ids.size * launch.block_bytes
+        params = launch.streamed_params if nbytes >= launch.kernels.STREAM_BYTES else launch.cached_params
+        kernel, threads = launch.kernels.launcher("copy_runs", nbytes)
         with _launch:
-            kernel(*addresses, job.src_ids, job.dst_ids, params, threads)
+            kernel(*launch.addresses, job.src_ids, job.dst_ids, params, threads)
         return Completion()
+
+
+# What the kernels need from a receive or copy group, worked out on the group's first job
+# and kept with the group (``derived``): a cold call pays a few microseconds for every
+# attribute it looks up, and this runs on every call. False: the group takes the torch path.
+
+
+@dataclass(frozen=True)
+class _ReceiveLaunch:
+    kernels: ModuleType
+    params: np.ndarray
+    scratch_bytes: int
+    unit_bytes: int  # bytes one unit rewrites, over every member and outer index
+    addresses: np.ndarray
+    outer: np.ndarray
+
+
+@dataclass(frozen=True)
+class _CopyLaunch:
+    kernels: ModuleType
+    cached_params: np.ndarray
+    streamed_params: np.ndarray  # for jobs of STREAM_BYTES or more
+    block_bytes: int  # bytes one block id moves, over every member pair
+    addresses: tuple[np.ndarray, np.ndarray]
+
+
+def _receive_launch(job: ReceiveJob) -> _ReceiveLaunch | bool:
+    kernels = KERNELS.module
+    if kernels is None or job.device.type != "cpu":
+        return False
+    params = _receive_params(job.rearrangement, job.layout.block_stride_bytes)
+    unit_bytes = job.rearrangement.unit_bytes * job.layout.outer_count * len(job.members)
+    addresses, outer = job.members.addresses, job.layout.outer_offsets_bytes
+    return _ReceiveLaunch(kernels, params, kernels.scratch_bytes(params), unit_bytes, addresses, outer)
+
+
+def _copy_launch(job: CopyJob) -> _CopyLaunch | bool:
+    kernels = KERNELS.module
+    if kernels is None or job.src_device.type != "cpu" or job.dst_device.type != "cpu":
+        return False
+    addresses = (job.group.sources.addresses, job.group.destinations.addresses)
+    block_bytes = job.plan.block_bytes * len(job.pairs)
+    return _CopyLaunch(kernels, _copy_params(job.plan, False), _copy_params(job.plan, True), block_bytes, addresses)
 
 
 class _Scratch:
@@ -87,7 +133,6 @@ class _Scratch:
 _scratch = _Scratch()
 
 
-@lru_cache(maxsize=256)
 def _receive_params(plan: Rearrangement, block_stride: int) -> np.ndarray:
     write_back = plan.write_back
     kernels = KERNELS.module
@@ -102,7 +147,6 @@ def _receive_params(plan: Rearrangement, block_stride: int) -> np.ndarray:
     )
 
 
-@lru_cache(maxsize=256)
 def _copy_params(plan: CopyPlan, stream: bool) -> np.ndarray:
     kernels = KERNELS.module
     assert kernels is not None
