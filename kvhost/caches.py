@@ -168,7 +168,9 @@ class CacheSet:
 
     def describes(self, caches: Mapping[str, Layer]) -> bool:
         """True while ``caches`` holds the very tensors this set was built from, unchanged."""
-        if not isinstance(caches, Mapping) or caches.keys() != self.layers.keys():
+        if type(caches) is not dict and not isinstance(caches, Mapping):  # a dict skips the ABC's slower check
+            return False
+        if caches.keys() != self.layers.keys():
             return False
         known, values = self._values, tuple(caches.values())
         if known is not None and len(values) == len(known) and all(map(is_, values, known)):

@@ -221,8 +221,10 @@ class _StreamCompletion(Completion):
 
 def _completion(job: CopyJob) -> Completion:
     """A non-blocking copy on an accelerator finishes later: track it with a device event."""
-    devices = {t.device for pair in job.pairs for t in (pair[0].tensor, pair[1].tensor)} - {torch.device("cpu")}
-    if not job.non_blocking or not devices:
+    if not job.non_blocking:
+        return Completion()
+    devices = {job.src_device, job.dst_device} - {torch.device("cpu")}
+    if not devices:
         return Completion()
     device = devices.pop()
     try:

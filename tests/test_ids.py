@@ -52,7 +52,16 @@ def test_checked_ids_is_one_checked_list():
         checked_ids({3}, "ids", 4)
 
 
-def test_runs_of_ids_consecutive_in_both_lists():
+@pytest.fixture(params=["loop", "numpy"])
+def runs_path(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """find_runs through its Python loop (short lists) or its numpy calls (long ones)."""
+    import kvhost.ids
+
+    monkeypatch.setattr(kvhost.ids, "SHORT_IDS", 1 << 30 if request.param == "loop" else 0)
+    return request.param
+
+
+def test_runs_of_ids_consecutive_in_both_lists(runs_path):
     src = np.array([0, 1, 2, 5, 6, 9])
     dst = np.array([3, 4, 5, 9, 11, 12])
     assert find_runs(src, dst).tolist() == [[0, 3, 3], [5, 9, 1], [6, 11, 1], [9, 12, 1]]
@@ -60,6 +69,21 @@ def test_runs_of_ids_consecutive_in_both_lists():
     assert find_runs(np.array([7, 7, 8])).tolist() == [[7, 7, 1], [7, 7, 2]]  # a repeat breaks a run
     empty = find_runs(np.zeros(0, dtype=np.int64))
     assert empty.shape == (0, 3) and empty.dtype == np.int64
+    assert find_runs(np.array([4]), np.array([2])).tolist() == [[4, 2, 1]]
+
+
+def test_short_and_long_id_lists_find_the_same_runs():
+    import kvhost.ids
+
+    rng = np.random.default_rng(5)
+    for length in range(0, 80, 3):
+        src = np.cumsum(rng.choice([1, 1, 1, 2, -3], size=length)) + 50
+        dst = np.cumsum(rng.choice([1, 1, 1, 7], size=length))
+        short = kvhost.ids._short_runs(src.tolist(), dst.tolist())
+        found = find_runs(src, dst)
+        assert found.dtype == short.dtype == np.int64 and found.shape == short.shape == (found.shape[0], 3)
+        assert found.tolist() == short.tolist()
+        assert found[:, 2].sum() == length
 
 
 def test_long_values_are_cut_short_in_messages():
