@@ -324,6 +324,29 @@ def test_jobs_under_1_mib_run_on_the_calling_thread(monkeypatch):
     assert kernels.launcher("rearrange_units", 1 << 30) == (kernels.rearrange_units_serial, 1)
 
 
+def test_each_receive_launch_is_sized_by_the_bytes_it_rewrites(monkeypatch):
+    # The launch size picks the calling thread or every thread (1 MiB): it must be the
+    # call's bytes, not the first call's, for a registered cache's every call.
+    import kvhost_cpu.kernels as kernels
+    from kvhost_cpu import CpuBackend
+
+    asked: list[tuple[str, int]] = []
+    launcher = kernels.launcher
+
+    def recording(name: str, nbytes: int):  # type: ignore[no-untyped-def]
+        asked.append((name, nbytes))
+        return launcher(name, nbytes)
+
+    monkeypatch.setattr(kernels, "launcher", recording)
+    caches = {f"l{i}": make_cache("KBNHC", "KBNHC", SIZES) for i in range(2)}
+    host = kvhost.KVHost(caches, axes="KBNHC", backend=CpuBackend())
+    two = host.receive({"a": [1, 2]}, remote_order="HNC", remote_block_size=4)
+    five = host.receive({"a": [3, 4, 5], "b": [6, 0]}, remote_order="HNC", remote_block_size=4)
+    assert two.bytes_moved == 2 * 2 * 2 * (8 * 2 * 4 * 2)  # blocks x layers x K/V x block bytes
+    assert asked == [("rearrange_units", two.bytes_moved), ("rearrange_units", five.bytes_moved)]
+    assert five.bytes_moved == two.bytes_moved * 5 // 2
+
+
 def test_copy_work_items_hold_at_most_2_mib_of_blocks_and_at_least_one_block():
     from kvhost_cpu.backend import _copy_params
 
