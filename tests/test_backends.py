@@ -324,7 +324,7 @@ def test_jobs_under_1_mib_run_on_the_calling_thread(monkeypatch):
     assert kernels.launcher("rearrange_units", 1 << 30) == (kernels.rearrange_units_serial, 1)
 
 
-def test_each_receive_launch_is_sized_by_the_bytes_it_rewrites(monkeypatch):
+def test_each_launch_is_sized_by_the_bytes_it_moves(monkeypatch):
     # The launch size picks the calling thread or every thread (1 MiB): it must be the
     # call's bytes, not the first call's, for a registered cache's every call.
     import kvhost_cpu.kernels as kernels
@@ -345,6 +345,10 @@ def test_each_receive_launch_is_sized_by_the_bytes_it_rewrites(monkeypatch):
     assert two.bytes_moved == 2 * 2 * 2 * (8 * 2 * 4 * 2)  # blocks x layers x K/V x block bytes
     assert asked == [("rearrange_units", two.bytes_moved), ("rearrange_units", five.bytes_moved)]
     assert five.bytes_moved == two.bytes_moved * 5 // 2
+    buffer = {name: torch.zeros_like(t) for name, t in caches.items()}
+    saved = host.copy_to(buffer, [1, 2, 7], [0, 1, 2]).wait()
+    assert saved.bytes_moved == 3 * 2 * 2 * (8 * 2 * 4 * 2)
+    assert asked[2:] == [("copy_runs", saved.bytes_moved)]
 
 
 def test_copy_work_items_hold_at_most_2_mib_of_blocks_and_at_least_one_block():
