@@ -175,7 +175,7 @@ def plan_receive_batch(
         key_of_request.append(keys.setdefault(key, len(keys)))
     batch.check(caches.num_blocks, what="block id", unique=True)
 
-    # The planner validates letters and sizes, once per key and layout.
+    # The planner validates letters and sizes, for each layout (once per key: the cache set keeps its plans).
     key_list = list(keys)
     groups_of_key: list[tuple[ReceiveGroup, ...]] = []
     for k, key in enumerate(key_list):
@@ -198,7 +198,7 @@ def plan_receive_batch(
 
     jobs: list[ReceiveJob] = []
     groups = skipped = 0
-    with_work = [k for k, groups in enumerate(groups_of_key) if groups]
+    with_work = [k for k, planned in enumerate(groups_of_key) if planned]
     ids = batch.array() if with_work or partial else None
     request_key = np.repeat(np.array(key_of_request), batch.lengths) if len(key_list) > 1 and with_work else None
     for k in range(len(key_list)):
