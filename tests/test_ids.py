@@ -29,6 +29,31 @@ def test_ids_as_integer_tensors_and_arrays_are_accepted():
     case.check()
 
 
+def test_subclasses_of_lists_tuples_and_ranges_are_id_lists_too():
+    # Plain lists take a fast path; a subclass (a named tuple, a list an engine extends)
+    # is still a list of ids, and a subclass of str is still not one.
+    from typing import NamedTuple
+
+    class Blocks(list):  # type: ignore[type-arg]
+        pass
+
+    class Pair(NamedTuple):
+        first: int
+        second: int
+
+    batch = IdBatch()
+    batch.add("list", Blocks([4, 5]))
+    batch.add("tuple", Pair(1, 2))
+    batch.check(8)
+    assert batch.array().tolist() == [4, 5, 1, 2] and batch.lengths == [2, 2]
+
+    class Name(str):
+        pass
+
+    with pytest.raises(kvhost.RequestError, match="ids: block ids must be a"):
+        IdBatch().add("ids", Name("12"))
+
+
 def test_ids_must_be_unique_unless_told_otherwise():
     batch = IdBatch()
     batch.add("mine", [1, 2])
