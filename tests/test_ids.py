@@ -54,6 +54,17 @@ def test_subclasses_of_lists_tuples_and_ranges_are_id_lists_too():
         IdBatch().add("ids", Name("12"))
 
 
+def test_numpy_integers_in_a_list_are_ids():
+    batch = IdBatch()
+    batch.add("ids", [np.int64(3), 4, np.uint8(5)])
+    batch.check(8)
+    assert batch.array().tolist() == [3, 4, 5]
+    with pytest.raises(kvhost.RequestError, match=r"ids: block ids must be integers, got np.True_ at position 1"):
+        bad = IdBatch()
+        bad.add("ids", [np.int64(3), np.True_])
+        bad.check(8)
+
+
 def test_ids_must_be_unique_unless_told_otherwise():
     batch = IdBatch()
     batch.add("mine", [1, 2])
