@@ -106,3 +106,24 @@ def test_copy_plan_merges_whole_blocks_when_layouts_agree():
     assert plan.loops.shape == (2,) and plan.loops.run_bytes == layout.region_bytes
     other = Layout.of(make_cache("KBNHC", "KBHNC", SIZES, device="meta"), "KBNHC")
     assert not plan_copy(layout, other).merge_blocks
+
+
+def test_checked_letter_strings_are_remembered_only_as_plain_strings():
+    # A string that passed is remembered so the next call is a set lookup; a str subclass
+    # could pass by lying about its letters, so it is checked every time and never
+    # remembered: the plain string it spells must still be refused.
+    from kvhost.errors import LayoutError
+    from kvhost.layout import _good_letters, check_letters
+
+    class Lying(str):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter("HNC")
+
+        def count(self, *args):  # type: ignore[no-untyped-def]
+            return 1
+
+    check_letters(Lying("HXQ"), what="order")  # passes by its lies
+    with pytest.raises(LayoutError, match="order 'HXQ' has unknown letter"):
+        check_letters("HXQ", what="order")
+    check_letters("CHN", what="order")
+    assert "CHN" in _good_letters and "HXQ" not in _good_letters
