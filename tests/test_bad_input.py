@@ -250,3 +250,20 @@ def test_the_table_moves_bytes_when_the_bad_part_is_taken_out() -> None:
     before = w.snapshot()
     receive(GOOD)(w)
     assert not w.same_as(before)
+
+
+def test_numpy_integers_are_block_sizes_and_numpy_bools_are_not() -> None:
+    # Plain ints take a fast path; numpy integers (read from a config array) are sizes
+    # too, down to 1, and a numpy bool is refused as True is.
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=8)
+    case.send("a", [1, 2], "HNC", 4)
+    case.send("b", [5], "HNC", 1)
+    requests = {"a": [1, 2], "b": kvhost.Incoming([5], remote_block_size=np.int64(1))}
+    stats = kvhost.receive(caches, requests, axes="KBNHC", remote_order="HNC", remote_block_size=np.int32(4))
+    assert (stats.blocks, stats.groups, stats.skipped_blocks) == (3, 1, 1)  # 1-token blocks: the identity
+    case.check()
+    before = case.snapshot()
+    with pytest.raises(kvhost.RequestError, match=r"remote_block_size must be a positive integer, got np\.True_"):
+        kvhost.receive(caches, {"a": [1, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=np.bool_(True))
+    assert case.same_as(before)

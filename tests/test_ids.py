@@ -59,7 +59,7 @@ def test_numpy_integers_in_a_list_are_ids():
     batch.add("ids", [np.int64(3), 4, np.uint8(5)])
     batch.check(8)
     assert batch.array().tolist() == [3, 4, 5]
-    with pytest.raises(kvhost.RequestError, match=r"ids: block ids must be integers, got np.True_ at position 1"):
+    with pytest.raises(kvhost.RequestError, match=r"ids: block ids must be integers, got np\.True_ at position 1"):
         bad = IdBatch()
         bad.add("ids", [np.int64(3), np.True_])
         bad.check(8)
