@@ -267,3 +267,18 @@ def test_numpy_integers_are_block_sizes_and_numpy_bools_are_not() -> None:
     with pytest.raises(kvhost.RequestError, match=r"remote_block_size must be a positive integer, got np\.True_"):
         kvhost.receive(caches, {"a": [1, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=np.bool_(True))
     assert case.same_as(before)
+
+
+def test_requests_in_any_mapping_are_received() -> None:
+    # A dict takes a fast path; any other mapping (read-only, ordered) is requests too.
+    from collections import OrderedDict
+    from types import MappingProxyType
+
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=9)
+    case.send("a", [1, 2], "HNC", 4)
+    case.send("b", [6], "HNC", 4)
+    for requests in (MappingProxyType({"a": [1, 2]}), OrderedDict(b=[6])):
+        stats = kvhost.receive(caches, requests, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+        assert stats.blocks == len(next(iter(requests.values())))
+    case.check()
