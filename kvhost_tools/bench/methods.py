@@ -29,7 +29,8 @@ METHODS = {
     KVHOST: "kvhost.KVHost registered once: .receive / .copy_to / .copy_from",
     KVHOST_FN: "module-level kvhost.receive / kvhost.copy_blocks (the caches validated on every call)",
     "empty": "KVHost.receive with no requests (identity scenario)",
-    "visit": "one pass over the batch's mapping, len() of every request: the least a call handed it can do (identity)",
+    "visit": "len() and type() of every request of the batch's mapping: the least a call handed it can do and still "
+    "refuse a container it cannot count (identity)",
     "front end": "kvhost.batch.plan_receive_batch alone: validation, grouping, concatenation (front-end scenario)",
     "transform": "the backend's work for the batch the front end prepared (front-end scenario)",
 }
@@ -126,7 +127,8 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
         return Prepared(
             {
                 "empty": lambda: host.receive({}, remote_order=order, remote_block_size=size),
-                "visit": lambda: sum(map(len, requests.values())),
+                # Two passes at C speed: counting alone would take a string or a 2-D tensor at its len().
+                "visit": lambda: (set(map(type, requests.values())), sum(map(len, requests.values()))),
                 KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
                 KVHOST_FN: lambda: kvhost.receive(
                     caches, requests, axes=geometry.axes, remote_order=order, remote_block_size=size

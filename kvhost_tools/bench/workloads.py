@@ -195,7 +195,7 @@ SCENARIOS = (
         "receive whose transform is the identity (token-major NHD 16 -> NHD 64): nothing to copy",
         {**RECEIVE_R4, "kind": "identity", "remote_order": "NHC", "label": "NHD16->NHD64"},
         target=Target(
-            "zero bytes moved; time within noise (the larger IQR) of an empty call plus one pass over the batch",
+            "zero bytes moved; time within noise (the larger IQR) of an empty call plus a look at each request",
             identity=True,
         ),
     ),
