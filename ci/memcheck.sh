@@ -2,11 +2,11 @@
 # Memory checks for the CPU backend's kernels, which work on raw addresses: memory used after
 # it was freed must fail a run, not pass it by luck.
 #
-#   bash ci/memcheck.sh               # ~1 min: the suites that drive the kernels, under a strict
-#                                     # glibc malloc (ci/cpu.sh runs this)
+#   bash ci/memcheck.sh               # ~2 min: the suites that drive the kernels, under a strict
+#                                     # glibc malloc, then with numba's bounds checks (ci/cpu.sh runs this)
 #   bash ci/memcheck.sh --valgrind    # then valgrind memcheck over ci/memcheck_kernels.py as well:
 #                                     # 15 min on a 2-core machine, so not in CI
-#   bash ci/memcheck.sh -- -k copy    # extra pytest arguments for the first part
+#   bash ci/memcheck.sh -- -k copy    # extra pytest arguments for both parts
 #
 # Strict malloc (glibc >= 2.34; elsewhere this part only runs the tests): a chunk of 4 KiB or
 # more that malloc cannot carve from memory it already holds gets a mapping of its own,
@@ -46,6 +46,16 @@ echo "memcheck: the CPU kernels' suites under GLIBC_TUNABLES=$STRICT${preload:+ 
 LD_PRELOAD="$preload" GLIBC_TUNABLES="$STRICT" .venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider \
     tests/test_receive.py tests/test_copy.py tests/test_property.py tests/test_threads.py \
     tests/test_errors.py tests/test_vllm_adapter.py "$@"
+
+# The kernels index their arrays (ids, offsets, parameters, runs) without bounds checks; here
+# numba compiles them with checks, into a cache of their own (the kernels cached without checks
+# would otherwise be loaded), so an index past an array's end raises instead of reading on.
+checked_cache=$(mktemp -d -t kvhost-numba-boundscheck.XXXXXX)
+echo "memcheck: the same suites' kernels compiled with NUMBA_BOUNDSCHECK=1"
+NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="$checked_cache" .venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider \
+    tests/test_receive.py tests/test_copy.py tests/test_property.py tests/test_threads.py tests/test_backends.py "$@" ||
+    { rm -rf "$checked_cache"; exit 1; }
+rm -rf "$checked_cache"
 
 if [[ $valgrind == 1 ]]; then
     command -v valgrind >/dev/null || { echo "memcheck: valgrind is not installed" >&2; exit 1; }
