@@ -560,3 +560,41 @@ def test_the_copy_kernel_finds_the_runs_of_random_ids():
         dst = np.cumsum(np.where(rng.random(count) < 0.7, 1, rng.integers(-5, 6, count))).tolist()
         most = int(rng.integers(1, 10))
         assert _split(src, dst, most) == _runs_reference(src, dst, most), (src, dst, most)
+
+
+# --- how the kernels copy a run ------------------------------------------------------------
+# Every way moves the same bytes, so no byte check sees a wrong choice; it only costs speed.
+
+
+def test_runs_of_256_bytes_and_more_of_a_streamed_copy_are_streamed():
+    import kvhost_cpu.kernels as kernels
+
+    assert kernels.STREAM_RUN == 256
+    assert kernels._streams(256, True) and kernels._streams(1 << 20, True)
+    assert not kernels._streams(255, True)
+    assert not kernels._streams(256, False) and not kernels._streams(1 << 20, False)
+
+
+def test_runs_of_whole_32_byte_words_up_to_1_kib_are_copied_inline():
+    import kvhost_cpu.kernels as kernels
+
+    assert kernels.SHORT_RUN == 1024
+    assert all(kernels._inline(n) for n in (32, 64, 992, 1024))
+    assert not any(kernels._inline(n) for n in (1056, 2048, 33, 100, 1023))
+
+
+@pytest.mark.parametrize(
+    ("dst", "nbytes", "lead", "body"),
+    [
+        (4096, 256, 0, 256),  # aligned: no lead, no tail
+        (4096, 300, 0, 288),  # a tail of 12
+        (4097, 300, 31, 256),  # a lead of 31 up to the boundary, a tail of 13
+        (4127, 256, 1, 224),
+        (4100, 1000, 28, 960),
+    ],
+)
+def test_a_streamed_run_is_a_lead_to_the_32_byte_boundary_whole_words_and_a_tail(dst, nbytes, lead, body):
+    import kvhost_cpu.kernels as kernels
+
+    assert kernels._aligned_body(dst, nbytes) == (lead, body)
+    assert (dst + lead) % 32 == 0 and body % 32 == 0 and 0 <= nbytes - lead - body < 32

@@ -92,19 +92,41 @@ def _store_fence(typingctx):
     return types.void(), codegen
 
 
+# How a run is copied: each way moves the same bytes, at its own speed.
+
+
+@njit(inline="always")
+def _streams(nbytes, stream):
+    """Whether a run is written around the caches: a long run of a streamed copy."""
+    return stream and nbytes >= STREAM_RUN
+
+
+@njit(inline="always")
+def _inline(nbytes):
+    """Whether a run is copied by inline 32-byte moves (a libc call per run costs more than
+    the copy): a short run of whole 32-byte words."""
+    return nbytes <= SHORT_RUN and nbytes % 32 == 0
+
+
+@njit(inline="always")
+def _aligned_body(dst, nbytes):
+    """(lead, body) of a streamed run: the bytes before ``dst``'s next 32-byte boundary, then
+    as many whole 32-byte words as follow it (the rest is the ragged tail)."""
+    lead = (32 - dst % 32) % 32
+    return lead, (nbytes - lead) // 32 * 32
+
+
 @njit(inline="always")
 def _copy_run(dst, src, nbytes, stream):
-    """Short runs by inline vector moves (a libc call per run costs more than the copy);
-    with ``stream``, long runs by stores that bypass the caches (the 32-byte aligned
-    body; the ragged ends by memcpy)."""
-    if stream and nbytes >= STREAM_RUN:
-        lead = (32 - dst % 32) % 32
-        body = (nbytes - lead) // 32 * 32
+    """One run of ``nbytes``: streamed (the aligned body by stores that bypass the caches, the
+    ragged ends by memcpy), by inline moves, or by memcpy."""
+    if _streams(nbytes, stream):
+        lead, body = _aligned_body(dst, nbytes)
         _memcpy(dst, src, lead)
         for offset in range(lead, lead + body, 32):
             _stream32(dst + offset, src + offset)
         _memcpy(dst + lead + body, src + lead + body, nbytes - lead - body)
-    elif nbytes <= SHORT_RUN and nbytes % 32 == 0:
+    elif _inline(nbytes):
         for offset in range(0, nbytes, 32):
             _copy32(dst + offset, src + offset)
     else:
