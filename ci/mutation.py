@@ -678,6 +678,7 @@ def test_mutant(worker: Worker, mutant: Mutant, tests: list[str], timeout: float
     if mutant.module in COMPILED_ENTRY:
         shutil.rmtree(fresh, ignore_errors=True)
         env["NUMBA_CACHE_DIR"] = str(fresh)  # compiled from the mutated source, and thrown away
+        env["NUMBA_BOUNDSCHECK"] = "1"  # as ci/memcheck.sh runs the kernels: an index past an array's end raises
     try:
         status, seconds, output = worker.run(["-x", *tests], timeout, env)
     finally:
