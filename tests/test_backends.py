@@ -598,3 +598,15 @@ def test_a_streamed_run_is_a_lead_to_the_32_byte_boundary_whole_words_and_a_tail
 
     assert kernels._aligned_body(dst, nbytes) == (lead, body)
     assert (dst + lead) % 32 == 0 and body % 32 == 0 and 0 <= nbytes - lead - body < 32
+
+
+def test_a_receive_scratch_copy_lies_2_kib_off_its_region_modulo_4_kib():
+    # Any place in the row's first 4 KiB gives the same bytes; this one keeps a load from
+    # the region and a store to the scratch from looking alike to the CPU (4K aliasing).
+    import kvhost_cpu.kernels as kernels
+
+    for start in (1 << 20, (1 << 20) + 1, (1 << 20) + 2047, (1 << 20) + 4095):
+        for address in (0, 1, 2048, 4095, 4096, 12345, (1 << 30) + 77):
+            base = kernels._skewed(start, address)
+            assert start <= base < start + 4096
+            assert (base - address) % 4096 == 2048

@@ -110,6 +110,28 @@ def test_every_kv_dtype(target, dtype, kind, k):
     case.check()
 
 
+@pytest.mark.parametrize(("kind", "k"), RATIOS)
+def test_layers_as_views_of_one_cross_layer_buffer(target, kind, k):
+    # Every block holds all layers back to back (a cross-layer allocation) and each layer's
+    # tensor is a view of it: a layer's blocks lie three regions apart, so the block stride
+    # is not the region's size.
+    if target.device == "xla":
+        pytest.skip("XLA tensors have no strides: their memory order is their shape order")
+    sizes = dict(B=12, N=8, H=2, C=4)
+    buffer = torch.empty(12, 3, 2, 8, 4, dtype=torch.bfloat16, device=target.device)  # B, layer, H, N, C
+    caches = {f"layer{i}": buffer[:, i] for i in range(3)}
+    assert caches["layer1"].stride(0) == 3 * caches["layer1"][0].numel()
+    remote_size = sizes["N"] // k if kind == "r" else sizes["N"] * k
+    case = ReceiveCase(caches, "BHNC", seed=k)
+    for name, ids in request_ids(k if kind == "g" else 1).items():
+        case.send(name, ids, "NHC", remote_size)
+    requests = {name: wired.block_ids for name, wired in case.requests.items()}
+    kvhost.receive(
+        caches, requests, axes="BHNC", remote_order="NHC", remote_block_size=remote_size, backend=target.backend
+    )
+    case.check()
+
+
 def test_kv_tuples(target):
     """K and V as separate tensors (as Gaudi keeps them): axes name each member, K the tuple index."""
     sizes = dict(B=10, N=8, H=2, C=4)

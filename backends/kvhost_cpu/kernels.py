@@ -182,6 +182,14 @@ def _loops(params, at):
     return shape, src, dst
 
 
+@njit(inline="always")
+def _skewed(start, address):
+    """Where in a scratch row starting at ``start`` a copy of the bytes at ``address`` goes:
+    within the row's first 4 KiB, ``SKEW`` past ``address`` modulo 4 KiB (a load from the
+    region and a store to the scratch then never look alike to the CPU's aliasing check)."""
+    return start + ((address - start + SKEW) & 4095)
+
+
 @njit(nogil=True, cache=True)
 def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):
     """Rewrite in place work items ``first .. last - 1``: one unit of one tensor's outer index.
@@ -214,11 +222,11 @@ def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):
             for piece in range(pieces):
                 offset = piece * piece_bytes
                 address = origin + unit_ids[unit, offset // region_bytes] * block_stride + offset % region_bytes
-                base = start + ((address - start + SKEW) & 4095)
+                base = _skewed(start, address)
                 _memcpy(base, address, piece_bytes)
                 _strided_copy(address, base, shape, dst_strides, src_strides, run, False)
         else:
-            base = start + ((origin + unit_ids[unit, 0] * block_stride - start + SKEW) & 4095)
+            base = _skewed(start, origin + unit_ids[unit, 0] * block_stride)
             for k in range(parts):
                 _memcpy(base + k * region_bytes, origin + unit_ids[unit, k] * block_stride, region_bytes)
             for k in range(parts):
