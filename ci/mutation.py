@@ -638,7 +638,7 @@ def select_tests(mutant: Mutant, module: Module, coverage: Coverage, full: bool)
 
     Import-time code (module constants, class attributes, defaults, and whatever they
     call) runs before any test: every test of the module judges it. Compiled kernels are not traced: the tests that run
-    the Python function every caller of the kernel runs judge them.
+    the Python function every caller of the kernel runs judge them, with the tests that name the kernel's function.
     """
     order = {f: i for i, f in enumerate(module.tests)}
     candidates = [n for n in coverage if n.split("::")[0] in order]
@@ -651,7 +651,42 @@ def select_tests(mutant: Mutant, module: Module, coverage: Coverage, full: bool)
         function = _function_name(mutant.qualname)
         entry = next(e for text, e in COMPILED_ENTRY[mutant.module] if text in function)
         lines = set(_function_lines(mutant.module, entry))
+        # Tests may also call a compiled function themselves (a kernel's helpers, checked
+        # alone where a wrong answer moves the same bytes): coverage cannot see those calls.
+        direct = {t for f in order for t in _tests_naming(f, function)}
+        return [
+            n
+            for n in candidates
+            if n.split("[")[0] in direct or lines.intersection(coverage[n]["lines"].get(mutant.module, ()))
+        ]
     return [n for n in candidates if lines.intersection(coverage[n]["lines"].get(mutant.module, ()))]
+
+
+@cache
+def _tests_naming(test_file: str, name: str) -> frozenset[str]:
+    """Ids (without parameters) of the tests in ``test_file`` whose body, or a function of the
+    file that the body calls, names ``name`` (as ``kernels.name`` or a bare name)."""
+    tree = ast.parse((ROOT / test_file).read_bytes())
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+    def names(node: ast.AST) -> set[str]:
+        found = set()
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name):
+                found.add(sub.id)
+            elif isinstance(sub, ast.Attribute):
+                found.add(sub.attr)
+        return found
+
+    tests = set()
+    for test, node in functions.items():
+        if not test.startswith("test_"):
+            continue
+        seen = names(node)
+        seen |= {n for helper in seen & functions.keys() - {test} for n in names(functions[helper])}
+        if name in seen:
+            tests.add(f"{test_file}::{test}")
+    return frozenset(tests)
 
 
 def _function_name(qualname: str) -> str:
