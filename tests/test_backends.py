@@ -610,3 +610,29 @@ def test_a_receive_scratch_copy_lies_2_kib_off_its_region_modulo_4_kib():
             base = kernels._skewed(start, address)
             assert start <= base < start + 4096
             assert (base - address) % 4096 == 2048
+
+
+# --- how the parallel kernels share their work ----------------------------------------------
+# Shares that overlap copy some blocks twice, to the same bytes: only these checks see it.
+
+
+@pytest.mark.parametrize("items", [0, 1, 2, 3, 7, 8, 9, 100])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 16])
+def test_parallel_kernels_cut_their_items_into_disjoint_consecutive_shares(items, threads):
+    import kvhost_cpu.kernels as kernels
+
+    workers = kernels._workers(items, threads)
+    assert workers == max(1, min(threads, items))
+    shares = [kernels._share(items, workers, t) for t in range(workers)]
+    assert [i for first, last in shares for i in range(first, last)] == list(range(items))  # each item once, in order
+    assert max(last - first for first, last in shares) == -(-items // workers)  # as even as whole items allow
+
+
+def test_padding_makes_loop_dims_of_size_1_and_stride_0():
+    import kvhost_cpu.kernels as kernels
+
+    from kvhost.transform import MAX_LOOP_DIMS, Loops
+
+    padded = kernels._padded(Loops((3, 5), (40, 8), (16, 4), 8))
+    pad = MAX_LOOP_DIMS - 2
+    assert padded == [1] * pad + [3, 5] + [0] * pad + [40, 8] + [0] * pad + [16, 4]

@@ -190,6 +190,21 @@ def _skewed(start, address):
     return start + ((address - start + SKEW) & 4095)
 
 
+@njit(inline="always")
+def _workers(items, threads):
+    """Threads a parallel kernel starts for ``items`` work items: one at least, and no more
+    than there are items."""
+    return min(threads, max(items, 1))
+
+
+@njit(inline="always")
+def _share(items, threads, thread):
+    """Work items ``first .. last - 1`` of ``thread``: the items cut into ``threads``
+    consecutive shares, as even as whole items allow (the last may be short or empty)."""
+    share = (items + threads - 1) // threads
+    return thread * share, min(items, (thread + 1) * share)
+
+
 @njit(nogil=True, cache=True)
 def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):
     """Rewrite in place work items ``first .. last - 1``: one unit of one tensor's outer index.
@@ -244,10 +259,9 @@ def rearrange_units(bases, outer, unit_ids, params, scratch, threads):
     ``threads`` comes from the caller (numba's own query would defeat caching).
     """
     items = bases.shape[0] * outer.shape[0] * unit_ids.shape[0]
-    threads = min(threads, max(items, 1), scratch.shape[0])
-    share = (items + threads - 1) // threads
+    threads = min(_workers(items, threads), scratch.shape[0])
     for thread in prange(threads):
-        first, last = thread * share, min(items, (thread + 1) * share)
+        first, last = _share(items, threads, thread)
         _rearrange_span(bases, outer, unit_ids, params, scratch[thread], first, last)
 
 
@@ -312,10 +326,9 @@ def copy_runs(src_bases, dst_bases, src_ids, dst_ids, params, threads):
     """
     starts, lengths = _split_into_runs(src_ids, dst_ids, params[4])
     items = src_bases.shape[0] * starts.shape[0]
-    threads = min(threads, max(items, 1))
-    share = (items + threads - 1) // threads
+    threads = _workers(items, threads)
     for thread in prange(threads):
-        first, last = thread * share, min(items, (thread + 1) * share)
+        first, last = _share(items, threads, thread)
         _copy_span(src_bases, dst_bases, src_ids, dst_ids, starts, lengths, params, first, last)
 
 
