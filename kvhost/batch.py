@@ -81,8 +81,7 @@ class ReceiveJob:
 
     @property
     def bytes_moved(self) -> int:
-        units = int(self.unit_ids.shape[0])
-        return units * self.rearrangement.unit_bytes * self.layout.outer_count * len(self.members)
+        return int(self.unit_ids.shape[0]) * self.group.unit_bytes
 
 
 @dataclass
@@ -307,7 +306,7 @@ class CopyJob:
 
     @property
     def bytes_moved(self) -> int:
-        return self.src_ids.size * self.plan.block_bytes * len(self.pairs)
+        return self.src_ids.size * self.group.block_bytes
 
 
 @dataclass

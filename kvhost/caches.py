@@ -340,6 +340,11 @@ class CopyGroup:
     def destinations(self) -> MemberList:
         return MemberList(d for _, d in self.pairs)
 
+    @cached_property
+    def block_bytes(self) -> int:
+        """Bytes one block id moves, over every member pair."""
+        return self.plan.block_bytes * len(self.pairs)
+
 
 @dataclass(eq=False)
 class ReceiveGroup:
@@ -350,6 +355,11 @@ class ReceiveGroup:
     layout: Layout
     rearrangement: Rearrangement
     derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+
+    @cached_property
+    def unit_bytes(self) -> int:
+        """Bytes one unit rewrites, over every member and outer index."""
+        return self.rearrangement.unit_bytes * self.layout.outer_count * len(self.members)
 
 
 def check_owned_once(members: list[Member], role: str) -> None:

@@ -73,7 +73,7 @@ class _ReceiveLaunch:
     kernels: ModuleType
     params: np.ndarray
     scratch_bytes: int
-    unit_bytes: int  # bytes one unit rewrites, over every member and outer index
+    unit_bytes: int  # the group's, kept here with the rest of the launch
     addresses: np.ndarray
     outer: np.ndarray
 
@@ -83,7 +83,7 @@ class _CopyLaunch:
     kernels: ModuleType
     cached_params: np.ndarray
     streamed_params: np.ndarray  # for jobs of STREAM_BYTES or more
-    block_bytes: int  # bytes one block id moves, over every member pair
+    block_bytes: int  # the group's, kept here with the rest of the launch
     addresses: tuple[np.ndarray, np.ndarray]
 
 
@@ -92,18 +92,19 @@ def _receive_launch(job: ReceiveJob) -> _ReceiveLaunch | bool:
     if kernels is None or job.device.type != "cpu":
         return False
     params = _receive_params(job.rearrangement, job.layout.block_stride_bytes)
-    unit_bytes = job.rearrangement.unit_bytes * job.layout.outer_count * len(job.members)
     addresses, outer = job.members.addresses, job.layout.outer_offsets_bytes
-    return _ReceiveLaunch(kernels, params, kernels.scratch_bytes(params), unit_bytes, addresses, outer)
+    return _ReceiveLaunch(kernels, params, kernels.scratch_bytes(params), job.group.unit_bytes, addresses, outer)
 
 
 def _copy_launch(job: CopyJob) -> _CopyLaunch | bool:
     kernels = KERNELS.module
     if kernels is None or job.src_device.type != "cpu" or job.dst_device.type != "cpu":
         return False
-    addresses = (job.group.sources.addresses, job.group.destinations.addresses)
-    block_bytes = job.plan.block_bytes * len(job.pairs)
-    return _CopyLaunch(kernels, _copy_params(job.plan, False), _copy_params(job.plan, True), block_bytes, addresses)
+    group = job.group
+    addresses = (group.sources.addresses, group.destinations.addresses)
+    return _CopyLaunch(
+        kernels, _copy_params(job.plan, False), _copy_params(job.plan, True), group.block_bytes, addresses
+    )
 
 
 class _Scratch:
