@@ -42,10 +42,13 @@ else
     echo "memcheck: libc_malloc_debug.so not found: heap checks off, strict allocation only"
 fi
 
+# The suites that drive the kernels (test_backends also calls their helpers directly).
+suites=(tests/test_receive.py tests/test_copy.py tests/test_property.py tests/test_threads.py
+    tests/test_errors.py tests/test_vllm_adapter.py tests/test_backends.py)
+
 echo "memcheck: the CPU kernels' suites under GLIBC_TUNABLES=$STRICT${preload:+ (LD_PRELOAD=$preload)}"
 LD_PRELOAD="$preload" GLIBC_TUNABLES="$STRICT" .venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider \
-    tests/test_receive.py tests/test_copy.py tests/test_property.py tests/test_threads.py \
-    tests/test_errors.py tests/test_vllm_adapter.py "$@"
+    "${suites[@]}" "$@"
 
 # The kernels index their arrays (ids, offsets, parameters, runs) without bounds checks; here
 # numba compiles them with checks, into a cache of their own (the kernels cached without checks
@@ -53,7 +56,7 @@ LD_PRELOAD="$preload" GLIBC_TUNABLES="$STRICT" .venv/bin/python -X faulthandler 
 checked_cache=$(mktemp -d -t kvhost-numba-boundscheck.XXXXXX)
 echo "memcheck: the same suites' kernels compiled with NUMBA_BOUNDSCHECK=1"
 NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="$checked_cache" .venv/bin/python -X faulthandler -m pytest -q -p no:cacheprovider \
-    tests/test_receive.py tests/test_copy.py tests/test_property.py tests/test_threads.py tests/test_backends.py "$@" ||
+    "${suites[@]}" "$@" ||
     { rm -rf "$checked_cache"; exit 1; }
 rm -rf "$checked_cache"
 
