@@ -6,6 +6,10 @@ memory (CMA), so the engines run with ``UCX_TLS=tcp``; ``UCX_NET_DEVICES`` is wh
 commands set from the addresses they work on (the veth). That the bytes went over the
 wire is checked from the veth's own counters inside the namespaces.
 
+Three hosts on a switch (a bridge in a namespace of its own): one prefill engine on
+every interface with ``--advertise``, two decode engines on hosts of their own, each
+reading its share.
+
 Faults: the link set down mid-transfer (decode's ``--fault-command``) ends in bounded
 time, decode's deadline failing the transfers NIXL/UCX never report on, and prefill
 lets go of its memory once decode's beats stop; packets dropped at random by nftables
@@ -18,6 +22,7 @@ happened (deleting a namespace deletes its end of the veth, and so the pair).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -52,6 +57,22 @@ def why_no_namespaces() -> str | None:
 
 
 @dataclass
+class Host:
+    """One engine's namespace, its end of a veth and its address there."""
+
+    ns: str
+    interface: str
+    ip: str
+
+    def counter(self, name: str) -> int:
+        out = run_ip("netns", "exec", self.ns, "cat", f"/sys/class/net/{self.interface}/statistics/{name}")
+        return int(out.stdout)
+
+    def command(self, role: str, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, sys.executable, "-m", "kvhost_tools.cli", role, *argv]
+
+
+@dataclass
 class Pair:
     """Two namespaces joined by a veth pair: prefill's side and decode's side."""
 
@@ -62,14 +83,45 @@ class Pair:
     prefill_ip: str
     decode_ip: str
 
+    def host(self, side: str) -> Host:
+        if side == "prefill":
+            return Host(self.prefill_ns, self.prefill_if, self.prefill_ip)
+        return Host(self.decode_ns, self.decode_if, self.decode_ip)
+
     def counter(self, side: str, name: str) -> int:
-        ns, interface = (self.prefill_ns, self.prefill_if) if side == "prefill" else (self.decode_ns, self.decode_if)
-        out = run_ip("netns", "exec", ns, "cat", f"/sys/class/net/{interface}/statistics/{name}")
-        return int(out.stdout)
+        return self.host(side).counter(name)
 
     def command(self, side: str, role: str, argv: list[str]) -> list[str]:
-        ns = self.prefill_ns if side == "prefill" else self.decode_ns
-        return ["ip", "netns", "exec", ns, sys.executable, "-m", "kvhost_tools.cli", role, *argv]
+        return self.host(side).command(role, argv)
+
+
+def fresh_names() -> tuple[str, int]:
+    """A tag unique per run and test (interface names fit 15 bytes with it), and a /24 to use."""
+    serial = next(_serial)
+    return f"{os.getpid() % 100000}{serial}", 10 + (os.getpid() + serial) % 240
+
+
+def add_namespace(ns: str) -> None:
+    made = run_ip("netns", "add", ns, check=False)
+    if made.returncode:
+        pytest.skip(f"cannot make a network namespace here: {made.stderr.strip()}")
+
+
+def bring_up(ns: str, interface: str, address: str | None) -> None:
+    """Move ``interface`` into ``ns``, give it ``address`` (a /24) and bring it and loopback up."""
+    run_ip("link", "set", interface, "netns", ns)
+    if address is not None:
+        run_ip("-n", ns, "addr", "add", f"{address}/24", "dev", interface)
+    run_ip("-n", ns, "link", "set", interface, "up")
+    run_ip("-n", ns, "link", "set", "lo", "up")
+
+
+def remove(namespaces: list[str], interfaces: list[str]) -> None:
+    """Delete the namespaces (and with them their veth ends), then any veth that never reached one."""
+    for ns in namespaces:
+        run_ip("netns", "del", ns, check=False)
+    for interface in interfaces:
+        run_ip("link", "del", interface, check=False)
 
 
 @pytest.fixture
@@ -77,29 +129,45 @@ def pair():
     reason = why_no_namespaces()
     if reason:
         pytest.skip(reason)
-    serial = next(_serial)
-    tag = f"{os.getpid() % 100000}{serial}"  # unique per run and test; interface names fit 15 bytes
-    subnet = 10 + (os.getpid() + serial) % 240
+    tag, subnet = fresh_names()
     made = Pair(f"kvhp{tag}", f"kvhd{tag}", f"kvp{tag}", f"kvd{tag}", f"10.77.{subnet}.1", f"10.77.{subnet}.2")
     try:
-        first = run_ip("netns", "add", made.prefill_ns, check=False)
-        if first.returncode:
-            pytest.skip(f"cannot make a network namespace here: {first.stderr.strip()}")
-        run_ip("netns", "add", made.decode_ns)
+        add_namespace(made.prefill_ns)
+        add_namespace(made.decode_ns)
         run_ip("link", "add", made.prefill_if, "type", "veth", "peer", "name", made.decode_if)
-        for ns, interface, address in (
-            (made.prefill_ns, made.prefill_if, made.prefill_ip),
-            (made.decode_ns, made.decode_if, made.decode_ip),
-        ):
-            run_ip("link", "set", interface, "netns", ns)
-            run_ip("-n", ns, "addr", "add", f"{address}/24", "dev", interface)
-            run_ip("-n", ns, "link", "set", interface, "up")
-            run_ip("-n", ns, "link", "set", "lo", "up")
+        bring_up(made.prefill_ns, made.prefill_if, made.prefill_ip)
+        bring_up(made.decode_ns, made.decode_if, made.decode_ip)
         yield made
     finally:
-        for ns in (made.prefill_ns, made.decode_ns):
-            run_ip("netns", "del", ns, check=False)
-        run_ip("link", "del", made.prefill_if, check=False)  # only if it never reached its namespace
+        remove([made.prefill_ns, made.decode_ns], [made.prefill_if])
+
+
+@pytest.fixture
+def star():
+    """Three hosts on one switch: a bridge in a namespace of its own, and a veth from it to
+    each host's namespace (one /24; the hosts are .1, .2 and .3)."""
+    reason = why_no_namespaces()
+    if reason:
+        pytest.skip(reason)
+    tag, subnet = fresh_names()
+    switch, bridge = f"kvsw{tag}", f"kvbr{tag}"
+    hosts = [Host(f"kvh{i}{tag}", f"kve{i}{tag}", f"10.77.{subnet}.{i + 1}") for i in range(3)]
+    ports = [f"kvs{i}{tag}" for i in range(3)]
+    try:
+        add_namespace(switch)
+        made = run_ip("-n", switch, "link", "add", bridge, "type", "bridge", check=False)
+        if made.returncode:
+            pytest.skip(f"cannot make a bridge here: {made.stderr.strip()}")
+        run_ip("-n", switch, "link", "set", bridge, "up")
+        for host, port in zip(hosts, ports):
+            add_namespace(host.ns)
+            run_ip("link", "add", host.interface, "type", "veth", "peer", "name", port)
+            bring_up(host.ns, host.interface, host.ip)
+            bring_up(switch, port, None)
+            run_ip("-n", switch, "link", "set", port, "master", bridge)
+        yield hosts
+    finally:
+        remove([switch, *(host.ns for host in hosts)], [host.interface for host in hosts])
 
 
 def engine_env() -> dict[str, str]:
@@ -120,6 +188,42 @@ class Outcome:
     prefill_ended: float
 
 
+@dataclass
+class Ended:
+    code: int
+    text: str  # stdout and stderr
+    at: float  # time.time()
+
+
+def run_engines(tmp_path, commands: dict[str, list[str]]) -> dict[str, Ended]:
+    """Start each command in turn (prefill engines first) under ``engine_env()``; wait for all
+    of them, bounded, and kill what is still running at the deadline or on a failure."""
+    env = engine_env()
+    processes: dict[str, subprocess.Popen] = {}
+    ended: dict[str, float] = {}
+    with contextlib.ExitStack() as files:
+        outputs = {name: files.enter_context(open(tmp_path / f"{name}.out", "w+")) for name in commands}
+        try:
+            for name, command in commands.items():
+                processes[name] = subprocess.Popen(command, stdout=outputs[name], stderr=subprocess.STDOUT, env=env)
+            deadline = time.monotonic() + 2 * START_SECONDS
+            while len(ended) < len(processes) and time.monotonic() < deadline:
+                for name, process in processes.items():
+                    if name not in ended and process.poll() is not None:
+                        ended[name] = time.time()
+                time.sleep(0.05)
+            if len(ended) < len(processes):
+                pytest.fail(f"the engines did not finish within {2 * START_SECONDS} s: {sorted(ended)} did")
+        finally:
+            for process in processes.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        for out in outputs.values():
+            out.seek(0)
+        return {name: Ended(processes[name].returncode, outputs[name].read(), ended[name]) for name in commands}
+
+
 def hand_off(pair: Pair, tmp_path, *, prefill: list[str] = (), decode: list[str] = (), port: int = 7600) -> Outcome:
     """Start prefill in its namespace, then decode in the other; wait for both (bounded)."""
     secret = str(tmp_path / "secret")
@@ -129,36 +233,17 @@ def hand_off(pair: Pair, tmp_path, *, prefill: list[str] = (), decode: list[str]
     prefill_argv += ["--idle-timeout", str(START_SECONDS + 120)]
     decode_argv = [*COMMON, *decode, "--prefill", f"{pair.prefill_ip}:{port}", "--secret-file", secret]
     decode_argv += ["--connect-timeout", str(START_SECONDS), "--no-progress", "--json", str(report)]
-    env = engine_env()
-    with open(tmp_path / "prefill.out", "w+") as prefill_out, open(tmp_path / "decode.out", "w+") as decode_out:
-        server = subprocess.Popen(
-            pair.command("prefill", "prefill", prefill_argv), stdout=prefill_out, stderr=subprocess.STDOUT, env=env
-        )
-        client = None
-        try:
-            client = subprocess.Popen(
-                pair.command("decode", "decode", decode_argv), stdout=decode_out, stderr=subprocess.STDOUT, env=env
-            )
-            ended: dict[str, float] = {}
-            deadline = time.monotonic() + 2 * START_SECONDS
-            while len(ended) < 2 and time.monotonic() < deadline:
-                for name, process in (("decode", client), ("prefill", server)):
-                    if name not in ended and process.poll() is not None:
-                        ended[name] = time.time()
-                time.sleep(0.05)
-            if len(ended) < 2:
-                pytest.fail(f"the engines did not finish within {2 * START_SECONDS} s: {sorted(ended)} did")
-        finally:
-            for process in (client, server):
-                if process is not None and process.poll() is None:
-                    process.kill()
-                    process.wait()
-        decode_out.seek(0)
-        prefill_out.seek(0)
-        text, prefill_text = decode_out.read(), prefill_out.read()
-    assert report.exists(), f"decode wrote no JSON:\n{text}\n--- prefill:\n{prefill_text}"
+    ended = run_engines(
+        tmp_path,
+        {
+            "prefill": pair.command("prefill", "prefill", prefill_argv),
+            "decode": pair.command("decode", "decode", decode_argv),
+        },
+    )
+    server, client = ended["prefill"], ended["decode"]
+    assert report.exists(), f"decode wrote no JSON:\n{client.text}\n--- prefill:\n{server.text}"
     data = json.loads(report.read_text())
-    return Outcome(client.returncode, data, text, server.returncode, prefill_text, ended["decode"], ended["prefill"])
+    return Outcome(client.code, data, client.text, server.code, server.text, client.at, server.at)
 
 
 def show(what: str, **figures: object) -> None:
@@ -289,3 +374,50 @@ def test_packets_dropped_at_random_only_slow_the_transfers(pair, tmp_path):
         transfer_bytes=figures["transfer_bytes"],
         transfer_seconds=round(figures["transfer_seconds"], 3),
     )
+
+
+@pytest.mark.timeout(2 * START_SECONDS + 120)
+def test_one_prefill_engine_serves_two_decode_hosts_through_a_switch(star, tmp_path):
+    """xPyD across hosts: prefill listens on every interface and names with ``--advertise``
+    the one NIXL/UCX uses; two decode engines, each on a host of its own, read their halves
+    of the requests (one told its address with ``--advertise``, the other finding it from
+    its route to prefill). Every byte verifies, and each decode host's veth carried its half."""
+    prefill, *decodes = star
+    secret = str(tmp_path / "secret")
+    write_secret_file(secret)
+    port, requests = 7600, ["--requests", "12"]
+    commands = {
+        "prefill": prefill.command(
+            "prefill",
+            [
+                *[*COMMON, *requests, "--listen", f"0.0.0.0:{port}", "--advertise", prefill.ip, "--serve", "2"],
+                *["--secret-file", secret, "--idle-timeout", str(START_SECONDS + 120)],
+            ],
+        )
+    }
+    for index, host in enumerate(decodes):
+        told = ["--advertise", host.ip] if index == 0 else []
+        commands[f"decode{index}"] = host.command(
+            "decode",
+            [
+                *[*COMMON, *requests, *told, "--share", f"{index}/2", "--prefill", f"{prefill.ip}:{port}"],
+                *["--secret-file", secret, "--connect-timeout", str(START_SECONDS), "--no-progress"],
+                *["--json", str(tmp_path / f"decode{index}.json")],
+            ],
+        )
+    before = [host.counter("rx_bytes") for host in decodes]
+    ended = run_engines(tmp_path, commands)
+    served = ended["prefill"].text
+    for name, end in ended.items():
+        assert end.code == 0, f"{name}:\n{end.text}\n--- prefill:\n{served}"
+    assert f"listening 0.0.0.0:{port} (UCX_NET_DEVICES={prefill.interface}, UCX_TLS=tcp)" in served, served
+    assert "2 served, 0 refused" in served, served
+    for index, host in enumerate(decodes):
+        data = json.loads((tmp_path / f"decode{index}.json").read_text())
+        figures = data["figures"]
+        assert data["verified"] == data["received"] == [f"req-{n:03d}" for n in range(index, 12, 2)]
+        assert figures["network"] == f"UCX_NET_DEVICES={host.interface}, UCX_TLS=tcp"
+        assert f"decode at {host.ip}:" in served
+        received = host.counter("rx_bytes") - before[index]
+        assert received >= figures["transfer_bytes"] > 0  # this host's half came over its own veth
+        show(f"switch, decode {index}", transfer_bytes=figures["transfer_bytes"], veth_rx_bytes=received)

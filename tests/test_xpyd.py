@@ -172,9 +172,9 @@ def test_a_pair_that_cannot_work_is_refused_in_one_line_naming_the_field_and_bot
     )
     try:
         assert server.stdout is not None
-        first = server.stdout.readline()  # "prefill: listening ADDR:PORT: ..."
+        first = server.stdout.readline()  # "prefill: listening ADDR:PORT (NETWORK): ..."
         assert "listening 127.0.0.1:" in first, first
-        address = first.split("listening ")[1].split(": ")[0]
+        address = first.split("listening ")[1].split(" ")[0]
         cases = [
             (["--dtype", "bfloat16"], "dtype: decode bfloat16, prefill float16 (must agree)"),
             (["--dtype", "float16", "--layers", "3"], "layers: decode 3, prefill 2"),

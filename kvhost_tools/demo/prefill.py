@@ -181,8 +181,8 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
             last_release[0] = time.monotonic()
 
         say(
-            f"listening {host}:{port}: {spec.describe()}; {len(held)} requests ({share}), "
-            f"filled in {fill_seconds:.2f} s"
+            f"listening {host}:{port} ({netenv.describe_network()}): {spec.describe()}; "
+            f"{len(held)} requests ({share}), filled in {fill_seconds:.2f} s"
         )
         server = Server(listener, secret, spec, offer, release=release, peer_timeout=args.peer_timeout, log=say)
         server.serve(peers=args.serve or None, idle_timeout=args.idle_timeout)
