@@ -260,8 +260,7 @@ class _Partial:
             last, used = divmod(tokens - 1, block_size)
             if used + 1 < block_size:
                 self._partial.append((start + last, used + 1))
-            if last + 1 < length:
-                self._whole.append((start + last + 1, start + length))
+            self._whole.append((start + last + 1, start + length))  # empty where the last token is in the last block
         self.blocks = len(self._partial) + sum(end - begin for begin, end in self._whole)
 
     def zero(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

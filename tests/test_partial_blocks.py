@@ -165,6 +165,24 @@ def test_a_batch_without_tokens_never_plans_a_zero():
     assert backend.zeros == [] and stats.zeroed_blocks == 0
 
 
+def test_tokens_that_fill_every_block_named_zero_nothing():
+    """The last token in the last token slot of the last block: nothing to zero, so no zero
+    call at all, for r and g units alike, and the wire bytes land as without ``tokens``."""
+    axes, _, caches = caches_for("KBNHC/HND", 24, "cpu")
+    backend = Recording()
+    case = ReceiveCase(caches, axes, seed=3)
+    case.send("g", [4, 9, 11, 2], "HNC", 16, tokens=4 * BLOCK)
+    case.send("r", [7, 13], "HNC", 2, tokens=2 * BLOCK)
+    requests = {
+        name: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size, tokens=w.tokens)
+        for name, w in case.requests.items()
+    }
+    stats = kvhost.receive(caches, requests, axes=axes, backend=backend)
+    case.check()
+    assert sorted(backend.units) == [[[4, 9], [11, 2]], [[7], [13]]]
+    assert backend.zeros == [] and stats.zeroed_blocks == 0
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
