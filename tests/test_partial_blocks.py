@@ -183,6 +183,21 @@ def test_tokens_that_fill_every_block_named_zero_nothing():
     assert backend.zeros == [] and stats.zeroed_blocks == 0
 
 
+def test_tokens_that_end_at_a_block_end_zero_the_later_blocks_whole_and_none_in_part():
+    axes, _, caches = caches_for("KBNHC/HND", 24, "cpu")
+    backend = Recording()
+    case = ReceiveCase(caches, axes, seed=4)
+    case.send("r", [7, 13, 5], "HNC", 2, tokens=BLOCK)  # block 7 full; 13 and 5 received nothing
+    requests = {
+        name: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size, tokens=w.tokens)
+        for name, w in case.requests.items()
+    }
+    stats = kvhost.receive(caches, requests, axes=axes, backend=backend)
+    case.check()
+    assert backend.units == [[[7]]]
+    assert backend.zeros == [([13, 5], [], [])] and stats.zeroed_blocks == 2
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
