@@ -265,9 +265,8 @@ class _Partial:
 
     def zero(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(blocks zeroed whole, blocks zeroed from a token on, that token) as block ids."""
-        whole = [ids[begin:end] for begin, end in self._whole] or [ids[:0]]
-        return (
-            np.concatenate(whole).astype(np.int64, copy=False),
+        return (  # one range of whole blocks per request (made only for requests with tokens), some empty
+            np.concatenate([ids[begin:end] for begin, end in self._whole]).astype(np.int64, copy=False),
             ids[[p for p, _ in self._partial]].astype(np.int64, copy=False),  # ids[[]]: empty, of ids' dtype
             np.array([t for _, t in self._partial], dtype=np.int64),
         )
