@@ -163,10 +163,12 @@ ENGINE = ["--requests", "2", "--layers", "2", "--heads", "4", "--head-dim", "8",
 @needs_nixl
 @pytest.mark.timeout(300)
 def test_a_pair_that_cannot_work_is_refused_in_one_line_naming_the_field_and_both_values(tmp_path):
+    """Each refusal is one line on both sides; refusals do not use up ``--serve``, so the
+    decode engine that agrees afterwards is the one prefill serves before it exits 0."""
     secret = str(tmp_path / "secret")
     write_secret_file(secret)
     prefill_argv = [*ENGINE, "--dtype", "float16", "--listen", "127.0.0.1:0", "--secret-file", secret]
-    prefill_argv += ["--idle-timeout", "240", "--serve", "0"]
+    prefill_argv += ["--idle-timeout", "240", "--serve", "1"]  # refusals do not count towards --serve
     server = subprocess.Popen(
         [sys.executable, "-m", "kvhost_tools.cli", "prefill", *prefill_argv], stdout=subprocess.PIPE, text=True
     )
@@ -194,6 +196,18 @@ def test_a_pair_that_cannot_work_is_refused_in_one_line_naming_the_field_and_bot
             assert time.monotonic() - started < 250
             refused = server.stdout.readline()
             assert "refused: " + why in refused, refused
+        # A decode engine that agrees is still served, and it is the one --serve 1 waited for.
+        argv = [*ENGINE, "--dtype", "float16", "--prefill", address, "--secret-file", secret, "--no-progress"]
+        done = subprocess.run(
+            [sys.executable, "-m", "kvhost_tools.cli", "decode", *argv, "--connect-timeout", "200"],
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        said, _ = server.communicate(timeout=120)
+        assert server.returncode == 0, said
+        assert "1 served, 2 refused" in said, said
     finally:
         server.kill()
         server.wait()
