@@ -181,15 +181,19 @@ def test_a_pair_that_cannot_work_is_refused_in_one_line_naming_the_field_and_bot
             (["--dtype", "bfloat16"], "dtype: decode bfloat16, prefill float16 (must agree)"),
             (["--dtype", "float16", "--layers", "3"], "layers: decode 3, prefill 2"),
         ]
-        for extra, why in cases:
+
+        def decode(extra: list[str]) -> subprocess.CompletedProcess[str]:
             argv = [*ENGINE, *extra, "--prefill", address, "--secret-file", secret, "--no-progress"]
-            started = time.monotonic()
-            done = subprocess.run(
+            return subprocess.run(
                 [sys.executable, "-m", "kvhost_tools.cli", "decode", *argv, "--connect-timeout", "200"],
                 capture_output=True,
                 text=True,
                 timeout=280,
             )
+
+        for extra, why in cases:
+            started = time.monotonic()
+            done = decode(extra)
             assert done.returncode == 2, done.stdout + done.stderr
             errors = [line for line in done.stdout.splitlines() if line.startswith("  error")]
             assert len(errors) == 1 and f"prefill at {address} refused: {why}" in errors[0], done.stdout
@@ -197,13 +201,7 @@ def test_a_pair_that_cannot_work_is_refused_in_one_line_naming_the_field_and_bot
             refused = server.stdout.readline()
             assert "refused: " + why in refused, refused
         # A decode engine that agrees is still served, and it is the one --serve 1 waited for.
-        argv = [*ENGINE, "--dtype", "float16", "--prefill", address, "--secret-file", secret, "--no-progress"]
-        done = subprocess.run(
-            [sys.executable, "-m", "kvhost_tools.cli", "decode", *argv, "--connect-timeout", "200"],
-            capture_output=True,
-            text=True,
-            timeout=280,
-        )
+        done = decode(["--dtype", "float16"])
         assert done.returncode == 0, done.stdout + done.stderr
         said, _ = server.communicate(timeout=120)
         assert server.returncode == 0, said
