@@ -79,6 +79,10 @@ MODULES = [
     Module("backends/kvhost_cpu/backend.py", tuple(BACKENDS)),
     Module("backends/kvhost_cpu/kernels.py", tuple(BACKENDS)),
     Module("kvhost/nixl/plans.py", ("tests/test_nixl.py",)),
+    Module("kvhost/nixl/ranks.py", ("tests/test_ranks.py", "tests/test_nixl.py")),
+    # What a peer sends is read here first: frames and their fields, every size bounded.
+    Module("kvhost/nixl/framing.py", ("tests/test_nixl_protocol.py", "tests/test_peer_limits.py", "tests/test_peers.py")),
+    Module("kvhost/nixl/fields.py", ("tests/test_nixl_protocol.py", "tests/test_peer_limits.py", "tests/test_peers.py")),
     Module(
         "kvhost/nixl/tables.py",
         ("tests/test_nixl.py",),
