@@ -55,6 +55,7 @@ EQUIVALENT_FILE = ROOT / "ci" / "mutation-equivalent.txt"
 CONFORMANCE = ["tests/test_receive.py", "tests/test_copy.py", "tests/test_property.py"]
 CHECKS = ["tests/test_errors.py", "tests/test_bad_input.py", "tests/test_ownership.py"]
 BACKENDS = [*CONFORMANCE, "tests/test_plans.py", "tests/test_backends.py", "tests/test_threads.py"]
+PROTOCOL = ["tests/test_nixl_protocol.py", "tests/test_peer_limits.py", "tests/test_peers.py"]
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ MODULES = [
     Module("kvhost/nixl/plans.py", ("tests/test_nixl.py",)),
     Module("kvhost/nixl/ranks.py", ("tests/test_ranks.py", "tests/test_nixl.py")),
     # What a peer sends is read here first: frames and their fields, every size bounded.
-    Module("kvhost/nixl/framing.py", ("tests/test_nixl_protocol.py", "tests/test_peer_limits.py", "tests/test_peers.py")),
-    Module("kvhost/nixl/fields.py", ("tests/test_nixl_protocol.py", "tests/test_peer_limits.py", "tests/test_peers.py")),
+    Module("kvhost/nixl/framing.py", tuple(PROTOCOL)),
+    Module("kvhost/nixl/fields.py", tuple(PROTOCOL)),
     Module(
         "kvhost/nixl/tables.py",
         ("tests/test_nixl.py",),
