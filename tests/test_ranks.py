@@ -39,8 +39,16 @@ LAYOUTS = {
     "NHD": ("KBNHC", "KBNHC"),
     "blockfirst-NHD": ("BKNHC", "BKNHC"),
     "blockfirst-HND": ("BKNHC", "BKHNC"),
+    "heads-outer": ("KBNHC", "KHBNC"),
 }
-PAIRS = [("HND", "NHD"), ("NHD", "NHD"), ("NHD", "HND"), ("HND", "HND"), ("blockfirst-NHD", "blockfirst-HND")]
+PAIRS = [
+    ("HND", "NHD"),
+    ("NHD", "NHD"),
+    ("NHD", "HND"),
+    ("HND", "HND"),
+    ("blockfirst-NHD", "blockfirst-HND"),
+    ("heads-outer", "heads-outer"),
+]
 # (remote block size, local block size, remote blocks in the request)
 SIZES = {"r4": (4, 16, 7), "same": (8, 8, 3), "g2": (16, 8, 3), "g4": (32, 8, 2)}
 # (remote TP, local TP) over 4 KV heads
@@ -224,6 +232,101 @@ def test_a_gather_costs_one_descriptor_per_remote_block_and_stream_when_heads_le
     assert np.unique(np.concatenate(rows)[:, 0]).size == 16 * streams  # no byte written twice
 
 
+def test_ranks_and_tp_out_of_range_are_refused():
+    for local_rank, local_tp, remote_tp in ((0, 0, 1), (0, 1, 0), (0, -2, 1), (0, 1, -2)):
+        with pytest.raises(LayoutError, match="cannot be shared evenly"):
+            head_shares(local_rank, local_tp, remote_tp, 8)
+    for local_rank in (-1, 2, 3):
+        with pytest.raises(LayoutError, match=f"local rank {local_rank} is not one of 2 ranks"):
+            head_shares(local_rank, 2, 1, 8)
+        with pytest.raises(LayoutError, match=f"local rank {local_rank} of 2"):
+            latent_source(local_rank, 2, 1)
+    for remote_tp in (0, -1):
+        with pytest.raises(LayoutError, match=f"remote TP {remote_tp}"):
+            latent_source(0, 2, remote_tp)
+    assert [latent_source(rank, 4, 2) for rank in range(4)] == [0, 1, 0, 1]
+    assert [latent_source(rank, 2, 4) for rank in range(2)] == [0, 1]
+
+
+@pytest.mark.parametrize("sizes_name", SIZES)
+def test_a_plan_knows_r_g_and_the_remote_order(sizes_name):
+    remote_size, local_size, _ = SIZES[sizes_name]
+    remote = [region_table(engine_caches("KBNHC", "KBHNC", 2, remote_size, 4, seed=q), "KBNHC") for q in range(2)]
+    plan = plan_ranks(region_table(engine_caches("KBNHC", "KBNHC", 4, local_size, 4, seed=5), "KBNHC"), 0, 1, remote)
+    assert (plan.r, plan.g) == (max(local_size // remote_size, 1), max(remote_size // local_size, 1))
+    assert (plan.remote_order, plan.remote_block_size) == ("HNC", remote_size)
+    assert plan.local_blocks_for(5) == (5 * plan.g if plan.g > 1 else -(-5 // plan.r))
+
+
+def test_whole_regions_and_head_major_shares_take_one_plan_per_source():
+    """Equal TP moves whole regions; a local rank holding a share of a head-major sender's
+    heads reads one run per block; only what is left needs byte windows (a plan per placement)."""
+    head_major = [region_table(engine_caches("KBNHC", "KBHNC", 4, 16, 4, seed=1), "KBNHC")]
+    local = region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 4, seed=2), "KBNHC")
+    assert [len(s.parts) for s in plan_ranks(local, 0, 1, head_major).sources] == [1]
+    half = region_table(engine_caches("KBNHC", "KBNHC", 2, 64, 4, seed=3), "KBNHC")
+    (source,) = plan_ranks(half, 1, 2, head_major).sources
+    assert len(source.parts) == 1 and source.parts[0].phase is None
+    assert source.share == HeadShare(0, 0, 2, 2)
+    token_major = [region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 4, seed=4), "KBNHC")]
+    (source,) = plan_ranks(half, 1, 2, token_major).sources
+    assert len(source.parts) == 4 and [p.phase for p in source.parts] == [0, 1, 2, 3]  # r = 4 sub-blocks
+
+
+def test_merged_rows_of_runs_are_fewer_and_a_domain_of_minus_one_merges_nothing():
+    """Equal TP: whole regions, and consecutive blocks continue one another on both sides."""
+    remote = [region_table(engine_caches("KBNHC", "KBHNC", 4, 16, 16, seed=1), "KBNHC")]
+    plan = plan_ranks(region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 16, seed=7), "KBNHC"), 0, 1, remote)
+    local_ids, remote_ids = list(range(3, 9)), list(range(8, 14))  # whole regions, runs on both sides
+    for source in plan.sources:
+        per_piece = plan.rows(source, local_ids, remote_ids)[0]
+        merged = plan.rows(source, local_ids, remote_ids, max_bytes=1 << 40)[0]
+        assert merged.shape[0] < per_piece.shape[0] and merged[:, 1].sum() == per_piece[:, 1].sum()
+        # Memory NIXL registered block by block (-1 on both sides): no descriptor may span two blocks.
+        apart = [
+            (np.full(len(p.plan.local.streams), -1), np.full(len(p.plan.remote.streams), -1)) for p in source.parts
+        ]
+        kept = plan.rows(source, local_ids, remote_ids, max_bytes=1 << 40, domains=apart)[0]
+        assert np.array_equal(np.sort(kept, axis=0), np.sort(per_piece, axis=0))
+
+
+def test_a_remote_id_beyond_the_smallest_remote_rank_is_refused():
+    remote = [
+        region_table(engine_caches("KBNHC", "KBHNC", 2, 16, blocks, seed=q), "KBNHC")
+        for q, blocks in enumerate((16, 12))
+    ]
+    plan = plan_ranks(region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 16, seed=7), "KBNHC"), 0, 1, remote)
+    assert plan.remote_block_count == 12
+    plan.rows(plan.sources[1], [0], [11])
+    for source in plan.sources:
+        with pytest.raises(RequestError, match="12"):
+            plan.rows(source, [0], [12])
+
+
+def test_tables_that_cannot_share_heads_are_refused_naming_why():
+    def table(memory, heads, block_size, blocks=4, channels=CHANNELS, axes="KBNHC"):
+        sizes = {"K": 2, "H": heads, "C": channels, "N": block_size, "B": blocks}
+        cache = make_cache(axes, memory, {a: sizes[a] for a in memory})
+        return region_table({"l0": cache}, axes)
+
+    local = table("KBNHC", 2, 8)
+    with pytest.raises(LayoutError, match="no remote ranks"):
+        plan_ranks(local, 0, 2, [])
+    with pytest.raises(LayoutError, match="remote rank 1's table differs from rank 0's"):
+        plan_ranks(local, 0, 2, [table("KBHNC", 4, 8), table("KBHNC", 4, 16)])
+    # Shares of heads go through byte windows, where the tables' block sizes no longer show.
+    with pytest.raises(LayoutError, match=r"block sizes 8 \(local\) and 12 \(remote\) do not divide"):
+        plan_ranks(local, 0, 2, [table("KBHNC", 4, 12)])
+    with pytest.raises(LayoutError, match="heads are streams on one side only"):
+        plan_ranks(local, 0, 2, [table("KHBNC", 4, 8)])
+    with pytest.raises(LayoutError, match="differ beyond N and H"):
+        plan_ranks(local, 0, 2, [table("KBNHC", 4, 8, channels=2 * CHANNELS)])
+    with pytest.raises(LayoutError, match="hold different letters"):
+        plan_ranks(table("BKNHC", 2, 8, axes="BKNHC"), 0, 2, [table("KBNHC", 4, 8)])
+    with pytest.raises(LayoutError, match="token-run tables are not shared out by heads"):
+        plan_ranks(table("BKNHC", 2, 8, axes="BKNHC").token_runs(), 0, 2, [table("BKNHC", 4, 8, axes="BKNHC")])
+
+
 @needs_nixl
 @pytest.mark.timeout(120)
 def test_rank_readers_gather_over_nixl_from_several_agents():
@@ -258,3 +361,59 @@ def test_rank_readers_gather_over_nixl_from_several_agents():
                 check_rank(
                     local, "KBNHC", plan, local_ids, remote_caches, remote_ids, tokens, lambda s: (0, s.share.count)
                 )
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_rank_reader_checks_its_peers_memory_and_bound_and_lets_go_on_a_failure(monkeypatch):
+    """Refused when made: a source without an agent, memory nobody registered (either side),
+    a bad descriptor bound. Counted: the rows it posts. A failure while posting the second
+    source's transfer releases the first's."""
+    from kvhost.nixl import Agent, RankReader, TransferError
+    from kvhost.nixl import ranks as ranks_module
+
+    remote_caches = [engine_caches("KBNHC", "KBHNC", 2, 16, 16, seed=q) for q in range(2)]
+    with contextlib.ExitStack() as stack:
+        senders = [stack.enter_context(Agent(f"guard-prefill-{q}")) for q in range(2)]
+        tables = [agent.register(c, "KBNHC") for agent, c in zip(senders, remote_caches)]
+        receiver = stack.enter_context(Agent("guard-decode"))
+        local = engine_caches("KBNHC", "KBNHC", 4, 16, 16, seed=70)
+        plan = plan_ranks(receiver.register(local, "KBNHC"), 0, 1, tables)
+        peers = {s.rank: receiver.add_peer(senders[s.rank].metadata()) for s in plan.sources}
+        with pytest.raises(LayoutError, match=r"no agent for remote rank\(s\) \[1\]"):
+            RankReader(receiver, plan, {0: peers[0]})
+        for bad in (0, -1, True):
+            with pytest.raises(TransferError, match="max_descriptor_bytes"):
+                RankReader(receiver, plan, peers, max_descriptor_bytes=bad)
+        stranger = region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 16, seed=71), "KBNHC")
+        with pytest.raises(TransferError, match="local table names memory this agent has not registered"):
+            RankReader(receiver, plan_ranks(stranger, 0, 1, tables), peers)
+        unregistered = region_table(engine_caches("KBNHC", "KBHNC", 2, 16, 16, seed=72), "KBNHC")
+        with pytest.raises(TransferError, match="has not registered"):
+            RankReader(receiver, plan_ranks(plan.local, 0, 1, [tables[0], unregistered]), peers)
+
+        per_piece = RankReader(receiver, plan, peers, max_descriptor_bytes=None)
+        merged = RankReader(receiver, plan, peers)
+        assert per_piece.domains == {} and sorted(merged.domains) == [0, 1]
+        local_ids, remote_ids = [3, 4, 5], [8, 9, 10]
+        for reader, bound in ((per_piece, None), (merged, merged.max_descriptor_bytes)):
+            transfers = reader.read(local_ids, remote_ids)
+            want = [plan.rows(s, local_ids, remote_ids, max_bytes=bound)[0].shape[0] for s in plan.sources]
+            assert [t.descriptors for t in transfers] == want and reader.descriptors == sum(want)
+            for transfer in transfers:
+                transfer.wait(timeout=30)
+                transfer.release()
+
+        posted = []
+        real_post = ranks_module.post_rows
+
+        def post_then_fail(*args, **kwargs):
+            if posted:
+                raise TransferError("the link went down (injected)")
+            posted.append(real_post(*args, **kwargs))
+            return posted[-1]
+
+        monkeypatch.setattr(ranks_module, "post_rows", post_then_fail)
+        with pytest.raises(TransferError, match="injected"):
+            merged.read(local_ids, remote_ids)
+        assert len(posted) == 1 and posted[0].released

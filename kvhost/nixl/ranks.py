@@ -290,7 +290,9 @@ def _window_parts(local: RegionTable, remote: RegionTable, share: HeadShare) -> 
 
 def _share_runs(remote: RegionTable, share: HeadShare, local_heads: int) -> list[tuple[int, int, int]]:
     """(offset in the remote region, offset in the virtual region, length) of the share's byte
-    runs: one per index of the letters before H in the region, adjacent runs merged."""
+    runs: one per index of the letters before H in the region. Two runs never continue one
+    another on both sides: that takes a share of every head of both sides, which ``_parts``
+    moves as whole regions."""
     order = remote.run_order
     remote_sizes = {a: remote.sizes[a] for a in order}
     virtual_sizes = {**remote_sizes, "H": local_heads}
@@ -305,11 +307,7 @@ def _share_runs(remote: RegionTable, share: HeadShare, local_heads: int) -> list
     for index in itertools.product(*(range(remote_sizes[a]) for a in before)):
         start = sum(i * remote_strides[a] for a, i in zip(before, index)) + share.remote_first * head
         at = sum(i * virtual_strides[a] for a, i in zip(before, index)) + share.local_first * head
-        length = share.count * head
-        if runs and runs[-1][0] + runs[-1][2] == start and runs[-1][1] + runs[-1][2] == at:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
-        else:
-            runs.append((start, at, length))
+        runs.append((start, at, share.count * head))
     return runs
 
 
