@@ -84,6 +84,18 @@ def check_rank(local, axes, plan, local_ids, remote_caches, remote_ids, tokens, 
 @pytest.mark.parametrize("sizes_name", SIZES)
 @pytest.mark.parametrize("pair", PAIRS, ids="->".join)
 def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name, tp, merge):
+    check_every_local_rank(pair, sizes_name, tp, merge, HEADS)
+
+
+# 6 KV heads: shares of 2 and 3 heads, whose byte runs start inside a local region and cross its end.
+@pytest.mark.parametrize("tp", [(3, 2), (2, 3), (6, 2), (2, 6), (3, 1)], ids=lambda tp: f"P{tp[0]}D{tp[1]}")
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize("pair", [("HND", "NHD"), ("NHD", "HND"), ("heads-outer", "heads-outer")], ids="->".join)
+def test_six_heads_shared_unevenly_across_ranks(pair, sizes_name, tp):
+    check_every_local_rank(pair, sizes_name, tp, None, 6)
+
+
+def check_every_local_rank(pair, sizes_name, tp, merge, heads):
     remote_name, local_name = pair
     axes, remote_memory = LAYOUTS[remote_name]
     local_axes, local_memory = LAYOUTS[local_name]
@@ -91,7 +103,7 @@ def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name,
     remote_size, local_size, count = SIZES[sizes_name]
     remote_tp, local_tp = tp
     remote_caches = [
-        engine_caches(axes, remote_memory, HEADS // remote_tp, remote_size, 16, seed=10 * q) for q in range(remote_tp)
+        engine_caches(axes, remote_memory, heads // remote_tp, remote_size, 16, seed=10 * q) for q in range(remote_tp)
     ]
     remote_tables = [region_table(c, axes) for c in remote_caches]
     # Merged descriptors on ids in runs (where pieces continue one another), per piece on scattered ones.
@@ -99,7 +111,7 @@ def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name,
     remote_ids = all_remote[:count]
     tokens = count * remote_size
     for rank in range(local_tp):
-        local = engine_caches(axes, local_memory, HEADS // local_tp, local_size, 24, seed=100 + rank)
+        local = engine_caches(axes, local_memory, heads // local_tp, local_size, 24, seed=100 + rank)
         before = {name: raw(t).clone() for name, t in local.items()}
         plan = plan_ranks(region_table(local, axes), rank, local_tp, remote_tables)
         local_ids = all_local[: plan.local_blocks_for(count)]
@@ -111,8 +123,8 @@ def test_every_local_rank_gets_its_heads_from_the_remote_ranks(pair, sizes_name,
             memmove_rows(local_rows, remote_rows)
             moved += int(local_rows[:, 1].sum())
         # Only this rank's heads move: tokens x heads x C x K x 2 layers x 2 bytes.
-        assert moved == plan.bytes_for(count) == tokens * (HEADS // local_tp) * CHANNELS * 2 * 2 * 2
-        assert {s.rank for s in plan.sources} == {s.remote_rank for s in head_shares(rank, local_tp, remote_tp, 4)}
+        assert moved == plan.bytes_for(count) == tokens * (heads // local_tp) * CHANNELS * 2 * 2 * 2
+        assert {s.rank for s in plan.sources} == {s.remote_rank for s in head_shares(rank, local_tp, remote_tp, heads)}
         kvhost.receive(
             local, {"x": local_ids}, axes=axes, remote_order=plan.remote_order, remote_block_size=remote_size
         )
