@@ -15,6 +15,7 @@ import random
 import socket
 import struct
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -36,7 +37,7 @@ from kvhost.nixl import (
     region_table,
     send,
 )
-from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION
+from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION, json_values, parse_header
 from kvhost.testing import make_cache
 from kvhost_tools.demo import config as demo_config
 from kvhost_tools.demo import decode as demo_decode
@@ -526,3 +527,149 @@ def test_decode_exits_with_a_clear_error_on_a_malformed_offer(capsys, tmp_path):
     assert "ProtocolError: offer.tables[0].order: 'HNX' must be distinct letters" in out
     assert "FAILED: the hand-off did not run" in out
     assert issubclass(ProtocolError, KVHostError)
+
+
+# --- the frame format, byte for byte, and its limits at their edges --------------------
+
+WIRE_HEADER = struct.Struct(">4sBIIII")  # magic, version, JSON, blob and array lengths, CRC
+
+
+def by_hand(body: bytes, blob: bytes = b"", arrays: bytes = b"") -> bytes:
+    """A frame as the format says it is, built without kvhost's encoder."""
+    crc = zlib.crc32(arrays, zlib.crc32(blob, zlib.crc32(body)))
+    return WIRE_HEADER.pack(b"KVHM", 2, len(body), len(blob), len(arrays), crc) + body + blob + arrays
+
+
+def test_a_frame_is_the_documented_bytes():
+    """Version 2: magic, version, three big-endian lengths, the CRC of JSON, blob and arrays
+    in turn; JSON without spaces, ``kind`` first; arrays little-endian, each aligned to its
+    item size after the ones before it."""
+    assert encode("ping", {"n": 1}, b"xy") == by_hand(b'{"kind":"ping","n":1}', b"xy")
+    small, wide = np.array([1, 2, 3], dtype=np.uint8), np.array([5, 1 << 40], dtype=np.uint64)
+    body = b'{"kind":"ids","a":{"array":"u1","offset":0,"count":3},"b":{"array":"<u8","offset":8,"count":2}}'
+    arrays = bytes([1, 2, 3]) + bytes(5) + (5).to_bytes(8, "little") + (1 << 40).to_bytes(8, "little")
+    frame = encode("ids", {"a": small, "b": wide})
+    assert frame == by_hand(body, arrays=arrays)
+    message = decode(frame)
+    assert message.fields().array("a").tolist() == [1, 2, 3] and message.fields().array("b").tolist() == [5, 1 << 40]
+
+
+def test_a_message_names_its_fields_by_kind_unless_told_and_keeps_arrays_out_of_its_repr():
+    message = decode(encode("offer", {"x": "y", "ids": np.arange(3, dtype=np.uint16)}))
+    assert message.fields().where == "offer" and message.fields("offer.requests[2]").where == "offer.requests[2]"
+    assert "arrays" not in repr(message)
+
+
+@pytest.mark.parametrize(
+    "array", [np.zeros((2, 2), dtype=np.uint8), np.zeros(3, dtype=np.int32)], ids=["2-D", "signed"]
+)
+def test_only_flat_unsigned_arrays_are_sent(array):
+    with pytest.raises(ProtocolError, match="arrays must be flat unsigned integers"):
+        encode("ids", {"a": array})
+
+
+def zeros_body(count: int) -> bytes:
+    """A JSON object of exactly ``count + 5`` values: itself, ``kind`` and ``a`` (a key and a
+    value each) and ``count`` zeros in ``a``."""
+    return b'{"kind":"k","a":[' + b",".join([b"0"] * count) + b"]}"
+
+
+def test_json_values_are_counted_exactly_and_the_limit_is_inclusive():
+    assert MAX_JSON_VALUES == 1 << 16
+    at_limit = (1 << 16) - 5
+    for body, values in ((b'{"kind":"k"}', 3), (zeros_body(2), 7), (zeros_body(at_limit), 1 << 16)):
+        assert json_values(body) == values
+    assert decode(by_hand(zeros_body(at_limit))).fields().items("a", max_length=at_limit) == [0] * at_limit
+    with pytest.raises(ProtocolError, match=f"may hold {(1 << 16) + 1} JSON values, more than the limit of 65536"):
+        decode(by_hand(zeros_body(at_limit + 1)))
+    assert decode(encode("k", {"a": [0] * at_limit})).kind == "k"
+    with pytest.raises(ProtocolError, match="too large"):
+        encode("k", {"a": [0] * (at_limit + 1)})
+
+
+@pytest.mark.parametrize(
+    ("what", "limit", "lengths"),
+    [
+        ("JSON", 1 << 20, lambda n: (n, 0, 0)),
+        ("blob", 16 << 20, lambda n: (10, n, 0)),
+        ("array", 64 << 20, lambda n: (10, 0, n)),
+    ],
+)
+def test_each_length_in_a_header_may_reach_its_limit_and_not_pass_it(what, limit, lengths):
+    assert parse_header(WIRE_HEADER.pack(b"KVHM", 2, *lengths(limit), 0)) == (*lengths(limit), 0)
+    with pytest.raises(ProtocolError, match=f"{what} length {limit + 1} exceeds the limit of {limit} bytes"):
+        parse_header(WIRE_HEADER.pack(b"KVHM", 2, *lengths(limit + 1), 0))
+
+
+def test_the_sender_keeps_to_the_same_limits():
+    body = b'{"kind":"k","p":""}'
+    fits = "x" * ((1 << 20) - len(body))
+    assert len(encode("k", {"p": fits})) == HEADER_BYTES + (1 << 20)
+    with pytest.raises(ProtocolError, match=f"too large: {(1 << 20) + 1} JSON bytes"):
+        encode("k", {"p": fits + "x"})
+    assert len(encode("k", {}, bytes(16 << 20))) == HEADER_BYTES + len(b'{"kind":"k"}') + (16 << 20)
+    with pytest.raises(ProtocolError, match=f"{(16 << 20) + 1} blob bytes"):
+        encode("k", {}, bytes((16 << 20) + 1))
+    assert decode(encode("k", {"a": np.zeros(64 << 20, dtype=np.uint8)})).fields().array("a").size == 64 << 20
+    with pytest.raises(ProtocolError, match=f"{(64 << 20) + 1} array bytes"):
+        encode("k", {"a": np.zeros((64 << 20) + 1, dtype=np.uint8)})
+
+
+@pytest.mark.timeout(20)
+def test_a_limit_on_the_frame_counts_json_blob_and_arrays_together():
+    frame = encode("k", {"a": np.arange(4, dtype=np.uint8)}, b"blob")
+    size = len(frame) - HEADER_BYTES
+    for limit, fits in ((size, True), (size - 1, False)):
+        left, right = socket.socketpair()
+        with left, right:
+            right.sendall(frame)
+            if fits:
+                assert receive(left, timeout=5, limit=limit).blob == b"blob"
+            else:
+                with pytest.raises(ProtocolError, match=f"frame of {size} bytes exceeds the limit of {limit} bytes"):
+                    receive(left, timeout=5, limit=limit)
+
+
+@pytest.mark.timeout(20)
+def test_a_peer_that_closes_mid_frame_is_named_at_once_not_at_the_deadline():
+    left, right = socket.socketpair()
+    with left:
+        right.sendall(FRAME[: HEADER_BYTES + 5])
+        right.close()
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match="truncated message: connection closed after 5 of"):
+            receive(left, timeout=10)
+        assert time.monotonic() - started < 5
+
+
+@pytest.mark.timeout(20)
+def test_a_send_to_a_peer_that_does_not_read_or_is_gone_is_a_protocol_error_in_time():
+    left, right = socket.socketpair()
+    with left, right:
+        left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match=r"could not send 'k' within 0.3 s: the peer does not read"):
+            send(left, "k", {}, bytes(8 << 20), timeout=0.3)
+        assert time.monotonic() - started < 5
+    left, right = socket.socketpair()
+    with left:
+        right.close()
+        with pytest.raises(ProtocolError, match="could not send 'k': "):
+            send(left, "k", {}, bytes(1 << 20), timeout=5)
+
+
+def test_integers_reach_the_top_of_u64_and_seconds_start_at_zero():
+    from kvhost.nixl.errors import InvalidTimeoutError
+    from kvhost.nixl.fields import check_int, check_seconds
+
+    top = (1 << 64) - 1
+    assert check_int(top, "n") == top
+    with pytest.raises(ProtocolError, match=rf"n: expected an integer in \[0, {top}\], got {1 << 64}"):
+        check_int(1 << 64, "n")
+    assert Fields({"n": top}, "hello").integer("n") == top
+    assert check_seconds(0, "wait") == 0.0 and check_seconds(7 * 24 * 3600, "wait") == 7 * 24 * 3600
+    for bad in (-1e-9, 7 * 24 * 3600 + 1):
+        with pytest.raises(InvalidTimeoutError, match=r"wait: expected a number of seconds in \[0, 604800\]"):
+            check_seconds(bad, "wait")
+    with pytest.raises(InvalidTimeoutError, match=r"wait: expected a number of seconds in \(0, 604800\]"):
+        check_seconds(0, "wait", positive=True)

@@ -276,6 +276,13 @@ def test_whole_regions_and_head_major_shares_take_one_plan_per_source():
     head_major = [region_table(engine_caches("KBNHC", "KBHNC", 4, 16, 4, seed=1), "KBNHC")]
     local = region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 4, seed=2), "KBNHC")
     assert [len(s.parts) for s in plan_ranks(local, 0, 1, head_major).sources] == [1]
+    token_major_whole = [region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 4, seed=5), "KBNHC")]
+    equal = plan_ranks(local, 0, 1, token_major_whole)
+    (source,) = equal.sources
+    rows = equal.rows(source, [0, 1], [2, 3])[0]
+    assert len(source.parts) == 1 and rows.shape[0] == 2 * len(
+        local.streams
+    )  # a row per block and stream, not per token
     half = region_table(engine_caches("KBNHC", "KBNHC", 2, 64, 4, seed=3), "KBNHC")
     (source,) = plan_ranks(half, 1, 2, head_major).sources
     assert len(source.parts) == 1 and source.parts[0].phase is None
