@@ -666,10 +666,72 @@ def test_integers_reach_the_top_of_u64_and_seconds_start_at_zero():
     assert check_int(top, "n") == top
     with pytest.raises(ProtocolError, match=rf"n: expected an integer in \[0, {top}\], got {1 << 64}"):
         check_int(1 << 64, "n")
-    assert Fields({"n": top}, "hello").integer("n") == top
+    assert Fields({"n": top}, "hello").integer("n") == top and Fields({"n": 0}, "hello").integer("n") == 0
+    with pytest.raises(ProtocolError, match=rf"hello.n: expected an integer in \[0, {top}\], got -1"):
+        Fields({"n": -1}, "hello").integer("n")
     assert check_seconds(0, "wait") == 0.0 and check_seconds(7 * 24 * 3600, "wait") == 7 * 24 * 3600
     for bad in (-1e-9, 7 * 24 * 3600 + 1):
         with pytest.raises(InvalidTimeoutError, match=r"wait: expected a number of seconds in \[0, 604800\]"):
             check_seconds(bad, "wait")
     with pytest.raises(InvalidTimeoutError, match=r"wait: expected a number of seconds in \(0, 604800\]"):
         check_seconds(0, "wait", positive=True)
+
+
+def test_field_defaults_are_their_documented_bounds():
+    """Each getter's default bound, at its edge: texts of 256 characters, lists of 65,536
+    items, arrays of unsigned values from 0; ``seconds`` falls back to its default only when
+    the field is absent."""
+    from kvhost.nixl.fields import check_int, check_text
+
+    fields = Fields({"t": "x" * 256, "long": "x" * 257, "l": [0] * (1 << 16), "over": [0] * ((1 << 16) + 1)}, "m")
+    assert fields.text("t") == "x" * 256 and check_text("x" * 256, "t") == "x" * 256
+    with pytest.raises(ProtocolError, match="m.long: expected a string of 1 to 256 characters"):
+        fields.text("long")
+    with pytest.raises(ProtocolError, match="t: expected a string of 1 to 256 characters"):
+        check_text("x" * 257, "t")
+    assert len(fields.items("l")) == 1 << 16
+    with pytest.raises(ProtocolError, match="m.over: expected a list of at most 65536 items"):
+        fields.items("over")
+    texts = Fields({"ok": ["a"] * (1 << 16), "many": ["a"] * ((1 << 16) + 1), "wide": ["x" * 257]}, "m")
+    assert len(texts.texts("ok")) == 1 << 16
+    with pytest.raises(ProtocolError, match="m.many: expected a list of at most 65536 items"):
+        texts.texts("many")
+    with pytest.raises(ProtocolError, match=r"m.wide\[0\]: expected a string of 1 to 256 characters"):
+        texts.texts("wide")
+    with pytest.raises(ProtocolError, match=r"n: expected an integer in \[0, "):
+        check_int(-1, "n")
+    timing = Fields({"given": 2.5}, "m")
+    assert timing.seconds("given") == 2.5 and timing.seconds("given", default=9) == 2.5
+    assert timing.seconds("absent", default=9) == 9.0
+    with pytest.raises(ProtocolError, match="m.absent: missing"):
+        timing.seconds("absent")
+
+
+def test_arrays_in_process_and_on_the_wire_are_checked_alike_and_read_only():
+    from kvhost.nixl.fields import check_array
+
+    flat = np.array([0, 7, 3], dtype=np.uint16)
+    got = check_array(flat, "a", b"")
+    assert got.tolist() == [0, 7, 3] and not got.flags.writeable and np.shares_memory(got, flat)
+    for bad in (np.zeros((2, 2), dtype=np.uint8), np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.float32)):
+        with pytest.raises(ProtocolError, match="a: expected a flat unsigned integer array"):
+            check_array(bad, "a", b"")
+    with pytest.raises(ProtocolError, match="a: 5 values, more than the limit of 4"):
+        check_array(np.zeros(5, dtype=np.uint8), "a", b"", max_length=4)
+    with pytest.raises(ProtocolError, match=r"a\[1\]: expected an integer in \[0, 6\], got 7"):
+        check_array(np.array([0, 7, 7, 3], dtype=np.uint8), "a", b"", maximum=6)  # the first one named
+    with pytest.raises(ProtocolError, match=r"a\[0\]: expected an integer in \[1, "):
+        check_array(np.array([0, 2, 0], dtype=np.uint8), "a", b"", minimum=1)
+    wire = check_array({"array": "u1", "offset": 0, "count": 3}, "a", bytes([0, 5, 9]))
+    assert wire.tolist() == [0, 5, 9] and not wire.flags.writeable
+    with pytest.raises(ProtocolError, match=r"a.array: \['u1'\] is not one of"):
+        check_array({"array": ["u1"], "offset": 0, "count": 0}, "a", b"")
+
+
+def test_values_in_messages_are_cut_to_60_characters():
+    from kvhost.nixl.fields import show
+
+    assert show("x" * 58) == repr("x" * 58)  # 60 characters with its quotes: whole
+    assert show("x" * 59) == repr("x" * 59)[:57] + "..."
+    assert len(show(list(range(100)))) == 60
+    assert show(float("nan")) == "nan" and show(float("-inf")) == "-inf" and show(1.5) == "1.5"
