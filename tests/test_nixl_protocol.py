@@ -735,3 +735,19 @@ def test_values_in_messages_are_cut_to_60_characters():
     assert show("x" * 59) == repr("x" * 59)[:57] + "..."
     assert len(show(list(range(100)))) == 60
     assert show(float("nan")) == "nan" and show(float("-inf")) == "-inf" and show(1.5) == "1.5"
+    assert show(np.float64("nan")) == "nan" and show(np.float64("inf")) == "inf"  # not np.float64(nan)
+
+
+@pytest.mark.timeout(20)
+def test_a_connection_reset_mid_frame_is_named():
+    """The peer resets the connection (TCP RST: SO_LINGER 0) after part of a frame."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        with conn:
+            peer.sendall(FRAME[: HEADER_BYTES + 5])
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            peer.close()
+            time.sleep(0.2)
+            with pytest.raises(ProtocolError, match="connection failed while reading the JSON body"):
+                receive(conn, timeout=5)
