@@ -85,8 +85,6 @@ class Backend(ABC):
 
     # --- facts about the device's tensors --------------------------------------------------
 
-    # --- facts about the device's tensors --------------------------------------------------
-
     def raw(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor's bytes as integers of its item size, same shape (a view where the device has one)."""
         return as_raw(tensor)

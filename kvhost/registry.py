@@ -42,8 +42,8 @@ class Registry:
         self._group = group
         self._lock = threading.RLock()
         self._classes: dict[str, type[Backend]] | None = None
-        self._load_errors: dict[str, str] = {}
-        self._sources: dict[str, str] = {}
+        self._load_errors: dict[str, tuple[str, str]] = {}  # entry point name -> (its value, why)
+        self._sources: dict[str, str] = {}  # backend name -> the value of the entry point that won
         self._instances: dict[str, Backend] = {}
         self._chosen: dict[tuple[str, str | None], Backend] = {}
 
@@ -53,26 +53,27 @@ class Registry:
             if self._classes is None:
                 self._classes = {}
                 for point in entry_points(group=self._group):
-                    self._sources[point.name] = point.value
                     try:
                         cls = point.load()
                     except Exception as err:  # a broken plugin must not break the others
-                        self._load_errors[point.name] = f"failed to load: {type(err).__name__}: {err}"
+                        self._load_errors[point.name] = (point.value, f"failed to load: {type(err).__name__}: {err}")
                         continue
                     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-                        self._load_errors[point.name] = f"{point.value} is not a kvhost Backend"
+                        self._load_errors[point.name] = (point.value, f"{point.value} is not a kvhost Backend")
                         continue
                     known = self._classes.get(cls.name)
                     if known is None or cls.priority > known.priority:
+                        # Keyed by the backend's name, which need not be the entry point's.
                         self._classes[cls.name] = cls
+                        self._sources[cls.name] = point.value
             return self._classes
 
     def info(self) -> list[BackendInfo]:
         rows = [
-            BackendInfo(name, cls.device_types, cls.priority, self._sources.get(name, ""), _reason(cls))
+            BackendInfo(name, cls.device_types, cls.priority, self._sources[name], _reason(cls))
             for name, cls in self.classes().items()
         ]
-        rows += [BackendInfo(name, (), 0, self._sources[name], why) for name, why in self._load_errors.items()]
+        rows += [BackendInfo(name, (), 0, source, why) for name, (source, why) in self._load_errors.items()]
         return sorted(rows, key=lambda r: (r.device_types, -r.priority, r.name))
 
     def instance(self, name: str) -> Backend:
@@ -81,8 +82,8 @@ class Registry:
                 classes = self.classes()
                 if name not in classes:
                     known = ", ".join(sorted(classes)) or "none"
-                    why = self._load_errors.get(name)
-                    raise BackendError(f"backend {name!r} {why or 'is not registered'} (registered: {known})")
+                    why = self._load_errors.get(name, ("", "is not registered"))[1]
+                    raise BackendError(f"backend {name!r} {why} (registered: {known})")
                 cls = classes[name]
                 reason = _reason(cls)
                 if reason is not None:

@@ -636,3 +636,23 @@ def test_padding_makes_loop_dims_of_size_1_and_stride_0():
     padded = kernels._padded(Loops((3, 5), (40, 8), (16, 4), 8))
     pad = MAX_LOOP_DIMS - 2
     assert padded == [1] * pad + [3, 5] + [0] * pad + [40, 8] + [0] * pad + [16, 4]
+
+
+@pytest.mark.parametrize("name", ["cpu", "torch"])
+def test_a_backend_writes_and_reads_a_tensors_bytes_as_integers(name):
+    backend = kvhost.get_backend("cpu", name=name)
+    tensor = torch.zeros(3, 4, dtype=torch.bfloat16)
+    values = torch.arange(12, dtype=torch.int16).reshape(3, 4) * 257
+    backend.write_raw(tensor, values)
+    assert backend.raw(tensor).dtype == torch.int16 and torch.equal(backend.raw(tensor), values)
+    assert torch.equal(tensor.view(torch.int16), values)  # the tensor's own bytes changed
+
+
+def test_optional_kernels_say_why_they_are_missing_or_refused():
+    missing = OptionalKernels("kvhost_no_such_kernels")
+    assert missing.module is None and "No module named 'kvhost_no_such_kernels'" in missing.reason
+    refused = OptionalKernels("json", check=lambda module: f"{module.__name__} targets another device")
+    assert refused.module is None and refused.reason == "json targets another device"
+    accepted = OptionalKernels("json", check=lambda module: None)
+    assert accepted.module is not None and accepted.module.__name__ == "json" and accepted.reason == ""
+    assert OptionalKernels("json").module is not None

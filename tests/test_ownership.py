@@ -351,3 +351,23 @@ def test_lru_keeps_its_bound_and_survives_threads():
     for t in threads:
         t.join()
     assert errors == [] and len(cache) <= 4
+
+
+def test_lru_refuses_no_room_and_a_put_or_make_refreshes_its_entry():
+    for size in (0, -1):
+        with pytest.raises(ValueError, match=f"room for at least one entry, got {size}"):
+            LRU(size)
+    one: LRU[str, int] = LRU(1)
+    one.put("a", 1)
+    one.put("b", 2)
+    assert len(one) == 1 and one.get("a") is None and one.get("b") == 2
+    cache: LRU[str, int] = LRU(2)
+    made: list[str] = []
+    assert cache.get_or_make("x", lambda: made.append("x") or 10) == 10
+    assert cache.get_or_make("x", lambda: made.append("again") or 11) == 10 and made == ["x"]
+    cache.put("y", 20)
+    cache.put("x", 30)  # a put refreshes: x is now the newest, so y goes next
+    cache.put("z", 40)
+    assert cache.get("y") is None and cache.get("x") == 30 and cache.get("z") == 40
+    cache.clear()
+    assert len(cache) == 0 and cache.get("x") is None

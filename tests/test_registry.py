@@ -78,3 +78,158 @@ def test_cli_info_prints_the_table_and_choice():
     ).stdout
     assert "cpu" in out and "torch" in out and "available" in out
     assert "cpu        -> cpu" in out
+
+
+# --- the registry in this process, over a distribution of probe backends on sys.path ----
+
+PROBE_MODULE = """
+from kvhost.backend import Backend
+from kvhost.torch_backend import TorchBackend
+
+SWITCH = {"absent": "the probe device is not installed"}
+
+
+class Low(TorchBackend):
+    name, device_types, priority = "probe", ("cpu",), 1
+
+
+class High(TorchBackend):
+    name, device_types, priority = "probe", ("cpu",), 5
+
+
+class Same(TorchBackend):  # as High's priority, listed after it: the first one stays
+    name, device_types, priority = "probe", ("cpu",), 5
+
+
+class Anywhere(TorchBackend):  # as High's priority, but "*": a named device type goes first
+    name, device_types, priority = "probe-any", ("*",), 5
+
+
+class Absent(TorchBackend):
+    name, device_types, priority = "probe-absent", ("cpu", "meta"), 100
+
+    @classmethod
+    def unavailable_reason(cls):
+        return SWITCH["absent"]
+
+
+class Raising(TorchBackend):
+    name, device_types, priority = "probe-raising", ("cpu",), 50
+
+    @classmethod
+    def unavailable_reason(cls):
+        raise RuntimeError("driver query failed")
+
+
+class Plain(Backend):  # no priority of its own; hands its work to the torch path
+    name, device_types = "probe-plain", ("hpu",)
+
+    def receive(self, job):
+        TorchBackend().receive(job)
+
+    def copy(self, job):
+        return TorchBackend().copy(job)
+
+
+NOT_A_BACKEND = 3
+"""
+
+PROBE_ENTRY_POINTS = """
+[kvhost.probe-backends]
+low = kvhost_registry_probe:Low
+high = kvhost_registry_probe:High
+same = kvhost_registry_probe:Same
+any = kvhost_registry_probe:Anywhere
+absent = kvhost_registry_probe:Absent
+raising = kvhost_registry_probe:Raising
+plain = kvhost_registry_probe:Plain
+broken = kvhost_registry_probe_missing:Nothing
+wrong = kvhost_registry_probe:NOT_A_BACKEND
+
+[kvhost.probe-unusable]
+absent = kvhost_registry_probe:Absent
+raising = kvhost_registry_probe:Raising
+
+[kvhost.probe-none]
+"""
+
+
+@pytest.fixture
+def probes(tmp_path, monkeypatch):
+    """A distribution (a module and its dist-info) on sys.path: importlib.metadata finds its
+    entry points as it finds an installed plugin's."""
+    (tmp_path / "kvhost_registry_probe.py").write_text(PROBE_MODULE)
+    info = tmp_path / "kvhost_registry_probe-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvhost-registry-probe\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(PROBE_ENTRY_POINTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("KVHOST_BACKEND", raising=False)
+    import kvhost_registry_probe
+
+    yield kvhost_registry_probe
+    sys.modules.pop("kvhost_registry_probe", None)
+
+
+def test_the_registry_keeps_the_highest_priority_class_of_a_name_and_reports_what_failed(probes):
+    from kvhost.registry import BackendInfo, Registry
+
+    probe = Registry("kvhost.probe-backends")
+    classes = probe.classes()
+    assert classes["probe"] is probes.High  # over Low (lower) and Same (equal, listed later)
+    assert sorted(classes) == ["probe", "probe-absent", "probe-any", "probe-plain", "probe-raising"]
+    rows = {row.name: row for row in probe.info()}
+    assert rows["probe-plain"] == BackendInfo("probe-plain", ("hpu",), 0, "kvhost_registry_probe:Plain", None)
+    assert (
+        rows["probe-absent"].unavailable == "the probe device is not installed" and not rows["probe-absent"].available
+    )
+    assert rows["probe-raising"].unavailable == "availability check failed: RuntimeError: driver query failed"
+    broken = rows["broken"]
+    assert (broken.device_types, broken.priority, broken.source) == ((), 0, "kvhost_registry_probe_missing:Nothing")
+    assert broken.unavailable.startswith("failed to load: ModuleNotFoundError")
+    wrong = "kvhost_registry_probe:NOT_A_BACKEND"
+    assert rows["wrong"] == BackendInfo("wrong", (), 0, wrong, f"{wrong} is not a kvhost Backend")
+    assert rows["probe"].source == "kvhost_registry_probe:High"  # the entry point whose class was kept
+    assert repr(probe.instance("probe")) == "<kvhost backend 'probe' for cpu>"
+    assert probe.instance("probe") is probe.instance("probe")
+    assert probe.instance("probe-plain").describe() == ""
+
+
+def test_the_registry_names_why_a_backend_cannot_be_had(probes):
+    from kvhost.registry import Registry
+
+    probe = Registry("kvhost.probe-backends")
+    known = "probe, probe-absent, probe-any, probe-plain, probe-raising"
+    with pytest.raises(kvhost.BackendError, match=rf"backend 'nonesuch' is not registered \(registered: {known}\)"):
+        probe.instance("nonesuch")
+    with pytest.raises(kvhost.BackendError, match=r"backend 'broken' failed to load: ModuleNotFoundError"):
+        probe.instance("broken")
+    with pytest.raises(kvhost.BackendError, match="backend 'probe-absent' cannot run here: the probe device is not"):
+        probe.instance("probe-absent")
+    with pytest.raises(kvhost.BackendError, match=r"backend 'torch' is not registered \(registered: none\)"):
+        Registry("kvhost.probe-none").instance("torch")
+    with pytest.raises(kvhost.BackendError, match=r"no usable backend for device type 'cpu' \(none registered\)"):
+        Registry("kvhost.probe-none").for_device("cpu")
+    with pytest.raises(
+        kvhost.BackendError,
+        match=r"device type 'cpu' \(probe-absent: the probe device is not installed; "
+        r"probe-raising: availability check failed: RuntimeError: driver query failed\)",
+    ):
+        Registry("kvhost.probe-unusable").for_device("cpu")
+
+
+def test_the_registry_chooses_by_priority_then_named_types_and_keeps_its_choice_until_cleared(probes, monkeypatch):
+    from kvhost.registry import Registry
+
+    probe = Registry("kvhost.probe-backends")
+    # cpu: probe-absent (100) and probe-raising (50) cannot run; probe and probe-any tie at 5.
+    assert probe.for_device("cpu").name == "probe"
+    assert probe.for_device("meta").name == "probe-any" and probe.for_device("xla").name == "probe-any"
+    monkeypatch.setitem(probes.SWITCH, "absent", None)  # the device appears
+    assert probe.for_device("cpu").name == "probe"  # the choice is kept...
+    probe.clear()
+    assert probe.for_device("cpu").name == "probe-absent"  # ...until cleared
+    monkeypatch.setenv("KVHOST_BACKEND", "probe-any")
+    assert probe.for_device("cpu").name == "probe-any"
+    monkeypatch.setenv("KVHOST_BACKEND", "probe-plain")  # it does not serve cpu: ignored for it
+    assert probe.for_device("cpu").name == "probe-absent" and probe.for_device("hpu").name == "probe-plain"
