@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,7 @@ NOT_A_BACKEND = 3
 
 PROBE_ENTRY_POINTS = """
 [kvhost.probe-backends]
+broken = kvhost_registry_probe_missing:Nothing
 low = kvhost_registry_probe:Low
 high = kvhost_registry_probe:High
 same = kvhost_registry_probe:Same
@@ -143,7 +145,6 @@ any = kvhost_registry_probe:Anywhere
 absent = kvhost_registry_probe:Absent
 raising = kvhost_registry_probe:Raising
 plain = kvhost_registry_probe:Plain
-broken = kvhost_registry_probe_missing:Nothing
 wrong = kvhost_registry_probe:NOT_A_BACKEND
 
 [kvhost.probe-unusable]
@@ -152,6 +153,10 @@ raising = kvhost_registry_probe:Raising
 
 [kvhost.probe-none]
 """
+
+
+def probes_path(module) -> Path:
+    return Path(module.__file__).parent
 
 
 @pytest.fixture
@@ -193,6 +198,10 @@ def test_the_registry_keeps_the_highest_priority_class_of_a_name_and_reports_wha
     assert repr(probe.instance("probe")) == "<kvhost backend 'probe' for cpu>"
     assert probe.instance("probe") is probe.instance("probe")
     assert probe.instance("probe-plain").describe() == ""
+    # Entry points are read once: a distribution removed afterwards changes nothing.
+    (probes_path(probes) / "kvhost_registry_probe-1.0.dist-info" / "entry_points.txt").unlink()
+    assert probe.classes() is classes and sorted(classes)[0] == "probe"
+    assert Registry("kvhost.probe-backends").classes() == {}  # a new registry reads them again
 
 
 def test_the_registry_names_why_a_backend_cannot_be_had(probes):
