@@ -121,6 +121,14 @@ def test_partial_and_whole_requests_of_several_senders_in_one_call(target):
     assert stats.zeroed_blocks == 3  # the last block of a, b and d, each from a token on
 
 
+def incoming(case: ReceiveCase) -> dict[str, kvhost.Incoming]:
+    """The requests ``case`` sent, as the receive call is handed them (with their tokens)."""
+    return {
+        name: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size, tokens=w.tokens)
+        for name, w in case.requests.items()
+    }
+
+
 class Recording(TorchBackend):
     """The torch backend, remembering the units each receive job rearranged."""
 
@@ -148,10 +156,7 @@ def test_units_that_received_nothing_are_zeroed_not_rearranged():
     case.send("g", [4, 9, 11, 2, 20, 21], "HNC", 16, tokens=19)
     # r = 4: 5 tokens arrive in blocks of 2: block 7 rearranged, tokens 5.. zeroed; 13 received nothing.
     case.send("r", [7, 13], "HNC", 2, tokens=5)
-    requests = {
-        name: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size, tokens=w.tokens)
-        for name, w in case.requests.items()
-    }
+    requests = incoming(case)
     kvhost.receive(caches, requests, axes=axes, backend=backend)
     case.check()
     assert sorted(backend.units) == [[[4, 9], [11, 2]], [[7]]]
@@ -173,10 +178,7 @@ def test_tokens_that_fill_every_block_named_zero_nothing():
     case = ReceiveCase(caches, axes, seed=3)
     case.send("g", [4, 9, 11, 2], "HNC", 16, tokens=4 * BLOCK)
     case.send("r", [7, 13], "HNC", 2, tokens=2 * BLOCK)
-    requests = {
-        name: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size, tokens=w.tokens)
-        for name, w in case.requests.items()
-    }
+    requests = incoming(case)
     stats = kvhost.receive(caches, requests, axes=axes, backend=backend)
     case.check()
     assert sorted(backend.units) == [[[4, 9], [11, 2]], [[7], [13]]]
@@ -188,10 +190,7 @@ def test_tokens_that_end_at_a_block_end_zero_the_later_blocks_whole_and_none_in_
     backend = Recording()
     case = ReceiveCase(caches, axes, seed=4)
     case.send("r", [7, 13, 5], "HNC", 2, tokens=BLOCK)  # block 7 full; 13 and 5 received nothing
-    requests = {
-        name: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size, tokens=w.tokens)
-        for name, w in case.requests.items()
-    }
+    requests = incoming(case)
     stats = kvhost.receive(caches, requests, axes=axes, backend=backend)
     case.check()
     assert backend.units == [[[7]]]

@@ -56,8 +56,8 @@ TPS = [(1, 1), (2, 1), (4, 1), (4, 2), (2, 4), (1, 2), (1, 4)]
 HEADS, CHANNELS = 4, 4
 
 
-def engine_caches(axes, memory, heads, block_size, blocks, seed, layers=2):
-    sizes = {"K": 2, "H": heads, "C": CHANNELS, "N": block_size, "B": blocks}
+def engine_caches(axes, memory, heads, block_size, blocks, seed, layers=2, channels=CHANNELS):
+    sizes = {"K": 2, "H": heads, "C": channels, "N": block_size, "B": blocks}
     return {
         f"l{i}": fill_random(make_cache(axes, memory, {a: sizes[a] for a in memory}), seed + i) for i in range(layers)
     }
@@ -279,10 +279,8 @@ def test_whole_regions_and_head_major_shares_take_one_plan_per_source():
     token_major_whole = [region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 4, seed=5), "KBNHC")]
     equal = plan_ranks(local, 0, 1, token_major_whole)
     (source,) = equal.sources
-    rows = equal.rows(source, [0, 1], [2, 3])[0]
-    assert len(source.parts) == 1 and rows.shape[0] == 2 * len(
-        local.streams
-    )  # a row per block and stream, not per token
+    rows = equal.rows(source, [0, 1], [2, 3])[0]  # a row per block and stream, not per token
+    assert len(source.parts) == 1 and rows.shape[0] == 2 * len(local.streams)
     half = region_table(engine_caches("KBNHC", "KBNHC", 2, 64, 4, seed=3), "KBNHC")
     (source,) = plan_ranks(half, 1, 2, head_major).sources
     assert len(source.parts) == 1 and source.parts[0].phase is None
@@ -323,10 +321,10 @@ def test_a_remote_id_beyond_the_smallest_remote_rank_is_refused():
 
 
 def test_tables_that_cannot_share_heads_are_refused_naming_why():
-    def table(memory, heads, block_size, blocks=4, channels=CHANNELS, axes="KBNHC"):
-        sizes = {"K": 2, "H": heads, "C": channels, "N": block_size, "B": blocks}
-        cache = make_cache(axes, memory, {a: sizes[a] for a in memory})
-        return region_table({"l0": cache}, axes)
+    def table(memory, heads, block_size, channels=CHANNELS, axes="KBNHC"):
+        return region_table(
+            engine_caches(axes, memory, heads, block_size, 4, seed=0, layers=1, channels=channels), axes
+        )
 
     local = table("KBNHC", 2, 8)
     with pytest.raises(LayoutError, match="no remote ranks"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -155,10 +154,6 @@ raising = kvhost_registry_probe:Raising
 """
 
 
-def probes_path(module) -> Path:
-    return Path(module.__file__).parent
-
-
 @pytest.fixture
 def probes(tmp_path, monkeypatch):
     """A distribution (a module and its dist-info) on sys.path: importlib.metadata finds its
@@ -176,7 +171,7 @@ def probes(tmp_path, monkeypatch):
     sys.modules.pop("kvhost_registry_probe", None)
 
 
-def test_the_registry_keeps_the_highest_priority_class_of_a_name_and_reports_what_failed(probes):
+def test_the_registry_keeps_the_highest_priority_class_of_a_name_and_reports_what_failed(probes, tmp_path):
     from kvhost.registry import BackendInfo, Registry
 
     probe = Registry("kvhost.probe-backends")
@@ -199,7 +194,7 @@ def test_the_registry_keeps_the_highest_priority_class_of_a_name_and_reports_wha
     assert probe.instance("probe") is probe.instance("probe")
     assert probe.instance("probe-plain").describe() == ""
     # Entry points are read once: a distribution removed afterwards changes nothing.
-    (probes_path(probes) / "kvhost_registry_probe-1.0.dist-info" / "entry_points.txt").unlink()
+    (tmp_path / "kvhost_registry_probe-1.0.dist-info" / "entry_points.txt").unlink()
     assert probe.classes() is classes and sorted(classes)[0] == "probe"
     assert Registry("kvhost.probe-backends").classes() == {}  # a new registry reads them again
 
