@@ -132,46 +132,63 @@ class TorchBackend(Backend):
                 view.index_copy_(outer, chunk, local)
 
     def copy(self, job: CopyJob) -> Completion:
-        """The fewest calls that move every block in one pass. On one device, where one
-        side's ids form fewer runs than both sides' together: per run of that side, gathered
-        straight into a destination run (``index_select(out=)``, a staging buffer filling in
-        order) or scattered straight from a source run (``index_copy_``, loading it back).
-        Otherwise, up to ``max_run_copies`` runs consecutive on both sides, one ``copy_``
-        each; beyond that (both sides scattered), a gather then a scatter."""
-        runs = job.runs.tolist()
-        dst_runs: list[tuple[int, int, int]] = []
-        src_runs: list[tuple[int, int, int]] = []
-        if len(runs) > 1 and job.src_device == job.dst_device:
-            # One call per run of one side, where that side has fewer runs than both together
-            # (a staging buffer filling in order from scattered blocks: one call a layer).
-            dst_runs = _runs(job.dst_ids)
-            if len(dst_runs) >= len(runs):
-                dst_runs, src_runs = [], _runs(job.src_ids)
-                if len(src_runs) >= len(runs):
-                    src_runs = []
-        few = len(runs) <= self.max_run_copies
-        # Each side's ids on its device, once a job, where a pass reads them.
-        src_index = torch.from_numpy(job.src_ids).to(job.src_device) if dst_runs or not few else None
-        dst_index = torch.from_numpy(job.dst_ids).to(job.dst_device) if src_runs or not few else None
+        """The fewest calls that move every block in one pass (``_index_runs`` says which).
+        Per run of one side: gathered straight into a destination run (``index_select(out=)``,
+        a staging buffer filling in order) or scattered straight from a source run
+        (``index_copy_``, loading it back). Otherwise, up to ``max_run_copies`` runs
+        consecutive on both sides, one ``copy_`` each; beyond that (both sides scattered), a
+        gather then a scatter."""
+        dst_runs, src_runs = self._index_runs(job)
+        gathers = _run_indices(job.src_ids, job.src_device, dst_runs)
+        scatters = _run_indices(job.dst_ids, job.dst_device, src_runs)
+        runs: list[list[int]] | None = None  # found where a pair needs them
+        indices: tuple[torch.Tensor, torch.Tensor] | None = None  # each side's ids on its device, once a job
         for source, dest, b, apart in _pair_views(job):
-            if apart and dst_runs and (few or len(dst_runs) <= self.max_run_copies):
-                assert src_index is not None
-                for at, d0, count in dst_runs:
-                    torch.index_select(source, b, src_index[at : at + count], out=dest.narrow(b, d0, count))
+            if apart and gathers:
+                for ids, d0, count in gathers:
+                    torch.index_select(source, b, ids, out=dest.narrow(b, d0, count))
                 continue
-            if apart and src_runs and (few or len(src_runs) <= self.max_run_copies):
-                assert dst_index is not None
-                for at, s0, count in src_runs:
-                    dest.index_copy_(b, dst_index[at : at + count], source.narrow(b, s0, count))
+            if apart and scatters:
+                for ids, s0, count in scatters:
+                    dest.index_copy_(b, ids, source.narrow(b, s0, count))
                 continue
-            if few:
+            runs = job.runs.tolist() if runs is None else runs
+            if len(runs) <= self.max_run_copies:
                 for s0, d0, count in runs:
                     dest.narrow(b, d0, count).copy_(source.narrow(b, s0, count), non_blocking=job.non_blocking)
                 continue
-            assert src_index is not None and dst_index is not None
+            if indices is None:
+                indices = (
+                    torch.from_numpy(job.src_ids).to(job.src_device),
+                    torch.from_numpy(job.dst_ids).to(job.dst_device),
+                )
+            src_index, dst_index = indices
             gathered = source.index_select(b, src_index).to(job.dst_device, non_blocking=job.non_blocking)
             dest.index_copy_(b, dst_index, gathered)
         return _completion(job)
+
+    def _index_runs(self, job: CopyJob) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """(destination runs to gather into, source runs to scatter from), at most one of
+        them and at most ``max_run_copies`` runs: on one device, the side whose ids form
+        fewer runs than both sides' together.
+
+        On the host, the destination's runs even where both sides run alike: ``copy_`` and
+        ``index_copy_`` split a host copy over torch's threads, and waking them costs more
+        than a few blocks take to copy, once a layer (docs/design.md); ``index_select`` is
+        one serial pass.
+        """
+        if job.src_device != job.dst_device:
+            return [], []
+        on_host = job.src_device.type == "cpu"
+        if not on_host and len(job.runs) == 1:
+            return [], []  # one copy_ a layer
+        dst_runs = _runs(job.dst_ids)
+        if len(dst_runs) <= self.max_run_copies and (on_host or len(dst_runs) < len(job.runs)):
+            return dst_runs, []
+        src_runs = _runs(job.src_ids)
+        if len(src_runs) <= self.max_run_copies and len(src_runs) < len(job.runs):
+            return [], src_runs
+        return [], []
 
 
 def _pair_views(job: CopyJob) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
@@ -201,9 +218,22 @@ def _pair_views(job: CopyJob) -> list[tuple[torch.Tensor, torch.Tensor, int, boo
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """Runs of consecutive ids in one list: (position in the list, first id, count)."""
-    rows = find_runs(ids)
-    counts = rows[:, 2]
-    return list(zip((np.cumsum(counts) - counts).tolist(), rows[:, 0].tolist(), counts.tolist()))
+    runs, position = [], 0
+    for first, _, count in find_runs(ids).tolist():
+        runs.append((position, first, count))
+        position += count
+    return runs
+
+
+def _run_indices(
+    ids: np.ndarray, device: torch.device, runs: list[tuple[int, int, int]]
+) -> list[tuple[torch.Tensor, int, int]]:
+    """Per run of the other side: the ids it reads or writes here (on ``device``, one
+    transfer for all), its first id and count."""
+    if not runs:
+        return []
+    index = torch.from_numpy(ids).to(device)
+    return [(index[at : at + count], first, count) for at, first, count in runs]
 
 
 class _StreamCompletion(Completion):
