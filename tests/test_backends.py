@@ -495,6 +495,72 @@ def test_a_copy_takes_the_fewest_passes(monkeypatch, src_ids, dst_ids, max_run_c
     assert not raw(dst["l"])[:, others].any()
 
 
+def _gathers_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count ``torch.index_select`` function calls (the gathers into destination runs)."""
+    calls: list[int] = []
+    original = torch.index_select
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "gathers"),
+    [
+        ([4, 5, 6], [0, 1, 2], 1),  # one run on both sides: one gather, not a copy_
+        ([0, 1, 2, 3], [5, 6, 1, 2], 2),  # a load: the source runs, the destination in two
+        ([7, 2, 3], [4, 0, 1], 2),  # both sides in two runs alike
+    ],
+)
+def test_on_the_host_a_copy_gathers_into_each_destination_run(monkeypatch, src_ids, dst_ids, gathers):
+    # copy_ and index_copy_ split a host copy over torch's threads, a wake a layer;
+    # index_select is one serial pass.
+    src = {f"l{i}": fill_random(make_cache("KBNHC", "KBNHC", SIZES), i) for i in range(3)}
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    made = _gathers_counted(monkeypatch)
+    passes = {method: counted(monkeypatch, method) for method in ("copy_", "index_copy_")}
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend()).wait()
+    assert len(made) == 3 * gathers and passes == {"copy_": [], "index_copy_": []}
+    others = [b for b in range(SIZES["B"]) if b not in dst_ids]
+    for name in src:
+        assert torch.equal(raw(dst[name])[:, dst_ids], raw(src[name])[:, src_ids])
+        assert not raw(dst[name])[:, others].any()
+
+
+@pytest.mark.parametrize(
+    ("device", "src_ids", "dst_ids", "max_run_copies", "dst_runs", "src_runs"),
+    [
+        # Off the host, one run both sides is one copy_ a layer: no index runs.
+        ("meta", [4, 5, 6], [0, 1, 2], 64, [], []),
+        ("cpu", [4, 5, 6], [0, 1, 2], 64, [(0, 0, 3)], []),
+        # The destination in fewer runs than both sides together.
+        ("meta", [5, 1], [2, 3], 64, [(0, 2, 2)], []),
+        # The source in fewer: off the host scattered from; on the host gathered into the
+        # destination's runs while there are at most max_run_copies of them.
+        ("meta", [0, 1, 2], [5, 2, 7], 64, [], [(0, 0, 3)]),
+        ("cpu", [0, 1, 2], [5, 2, 7], 64, [(0, 5, 1), (1, 2, 1), (2, 7, 1)], []),
+        ("cpu", [0, 1, 2], [5, 2, 7], 2, [], [(0, 0, 3)]),
+        # The destination in fewer runs, but more than max_run_copies: the source's one.
+        ("meta", [0, 1, 3, 4, 6, 7], [0, 2, 3, 5, 6, 1], 3, [], [(0, 0, 2), (2, 3, 2), (4, 6, 2)]),
+        # Both sides in as many runs as both together: neither.
+        ("meta", [0, 5, 3], [5, 2, 7], 64, [], []),
+        ("cpu", [0, 5, 3], [5, 2, 7], 2, [], []),
+    ],
+)
+def test_the_side_a_copy_runs_by(device, src_ids, dst_ids, max_run_copies, dst_runs, src_runs):
+    from kvhost.batch import plan_copy_batch
+    from kvhost.caches import CacheSet
+
+    src = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=torch.device(device))}, "KBNHC")
+    dst = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=torch.device(device))}, "KBNHC")
+    (job,) = plan_copy_batch(src, dst, src_ids, dst_ids, False).jobs
+    assert TorchBackend(max_run_copies=max_run_copies)._index_runs(job) == (dst_runs, src_runs)
+
+
 # --- the runs the copy kernel finds -------------------------------------------------------
 
 
