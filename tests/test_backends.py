@@ -532,6 +532,24 @@ def test_on_the_host_a_copy_gathers_into_each_destination_run(monkeypatch, src_i
 
 
 @pytest.mark.parametrize(
+    ("max_run_copies", "passes"), [(2, dict(copy_=6, index_copy_=0)), (1, dict(copy_=0, index_copy_=3))]
+)
+def test_a_copy_within_one_cache_copies_each_run(monkeypatch, max_run_copies, passes):
+    # One storage on both sides: no one-pass index op, a copy_ per run up to max_run_copies.
+    cache = {f"l{i}": fill_random(make_cache("KBNHC", "KBNHC", SIZES), i) for i in range(3)}
+    before = {name: raw(t).clone() for name, t in cache.items()}
+    made = {method: counted(monkeypatch, method) for method in passes}
+    gathers = _gathers_counted(monkeypatch)
+    backend = TorchBackend(max_run_copies=max_run_copies)
+    kvhost.copy_blocks(cache, cache, [0, 1, 4], [2, 3, 6], axes="KBNHC", backend=backend).wait()  # two runs
+    assert {method: len(calls) for method, calls in made.items()} == passes and gathers == []
+    for name, tensor in cache.items():
+        expected = before[name].clone()
+        expected[:, [2, 3, 6]] = before[name][:, [0, 1, 4]]
+        assert torch.equal(raw(tensor), expected)
+
+
+@pytest.mark.parametrize(
     ("device", "src_ids", "dst_ids", "max_run_copies", "dst_runs", "src_runs"),
     [
         # Off the host, one run both sides is one copy_ a layer: no index runs.
@@ -548,6 +566,8 @@ def test_on_the_host_a_copy_gathers_into_each_destination_run(monkeypatch, src_i
         ("meta", [0, 1, 3, 4, 6, 7], [0, 2, 3, 5, 6, 1], 3, [], [(0, 0, 2), (2, 3, 2), (4, 6, 2)]),
         # Both sides in as many runs as both together: neither.
         ("meta", [0, 5, 3], [5, 2, 7], 64, [], []),
+        # Two devices: copy_ moves the bytes across.
+        (("meta", "cpu"), [5, 1], [2, 3], 64, [], []),
         ("cpu", [0, 5, 3], [5, 2, 7], 2, [], []),
     ],
 )
@@ -555,8 +575,9 @@ def test_the_side_a_copy_runs_by(device, src_ids, dst_ids, max_run_copies, dst_r
     from kvhost.batch import plan_copy_batch
     from kvhost.caches import CacheSet
 
-    src = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=torch.device(device))}, "KBNHC")
-    dst = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=torch.device(device))}, "KBNHC")
+    src_device, dst_device = (device, device) if isinstance(device, str) else device
+    src = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=torch.device(src_device))}, "KBNHC")
+    dst = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=torch.device(dst_device))}, "KBNHC")
     (job,) = plan_copy_batch(src, dst, src_ids, dst_ids, False).jobs
     assert TorchBackend(max_run_copies=max_run_copies)._index_runs(job) == (dst_runs, src_runs)
 

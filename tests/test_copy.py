@@ -194,11 +194,11 @@ def test_torch_copy_within_one_cache(ids):
     off its one-pass index ops, and lands the same bytes."""
     from kvhost.torch_backend import TorchBackend
 
-    cache = build("KBNHC", "KBHNC", 24, "cpu", 1)
-    before = [raw(m.tensor).clone() for m in CacheSet(cache, "KBNHC").members]
     src_ids, dst_ids = MANY_RUNS[ids]
     dst_ids = [12 + d for d in dst_ids]
-    for max_run_copies in (1, 64):
+    for max_run_copies in (1, 64):  # a gather then a scatter; a copy_ per run
+        cache = build("KBNHC", "KBHNC", 24, "cpu", 1)  # anew: each copy must land its own bytes
+        before = [raw(m.tensor).clone() for m in CacheSet(cache, "KBNHC").members]
         kvhost.copy_blocks(
             cache, cache, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=max_run_copies)
         ).wait()
