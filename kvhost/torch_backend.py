@@ -80,9 +80,11 @@ class TorchBackend(Backend):
     """Torch ops on any device.
 
     ``host_chunk_bytes``/``device_chunk_bytes``: bytes per gather/scatter pass of a receive
-    (on the host a whole-batch temporary falls out of cache, docs/design.md: 0.21 -> 0.08
-    of memcpy; None takes a group in one pass); ``max_run_copies``: up to this many runs of
-    ids, a copy is one ``copy_`` per run, beyond it one gather/scatter.
+    (on the host a whole-batch temporary falls out of cache, docs/design.md "Backends";
+    None takes a group in one pass); ``max_run_copies``: up to this many runs of ids on one
+    side, a copy is one call per run and layer (``index_select`` into a destination run,
+    ``index_copy_`` from a source run, ``copy_`` where both run alike off the host),
+    beyond it one gather/scatter.
     """
 
     name = "torch"
@@ -174,7 +176,7 @@ class TorchBackend(Backend):
 
         On the host, the destination's runs even where both sides run alike: ``copy_`` and
         ``index_copy_`` split a host copy over torch's threads, and waking them costs more
-        than a few blocks take to copy, once a layer (docs/design.md); ``index_select`` is
+        than a few blocks take to copy, once a layer (docs/design.md "Backends"); ``index_select`` is
         one serial pass.
         """
         if job.src_device != job.dst_device:
