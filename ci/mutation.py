@@ -87,6 +87,11 @@ MODULES = [
     # What a peer sends is read here first: frames and their fields, every size bounded.
     Module("kvhost/nixl/framing.py", tuple(PROTOCOL)),
     Module("kvhost/nixl/fields.py", tuple(PROTOCOL)),
+    # Who a peer is (secrets, proofs, offers) and what its hello may hold: the handshake.
+    Module("kvhost/nixl/handshake.py", tuple(PROTOCOL)),
+    Module("kvhost/nixl/peers.py", tuple(PROTOCOL)),
+    Module("kvhost/raw.py", ("tests/test_backends.py", "tests/test_nixl.py", *CONFORMANCE)),
+    Module("kvhost/stats.py", ("tests/test_front_end.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module(
         "kvhost/nixl/tables.py",
         ("tests/test_nixl.py",),
