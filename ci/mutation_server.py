@@ -10,7 +10,8 @@ its exit status. A child that runs too long is killed by its process group.
 Plugin (``-p mutation_server``). Hypothesis runs the same examples on every run and keeps
 no database, so a mutant is judged by the examples that judged the original; the tree the
 tests import is checked to be the copy. With ``KVHOST_MUTATION_COVERAGE`` set it also
-records, per test, the lines of the mutated modules it runs (``sys.settrace``), with the
+records, per test, the lines of the mutated modules it runs (``sys.settrace``, and in the
+processes it starts ``ci/mutation_child/sitecustomize.py``), with the
 caches of the planner cleared before every test so that what a test runs does not hang on
 the tests before it, and the lines run before the first test (imports) under ``<import>``;
 ci/mutation.py picks each mutant's tests from this.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -85,8 +87,32 @@ def _clear_caches() -> None:
 
 
 IMPORT = "<import>"  # the lines run before the first test: imports, module bodies, collection
+_CHILDREN = _COVERAGE + ".children" if _COVERAGE else None  # lines the processes a test starts ran
+_children_read: dict[str, int] = {}  # bytes of each child's file already counted
 if _COVERAGE:
     sys.settrace(_trace_calls)
+    assert _CHILDREN is not None
+    shutil.rmtree(_CHILDREN, ignore_errors=True)  # a run before this one's
+    os.makedirs(_CHILDREN)
+    os.environ["KVHOST_MUTATION_CHILD_LINES"] = _CHILDREN
+    _here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mutation_child")  # its sitecustomize
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_here, os.environ.get("PYTHONPATH")) if p)
+
+
+def _read_children() -> None:
+    """Add what the processes started since the last look have run (each file read on
+    from where it was left: a child may still be writing)."""
+    assert _CHILDREN is not None
+    for name in sorted(os.listdir(_CHILDREN)):
+        path = os.path.join(_CHILDREN, name)
+        with open(path, "rb") as f:
+            f.seek(_children_read.get(path, 0))
+            text = f.read()
+        complete = text[: text.rfind(b"\n") + 1]  # a line still being written is read next time
+        _children_read[path] = _children_read.get(path, 0) + len(complete)
+        for entry in complete.decode().splitlines():
+            line, filename = entry.split(" ", 1)
+            _lines.add((filename, int(line)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -107,6 +133,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     finally:
         sys.settrace(None)
         threading.settrace(None)  # type: ignore[arg-type]
+    _read_children()
     _per_test[item.nodeid] = {"seconds": time.perf_counter() - start, "lines": _by_path()}
 
 
