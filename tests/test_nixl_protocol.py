@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import random
 import socket
@@ -29,15 +30,21 @@ from kvhost.nixl import (
     NIXL_MODULES,
     Fields,
     ProtocolError,
+    RemoteRequest,
     accept_hello,
     decode,
     encode,
+    handshake,
     parse_hello,
+    prove,
     receive,
     region_table,
     send,
+    send_hello,
 )
 from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION, json_values, parse_header
+from kvhost.nixl.handshake import hello_header as hello_header_of
+from kvhost.nixl.handshake import parse_requests, request_columns, send_done, wait_done
 from kvhost.testing import make_cache
 from kvhost_tools.demo import config as demo_config
 from kvhost_tools.demo import decode as demo_decode
@@ -248,7 +255,23 @@ FIELD_CASES = {
     "fill-seconds-huge": (set_path(["fill_seconds"], 10**400), r"hello\.fill_seconds: expected a number of seconds"),
     "pid-missing": (set_path(["pid"], DELETE), r"hello\.pid: missing"),
     "pid-string": (set_path(["pid"], "4321"), r"hello\.pid: expected an integer"),
+    "pid-zero": (set_path(["pid"], 0), r"hello\.pid: expected an integer in \[1, 2147483648\], got 0"),
+    "pid-above": (set_path(["pid"], (1 << 31) + 1), r"hello\.pid: expected an integer in \[1, 2147483648\]"),
+    "request-number-above": (
+        set_item([R, "number"], 1, (1 << 31) + 1),
+        r"requests\.number\[1\]: expected an integer in \[0, 2147483648\]",
+    ),
 }
+
+
+def test_the_bounds_of_a_pid_and_a_request_number_are_taken():
+    for pid, number in ((1, 0), (1 << 31, 1 << 31)):
+        hello = parse(
+            mutated(
+                lambda h, pid=pid, number=number: (set_path(["pid"], pid)(h), set_item([R, "number"], 1, number)(h))
+            )
+        )
+        assert (hello.pid, hello.requests[1].number) == (pid, number)
 
 
 @pytest.mark.parametrize("case", FIELD_CASES)
@@ -415,6 +438,126 @@ def test_decode_rejects_a_bad_hello_on_the_socket(payload, close, message):
         accept_hello(listener, SECRET, timeout=1.0)
     done.set()
     thread.join(5)
+
+
+@pytest.mark.timeout(20)
+def test_what_prove_and_send_hello_send_is_what_accept_hello_reads():
+    """The holder's half of the handshake, as an engine calls it: the proof, then a hello
+    with its own field; the reader gets every request, the metadata, the pid and the field."""
+    table = parse_hello(decode(FRAME)).table
+    requests = [RemoteRequest("req-a", 7, 9, [3, 1, 7]), RemoteRequest("req-b", 8, 4, np.array([0]))]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def holder():
+            with socket.create_connection(listener.getsockname()) as sock:
+                prove(sock, SECRET, timeout=5)
+                send_hello(sock, table, requests, METADATA, pid=99, timeout=5, extra={"fill_seconds": 0.5})
+                sock.recv(1)  # held open until the reader is done
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        sock, hello, dropped = accept_hello(listener, SECRET, timeout=10)
+        sock.close()
+        thread.join(5)
+    assert dropped == 0 and hello.pid == 99 and hello.metadata == METADATA and hello.table == table
+    assert [(r.name, r.number, r.tokens, r.remote_ids.tolist()) for r in hello.requests] == [
+        ("req-a", 7, 9, [3, 1, 7]),
+        ("req-b", 8, 4, [0]),
+    ]
+    assert hello.fields.seconds("fill_seconds") == 0.5
+
+
+def _holder(listener, first_bytes, then_hello=True):
+    """Connects, sends ``first_bytes`` (and, with ``then_hello``, the proof and a hello on a
+    second connection); returns the first connection and the thread."""
+    first = socket.create_connection(listener.getsockname())
+    first.sendall(first_bytes)
+    first.settimeout(3)
+    return first
+
+
+@pytest.mark.timeout(20)
+def test_a_first_frame_over_the_auth_limit_is_dropped_on_its_header():
+    """A header declaring more than AUTH_FRAME_BYTES is refused as soon as it is read: the
+    body is never waited for (nor a buffer of its size made)."""
+    padded = encode("auth", {"proof": SECRET.hex(), "pad": "x" * handshake.AUTH_FRAME_BYTES})
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        stray = _holder(listener, padded[:HEADER_BYTES])
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(got=accept_hello(listener, SECRET, timeout=10)))
+        thread.start()
+        started = time.monotonic()
+        with stray:
+            assert stray.recv(1) == b""  # closed by the listener
+        assert time.monotonic() - started < 2.0 < handshake.AUTH_SECONDS
+        with socket.create_connection(listener.getsockname()) as sock:
+            sock.sendall(AUTH + FRAME)
+            thread.join(10)
+    sock, hello, dropped = result["got"]
+    sock.close()
+    assert dropped == 1 and hello.pid == 4321
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("extra", [0, 1])
+def test_an_auth_frame_of_the_limit_is_taken_and_one_byte_more_is_not(extra):
+    base = len(encode("auth", {"proof": SECRET.hex(), "pad": ""}))
+    frame = encode("auth", {"proof": SECRET.hex(), "pad": "x" * (handshake.AUTH_FRAME_BYTES - base + extra)})
+    assert len(frame) == handshake.AUTH_FRAME_BYTES + extra
+    listener, done, thread = serve(frame + FRAME, close=False)
+    with listener:
+        if extra:
+            with pytest.raises(ProtocolError, match="did not connect and prove"):
+                accept_hello(listener, SECRET, timeout=1.0)
+        else:
+            sock, hello, dropped = accept_hello(listener, SECRET, timeout=5)
+            sock.close()
+            assert dropped == 0 and hello.pid == 4321
+    done.set()
+    thread.join(5)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("ok", [True, False])
+def test_done_says_whether_all_was_well(ok):
+    left, right = socket.socketpair()
+    with left, right:
+        send_done(left, ok=ok, timeout=5)
+        message = wait_done(right, timeout=5)
+    assert message.kind == "done" and message.fields().data == {"ok": ok}
+
+
+def test_done_is_small_or_refused():
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(encode("done", {"ok": True, "pad": "x" * handshake.AUTH_FRAME_BYTES}))
+        with pytest.raises(ProtocolError, match=r"exceeds the limit of 1024 bytes"):
+            wait_done(right, timeout=5)
+
+
+def test_a_hello_without_extra_fields_has_only_its_own():
+    table = parse_hello(decode(FRAME)).table
+    header = hello_header_of(table, [RemoteRequest("r", 0, 1, [2])], pid=5)
+    assert sorted(header) == ["pid", "requests", "table"] and header["pid"] == 5
+
+
+@pytest.mark.parametrize(("num_blocks", "id_type"), [(12, np.uint32), (1 << 32, np.uint32), ((1 << 32) + 1, np.uint64)])
+def test_block_ids_go_as_the_narrowest_integers_the_table_needs(num_blocks, id_type):
+    """Ids below 2^32 go as 4 bytes each; a table of more blocks sends 8, and its highest
+    id comes back whole."""
+    table = dataclasses.replace(parse_hello(decode(FRAME)).table, num_blocks=num_blocks)
+    ids = [0, num_blocks - 1]
+    columns = request_columns([RemoteRequest("r", 0, 2 * table.block_size, ids)], table)
+    assert columns["block_ids"].dtype == id_type
+    message = decode(encode("hello", {"requests": columns}))
+    back = parse_requests(message.fields().fields("requests"), table.block_size, num_blocks)
+    assert back[0].remote_ids.tolist() == ids
+
+
+def test_no_requests_go_as_empty_columns():
+    table = parse_hello(decode(FRAME)).table
+    columns = request_columns([], table)
+    assert columns["name"] == [] and columns["block_ids"].size == 0 and columns["block_ids"].dtype == np.uint32
 
 
 @pytest.mark.timeout(20)

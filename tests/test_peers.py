@@ -271,3 +271,44 @@ def test_addresses():
     assert parse_address("[::1]:7") == ("::1", 7)
     with pytest.raises(ValueError):
         parse_address("host:http")
+
+
+def test_a_proof_binds_the_secret_the_role_and_both_nonces():
+    """HMAC-SHA256 of role and both nonces: a proof for one pair of nonces proves nothing
+    for another (a recorded proof cannot be replayed against a fresh challenge)."""
+    import hashlib
+    import hmac
+
+    from kvhost.nixl.peers import proof, proves
+
+    nonces = (bytes(range(16)), bytes(range(16, 32)))
+    expected = hmac.new(SECRET, b"decode" + nonces[0] + nonces[1], hashlib.sha256).hexdigest()
+    assert proof(SECRET, "decode", nonces) == expected and proves(SECRET, "decode", nonces, expected)
+    others = [
+        ((b"\xff" + nonces[0][1:], nonces[1]), "decode", SECRET),  # decode's nonce changed
+        ((nonces[0], b"\xff" + nonces[1][1:]), "decode", SECRET),  # prefill's
+        ((nonces[1], nonces[0]), "decode", SECRET),  # the two swapped
+        (nonces, "prefill", SECRET),
+        (nonces, "decode", b"\x01" * 32),
+    ]
+    for other_nonces, role, secret in others:
+        assert not proves(secret, role, other_nonces, expected), (other_nonces, role)
+
+
+@pytest.mark.parametrize(
+    ("nonce", "reason"),
+    [
+        ("zz" * 16, "expected 16 bytes in hex"),
+        ("00" * 15, "expected 16 bytes in hex"),
+        ("0" * 31, "expected 16 bytes in hex"),
+        ("", "expected a string of 1 to 32 characters"),
+        ("00" * 17, "expected a string of 1 to 32 characters"),
+    ],
+)
+def test_a_nonce_that_is_not_16_bytes_in_hex_is_refused(nonce, reason):
+    from kvhost.nixl.fields import Fields
+    from kvhost.nixl.peers import nonce_of
+
+    with pytest.raises(ProtocolError, match=rf"knock\.nonce: {reason}"):
+        nonce_of(Fields({"nonce": nonce}, "knock"))
+    assert nonce_of(Fields({"nonce": "ab" * 16}, "knock")) == b"\xab" * 16

@@ -17,14 +17,14 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
     server.py     the prefill side: Server serves many decode engines, lets go when one goes away
     framing.py    the framed, checksummed control messages (encode, decode, send, receive)
     fields.py     strict checks of what a peer sends (Fields) and of every timeout
-    errors.py     NixlUnavailableError, TransferError, ProtocolError, InvalidTimeoutError
+    errors.py     NixlUnavailableError, TransferError, ProtocolError (PeerClosedError), InvalidTimeoutError
 
 Importing this package imports no NIXL: ``Agent`` loads it when one is made.
 """
 
 from kvhost.nixl.agent import NIXL_MODULES, Agent, Reader, Transfer, load_nixl, merge_domains
 from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, refusal
-from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
+from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, PeerClosedError, ProtocolError, TransferError
 from kvhost.nixl.fields import MAX_WAIT_SECONDS, Fields, check_seconds
 from kvhost.nixl.framing import Message, decode, encode, receive, send
 from kvhost.nixl.handshake import Hello, RemoteRequest, accept_hello, parse_hello, prove, send_hello
@@ -59,6 +59,7 @@ __all__ = [
     "Message",
     "NixlUnavailableError",
     "Offer",
+    "PeerClosedError",
     "PeerHello",
     "PeerRecord",
     "ProtocolError",

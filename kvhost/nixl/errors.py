@@ -24,5 +24,9 @@ class ProtocolError(KVHostError, ValueError):
     """A control message was malformed, truncated, unexpected, or did not arrive in time."""
 
 
+class PeerClosedError(ProtocolError):
+    """The peer's socket closed, or failed, before a whole frame arrived."""
+
+
 class InvalidTimeoutError(KVHostError, ValueError):
     """A timeout that is not a finite number of seconds in range (NaN, infinite, negative, a bool)."""

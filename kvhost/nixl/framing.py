@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhost.nixl.errors import ProtocolError
+from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.fields import MAX_ARRAY_BYTES, Fields, check_seconds, show
 
 MAGIC = b"KVHM"
@@ -195,6 +195,39 @@ def receive(sock: socket.socket, *, timeout: float, expect: str | None = None, l
     if expect is not None and message.kind != expect:
         raise ProtocolError(f"expected a {expect!r} message, got {show(message.kind)}")
     return message
+
+
+def read_arrived(sock: socket.socket, data: bytearray, limit: int) -> Message | None:
+    """Read what has arrived of the next frame on a non-blocking socket into ``data`` (kept
+    between calls), never past the frame's end: the message once whole (``data`` emptied),
+    None while part of it is still to come.
+
+    A header declaring more than ``limit`` bytes in all is refused as soon as it is in:
+    the body is neither waited for nor given room. A socket that closes or fails is a
+    PeerClosedError; anything else wrong, a ProtocolError.
+    """
+    while True:
+        need = HEADER_BYTES
+        if len(data) >= HEADER_BYTES:
+            json_len, blob_len, array_len, _ = parse_header(data)
+            need = HEADER_BYTES + json_len + blob_len + array_len
+            if need > limit:
+                raise ProtocolError(f"a frame of {need} bytes, more than the {limit} allowed here")
+            if len(data) == need:
+                message = decode(bytes(data))
+                data.clear()
+                return message
+        try:
+            chunk = sock.recv(need - len(data))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as err:
+            raise PeerClosedError(f"the connection failed: {err}") from None
+        if not chunk:
+            raise PeerClosedError(
+                "the peer closed the connection" + (f" {len(data)} bytes into a frame" if data else "")
+            )
+        data += chunk  # and round again: a header just completed is checked at once
 
 
 def _read(sock: socket.socket, count: int, deadline: float, what: str) -> bytearray:

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.fields import MAX_ARRAY_BYTES, Fields, check_seconds
-from kvhost.nixl.framing import HEADER_BYTES, Message, decode, parse_header, receive, send
+from kvhost.nixl.framing import Message, read_arrived, receive, send
 from kvhost.nixl.tables import RegionTable
 
 AUTH, HELLO, DONE = "auth", "hello", "done"  # the message kinds, in the order they are sent
@@ -263,28 +263,10 @@ def _accept_all(listener: socket.socket) -> list[socket.socket]:
 def _read_auth(conn: socket.socket, data: bytearray, secret: bytes) -> bool | None:
     """Read what has arrived of a connection's first frame, never past it: True once it is
     an ``auth`` frame proving ``secret``, False when it cannot be one, None while incomplete."""
-    need = HEADER_BYTES
-    if len(data) >= HEADER_BYTES:
-        try:
-            json_len, blob_len, array_len, _ = parse_header(data)
-        except ProtocolError:
-            return False
-        need = HEADER_BYTES + json_len + blob_len + array_len
-        if need > AUTH_FRAME_BYTES:
-            return False
     try:
-        chunk = conn.recv(need - len(data))
-    except (BlockingIOError, InterruptedError):
-        return None
-    except OSError:
-        return False
-    if not chunk:
-        return False
-    data += chunk
-    if len(data) < need or need == HEADER_BYTES:
-        return None  # more to come (or, with the header just complete, its lengths to read)
-    try:
-        message = decode(bytes(data))
+        message = read_arrived(conn, data, AUTH_FRAME_BYTES)
+        if message is None:
+            return None
         proof = message.fields().text("proof", max_length=64) if message.kind == AUTH else ""
     except ProtocolError:
         return False

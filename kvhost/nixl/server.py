@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhost.nixl.engine import EngineSpec, refusal
-from kvhost.nixl.errors import ProtocolError
+from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
-from kvhost.nixl.framing import HEADER_BYTES, Message, decode, encode, parse_header
+from kvhost.nixl.framing import Message, encode, read_arrived
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, AUTH_SECONDS
 from kvhost.nixl.peers import (
     BEAT,
@@ -183,8 +183,8 @@ class Server:
     def _read(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
         limit = ENGINE_FRAME_BYTES if conn.stage == ENGINE else AUTH_FRAME_BYTES
         try:
-            message = _read_frame(conn, limit)
-        except _Closed as err:
+            message = read_arrived(conn.sock, conn.data, limit)
+        except PeerClosedError as err:
             self._end(selector, conn, "closed" if conn.stage == BEAT else "", str(err))
             return
         except ProtocolError as err:
@@ -282,33 +282,3 @@ def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: fl
     finally:
         with contextlib.suppress(OSError):
             sock.setblocking(False)
-
-
-class _Closed(ProtocolError):
-    """The peer's socket closed or failed."""
-
-
-def _read_frame(conn: _Connection, limit: int) -> Message | None:
-    """Read what has arrived of the connection's next frame, never past it: the message once
-    whole, None while incomplete; a closed socket or a frame over ``limit`` bytes is a ProtocolError."""
-    data = conn.data
-    need = HEADER_BYTES
-    if len(data) >= HEADER_BYTES:
-        json_len, blob_len, array_len, _ = parse_header(data)
-        need = HEADER_BYTES + json_len + blob_len + array_len
-        if need > limit:
-            raise ProtocolError(f"a frame of {need} bytes, more than the {limit} allowed here")
-    try:
-        chunk = conn.sock.recv(need - len(data))
-    except (BlockingIOError, InterruptedError):
-        return None
-    except OSError as err:
-        raise _Closed(f"the connection failed: {err}") from None
-    if not chunk:
-        raise _Closed("the peer closed the connection" + (f" {len(data)} bytes into a frame" if data else ""))
-    data += chunk
-    if len(data) < need or need == HEADER_BYTES:
-        return None
-    message = decode(bytes(data))
-    data.clear()
-    return message
