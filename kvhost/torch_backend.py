@@ -83,7 +83,7 @@ class TorchBackend(Backend):
     (on the host a whole-batch temporary falls out of cache, docs/design.md "Backends";
     None takes a group in one pass); ``max_run_copies``: up to this many runs of ids on one
     side, a copy is one call per run and layer (``index_select`` into a destination run,
-    ``index_copy_`` from a source run, ``copy_`` where both run alike off the host),
+    ``index_copy_`` from a source run, ``copy_`` where both run alike),
     beyond it one gather/scatter.
     """
 
@@ -174,18 +174,14 @@ class TorchBackend(Backend):
         them and at most ``max_run_copies`` runs: on one device, the side whose ids form
         fewer runs than both sides' together.
 
-        On the host, the destination's runs even where both sides run alike: ``copy_`` and
-        ``index_copy_`` split a host copy over torch's threads, and waking them costs more
-        than a few blocks take to copy, once a layer (docs/design.md "Backends"); ``index_select`` is
-        one serial pass.
+        Where both sides run alike, ``copy_`` per run, on the host too: it splits a large
+        copy over torch's threads, which ``index_select`` does per block (docs/design.md
+        "Backends" has the measurements).
         """
-        if job.src_device != job.dst_device:
-            return [], []
-        on_host = job.src_device.type == "cpu"
-        if not on_host and len(job.runs) == 1:
+        if job.src_device != job.dst_device or len(job.runs) == 1:
             return [], []  # one copy_ a layer
         dst_runs = _runs(job.dst_ids)
-        if len(dst_runs) <= self.max_run_copies and (on_host or len(dst_runs) < len(job.runs)):
+        if len(dst_runs) <= self.max_run_copies and len(dst_runs) < len(job.runs):
             return dst_runs, []
         src_runs = _runs(job.src_ids)
         if len(src_runs) <= self.max_run_copies and len(src_runs) < len(job.runs):

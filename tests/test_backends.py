@@ -509,22 +509,22 @@ def _gathers_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("src_ids", "dst_ids", "gathers"),
+    ("src_ids", "dst_ids", "passes"),
     [
-        ([4, 5, 6], [0, 1, 2], 1),  # one run on both sides: one gather, not a copy_
-        ([0, 1, 2, 3], [5, 6, 1, 2], 2),  # a load: the source runs, the destination in two
-        ([7, 2, 3], [4, 0, 1], 2),  # both sides in two runs alike
+        ([4, 5, 6], [0, 1, 2], dict(copy_=1, index_select=0, index_copy_=0)),  # one run on both sides
+        ([7, 2, 3], [4, 0, 1], dict(copy_=2, index_select=0, index_copy_=0)),  # both sides in two runs alike
+        ([5, 1, 2], [0, 1, 2], dict(copy_=0, index_select=1, index_copy_=0)),  # gathered into one run
+        ([0, 1, 2], [5, 2, 3], dict(copy_=0, index_select=0, index_copy_=1)),  # scattered from one run
     ],
 )
-def test_on_the_host_a_copy_gathers_into_each_destination_run(monkeypatch, src_ids, dst_ids, gathers):
-    # copy_ and index_copy_ split a host copy over torch's threads, a wake a layer;
-    # index_select is one serial pass.
+def test_a_host_copy_makes_one_call_per_run_of_the_side_with_fewest(monkeypatch, src_ids, dst_ids, passes):
     src = {f"l{i}": fill_random(make_cache("KBNHC", "KBNHC", SIZES), i) for i in range(3)}
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
-    made = _gathers_counted(monkeypatch)
-    passes = {method: counted(monkeypatch, method) for method in ("copy_", "index_copy_")}
+    gathers = _gathers_counted(monkeypatch)
+    made = {method: counted(monkeypatch, method) for method in ("copy_", "index_copy_")}
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend()).wait()
-    assert len(made) == 3 * gathers and passes == {"copy_": [], "index_copy_": []}
+    calls = {"index_select": len(gathers), **{method: len(c) for method, c in made.items()}}
+    assert calls == {method: 3 * count for method, count in passes.items()}
     others = [b for b in range(SIZES["B"]) if b not in dst_ids]
     for name in src:
         assert torch.equal(raw(dst[name])[:, dst_ids], raw(src[name])[:, src_ids])
@@ -552,16 +552,15 @@ def test_a_copy_within_one_cache_copies_each_run(monkeypatch, max_run_copies, pa
 @pytest.mark.parametrize(
     ("device", "src_ids", "dst_ids", "max_run_copies", "dst_runs", "src_runs"),
     [
-        # Off the host, one run both sides is one copy_ a layer: no index runs.
+        # One run both sides is one copy_ a layer: no index runs.
         ("meta", [4, 5, 6], [0, 1, 2], 64, [], []),
-        ("cpu", [4, 5, 6], [0, 1, 2], 64, [(0, 0, 3)], []),
+        ("cpu", [4, 5, 6], [0, 1, 2], 64, [], []),
         # The destination in fewer runs than both sides together.
         ("meta", [5, 1], [2, 3], 64, [(0, 2, 2)], []),
-        # The source in fewer: off the host scattered from; on the host gathered into the
-        # destination's runs while there are at most max_run_copies of them.
+        # The source in fewer: scattered from.
         ("meta", [0, 1, 2], [5, 2, 7], 64, [], [(0, 0, 3)]),
-        ("cpu", [0, 1, 2], [5, 2, 7], 64, [(0, 5, 1), (1, 2, 1), (2, 7, 1)], []),
-        ("cpu", [0, 1, 2], [5, 2, 7], 2, [], [(0, 0, 3)]),
+        ("cpu", [0, 1, 2], [5, 2, 7], 64, [], [(0, 0, 3)]),
+        ("cpu", [0, 1, 2], [5, 2, 7], 1, [], [(0, 0, 3)]),  # one run is within any max_run_copies
         # The destination in fewer runs, but more than max_run_copies: the source's one.
         ("meta", [0, 1, 3, 4, 6, 7], [0, 2, 3, 5, 6, 1], 3, [], [(0, 0, 2), (2, 3, 2), (4, 6, 2)]),
         # Both sides in as many runs as both together: neither.

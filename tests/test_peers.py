@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -312,3 +313,170 @@ def test_a_nonce_that_is_not_16_bytes_in_hex_is_refused(nonce, reason):
     with pytest.raises(ProtocolError, match=rf"knock\.nonce: {reason}"):
         nonce_of(Fields({"nonce": nonce}, "knock"))
     assert nonce_of(Fields({"nonce": "ab" * 16}, "knock")) == b"\xab" * 16
+
+
+# --- what a prefill may answer: every field of an offer checked by decode ------------------
+
+
+class FakePrefill:
+    """A prefill engine on a thread that proves the secret, then answers decode's engine
+    message with ``kind``/``header``/``blob`` as given (an offer a real one would not send);
+    ``heard`` holds what decode sent after that (a refusal), if anything."""
+
+    def __init__(self, kind, header, blob=b"", port=0):
+        from kvhost.nixl.peers import CHALLENGE, ENGINE, proof
+
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.address = self.listener.getsockname()
+        self.heard = []
+
+        def serve():
+            conn, _ = self.listener.accept()
+            with conn:
+                knock = receive(conn, timeout=5, expect=KNOCK)
+                mine = os.urandom(16)
+                nonces = (bytes.fromhex(knock.fields().text("nonce")), mine)
+                send(conn, CHALLENGE, {"nonce": mine.hex(), "proof": proof(SECRET, "prefill", nonces)}, timeout=5)
+                receive(conn, timeout=5, expect=ENGINE)
+                send(conn, kind, header, blob, timeout=5)
+                with contextlib.suppress(ProtocolError):
+                    self.heard.append(receive(conn, timeout=5))
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.thread.join(10)
+        self.listener.close()
+
+
+def offer_header(**changes):
+    keep = [rank_table(PREFILL) for _ in range(PREFILL.tp_size)]
+    offer = Offer(PREFILL, [t for _, t in keep], [b"meta0", b"meta1"], [RemoteRequest("req-0", 0, 40, [1, 4, 2])])
+    header = offer.header()
+    for key, value in changes.items():
+        if value is None:
+            del header[key]
+        else:
+            header[key] = value
+    return header, keep
+
+
+def read_offer(header, blob=b"meta0meta1", kind="offer"):
+    fake = FakePrefill(kind, header, blob)
+    try:
+        return connect(fake.address, SECRET, DECODE, timeout=5), fake
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("beat", [0.05, 60.0])
+def test_beats_at_the_bounds_are_taken(beat):
+    header, _keep = offer_header(beat_seconds=beat)
+    session, _ = read_offer(header)
+    with contextlib.closing(session):
+        assert session.offer.beat_seconds == beat and session.offer.metadata == [b"meta0", b"meta1"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "blob", "message"),
+    [
+        (dict(beat_seconds=0.049), b"meta0meta1", r"offer\.beat_seconds: 0\.049 is not in \[0\.05, 60\.0\]"),
+        (dict(beat_seconds=60.5), b"meta0meta1", r"offer\.beat_seconds: 60\.5 is not in"),
+        (dict(metadata_bytes=np.array([5, 5], dtype=np.uint32)), b"meta0meta1x", r"\[5, 5\] for 2 ranks and 11 blob"),
+        (dict(metadata_bytes=np.array([10], dtype=np.uint32)), b"meta0meta1", r"\[10\] for 2 ranks and 10 blob"),
+        (dict(metadata_bytes=np.array([0, 10], dtype=np.uint32)), b"meta0meta1", r"metadata_bytes\[0\]: expected"),
+    ],
+)
+def test_a_malformed_offer_is_a_protocol_error(changes, blob, message):
+    header, _keep = offer_header(**changes)
+    with pytest.raises(ProtocolError, match=message):
+        read_offer(header, blob)
+
+
+def test_an_offer_with_a_table_missing_or_one_too_many_is_refused():
+    header, _keep = offer_header()
+    with pytest.raises(ProtocolError, match=r"offer\.tables: 1 tables for TP 2"):
+        read_offer({**header, "tables": header["tables"][:1]})
+    with pytest.raises(ProtocolError, match=r"offer\.tables: 3 tables for TP 2"):
+        read_offer({**header, "tables": [*header["tables"], header["tables"][0]]})
+    with pytest.raises(ProtocolError, match=r"offer\.tables: .*at most 3"):
+        read_offer({**header, "tables": header["tables"] * 2})
+
+
+def test_an_offer_decode_cannot_serve_is_refused_back_to_prefill():
+    header, _keep = offer_header(engine={**PREFILL.to_dict(), "dtype": "float16"})
+    fake = FakePrefill("offer", header, b"meta0meta1")
+    try:
+        with pytest.raises(IncompatibleEngineError, match=r"dtype: decode bfloat16, prefill float16"):
+            connect(fake.address, SECRET, DECODE, timeout=5)
+    finally:
+        fake.close()
+    [refusal_sent] = fake.heard
+    assert refusal_sent.kind == "refuse" and "dtype: decode bfloat16" in refusal_sent.fields().text(
+        "reason", max_length=400
+    )
+
+
+def test_an_answer_that_is_neither_offer_nor_refusal_is_a_protocol_error():
+    with pytest.raises(ProtocolError, match=r"expected an offer, got 'beat'"):
+        read_offer({}, b"", kind="beat")
+
+
+@pytest.mark.timeout(20)
+def test_a_prefill_that_stops_answering_runs_out_the_connect_timeout():
+    """Accepts, then says nothing: connect gives up when its timeout is spent, not later."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match="timed out"):
+            connect(listener.getsockname(), SECRET, DECODE, timeout=1.0)
+        assert 0.9 < time.monotonic() - started < 2.5
+
+
+@pytest.mark.timeout(20)
+def test_connecting_is_retried_until_prefill_listens_and_no_longer():
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # nobody listens there once it is closed
+    started = time.monotonic()
+    with pytest.raises(ProtocolError, match=r"could not connect to prefill at .* before the connect timeout: \w"):
+        connect(("127.0.0.1", port), SECRET, DECODE, timeout=0.6)
+    # Retried every 0.2 s while a retry could still end before the deadline.
+    assert 0.3 < time.monotonic() - started < 0.75
+
+    # A prefill that starts listening after decode began connecting is still reached.
+    header, _keep = offer_header()
+    late = {}
+
+    def listen_late():
+        time.sleep(0.6)
+        late["prefill"] = FakePrefill("offer", header, b"meta0meta1", port=port)
+
+    thread = threading.Thread(target=listen_late)
+    thread.start()
+    try:
+        session = connect(("127.0.0.1", port), SECRET, DECODE, timeout=5)
+    finally:
+        thread.join(5)
+        late["prefill"].close()
+    with contextlib.closing(session):
+        assert session.offer.metadata == [b"meta0", b"meta1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [
+        ("8080", ("127.0.0.1", 8080)),
+        ("10.0.0.2:0", ("10.0.0.2", 0)),
+        ("host:65535", ("host", 65535)),
+        ("[::1]:80", ("::1", 80)),
+        (":81", ("127.0.0.1", 81)),
+    ],
+)
+def test_addresses_that_parse(text, address):
+    assert parse_address(text) == address
+
+
+@pytest.mark.parametrize("text", ["host:65536", "host:", "host:-1", "host:http", "", "99999"])
+def test_addresses_that_do_not(text):
+    with pytest.raises(ValueError, match=r"is not HOST:PORT with a port in \[0, 65535\]"):
+        parse_address(text)
