@@ -79,7 +79,9 @@ def test_copy_between_layouts_and_devices(target, pair, ids, direction):
     assert result.backend == target.name
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float32, torch.int8], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float32, torch.float64, torch.int8], ids=str
+)
 def test_copy_dtypes(target, dtype):
     src = build("KBNHC", "KBHNC", 12, "cpu", 3, dtype)
     dst = build("KBNHC", "KBNHC", 10, target.device, 4, dtype)
@@ -142,8 +144,24 @@ def test_empty_copy_is_a_no_op(target):
     dst = build("KBNHC", "KBNHC", 4, target.device, 91)
     before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, "KBNHC").members]
     result = kvhost.copy_blocks(src, dst, [], [], axes="KBNHC", backend=target.backend)
-    assert result.blocks == 0 and result.bytes_moved == 0 and result.done()
+    assert result.blocks == 0 and result.bytes_moved == 0 and result.done() and result.runs == 0
     check_copied(src, dst, "KBNHC", "KBNHC", [], [], before)
+
+
+def test_copy_results_compare_and_print_by_their_numbers():
+    """Two copies of the same blocks report equal results; neither the completion nor the
+    job (a backend's objects) takes part in equality or in the repr."""
+    src = build("KBNHC", "KBNHC", 6, "cpu", 92)
+    dst = build("KBNHC", "KBNHC", 6, "cpu", 93)
+    first = kvhost.copy_blocks(src, dst, [0, 1, 4], [2, 3, 5], axes="KBNHC").wait()
+    second = kvhost.copy_blocks(src, dst, [0, 1, 4], [2, 3, 5], axes="KBNHC").wait()
+    assert first == second and first.completion is not second.completion and first.job is not second.job
+    assert first.runs == 2 and repr(first) == f"CopyResult(blocks=3, bytes_moved={first.bytes_moved}, backend='cpu')"
+
+
+def test_receive_stats_count_nothing_unless_told():
+    stats = kvhost.ReceiveStats(blocks=4, bytes_moved=64, groups=1, backend="cpu")
+    assert (stats.requests, stats.skipped_blocks, stats.zeroed_blocks, stats.seconds) == (0, 0, 0, 0.0)
 
 
 @pytest.mark.parametrize("ids", ["runs", "scattered"])

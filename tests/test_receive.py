@@ -83,6 +83,7 @@ DTYPES = [
     torch.float16,
     torch.bfloat16,
     torch.float32,
+    torch.float64,  # 8-byte items: moved as int64
     torch.uint8,
     torch.int8,
     torch.float8_e4m3fn,
