@@ -79,6 +79,7 @@ def parse(frame):
 
 def test_a_good_hello_parses():
     hello = parse(FRAME)
+    assert "fields" not in repr(hello)  # the whole raw hello stays out of logs
     assert [r.name for r in hello.requests] == ["req-000", "req-001"]
     assert hello.requests[0].remote_ids.tolist() == [3, 1, 7] and hello.requests[0].tokens == 9
     assert hello.requests[1].remote_ids.tolist() == [0] and hello.requests[1].number == 1
@@ -535,6 +536,19 @@ def test_done_is_small_or_refused():
             wait_done(right, timeout=5)
 
 
+@pytest.mark.parametrize("secret", [bytes(31), bytes(33), b"", bytes(32).hex(), bytearray(32)])
+def test_a_secret_not_of_32_bytes_is_refused_before_anything_is_sent(secret):
+    left, right = socket.socketpair()
+    with left, right, socket.create_server(("127.0.0.1", 0)) as listener:
+        with pytest.raises(ProtocolError, match=r"the shared secret must be 32 bytes, got (\d+ bytes|str|bytearray)"):
+            prove(left, secret, timeout=1)
+        with pytest.raises(ProtocolError, match=r"the shared secret must be 32 bytes"):
+            accept_hello(listener, secret, timeout=1)
+        right.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            right.recv(1)  # prove sent nothing
+
+
 def test_a_hello_without_extra_fields_has_only_its_own():
     table = parse_hello(decode(FRAME)).table
     header = hello_header_of(table, [RemoteRequest("r", 0, 1, [2])], pid=5)
@@ -562,8 +576,9 @@ def test_no_requests_go_as_empty_columns():
 
 @pytest.mark.timeout(20)
 def test_a_listener_nobody_connects_to_times_out():
-    with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(ProtocolError, match="did not connect"):
+    with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(ProtocolError) as refused:
         accept_hello(listener, SECRET, timeout=0.3)
+    assert str(refused.value) == "the peer did not connect and prove who it is within 0.3 s"  # no drops to count
 
 
 @pytest.mark.timeout(20)

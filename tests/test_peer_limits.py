@@ -482,10 +482,124 @@ def test_only_strays_end_in_a_clear_timeout():
     with socket.create_server(("127.0.0.1", 0)) as listener:
         strays = Strays(listener.getsockname()[1], silent=1)
         try:
-            with pytest.raises(ProtocolError, match=r"did not connect and prove who it is within 2 s \(\d+ other"):
+            with pytest.raises(ProtocolError, match=r"did not connect and prove who it is within 2 s \([1-9]\d* other"):
                 accept_hello(listener, SECRET, timeout=2)
         finally:
             strays.close()
+
+
+def _listening(listener, **options):
+    """accept_hello on a thread; ``result`` gets its answer or its error."""
+    result = {}
+
+    def listen():
+        try:
+            result["answer"] = accept_hello(listener, SECRET, **options)
+        except Exception as err:  # reported by the test
+            result["error"] = err
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _closed_by_listener(sock, within):
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:  # reset: closed too
+        return True
+
+
+@pytest.mark.timeout(30)
+def test_a_silent_connection_is_dropped_at_its_own_deadline(monkeypatch):
+    """Each connection has AUTH_SECONDS to prove itself, however long the listener waits
+    for the peer; the peer that comes later is still heard."""
+    monkeypatch.setattr(handshake, "AUTH_SECONDS", 0.3)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        thread, result = _listening(listener, timeout=20)
+        with socket.create_connection(listener.getsockname()) as silent:
+            started = time.monotonic()
+            assert _closed_by_listener(silent, within=3.0)
+            assert time.monotonic() - started < 2.0
+        with socket.create_connection(listener.getsockname()) as real:
+            real.sendall(frames_for_prefill())
+            thread.join(10)
+        sock, hello, dropped = result["answer"]
+        sock.close()
+    assert dropped == 1 and len(hello.requests) == 2
+
+
+@pytest.mark.timeout(30)
+def test_past_the_pending_bound_the_oldest_connections_are_closed_at_once():
+    """At most MAX_PENDING_CONNECTIONS wait to prove themselves: each one more closes the
+    oldest, long before any deadline (strays cannot hold the listener's descriptors)."""
+    bound = handshake.MAX_PENDING_CONNECTIONS
+    with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
+        thread, result = _listening(listener, timeout=20)
+        silent = [socket.create_connection(listener.getsockname()) for _ in range(bound + 5)]
+        try:
+            time.sleep(0.5)
+            closed = [_closed_by_listener(sock, within=0.05) for sock in silent]
+            assert closed == [True] * 5 + [False] * bound
+            with socket.create_connection(listener.getsockname()) as real:
+                real.sendall(frames_for_prefill())
+                thread.join(10)
+        finally:
+            for sock in silent:
+                sock.close()
+    sock, _, dropped = result["answer"]
+    sock.close()
+    assert dropped == bound + 5
+
+
+@pytest.mark.timeout(30)
+def test_watch_stops_the_wait_with_its_own_error():
+    calls = []
+
+    def watch():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KVHostError("the prefill process exited")
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        started = time.monotonic()
+        with pytest.raises(KVHostError, match="the prefill process exited"):
+            accept_hello(listener, SECRET, timeout=10, watch=watch)
+    assert len(calls) == 3 and time.monotonic() - started < 2.0
+
+
+@pytest.mark.timeout(30)
+def test_a_first_frame_of_another_kind_proves_nothing():
+    """A proof in any frame but ``auth`` (a hello that names the secret) is no proof."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        thread, result = _listening(listener, timeout=20)
+        with socket.create_connection(listener.getsockname()) as impostor:
+            impostor.sendall(encode("hello", {"proof": SECRET.hex()}))
+            assert _closed_by_listener(impostor, within=3.0)
+        with socket.create_connection(listener.getsockname()) as real:
+            real.sendall(frames_for_prefill())
+            thread.join(10)
+    sock, _, dropped = result["answer"]
+    sock.close()
+    assert dropped == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_hello_may_come_a_while_after_the_proof():
+    """Once proved, the peer has what is left of the timeout to say hello (at least a second)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        thread, result = _listening(listener, timeout=10)
+        with socket.create_connection(listener.getsockname()) as real:
+            real.sendall(encode("auth", {"proof": SECRET.hex()}))
+            time.sleep(1.5)
+            real.sendall(FRAME)
+            thread.join(10)
+    sock, hello, dropped = result["answer"]
+    sock.close()
+    assert dropped == 0 and len(hello.requests) == 2
 
 
 ENGINE = ["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--max-tokens", "100"]

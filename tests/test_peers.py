@@ -266,12 +266,25 @@ def test_secret_files_are_private_and_checked(tmp_path):
         read_secret_file(str(tmp_path / "missing"))
 
 
-def test_addresses():
-    assert parse_address("10.0.0.1:5000") == ("10.0.0.1", 5000)
-    assert parse_address("5000") == ("127.0.0.1", 5000)
-    assert parse_address("[::1]:7") == ("::1", 7)
-    with pytest.raises(ValueError):
-        parse_address("host:http")
+@pytest.mark.parametrize("bits", [0o001, 0o002, 0o004, 0o010, 0o020, 0o040])
+def test_a_secret_file_any_other_may_touch_is_refused(tmp_path, bits):
+    path = str(tmp_path / "secret")
+    write_secret_file(path)
+    os.chmod(path, 0o600 | bits)
+    with pytest.raises(ProtocolError, match=rf"readable by others \(mode {0o600 | bits:o}\)"):
+        read_secret_file(path)
+
+
+def test_a_secret_of_the_most_digits_is_read_whole_and_a_longer_one_refused(tmp_path):
+    from kvhost.nixl.peers import MAX_SECRET_DIGITS
+
+    path = tmp_path / "secret"
+    path.write_text("ab" * (MAX_SECRET_DIGITS // 2) + "\n")
+    path.chmod(0o600)
+    assert read_secret_file(str(path)) == b"\xab" * (MAX_SECRET_DIGITS // 2)
+    path.write_text("ab" * (MAX_SECRET_DIGITS // 2 + 1) + "\n")
+    with pytest.raises(ProtocolError, match=f"more than {MAX_SECRET_DIGITS} hex digits"):
+        read_secret_file(str(path))
 
 
 def test_a_proof_binds_the_secret_the_role_and_both_nonces():
@@ -376,6 +389,7 @@ def test_beats_at_the_bounds_are_taken(beat):
     session, _ = read_offer(header)
     with contextlib.closing(session):
         assert session.offer.beat_seconds == beat and session.offer.metadata == [b"meta0", b"meta1"]
+        assert "fields=" not in repr(session.offer)  # the whole raw offer stays out of logs
 
 
 @pytest.mark.parametrize(
@@ -416,6 +430,29 @@ def test_an_offer_decode_cannot_serve_is_refused_back_to_prefill():
     assert refusal_sent.kind == "refuse" and "dtype: decode bfloat16" in refusal_sent.fields().text(
         "reason", max_length=400
     )
+
+
+def test_block_ids_must_fit_every_rank_table():
+    """Ranks may hold tables of different sizes; a request's ids must be blocks of each."""
+    keep = [rank_table(PREFILL, blocks=8), rank_table(PREFILL, blocks=12)]
+    requests = [RemoteRequest("req-0", 0, 40, [1, 4, 10])]
+    header = Offer(PREFILL, [t for _, t in keep], [b"meta0", b"meta1"], requests).header()
+    with pytest.raises(ProtocolError, match=r"block_ids\[2\]: expected an integer in \[0, 7\], got 10"):
+        read_offer(header)
+
+
+def test_metadata_of_one_byte_per_rank_is_taken():
+    header, _keep = offer_header(metadata_bytes=np.array([1, 1], dtype=np.uint32))
+    session, _ = read_offer(header, b"mn")
+    with contextlib.closing(session):
+        assert session.offer.metadata == [b"m", b"n"]
+
+
+def test_a_refusal_of_400_characters_is_read_and_a_longer_one_is_not():
+    with pytest.raises(IncompatibleEngineError, match=r"refused: x{400}$"):
+        read_offer({"reason": "x" * 400}, b"", kind="refuse")
+    with pytest.raises(ProtocolError, match=r"reason: expected a string of 1 to 400 characters"):
+        read_offer({"reason": "x" * 401}, b"", kind="refuse")
 
 
 def test_an_answer_that_is_neither_offer_nor_refusal_is_a_protocol_error():
@@ -480,3 +517,64 @@ def test_addresses_that_parse(text, address):
 def test_addresses_that_do_not(text):
     with pytest.raises(ValueError, match=r"is not HOST:PORT with a port in \[0, 65535\]"):
         parse_address(text)
+
+
+# --- the beats of a session ----------------------------------------------------------------
+
+
+def _session(beat_seconds=0.05):
+    from kvhost.nixl.peers import Session
+
+    mine, theirs = socket.socketpair()
+    return Session(mine, "pair", Offer(PREFILL, [], [], [], beat_seconds=beat_seconds)), theirs
+
+
+def _beat_threads():
+    return [t for t in threading.enumerate() if t.name == "beats to pair"]
+
+
+@pytest.mark.timeout(20)
+def test_beats_come_from_one_daemon_thread_until_done_and_none_after():
+    session, theirs = _session()
+    with theirs:
+        session.start_beats()
+        session.start_beats()  # a second call starts nothing more
+        threads = _beat_threads()
+        assert len(threads) == 1 and threads[0].daemon
+        assert [receive(theirs, timeout=2).kind for _ in range(3)] == ["beat"] * 3
+        session.done(ok=True, timeout=2)
+        kinds = []
+        while True:  # the beats already on the way, then done, then nothing
+            message = receive(theirs, timeout=2)
+            kinds.append(message.kind)
+            if message.kind == "done":
+                break
+        assert set(kinds[:-1]) <= {"beat"} and message.fields().data == {"ok": True}
+        theirs.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            theirs.recv(1)
+        session.close()
+        assert not _beat_threads()
+
+
+@pytest.mark.timeout(20)
+def test_close_ends_the_beats_at_once():
+    session, theirs = _session(beat_seconds=1.0)
+    with theirs:
+        session.start_beats()
+        started = time.monotonic()
+        session.close()
+        assert not _beat_threads() and time.monotonic() - started < 0.5
+
+
+@pytest.mark.timeout(20)
+def test_a_beat_that_cannot_be_sent_ends_the_beats_and_says_why():
+    session, theirs = _session()
+    theirs.close()  # the peer is gone
+    session.start_beats()
+    deadline = time.monotonic() + 5
+    while _beat_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _beat_threads()
+    assert session.beat_error is not None and "could not send 'beat'" in session.beat_error
+    session.close()

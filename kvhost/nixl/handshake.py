@@ -39,7 +39,7 @@ from kvhost.nixl.tables import RegionTable
 AUTH, HELLO, DONE = "auth", "hello", "done"  # the message kinds, in the order they are sent
 MAX_REQUESTS = 1 << 14  # requests one hello may announce
 MAX_TOKENS = 1 << 24  # tokens of one request
-SECRET_BYTES = 32
+SECRET_BYTES = 32  # exactly: the auth frame carries it as hex
 # Before a connection proves who it is, it may send one frame of this many bytes, within
 # this many seconds; others are dropped. At most this many such connections are held.
 AUTH_FRAME_BYTES = 1024
@@ -71,7 +71,7 @@ class Hello:
 
 def prove(sock: socket.socket, secret: bytes, *, timeout: float) -> None:
     """Send the ``auth`` frame that proves ``secret``: the first thing a connecting peer sends."""
-    send(sock, AUTH, {"proof": secret.hex()}, timeout=timeout)
+    send(sock, AUTH, {"proof": _checked(secret).hex()}, timeout=timeout)
 
 
 def hello_header(
@@ -187,6 +187,7 @@ def accept_hello(
     seconds is a ProtocolError, as is a malformed hello; ``peer`` names it in messages.
     """
     deadline = time.monotonic() + check_seconds(timeout, "connect timeout")
+    _checked(secret)
     pending: dict[socket.socket, _Pending] = {}
     dropped = 0
     chosen: socket.socket | None = None
@@ -267,7 +268,14 @@ def _read_auth(conn: socket.socket, data: bytearray, secret: bytes) -> bool | No
         message = read_arrived(conn, data, AUTH_FRAME_BYTES)
         if message is None:
             return None
-        proof = message.fields().text("proof", max_length=64) if message.kind == AUTH else ""
+        proof = message.fields().text("proof", max_length=2 * SECRET_BYTES) if message.kind == AUTH else ""
     except ProtocolError:
         return False
     return hmac.compare_digest(proof.encode(), secret.hex().encode())
+
+
+def _checked(secret: bytes) -> bytes:
+    if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
+        got = f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__
+        raise ProtocolError(f"the shared secret must be {SECRET_BYTES} bytes, got {got}")
+    return secret

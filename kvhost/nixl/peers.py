@@ -53,6 +53,7 @@ from kvhost.nixl.tables import RegionTable
 KNOCK, CHALLENGE, ENGINE, OFFER, REFUSE, BEAT, DONE = "knock", "challenge", "engine", "offer", "refuse", "beat", "done"
 NONCE_BYTES = 16
 SECRET_BYTES = 32  # at least; a secret file holds it as hex
+MAX_SECRET_DIGITS = 4096  # hex digits a secret may have: a longer one is refused, not cut
 ENGINE_FRAME_BYTES = 64 << 10  # an engine message: a spec and the application's few fields
 # How often decode must beat, as the prefill tells it: between these.
 MIN_BEAT_SECONDS, MAX_BEAT_SECONDS = 0.05, 60.0
@@ -87,7 +88,7 @@ def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
     """
     if path == "-":
         ready, _, _ = select.select([sys.stdin], [], [], check_seconds(timeout, "secret timeout"))
-        text = sys.stdin.readline(4096) if ready else ""
+        text = sys.stdin.readline(MAX_SECRET_DIGITS + 2) if ready else ""  # and a line end
         where = "standard input"
     else:
         where = f"secret file {path}"
@@ -96,11 +97,14 @@ def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
             if mode & 0o077:
                 raise ProtocolError(f"{where}: readable by others (mode {mode & 0o777:o}); chmod 600 it")
             with open(path) as source:
-                text = source.read(4096)
+                text = source.read(MAX_SECRET_DIGITS + 2)
         except OSError as err:
             raise ProtocolError(f"{where}: {err.strerror}") from None
+    digits = text.strip()
+    if len(digits) > MAX_SECRET_DIGITS:
+        raise ProtocolError(f"{where}: more than {MAX_SECRET_DIGITS} hex digits")
     try:
-        secret = bytes.fromhex(text.strip())
+        secret = bytes.fromhex(digits)
     except ValueError:
         secret = b""
     if len(secret) < SECRET_BYTES:
