@@ -197,6 +197,26 @@ def test_prefill_must_prove_the_secret_too():
         thread.join()
 
 
+@pytest.mark.parametrize("over", [0, 1])
+def test_an_engine_message_of_64_kib_is_heard_and_one_byte_more_is_not(over):
+    """Decode's engine message (its spec and the application's fields) is bounded: 64 KiB."""
+    from kvhost.nixl.peers import ENGINE
+
+    base = len(encode(ENGINE, {"pad": "", "proof": "0" * 64, "engine": DECODE.to_dict()}))
+    pad = "x" * ((64 << 10) - base + over)
+    running = Running(peers=1, idle=3.0, peer_timeout=1.0)
+    if over:  # prefill closes the connection on the header's lengths, before reading the body
+        with pytest.raises(ProtocolError, match=r"connection closed|failed while reading"):
+            connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=5, extra={"pad": pad})
+        assert running.finish() == []  # no peer: it never got as far as an offer
+    else:
+        session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=5, extra={"pad": pad})
+        with contextlib.closing(session):
+            assert running.asked[0].fields.text("pad", max_length=1 << 16) == pad
+            session.done(ok=True, timeout=5)
+        running.finish()
+
+
 def test_strays_and_impostors_are_dropped_and_do_not_stall_a_real_peer():
     running = Running(auth_timeout=1.0, peer_timeout=5.0)
     strays = []
