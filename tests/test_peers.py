@@ -307,6 +307,28 @@ def test_a_secret_of_the_most_digits_is_read_whole_and_a_longer_one_refused(tmp_
         read_secret_file(str(path))
 
 
+@pytest.mark.parametrize("line_end", ["\n", "\r\n", ""])
+def test_a_secret_on_standard_input_is_read_whole_and_a_longer_one_refused(monkeypatch, line_end):
+    import sys
+
+    from kvhost.nixl.peers import MAX_SECRET_DIGITS
+
+    for pairs, expected in (
+        (MAX_SECRET_DIGITS // 2, b"\xab" * (MAX_SECRET_DIGITS // 2)),
+        (MAX_SECRET_DIGITS // 2 + 1, None),
+    ):
+        read, write = os.pipe()
+        os.write(write, ("ab" * pairs + line_end).encode())
+        os.close(write)
+        with os.fdopen(read) as stdin:
+            monkeypatch.setattr(sys, "stdin", stdin)
+            if expected is None:
+                with pytest.raises(ProtocolError, match=f"standard input: more than {MAX_SECRET_DIGITS} hex digits"):
+                    read_secret_file("-", timeout=5)
+            else:
+                assert read_secret_file("-", timeout=5) == expected
+
+
 def test_a_proof_binds_the_secret_the_role_and_both_nonces():
     """HMAC-SHA256 of role and both nonces: a proof for one pair of nonces proves nothing
     for another (a recorded proof cannot be replayed against a fresh challenge)."""
