@@ -513,6 +513,20 @@ def _closed_by_listener(sock, within):
         return True
 
 
+def _real_peer_heard(listener, thread, result, *sends, pause=0.0):
+    """The real peer connects and sends each of ``sends`` (``pause`` seconds apart); the
+    listener's answer: the hello and how many other connections it dropped."""
+    with socket.create_connection(listener.getsockname()) as real:
+        for i, data in enumerate(sends):
+            if i:
+                time.sleep(pause)
+            real.sendall(data)
+        thread.join(10)
+    sock, hello, dropped = result["answer"]
+    sock.close()
+    return hello, dropped
+
+
 @pytest.mark.timeout(30)
 def test_a_silent_connection_is_dropped_at_its_own_deadline(monkeypatch):
     """Each connection has AUTH_SECONDS to prove itself, however long the listener waits
@@ -524,11 +538,7 @@ def test_a_silent_connection_is_dropped_at_its_own_deadline(monkeypatch):
             started = time.monotonic()
             assert _closed_by_listener(silent, within=3.0)
             assert time.monotonic() - started < 2.0
-        with socket.create_connection(listener.getsockname()) as real:
-            real.sendall(frames_for_prefill())
-            thread.join(10)
-        sock, hello, dropped = result["answer"]
-        sock.close()
+        hello, dropped = _real_peer_heard(listener, thread, result, frames_for_prefill())
     assert dropped == 1 and len(hello.requests) == 2
 
 
@@ -544,14 +554,10 @@ def test_past_the_pending_bound_the_oldest_connections_are_closed_at_once():
             time.sleep(0.5)
             closed = [_closed_by_listener(sock, within=0.05) for sock in silent]
             assert closed == [True] * 5 + [False] * bound
-            with socket.create_connection(listener.getsockname()) as real:
-                real.sendall(frames_for_prefill())
-                thread.join(10)
+            _, dropped = _real_peer_heard(listener, thread, result, frames_for_prefill())
         finally:
             for sock in silent:
                 sock.close()
-    sock, _, dropped = result["answer"]
-    sock.close()
     assert dropped == bound + 5
 
 
@@ -579,11 +585,7 @@ def test_a_first_frame_of_another_kind_proves_nothing():
         with socket.create_connection(listener.getsockname()) as impostor:
             impostor.sendall(encode("hello", {"proof": SECRET.hex()}))
             assert _closed_by_listener(impostor, within=3.0)
-        with socket.create_connection(listener.getsockname()) as real:
-            real.sendall(frames_for_prefill())
-            thread.join(10)
-    sock, _, dropped = result["answer"]
-    sock.close()
+        _, dropped = _real_peer_heard(listener, thread, result, frames_for_prefill())
     assert dropped == 1
 
 
@@ -592,13 +594,9 @@ def test_a_hello_may_come_a_while_after_the_proof():
     """Once proved, the peer has what is left of the timeout to say hello (at least a second)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         thread, result = _listening(listener, timeout=10)
-        with socket.create_connection(listener.getsockname()) as real:
-            real.sendall(encode("auth", {"proof": SECRET.hex()}))
-            time.sleep(1.5)
-            real.sendall(FRAME)
-            thread.join(10)
-    sock, hello, dropped = result["answer"]
-    sock.close()
+        hello, dropped = _real_peer_heard(
+            listener, thread, result, encode("auth", {"proof": SECRET.hex()}), FRAME, pause=1.5
+        )
     assert dropped == 0 and len(hello.requests) == 2
 
 
