@@ -82,7 +82,8 @@ class KVHost:
         self, requests: Requests, *, remote_order: str | None = None, remote_block_size: int | None = None
     ) -> ReceiveStats:
         """Like ``kvhost.receive`` on the registered caches (which must still be where they were)."""
-        return _receive(self.caches, requests, remote_order, remote_block_size, self.backend, registered=True)
+        with self.backend.exclusive():
+            return _receive(self.caches, requests, remote_order, remote_block_size, self.backend, registered=True)
 
     def copy_to(
         self,
@@ -94,9 +95,10 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy registered blocks ``src_ids`` out to ``dst`` (e.g. save to a host buffer)."""
-        self.caches.check_current()
-        dest, backend = self._peer(dst, dst_axes or self.caches.axes, "dst")
-        return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, backend)
+        with self.backend.exclusive():
+            self.caches.check_current()
+            dest, backend = self._peer(dst, dst_axes or self.caches.axes, "dst")
+            return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, backend)
 
     def copy_from(
         self,
@@ -108,9 +110,10 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy blocks ``src_ids`` of ``src`` into registered blocks ``dst_ids`` (a load)."""
-        self.caches.check_current()
-        source, backend = self._peer(src, src_axes or self.caches.axes, "src")
-        return _copy(source, self.caches, src_ids, dst_ids, non_blocking, backend)
+        with self.backend.exclusive():
+            self.caches.check_current()
+            source, backend = self._peer(src, src_axes or self.caches.axes, "src")
+            return _copy(source, self.caches, src_ids, dst_ids, non_blocking, backend)
 
     def _peer(self, caches: Mapping[str, Layer], axes: str, role: str) -> tuple[CacheSet, Backend]:
         """The other side of a copy, and the backend a copy with it runs on: read once while

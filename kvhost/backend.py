@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
@@ -82,6 +83,12 @@ class Backend(ABC):
         zeros = ZeroIndices.of(job)
         for member in job.members:
             zeros.apply(_zeroable(member.tensor), job.layout)
+
+    def exclusive(self) -> AbstractContextManager[object]:
+        """Held around a whole call on registered caches, their checks included: a backend
+        whose device cannot read a tensor's facts while another thread updates it (torch_xla)
+        returns its lock; by default nothing is held."""
+        return nullcontext()
 
     # --- facts about the device's tensors --------------------------------------------------
 

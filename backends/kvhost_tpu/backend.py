@@ -46,8 +46,10 @@ from kvhost_tpu import xla
 from kvhost_tpu.buckets import MIN_BUCKET, bucket_size, pad_rows
 
 # torch_xla's lazy tensors are not safe to update from two threads at once (a sync in one
-# thread can catch the other's half-built graph); the device runs one graph at a time anyway.
-_GRAPH_LOCK = threading.Lock()
+# thread can catch the other's half-built graph), nor to read while another thread updates
+# them (data_ptr then fails); the device runs one graph at a time anyway. Reentrant: the
+# front end holds it around a whole call (``exclusive``), the backend's calls take it again.
+_GRAPH_LOCK = threading.RLock()
 
 
 class TpuBackend(Backend):
@@ -63,6 +65,9 @@ class TpuBackend(Backend):
 
     def describe(self) -> str:
         return f"torch_xla, one graph per call, indices padded to powers of two from {self.min_bucket}"
+
+    def exclusive(self) -> threading.RLock:
+        return _GRAPH_LOCK
 
     def receive(self, job: ReceiveJob) -> None:
         with _GRAPH_LOCK:
