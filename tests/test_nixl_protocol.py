@@ -468,37 +468,6 @@ def test_what_prove_and_send_hello_send_is_what_accept_hello_reads():
     assert hello.fields.seconds("fill_seconds") == 0.5
 
 
-def _holder(listener, first_bytes, then_hello=True):
-    """Connects, sends ``first_bytes`` (and, with ``then_hello``, the proof and a hello on a
-    second connection); returns the first connection and the thread."""
-    first = socket.create_connection(listener.getsockname())
-    first.sendall(first_bytes)
-    first.settimeout(3)
-    return first
-
-
-@pytest.mark.timeout(20)
-def test_a_first_frame_over_the_auth_limit_is_dropped_on_its_header():
-    """A header declaring more than AUTH_FRAME_BYTES is refused as soon as it is read: the
-    body is never waited for (nor a buffer of its size made)."""
-    padded = encode("auth", {"proof": SECRET.hex(), "pad": "x" * handshake.AUTH_FRAME_BYTES})
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        stray = _holder(listener, padded[:HEADER_BYTES])
-        result = {}
-        thread = threading.Thread(target=lambda: result.update(got=accept_hello(listener, SECRET, timeout=10)))
-        thread.start()
-        started = time.monotonic()
-        with stray:
-            assert stray.recv(1) == b""  # closed by the listener
-        assert time.monotonic() - started < 2.0 < handshake.AUTH_SECONDS
-        with socket.create_connection(listener.getsockname()) as sock:
-            sock.sendall(AUTH + FRAME)
-            thread.join(10)
-    sock, hello, dropped = result["got"]
-    sock.close()
-    assert dropped == 1 and hello.pid == 4321
-
-
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("extra", [0, 1])
 def test_an_auth_frame_of_the_limit_is_taken_and_one_byte_more_is_not(extra):

@@ -527,6 +527,22 @@ def _real_peer_heard(listener, thread, result, *sends, pause=0.0):
     return hello, dropped
 
 
+@pytest.mark.timeout(20)
+def test_a_first_frame_over_the_auth_limit_is_dropped_on_its_header():
+    """A header declaring more than AUTH_FRAME_BYTES is refused as soon as it is read: the
+    body is never waited for (nor a buffer of its size made)."""
+    padded = encode("auth", {"proof": SECRET.hex(), "pad": "x" * handshake.AUTH_FRAME_BYTES})
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        thread, result = _listening(listener, timeout=10)
+        with socket.create_connection(listener.getsockname()) as stray:
+            stray.sendall(padded[:HEADER_BYTES])
+            started = time.monotonic()
+            assert _closed_by_listener(stray, within=3.0)
+            assert time.monotonic() - started < 2.0 < handshake.AUTH_SECONDS
+        hello, dropped = _real_peer_heard(listener, thread, result, frames_for_prefill())
+    assert dropped == 1 and hello.pid == 4321
+
+
 @pytest.mark.timeout(30)
 def test_a_silent_connection_is_dropped_at_its_own_deadline(monkeypatch):
     """Each connection has AUTH_SECONDS to prove itself, however long the listener waits

@@ -408,13 +408,7 @@ class FakePrefill:
 def offer_header(**changes):
     keep = [rank_table(PREFILL) for _ in range(PREFILL.tp_size)]
     offer = Offer(PREFILL, [t for _, t in keep], [b"meta0", b"meta1"], [RemoteRequest("req-0", 0, 40, [1, 4, 2])])
-    header = offer.header()
-    for key, value in changes.items():
-        if value is None:
-            del header[key]
-        else:
-            header[key] = value
-    return header, keep
+    return {**offer.header(), **changes}, keep
 
 
 def read_offer(header, blob=b"meta0meta1", kind="offer"):
