@@ -74,7 +74,14 @@ MODULES = [
     Module("kvhost/batch.py", ("tests/test_front_end.py", "tests/test_partial_blocks.py", *CHECKS, *CONFORMANCE)),
     Module(
         "kvhost/api.py",
-        ("tests/test_front_end.py", "tests/test_cache_sets.py", "tests/test_partial_blocks.py", *CHECKS, *CONFORMANCE),
+        (
+            "tests/test_front_end.py",
+            "tests/test_cache_sets.py",
+            "tests/test_partial_blocks.py",
+            "tests/test_threads.py",
+            *CHECKS,
+            *CONFORMANCE,
+        ),
     ),
     Module("kvhost/torch_backend.py", tuple(BACKENDS)),
     Module("kvhost/lru.py", ("tests/test_ownership.py", "tests/test_cache_sets.py", "tests/test_threads.py")),
@@ -90,6 +97,9 @@ MODULES = [
     # Who a peer is (secrets, proofs, offers) and what its hello may hold: the handshake.
     Module("kvhost/nixl/handshake.py", tuple(PROTOCOL)),
     Module("kvhost/nixl/peers.py", tuple(PROTOCOL)),
+    # The prefill side's loop (every wait bounded) and what two engines must agree on.
+    Module("kvhost/nixl/server.py", tuple(PROTOCOL)),
+    Module("kvhost/nixl/engine.py", tuple(PROTOCOL)),
     Module("kvhost/raw.py", ("tests/test_backends.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module("kvhost/stats.py", ("tests/test_front_end.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module(

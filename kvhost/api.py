@@ -36,8 +36,9 @@ def receive(
     before any byte moves (a batch where none would move is only counted); requests
     sharing a transform are done in one backend call.
     """
-    cache_set = CacheSet(caches, axes)
-    return _receive(cache_set, requests, remote_order, remote_block_size, _backend(backend, cache_set.device))
+    chosen = _backend(backend, _device_of(caches, axes, "caches"))
+    with chosen.exclusive():  # from the first read of a tensor's facts (XLA cannot read them mid-update)
+        return _receive(CacheSet(caches, axes), requests, remote_order, remote_block_size, chosen)
 
 
 def copy_blocks(
@@ -56,10 +57,12 @@ def copy_blocks(
     ``dst_axes`` names dst's dims when its layout differs (the copy rearranges on the
     way); devices may differ (host staging, either way).
     """
-    source = CacheSet(src, axes, role="src")
-    dest = CacheSet(dst, dst_axes or axes, role="dst")
-    chosen = _backend(backend, _copy_device(source.device, dest.device))
-    return _copy(source, dest, src_ids, dst_ids, non_blocking, chosen)
+    dst_axes = dst_axes or axes
+    chosen = _backend(backend, _copy_device(_device_of(src, axes, "src"), _device_of(dst, dst_axes, "dst")))
+    with chosen.exclusive():
+        source = CacheSet(src, axes, role="src")
+        dest = CacheSet(dst, dst_axes, role="dst")
+        return _copy(source, dest, src_ids, dst_ids, non_blocking, chosen)
 
 
 class KVHost:
@@ -70,9 +73,10 @@ class KVHost:
     """
 
     def __init__(self, caches: Mapping[str, Layer], *, axes: str, backend: str | Backend | None = None) -> None:
-        self.caches = CacheSet(caches, axes)
-        self.backend = _backend(backend, self.caches.device)
-        self._peers: LRU[tuple[int, str, str], tuple[CacheSet, Backend]] = LRU(4)
+        self.backend = _backend(backend, _device_of(caches, axes, "caches"))
+        with self.backend.exclusive():
+            self.caches = CacheSet(caches, axes)
+        self._peers: LRU[tuple[int, str, str], CacheSet] = LRU(4)
 
     @property
     def device(self) -> torch.device:
@@ -95,9 +99,11 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy registered blocks ``src_ids`` out to ``dst`` (e.g. save to a host buffer)."""
-        with self.backend.exclusive():
+        dst_axes = dst_axes or self.caches.axes
+        backend = self._peer_backend(dst, dst_axes, "dst")
+        with backend.exclusive():
             self.caches.check_current()
-            dest, backend = self._peer(dst, dst_axes or self.caches.axes, "dst")
+            dest = self._peer(dst, dst_axes, "dst")
             return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, backend)
 
     def copy_from(
@@ -110,27 +116,33 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy blocks ``src_ids`` of ``src`` into registered blocks ``dst_ids`` (a load)."""
-        with self.backend.exclusive():
+        src_axes = src_axes or self.caches.axes
+        backend = self._peer_backend(src, src_axes, "src")
+        with backend.exclusive():
             self.caches.check_current()
-            source, backend = self._peer(src, src_axes or self.caches.axes, "src")
+            source = self._peer(src, src_axes, "src")
             return _copy(source, self.caches, src_ids, dst_ids, non_blocking, backend)
 
-    def _peer(self, caches: Mapping[str, Layer], axes: str, role: str) -> tuple[CacheSet, Backend]:
-        """The other side of a copy, and the backend a copy with it runs on: read once while
-        the same mapping holds the same tensors.
+    def _peer_backend(self, caches: Mapping[str, Layer], axes: str, role: str) -> Backend:
+        """The backend a copy with ``caches`` runs on: the registered one, unless the peer is
+        the accelerator of a host cache. Chosen before the peer's tensors are read, so that
+        its lock covers the reading."""
+        device = _device_of(caches, axes, role)
+        if device.type in ("cpu", self.device.type):
+            return self.backend
+        return _backend(None, _copy_device(self.device, device))
+
+    def _peer(self, caches: Mapping[str, Layer], axes: str, role: str) -> CacheSet:
+        """The other side of a copy, read once while the same mapping holds the same tensors.
 
         A connector's host buffer is allocated once and passed on every call; its layouts
-        need not be read again, nor its backend chosen again. A few peers are remembered
-        (and kept alive).
+        need not be read again. A few peers are remembered (and kept alive).
         """
         key = (id(caches), axes, role)
         known = self._peers.get(key)
-        if known is not None and known[0].describes(caches):
+        if known is not None and known.describes(caches):
             return known
-        peer = CacheSet(caches, axes, role=role)
-        # The registered backend, unless the peer is the accelerator of a host cache.
-        backend = self.backend if peer.device.type in ("cpu", self.device.type) else None
-        return self._peers.put(key, (peer, _backend(backend, _copy_device(self.device, peer.device))))
+        return self._peers.put(key, CacheSet(caches, axes, role=role))
 
 
 def _receive(
@@ -188,6 +200,19 @@ class _AllOf(Completion):
     def wait(self) -> None:
         for part in self.parts:
             part.wait()
+
+
+def _device_of(caches: Mapping[str, Layer], axes: str, role: str) -> torch.device:
+    """The device of the first tensor of ``caches``, looked at without reading any tensor's
+    memory facts, so that a backend (and its lock) can be chosen first. Where there is no
+    first tensor, the set is read to say what is wrong with it (CacheSet checks that every
+    tensor shares that device)."""
+    if isinstance(caches, Mapping) and caches:
+        layer = next(iter(caches.values()))
+        first = layer[0] if isinstance(layer, (tuple, list)) and layer else layer
+        if isinstance(first, torch.Tensor):
+            return first.device
+    return CacheSet(caches, axes, role=role).device
 
 
 def _copy_device(src: torch.device, dst: torch.device) -> torch.device:

@@ -85,8 +85,9 @@ class Backend(ABC):
             zeros.apply(_zeroable(member.tensor), job.layout)
 
     def exclusive(self) -> AbstractContextManager[object]:
-        """Held around a whole call on registered caches, their checks included: a backend
-        whose device cannot read a tensor's facts while another thread updates it (torch_xla)
+        """Held around every call this backend does the work of, from the first read of a
+        tensor's facts (registering, checking the caches are in place) to the end: a backend
+        whose device cannot read them while another thread updates a tensor (torch_xla)
         returns its lock; by default nothing is held."""
         return nullcontext()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 import kvhost
 from kvhost.testing import ReceiveCase, make_cache
 
@@ -78,5 +80,61 @@ def test_a_call_on_registered_caches_holds_the_backends_exclusive_lock_throughou
     host.receive({"r": [1, 2]}, remote_order="HNC", remote_block_size=4)
     host.copy_to(host_buffer, [1, 2], [0, 1]).wait()
     host.copy_from(host_buffer, [0, 1], [3, 4]).wait()
-    assert events == ["enter", "receive", "exit", "enter", "copy", "exit", "enter", "copy", "exit"]
+    assert events == ["enter", "exit", "enter", "receive", "exit", "enter", "copy", "exit", "enter", "copy", "exit"]
     assert checks == ["enter", "enter", "enter"]  # each check inside the lock, before the work
+    # (the first enter/exit: registering reads the tensors under the lock too)
+
+
+def test_every_call_reads_the_tensors_inside_the_lock_of_the_backend_that_does_the_work(monkeypatch):
+    """One-off calls and copies with a peer on another device read the tensors' facts
+    (data addresses, which XLA cannot give mid-update) only once the lock of the backend
+    that will move the bytes is held: the backend is chosen from the first tensor's device."""
+    import contextlib
+
+    import kvhost.api
+    from kvhost.caches import CacheSet
+    from kvhost.torch_backend import TorchBackend
+
+    held: list[str] = []  # the locks held now, innermost last
+    reads: list[tuple[str, tuple[str, ...]]] = []
+
+    def locking(backend: kvhost.Backend, tag: str) -> kvhost.Backend:
+        @contextlib.contextmanager
+        def exclusive():  # type: ignore[no-untyped-def]
+            held.append(tag)
+            try:
+                yield
+            finally:
+                held.pop()
+
+        monkeypatch.setattr(backend, "exclusive", exclusive)
+        return backend
+
+    class Recorded(CacheSet):
+        def __init__(self, caches, axes, *, role="caches"):  # type: ignore[no-untyped-def]
+            reads.append((role, tuple(held)))
+            super().__init__(caches, axes, role=role)
+
+    monkeypatch.setattr(kvhost.api, "CacheSet", Recorded)
+    sizes = dict(K=2, B=8, N=8, H=2, C=4)
+    caches = {"l0": make_cache("KBNHC", "KBNHC", sizes)}
+    other = {"l0": make_cache("KBNHC", "KBNHC", sizes)}
+    given = locking(TorchBackend(), "given")
+    kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend=given)
+    kvhost.copy_blocks(caches, other, [1], [2], axes="KBNHC", backend=given).wait()
+    assert reads == [("caches", ("given",)), ("src", ("given",)), ("dst", ("given",))]
+
+    # Host caches registered, the peer on another device: its backend does the copy, and
+    # its lock (not the registered backend's) covers reading the peer.
+    reads.clear()
+    host = kvhost.KVHost(caches, axes="KBNHC", backend=locking(TorchBackend(), "registered"))
+    meta_peer = {"l0": make_cache("KBNHC", "KBNHC", sizes, device="meta")}
+    locking(kvhost.get_backend("meta"), "meta")
+    host.copy_to(meta_peer, [1], [2]).wait()
+    with pytest.raises(
+        NotImplementedError, match="meta"
+    ):  # a meta tensor has no bytes to give; the read is what counts
+        host.copy_from(meta_peer, [2], [1])
+    host.copy_to(other, [1], [2]).wait()
+    assert reads == [("caches", ("registered",)), ("dst", ("meta",)), ("src", ("meta",)), ("dst", ("registered",))]
+    assert held == []
