@@ -111,6 +111,35 @@ ROWS: dict[str, Row] = {
         kvhost.LayoutError,
         "layer 'x' must be a tensor or a tuple of tensors, got ndarray",
     ),
+    # The first layer is looked at before the set is read (to choose the backend and take
+    # its lock): whatever it is, the fault is still named as the set's check names it.
+    "first layer a list of ints": (
+        lambda w: kvhost.receive({"x": [1, 2]} | w.caches, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "layer 'x' must be a tensor or a tuple of tensors, got list",
+    ),
+    "first layer an empty tuple": (
+        lambda w: kvhost.receive({"x": ()} | w.caches, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "layer 'x' must be a tensor or a tuple of tensors, got tuple",
+    ),
+    "first layer without rows": (
+        lambda w: kvhost.receive({"x": torch.zeros(0, 4)} | w.caches, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "layer 'x'",
+    ),
+    "first layer a tuple of one": (
+        lambda w: kvhost.receive({"x": (w.caches["layer0"][0],)} | w.caches, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "all layers must match",
+    ),
+    "first layer on two devices": (
+        lambda w: kvhost.receive(
+            {"x": tuple(w.caches["layer0"].to(d) for d in ("cpu", "meta"))}, GOOD, axes="KBNHC", backend="cpu"
+        ),
+        kvhost.LayoutError,
+        "is on meta but layer 'x' is on cpu",
+    ),
     "layer name not a string": (
         lambda w: kvhost.receive(w.caches | {0: w.caches["layer0"].clone()}, GOOD, axes="KBNHC"),
         kvhost.LayoutError,
