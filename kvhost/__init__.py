@@ -6,12 +6,13 @@ Importing kvhost imports no device stack; backends load on first use of their de
 from kvhost.api import KVHost, copy_blocks, receive
 from kvhost.backend import Backend, Completion
 from kvhost.batch import Incoming
-from kvhost.errors import BackendError, KVHostError, LayoutError, RequestError
+from kvhost.errors import ArgumentError, BackendError, KVHostError, LayoutError, RequestError
 from kvhost.layout import Layout
 from kvhost.registry import get_backend
 from kvhost.stats import CopyResult, ReceiveStats
 
 __all__ = [
+    "ArgumentError",
     "Backend",
     "BackendError",
     "Completion",

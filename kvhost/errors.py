@@ -19,5 +19,10 @@ class RequestError(KVHostError, ValueError):
     """A request's block ids or remote spec are invalid (range, duplicates, groups, letters)."""
 
 
+class ArgumentError(KVHostError, ValueError):
+    """An argument outside what it may be: a bound below its least, an address that is not
+    ``HOST:PORT``, an engine spec no engine can have."""
+
+
 class BackendError(KVHostError, RuntimeError):
     """No usable backend for a device, or a backend failed to load."""

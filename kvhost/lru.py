@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from kvhost.errors import ArgumentError
+
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -21,7 +23,7 @@ class LRU(Generic[K, V]):
 
     def __init__(self, size: int) -> None:
         if size < 1:
-            raise ValueError(f"an LRU cache needs room for at least one entry, got {size}")
+            raise ArgumentError(f"an LRU cache needs room for at least one entry, got {size}")
         self.size = size
         self._entries: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()

@@ -21,7 +21,7 @@ import torch
 
 import kvhost
 from kvhost.caches import CacheSet
-from kvhost.errors import KVHostError, LayoutError, RequestError
+from kvhost.errors import ArgumentError, KVHostError, LayoutError, RequestError
 from kvhost.nixl import (
     MAX_DESCRIPTOR_BYTES,
     NIXL_MODULES,
@@ -220,11 +220,11 @@ def test_merged_descriptors_follow_runs_up_to_the_bound():
     assert plan.merged_pairs([3, 5], list(range(8, 16)))[0].shape[0] == 2 * streams
     # Streams never merge by default; a negative domain merges nothing.
     assert plan.merged_pairs([3, 4], list(range(8, 16)), local_domains=np.full(4, -1))[0].shape[0] == 8 * streams
-    with pytest.raises(ValueError, match="one label for each of 4 streams"):
+    with pytest.raises(ArgumentError, match="one label for each of 4 streams"):
         plan.merged_pairs([3, 4], list(range(8, 16)), remote_domains=np.zeros(3))
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ArgumentError, match="at least 1"):
         plan.merged_pairs([3, 4], list(range(8, 16)), max_bytes=0)
-    with pytest.raises(ValueError, match="one length"):
+    with pytest.raises(ArgumentError, match="one length"):
         rows = per_piece[0].copy()
         rows[0, 1] = 1
         merge_rows(rows, per_piece[1], 1 << 20, np.zeros(len(rows)), np.zeros(len(rows)))
@@ -330,7 +330,7 @@ def test_a_batch_is_checked_whole():
             plan_batch([([1], [0]), ([2], [8])])
         shared = plan_batch([([1, 2], [0, 1]), ([3, 4], [0, 1])])
         assert pieces_of(shared, 64) == [(64, 1000), (128, 1064), (192, 1000), (256, 1064)]
-    with pytest.raises(ValueError, match="max_bytes"):
+    with pytest.raises(ArgumentError, match="max_bytes"):
         plan.merged_batch([([1], [0])], max_bytes=True)
 
 
@@ -929,7 +929,7 @@ def test_merge_rows_edge_cases():
     local = np.array([[128, 64, 0], [64, 64, 0], [0, 64, 0]], dtype=np.uint64)
     remote = np.array([[1128, 64, 1], [1064, 64, 1], [1000, 64, 1]], dtype=np.uint64)
     zero = np.zeros(3, dtype=np.int64)
-    with pytest.raises(ValueError, match="max_bytes must be at least 1, got 0"):
+    with pytest.raises(ArgumentError, match="max_bytes must be at least 1, got 0"):
         merge_rows(local, remote, 0, zero, zero)
     assert rows_of(merge_rows(local, remote, 64, zero, zero)) == [local.tolist(), remote.tolist()]
     assert rows_of(merge_rows(local, remote, 127, zero, zero)) == [local.tolist(), remote.tolist()]
@@ -960,7 +960,7 @@ def test_plans_refuse_empty_requests():
 def test_a_bound_of_one_byte_merges_nothing():
     plan = plan_transfer(fake_table([0], 64, 4), fake_table([1000], 64, 4))
     assert rows_of(plan.merged_pairs([0, 1], [2, 3], max_bytes=1)) == rows_of(plan.descriptor_pairs([0, 1], [2, 3]))
-    with pytest.raises(ValueError, match="max_bytes must be an integer of at least 1, got 0"):
+    with pytest.raises(ArgumentError, match="max_bytes must be an integer of at least 1, got 0"):
         plan.merged_pairs([0, 1], [2, 3], max_bytes=0)
 
 
@@ -969,7 +969,7 @@ def test_merge_rows_refuses_rows_of_two_lengths_on_either_side():
     other = np.array([[1000, 64, 0], [1064, 32, 0]], dtype=np.uint64)
     zero = np.zeros(2, dtype=np.int64)
     for rows in ((local, other), (other, local)):
-        with pytest.raises(ValueError, match="rows of one length"):
+        with pytest.raises(ArgumentError, match="rows of one length"):
             merge_rows(*rows, 1 << 20, zero, zero)
 
 

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvhost
+from kvhost.errors import ArgumentError
 from kvhost.lru import LRU
 from kvhost.memory import Lane, find_overlap, first_shared
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
@@ -355,7 +356,7 @@ def test_lru_keeps_its_bound_and_survives_threads():
 
 def test_lru_refuses_no_room_and_a_put_or_make_refreshes_its_entry():
     for size in (0, -1):
-        with pytest.raises(ValueError, match=f"room for at least one entry, got {size}"):
+        with pytest.raises(ArgumentError, match=f"room for at least one entry, got {size}"):
             LRU(size)
     one: LRU[str, int] = LRU(1)
     one.put("a", 1)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvhost.errors import ArgumentError, KVHostError
 from kvhost.nixl import EngineSpec, IncompatibleEngineError, ProtocolError, RemoteRequest, region_table
 from kvhost.nixl.engine import refusal, table_refusal
 from kvhost.nixl.framing import encode, receive, send
@@ -129,6 +130,74 @@ def test_engines_that_cannot_work_together_are_refused_at_the_handshake(change, 
     [record] = running.finish()
     assert (record.outcome, record.detail) == ("refused", line)
     assert not running.released
+
+
+SPEC_PROBLEMS = [
+    (dict(kind="gqa"), "kind: 'gqa' is not one of ('mha', 'mla')"),
+    (dict(dtype="float64"), "dtype: 'float64' is not one of ['bfloat16', 'float16', 'float32', 'float8_e4m3fn',"),
+    (dict(layers=0), "layers: expected an integer in [1, 32768], got 0"),
+    (dict(layers=32769), "layers: expected an integer in [1, 32768], got 32769"),
+    (dict(layers=True), "layers: expected an integer in [1, 32768], got True"),
+    (dict(layers=2.0), "layers: expected an integer in [1, 32768], got 2.0"),
+    (dict(kv_heads=65537, tp_size=1), "kv_heads: expected an integer in [1, 65536], got 65537"),
+    (dict(head_dim=(1 << 24) + 1), "head_dim: expected an integer in [1, 16777216], got 16777217"),
+    (dict(block_size=0), "block_size: expected an integer in [1, 16777216], got 0"),
+    (dict(tp_size=1025), "tp_size: expected an integer in [1, 1024], got 1025"),
+    (dict(layout="HHC"), "layout: 'HHC' must be distinct letters of 'LKHNC'"),
+    (dict(layout="HNX"), "layout: 'HNX' must be distinct letters of 'LKHNC'"),
+    (dict(layout="HN"), "layout: 'HN' lacks N or C"),
+    (dict(layout="HC"), "layout: 'HC' lacks N or C"),
+    (
+        dict(kind="mla", kv_heads=1, layout="HNC"),
+        "an mla cache has one latent per token (kv_heads 1, no K or H), got 1",
+    ),
+    (
+        dict(kind="mla", kv_heads=1, layout="KNC"),
+        "an mla cache has one latent per token (kv_heads 1, no K or H), got 1",
+    ),
+    (dict(kind="mla", kv_heads=2, layout="NC", tp_size=1), "an mla cache has one latent per token (kv_heads 1, no"),
+    (dict(kv_heads=4, tp_size=3), "kv_heads 4 cannot be shared evenly by tp_size 3 ranks"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), SPEC_PROBLEMS)
+def test_a_spec_no_engine_can_have_is_refused_naming_the_field(change, message):
+    """Built here it is an ArgumentError; sent by a peer, a ProtocolError that says where."""
+    fields = {**PREFILL.to_dict(), **change}
+    with pytest.raises(ArgumentError) as built:
+        EngineSpec(**fields)
+    assert str(built.value).startswith(message)
+    with pytest.raises(ProtocolError) as sent:
+        EngineSpec.from_dict(fields, "hello.engine")
+    # from_dict's own field checks word a few faults first (a bool, a float, a bound); the
+    # rest reach the spec's check and are prefixed with where they were found.
+    assert "hello.engine." in str(sent.value)
+    assert not isinstance(sent.value, ArgumentError) and isinstance(sent.value, KVHostError)
+
+
+def test_the_specs_that_are_served_at_the_edges_of_every_bound():
+    for change in (
+        dict(layers=1),
+        dict(layers=32768),
+        dict(kv_heads=65536, tp_size=1),
+        dict(head_dim=1 << 24),
+        dict(block_size=1 << 24, layout="NHC"),
+        dict(tp_size=4, kv_heads=4),
+        dict(kind="mla", kv_heads=1, layout="NC", tp_size=1024),
+        dict(layout="LKHNC"),
+        dict(dtype="float8_e5m2"),
+    ):
+        spec = EngineSpec(**{**PREFILL.to_dict(), **change})
+        assert EngineSpec.from_dict(spec.to_dict()) == spec and spec.problem() is None
+
+
+def test_what_a_spec_says_of_itself():
+    assert PREFILL.heads_per_rank == 2 and PREFILL.itemsize == 2
+    assert PREFILL.describe() == "mha 2 layers x 4 KV heads x 8 bfloat16, HNC blocks of 16, TP 2"
+    assert DECODE.describe() == "mha 2 layers x 4 KV heads x 8 bfloat16, NHC blocks of 64"
+    latent = EngineSpec("mla", 3, 1, 576, "float8_e4m3fn", 64, "NC", 4)
+    assert latent.heads_per_rank == 1 and latent.itemsize == 1  # every rank holds the latent whole
+    assert latent.describe() == "mla 3 layers x latent 576 float8_e4m3fn, NC blocks of 64, TP 4"
 
 
 @pytest.mark.parametrize(
@@ -551,7 +620,7 @@ def test_addresses_that_parse(text, address):
 
 @pytest.mark.parametrize("text", ["host:65536", "host:", "host:-1", "host:http", "", "99999"])
 def test_addresses_that_do_not(text):
-    with pytest.raises(ValueError, match=r"is not HOST:PORT with a port in \[0, 65535\]"):
+    with pytest.raises(ArgumentError, match=r"is not HOST:PORT with a port in \[0, 65535\]"):
         parse_address(text)
 
 

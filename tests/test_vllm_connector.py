@@ -708,3 +708,30 @@ def test_host_buffer_staging_through_the_worker(vllm_env, copying):
         names = [name for name, _ in calls]
         assert names in ([], ["load_from_host", "post_process"]), names
     check_tokens(caches, 64, requests, computed, senders, prefill, before, set())
+
+
+def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_env, copying):
+    """A sender whose blocks are not a whole number of ours, or larger ones with a case the
+    connector does not cover, is refused at its handshake with a LayoutError naming the
+    engine; so is one vLLM itself refuses. Either way what the worker had noted of its
+    senders stays as it was."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
+
+    from kvhost.errors import LayoutError
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    senders = {"good": ("LBHNC", 128), "odd": ("LBHNC", 96), "tp": ("LBHNC", 128), "late": ("LBHNC", 256)}
+    _, payloads = sender_workers(vllm_env, senders)
+    worker.add_remote_agent(payloads["good"], 0, 1)
+    noted = (dict(worker.remote_engines), dict(worker.larger_remote_blocks))
+    assert set(noted[0]) == set(noted[1]) == {"good"}
+    with pytest.raises(LayoutError, match=r"engine 'odd': remote blocks of 96 tokens are not a whole number of ours"):
+        worker.add_remote_agent(payloads["odd"], 0, 1)
+    with pytest.raises(LayoutError, match=r"engine 'tp': .* \(128 > 64 tokens\) with a different tensor-parallel size"):
+        worker.add_remote_agent(payloads["tp"], 0, 2)
+    with (
+        patch.object(NixlConnectorWorker, "add_remote_agent", side_effect=RuntimeError("vLLM says no")),
+        pytest.raises(RuntimeError, match="vLLM says no"),
+    ):
+        worker.add_remote_agent(payloads["late"], 0, 1)
+    assert (worker.remote_engines, worker.larger_remote_blocks) == noted

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPullConnectorWorker,
 )
 
+from kvhost.errors import LayoutError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
 from kvhost.nixl import RegionTable, Stream, TransferPlan, plan_transfer
 from kvhost.stats import ReceiveStats
@@ -169,16 +170,19 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         engine = nixl_agent_meta.engine_id
         if (0, remote_tp_rank) in self._remote_agents.get(engine, {}):
             return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
-        self.remote_engines[engine] = RemoteEngine(nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size)
-        self.larger_remote_blocks.pop(engine, None)
-        if nixl_agent_meta.block_size > self.block_size:
+        larger = None
+        if nixl_agent_meta.block_size > self.block_size:  # refused here, before anything is noted
             larger = self._plan_larger_remote_blocks(nixl_agent_meta, remote_tp_size, remote_dcp_size)
-            self.larger_remote_blocks[engine] = larger
+        noted = (self.remote_engines.get(engine), self.larger_remote_blocks.get(engine))
+        _note(self.remote_engines, engine, RemoteEngine(nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size))
+        _note(self.larger_remote_blocks, engine, larger)
+        if larger is not None:
             nixl_agent_meta = _in_units(nixl_agent_meta, larger, self.block_size)
         try:
             return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
-        except BaseException:
-            self.larger_remote_blocks.pop(engine, None)
+        except BaseException:  # vLLM refused it: what was noted before stands again
+            _note(self.remote_engines, engine, noted[0])
+            _note(self.larger_remote_blocks, engine, noted[1])
             raise
 
     def _validate_remote_agent_handshake(self, nixl_agent_meta: Any, remote_tp_size: int, *args: Any) -> None:
@@ -203,7 +207,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         assert self.kvhost is not None and self.transfer_topo is not None
         engine = meta.engine_id
         if meta.block_size % self.block_size:
-            raise RuntimeError(
+            raise LayoutError(
                 f"engine {engine!r}: remote blocks of {meta.block_size} tokens are not a whole number of ours "
                 f"({self.block_size})"
             )
@@ -216,7 +220,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         }
         for what, present in unsupported.items():
             if present:
-                raise NotImplementedError(
+                raise LayoutError(
                     f"engine {engine!r}: remote blocks larger than ours ({meta.block_size} > {self.block_size} "
                     f"tokens) with {what} are not supported"
                 )
@@ -231,7 +235,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             tokens = self.block_size if side == "local" else meta.block_size
             want = prod(sizes.values()) // sizes["N"] * tokens * layout.itemsize
             if any(length != want for length in lengths) or len(set(counts)) != 1:
-                raise NotImplementedError(
+                raise LayoutError(
                     f"engine {engine!r}: remote blocks larger than ours need NIXL regions that are kvhost's "
                     f"block regions ({ours!r}, {want} bytes, as many blocks in each); the {side} side registered "
                     f"{sorted(set(lengths))} bytes, {sorted(set(counts))} blocks"
@@ -260,7 +264,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         plan = plan_transfer(local, remote)
         runs = prod(sizes[a] for a in order[: order.index("N")])
         if plan.local_parts != 1 or self.block_size % runs:
-            raise NotImplementedError(
+            raise LayoutError(
                 f"engine {engine!r}: its {order!r} blocks hold {runs} runs of tokens; reading a part of one "
                 f"needs our block size ({self.block_size}) to be a multiple of that"
             )
@@ -439,3 +443,11 @@ class KvhostNixlConnector(NixlPullConnector):  # type: ignore[misc]
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
             self.connector_worker = KvhostNixlWorker(vllm_config, self.engine_id, kv_cache_config)
+
+
+def _note(table: dict[str, Any], engine: str, value: object) -> None:
+    """``table[engine] = value``; ``None`` removes the entry."""
+    if value is None:
+        table.pop(engine, None)
+    else:
+        table[engine] = value

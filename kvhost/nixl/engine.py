@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvhost.errors import ArgumentError
 from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.fields import Fields
 from kvhost.nixl.tables import RegionTable
@@ -68,7 +69,7 @@ class EngineSpec:
     def __post_init__(self) -> None:
         problem = self.problem()
         if problem:
-            raise ValueError(problem)
+            raise ArgumentError(problem)
 
     @property
     def heads_per_rank(self) -> int:

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from kvhost.errors import ArgumentError
 from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, refusal, table_refusal
 from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
@@ -226,13 +227,14 @@ class Session:
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    """``HOST:PORT`` (``[V6]:PORT``, or ``PORT`` alone on ``default_host``) as a pair; a bad one is a ValueError."""
+    """``HOST:PORT`` (``[V6]:PORT``, or ``PORT`` alone on ``default_host``) as a pair; a bad one
+    is an ArgumentError (a ValueError, as argparse expects of a type)."""
     host, sep, port = text.rpartition(":")
     if not sep:
         host, port = default_host, text
     host = host.strip("[]") or default_host
     if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT with a port in [0, 65535]")
+        raise ArgumentError(f"{text!r} is not HOST:PORT with a port in [0, 65535]")
     return host, int(port)
 
 

@@ -28,7 +28,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kvhost.errors import LayoutError, RequestError
+from kvhost.errors import ArgumentError, LayoutError, RequestError
 from kvhost.ids import Ids, checked_ids
 from kvhost.nixl.tables import RegionTable, Stream
 
@@ -139,7 +139,7 @@ class TransferPlan:
         two, except where streams interleave (then every piece is sorted, as for one).
         """
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_bytes must be an integer of at least 1, got {max_bytes!r}")
+            raise ArgumentError(f"max_bytes must be an integer of at least 1, got {max_bytes!r}")
         checked, local = checked_batch(requests, self._checked)
         remote = checked[0][1] if len(checked) == 1 else np.concatenate([c[1] for c in checked])
         kinds = self._merge_kinds(local_domains, remote_domains)
@@ -410,9 +410,9 @@ def merge_rows(
         return local_rows, remote_rows
     length = int(local_rows[0, 1])
     if not ((local_rows[:, 1] == length).all() and (remote_rows[:, 1] == length).all()):
-        raise ValueError("merge_rows takes rows of one length")
+        raise ArgumentError("merge_rows takes rows of one length")
     if max_bytes < 1:
-        raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
+        raise ArgumentError(f"max_bytes must be at least 1, got {max_bytes}")
     per = max(1, max_bytes // length)
     if per == 1 or count == 1:
         return local_rows, remote_rows
@@ -519,7 +519,7 @@ def _labels(domains: np.ndarray | None, streams: int, name: str) -> np.ndarray:
         return np.arange(streams, dtype=np.int64)
     labels = np.asarray(domains, dtype=np.int64)
     if labels.shape != (streams,):
-        raise ValueError(f"{name}: expected one label for each of {streams} streams, got shape {labels.shape}")
+        raise ArgumentError(f"{name}: expected one label for each of {streams} streams, got shape {labels.shape}")
     return labels
 
 
