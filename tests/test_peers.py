@@ -142,6 +142,7 @@ SPEC_PROBLEMS = [
     (dict(kv_heads=65537, tp_size=1), "kv_heads: expected an integer in [1, 65536], got 65537"),
     (dict(head_dim=(1 << 24) + 1), "head_dim: expected an integer in [1, 16777216], got 16777217"),
     (dict(block_size=0), "block_size: expected an integer in [1, 16777216], got 0"),
+    (dict(block_size=(1 << 24) + 1), "block_size: expected an integer in [1, 16777216], got 16777217"),
     (dict(tp_size=1025), "tp_size: expected an integer in [1, 1024], got 1025"),
     (dict(layout="HHC"), "layout: 'HHC' must be distinct letters of 'LKHNC'"),
     (dict(layout="HNX"), "layout: 'HNX' must be distinct letters of 'LKHNC'"),
@@ -169,10 +170,23 @@ def test_a_spec_no_engine_can_have_is_refused_naming_the_field(change, message):
     assert str(built.value).startswith(message)
     with pytest.raises(ProtocolError) as sent:
         EngineSpec.from_dict(fields, "hello.engine")
-    # from_dict's own field checks word a few faults first (a bool, a float, a bound); the
-    # rest reach the spec's check and are prefixed with where they were found.
-    assert "hello.engine." in str(sent.value)
+    # from_dict's own field checks word bad numbers as the spec's check does; either way
+    # the message says where the field was found.
+    assert str(sent.value).startswith(f"hello.engine.{message}")
     assert not isinstance(sent.value, ArgumentError) and isinstance(sent.value, KVHostError)
+
+
+@pytest.mark.parametrize(("name", "most"), [("kind", 8), ("dtype", 32), ("layout", 8)])
+def test_a_peers_spec_names_are_bounded_before_they_are_looked_up(name, most):
+    """At the bound a name is looked up (and is not one of those known); one character more
+    is refused as too long, before any lookup."""
+    fields = PREFILL.to_dict()
+    with pytest.raises(ProtocolError) as at_most:
+        EngineSpec.from_dict({**fields, name: "Z" * most}, "hello.engine")
+    assert str(at_most.value).startswith(f"hello.engine.{name}: {'Z' * most!r} ")
+    with pytest.raises(ProtocolError) as over:
+        EngineSpec.from_dict({**fields, name: "Z" * (most + 1)}, "hello.engine")
+    assert str(over.value).startswith(f"hello.engine.{name}: expected a string of 1 to {most} characters")
 
 
 def test_the_specs_that_are_served_at_the_edges_of_every_bound():
