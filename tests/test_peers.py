@@ -116,6 +116,7 @@ def test_a_decode_engine_takes_the_offer_beats_and_says_done():
         ),
         (dict(block_size=24), "block_size: decode 24, prefill 16 (neither divides the other)"),
         (dict(kind="mla", kv_heads=1, layout="NC"), "kind: decode mla, prefill mha (must agree)"),
+        (dict(layout="LHNC"), "layout: decode LHNC, prefill HNC (blocks that hold different letters)"),
     ],
 )
 def test_engines_that_cannot_work_together_are_refused_at_the_handshake(change, line):
@@ -193,6 +194,7 @@ def test_the_specs_that_are_served_at_the_edges_of_every_bound():
     for change in (
         dict(layers=1),
         dict(layers=32768),
+        dict(head_dim=1, block_size=1),
         dict(kv_heads=65536, tp_size=1),
         dict(head_dim=1 << 24),
         dict(block_size=1 << 24, layout="NHC"),
@@ -219,6 +221,24 @@ def test_what_a_spec_says_of_itself():
 )
 def test_block_sizes_layouts_and_tp_that_differ_are_served(change):
     assert refusal(EngineSpec(**{**DECODE.to_dict(), **change}), PREFILL) is None
+
+
+def test_a_table_is_checked_against_its_engines_heads_and_kind():
+    """An mha table holds the rank's share of the heads; an mla table holds no heads at all
+    (its latent is whole on every rank)."""
+    _, table = rank_table(EngineSpec("mha", 2, 4, 8, "bfloat16", 16, "HNC", 1))  # all 4 heads
+    assert table_refusal(PREFILL, 0, table) == "rank 0 table: H is 4, the engine says 2"
+    assert table_refusal(EngineSpec("mha", 2, 4, 8, "bfloat16", 16, "HNC", 1), 0, table) is None
+    latent = EngineSpec("mla", 2, 1, 8, "bfloat16", 16, "NC", 2)
+    caches = {f"layer{i}": make_cache("BNC", "BNC", dict(B=8, N=16, C=8), torch.bfloat16) for i in range(2)}
+    assert table_refusal(latent, 1, region_table(caches, "BNC")) is None
+    _, headed = rank_table(EngineSpec("mha", 2, 2, 8, "bfloat16", 16, "HNC", 1))
+    assert table_refusal(latent, 0, headed) == "rank 0 table: an mla cache has no heads, the table has H 2"
+    sizes = dict(K=2, B=8, N=16, H=2, C=8)
+    wide = {f"layer{i}": make_cache("KBNHC", "KBHNC", sizes, torch.float32) for i in range(2)}
+    assert table_refusal(PREFILL, 0, region_table(wide, "KBNHC")) == (
+        "rank 0 table: item size 4, the engine's bfloat16 has 2"
+    )
 
 
 def test_a_table_that_is_not_what_the_engine_says_is_refused_by_decode():

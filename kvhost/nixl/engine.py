@@ -141,8 +141,8 @@ def refusal(
     """Why kvhost cannot serve this pair, in one line naming the field and both values; None
     when it can (whatever the block sizes that divide, layouts and tensor parallelism)."""
 
-    def differ(name: str, mine: object, theirs: object, why: str = "") -> str:
-        return f"{name}: {local_name} {mine}, {remote_name} {theirs}" + (f" ({why})" if why else "")
+    def differ(name: str, mine: object, theirs: object, why: str) -> str:
+        return f"{name}: {local_name} {mine}, {remote_name} {theirs} ({why})"
 
     for name in ("kind", "dtype", "layers", "head_dim"):
         mine, theirs = getattr(local, name), getattr(remote, name)

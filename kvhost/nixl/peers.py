@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from kvhost.errors import ArgumentError
-from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, refusal, table_refusal
+from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, check_compatible, table_refusal
 from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
 from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, receive, send
@@ -155,9 +155,7 @@ def parse_offer(message: Message, local: EngineSpec) -> Offer:
     IncompatibleEngineError naming the field and both values) and each table against its spec."""
     fields = message.fields(OFFER)
     spec = EngineSpec.from_dict(fields.fields("engine").data, "offer.engine")
-    why = refusal(local, spec, local_name="decode", remote_name="prefill")
-    if why is not None:
-        raise IncompatibleEngineError(why)
+    check_compatible(local, spec, local_name="decode", remote_name="prefill")
     tables = []
     for rank, data in enumerate(fields.items("tables", max_length=spec.tp_size + 1)):
         table = RegionTable.from_dict(data, f"offer.tables[{rank}]", message.arrays)
