@@ -177,6 +177,15 @@ def test_a_spec_no_engine_can_have_is_refused_naming_the_field(change, message):
     assert not isinstance(sent.value, ArgumentError) and isinstance(sent.value, KVHostError)
 
 
+@pytest.mark.parametrize("name", ["layers", "kv_heads", "head_dim", "block_size", "tp_size"])
+def test_a_peers_numbers_are_checked_as_they_are_read_before_the_spec_is_judged(name):
+    """A field that is not a number in range is named before what the spec as a whole
+    gets wrong (here an unknown kind)."""
+    with pytest.raises(ProtocolError) as refused:
+        EngineSpec.from_dict({**PREFILL.to_dict(), "kind": "gqa", name: 0}, "hello.engine")
+    assert str(refused.value).startswith(f"hello.engine.{name}: expected an integer in [1, ")
+
+
 @pytest.mark.parametrize(("name", "most"), [("kind", 8), ("dtype", 32), ("layout", 8)])
 def test_a_peers_spec_names_are_bounded_before_they_are_looked_up(name, most):
     """At the bound a name is looked up (and is not one of those known); one character more
