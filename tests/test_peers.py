@@ -16,6 +16,7 @@ metadata. Pinned here:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import threading
@@ -93,6 +94,8 @@ def test_a_decode_engine_takes_the_offer_beats_and_says_done():
         ]
         assert offer.beat_seconds == 0.25
         assert running.asked[0].spec == DECODE and running.asked[0].fields.text("want") == "all"
+        with pytest.raises(dataclasses.FrozenInstanceError):  # what a peer said is not the application's to change
+            running.asked[0].spec = PREFILL  # type: ignore[misc]
         session.start_beats()
         time.sleep(2.0)  # longer than peer_timeout: only the beats keep the hold
         assert not running.released
@@ -129,7 +132,7 @@ def test_engines_that_cannot_work_together_are_refused_at_the_handshake(change, 
     assert str(refused.value) == f"prefill at 127.0.0.1:{running.port} refused: {line}"
     assert "\n" not in str(refused.value)
     [record] = running.finish()
-    assert (record.outcome, record.detail) == ("refused", line)
+    assert (record.outcome, record.detail, record.requests, record.ok) == ("refused", line, 0, None)
     assert not running.released
 
 
@@ -358,6 +361,40 @@ def test_strays_and_impostors_are_dropped_and_do_not_stall_a_real_peer():
     finally:
         for sock in strays:
             sock.close()
+
+
+@pytest.mark.parametrize("option", ["peer_timeout", "auth_timeout", "send_timeout"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), True])
+def test_a_server_refuses_waits_that_are_not_positive_seconds(option, value):
+    expected = f"^{option.replace('_', ' ')}: expected a number of seconds in \\(0,"
+    with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(KVHostError, match=expected):
+        Server(listener, SECRET, PREFILL, lambda peer: None, **{option: value})  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf")])
+def test_serve_refuses_an_idle_timeout_that_is_not_positive_seconds(value):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = Server(listener, SECRET, PREFILL, lambda peer: None)  # type: ignore[arg-type,return-value]
+        with pytest.raises(KVHostError, match=r"^idle timeout: expected a number of seconds in \(0,"):
+            server.serve(peers=1, idle_timeout=value)
+        assert listener.getblocking()  # refused before anything was set up
+
+
+def test_a_server_serves_until_its_number_of_peers_have_ended_refusals_not_counted():
+    running = Running(peers=2, peer_timeout=2.0)
+    address = ("127.0.0.1", running.port)
+    with pytest.raises(IncompatibleEngineError):
+        connect(address, SECRET, EngineSpec(**{**DECODE.to_dict(), "layers": 3}), timeout=10)
+    first = connect(address, SECRET, DECODE, timeout=10)
+    first.done(ok=True, timeout=5)
+    first.close()
+    time.sleep(0.5)
+    assert running.thread.is_alive(), "one refusal and one peer are not two peers"
+    second = connect(address, SECRET, DECODE, timeout=10)
+    second.done(ok=True, timeout=5)
+    second.close()
+    records = running.finish(within=5)
+    assert [r.outcome for r in records] == ["refused", "done", "done"]
 
 
 def test_an_idle_server_stops_on_its_own():
