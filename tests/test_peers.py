@@ -28,9 +28,11 @@ import torch
 
 from kvhost.errors import ArgumentError, KVHostError
 from kvhost.nixl import EngineSpec, IncompatibleEngineError, ProtocolError, RemoteRequest, region_table
+from kvhost.nixl import server as server_module
 from kvhost.nixl.engine import refusal, table_refusal
 from kvhost.nixl.framing import encode, receive, send
 from kvhost.nixl.peers import (
+    CHALLENGE,
     KNOCK,
     Offer,
     connect,
@@ -38,7 +40,7 @@ from kvhost.nixl.peers import (
     read_secret_file,
     write_secret_file,
 )
-from kvhost.nixl.server import PeerHello, Server
+from kvhost.nixl.server import MAX_CONNECTIONS, PeerHello, Server
 from kvhost.testing import make_cache
 
 SECRET = bytes(range(32))
@@ -56,7 +58,7 @@ def rank_table(spec, blocks=8):
 class Running:
     """A server on a thread; ``records`` and ``released`` once it returns."""
 
-    def __init__(self, spec=PREFILL, peers=1, idle=20.0, **options):
+    def __init__(self, spec=PREFILL, peers=1, idle=20.0, stop=None, **options):
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.keep = [rank_table(spec) for _ in range(spec.tp_size)]  # the tables' memory stays alive
@@ -72,7 +74,7 @@ class Running:
         self.server = Server(
             self.listener, SECRET, spec, offer, release=self.released.append, log=self.lines.append, **options
         )
-        self.thread = threading.Thread(target=self.server.serve, kwargs=dict(peers=peers, idle_timeout=idle))
+        self.thread = threading.Thread(target=self.server.serve, kwargs=dict(peers=peers, idle_timeout=idle, stop=stop))
         self.thread.start()
 
     def finish(self, within=15.0):
@@ -395,6 +397,95 @@ def test_a_server_serves_until_its_number_of_peers_have_ended_refusals_not_count
     second.close()
     records = running.finish(within=5)
     assert [r.outcome for r in records] == ["refused", "done", "done"]
+
+
+def _knocked(port):
+    """A connection the server has taken in: it knocked and was challenged, and proved nothing."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    send(sock, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
+    receive(sock, timeout=5, expect=CHALLENGE)
+    return sock
+
+
+def _closed_by_server(sock, within):
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_past_its_bound_of_connections_the_server_closes_the_oldest_unproven_one():
+    running = Running(peers=None, idle=1.0, auth_timeout=30.0)
+    held = [_knocked(running.port) for _ in range(MAX_CONNECTIONS)]
+    try:
+        assert MAX_CONNECTIONS == 64
+        assert not _closed_by_server(held[0], within=0.3), "closed at the bound, not past it"
+        held.append(_knocked(running.port))
+        assert _closed_by_server(held[0], within=2.0)
+        assert not any(_closed_by_server(sock, within=0.1) for sock in (held[1], held[-2], held[-1]))
+        assert running.server.dropped == 1
+    finally:
+        for sock in held:
+            sock.close()
+    assert running.finish() == [] and running.server.dropped == MAX_CONNECTIONS + 1
+
+
+def test_a_server_full_of_proven_peers_closes_a_new_connection_at_once(monkeypatch):
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 2)
+    running = Running(peers=2, peer_timeout=5.0)
+    sessions = [connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10) for _ in range(2)]
+    try:
+        with socket.create_connection(("127.0.0.1", running.port)) as newcomer:
+            assert _closed_by_server(newcomer, within=2.0)
+        time.sleep(0.1)
+        assert running.server.dropped == 1
+        for session in sessions:
+            session.done(ok=True, timeout=5)
+    finally:
+        for session in sessions:
+            session.close()
+    assert [r.outcome for r in running.finish()] == ["done", "done"]
+
+
+def test_a_connection_closed_as_the_oldest_while_its_bytes_wait_is_not_read(monkeypatch):
+    """The listener and the oldest connection ready in one select: the new connection closes
+    the old one, whose event is then skipped (the server must not read a closed connection)."""
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 1)
+    gate = threading.Event()
+    gate.set()
+    running = Running(peers=None, idle=1.0, stop=lambda: not gate.wait(10))
+    oldest = _knocked(running.port)
+    gate.clear()
+    time.sleep(0.3)  # the server now waits at the gate, before its next select
+    newcomer = socket.create_connection(("127.0.0.1", running.port))  # the listener is ready first
+    oldest.sendall(encode(KNOCK, {"nonce": os.urandom(16).hex()})[:5])  # then the oldest connection
+    gate.set()
+    try:
+        assert _closed_by_server(oldest, within=2.0)
+        send(newcomer, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
+        receive(newcomer, timeout=5, expect=CHALLENGE)  # the server still serves
+        assert running.thread.is_alive()
+    finally:
+        oldest.close()
+        newcomer.close()
+    assert running.finish() == [] and running.server.dropped == 2
+
+
+def test_the_idle_clock_starts_when_the_last_connection_ends():
+    running = Running(peers=None, idle=1.0, peer_timeout=5.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    with contextlib.closing(session):
+        session.start_beats()
+        time.sleep(1.5)  # a hold longer than the idle timeout
+        session.done(ok=True, timeout=5)
+    ended = time.monotonic()
+    time.sleep(0.5)
+    assert running.thread.is_alive(), "the server stopped less than its idle timeout after the last peer"
+    running.finish(within=5)
+    assert time.monotonic() - ended >= 0.8  # the clock starts at the last loop that saw the peer (50 ms apart)
 
 
 def test_an_idle_server_stops_on_its_own():
