@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -32,11 +33,15 @@ from kvhost.nixl import server as server_module
 from kvhost.nixl.engine import refusal, table_refusal
 from kvhost.nixl.framing import encode, receive, send
 from kvhost.nixl.peers import (
+    BEAT,
     CHALLENGE,
+    ENGINE,
     KNOCK,
+    REFUSE,
     Offer,
     connect,
     parse_address,
+    proof,
     read_secret_file,
     write_secret_file,
 )
@@ -56,20 +61,26 @@ def rank_table(spec, blocks=8):
 
 
 class Running:
-    """A server on a thread; ``records`` and ``released`` once it returns."""
+    """A server on a thread; ``records`` and ``released`` once it returns. Its offer holds
+    tables of ``table_spec`` (``spec`` unless told), or refuses every peer with ``refuse``."""
 
-    def __init__(self, spec=PREFILL, peers=1, idle=20.0, stop=None, **options):
+    def __init__(
+        self, spec=PREFILL, peers=1, idle=20.0, stop=None, table_spec=None, refuse=None, metadata=None, **options
+    ):
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.keep = [rank_table(spec) for _ in range(spec.tp_size)]  # the tables' memory stays alive
+        self.keep = [rank_table(table_spec or spec) for _ in range(spec.tp_size)]  # the tables' memory stays alive
         self.released = []
         self.lines = []
         self.asked = []
 
         def offer(peer: PeerHello) -> Offer:
             self.asked.append(peer)
+            if refuse is not None:
+                raise ProtocolError(refuse)
             requests = [RemoteRequest("req-0", 0, 40, [1, 4, 2]), RemoteRequest("req-1", 1, 5, [7])]
-            return Offer(spec, [t for _, t in self.keep], [b"meta0", b"meta1"][: spec.tp_size], requests)
+            metas = metadata or [b"meta0", b"meta1"][: spec.tp_size]
+            return Offer(spec, [t for _, t in self.keep], metas, requests)
 
         self.server = Server(
             self.listener, SECRET, spec, offer, release=self.released.append, log=self.lines.append, **options
@@ -106,7 +117,8 @@ def test_a_decode_engine_takes_the_offer_beats_and_says_done():
         session.close()
     [record] = running.finish()
     assert (record.outcome, record.ok, record.requests) == ("done", True, 2)
-    assert running.released == [record] and record.held_seconds >= 2.0
+    assert running.released == [record] and 2.0 <= record.held_seconds < 10.0
+    assert running.lines == [f"offered 2 requests to decode at {record.address}", f"decode at {record.address}: done"]
 
 
 @pytest.mark.parametrize(
@@ -486,6 +498,155 @@ def test_the_idle_clock_starts_when_the_last_connection_ends():
     assert running.thread.is_alive(), "the server stopped less than its idle timeout after the last peer"
     running.finish(within=5)
     assert time.monotonic() - ended >= 0.8  # the clock starts at the last loop that saw the peer (50 ms apart)
+
+
+HELD_PEER_SENDS = {
+    "a knock": (encode(KNOCK, {"nonce": "00" * 16}), "failed", "unexpected 'knock' message"),
+    "an engine": (encode(ENGINE, {"proof": "0" * 64}), "failed", "unexpected 'engine' message"),
+    "an offer": (encode("offer", {}), "failed", "unexpected 'offer' message"),
+    "a refusal of 400 characters": (encode(REFUSE, {"reason": "r" * 400}), "refused", "r" * 400),
+    "a refusal of 401": (
+        encode(REFUSE, {"reason": "r" * 401}),
+        "failed",
+        f"refuse.reason: expected a string of 1 to 400 characters, got '{'r' * 56}...",
+    ),
+    "a frame over 1 KiB": (
+        encode(BEAT, {"pad": "x" * 1024}),
+        "failed",
+        "a frame of 1069 bytes, more than the 1024 allowed here",
+    ),
+    "bytes that are no frame": (
+        b"GET / HTTP/1.1\r\n\r\n" + bytes(24),
+        "failed",
+        "not a kvhost frame: magic b'GET ', expected b'KVHM'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HELD_PEER_SENDS)
+def test_what_a_held_peer_sends_besides_beats_and_done_ends_its_hold_and_is_released(case):
+    frame, outcome, detail = HELD_PEER_SENDS[case]
+    running = Running(peers=None, idle=1.0, peer_timeout=5.0)  # a refused peer is not one served
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    with contextlib.closing(session):
+        session.sock.sendall(frame)
+        [record] = running.finish(within=5)
+    assert (record.outcome, record.requests) == (outcome, 2)
+    assert record.detail == detail
+    assert running.released == [record], "the application's hold is let go, whoever ended it"
+    assert 0.0 <= record.held_seconds < 5.0
+    assert running.lines == [
+        f"offered 2 requests to decode at {record.address}",
+        f"decode at {record.address}: {outcome}: {detail}",
+        "no decode engine for 1 s: stopping",
+    ]
+
+
+def test_an_offer_decode_refuses_is_released_by_prefill():
+    running = Running(peers=None, idle=1.0, table_spec=EngineSpec(**{**PREFILL.to_dict(), "block_size": 32}))
+    with pytest.raises(IncompatibleEngineError, match="rank 0 table: N is 32, the engine says 16"):
+        connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    [record] = running.finish(within=5)
+    assert (record.outcome, record.requests) == ("refused", 2)
+    assert "rank 0 table: N is 32, the engine says 16" in record.detail
+    assert running.released == [record]
+
+
+def test_the_applications_refusal_reaches_decode_cut_to_400_characters_and_holds_nothing():
+    why = "no requests for you " * 25  # 500 characters
+    running = Running(peers=None, idle=1.0, refuse=why)
+    with pytest.raises(IncompatibleEngineError) as refused:
+        connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    assert str(refused.value) == f"prefill at 127.0.0.1:{running.port} refused: {why[:400]}"
+    [record] = running.finish(within=5)
+    assert (record.outcome, record.detail, record.requests) == ("refused", why, 0)
+    assert running.released == [], "no offer was made: nothing to let go"
+
+
+def _challenged(port):
+    sock = socket.create_connection(("127.0.0.1", port))
+    send(sock, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
+    challenge = receive(sock, timeout=5, expect=CHALLENGE)
+    return sock, bytes.fromhex(challenge.fields().text("nonce"))
+
+
+@pytest.mark.parametrize("proof", ["0" * 64, "0" * 65], ids=["64 digits", "65 digits"])
+def test_a_wrong_proof_is_dropped_before_the_application_hears_of_it(proof):
+    running = Running(peers=None, idle=1.0)
+    sock, _ = _challenged(running.port)
+    with sock:
+        send(sock, ENGINE, {"proof": proof, "engine": DECODE.to_dict()}, timeout=5)
+        assert _closed_by_server(sock, within=2.0)
+    assert running.finish() == [] and running.asked == [] and running.server.dropped == 1
+
+
+def test_a_second_knock_is_not_challenged_again():
+    running = Running(peers=None, idle=1.0)
+    sock, _ = _challenged(running.port)
+    with sock:
+        send(sock, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
+        assert _closed_by_server(sock, within=2.0)
+    assert running.finish() == [] and running.server.dropped == 1
+
+
+def test_connections_that_do_not_prove_the_secret_in_time_are_closed_at_their_deadline():
+    running = Running(peers=None, idle=1.0, auth_timeout=0.5)
+    started = time.monotonic()
+    silent = socket.create_connection(("127.0.0.1", running.port))
+    knocked, _ = _challenged(running.port)
+    with silent, knocked:
+        assert _closed_by_server(silent, within=3.0) and _closed_by_server(knocked, within=3.0)
+    assert 0.4 < time.monotonic() - started < 2.0
+    assert running.finish() == [] and running.server.dropped == 2
+
+
+def _proven_and_silent(port):
+    """A decode engine that proves the secret and sends its spec, then reads nothing."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    mine = os.urandom(16)
+    send(sock, KNOCK, {"nonce": mine.hex()}, timeout=5)
+    theirs = bytes.fromhex(receive(sock, timeout=5, expect=CHALLENGE).fields().text("nonce"))
+    send(sock, ENGINE, {"proof": proof(SECRET, "decode", (mine, theirs)), "engine": DECODE.to_dict()}, timeout=5)
+    return sock
+
+
+BIG = [bytes(8 << 20), bytes(8 << 20)]  # an offer far larger than the sockets' buffers
+
+
+def test_an_offer_the_peer_does_not_read_fails_within_the_send_timeout_and_is_released():
+    running = Running(peers=None, idle=1.0, send_timeout=0.5, metadata=BIG)
+    started = time.monotonic()
+    with _proven_and_silent(running.port):
+        [record] = running.finish(within=10)
+    assert 0.4 < time.monotonic() - started < 3.0
+    assert (record.outcome, record.detail) == ("failed", "could not send 'offer' within 0.5 s: the peer does not read")
+    assert running.released == [record]
+
+
+def test_an_offer_whose_peer_resets_the_connection_fails_naming_the_error():
+    running = Running(peers=None, idle=1.0, send_timeout=20.0, metadata=BIG)
+    sock = _proven_and_silent(running.port)
+    time.sleep(0.5)  # the server is now blocked sending
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # a reset, not a close
+    [record] = running.finish(within=10)
+    assert record.outcome == "failed" and record.detail.startswith("could not send 'offer': [Errno")
+    assert running.released == [record]
+
+
+def test_a_peer_that_sends_part_of_a_frame_does_not_stall_the_others():
+    running = Running(peers=None, idle=1.0, peer_timeout=5.0, send_timeout=10.0)
+    slow = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    with contextlib.closing(slow):
+        slow.sock.sendall(encode(BEAT, {})[:5])
+        time.sleep(0.2)
+        started = time.monotonic()
+        other = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+        with contextlib.closing(other):
+            assert time.monotonic() - started < 1.0, "a peer's half frame stalled the server"
+            other.done(ok=True, timeout=5)
+    records = running.finish(within=10)
+    assert sorted(r.outcome for r in records) == ["closed", "done"]
 
 
 def test_an_idle_server_stops_on_its_own():

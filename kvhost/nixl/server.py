@@ -63,8 +63,9 @@ class PeerRecord:
     """What became of one decode engine that was offered blocks (or refused).
 
     ``outcome``: ``done`` (it said so), ``closed`` (its socket closed first), ``silent`` (no
-    beat for ``peer_timeout`` seconds), ``refused`` (the engines cannot work together; by
-    either side), ``failed`` (the offer could not be sent).
+    beat for ``peer_timeout`` seconds), ``refused`` (the engines cannot work together, or the
+    application's ``offer`` refused it; by either side), ``failed`` (the offer could not be
+    sent, or the peer sent what a held peer may not). ``requests``: how many it was offered.
     """
 
     address: str
@@ -83,8 +84,9 @@ class _Connection:
     stage: str = KNOCK  # what it must send next: knock, engine, then beats and done (hold)
     data: bytearray = field(default_factory=bytearray)
     nonces: tuple[bytes, bytes] = (b"", b"")
-    record: PeerRecord | None = None
+    record: PeerRecord | None = None  # set once it proves the secret; an unproven one is only closed
     held_since: float = 0.0
+    offered: bool = False  # the application's ``offer`` returned: it holds something until ``release``
 
 
 class Server:
@@ -147,7 +149,8 @@ class Server:
                         self.log(f"no decode engine for {idle:g} s: stopping")
                         return
                     for conn in [c for c in self._connections.values() if now > c.deadline]:
-                        self._expire(selector, conn)
+                        # a held peer that stopped beating, or one that did not prove the secret in time
+                        self._end(selector, conn, "silent", f"no beat for {self.peer_timeout:g} s")
                     for key, _ in selector.select(timeout=0.05):
                         if key.fileobj is self.listener:
                             self._accept(selector)
@@ -185,10 +188,10 @@ class Server:
         try:
             message = read_arrived(conn.sock, conn.data, limit)
         except PeerClosedError as err:
-            self._end(selector, conn, "closed" if conn.stage == BEAT else "", str(err))
+            self._end(selector, conn, "closed", str(err))
             return
         except ProtocolError as err:
-            self._end(selector, conn, "failed" if conn.stage == BEAT else "", str(err))
+            self._end(selector, conn, "failed", str(err))
             return
         if message is None:
             return
@@ -208,7 +211,7 @@ class Server:
             else:
                 raise ProtocolError(f"unexpected {message.kind!r:.40} message")
         except ProtocolError as err:
-            self._end(selector, conn, "failed" if conn.stage == BEAT else "", str(err))
+            self._end(selector, conn, "failed", str(err))
 
     def _challenge(self, conn: _Connection, message: Message) -> None:
         mine = os.urandom(NONCE_BYTES)
@@ -230,6 +233,7 @@ class Server:
             if why is not None:
                 raise ProtocolError(why)
             offer = self.offer(PeerHello(conn.address, spec, fields))
+            conn.offered = True
         except ProtocolError as err:
             with contextlib.suppress(ProtocolError):
                 _send(conn.sock, REFUSE, {"reason": str(err)[:400]}, self.send_timeout)
@@ -241,24 +245,19 @@ class Server:
         conn.deadline = time.monotonic() + self.peer_timeout
         self.log(f"offered {len(offer.requests)} requests to decode at {conn.address}")
 
-    def _expire(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
-        if conn.stage == BEAT:
-            self._end(selector, conn, "silent", f"no beat for {self.peer_timeout:g} s")
-        else:
-            self._end(selector, conn, "", "")
-
     def _end(self, selector: selectors.BaseSelector, conn: _Connection, outcome: str, detail: str) -> None:
-        """Close a connection; a proven one's record says how it ended and ``release`` is told."""
+        """Close a connection; a proven one's record says how it ended (``outcome``, ``detail``),
+        and ``release`` is told if the application made it an offer, whoever ended the hold."""
         selector.unregister(conn.sock)
         del self._connections[conn.sock]
         conn.sock.close()
         if conn.record is None:
             self.dropped += 1
             return
-        conn.record.outcome, conn.record.detail = outcome or "failed", detail
+        conn.record.outcome, conn.record.detail = outcome, detail
         conn.record.held_seconds = time.monotonic() - conn.held_since
         self.log(f"decode at {conn.address}: {conn.record.outcome}" + (f": {detail}" if detail else ""))
-        if self.release is not None and outcome != "refused":
+        if self.release is not None and conn.offered:
             self.release(conn.record)
 
 
@@ -267,7 +266,6 @@ def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: fl
     frame = memoryview(encode(kind, header, blob))
     deadline = time.monotonic() + timeout
     try:
-        sock.settimeout(timeout)
         while frame:
             left = deadline - time.monotonic()
             if left <= 0:
