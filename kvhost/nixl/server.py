@@ -140,7 +140,7 @@ class Server:
             try:
                 while True:
                     ended = sum(1 for r in self.records if r.outcome != "refused")
-                    if (peers is not None and ended >= peers and not self._holds()) or (stop and stop()):
+                    if (peers is not None and ended >= peers and not self._holding()) or (stop and stop()):
                         return
                     now = time.monotonic()
                     if self._connections:
@@ -160,8 +160,8 @@ class Server:
                 for conn in list(self._connections.values()):
                     self._end(selector, conn, "closed", "the server stopped")
 
-    def _holds(self) -> int:
-        return sum(1 for c in self._connections.values() if c.stage == BEAT)
+    def _holding(self) -> bool:
+        return any(c.stage == BEAT for c in self._connections.values())
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         while True:
