@@ -107,6 +107,7 @@ def test_a_decode_engine_takes_the_offer_beats_and_says_done():
         ]
         assert offer.beat_seconds == 0.25
         assert running.asked[0].spec == DECODE and running.asked[0].fields.text("want") == "all"
+        assert "fields" not in repr(running.asked[0])  # a log line names the peer, not all 64 KiB it may send
         with pytest.raises(dataclasses.FrozenInstanceError):  # what a peer said is not the application's to change
             running.asked[0].spec = PREFILL  # type: ignore[misc]
         session.start_beats()
