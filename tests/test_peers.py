@@ -26,6 +26,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_peer_limits import _closed_by_listener
 
 from kvhost.errors import ArgumentError, KVHostError
 from kvhost.nixl import EngineSpec, IncompatibleEngineError, ProtocolError, RemoteRequest, region_table
@@ -420,25 +421,15 @@ def _knocked(port):
     return sock
 
 
-def _closed_by_server(sock, within):
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 def test_past_its_bound_of_connections_the_server_closes_the_oldest_unproven_one():
     running = Running(peers=None, idle=1.0, auth_timeout=30.0)
     held = [_knocked(running.port) for _ in range(MAX_CONNECTIONS)]
     try:
         assert MAX_CONNECTIONS == 64
-        assert not _closed_by_server(held[0], within=0.3), "closed at the bound, not past it"
+        assert not _closed_by_listener(held[0], within=0.3), "closed at the bound, not past it"
         held.append(_knocked(running.port))
-        assert _closed_by_server(held[0], within=2.0)
-        assert not any(_closed_by_server(sock, within=0.1) for sock in (held[1], held[-2], held[-1]))
+        assert _closed_by_listener(held[0], within=2.0)
+        assert not any(_closed_by_listener(sock, within=0.1) for sock in (held[1], held[-2], held[-1]))
         assert running.server.dropped == 1
     finally:
         for sock in held:
@@ -452,7 +443,7 @@ def test_a_server_full_of_proven_peers_closes_a_new_connection_at_once(monkeypat
     sessions = [connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10) for _ in range(2)]
     try:
         with socket.create_connection(("127.0.0.1", running.port)) as newcomer:
-            assert _closed_by_server(newcomer, within=2.0)
+            assert _closed_by_listener(newcomer, within=2.0)
         time.sleep(0.1)
         assert running.server.dropped == 1
         for session in sessions:
@@ -477,7 +468,7 @@ def test_a_connection_closed_as_the_oldest_while_its_bytes_wait_is_not_read(monk
     oldest.sendall(encode(KNOCK, {"nonce": os.urandom(16).hex()})[:5])  # then the oldest connection
     gate.set()
     try:
-        assert _closed_by_server(oldest, within=2.0)
+        assert _closed_by_listener(oldest, within=2.0)
         send(newcomer, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
         receive(newcomer, timeout=5, expect=CHALLENGE)  # the server still serves
         assert running.thread.is_alive()
@@ -577,7 +568,7 @@ def test_a_wrong_proof_is_dropped_before_the_application_hears_of_it(proof):
     sock, _ = _challenged(running.port)
     with sock:
         send(sock, ENGINE, {"proof": proof, "engine": DECODE.to_dict()}, timeout=5)
-        assert _closed_by_server(sock, within=2.0)
+        assert _closed_by_listener(sock, within=2.0)
     assert running.finish() == [] and running.asked == [] and running.server.dropped == 1
 
 
@@ -586,7 +577,7 @@ def test_a_second_knock_is_not_challenged_again():
     sock, _ = _challenged(running.port)
     with sock:
         send(sock, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
-        assert _closed_by_server(sock, within=2.0)
+        assert _closed_by_listener(sock, within=2.0)
     assert running.finish() == [] and running.server.dropped == 1
 
 
@@ -596,7 +587,7 @@ def test_connections_that_do_not_prove_the_secret_in_time_are_closed_at_their_de
     silent = socket.create_connection(("127.0.0.1", running.port))
     knocked, _ = _challenged(running.port)
     with silent, knocked:
-        assert _closed_by_server(silent, within=3.0) and _closed_by_server(knocked, within=3.0)
+        assert _closed_by_listener(silent, within=3.0) and _closed_by_listener(knocked, within=3.0)
     assert 0.4 < time.monotonic() - started < 2.0
     assert running.finish() == [] and running.server.dropped == 2
 
