@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvhost.nixl.engine import EngineSpec, refusal
+from kvhost.nixl.engine import EngineSpec, check_compatible
 from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
 from kvhost.nixl.framing import Message, encode, read_arrived
@@ -229,9 +229,7 @@ class Server:
         conn.held_since = time.monotonic()
         try:
             spec = EngineSpec.from_dict(fields.fields("engine").data, "engine.engine")
-            why = refusal(spec, self.spec, local_name="decode", remote_name="prefill")
-            if why is not None:
-                raise ProtocolError(why)
+            check_compatible(spec, self.spec, local_name="decode", remote_name="prefill")  # a ProtocolError
             offer = self.offer(PeerHello(conn.address, spec, fields))
             conn.offered = True
         except ProtocolError as err:
