@@ -414,20 +414,22 @@ def test_a_server_serves_until_its_number_of_peers_have_ended_refusals_not_count
 
 
 def _knocked(port):
-    """A connection the server has taken in: it knocked and was challenged, and proved nothing."""
+    """A connection the server has taken in: it knocked and was challenged, and proved nothing
+    yet. Returns the socket and the nonces (its own, the server's) a proof is made over."""
     sock = socket.create_connection(("127.0.0.1", port))
-    send(sock, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
-    receive(sock, timeout=5, expect=CHALLENGE)
-    return sock
+    mine = os.urandom(16)
+    send(sock, KNOCK, {"nonce": mine.hex()}, timeout=5)
+    theirs = bytes.fromhex(receive(sock, timeout=5, expect=CHALLENGE).fields().text("nonce"))
+    return sock, (mine, theirs)
 
 
 def test_past_its_bound_of_connections_the_server_closes_the_oldest_unproven_one():
     running = Running(peers=None, idle=1.0, auth_timeout=30.0)
-    held = [_knocked(running.port) for _ in range(MAX_CONNECTIONS)]
+    held = [_knocked(running.port)[0] for _ in range(MAX_CONNECTIONS)]
     try:
         assert MAX_CONNECTIONS == 64
         assert not _closed_by_listener(held[0], within=0.3), "closed at the bound, not past it"
-        held.append(_knocked(running.port))
+        held.append(_knocked(running.port)[0])
         assert _closed_by_listener(held[0], within=2.0)
         assert not any(_closed_by_listener(sock, within=0.1) for sock in (held[1], held[-2], held[-1]))
         assert running.server.dropped == 1
@@ -461,7 +463,7 @@ def test_a_connection_closed_as_the_oldest_while_its_bytes_wait_is_not_read(monk
     gate = threading.Event()
     gate.set()
     running = Running(peers=None, idle=1.0, stop=lambda: not gate.wait(10))
-    oldest = _knocked(running.port)
+    oldest, _ = _knocked(running.port)
     gate.clear()
     time.sleep(0.3)  # the server now waits at the gate, before its next select
     newcomer = socket.create_connection(("127.0.0.1", running.port))  # the listener is ready first
@@ -555,17 +557,10 @@ def test_the_applications_refusal_reaches_decode_cut_to_400_characters_and_holds
     assert running.released == [], "no offer was made: nothing to let go"
 
 
-def _challenged(port):
-    sock = socket.create_connection(("127.0.0.1", port))
-    send(sock, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
-    challenge = receive(sock, timeout=5, expect=CHALLENGE)
-    return sock, bytes.fromhex(challenge.fields().text("nonce"))
-
-
 @pytest.mark.parametrize("proof", ["0" * 64, "0" * 65], ids=["64 digits", "65 digits"])
 def test_a_wrong_proof_is_dropped_before_the_application_hears_of_it(proof):
     running = Running(peers=None, idle=1.0)
-    sock, _ = _challenged(running.port)
+    sock, _ = _knocked(running.port)
     with sock:
         send(sock, ENGINE, {"proof": proof, "engine": DECODE.to_dict()}, timeout=5)
         assert _closed_by_listener(sock, within=2.0)
@@ -574,7 +569,7 @@ def test_a_wrong_proof_is_dropped_before_the_application_hears_of_it(proof):
 
 def test_a_second_knock_is_not_challenged_again():
     running = Running(peers=None, idle=1.0)
-    sock, _ = _challenged(running.port)
+    sock, _ = _knocked(running.port)
     with sock:
         send(sock, KNOCK, {"nonce": os.urandom(16).hex()}, timeout=5)
         assert _closed_by_listener(sock, within=2.0)
@@ -585,7 +580,7 @@ def test_connections_that_do_not_prove_the_secret_in_time_are_closed_at_their_de
     running = Running(peers=None, idle=1.0, auth_timeout=0.5)
     started = time.monotonic()
     silent = socket.create_connection(("127.0.0.1", running.port))
-    knocked, _ = _challenged(running.port)
+    knocked, _ = _knocked(running.port)
     with silent, knocked:
         assert _closed_by_listener(silent, within=3.0) and _closed_by_listener(knocked, within=3.0)
     assert 0.4 < time.monotonic() - started < 2.0
@@ -594,11 +589,8 @@ def test_connections_that_do_not_prove_the_secret_in_time_are_closed_at_their_de
 
 def _proven_and_silent(port):
     """A decode engine that proves the secret and sends its spec, then reads nothing."""
-    sock = socket.create_connection(("127.0.0.1", port))
-    mine = os.urandom(16)
-    send(sock, KNOCK, {"nonce": mine.hex()}, timeout=5)
-    theirs = bytes.fromhex(receive(sock, timeout=5, expect=CHALLENGE).fields().text("nonce"))
-    send(sock, ENGINE, {"proof": proof(SECRET, "decode", (mine, theirs)), "engine": DECODE.to_dict()}, timeout=5)
+    sock, nonces = _knocked(port)
+    send(sock, ENGINE, {"proof": proof(SECRET, "decode", nonces), "engine": DECODE.to_dict()}, timeout=5)
     return sock
 
 
