@@ -100,6 +100,8 @@ MODULES = [
     # The prefill side's loop (every wait bounded) and what two engines must agree on.
     Module("kvhost/nixl/server.py", tuple(PROTOCOL)),
     Module("kvhost/nixl/engine.py", tuple(PROTOCOL)),
+    # NIXL itself: registration, peers, descriptor lists, transfers and their deadlines.
+    Module("kvhost/nixl/agent.py", ("tests/test_nixl.py", "tests/test_ranks.py", *PROTOCOL)),
     Module("kvhost/raw.py", ("tests/test_backends.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module("kvhost/stats.py", ("tests/test_front_end.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module(
