@@ -55,6 +55,7 @@ EQUIVALENT_FILE = ROOT / "ci" / "mutation-equivalent.txt"
 CONFORMANCE = ["tests/test_receive.py", "tests/test_copy.py", "tests/test_property.py"]
 CHECKS = ["tests/test_errors.py", "tests/test_bad_input.py", "tests/test_ownership.py"]
 BACKENDS = [*CONFORMANCE, "tests/test_plans.py", "tests/test_backends.py", "tests/test_threads.py"]
+NIXL = ["tests/test_nixl_agent.py", "tests/test_nixl.py", "tests/test_ranks.py"]
 PROTOCOL = ["tests/test_nixl_protocol.py", "tests/test_peer_limits.py", "tests/test_peers.py"]
 
 
@@ -101,7 +102,7 @@ MODULES = [
     Module("kvhost/nixl/server.py", tuple(PROTOCOL)),
     Module("kvhost/nixl/engine.py", tuple(PROTOCOL)),
     # NIXL itself: registration, peers, descriptor lists, transfers and their deadlines.
-    Module("kvhost/nixl/agent.py", ("tests/test_nixl.py", "tests/test_ranks.py", *PROTOCOL)),
+    Module("kvhost/nixl/agent.py", (*NIXL, *PROTOCOL)),
     Module("kvhost/raw.py", ("tests/test_backends.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module("kvhost/stats.py", ("tests/test_front_end.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module(

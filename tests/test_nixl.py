@@ -21,7 +21,7 @@ import torch
 
 import kvhost
 from kvhost.caches import CacheSet
-from kvhost.errors import ArgumentError, KVHostError, LayoutError, RequestError
+from kvhost.errors import ArgumentError, LayoutError, RequestError
 from kvhost.nixl import (
     MAX_DESCRIPTOR_BYTES,
     NIXL_MODULES,
@@ -791,17 +791,6 @@ def test_nixl_errors_are_kvhost_errors(agents):
 
 
 @needs_nixl
-def test_a_closed_agent_refuses_work():
-    from kvhost.nixl import Agent
-
-    agent = Agent("closing")
-    agent.close()
-    agent.close()  # twice is fine
-    with pytest.raises(KVHostError, match="closed"):
-        agent.metadata()
-
-
-@needs_nixl
 def test_a_missing_transport_is_a_clear_error():
     from kvhost.nixl import Agent
 
@@ -816,7 +805,10 @@ def test_missing_nixl_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(nixl_agent, "NIXL_MODULES", ("no_such_nixl._api",))
     nixl_agent.load_nixl.cache_clear()
     try:
-        with pytest.raises(NixlUnavailableError, match=r"NIXL is not installed .*kvhost\[nixl\]"):
+        with pytest.raises(
+            NixlUnavailableError,
+            match=r"NIXL is not installed \(no_such_nixl._api: No module named 'no_such_nixl'\); .*kvhost\[nixl\]",
+        ):
             Agent("nowhere")
     finally:
         nixl_agent.load_nixl.cache_clear()

@@ -460,14 +460,21 @@ def test_a_connection_closed_as_the_oldest_while_its_bytes_wait_is_not_read(monk
     """The listener and the oldest connection ready in one select: the new connection closes
     the old one, whose event is then skipped (the server must not read a closed connection)."""
     monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 1)
-    gate = threading.Event()
+    gate, stopped_at_gate = threading.Event(), threading.Event()
     gate.set()
-    running = Running(peers=None, idle=1.0, stop=lambda: not gate.wait(10))
+
+    def stop() -> bool:
+        if not gate.is_set():  # it stays shut until the test opens it: the server waits here
+            stopped_at_gate.set()
+        return not gate.wait(10)
+
+    running = Running(peers=None, idle=1.0, stop=stop)
     oldest, _ = _knocked(running.port)
     gate.clear()
-    time.sleep(0.3)  # the server now waits at the gate, before its next select
+    assert stopped_at_gate.wait(5)  # the server waits before its next select, whatever the load
     newcomer = socket.create_connection(("127.0.0.1", running.port))  # the listener is ready first
     oldest.sendall(encode(KNOCK, {"nonce": os.urandom(16).hex()})[:5])  # then the oldest connection
+    time.sleep(0.1)  # both on the selector's ready list before it looks
     gate.set()
     try:
         assert _closed_by_listener(oldest, within=2.0)

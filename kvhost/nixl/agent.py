@@ -151,9 +151,8 @@ class Agent:
         return reader
 
     def close(self) -> None:
-        """Release descriptor lists, drop peers, deregister memory. Safe to call twice."""
-        if self.closed:
-            return
+        """Close readers, drop peers, deregister memory (and let go of its tensors). Safe to
+        call twice: the second finds nothing left to undo."""
         self.closed = True
         for reader in self._readers:
             reader.close()
@@ -368,21 +367,27 @@ class Transfer:
     handle: Any = field(repr=False)
     nbytes: int
     op: str
-    descriptors: int = 0  # descriptor pairs posted
+    descriptors: int  # descriptor pairs posted
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
     released: bool = False
 
     @classmethod
-    def post(cls, link: Link, handle: Any, nbytes: int, op: str, *, descriptors: int = 0) -> Transfer:
-        """Post a created NIXL transfer (``handle``) towards ``link``'s peer."""
+    def post(cls, link: Link, handle: Any, nbytes: int, op: str, *, descriptors: int) -> Transfer:
+        """Post a created NIXL transfer (``handle``) towards ``link``'s peer. Where posting
+        fails (NIXL raises, or answers with an error state) the handle is released here: the
+        caller never gets a transfer to release."""
         transfer = cls(link, handle, nbytes, op, descriptors)
         try:
             state = link.agent.nixl.transfer(handle)
         except Exception as err:
             transfer.release()
             raise TransferError(f"{op} from {link.peer!r}: posting the transfer failed: {err}") from None
-        transfer._note(state)
+        try:
+            transfer._note(state)
+        except TransferError:
+            transfer.release()
+            raise
         return transfer
 
     def poll(self) -> bool:

@@ -1,0 +1,363 @@
+"""kvhost.nixl.agent: an Agent's life (registration, peers, readers, close), the memory one
+merged descriptor may span (``merge_domains``), and a Transfer's states.
+
+Everything NIXL can show runs against real NIXL agents (UCX, in this process). A Transfer's
+states that a loopback transfer cannot be made to show on demand (still in flight when
+polled, an error state, a call that raises) are driven by ``ScriptedNixl``, which stands in
+for the two calls a Transfer makes and answers them from a script.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import time
+import weakref
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_nixl import caches_for
+
+from kvhost.nixl import NIXL_MODULES, Agent, NixlUnavailableError, TransferError, plan_transfer, region_table
+from kvhost.nixl.agent import Link, Transfer, merge_domains, post_rows
+from kvhost.nixl.errors import InvalidTimeoutError
+from kvhost.nixl.plans import extent_rows, stream_extents
+from kvhost.testing import raw
+
+NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
+needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
+SIZES = dict(K=2, H=2, C=8)
+MINE = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory
+
+
+def nixl_accepts(agent, owner, rows, memory="DRAM"):
+    try:
+        agent.nixl.prep_xfer_dlist(owner, rows, memory).release()
+    except Exception:
+        return False
+    return True
+
+
+class Spy:
+    """Wraps one method of a real NIXL agent: records each call's arguments, then makes it."""
+
+    def __init__(self, monkeypatch, nixl, name):
+        self.calls = []
+        real = getattr(nixl, name)
+
+        def record(*args):
+            self.calls.append(args)
+            return real(*args)
+
+        monkeypatch.setattr(nixl, name, record)
+
+
+# --- an Agent's life ------------------------------------------------------------------------
+
+
+@needs_nixl
+def test_a_closed_agent_refuses_every_call_and_closes_twice():
+    agent = Agent("closing")
+    caches = caches_for("KBNHC", "KBNHC", SIZES, 4, 4, seed=1)
+    agent.close()
+    agent.close()  # the second finds nothing left to undo
+    for call in (
+        lambda: agent.metadata(),
+        lambda: agent.register(caches, "KBNHC"),
+        lambda: agent.add_peer(b"nixl"),
+        lambda: agent.reader(None, "anyone"),
+    ):
+        with pytest.raises(TransferError, match="agent 'closing' is closed"):
+            call()
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_close_lets_go_of_readers_peers_memory_and_tensors():
+    """An agent keeps what it registered alive until it closes (NIXL reads that memory); closing
+    (here by leaving ``with``) closes its readers, drops its peers from NIXL and deregisters."""
+    sender = Agent("closing-sender")
+    remote = caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=2)
+    remote_table = sender.register(remote, "KBNHC")
+    alive = [weakref.ref(t) for t in remote.values()]
+    del remote
+    gc.collect()
+    assert all(ref() is not None for ref in alive), "registered tensors were freed while registered"
+    with Agent("closing-receiver") as receiver:
+        local_table = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=3), "KBNHC")
+        peer = receiver.add_peer(sender.metadata())
+        reader = receiver.reader(plan_transfer(local_table, remote_table), peer)
+        assert receiver.nixl.check_remote_metadata(peer)
+        assert nixl_accepts(receiver, MINE, extent_rows(local_table))
+    assert receiver.closed
+    with pytest.raises(TransferError, match=f"reader towards {peer!r} is closed"):
+        reader.read([0], [0, 1, 2, 3])
+    with pytest.raises(TransferError, match="is closed"):
+        reader.read_batch([([0], [0, 1, 2, 3])])
+    assert not receiver.nixl.check_remote_metadata(peer), "the peer is still loaded in NIXL"
+    assert not nixl_accepts(receiver, MINE, extent_rows(local_table)), "the memory is still registered"
+    sender.close()
+    gc.collect()
+    assert all(ref() is None for ref in alive), "a closed agent still holds the tensors it registered"
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_peers_are_removed_and_the_same_metadata_again_keeps_them(monkeypatch):
+    with Agent("peer-sender") as sender, Agent("peer-receiver") as receiver:
+        remote_table = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=4), "KBNHC")
+        local_table = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=5), "KBNHC")
+        plan = plan_transfer(local_table, remote_table)
+        removed = Spy(monkeypatch, receiver.nixl, "remove_remote_agent")
+        receiver.remove_peer("nobody")  # a peer never added: nothing to do
+        peer = receiver.add_peer(sender.metadata())
+        assert peer == "peer-sender"
+        assert receiver.add_peer(bytearray(sender.metadata())) == peer  # the same metadata again
+        assert removed.calls == [], "loading the same metadata again dropped the peer"
+        sender.register(caches_for("KBNHC", "KBNHC", SIZES, 4, 2, seed=6), "KBNHC")
+        assert receiver.add_peer(sender.metadata()) == peer  # new metadata: loaded afresh
+        assert removed.calls == [(peer,)]
+        receiver.reader(plan, peer).read([1], [0, 1, 2, 3]).wait(timeout=20)
+        receiver.remove_peer(peer)
+        assert not receiver.nixl.check_remote_metadata(peer)
+        with pytest.raises(TransferError, match="has no peer 'peer-sender'"):
+            receiver.reader(plan, peer)
+        receiver.remove_peer(peer)  # twice: nothing left to do
+        assert removed.calls == [(peer,), (peer,)]
+
+
+@needs_nixl
+def test_nixl_refusing_an_agent_or_its_memory_is_a_kvhost_error():
+    with pytest.raises(NixlUnavailableError, match="could not start NIXL agent None: TypeError"):
+        Agent(None)  # type: ignore[arg-type]
+    refused = "agent 'no-transport': registering 2 memory spans failed: NIXL_ERR_NOT_FOUND"
+    with Agent("no-transport", backends=()) as bare, pytest.raises(TransferError, match=refused):
+        bare.register(caches_for("KBNHC", "KBNHC", SIZES, 4, 4, seed=7), "KBNHC")
+
+
+# --- readers --------------------------------------------------------------------------------
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_a_reader_checks_both_tables_and_posts_per_piece_without_a_bound():
+    """A local table this agent never registered is refused when the reader is made. Without a
+    bound (None) a batch posts one descriptor per piece, a bound of one byte merges nothing
+    either, and both land what the default merged batch lands."""
+    with Agent("reader-sender") as sender, Agent("reader-receiver") as receiver:
+        remote = caches_for("KBNHC", "KBHNC", SIZES, 4, 12, seed=8, layers=3)
+        remote_table = sender.register(remote, "KBNHC")
+        peer = receiver.add_peer(sender.metadata())
+        stranger = region_table(caches_for("KBNHC", "KBNHC", SIZES, 16, 6, seed=9, layers=3), "KBNHC")
+        with pytest.raises(TransferError, match="the local table names memory this agent has not registered"):
+            receiver.reader(plan_transfer(stranger, remote_table), peer)
+        requests = [([4, 1], [0, 1, 2, 3, 4, 5, 6, 7]), ([2], [8, 9, 10])]
+        landed = {}
+        for bound in (None, 1, 1 << 20):
+            local = caches_for("KBNHC", "KBNHC", SIZES, 16, 6, seed=10, layers=3)
+            plan = plan_transfer(receiver.register(local, "KBNHC"), remote_table)
+            reader = receiver.reader(plan, peer, max_descriptor_bytes=bound)
+            assert (reader.local_domains is None) == (reader.remote_domains is None) == (bound is None)
+            rows = reader.batch_descriptors(requests)
+            transfer = reader.read_batch(requests)
+            transfer.wait(timeout=20)
+            assert transfer.descriptors == rows[0].shape[0] and transfer.nbytes == plan.bytes_for(11)
+            transfer.release()
+            if bound is None:
+                per_piece = plan.descriptor_batch(requests)
+                assert all(np.array_equal(a, b) for a, b in zip(rows, per_piece))
+            elif bound == 1:
+                assert rows[0].shape[0] == per_piece[0].shape[0]
+            else:
+                assert rows[0].shape[0] < per_piece[0].shape[0]
+            landed[bound] = [raw(t).clone() for t in local.values()]
+        for bound in (1, 1 << 20):
+            assert all(torch.equal(a, b) for a, b in zip(landed[None], landed[bound])), bound
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_post_rows_names_each_sides_memory_and_refuses_an_unknown_peer(monkeypatch):
+    with Agent("post-rows") as agent:
+        table = agent.register(caches_for("KBNHC", "KBNHC", SIZES, 4, 4, seed=11), "KBNHC")
+        rows = extent_rows(table)[:1]
+        asked = Spy(monkeypatch, agent.nixl, "get_xfer_descs")
+        with pytest.raises(TransferError, match="READ from 'nobody': creating the transfer failed"):
+            post_rows(agent, "nobody", "READ", rows, rows + 0, ("DRAM", "VRAM"))
+        assert [memory for _, memory in asked.calls] == ["DRAM", "VRAM"]
+        assert asked.calls[0][0] is rows
+
+
+# --- the memory one merged descriptor may span -----------------------------------------------
+
+
+def register_whole(agent, tensor):
+    return agent.nixl.register_memory([(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0, "")], "DRAM")
+
+
+def register_halves(agent, tensor):
+    """K and V halves as two regions: they touch, but no descriptor may span both."""
+    return agent.nixl.register_memory(
+        [(half.data_ptr(), half.numel() * half.element_size(), 0, "") for half in tensor], "DRAM"
+    )
+
+
+def register_blocks(agent, tensor):
+    """Every block region on its own: no descriptor may span two blocks."""
+    return agent.nixl.register_memory(
+        [(block.data_ptr(), block.numel() * block.element_size(), 0, "") for half in tensor for block in half], "DRAM"
+    )
+
+
+def partition(labels):
+    """Which streams share a label (a set of frozensets), and which may merge nothing (-1)."""
+    groups = {}
+    for stream, label in enumerate(labels.tolist()):
+        if label != -1:
+            groups.setdefault(label, set()).add(stream)
+    return {frozenset(g) for g in groups.values()}, {s for s, label in enumerate(labels.tolist()) if label == -1}
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_merge_domains_groups_streams_by_the_region_that_holds_them(monkeypatch):
+    """Five layers (a K and a V stream each, touching), laid out in memory in another order
+    than the table's: two registered whole, two as K and V halves, one block by block. A
+    layer registered whole is one domain; each half its own; blocks, none (-1). The table
+    lists them out of address order, so that every stream is looked up where it lies."""
+    tensors = sorted((torch.zeros(2, 3, 4, 2, 8, dtype=torch.bfloat16) for _ in range(5)), key=lambda t: t.data_ptr())
+    whole_low, halves_a, halves_b, blocks, whole_high = tensors  # in address order
+    in_table = {"a": halves_a, "blocks": blocks, "b": halves_b, "high": whole_high, "low": whole_low}
+    table = region_table(in_table, "KBNHC")
+    streams = {name: (2 * i, 2 * i + 1) for i, name in enumerate(in_table)}  # (K, V) of each layer
+    with Agent("domains", progress_thread=False) as agent:
+        regions = [register_whole(agent, whole_low), register_whole(agent, whole_high)]
+        regions += [register_halves(agent, halves_a), register_halves(agent, halves_b), register_blocks(agent, blocks)]
+        try:
+            groups, unmergeable = partition(merge_domains(agent.nixl, MINE, table))
+            assert groups == {
+                frozenset(streams["low"]),
+                frozenset(streams["high"]),
+                *(frozenset([s]) for s in streams["a"] + streams["b"]),
+            }
+            assert unmergeable == set(streams["blocks"])
+        finally:
+            for region in regions:
+                agent.nixl.deregister_memory(region)
+        every_layer = agent.register(in_table, "KBNHC")  # each tensor whole: one NIXL call says so
+        asked = Spy(monkeypatch, agent.nixl, "prep_xfer_dlist")
+        groups, unmergeable = partition(merge_domains(agent.nixl, MINE, every_layer))
+        assert groups == {frozenset(pair) for pair in streams.values()} and not unmergeable
+        assert len(asked.calls) == 1
+        extents = stream_extents(every_layer)
+        assert asked.calls[0][2] == "DRAM" and asked.calls[0][1].shape == (5, 3)
+        assert sorted(asked.calls[0][1][:, 0].tolist()) == sorted(extents[::2, 0].tolist())
+        assert (asked.calls[0][1][:, 1] == 2 * extents[0, 1]).all()  # each layer's K and V together
+
+
+# --- a Transfer's states --------------------------------------------------------------------
+
+
+class ScriptedNixl:
+    """The two calls a Transfer makes (post, then poll), answered in order from ``script``:
+    a state, or an exception to raise."""
+
+    def __init__(self, *script):
+        self.script = list(script)
+        self.calls = 0
+
+    def _answer(self, handle):
+        self.calls += 1
+        answer = self.script.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    transfer = check_xfer_state = _answer
+
+
+class Handle:
+    def __init__(self, fails=False):
+        self.released = 0
+        self.fails = fails
+
+    def release(self):
+        self.released += 1
+        if self.fails:
+            raise RuntimeError("the peer is gone")
+
+
+def posted(*script, handle=None):
+    nixl = ScriptedNixl(*script)
+    handle = handle or Handle()
+    link = Link(SimpleNamespace(nixl=nixl), "prefill")  # type: ignore[arg-type]
+    return Transfer.post(link, handle, 4096, "READ", descriptors=3), nixl, handle
+
+
+def test_a_transfer_is_done_only_when_nixl_says_done():
+    transfer, nixl, handle = posted("PROC", "PROC", "DONE")
+    assert transfer.finished is None and transfer.descriptors == 3 and transfer.nbytes == 4096
+    assert not transfer.poll()
+    assert transfer.finished is None and transfer.seconds >= 0
+    assert transfer.poll() is True
+    finished = transfer.finished
+    assert finished is not None and transfer.seconds == finished - transfer.started
+    time.sleep(0.01)
+    assert transfer.seconds == finished - transfer.started  # a finished transfer's time stands still
+    assert transfer.poll() is True and nixl.calls == 3  # asked no more once done
+    assert "handle" not in repr(transfer)
+    transfer.release()
+    transfer.release()
+    assert handle.released == 1
+
+
+def test_a_transfer_done_when_posted_is_never_polled():
+    transfer, nixl, _ = posted("DONE")
+    assert transfer.finished is not None and transfer.poll() is True and nixl.calls == 1
+
+
+def test_a_transfer_that_fails_to_post_releases_its_handle():
+    for script, message in (
+        (RuntimeError("no route"), "READ from 'prefill': posting the transfer failed: no route"),
+        ("ERR", "READ from 'prefill' failed: transport state 'ERR'"),
+    ):
+        handle = Handle()
+        with pytest.raises(TransferError, match=message):
+            posted(script, handle=handle)
+        assert handle.released == 1
+
+
+def test_a_transfer_that_fails_while_polled_is_an_error():
+    transfer, _, _ = posted("PROC", "ERR")
+    with pytest.raises(TransferError, match="READ from 'prefill' failed: transport state 'ERR'"):
+        transfer.poll()
+    transfer, _, _ = posted("PROC", RuntimeError("connection reset"))
+    with pytest.raises(TransferError, match="READ from 'prefill' failed: connection reset"):
+        transfer.poll()
+
+
+def test_a_transfer_released_before_it_finished_cannot_be_polled():
+    transfer, nixl, handle = posted("PROC", handle=Handle(fails=True))
+    transfer.release()  # towards a dead peer the release itself fails: that is not the caller's error
+    assert handle.released == 1 and transfer.released
+    with pytest.raises(TransferError, match="was released before it finished"):
+        transfer.poll()
+    assert nixl.calls == 1
+
+
+def test_a_wait_polls_at_its_interval_until_its_deadline():
+    transfer, nixl, _ = posted(*["PROC"] * 100)
+    started = time.monotonic()
+    with pytest.raises(TransferError, match=r"READ from 'prefill' did not finish within 0\.3 s") as raised:
+        transfer.wait(timeout=0.3, interval=0.05)
+    took = time.monotonic() - started
+    assert raised.value.timed_out and 0.3 <= took < 2.0
+    assert 3 <= nixl.calls <= 9, f"{nixl.calls} polls in {took:.2f} s at 0.05 s apart"
+    transfer, _, _ = posted("PROC", "DONE")
+    transfer.wait(timeout=5, interval=1)  # at most a second between polls
+    assert transfer.finished is not None
+    for bad in (1.5, 0, float("nan"), True):
+        with pytest.raises(InvalidTimeoutError):
+            transfer.wait(timeout=1, interval=bad)
