@@ -22,7 +22,6 @@ from test_nixl import caches_for
 
 from kvhost.nixl import NIXL_MODULES, Agent, NixlUnavailableError, TransferError, plan_transfer, region_table
 from kvhost.nixl.agent import Link, Transfer, merge_domains, post_rows
-from kvhost.nixl.errors import InvalidTimeoutError
 from kvhost.nixl.plans import extent_rows, stream_extents
 from kvhost.testing import raw
 
@@ -353,11 +352,10 @@ def test_a_wait_polls_at_its_interval_until_its_deadline():
     with pytest.raises(TransferError, match=r"READ from 'prefill' did not finish within 0\.3 s") as raised:
         transfer.wait(timeout=0.3, interval=0.05)
     took = time.monotonic() - started
-    assert raised.value.timed_out and 0.3 <= took < 2.0
-    assert 3 <= nixl.calls <= 9, f"{nixl.calls} polls in {took:.2f} s at 0.05 s apart"
+    assert raised.value.timed_out and 0.3 <= took < 5.0
+    # a poll at the start and one after each pause of at least 0.05 s: at most 8 (a wait
+    # that did not pause would run through the script's 100 answers at once)
+    assert 2 <= nixl.calls <= 8, f"{nixl.calls} polls in {took:.2f} s at 0.05 s apart"
     transfer, _, _ = posted("PROC", "DONE")
     transfer.wait(timeout=5, interval=1)  # at most a second between polls
-    assert transfer.finished is not None
-    for bad in (1.5, 0, float("nan"), True):
-        with pytest.raises(InvalidTimeoutError):
-            transfer.wait(timeout=1, interval=bad)
+    assert transfer.finished is not None  # (intervals out of range: test_peer_limits.py)

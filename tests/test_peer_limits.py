@@ -68,7 +68,7 @@ ENDLESS = [math.nan, math.inf, -math.inf, -1, -1e-9, True, False, "1", None, 1e9
 
 @pytest.mark.parametrize("timeout", ENDLESS, ids=repr)
 def test_transfer_wait_refuses_a_timeout_that_is_not_finite_seconds(timeout):
-    transfer = Transfer(types.SimpleNamespace(peer="p"), handle=None, nbytes=0, op="READ")
+    transfer = Transfer(types.SimpleNamespace(peer="p"), handle=None, nbytes=0, op="READ", descriptors=0)
     started = time.monotonic()
     with pytest.raises(InvalidTimeoutError, match=r"Transfer\.wait timeout: expected a number of seconds") as raised:
         transfer.wait(timeout)
@@ -79,7 +79,7 @@ def test_transfer_wait_refuses_a_timeout_that_is_not_finite_seconds(timeout):
 
 @pytest.mark.parametrize("interval", [0, math.nan, math.inf, 2.0, -1])
 def test_transfer_wait_refuses_a_poll_interval_out_of_range(interval):
-    transfer = Transfer(types.SimpleNamespace(peer="p"), handle=None, nbytes=0, op="READ")
+    transfer = Transfer(types.SimpleNamespace(peer="p"), handle=None, nbytes=0, op="READ", descriptors=0)
     with pytest.raises(InvalidTimeoutError, match=r"Transfer\.wait interval"):
         transfer.wait(1.0, interval=interval)
 
