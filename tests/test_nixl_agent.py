@@ -298,7 +298,7 @@ def posted(*script, handle=None):
 def test_a_transfer_is_done_only_when_nixl_says_done():
     transfer, nixl, handle = posted("PROC", "PROC", "DONE")
     assert transfer.finished is None and transfer.descriptors == 3 and transfer.nbytes == 4096
-    assert not transfer.poll()
+    assert transfer.poll() is False
     assert transfer.finished is None and transfer.seconds >= 0
     assert transfer.poll() is True
     finished = transfer.finished
