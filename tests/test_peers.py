@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import select
 import socket
 import struct
 import threading
@@ -457,24 +458,38 @@ def test_a_server_full_of_proven_peers_closes_a_new_connection_at_once(monkeypat
 
 
 def test_a_connection_closed_as_the_oldest_while_its_bytes_wait_is_not_read(monkeypatch):
-    """The listener and the oldest connection ready in one select: the new connection closes
-    the old one, whose event is then skipped (the server must not read a closed connection)."""
+    """The listener and the oldest connection ready in one select, the listener first: the new
+    connection closes the old one, whose event is then skipped (the server must not read a
+    closed connection).
+
+    epoll lists ready sockets in the order they became ready, and a socket it has just
+    reported stays listed until the next select finds it idle: so the server is held (its
+    ``stop`` is a gate) only after a select has run since it read the knock, and the oldest
+    sends only once the listener is seen ready. Without either, the oldest can come first
+    (it did under load), and the test would pass whether the event is skipped or not."""
     monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 1)
     gate, stopped_at_gate = threading.Event(), threading.Event()
     gate.set()
+    loops = []
 
     def stop() -> bool:
+        loops.append(None)  # one a loop, before its select
         if not gate.is_set():  # it stays shut until the test opens it: the server waits here
             stopped_at_gate.set()
         return not gate.wait(10)
 
     running = Running(peers=None, idle=1.0, stop=stop)
     oldest, _ = _knocked(running.port)
+    seen, deadline = len(loops), time.monotonic() + 5
+    while len(loops) < seen + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # a whole loop, select included, after the one that read the knock
     gate.clear()
     assert stopped_at_gate.wait(5)  # the server waits before its next select, whatever the load
-    newcomer = socket.create_connection(("127.0.0.1", running.port))  # the listener is ready first
-    oldest.sendall(encode(KNOCK, {"nonce": os.urandom(16).hex()})[:5])  # then the oldest connection
-    time.sleep(0.1)  # both on the selector's ready list before it looks
+    newcomer = socket.create_connection(("127.0.0.1", running.port))
+    assert select.select([running.server.listener], [], [], 5)[0]
+    oldest.sendall(encode(KNOCK, {"nonce": os.urandom(16).hex()})[:5])
+    (oldest_here,) = running.server._connections
+    assert select.select([oldest_here], [], [], 5)[0]
     gate.set()
     try:
         assert _closed_by_listener(oldest, within=2.0)

@@ -1,0 +1,95 @@
+"""Where the torch path's time goes in a cold one-request staging copy.
+
+    python experiments/torch_path_pieces.py [--rounds 61] [--requests 1]
+
+The workload of ``kvhost bench``'s stage-runs point (16 layers, KBNHC, bf16, blocks of 16
+tokens x 8 heads x 128 channels, requests of 4 consecutive blocks into a host buffer that
+fills in order), timed with everything evicted before each call (``--cache all``), in
+interleaved rounds (medians), side by side:
+
+- memcpy of the same bytes (the roofline);
+- ``KVHost.copy_to`` on the torch path, and on the CPU backend (numba) for reference;
+- the torch backend's ``copy`` alone, on a job the front end planned in advance;
+- its ``copy_`` calls alone, on views made in advance;
+- the views alone (the ``narrow`` calls the backend makes per layer and run).
+
+Each is reported as a fraction of memcpy and in microseconds. Nothing here is imported by
+kvhost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import numpy as np
+
+import kvhost
+from kvhost.batch import plan_copy_batch
+from kvhost.torch_backend import TorchBackend, _pair_views
+from kvhost_tools.bench.machine import Device, block_ranges
+from kvhost_tools.bench.methods import Workspace
+from kvhost_tools.bench.timing import measure
+from kvhost_tools.bench.workloads import PRESETS, Geometry
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=61)
+    parser.add_argument("--requests", type=int, default=1)
+    args = parser.parse_args()
+
+    geometry = Geometry(block_size=16)
+    blocks = 4 * args.requests
+    device = Device("cpu", cache="all")
+    space = Workspace(device)
+    cache = space.caches("cache", geometry, geometry.physical, 4 * blocks)
+    buffer = space.caches("host", geometry, geometry.physical, blocks)
+    src_ids = list(range(blocks, 2 * blocks))  # one run: what an allocator hands a short prompt
+    dst_ids = list(range(blocks))
+    torch_host = kvhost.KVHost(cache, axes=geometry.axes, backend="torch")
+    numba_host = kvhost.KVHost(cache, axes=geometry.axes, backend="cpu")
+    backend = torch_host.backend
+    assert isinstance(backend, TorchBackend)
+    peer = torch_host._peer(buffer, geometry.axes, "dst")
+    job = plan_copy_batch(torch_host.caches, peer, src_ids, dst_ids, False).jobs[0]
+    views = _pair_views(job)
+    made = [(dest.narrow(b, 0, blocks), source.narrow(b, blocks, blocks)) for source, dest, b, _ in views]
+
+    def copies_alone() -> None:
+        for dest, source in made:
+            dest.copy_(source)
+
+    def views_alone() -> None:
+        for source, dest, b, _ in views:
+            dest.narrow(b, 0, blocks)
+            source.narrow(b, blocks, blocks)
+
+    nbytes = blocks * geometry.block_bytes
+    methods = {
+        "memcpy": space.memcpy(nbytes, device.device, device.device),
+        "KVHost.copy_to, torch path": lambda: torch_host.copy_to(buffer, src_ids, dst_ids).wait(),
+        "KVHost.copy_to, CPU backend (numba)": lambda: numba_host.copy_to(buffer, src_ids, dst_ids).wait(),
+        "torch backend's copy alone": lambda: backend.copy(job).wait(),
+        "its copy_ calls alone (views made before)": copies_alone,
+        "its views alone (narrow per layer and side)": views_alone,
+    }
+    touched = np.concatenate(
+        [
+            block_ranges(cache, geometry.axes, np.array(src_ids)),
+            block_ranges(buffer, geometry.axes, np.array(dst_ids)),
+            space.memcpy_ranges(nbytes, device.device, device.device),
+        ]
+    )
+    measured = measure(methods, device, PRESETS["full"], args.rounds, random.Random(0), touched)
+    medians = {name: statistics.median(sample.seconds) for name, sample in measured.samples.items()}
+    roof = medians["memcpy"]
+    print(f"{args.requests} request(s) of 4 blocks, {nbytes / 2**20:.0f} MiB, {geometry.describe()}, cache all")
+    print(f"{'':46s} {'median us':>10s} {'x memcpy':>9s}")
+    for name, seconds in medians.items():
+        print(f"{name:46s} {seconds * 1e6:10.1f} {roof / seconds:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
