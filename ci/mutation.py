@@ -103,6 +103,8 @@ MODULES = [
     Module("kvhost/nixl/engine.py", tuple(PROTOCOL)),
     # NIXL itself: registration, peers, descriptor lists, transfers and their deadlines.
     Module("kvhost/nixl/agent.py", (*NIXL, *PROTOCOL)),
+    # vLLM's words for caches and layouts, turned into kvhost's (no vLLM needed).
+    Module("kvhost/integrations/vllm.py", ("tests/test_vllm_adapter.py",)),
     Module("kvhost/raw.py", ("tests/test_backends.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module("kvhost/stats.py", ("tests/test_front_end.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module(
