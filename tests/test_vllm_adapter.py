@@ -11,6 +11,7 @@ is checked token by token and, for every block outside the batch, byte by byte.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -562,3 +563,115 @@ def test_post_process_of_partial_blocks_through_vllm_words(local, remote, remote
         case.check_untouched(i, claimed)
     with pytest.raises(kvhost.RequestError, match="tokens name request 'z', which no engine sent"):
         kv.post_process({"p": {"a": received["a"][0]}}, {"p": RemoteEngine(remote, remote_size)}, tokens={"z": 1})
+
+
+# --- edges the first mutation run found untested (2 December 2026) ---------------------------
+
+
+def layout_group(name: str, *, heads: int, blocks: int = 4, layers: int = LAYERS):
+    """Like ``kv_layout_group``, with any number of heads and layers (int8, C of 16 bytes)."""
+    sizes = dict(L=layers, B=blocks, H=heads, N=BLOCK, C=16)
+    strides, step = {}, 1
+    for letter in reversed(name):
+        strides[letter] = step
+        step *= sizes[letter]
+    group = torch.zeros(step, dtype=torch.int8).as_strided([sizes[a] for a in "LBHNC"], [strides[a] for a in "LBHNC"])
+    return {f"model.layers.{i}.self_attn.attn": group[i] for i in range(layers)}, group
+
+
+def test_cross_layer_view_names_what_is_wrong_and_takes_any_even_spacing():
+    views, group = kv_layout_group("LBHNC", blocks=4, block_size=BLOCK)
+    first, second, third = (re.escape(repr(name)) for name in views)
+    names = list(views)
+    with pytest.raises(kvhost.LayoutError, match="kv_caches: no layers given"):
+        cross_layer_view({})
+    with pytest.raises(kvhost.LayoutError, match=f"layer {second} is a list, not a tensor view"):
+        cross_layer_view({names[0]: views[names[0]], names[1]: [1, 2]})
+    shorter = {**views, names[1]: views[names[1]][:2]}
+    with pytest.raises(kvhost.LayoutError, match=rf"layer {second} is \(2, .* but layer {first} is \(4, "):
+        cross_layer_view(shorter)
+    other, _ = kv_layout_group("LBHNC", blocks=4, block_size=BLOCK)
+    with pytest.raises(kvhost.LayoutError, match=f"layer {third} is not a view of the buffer that holds layer {first}"):
+        cross_layer_view({**views, names[2]: other[names[2]]})
+    alone = cross_layer_view({names[0]: views[names[0]]})
+    assert alone.shape == (1, *views[names[0]].shape) and alone.data_ptr() == group.data_ptr()
+    later = cross_layer_view({names[1]: views[names[1]], names[2]: views[names[2]]})  # not at the buffer's start
+    assert later.stride() == group.stride() and later.data_ptr() == group[1].data_ptr() and later.shape[0] == 2
+    with pytest.raises(kvhost.LayoutError, match=r"layer offsets \[.*\] .* not evenly spaced upwards"):
+        cross_layer_view({names[0]: views[names[0]], "again": views[names[0]]})  # a step of 0
+    buffer = torch.zeros(64, dtype=torch.int8)
+    one_apart = {f"l{i}": buffer.as_strided((2, 3), (3, 1), i) for i in range(2)}  # a step of one element
+    assert cross_layer_view(one_apart).stride() == (1, 3, 1)
+    uneven = {f"l{i}": buffer.as_strided((2, 3), (3, 1), offset) for i, offset in enumerate((0, 8, 24))}
+    with pytest.raises(kvhost.LayoutError, match=r"layer offsets \[0, 8, 24\]"):
+        cross_layer_view(uneven)
+
+
+def test_bhlnc_layer_views_need_their_group():
+    """A BHLNC layer view of more than one head has no block region of its own: one alone is
+    refused, two are seen as their group, and a name kvhost does not know is refused either way."""
+    assert kv_cache_axes("BHLNC", (4, 1, BLOCK, 16)) == "BHNC"
+    with pytest.raises(kvhost.LayoutError, match="no contiguous block region"):
+        kv_cache_axes("BHLNC", (4, 2, BLOCK, 16))
+    views, _ = layout_group("BHLNC", heads=2)
+    names = list(views)
+    with pytest.raises(kvhost.LayoutError, match="no contiguous block region"):
+        VllmCaches({names[0]: views[names[0]]}, "BHLNC")
+    pair, _ = layout_group("BHLNC", heads=2, layers=2)
+    two = VllmCaches(pair, "BHLNC")
+    assert two.layer_names == tuple(pair) and two.axes == "LBHNC" and two.layout_name == "BHLNC"
+    with pytest.raises(kvhost.LayoutError, match="unknown vLLM cache layout 'bogus'"):
+        VllmCaches(views, "bogus")
+
+
+def test_caches_of_one_head_read_either_kv_cache_layout_name():
+    """With one head, H's place in memory cannot be told from the strides: both names fit."""
+    views, _ = layout_group("LBNHC", heads=1)
+    assert VllmCaches(views, "LBHNC").axes == VllmCaches(views, "LBNHC").axes == "BHNC"
+
+
+def test_block_is_one_run_looks_only_inside_the_block():
+    from kvhost.integrations.vllm import _block_is_one_run
+
+    buffer = torch.zeros(4096, dtype=torch.int8)
+    assert _block_is_one_run(buffer.as_strided((4, 2, 8, 16), (256, 128, 16, 1)))
+    # a head of one: its stride says nothing
+    assert _block_is_one_run(buffer.as_strided((4, 1, 8, 16), (128, 5, 16, 1)))
+    # heads at the block's stride are not inside it; the block is 64 bytes of 128
+    assert _block_is_one_run(buffer.as_strided((4, 2, 4, 16), (128, 128, 16, 1)))
+    assert not _block_is_one_run(buffer.as_strided((4, 2, 8, 16), (512, 256, 16, 1)))  # a gap between heads
+    assert _block_is_one_run(buffer.as_strided((1, 2, 8, 16), (1, 128, 16, 1)))  # one block: every dim is inside
+    assert not _block_is_one_run(buffer.as_strided((1, 2, 8, 16), (1, 256, 16, 1)))
+
+
+def test_the_worker_steps_name_bad_arguments():
+    caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
+    kv = VllmCaches(caches, "flash_attn", backend="torch")
+    assert kv.backend.name == "torch" and kv.layout_name == "flash_attn"
+    assert VllmCaches(caches, axes="KBNHC").layout_name is None
+    host = kv.host_buffers()
+    assert kv.save_to_host(host, {"a": [1, 2]}).job.non_blocking is False  # blocking unless asked
+    assert kv.load_from_host(host, {"a": [1, 2]}).job.non_blocking is False
+    with pytest.raises(kvhost.RequestError, match="block ids must map request id to block ids, got list"):
+        kv.save_to_host(host, [1, 2])
+    with pytest.raises(kvhost.RequestError, match=r"engine 'e' sent blocks but has no RemoteEngine \(known: none\)"):
+        kv.post_process({"e": {"r": [1]}}, {})
+    with pytest.raises(kvhost.RequestError, match="tokens must map request id to a token count, got list"):
+        kv.post_process({"e": {"r": [1]}}, {"e": RemoteEngine("NHD", BLOCK)}, tokens=[("r", 3)])
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(kvhost.LayoutError, match=f"num_blocks {bad!r} must be a positive integer"):
+            kv.host_buffers(num_blocks=bad)
+    assert all(t.shape[1] == 1 for t in kv.host_buffers(num_blocks=1).values())
+
+
+def test_host_buffers_of_tuple_layers_are_tuples():
+    caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
+    pairs = {name: tuple(t.unbind(0)) for name, t in caches.items()}
+    host = VllmCaches(pairs, axes="KBNHC").host_buffers(physical="KBHNC")  # K stands for the tuple's index
+    for name, (k, v) in pairs.items():
+        k_host, v_host = host[name]
+        assert k_host.shape == k.shape and v_host.shape == v.shape
+        assert k_host.permute(0, 2, 1, 3).is_contiguous()  # heads before tokens in memory
+    singles = {name: (k,) for name, (k, _) in pairs.items()}  # one tensor a layer, still a tuple
+    host = VllmCaches(singles, axes="KBNHC").host_buffers()
+    assert all(isinstance(h, tuple) and len(h) == 1 and h[0].shape == singles[n][0].shape for n, h in host.items())

@@ -149,7 +149,7 @@ def cross_layer_view(kv_caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
             raise LayoutError(f"layer {name!r} is not a view of the buffer that holds layer {first_name!r}")
     offsets = [view.storage_offset() for _, view in views]
     step = offsets[1] - offsets[0] if len(offsets) > 1 else 1
-    uneven = [i for i in range(1, len(offsets)) if offsets[i] - offsets[i - 1] != step]
+    uneven = [i for i in range(2, len(offsets)) if offsets[i] - offsets[i - 1] != step]  # the first gap is step
     if step <= 0 or uneven:
         raise LayoutError(f"layer offsets {offsets} (in elements) are not evenly spaced upwards")
     return first.as_strided((len(views), *first.shape), (step, *first.stride()), offsets[0])
