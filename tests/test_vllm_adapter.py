@@ -675,3 +675,6 @@ def test_host_buffers_of_tuple_layers_are_tuples():
     singles = {name: (k,) for name, (k, _) in pairs.items()}  # one tensor a layer, still a tuple
     host = VllmCaches(singles, axes="KBNHC").host_buffers()
     assert all(isinstance(h, tuple) and len(h) == 1 and h[0].shape == singles[n][0].shape for n, h in host.items())
+    apart = {name: (k, v) for name, (k, v) in pairs.items()}  # axes without K: the tuple numbers its tensors
+    host = VllmCaches(apart, axes="BNHC").host_buffers()
+    assert all(isinstance(h, tuple) and len(h) == 2 for h in host.values())
