@@ -10,7 +10,6 @@ for the two calls a Transfer makes and answers them from a script.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import time
 import weakref
 from types import SimpleNamespace
@@ -18,15 +17,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_nixl import caches_for
+from test_nixl import caches_for, needs_nixl
 
-from kvhost.nixl import NIXL_MODULES, Agent, NixlUnavailableError, TransferError, plan_transfer, region_table
+from kvhost.nixl import Agent, NixlUnavailableError, TransferError, plan_transfer, region_table
 from kvhost.nixl.agent import Link, Transfer, merge_domains, post_rows
 from kvhost.nixl.plans import extent_rows, stream_extents
 from kvhost.testing import raw
 
-NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
-needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
 SIZES = dict(K=2, H=2, C=8)
 MINE = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory
 

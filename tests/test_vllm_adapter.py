@@ -34,16 +34,18 @@ LAYERS, HEADS, CONTENT, BLOCK = 3, 2, 4, 4  # C holds K and V of head_dim 2; loc
 REMOTE_BLOCK_SIZES = (2, 4, 8)  # 2 sender blocks per local block, the same size, one over 2 local blocks
 
 
-def kv_layout_group(name: str, *, blocks: int, block_size: int, dtype=torch.bfloat16):
+def kv_layout_group(
+    name: str, *, blocks: int, block_size: int, dtype=torch.bfloat16, heads: int = HEADS, layers: int = LAYERS
+):
     """Per-layer views and the group tensor, cut from one int8 buffer as vLLM cuts it."""
-    sizes = dict(L=LAYERS, B=blocks, H=HEADS, N=block_size, C=CONTENT * dtype.itemsize)
+    sizes = dict(L=layers, B=blocks, H=heads, N=block_size, C=CONTENT * dtype.itemsize)
     strides, step = {}, 1
     for letter in reversed(name):  # the name spells the memory order, outermost first
         strides[letter] = step
         step *= sizes[letter]
     buffer = torch.empty(step, dtype=torch.int8)
     group = buffer.as_strided([sizes[a] for a in "LBHNC"], [strides[a] for a in "LBHNC"]).view(dtype)
-    views = {f"model.layers.{i}.self_attn.attn": group[i] for i in range(LAYERS)}
+    views = {f"model.layers.{i}.self_attn.attn": group[i] for i in range(layers)}
     return views, group
 
 
@@ -568,17 +570,6 @@ def test_post_process_of_partial_blocks_through_vllm_words(local, remote, remote
 # --- edges the first mutation run found untested (2 December 2026) ---------------------------
 
 
-def layout_group(name: str, *, heads: int, blocks: int = 4, layers: int = LAYERS):
-    """Like ``kv_layout_group``, with any number of heads and layers (int8, C of 16 bytes)."""
-    sizes = dict(L=layers, B=blocks, H=heads, N=BLOCK, C=16)
-    strides, step = {}, 1
-    for letter in reversed(name):
-        strides[letter] = step
-        step *= sizes[letter]
-    group = torch.zeros(step, dtype=torch.int8).as_strided([sizes[a] for a in "LBHNC"], [strides[a] for a in "LBHNC"])
-    return {f"model.layers.{i}.self_attn.attn": group[i] for i in range(layers)}, group
-
-
 def test_cross_layer_view_names_what_is_wrong_and_takes_any_even_spacing():
     views, group = kv_layout_group("LBHNC", blocks=4, block_size=BLOCK)
     first, second, third = (re.escape(repr(name)) for name in views)
@@ -613,11 +604,11 @@ def test_bhlnc_layer_views_need_their_group():
     assert kv_cache_axes("BHLNC", (4, 1, BLOCK, 16)) == "BHNC"
     with pytest.raises(kvhost.LayoutError, match="no contiguous block region"):
         kv_cache_axes("BHLNC", (4, 2, BLOCK, 16))
-    views, _ = layout_group("BHLNC", heads=2)
+    views, _ = kv_layout_group("BHLNC", blocks=4, block_size=BLOCK, heads=2)
     names = list(views)
     with pytest.raises(kvhost.LayoutError, match="no contiguous block region"):
         VllmCaches({names[0]: views[names[0]]}, "BHLNC")
-    pair, _ = layout_group("BHLNC", heads=2, layers=2)
+    pair, _ = kv_layout_group("BHLNC", blocks=4, block_size=BLOCK, heads=2, layers=2)
     two = VllmCaches(pair, "BHLNC")
     assert two.layer_names == tuple(pair) and two.axes == "LBHNC" and two.layout_name == "BHLNC"
     with pytest.raises(kvhost.LayoutError, match="unknown vLLM cache layout 'bogus'"):
@@ -626,7 +617,7 @@ def test_bhlnc_layer_views_need_their_group():
 
 def test_caches_of_one_head_read_either_kv_cache_layout_name():
     """With one head, H's place in memory cannot be told from the strides: both names fit."""
-    views, _ = layout_group("LBNHC", heads=1)
+    views, _ = kv_layout_group("LBNHC", blocks=4, block_size=BLOCK, heads=1)
     assert VllmCaches(views, "LBHNC").axes == VllmCaches(views, "LBNHC").axes == "BHNC"
 
 
