@@ -28,6 +28,7 @@ import ast
 import contextlib
 import copy
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -49,8 +50,10 @@ EQUIVALENT_FILE = ROOT / "ci" / "mutation-equivalent.txt"
 
 # --- what is mutated, and which tests judge it ---------------------------------------
 # One row per module: its path, the tests that exercise it (fast and sharp first: a run
-# stops at the first failure), and, where only part of a module is core, the functions
-# and classes that are (by qualified name; a class includes its methods).
+# stops at the first failure), where only part of a module is core, the functions and
+# classes that are (by qualified name; a class includes its methods), and the package its
+# tests need that kvhost's own environment lacks (they would all skip there, and every
+# mutant survive): such a module is mutated only by an interpreter that has it.
 
 CONFORMANCE = ["tests/test_receive.py", "tests/test_copy.py", "tests/test_property.py"]
 CHECKS = ["tests/test_errors.py", "tests/test_bad_input.py", "tests/test_ownership.py"]
@@ -64,6 +67,10 @@ class Module:
     path: str
     tests: tuple[str, ...]
     only: tuple[str, ...] = ()
+    needs: str | None = None
+
+    def runs_here(self) -> bool:
+        return self.needs is None or importlib.util.find_spec(self.needs) is not None
 
 
 MODULES = [
@@ -105,6 +112,9 @@ MODULES = [
     Module("kvhost/nixl/agent.py", (*NIXL, *PROTOCOL)),
     # vLLM's words for caches and layouts, turned into kvhost's (no vLLM needed).
     Module("kvhost/integrations/vllm.py", ("tests/test_vllm_adapter.py",)),
+    # The connector itself, inside vLLM's own worker: run by ci/vllm.sh's interpreter, with
+    # VLLM_TARGET_DEVICE=cpu (README, "Testing").
+    Module("kvhost/integrations/vllm_connector.py", ("tests/test_vllm_connector.py",), needs="vllm"),
     Module("kvhost/raw.py", ("tests/test_backends.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module("kvhost/stats.py", ("tests/test_front_end.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module(
@@ -781,6 +791,13 @@ def main(argv: list[str] | None = None) -> int:
     modules = [m for m in MODULES if not args.module or m.path in args.module]
     if args.module and len(modules) != len(args.module):
         raise SystemExit(f"unknown module in {args.module}; known: {[m.path for m in MODULES]}")
+    if args.module and not all(m.runs_here() for m in modules):
+        missing = [f"{m.path} needs {m.needs}" for m in modules if not m.runs_here()]
+        raise SystemExit(f"cannot mutate here ({sys.executable}): {'; '.join(missing)}")
+    left_out = [m for m in modules if not m.runs_here()]
+    for module in left_out:
+        print(f"not mutated here: {module.path} (its tests need {module.needs}, which {sys.executable} lacks)")
+    modules = [m for m in modules if m not in left_out]
     mutants = all_mutants(modules)
     equivalent = read_equivalent()
     if args.list:

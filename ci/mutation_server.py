@@ -20,6 +20,7 @@ ci/mutation.py picks each mutant's tests from this.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -158,6 +159,9 @@ def serve() -> None:
     import numba  # noqa: F401
     import numpy  # noqa: F401
     import torch  # noqa: F401
+
+    if importlib.util.find_spec("vllm") is not None:
+        import vllm  # noqa: F401  (5 s a run otherwise; it imports no kvhost)
 
     for line in sys.stdin:
         request = json.loads(line)
