@@ -613,14 +613,18 @@ Coverage = dict[str, dict[str, Any]]  # test id -> {"seconds": s, "lines": {modu
 
 
 def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> Coverage:
-    """Every test of every selection run once on the unmutated copies, tracing the lines of
-    the mutated modules it runs; reused while code and tests are unchanged."""
-    test_files = list(dict.fromkeys(t for m in modules for t in m.tests if (ROOT / t).exists()))
-    saved = out / f"coverage-{_sources_hash([m.path for m in MODULES])}.json"
-    if saved.exists():
-        coverage: Coverage = json.loads(saved.read_text())
-        if set(test_files) <= {nodeid.split("::")[0] for nodeid in coverage}:
-            return coverage
+    """Every test of these modules' selections run once on the unmutated copies, tracing the
+    lines of the mutated modules it runs; kept while code and tests are unchanged, and
+    added to when a later run selects test files not yet recorded."""
+    interpreter = hashlib.sha1(sys.executable.encode()).hexdigest()[:8]  # another may skip other tests
+    saved = out / f"coverage-{_sources_hash([m.path for m in MODULES])}-{interpreter}.json"
+    coverage: Coverage = json.loads(saved.read_text()) if saved.exists() else {}
+    recorded = {nodeid.split("::")[0] for nodeid in coverage}
+    test_files = [
+        t for t in dict.fromkeys(t for m in modules for t in m.tests) if (ROOT / t).exists() and t not in recorded
+    ]
+    if not test_files:
+        return coverage
     print(f"recording which tests run which lines: {len(test_files)} test files, unmutated", flush=True)
     shares: list[list[str]] = [[] for _ in workers]
     for i, test_file in enumerate(sorted(test_files, key=lambda f: -(ROOT / f).stat().st_size)):
@@ -642,8 +646,9 @@ def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> 
         print(f"  worker {worker.index}: {len(share)} files, {len(part)} tests, {seconds:.0f} s", flush=True)
 
     _in_parallel(work, list(zip(workers, shares, parts)))
-    coverage = {}
-    imported: dict[str, set[int]] = {}
+    imported: dict[str, set[int]] = {
+        path: set(lines) for path, lines in coverage.pop(IMPORT, {}).get("lines", {}).items()
+    }
     for part in parts:
         for path, lines in part.pop(IMPORT, {}).get("lines", {}).items():
             imported.setdefault(path, set()).update(lines)
@@ -835,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for worker in workers:
             worker.prepare()
-        coverage = record_coverage(workers, MODULES, args.out)
+        coverage = record_coverage(workers, modules, args.out)
         by_path = {m.path: m for m in MODULES}
         queue = [(m, select_tests(m, by_path[m.module], coverage, args.full)) for m in todo]
         lock = threading.Lock()

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
+from test_nixl import needs_nixl
 
-from kvhost.nixl import NIXL_MODULES
 from kvhost_tools.bench import cli, transfer
 from kvhost_tools.bench.methods import ROOFLINE
-
-NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
-needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
 
 
 @needs_nixl

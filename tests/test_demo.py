@@ -12,7 +12,6 @@ test_xpyd.py; two hosts in test_netns.py.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -24,8 +23,8 @@ import time
 
 import pytest
 import torch
+from test_nixl import needs_nixl
 
-from kvhost.nixl import NIXL_MODULES
 from kvhost.testing import raw
 from kvhost_tools.demo.cli import main
 from kvhost_tools.demo.config import EXIT_FAILED, EngineShape, Model, Workload
@@ -33,9 +32,6 @@ from kvhost_tools.demo.pull import Rank, Request
 from kvhost_tools.demo.report import Outcome, ProgressBar
 from kvhost_tools.demo.values import SENTINEL_BYTE, token_values, write_tokens
 from kvhost_tools.demo.verify import verify
-
-NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
-needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
 
 # Five runs start at once: on a busy 2-core machine ten Python processes importing torch can
 # take minutes, so the runs get room to connect (a hung run still fails at RUN_SECONDS).

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import importlib.util
 import random
 import socket
 import struct
@@ -24,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from test_nixl import needs_nixl
 
 from kvhost.errors import KVHostError
 from kvhost.nixl import (
-    NIXL_MODULES,
     Fields,
     ProtocolError,
     RemoteRequest,
@@ -49,8 +48,6 @@ from kvhost.testing import make_cache
 from kvhost_tools.demo import config as demo_config
 from kvhost_tools.demo import decode as demo_decode
 
-NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
-needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
 METADATA = b"nixlSerDes|" + bytes(range(256)) * 2  # stands in for agent metadata; NIXL is not asked
 
 

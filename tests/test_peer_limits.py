@@ -18,7 +18,6 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import os
 import socket
@@ -31,12 +30,12 @@ import types
 
 import numpy as np
 import pytest
+from test_nixl import needs_nixl
 from test_nixl_protocol import FRAME
 
 from kvhost.errors import KVHostError
 from kvhost.nixl import (
     MAX_STREAMS,
-    NIXL_MODULES,
     InvalidTimeoutError,
     ProtocolError,
     RegionTable,
@@ -261,8 +260,6 @@ def test_stream_objects_are_small():
 
 # --- a table declaring billions of blocks costs only what requests name -------------------------
 
-NIXL_INSTALLED = any(importlib.util.find_spec(name.split(".")[0]) for name in NIXL_MODULES)
-needs_nixl = pytest.mark.skipif(not NIXL_INSTALLED, reason="NIXL is not installed (pip install 'kvhost[nixl]')")
 
 CAPPED = """
 import resource, sys, tracemalloc
