@@ -93,21 +93,7 @@ def vllm_env(tmp_path_factory):
         initialize_model_parallel,
     )
 
-    model = tmp_path_factory.mktemp("model")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": HEADS * 2 * HEAD_DIM,
-        "num_attention_heads": HEADS * 2,
-        "num_key_value_heads": HEADS,
-        "head_dim": HEAD_DIM,
-        "num_hidden_layers": LAYERS,
-        "intermediate_size": 64,
-        "vocab_size": 128,
-        "max_position_embeddings": 512,
-        "torch_dtype": "bfloat16",
-    }
-    (model / "config.json").write_text(json.dumps(config))
+    model = write_model(tmp_path_factory.mktemp("model"), HEADS)
     from vllm.config import set_current_vllm_config
 
     port = 29500 + os.getpid() % 1000
@@ -117,6 +103,25 @@ def vllm_env(tmp_path_factory):
     yield str(model)
     destroy_model_parallel()
     destroy_distributed_environment()
+
+
+def write_model(directory, heads: int) -> str:
+    """A Llama config file with ``heads`` KV heads (no weights)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": heads * 2 * HEAD_DIM,
+        "num_attention_heads": heads * 2,
+        "num_key_value_heads": heads,
+        "head_dim": HEAD_DIM,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": 64,
+        "vocab_size": 128,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
 
 
 def make_config(model: str, layout: str, block_size: int = BLOCK):
@@ -136,7 +141,7 @@ def make_config(model: str, layout: str, block_size: int = BLOCK):
     return config
 
 
-def allocate(layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, dtype=torch.bfloat16):
+def allocate(layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, dtype=torch.bfloat16, heads: int = HEADS):
     """(kv_cache_config, per-layer views) as vLLM's worker allocates them for ``layout``."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -148,7 +153,7 @@ def allocate(layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, dtype=t
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=HEAD_DIM, dtype=dtype)
     strides = compute_layout_strides(spec, blocks, LAYERS, KVCacheLayout[layout])  # bytes, [L, B, H, N, C]
     tensor = KVCacheTensor(
         size=spec.page_size_bytes * blocks * LAYERS,
@@ -174,15 +179,17 @@ def make_worker(
     block_size: int = BLOCK,
     blocks: int = BLOCKS,
     wrapper: type = FakeNixlWrapper,
+    heads: int = HEADS,
 ):
-    """kvhost's connector, built by vLLM's connector factory, its worker registered."""
+    """kvhost's connector, built by vLLM's connector factory, its worker registered (a model
+    of ``heads`` KV heads: ``model`` must be written with as many)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.platforms import current_platform
 
     config = make_config(model, layout, block_size)
-    kv_cache_config, caches = allocate(layout, block_size, blocks)
+    kv_cache_config, caches = allocate(layout, block_size, blocks, heads=heads)
     base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
     with (
         set_current_vllm_config(config),
@@ -204,7 +211,25 @@ def test_the_factory_loads_kvhosts_connector_by_module_path(vllm_env):
 
     connector, worker, _ = make_worker(vllm_env, "LBHNC")
     assert type(connector) is KvhostNixlConnector and type(worker) is KvhostNixlWorker
+    assert connector.connector_scheduler is None
     assert worker.kvhost is not None and worker.kvhost.axes == "BHNC"
+
+
+def test_the_scheduler_side_is_vllms_own(vllm_env):
+    """In the scheduler process the connector is vLLM's pull scheduler, with no worker."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorScheduler
+
+    from kvhost.integrations.vllm_connector import KvhostNixlConnector
+
+    config = make_config(vllm_env, "LBHNC")
+    kv_cache_config, _ = allocate("LBHNC")
+    with set_current_vllm_config(config):
+        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    assert type(connector) is KvhostNixlConnector
+    assert type(connector.connector_scheduler) is NixlPullConnectorScheduler and connector.connector_worker is None
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -490,14 +515,14 @@ def assert_one_call_per_step(steps, name):
         assert {req.split("/")[0] for by_request in named.values() for req in by_request} == finished - failed
 
 
-def sender_workers(model, senders, *, host_buffer=False, wrapper=CopyingNixlWrapper):
+def sender_workers(model, senders, *, host_buffer=False, wrapper=CopyingNixlWrapper, heads=HEADS):
     """Prefill workers (engine -> (layout, block size)): engine -> (worker, its caches filled
     with its tokens, its connector), and each one's handshake as the decode side receives it."""
     caches, payloads = {}, {}
     for seed, (engine, (layout, size)) in enumerate(senders.items()):
         blocks = max(BLOCKS * BLOCK // size, 8)
         connector, worker, sender = make_worker(
-            model, layout, block_size=size, blocks=blocks, host_buffer=host_buffer, wrapper=wrapper
+            model, layout, block_size=size, blocks=blocks, host_buffer=host_buffer, wrapper=wrapper, heads=heads
         )
         for i, view in enumerate(sender.values()):
             fill_random(view, seed * 10 + i + 1)
@@ -618,10 +643,18 @@ def test_a_step_with_remote_blocks_larger_than_ours(vllm_env, copying, case):
         fill_random(view, 100 + i)  # stale bytes everywhere
     before = {name: raw(view).clone() for name, view in caches.items()}
     requests, computed = plan_requests(plan, senders, seed=list(LARGER_SENDERS).index(case))
-    steps = drive(connector, worker, requests, computed)
+    with patch.object(worker, "_log_failure", wraps=worker._log_failure) as logged:
+        steps = drive(connector, worker, requests, computed)
 
     failed = set().union(*(f for _, f, _ in steps))
     assert failed == ({"x"} & set(plan))
+    # A read never posted (the sender's blocks end first) is logged as such, not counted as
+    # a failed transfer of its engine.
+    setup_failures = [c.kwargs for c in logged.call_args_list if c.kwargs["failure_type"] == "transfer_setup_failed"]
+    assert [(f["req_id"], f["msg"], f["dst_engine_id"]) for f in setup_failures] == [
+        (r, "1 remote blocks do not reach our 3 blocks from position 0", "hnd-64") for r in failed
+    ]
+    assert not worker.xfer_stats.data.get("num_failed_transfers")
     assert {e: larger.g for e, larger in worker.larger_remote_blocks.items()} == {
         e: size // local_size for e, (_, size) in senders.items() if size > local_size
     }
@@ -708,6 +741,9 @@ def test_host_buffer_staging_through_the_worker(vllm_env, copying):
         names = [name for name, _ in calls]
         assert names in ([], ["load_from_host", "post_process"]), names
     check_tokens(caches, 64, requests, computed, senders, prefill, before, set())
+    calls = spy(worker)
+    worker.get_transfer_results()  # a step with nothing new: no load again, no post-process
+    assert calls == []
 
 
 def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_env, copying):
@@ -735,3 +771,320 @@ def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_
     ):
         worker.add_remote_agent(payloads["late"], 0, 1)
     assert (worker.remote_engines, worker.larger_remote_blocks) == noted
+
+
+# --- the connector's own arithmetic, and its handshake's edges ---------------------------
+
+
+def larger_blocks(g: int, runs: int = 1, heads: int = 2, tokens: int = 16, channels: int = 8):
+    """A real plan between our token-major blocks of ``tokens`` and a sender's blocks of
+    ``g`` times as many (head-major when ``runs`` > 1: one run per head)."""
+    from kvhost.integrations.vllm_connector import LargerRemoteBlocks, _region_table
+    from kvhost.nixl import plan_transfer
+
+    sizes = {"H": heads, "N": tokens, "C": channels}
+    local = _region_table("DRAM", "NHC", sizes, 2, 8, [1 << 20], [heads * tokens * channels * 2], 0)
+    order = "HNC" if runs > 1 else "NHC"
+    remote = _region_table("DRAM", order, sizes | {"N": g * tokens}, 2, 4, [1 << 24], [g * heads * tokens * 2 * 8], 0)
+    plan = plan_transfer(local, remote)
+    assert plan.remote_parts == g and plan.local_parts == 1
+    return LargerRemoteBlocks(plan, runs)
+
+
+def test_sender_blocks_touched_and_pieces():
+    """Our blocks from position ``start`` in sender blocks of g of ours: which parts of which
+    sender block each run covers, and the pieces post-processed alike (whole sender blocks
+    together, a block read in part alone, as a sender of that part)."""
+    from kvhost.integrations.vllm_connector import sender_blocks_touched
+
+    assert sender_blocks_touched(0, 6, 2) == [(0, 0, 2), (1, 0, 2), (2, 0, 2)]
+    assert sender_blocks_touched(1, 5, 2) == [(0, 1, 2), (1, 0, 2), (2, 0, 2)]
+    assert sender_blocks_touched(3, 3, 4) == [(0, 3, 4), (1, 0, 2)]
+    assert sender_blocks_touched(5, 0, 4) == []
+    two = larger_blocks(2)
+    assert two.pieces(0, 6) == [(0, 6, 2)]  # three whole sender blocks: one piece
+    assert two.pieces(1, 5) == [(0, 1, 1), (1, 4, 2)]  # part of one, then two whole
+    assert two.pieces(0, 5) == [(0, 4, 2), (4, 1, 1)]  # two whole, then part of one
+    assert two.pieces(1, 1) == [(0, 1, 1)]
+    four = larger_blocks(4)
+    assert four.pieces(3, 7) == [(0, 1, 1), (1, 4, 4), (5, 2, 2)]
+    assert four.pieces(2, 1) == [(0, 1, 1)]
+
+
+def test_unit_ids_follow_the_wire_model():
+    """A head-major sender's unit ``h * g + t`` of block b is its ``b * units + h * g + t``-th
+    unit; our blocks from ``start`` take, per sender block touched, every run's units of
+    the parts they cover; None where the sender's blocks end first."""
+    blocks = larger_blocks(2, runs=2)
+    assert (blocks.g, blocks.units, blocks.runs) == (2, 4, 2)
+    assert blocks.unit_bytes == blocks.plan.chunk_bytes // 2
+    assert blocks.unit_ids([5, 1], 0, 4) == [20, 21, 22, 23, 4, 5, 6, 7]
+    assert blocks.unit_ids([5, 1], 1, 2) == [21, 23, 4, 6]  # part 1 of block 5, part 0 of block 1
+    assert blocks.unit_ids([5, 1], 1, 3) == [21, 23, 4, 5, 6, 7]
+    assert blocks.unit_ids([5], 1, 2) is None  # the second sender block is missing
+    assert blocks.unit_ids([5, 1], 4, 1) is None
+
+
+def test_a_sender_added_again_is_vllms_known_agent(vllm_env, copying):
+    """vLLM skips the handshake of an engine and rank it knows; so does the connector, before
+    it plans or notes anything (a payload it would refuse changes nothing). The defaults are
+    vLLM's: rank 0, TP 1, DCP 1."""
+    import dataclasses
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, payloads = sender_workers(vllm_env, {"good": ("LBHNC", 128)})
+    name = worker.add_remote_agent(payloads["good"])
+    assert isinstance(name, str) and worker.transfer_topo.get_engine_info("good").remote_tp_size == 1
+    worker._remote_agents["good"] = {(0, 0): name}  # what vLLM's handshake keeps of it
+    noted = (dict(worker.remote_engines), dict(worker.larger_remote_blocks))
+    assert worker.larger_remote_blocks["good"].g == 2
+    odd = dataclasses.replace(payloads["good"], block_size=96)  # refused, were it planned
+    assert worker.add_remote_agent(odd, 0, 1) == name
+    assert (worker.remote_engines, worker.larger_remote_blocks) == noted
+
+
+def test_a_refused_handshake_restores_what_was_noted_of_a_known_engine(vllm_env, copying):
+    """An engine already noted (rank 0) whose next rank vLLM refuses: its notes are the ones
+    from before, each in its own table."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, payloads = sender_workers(vllm_env, {"good": ("LBHNC", 128), "late": ("LBNHC", 256)})
+    worker.add_remote_agent(payloads["good"], 0, 1)
+    noted = (dict(worker.remote_engines), dict(worker.larger_remote_blocks))
+    again = dataclasses.replace(payloads["late"], engine_id="good")  # another layout and g
+    with (
+        patch.object(NixlConnectorWorker, "add_remote_agent", side_effect=RuntimeError("vLLM says no")),
+        pytest.raises(RuntimeError, match="vLLM says no"),
+    ):
+        worker.add_remote_agent(again, 1, 1)
+    assert (worker.remote_engines, worker.larger_remote_blocks) == noted
+    assert worker.remote_engines["good"].block_size == 128 and worker.larger_remote_blocks["good"].g == 2
+
+
+@pytest.mark.parametrize("host_buffer", [False, True])
+def test_vllms_own_handshake_checks_still_run(vllm_env, copying, host_buffer):
+    """The connector lifts two of vLLM's refusals, not the others: a sender with another
+    number of layers is still refused by vLLM, in either mode, and the mode is restored."""
+    import dataclasses
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=host_buffer, wrapper=copying)
+    _, payloads = sender_workers(vllm_env, {"short": ("LBHNC", 64)}, host_buffer=host_buffer)
+    meta = payloads["short"]
+    fewer = dataclasses.replace(meta, block_lens=meta.block_lens[:-1])
+    with pytest.raises(AssertionError, match="Number of KV layers must match"):
+        worker.add_remote_agent(fewer, 0, 1)
+    assert worker.use_host_buffer is host_buffer
+    assert fewer.kv_cache_layout == "LBHNC"  # the sender's own name, given back
+    assert "short" not in worker.remote_engines
+
+
+def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copying):
+    """Decode context parallelism on either side is refused for a sender of larger blocks,
+    naming it; the same sender without it is accepted."""
+    from kvhost.errors import LayoutError
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
+    dcp = r"engine 'big': remote blocks larger than ours \(128 > 64 tokens\) with decode context parallelism"
+    with pytest.raises(LayoutError, match=dcp):
+        worker.add_remote_agent(payloads["big"], 0, 1, 2)
+    worker.dcp_size = 2
+    with pytest.raises(LayoutError, match=dcp):
+        worker.add_remote_agent(payloads["big"], 0, 1, 1)
+    assert not worker.remote_engines and not worker.larger_remote_blocks
+    worker.dcp_size = 1
+    worker.add_remote_agent(payloads["big"], 0, 1, 1)
+    assert worker.larger_remote_blocks["big"].g == 2
+
+
+def test_a_handshake_without_per_region_facts_is_planned_from_its_totals(vllm_env, copying):
+    """A sender's handshake may leave out its per-region block counts and memory types
+    (vLLM's fields are optional): its regions are then ``num_blocks`` each, in our memory
+    type, and the plan is the one its full handshake gives."""
+    import dataclasses
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, payloads = sender_workers(vllm_env, {"full": ("LBHNC", 128)})
+    full = payloads["full"]
+    assert full.region_num_blocks and full.region_mem_types
+    bare = dataclasses.replace(full, engine_id="bare", region_num_blocks=None, region_mem_types=None)
+    worker.add_remote_agent(full, 0, 1)
+    worker.add_remote_agent(bare, 0, 1)
+    planned = worker.larger_remote_blocks
+    assert planned["bare"].plan.remote.num_blocks == full.num_blocks == planned["full"].plan.remote.num_blocks
+    assert planned["bare"] == planned["full"]
+
+
+def test_larger_senders_need_nixl_regions_that_are_block_regions(vllm_env, copying):
+    """A larger sender is read by kvhost's plan only where every NIXL region, on each side,
+    is a block region of the right length, all with as many blocks, in one memory type;
+    otherwise it is refused naming the side and what it registered, and nothing is noted."""
+    import dataclasses
+
+    from kvhost.errors import LayoutError
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
+    meta = payloads["big"]
+    assert len(meta.block_lens) >= 2 and len(set(meta.region_num_blocks)) == 1
+    region, regions = meta.block_lens[0], len(meta.block_lens)
+    blocks = meta.region_num_blocks[0]
+    bad = {
+        rf"remote side registered \[{region}, {2 * region}\] bytes": {
+            "block_lens": [region, *[2 * region] * 3][: len(meta.block_lens)]
+        },
+        rf"remote side registered \[{region}\] bytes, \[{blocks - 1}, {blocks}\] blocks": {
+            "region_num_blocks": [blocks - 1, *meta.region_num_blocks[1:]]
+        },
+        r"remote side .* in \['DRAM', 'VRAM'\]": {"region_mem_types": ["VRAM", *meta.region_mem_types[1:]]},
+        rf"for {regions} regions \({regions + 1} addresses, {regions} strides\)": {
+            "kv_caches_base_addr": [*meta.kv_caches_base_addr, meta.kv_caches_base_addr[-1]]
+        },
+    }
+    for message, change in bad.items():
+        with pytest.raises(
+            LayoutError, match=r"engine 'big': remote blocks larger than ours need NIXL regions .*" + message
+        ):
+            worker.add_remote_agent(dataclasses.replace(meta, **change), 0, 1)
+    worker.region_mem_types = ["VRAM", *worker.region_mem_types[1:]]
+    with pytest.raises(LayoutError, match=r"the local side registered .* in \['DRAM', 'VRAM'\]"):
+        worker.add_remote_agent(meta, 0, 1)
+    assert not worker.remote_engines and not worker.larger_remote_blocks
+
+
+def test_a_head_major_sender_needs_our_block_size_to_hold_whole_runs(vllm_env, copying, tmp_path):
+    """A head-major sender's block holds one run of tokens per head; a part of it is read per
+    run, so our block size must be a multiple of the heads: 3 heads and blocks of 64 are
+    refused, naming the engine, the order and the runs; a token-major sender is one run."""
+    from kvhost.errors import LayoutError
+
+    model = write_model(tmp_path, 3)
+    _, worker, _ = make_worker(model, "LBNHC", block_size=64, blocks=64, wrapper=copying, heads=3)
+    senders = {"hnd": ("LBHNC", 128), "nhd": ("LBNHC", 128)}
+    _, payloads = sender_workers(model, senders, heads=3)
+    with pytest.raises(LayoutError, match=r"engine 'hnd': its 'HNC' blocks hold 3 runs of tokens; .* \(64\)"):
+        worker.add_remote_agent(payloads["hnd"], 0, 1)
+    worker.add_remote_agent(payloads["nhd"], 0, 1)
+    assert set(worker.larger_remote_blocks) == {"nhd"} and worker.larger_remote_blocks["nhd"].runs == 1
+
+
+def received_request(local, remote=None, engine="hnd", **extra):
+    """vLLM's metadata of a request received (one attention group) from ``engine``'s blocks
+    ``remote`` into ours ``local``; no sender where ``remote`` is None."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
+
+    sender = None if remote is None else RemoteMeta(([*remote],), "localhost", 1, engine, "req")
+    return ReqMeta(([*local],), ([*local],), 1, remote=sender, **extra)
+
+
+def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_env, copying):
+    """Of the finished requests handed to the post-process, those vLLM zeroes itself (a
+    region read plan) or that had no sender are left out; nothing to do is no kvhost call."""
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, payloads = sender_workers(vllm_env, {"hnd": ("LBHNC", 64), "big": ("LBHNC", 128)})
+    worker.add_remote_agent(payloads["hnd"], 0, 1)
+    worker.add_remote_agent(payloads["big"], 0, 1)
+    calls = spy(worker, ("post_process",))
+    request = received_request
+    assert worker._post_process({}) is None
+    assert worker._post_process({"local": request([1])}) is None
+    assert worker._post_process({"zeroed": request([2], [7], region_blocks_to_zero=[[2]])}) is None
+    assert worker._post_process({"cached": request([], [7])}) is None  # nothing of ours to receive
+    assert calls == []
+    stats = worker._post_process(
+        {"a": request([3], [5]), "local": request([1]), "zeroed": request([2], [7], region_blocks_to_zero=[])}
+    )
+    assert [args[0] for _, args in calls] == [{"hnd": {"a": [3]}}]
+    assert stats is not None and stats.requests == 1 and stats.blocks == 1
+    # A larger sender (g = 2): whole sender blocks under its own name, the part of one as a
+    # sender of that part (engine/parts, request/offset).
+    worker._post_process({"b": request([9, 4, 6], [5, 1], "big")})
+    received, engines = calls[-1][1][:2]
+    assert received == {"big": {"b": [9, 4]}, "big/1": {"b/2": [6]}}
+    assert {name: (e.kv_cache_layout, e.block_size) for name, e in engines.items()} == {
+        "big": ("LBHNC", 128),
+        "big/1": ("LBHNC", 64),
+    }
+
+
+def test_first_position_counts_kernel_blocks_of_the_prefix_hit(vllm_env):
+    """A request's first position is its prefix-cache hit of the first group, in kernel
+    blocks (logical blocks times kernel blocks per logical one); none is 0."""
+    from types import SimpleNamespace
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC")
+    worker._physical_blocks_per_logical_kv_block = 2
+    assert worker._first_position(SimpleNamespace(local_num_computed_blocks=(3, 5))) == 6
+    assert worker._first_position(SimpleNamespace(local_num_computed_blocks=())) == 0
+    assert worker._first_position(None) == 0  # vLLM no longer holds the request's metadata
+
+
+def test_the_tail_is_zeroed_only_where_vllm_converts(vllm_env, copying):
+    """Requests whose sender's blocks hold fewer tokens than ours: the tokens that arrived
+    are given for those whose bytes are converted (another block size or layout: kvhost
+    zeroes the rest, as vLLM does there), not for those that land as they are (vLLM leaves
+    their blocks alone) nor for those that arrived whole."""
+    _, worker, caches = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    senders = {"same": ("LBNHC", 64), "hnd": ("LBHNC", 64), "small": ("LBNHC", 32)}
+    _, payloads = sender_workers(vllm_env, senders)
+    for engine in senders:
+        worker.add_remote_agent(payloads[engine], 0, 1)
+    given = []
+    post_process = worker.kvhost.post_process
+
+    def recording(received, engines, *, tokens=None):
+        given.append(tokens)
+        return post_process(received, engines, tokens=tokens)
+
+    worker.kvhost.post_process = recording
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 300 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    stats = worker._post_process(
+        {
+            "same": received_request([10, 11], [5], "same"),
+            "hnd": received_request([12, 13], [6], "hnd"),
+            "small": received_request([14, 15], [1, 2, 3], "small"),
+            "whole": received_request([16], [7], "hnd"),
+        }
+    )
+    assert given == [{"hnd": 64, "small": 96}]
+    assert stats.zeroed_blocks == 2  # block 13 whole, block 15 from its token 32 on
+    assert torch.equal(tokens_of(caches, [10, 11], 64), tokens_of(before, [10, 11], 64))  # as they landed
+    assert not tokens_of(caches, [13], 64).any() and not tokens_of(caches, [15], 64)[:, 32:].any()
+
+
+def test_a_save_step_copies_kernel_blocks_and_an_empty_step_copies_nothing(vllm_env):
+    """Host-buffer mode, kernel blocks half a logical block: a step's saves are one kvhost
+    copy of the kernel blocks of every request to save (vLLM's metadata is given them
+    too); other blocks of the host buffer keep their bytes; a step with nothing to save
+    makes no call."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    connector, worker, device = make_worker(vllm_env, "LBHNC", host_buffer=True)
+    worker.copy_blocks = forbid_vllm_copies
+    worker._physical_blocks_per_logical_kv_block = 2
+    for i, view in enumerate(device.values()):
+        fill_random(view, 10 + i)
+    for i, view in enumerate(worker.host_xfer_buffers.values()):
+        fill_random(view, 20 + i)
+    before = {name: raw(view).clone() for name, view in worker.host_xfer_buffers.items()}
+    calls = spy(worker)
+    steps = []
+    for saved in ({"r": [3, 5], "s": [5]}, {}):
+        metadata = NixlConnectorMetadata()
+        for req, ids in saved.items():
+            metadata.add_new_req_to_save(req, (ids,), {})
+        connector.bind_connector_metadata(metadata)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        steps.append(metadata)
+    assert [(name, args[1]) for name, args in calls] == [("save_to_host", {"r": [6, 7, 10, 11], "s": [10, 11]})]
+    assert [list(steps[0].reqs_to_save[r].local_physical_block_ids[0]) for r in "rs"] == [[6, 7, 10, 11], [10, 11]]
+    copied = [6, 7, 10, 11]
+    others = [b for b in range(BLOCKS) if b not in copied]
+    assert torch.equal(tokens_of(worker.host_xfer_buffers, copied, BLOCK), tokens_of(device, copied, BLOCK))
+    assert torch.equal(tokens_of(worker.host_xfer_buffers, others, BLOCK), tokens_of(before, others, BLOCK))

@@ -148,15 +148,14 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     # --- registration ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        if self.kvhost is None:  # host-buffer mode made it already, to shape the host buffers
-            self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout)
-        super().register_kv_caches(kv_caches)
+        self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout)
+        super().register_kv_caches(kv_caches)  # in host-buffer mode, calls initialize_host_xfer_buffer
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, Any]) -> None:
         """Host buffers in the device caches' memory order (layer views of one buffer where
         the device's are), so a save or a load is a plain block copy, and what the
         handshake says of our layout is true of the host buffer too."""
-        self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout)
+        assert self.kvhost is not None  # made from these very caches by register_kv_caches, just before
         self.host_xfer_buffers = self.kvhost.host_buffers()
         self.host_buffer_kv_cache_layout = self.kv_cache_layout
 
@@ -188,17 +187,17 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     def _validate_remote_agent_handshake(self, nixl_agent_meta: Any, remote_tp_size: int, *args: Any) -> None:
         """vLLM's checks, less two refusals kvhost makes moot: another remote KVCacheLayout
         (each sender gets its own transform) and block sizes that differ in host-buffer mode
-        (the host buffer is laid out like the device)."""
+        (the host buffer is laid out like the device). vLLM is shown our layout as the
+        sender's, so it never turns on its worker-wide permute either."""
         theirs = nixl_agent_meta.kv_cache_layout
         host_mode = bool(getattr(self, "use_host_buffer"))  # noqa: B009 (vLLM's attribute, untyped here)
-        nixl_agent_meta.kv_cache_layout = self.host_buffer_kv_cache_layout if host_mode else self.kv_cache_layout
+        nixl_agent_meta.kv_cache_layout = self.kv_cache_layout  # the host buffer's too (initialize_host_xfer_buffer)
         self.use_host_buffer = False
         try:
             super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size, *args)
         finally:
             nixl_agent_meta.kv_cache_layout = theirs
             self.use_host_buffer = host_mode
-        self.enable_permute_local_kv = False  # never one transform for every sender
 
     def _plan_larger_remote_blocks(self, meta: Any, remote_tp_size: int, remote_dcp_size: int) -> LargerRemoteBlocks:
         """kvhost's transfer plan between our NIXL regions and a sender's whose blocks are
@@ -227,43 +226,55 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         layout = self.kvhost.caches.layout
         ours = self.kvhost.caches.layout.region
         sizes = {a: n for a, n in layout.logical_sizes().items() if a in ours}
-        regions = {
-            "local": (self.block_len_per_layer, self.region_num_blocks),
-            "remote": (meta.block_lens, meta.region_num_blocks or [meta.num_blocks] * len(meta.block_lens)),
+        order = self.kvhost.remote_order(meta.kv_cache_layout)
+        # Each side's regions as vLLM registered them: letters, tokens per block, then per region
+        # block length, blocks, memory type (a handshake may leave out these two), address, stride.
+        sides = {
+            "local": (
+                ours,
+                self.block_size,
+                self.block_len_per_layer,
+                self.region_num_blocks,
+                self.region_mem_types,
+                self.kv_caches_base_addr[self.engine_id][self.tp_rank],
+                self.block_stride_per_layer,
+                self.device_id,
+            ),
+            "remote": (
+                order,
+                meta.block_size,
+                meta.block_lens,
+                meta.region_num_blocks or [meta.num_blocks] * len(meta.block_lens),
+                meta.region_mem_types or self.region_mem_types,
+                meta.kv_caches_base_addr,
+                meta.block_strides,
+                meta.device_id,
+            ),
         }
-        for side, (lengths, counts) in regions.items():
-            tokens = self.block_size if side == "local" else meta.block_size
+        tables: dict[str, RegionTable] = {}
+        for side, (letters, tokens, lengths, counts, memories, bases, strides, device) in sides.items():
             want = prod(sizes.values()) // sizes["N"] * tokens * layout.itemsize
-            if any(length != want for length in lengths) or len(set(counts)) != 1:
+            per_region = (lengths, counts, memories, bases, strides)
+            if (
+                any(length != want for length in lengths)
+                or len(set(counts)) != 1
+                or len(set(memories)) != 1
+                or len({len(facts) for facts in per_region}) != 1
+            ):
                 raise LayoutError(
                     f"engine {engine!r}: remote blocks larger than ours need NIXL regions that are kvhost's "
-                    f"block regions ({ours!r}, {want} bytes, as many blocks in each); the {side} side registered "
-                    f"{sorted(set(lengths))} bytes, {sorted(set(counts))} blocks"
+                    f"block regions ({ours!r}, {want} bytes, as many blocks in each, in one memory); the {side} "
+                    f"side registered {sorted(set(lengths))} bytes, {sorted(set(counts))} blocks, in "
+                    f"{sorted(set(memories))}, for {len(lengths)} regions ({len(bases)} addresses, "
+                    f"{len(strides)} strides)"
                 )
-        local = _region_table(
-            self.region_mem_types[0],
-            ours,
-            sizes,
-            layout.itemsize,
-            self.region_num_blocks[0],
-            self.kv_caches_base_addr[self.engine_id][self.tp_rank],
-            self.block_stride_per_layer,
-            self.device_id,
-        )
-        order = self.kvhost.remote_order(meta.kv_cache_layout)
-        remote = _region_table(
-            (meta.region_mem_types or self.region_mem_types)[0],
-            order,
-            sizes | {"N": meta.block_size},
-            layout.itemsize,
-            regions["remote"][1][0],
-            meta.kv_caches_base_addr,
-            meta.block_strides,
-            meta.device_id,
-        )
-        plan = plan_transfer(local, remote)
+            tables[side] = _region_table(
+                memories[0], letters, sizes | {"N": tokens}, layout.itemsize, counts[0], bases, strides, device
+            )
+        plan = plan_transfer(tables["local"], tables["remote"])
+        assert plan.local_parts == 1  # the sender's blocks are larger: a chunk is one of our regions
         runs = prod(sizes[a] for a in order[: order.index("N")])
-        if plan.local_parts != 1 or self.block_size % runs:
+        if self.block_size % runs:
             raise LayoutError(
                 f"engine {engine!r}: its {order!r} blocks hold {runs} runs of tokens; reading a part of one "
                 f"needs our block size ({self.block_size}) to be a multiple of that"
@@ -348,20 +359,17 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def get_transfer_results(self) -> Any:
         receiving = dict(self._recving_metadata)  # vLLM's loop pops what finished
-        self._loads = {}
+        self._loads = {}  # filled by vLLM's loop (sync_recved_kv_to_device)
         results = super().get_transfer_results()
         if self._loads:
             assert self.kvhost is not None
             self.kvhost.load_from_host(self.host_xfer_buffers, self._loads).wait()
-            self._loads = {}
         done = set(results.finished_recving) - set(results.failed_recving)
         self.last_post_process = self._post_process({r: receiving[r] for r in done if r in receiving})
         return results
 
     def _post_process(self, finished: Mapping[str, Any]) -> ReceiveStats | None:
         """Every finished request of every engine, rearranged and its tail zeroed at once."""
-        if not finished or self.kvhost is None:
-            return None
         received: dict[str, dict[str, list[int]]] = {}
         engines: dict[str, RemoteEngine] = {}
         tokens: dict[str, int] = {}
@@ -393,6 +401,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
         if not received:
             return None
+        assert self.kvhost is not None  # registered before any request could arrive
         return self.kvhost.post_process(received, engines, tokens=tokens)
 
 
@@ -435,13 +444,12 @@ class KvhostNixlConnector(NixlPullConnector):  # type: ignore[misc]
     """vLLM's NIXL (pull) connector with ``KvhostNixlWorker`` as its worker."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        # NixlPullConnector.__init__ would build vLLM's worker (a NIXL agent) only to drop it.
+        # NixlPullConnector.__init__ would build vLLM's worker (a NIXL agent) only to drop it;
+        # the base leaves both sides None.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
-            self.connector_worker = None
-        elif role == KVConnectorRole.WORKER:
-            self.connector_scheduler = None
+        else:
             self.connector_worker = KvhostNixlWorker(vllm_config, self.engine_id, kv_cache_config)
 
 
