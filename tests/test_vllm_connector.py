@@ -835,6 +835,7 @@ def test_a_sender_added_again_is_vllms_known_agent(vllm_env, copying):
     _, payloads = sender_workers(vllm_env, {"good": ("LBHNC", 128)})
     name = worker.add_remote_agent(payloads["good"])
     assert isinstance(name, str) and worker.transfer_topo.get_engine_info("good").remote_tp_size == 1
+    assert set(worker.dst_xfer_side_handles["good"]) == {0}  # remote rank 0
     worker._remote_agents["good"] = {(0, 0): name}  # what vLLM's handshake keeps of it
     noted = (dict(worker.remote_engines), dict(worker.larger_remote_blocks))
     assert worker.larger_remote_blocks["good"].g == 2
@@ -900,22 +901,34 @@ def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copyi
     assert worker.larger_remote_blocks["big"].g == 2
 
 
-def test_a_handshake_without_per_region_facts_is_planned_from_its_totals(vllm_env, copying):
+def test_a_handshake_without_per_region_facts_is_planned_and_read_from_its_totals(vllm_env, copying):
     """A sender's handshake may leave out its per-region block counts and memory types
     (vLLM's fields are optional): its regions are then ``num_blocks`` each, in our memory
-    type, and the plan is the one its full handshake gives."""
+    type; the plan is the one its full handshake gives, and its requests read right (vLLM
+    then finds its descriptors by ``num_blocks``, in units)."""
     import dataclasses
 
-    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
-    _, payloads = sender_workers(vllm_env, {"full": ("LBHNC", 128)})
-    full = payloads["full"]
+    connector, worker, caches = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    senders = {"full": ("LBHNC", 128), "bare": ("LBHNC", 128)}
+    prefill, payloads = sender_workers(vllm_env, senders)
+    full, bare = payloads["full"], payloads["bare"]
     assert full.region_num_blocks and full.region_mem_types
-    bare = dataclasses.replace(full, engine_id="bare", region_num_blocks=None, region_mem_types=None)
+    payloads["bare"] = dataclasses.replace(bare, region_num_blocks=None, region_mem_types=None)
+    fake_handshakes(worker, payloads)
     worker.add_remote_agent(full, 0, 1)
-    worker.add_remote_agent(bare, 0, 1)
+    worker.add_remote_agent(payloads["bare"], 0, 1)
     planned = worker.larger_remote_blocks
-    assert planned["bare"].plan.remote.num_blocks == full.num_blocks == planned["full"].plan.remote.num_blocks
-    assert planned["bare"] == planned["full"]
+    theirs, ours = planned["bare"].plan.remote, planned["full"].plan.remote
+    assert (theirs.num_blocks, theirs.memory) == (bare.num_blocks, ours.memory) == (full.num_blocks, "DRAM")
+    assert dataclasses.replace(planned["bare"].plan, remote=planned["full"].plan.remote) == planned["full"].plan
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    plan = {"a": ("bare", 4, 0, 2), "b": ("bare", 3, 1, 2), "c": ("full", 3, 0, 2)}
+    requests, computed = plan_requests(plan, senders, seed=3)
+    steps = drive(connector, worker, requests, computed)
+    assert not set().union(*(f for _, f, _ in steps))
+    check_tokens(caches, 64, requests, computed, senders, prefill, before, set())
 
 
 def test_larger_senders_need_nixl_regions_that_are_block_regions(vllm_env, copying):

@@ -268,8 +268,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     f"{sorted(set(memories))}, for {len(lengths)} regions ({len(bases)} addresses, "
                     f"{len(strides)} strides)"
                 )
+            (memory,), (count,) = set(memories), set(counts)
             tables[side] = _region_table(
-                memories[0], letters, sizes | {"N": tokens}, layout.itemsize, counts[0], bases, strides, device
+                memory, letters, sizes | {"N": tokens}, layout.itemsize, count, bases, strides, device
             )
         plan = plan_transfer(tables["local"], tables["remote"])
         assert plan.local_parts == 1  # the sender's blocks are larger: a chunk is one of our regions
@@ -427,14 +428,17 @@ def _region_table(
 def _in_units(meta: Any, larger: LargerRemoteBlocks, block_size: int) -> Any:
     """The sender's handshake as vLLM should see it: blocks of one unit each, ``runs``
     per block of ours (vLLM's own split of our blocks for smaller remote blocks), its
-    block ids expanding to ``units`` unit ids each (as vLLM expands logical block ids)."""
+    block ids expanding to ``units`` unit ids each (as vLLM expands logical block ids).
+    Every region holds the count the plan was made for (checked to be one count), and
+    vLLM finds a region's descriptors by it."""
     units = larger.units
+    blocks = larger.plan.remote.num_blocks * units
     return dataclasses.replace(
         meta,
         block_size=block_size // larger.runs,
         physical_blocks_per_logical_kv_block=meta.physical_blocks_per_logical_kv_block * units,
-        num_blocks=meta.num_blocks * units,
-        region_num_blocks=None if meta.region_num_blocks is None else [n * units for n in meta.region_num_blocks],
+        num_blocks=blocks,
+        region_num_blocks=[blocks] * len(meta.block_lens),
         block_lens=[larger.unit_bytes] * len(meta.block_lens),
         block_strides=[larger.unit_bytes] * len(meta.block_strides),
     )
