@@ -15,6 +15,7 @@ tokens.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvhost.errors import LayoutError
 from kvhost.integrations.vllm import cross_layer_view
 from kvhost.testing import fill_random, nixl_read, raw
 
@@ -753,8 +755,6 @@ def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_
     senders stays as it was."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
 
-    from kvhost.errors import LayoutError
-
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
     senders = {"good": ("LBHNC", 128), "odd": ("LBHNC", 96), "tp": ("LBHNC", 128), "late": ("LBHNC", 256)}
     _, payloads = sender_workers(vllm_env, senders)
@@ -829,8 +829,6 @@ def test_a_sender_added_again_is_vllms_known_agent(vllm_env, copying):
     """vLLM skips the handshake of an engine and rank it knows; so does the connector, before
     it plans or notes anything (a payload it would refuse changes nothing). The defaults are
     vLLM's: rank 0, TP 1, DCP 1."""
-    import dataclasses
-
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
     _, payloads = sender_workers(vllm_env, {"good": ("LBHNC", 128)})
     name = worker.add_remote_agent(payloads["good"])
@@ -847,8 +845,6 @@ def test_a_sender_added_again_is_vllms_known_agent(vllm_env, copying):
 def test_a_refused_handshake_restores_what_was_noted_of_a_known_engine(vllm_env, copying):
     """An engine already noted (rank 0) whose next rank vLLM refuses: its notes are the ones
     from before, each in its own table."""
-    import dataclasses
-
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
 
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
@@ -869,8 +865,6 @@ def test_a_refused_handshake_restores_what_was_noted_of_a_known_engine(vllm_env,
 def test_vllms_own_handshake_checks_still_run(vllm_env, copying, host_buffer):
     """The connector lifts two of vLLM's refusals, not the others: a sender with another
     number of layers is still refused by vLLM, in either mode, and the mode is restored."""
-    import dataclasses
-
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=host_buffer, wrapper=copying)
     _, payloads = sender_workers(vllm_env, {"short": ("LBHNC", 64)}, host_buffer=host_buffer)
     meta = payloads["short"]
@@ -885,7 +879,6 @@ def test_vllms_own_handshake_checks_still_run(vllm_env, copying, host_buffer):
 def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copying):
     """Decode context parallelism on either side is refused for a sender of larger blocks,
     naming it; the same sender without it is accepted."""
-    from kvhost.errors import LayoutError
 
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
     _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
@@ -906,8 +899,6 @@ def test_a_handshake_without_per_region_facts_is_planned_and_read_from_its_total
     (vLLM's fields are optional): its regions are then ``num_blocks`` each, in our memory
     type; the plan is the one its full handshake gives, and its requests read right (vLLM
     then finds its descriptors by ``num_blocks``, in units)."""
-    import dataclasses
-
     connector, worker, caches = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
     senders = {"full": ("LBHNC", 128), "bare": ("LBHNC", 128)}
     prefill, payloads = sender_workers(vllm_env, senders)
@@ -935,9 +926,6 @@ def test_larger_senders_need_nixl_regions_that_are_block_regions(vllm_env, copyi
     """A larger sender is read by kvhost's plan only where every NIXL region, on each side,
     is a block region of the right length, all with as many blocks, in one memory type;
     otherwise it is refused naming the side and what it registered, and nothing is noted."""
-    import dataclasses
-
-    from kvhost.errors import LayoutError
 
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
     _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
@@ -972,7 +960,6 @@ def test_a_head_major_sender_needs_our_block_size_to_hold_whole_runs(vllm_env, c
     """A head-major sender's block holds one run of tokens per head; a part of it is read per
     run, so our block size must be a multiple of the heads: 3 heads and blocks of 64 are
     refused, naming the engine, the order and the runs; a token-major sender is one run."""
-    from kvhost.errors import LayoutError
 
     model = write_model(tmp_path, 3)
     _, worker, _ = make_worker(model, "LBNHC", block_size=64, blocks=64, wrapper=copying, heads=3)
