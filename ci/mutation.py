@@ -53,13 +53,23 @@ EQUIVALENT_FILE = ROOT / "ci" / "mutation-equivalent.txt"
 # stops at the first failure), where only part of a module is core, the functions and
 # classes that are (by qualified name; a class includes its methods), and the package its
 # tests need that kvhost's own environment lacks (they would all skip there, and every
-# mutant survive): such a module is mutated only by an interpreter that has it.
+# mutant survive): such a module is mutated only by an interpreter that has it, and, as a
+# pytest ``-k`` expression, which of its test files' tests are its (a device's backend:
+# the conformance files' tests of its target, not the CPU targets', which never run it).
 
 CONFORMANCE = ["tests/test_receive.py", "tests/test_copy.py", "tests/test_property.py"]
 CHECKS = ["tests/test_errors.py", "tests/test_bad_input.py", "tests/test_ownership.py"]
 BACKENDS = [*CONFORMANCE, "tests/test_plans.py", "tests/test_backends.py", "tests/test_threads.py"]
 NIXL = ["tests/test_nixl_agent.py", "tests/test_nixl.py", "tests/test_ranks.py"]
 PROTOCOL = ["tests/test_nixl_protocol.py", "tests/test_peer_limits.py", "tests/test_peers.py"]
+XLA = [  # the other files with tests of the xla target
+    "tests/test_partial_blocks.py",
+    "tests/test_large_pieces.py",
+    "tests/test_front_end.py",
+    "tests/test_backends.py",
+    "tests/test_threads.py",
+    "tests/test_plans.py",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class Module:
     tests: tuple[str, ...]
     only: tuple[str, ...] = ()
     needs: str | None = None
+    keyword: str | None = None
 
     def runs_here(self) -> bool:
         return self.needs is None or importlib.util.find_spec(self.needs) is not None
@@ -117,6 +128,21 @@ MODULES = [
     Module("kvhost/integrations/vllm_connector.py", ("tests/test_vllm_connector.py",), needs="vllm"),
     Module("kvhost/raw.py", ("tests/test_backends.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module("kvhost/stats.py", ("tests/test_front_end.py", "tests/test_nixl.py", *CONFORMANCE)),
+    # The TPU backend: its bucket sizes anywhere; the rest on a real XLA device (torch_xla on
+    # the CPU: ci/tpu.sh's interpreter, README "Testing"), judged by the xla target's tests.
+    Module("backends/kvhost_tpu/buckets.py", ("tests/test_tpu_buckets.py",)),
+    Module(
+        "backends/kvhost_tpu/backend.py",
+        ("tests/test_tpu.py", "tests/test_tpu_buckets.py", *CONFORMANCE, *CHECKS, *XLA),
+        needs="torch_xla",
+        keyword="xla or tpu",
+    ),
+    Module(
+        "backends/kvhost_tpu/xla.py",
+        ("tests/test_tpu.py", "tests/test_tpu_buckets.py", *CONFORMANCE, *XLA),
+        needs="torch_xla",
+        keyword="xla or tpu",
+    ),
     Module(
         "kvhost/nixl/tables.py",
         ("tests/test_nixl.py",),
@@ -613,11 +639,13 @@ Coverage = dict[str, dict[str, Any]]  # test id -> {"seconds": s, "lines": {modu
 
 
 def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> Coverage:
-    """Every test of these modules' selections run once on the unmutated copies, tracing the
-    lines of the mutated modules it runs; kept while code and tests are unchanged, and
-    added to when a later run selects test files not yet recorded."""
+    """Every test of these modules' selections (which share one ``keyword``) run once on the
+    unmutated copies, tracing the lines of the mutated modules it runs; kept while code and
+    tests are unchanged, and added to when a later run selects test files not yet recorded."""
+    (keyword,) = {m.keyword for m in modules}
     interpreter = hashlib.sha1(sys.executable.encode()).hexdigest()[:8]  # another may skip other tests
-    saved = out / f"coverage-{_sources_hash([m.path for m in MODULES])}-{interpreter}.json"
+    selection = f"-{hashlib.sha1(keyword.encode()).hexdigest()[:8]}" if keyword else ""
+    saved = out / f"coverage-{_sources_hash([m.path for m in MODULES])}-{interpreter}{selection}.json"
     coverage: Coverage = json.loads(saved.read_text()) if saved.exists() else {}
     recorded = {nodeid.split("::")[0] for nodeid in coverage}
     test_files = [
@@ -635,7 +663,8 @@ def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> 
         if not share:
             return
         target = worker.home / "coverage.json"
-        status, seconds, output = worker.run(share, 7200, {"KVHOST_MUTATION_COVERAGE": str(target)})
+        selected = ["-k", keyword] if keyword else []
+        status, seconds, output = worker.run([*selected, *share], 7200, {"KVHOST_MUTATION_COVERAGE": str(target)})
         if status != "passed":
             print(output[-5000:], file=sys.stderr)
             raise SystemExit(f"the unmutated tree fails {share} in worker {worker.index}")
@@ -840,9 +869,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for worker in workers:
             worker.prepare()
-        coverage = record_coverage(workers, modules, args.out)
+        by_keyword: dict[str | None, list[Module]] = {}
+        for module in modules:
+            by_keyword.setdefault(module.keyword, []).append(module)
+        coverages = {keyword: record_coverage(workers, group, args.out) for keyword, group in by_keyword.items()}
         by_path = {m.path: m for m in MODULES}
-        queue = [(m, select_tests(m, by_path[m.module], coverage, args.full)) for m in todo]
+        queue = []
+        for mutant in todo:
+            module = by_path[mutant.module]
+            queue.append(
+                (mutant, coverages[module.keyword], select_tests(mutant, module, coverages[module.keyword], args.full))
+            )
         lock = threading.Lock()
         done: list[Result] = []
 
@@ -851,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
                 with lock:
                     if not queue:
                         return
-                    mutant, tests = queue.pop(0)
+                    mutant, coverage, tests = queue.pop(0)
                 clean = sum(coverage[n]["seconds"] for n in tests)
                 timeout = args.timeout_factor * clean + START_SECONDS
                 if mutant.module in COMPILED_ENTRY:

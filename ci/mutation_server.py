@@ -162,6 +162,12 @@ def serve() -> None:
 
     if importlib.util.find_spec("vllm") is not None:
         import vllm  # noqa: F401  (5 s a run otherwise; it imports no kvhost)
+    if importlib.util.find_spec("torch_xla") is not None:
+        # Imported before any test builds an XLA tensor (torch learns the device from this
+        # import, as ci/tpu.sh's `-p torch_xla` does); no device is made here, so each fork
+        # starts its own runtime. An XLA device on the CPU unless told otherwise.
+        os.environ.setdefault("PJRT_DEVICE", "CPU")
+        import torch_xla  # noqa: F401
 
     for line in sys.stdin:
         request = json.loads(line)
