@@ -864,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     started = time.monotonic()
-    files = [m.path for m in MODULES]
+    files = [m.path for m in MODULES if m.runs_here()]  # importable here: traced at import
     workers = [Worker(i, args.out / "work" / f"w{i}", files) for i in range(args.jobs)]
     try:
         for worker in workers:
