@@ -24,8 +24,11 @@ def test_bucket_is_the_next_power_of_two_from_the_floor(count, size):
 
 def test_bucket_floor_is_configurable_and_checked():
     assert bucket_size(3, min_bucket=4) == 4 and bucket_size(5, min_bucket=4) == 8
-    with pytest.raises(ValueError, match="power of two"):
-        bucket_size(3, min_bucket=12)
+    # A floor of 1 (2**0) leaves the bare powers of two, an empty batch included.
+    assert [bucket_size(n, min_bucket=1) for n in range(6)] == [1, 1, 2, 4, 4, 8]
+    for floor in (0, -2, 12):
+        with pytest.raises(ValueError, match="power of two"):
+            bucket_size(3, min_bucket=floor)
     with pytest.raises(ValueError, match="negative"):
         bucket_size(-1)
 
@@ -44,6 +47,8 @@ def test_padding_repeats_the_last_row_only():
     assert padded.tolist() == [7, 3, 11] + [11] * 13
     groups = np.array([[4, 5], [0, 1]])  # units of g = 2 blocks: the whole last unit repeats
     assert pad_rows(groups, 4).tolist() == [[4, 5], [0, 1], [0, 1], [0, 1]]
+    units = np.array([[4, 5], [0, 1], [8, 9]])  # rows counted along axis 0, not the unit's width
+    assert pad_rows(units, 4).tolist() == [[4, 5], [0, 1], [8, 9], [8, 9]]
     assert pad_rows(ids, 3) is ids
 
 
