@@ -62,7 +62,13 @@ CHECKS = ["tests/test_errors.py", "tests/test_bad_input.py", "tests/test_ownersh
 BACKENDS = [*CONFORMANCE, "tests/test_plans.py", "tests/test_backends.py", "tests/test_threads.py"]
 NIXL = ["tests/test_nixl_agent.py", "tests/test_nixl.py", "tests/test_ranks.py"]
 PROTOCOL = ["tests/test_nixl_protocol.py", "tests/test_peer_limits.py", "tests/test_peers.py"]
-XLA = [  # the other files with tests of the xla target
+ACCELERATOR = [
+    "tests/test_cuda_launch.py",
+    "tests/test_triton_kernels.py",
+    "tests/test_cuda_backend.py",
+    "tests/test_triton_compile.py",
+]
+XLA = [  # the other files with tests of the xla target (and of the triton-interpret one)
     "tests/test_partial_blocks.py",
     "tests/test_large_pieces.py",
     "tests/test_front_end.py",
@@ -79,6 +85,12 @@ class Module:
     only: tuple[str, ...] = ()
     needs: str | None = None
     keyword: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # set for its tests (before they import anything)
+
+    @property
+    def selection(self) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+        """What picks and sets up its tests: modules that share it share one coverage record."""
+        return self.keyword, self.env
 
     def runs_here(self) -> bool:
         return self.needs is None or importlib.util.find_spec(self.needs) is not None
@@ -136,6 +148,23 @@ MODULES = [
         ("tests/test_tpu.py", "tests/test_tpu_buckets.py", *CONFORMANCE, *CHECKS, *XLA),
         needs="torch_xla",
         keyword="xla or tpu",
+    ),
+    *(
+        # The CUDA/XPU backends' shared code, on CPU tensors: the kernels run by Triton's
+        # interpreter (the triton-interpret target), as ci/cpu.sh runs them.
+        Module(
+            path,
+            (*ACCELERATOR, *CONFORMANCE, *CHECKS, *XLA),
+            keyword="triton or cuda",
+            env=(("TRITON_INTERPRET", "1"),),
+        )
+        for path in (
+            "backends/kvhost_accelerator/launch.py",
+            "backends/kvhost_accelerator/backend.py",
+            "backends/kvhost_accelerator/kernels.py",
+            "backends/kvhost_accelerator/runtime.py",
+            "backends/kvhost_accelerator/aot.py",
+        )
     ),
     Module(
         "backends/kvhost_tpu/xla.py",
@@ -639,12 +668,12 @@ Coverage = dict[str, dict[str, Any]]  # test id -> {"seconds": s, "lines": {modu
 
 
 def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> Coverage:
-    """Every test of these modules' selections (which share one ``keyword``) run once on the
+    """Every test of these modules' selections (which share one ``selection``) run once on the
     unmutated copies, tracing the lines of the mutated modules it runs; kept while code and
     tests are unchanged, and added to when a later run selects test files not yet recorded."""
-    (keyword,) = {m.keyword for m in modules}
+    ((keyword, env),) = {m.selection for m in modules}
     interpreter = hashlib.sha1(sys.executable.encode()).hexdigest()[:8]  # another may skip other tests
-    selection = f"-{hashlib.sha1(keyword.encode()).hexdigest()[:8]}" if keyword else ""
+    selection = f"-{hashlib.sha1(repr((keyword, env)).encode()).hexdigest()[:8]}" if keyword or env else ""
     saved = out / f"coverage-{_sources_hash([m.path for m in MODULES])}-{interpreter}{selection}.json"
     coverage: Coverage = json.loads(saved.read_text()) if saved.exists() else {}
     recorded = {nodeid.split("::")[0] for nodeid in coverage}
@@ -664,7 +693,9 @@ def record_coverage(workers: list[Worker], modules: list[Module], out: Path) -> 
             return
         target = worker.home / "coverage.json"
         selected = ["-k", keyword] if keyword else []
-        status, seconds, output = worker.run([*selected, *share], 7200, {"KVHOST_MUTATION_COVERAGE": str(target)})
+        status, seconds, output = worker.run(
+            [*selected, *share], 7200, {**dict(env), "KVHOST_MUTATION_COVERAGE": str(target)}
+        )
         if status != "passed":
             print(output[-5000:], file=sys.stderr)
             raise SystemExit(f"the unmutated tree fails {share} in worker {worker.index}")
@@ -773,14 +804,14 @@ def _function_lines(module: str, name: str) -> range:
     raise SystemExit(f"COMPILED_ENTRY names {module}:{name}, which is not a function there")
 
 
-def test_mutant(worker: Worker, mutant: Mutant, tests: list[str], timeout: float) -> Result:
+def test_mutant(worker: Worker, mutant: Mutant, module: Module, tests: list[str], timeout: float) -> Result:
     """Write the mutant over the copy, run its tests, put the original back (with its file time)."""
     if not tests:
         return Result(mutant.key, mutant.module, mutant.line, mutant.op, "survived", 0.0, 0, "no test runs this code")
     path = worker.tree / mutant.module
     original = ROOT / mutant.module
     path.write_bytes(mutant.apply(original.read_bytes()))
-    env = {}
+    env = dict(module.env)
     fresh = worker.home / "numba-mutant"
     if mutant.module in COMPILED_ENTRY:
         shutil.rmtree(fresh, ignore_errors=True)
@@ -869,16 +900,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for worker in workers:
             worker.prepare()
-        by_keyword: dict[str | None, list[Module]] = {}
+        by_selection: dict[tuple[str | None, tuple[tuple[str, str], ...]], list[Module]] = {}
         for module in modules:
-            by_keyword.setdefault(module.keyword, []).append(module)
-        coverages = {keyword: record_coverage(workers, group, args.out) for keyword, group in by_keyword.items()}
+            by_selection.setdefault(module.selection, []).append(module)
+        coverages = {key: record_coverage(workers, group, args.out) for key, group in by_selection.items()}
         by_path = {m.path: m for m in MODULES}
         queue = []
         for mutant in todo:
             module = by_path[mutant.module]
             queue.append(
-                (mutant, coverages[module.keyword], select_tests(mutant, module, coverages[module.keyword], args.full))
+                (
+                    mutant,
+                    coverages[module.selection],
+                    select_tests(mutant, module, coverages[module.selection], args.full),
+                )
             )
         lock = threading.Lock()
         done: list[Result] = []
@@ -893,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout = args.timeout_factor * clean + START_SECONDS
                 if mutant.module in COMPILED_ENTRY:
                     timeout += COMPILE_SECONDS
-                result = test_mutant(worker, mutant, tests, timeout)
+                result = test_mutant(worker, mutant, by_path[mutant.module], tests, timeout)
                 with lock:
                     done.append(result)
                     previous[result.key] = asdict(result)
