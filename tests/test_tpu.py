@@ -70,8 +70,9 @@ def kv_cache(blocks: int, dtype: torch.dtype, seed: int, device: torch.device, s
 
 
 def executions() -> int:
-    data = metrics.metric_data("ExecuteTime")
-    return int(data[0]) if data else 0
+    """Graphs run so far: counted when torch_xla schedules one (the ExecuteTime metric is
+    recorded when one finishes, at times after the sync that waited for it returned)."""
+    return int(metrics.counter_value("ExecuteComputation") or 0)
 
 
 # --- graphs ------------------------------------------------------------------------------
@@ -114,12 +115,26 @@ def test_one_call_is_one_graph(device):
         lambda: host.receive({"a": [3, 9], "b": [40]}, remote_order="HNC", remote_block_size=2),
         lambda: host.copy_from(staging, [0, 1, 2], [5, 6, 60]),
         lambda: host.copy_to(staging, [7, 8, 33], [4, 5, 6]),
+        # Nothing to rearrange, only tokens to zero: block 20 from token 5 on, all of 21.
+        lambda: host.receive({"z": kvhost.Incoming([20, 21], tokens=5)}),
     ]
     for call in calls:
         call()  # compiles
         before = executions()
         call()
         assert executions() - before == 1  # every layer's work in one execution
+
+
+def test_a_host_to_xla_copy_uploads_the_destination_ids_once(device):
+    """One upload per layer's bytes and one for the destination ids, whatever the layer count."""
+    for layers in (1, 3):
+        caches = {f"l{i}": kv_cache(64, torch.float16, i, device) for i in range(layers)}
+        host = kvhost.KVHost(caches, axes="KBNHC", backend="tpu")
+        staging = {name: random_bytes([2, 8, 8, 2, 16], torch.float16, 5) for name in caches}
+        host.copy_from(staging, [0, 1, 2], [5, 6, 60])  # compiles
+        before = int(metrics.counter_value("xla::_to_copy") or 0)
+        host.copy_from(staging, [0, 1, 2], [5, 6, 60])
+        assert int(metrics.counter_value("xla::_to_copy") or 0) - before == layers + 1
 
 
 # --- padding -----------------------------------------------------------------------------

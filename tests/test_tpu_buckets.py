@@ -7,10 +7,13 @@ import sys
 
 import numpy as np
 import pytest
-from kvhost_tpu import TpuBackend, xla
+import torch
+from kvhost_tpu import TpuBackend, block_dim, xla
 from kvhost_tpu.buckets import MIN_BUCKET, bucket_size, buckets_up_to, pad_rows
 
 import kvhost
+from kvhost.errors import LayoutError
+from kvhost.layout import Layout
 from kvhost.registry import Registry
 
 
@@ -102,3 +105,13 @@ def test_importing_the_backend_does_not_import_torch_xla():
     code = "import sys, kvhost_tpu, kvhost_tpu.buckets, kvhost_tpu.scaling; print('torch_xla' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_block_dim_is_the_shape_position_of_b_and_refuses_a_strided_order():
+    """XLA tensors are read in shape order; a layout whose memory order differs (a host
+    tensor's permuted view) is named, not indexed by its shape position."""
+    cache = torch.zeros(2, 6, 4, 3, 8)  # K B N H C
+    assert block_dim(Layout.of(cache, "KBNHC")) == 1
+    assert block_dim(Layout.of(cache.permute(1, 0, 2, 3, 4).contiguous(), "BKNHC")) == 0
+    with pytest.raises(LayoutError, match="physical order 'KBNHC'"):
+        block_dim(Layout.of(cache.permute(1, 0, 2, 3, 4), "BKNHC", name="view"))

@@ -57,6 +57,8 @@ class TpuBackend(Backend):
     device_types = ("xla",)
     priority = 10
     # Smallest padded index length; larger batches pad to the next power of two.
+    # zero, raw and write_raw see XLA tensors only: kvhost asks a backend about the
+    # devices it serves (get_backend refuses any other), host tensors go to their own.
     min_bucket: ClassVar[int] = MIN_BUCKET
 
     @classmethod
@@ -76,8 +78,6 @@ class TpuBackend(Backend):
     def zero(self, job: ZeroJob) -> None:
         """Zero through the integer view where the device would upcast the dtype (a float
         op there rewrites the NaN payloads of the bytes it keeps), then one sync."""
-        if job.device.type != "xla":
-            return super().zero(job)
         with _GRAPH_LOCK:
             zeros = ZeroIndices.of(job)
             for member in job.members:
@@ -86,20 +86,14 @@ class TpuBackend(Backend):
                 if work is not member.tensor:
                     member.tensor.copy_(xla.bitcast(work, member.tensor.dtype))
             xla.sync()
-        return None
 
     def raw(self, tensor: torch.Tensor) -> torch.Tensor:
         """XLA tensors have no byte views: the bytes are a copy, bitcast on the device
         (``view(dtype)`` would move fp16 through f32 and rewrite NaN payloads)."""
-        if tensor.device.type != "xla":
-            return super().raw(tensor)
         return xla.bitcast(tensor, xla.raw_dtype(tensor.dtype))
 
     def write_raw(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
-        if tensor.device.type != "xla":
-            return super().write_raw(tensor, values)
         tensor.copy_(values.contiguous().view(tensor.dtype).to(tensor.device))
-        return None
 
     def copy(self, job: CopyJob) -> Completion:
         with _GRAPH_LOCK:
