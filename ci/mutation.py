@@ -75,6 +75,7 @@ XLA = [  # the other files with tests of the xla target (and of the triton-inter
     "tests/test_backends.py",
     "tests/test_threads.py",
     "tests/test_plans.py",
+    "tests/test_registry.py",
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,3 +238,17 @@ def test_the_registry_chooses_by_priority_then_named_types_and_keeps_its_choice_
     assert probe.for_device("cpu").name == "probe-any"
     monkeypatch.setenv("KVHOST_BACKEND", "probe-plain")  # it does not serve cpu: ignored for it
     assert probe.for_device("cpu").name == "probe-absent" and probe.for_device("hpu").name == "probe-plain"
+
+
+def _readme_priorities() -> dict[str, int]:
+    """The priority column of README's `kvhost info` example."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("  name       devices      priority  status\n", 1)[1].split("chosen per visible device", 1)[0]
+    return {row.split()[0]: int(row.split()[2]) for row in table.splitlines()}
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "cuda", "tpu", "xpu"])
+def test_each_backends_priority_is_the_one_readme_shows(name):
+    """Plugins choose theirs against these (docs/plugins.md): they are part of the contract."""
+    priorities = {row.name: row.priority for row in registry.info()}
+    assert _readme_priorities()[name] == priorities[name]
