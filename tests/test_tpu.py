@@ -3,7 +3,7 @@
 Compile counts stay within the buckets, padding never writes a block outside the
 request, updates rewrite the cache where it lies (same device buffer, O(n) time), one
 graph per call, bytes exact for every KV dtype, host <-> XLA copies both ways across
-layouts. Run by ``ci/tpu.sh``; skipped where torch_xla is not installed.
+layouts, copies between two XLA devices (made on the CPU, in a fresh process). Run by ``ci/tpu.sh``; skipped where torch_xla is not installed.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -292,6 +293,38 @@ def test_xla_to_xla_copy_and_tuples(device):
     kvhost.copy_blocks({"l": source}, {"l": pair}, [1, 6], [7, 0], axes="KBNHC", backend="tpu")
     for k in range(2):
         assert torch.equal(device_bytes(pair[k])[[7, 0]], device_bytes(source)[k, [1, 6]])
+
+
+TWO_DEVICES = """
+import sys
+import torch, torch_xla
+import kvhost
+sys.path.insert(0, "tests")
+from test_tpu import device_bytes, kv_cache
+
+for dtype in (torch.bfloat16, torch.float16, torch.float8_e5m2, torch.int8):
+    source = kv_cache(8, dtype, 21, torch.device("xla:0"))
+    dest = kv_cache(8, dtype, 22, torch.device("xla:1"))
+    before = device_bytes(dest)
+    kvhost.copy_blocks({"l": source}, {"l": dest}, [1, 6], [7, 0], axes="KBNHC", backend="tpu")
+    got = device_bytes(dest)
+    assert dest.device == torch.device("xla:1"), dest.device
+    assert torch.equal(got[:, [7, 0]], device_bytes(source)[:, [1, 6]]), dtype
+    assert torch.equal(got[:, 1:7], before[:, 1:7]), dtype
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not ON_CPU, reason="two XLA devices made on the CPU (CPU_NUM_DEVICES)")
+def test_copies_between_two_xla_devices():
+    """A host with several chips: blocks move from one device's cache to another's, byte for
+    byte (a fresh process: the runtime's device count is fixed when it starts)."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    root = Path(__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_DEVICES], cwd=root, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_receive_on_an_xla_cache_through_the_public_api(device):

@@ -189,20 +189,15 @@ def _gather(member: Member, ids: np.ndarray) -> torch.Tensor:
 
 def _moved_to(picked: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """``picked`` on ``cache``'s device, in ``write_dtype(cache)``: bytes cross devices as integers."""
-    wanted = write_dtype(cache)
-    if picked.device.type == "xla":
-        if picked.device != cache.device:
-            picked = _as_integers(picked).to(cache.device)
-        return xla.bitcast(picked, wanted)
-    # Host bytes: made contiguous by numpy (torch's threads would contend with XLA's) and
-    # reinterpreted for free; the upload carries them unchanged.
-    return torch.from_numpy(np.ascontiguousarray(picked.numpy())).view(wanted).to(cache.device)
+    if picked.device.type != "xla":
+        # Host bytes (integers already): made contiguous by numpy, since torch's threads
+        # would contend with the XLA runtime's for the same cores.
+        picked = torch.from_numpy(np.ascontiguousarray(picked.numpy()))
+    return xla.bitcast(_as_integers(picked).to(cache.device), write_dtype(cache))
 
 
 def _as_integers(picked: torch.Tensor) -> torch.Tensor:
-    """XLA data about to leave the device, as integers (torch_xla moves fp16 through f32)."""
-    if picked.device.type != "xla":
-        return picked
+    """Data about to leave its device, as integers (torch_xla moves fp16 through f32)."""
     return xla.bitcast(picked, xla.raw_dtype(picked.dtype))
 
 
