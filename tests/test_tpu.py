@@ -3,7 +3,8 @@
 Compile counts stay within the buckets, padding never writes a block outside the
 request, updates rewrite the cache where it lies (same device buffer, O(n) time), one
 graph per call, bytes exact for every KV dtype, host <-> XLA copies both ways across
-layouts, copies between two XLA devices (made on the CPU, in a fresh process). Run by ``ci/tpu.sh``; skipped where torch_xla is not installed.
+layouts, copies between two XLA devices (made on the CPU, in a fresh process). Run by
+``ci/tpu.sh``; skipped where torch_xla is not installed.
 """
 
 from __future__ import annotations
