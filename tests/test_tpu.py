@@ -300,9 +300,11 @@ TWO_DEVICES = """
 import sys
 import torch, torch_xla
 import kvhost
+from kvhost_tpu import xla
 sys.path.insert(0, "tests")
 from test_tpu import device_bytes, kv_cache
 
+assert xla.compile_count() == 0, xla.compile_count()  # a fresh process: nothing compiled yet
 for dtype in (torch.bfloat16, torch.float16, torch.float8_e5m2, torch.int8):
     source = kv_cache(8, dtype, 21, torch.device("xla:0"))
     dest = kv_cache(8, dtype, 22, torch.device("xla:1"))
@@ -312,6 +314,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float8_e5m2, torch.int8):
     assert dest.device == torch.device("xla:1"), dest.device
     assert torch.equal(got[:, [7, 0]], device_bytes(source)[:, [1, 6]]), dtype
     assert torch.equal(got[:, 1:7], before[:, 1:7]), dtype
+assert xla.compile_count() > 0
 print("ok")
 """
 

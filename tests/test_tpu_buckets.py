@@ -16,6 +16,20 @@ from kvhost.errors import LayoutError
 from kvhost.layout import Layout
 from kvhost.registry import Registry
 
+KV_TYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
 
 @pytest.mark.parametrize(
     ("count", "size"),
@@ -86,6 +100,42 @@ def test_missing_torch_xla_is_named(monkeypatch):
             xla.module()
     finally:
         xla._load.cache_clear()
+
+
+def test_a_torch_xla_that_fails_to_import_is_named(monkeypatch):
+    """A torch/torch_xla version mismatch: installed, but the import raises."""
+    xla._load.cache_clear()
+    monkeypatch.setattr(xla.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setitem(sys.modules, "torch_xla", None)  # `import torch_xla` now raises ImportError
+    try:
+        assert (
+            TpuBackend.unavailable_reason()
+            == "torch_xla failed to import: ModuleNotFoundError: import of torch_xla halted; None in sys.modules"
+        )
+        with pytest.raises(ImportError, match="torch_xla failed to import"):
+            xla.module()
+    finally:
+        xla._load.cache_clear()
+
+
+def test_write_types_by_device_kind(monkeypatch):
+    """What each kind of XLA device scatters as it is; every other type goes through integers."""
+
+    def native(kind: str) -> set[torch.dtype]:
+        monkeypatch.setattr(xla, "hardware", lambda device: kind)
+        return {dtype for dtype in KV_TYPES if xla.native_writes(torch.device("xla"), dtype)}
+
+    integers = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    assert native("TPU") == integers | {torch.float32, torch.bfloat16}  # bf16 is a TPU type
+    assert native("CPU") == integers | {torch.float32, torch.float64, torch.float16}  # measured: bf16, fp8 upcast
+    assert native("GPU") == integers | {torch.float32}  # a kind not known: nothing any XLA compiler upcasts
+
+
+def test_a_bitcast_needs_one_item_size():
+    with pytest.raises(ValueError, match=r"cannot reinterpret torch\.int16 as torch\.int32: item sizes differ"):
+        xla.bitcast(torch.zeros(2, dtype=torch.int16), torch.int32)
+    same = torch.zeros(2, dtype=torch.int16)
+    assert xla.bitcast(same, torch.int16) is same  # nothing to do: no op, no torch_xla
 
 
 def test_registry_says_why_tpu_is_unavailable(monkeypatch):
