@@ -188,11 +188,11 @@ def _gather(member: Member, ids: np.ndarray) -> torch.Tensor:
 
 
 def _moved_to(picked: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """``picked`` on ``cache``'s device, in ``write_dtype(cache)``: bytes cross devices as integers."""
-    if picked.device.type != "xla":
-        # Host bytes (integers already): made contiguous by numpy, since torch's threads
-        # would contend with the XLA runtime's for the same cores.
-        picked = torch.from_numpy(np.ascontiguousarray(picked.numpy()))
+    """``picked`` on ``cache``'s device, in ``write_dtype(cache)``: bytes cross devices as integers.
+
+    Host rows go as they are: making them contiguous in numpy first (to keep torch's
+    threads off the XLA runtime's cores) was no faster, measured (0.055-0.064 s against
+    0.059-0.073 s for 100 permuted blocks of 4 layers, medians of 6)."""
     return xla.bitcast(_as_integers(picked).to(cache.device), write_dtype(cache))
 
 
