@@ -279,7 +279,7 @@ def test_rows_are_padded_to_max_dims():
 
 
 def test_helpers():
-    assert [next_pow2(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    assert [next_pow2(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
     assert widest_word(256, 64) == 8 and widest_word(6) == 2 and widest_word(256, most=16) == 16
     assert widest_word() == 8
 
