@@ -25,6 +25,7 @@ from test_receive import LAYOUTS, RATIOS, remote_orders, request_ids
 import kvhost
 from kvhost.batch import plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet
+from kvhost.errors import BackendError
 from kvhost.layout import Layout
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
 from kvhost.transform import MAX_LOOP_DIMS, plan_copy, plan_receive
@@ -276,6 +277,12 @@ def test_rows_are_padded_to_max_dims():
     assert len(launch.rows.dims) == len(launch.rows.src_strides) == len(launch.rows.dst_strides) == MAX_LOOP_DIMS
     src, dst = row_offsets(launch.rows)
     assert sorted(src.tolist()) == dst.tolist() == list(range(0, launch.piece_words, launch.rows.run))
+
+
+@pytest.mark.parametrize(("field", "value"), [("tile_bytes", 15 << 10), ("tile_bytes", 0), ("programs", 0)])
+def test_limits_a_kernel_cannot_run_with_are_refused(field, value):
+    with pytest.raises(BackendError, match=f"Limits.{field} {value} must be"):
+        Limits(**{field: value})
 
 
 def test_helpers():

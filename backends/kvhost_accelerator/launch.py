@@ -79,6 +79,14 @@ class Limits:
     thread_registers: int = 64
     barrier: bool = True
 
+    def __post_init__(self) -> None:
+        # A tile's sides are powers of two (Triton's aranges); a tile of any other byte
+        # count would give a side that is not one, which no kernel compiles.
+        if self.tile_bytes < 1 or self.tile_bytes & (self.tile_bytes - 1):
+            raise BackendError(f"Limits.tile_bytes {self.tile_bytes} must be a positive power of two")
+        if self.programs < 1:
+            raise BackendError(f"Limits.programs {self.programs} must be at least 1")
+
 
 @dataclass(frozen=True)
 class Tile:
