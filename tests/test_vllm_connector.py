@@ -879,7 +879,6 @@ def test_vllms_own_handshake_checks_still_run(vllm_env, copying, host_buffer):
 def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copying):
     """Decode context parallelism on either side is refused for a sender of larger blocks,
     naming it; the same sender without it is accepted."""
-
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
     _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
     dcp = r"engine 'big': remote blocks larger than ours \(128 > 64 tokens\) with decode context parallelism"
@@ -926,7 +925,6 @@ def test_larger_senders_need_nixl_regions_that_are_block_regions(vllm_env, copyi
     """A larger sender is read by kvhost's plan only where every NIXL region, on each side,
     is a block region of the right length, all with as many blocks, in one memory type;
     otherwise it is refused naming the side and what it registered, and nothing is noted."""
-
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
     _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
     meta = payloads["big"]
@@ -960,7 +958,6 @@ def test_a_head_major_sender_needs_our_block_size_to_hold_whole_runs(vllm_env, c
     """A head-major sender's block holds one run of tokens per head; a part of it is read per
     run, so our block size must be a multiple of the heads: 3 heads and blocks of 64 are
     refused, naming the engine, the order and the runs; a token-major sender is one run."""
-
     model = write_model(tmp_path, 3)
     _, worker, _ = make_worker(model, "LBNHC", block_size=64, blocks=64, wrapper=copying, heads=3)
     senders = {"hnd": ("LBHNC", 128), "nhd": ("LBNHC", 128)}

@@ -54,11 +54,11 @@ _GRAPH_LOCK = threading.RLock()
 
 class TpuBackend(Backend):
     name = "tpu"
+    # zero, raw and write_raw see XLA tensors only: kvhost asks a backend about the
+    # devices it serves (get_backend refuses any other), host tensors go to their own.
     device_types = ("xla",)
     priority = 10
     # Smallest padded index length; larger batches pad to the next power of two.
-    # zero, raw and write_raw see XLA tensors only: kvhost asks a backend about the
-    # devices it serves (get_backend refuses any other), host tensors go to their own.
     min_bucket: ClassVar[int] = MIN_BUCKET
 
     @classmethod
