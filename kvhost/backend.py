@@ -105,6 +105,12 @@ class Backend(ABC):
         return f"<kvhost backend {self.name!r} for {', '.join(self.device_types)}>"
 
 
+def next_power_of_two(count: int) -> int:
+    """The smallest power of two that holds ``count`` (1 for 0): sizes for grids, buckets
+    and grow-only buffers, so that a few shapes serve every count."""
+    return 1 << max(count - 1, 0).bit_length()
+
+
 @dataclass(frozen=True)
 class ZeroIndices:
     """A ``ZeroJob``'s block ids on its device: whole blocks, and blocks zeroed from a token on."""

@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from kvhost.backend import Backend, Completion
+from kvhost.backend import Backend, Completion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.ids import find_runs
 from kvhost.layout import Layout
@@ -69,7 +69,7 @@ class IndexBuffers:
         key = (device, self._stream_of(device))
         buffer = buffers.get(key)
         if buffer is None or buffer.numel() < ids.size:
-            capacity = max(1024, 1 << int(ids.size - 1).bit_length())
+            capacity = max(1024, next_power_of_two(int(ids.size)))
             buffer = buffers[key] = torch.empty(capacity, dtype=torch.int64, device=device)
         view = buffer[: ids.size]
         view.copy_(host)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.backend import OptionalKernels
+from kvhost.backend import OptionalKernels, next_power_of_two
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
 from kvhost.torch_backend import IndexBuffers, TorchBackend, current_stream
 
@@ -24,6 +24,10 @@ META = torch.device("meta")
 
 
 # --- index buffers on a device ------------------------------------------------------------
+
+
+def test_next_power_of_two():
+    assert [next_power_of_two(n) for n in (0, 1, 2, 3, 5, 64, 65, 1 << 40)] == [1, 1, 2, 4, 8, 64, 128, 1 << 40]
 
 
 def test_host_ids_are_used_in_place():

@@ -15,7 +15,6 @@ from kvhost_accelerator.backend import _byte_view
 from kvhost_accelerator.launch import (
     Limits,
     Rows,
-    next_pow2,
     plan_copy_launch,
     plan_receive_launch,
     widest_word,
@@ -286,7 +285,6 @@ def test_limits_a_kernel_cannot_run_with_are_refused(field, value):
 
 
 def test_helpers():
-    assert [next_pow2(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
     assert widest_word(256, 64) == 8 and widest_word(6) == 2 and widest_word(256, most=16) == 16
     assert widest_word() == 8
 

@@ -451,6 +451,13 @@ def copying():
     CopyingNixlWrapper.posted.clear()
 
 
+@pytest.fixture
+def copying_worker(vllm_env, copying):
+    """(connector, worker, caches): an LBNHC worker with blocks of 64 tokens, 64 blocks,
+    whose NIXL wrapper copies what it is asked to read."""
+    return make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+
+
 def spy(worker, names=("post_process", "load_from_host", "save_to_host")):
     """Every kvhost call the worker makes, in order: (name, args)."""
     calls = []
@@ -748,14 +755,14 @@ def test_host_buffer_staging_through_the_worker(vllm_env, copying):
     assert calls == []
 
 
-def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_env, copying):
+def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_env, copying_worker):
     """A sender whose blocks are not a whole number of ours, or larger ones with a case the
     connector does not cover, is refused at its handshake with a LayoutError naming the
     engine; so is one vLLM itself refuses. Either way what the worker had noted of its
     senders stays as it was."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
 
-    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, worker, _ = copying_worker
     senders = {"good": ("LBHNC", 128), "odd": ("LBHNC", 96), "tp": ("LBHNC", 128), "late": ("LBHNC", 256)}
     _, payloads = sender_workers(vllm_env, senders)
     worker.add_remote_agent(payloads["good"], 0, 1)
@@ -825,11 +832,11 @@ def test_unit_ids_follow_the_wire_model():
     assert blocks.unit_ids([5, 1], 4, 1) is None
 
 
-def test_a_sender_added_again_is_vllms_known_agent(vllm_env, copying):
+def test_a_sender_added_again_is_vllms_known_agent(vllm_env, copying_worker):
     """vLLM skips the handshake of an engine and rank it knows; so does the connector, before
     it plans or notes anything (a payload it would refuse changes nothing). The defaults are
     vLLM's: rank 0, TP 1, DCP 1."""
-    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, worker, _ = copying_worker
     _, payloads = sender_workers(vllm_env, {"good": ("LBHNC", 128)})
     name = worker.add_remote_agent(payloads["good"])
     assert isinstance(name, str) and worker.transfer_topo.get_engine_info("good").remote_tp_size == 1
@@ -842,12 +849,12 @@ def test_a_sender_added_again_is_vllms_known_agent(vllm_env, copying):
     assert (worker.remote_engines, worker.larger_remote_blocks) == noted
 
 
-def test_a_refused_handshake_restores_what_was_noted_of_a_known_engine(vllm_env, copying):
+def test_a_refused_handshake_restores_what_was_noted_of_a_known_engine(vllm_env, copying_worker):
     """An engine already noted (rank 0) whose next rank vLLM refuses: its notes are the ones
     from before, each in its own table."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
 
-    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, worker, _ = copying_worker
     _, payloads = sender_workers(vllm_env, {"good": ("LBHNC", 128), "late": ("LBNHC", 256)})
     worker.add_remote_agent(payloads["good"], 0, 1)
     noted = (dict(worker.remote_engines), dict(worker.larger_remote_blocks))
@@ -876,10 +883,10 @@ def test_vllms_own_handshake_checks_still_run(vllm_env, copying, host_buffer):
     assert "short" not in worker.remote_engines
 
 
-def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copying):
+def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copying_worker):
     """Decode context parallelism on either side is refused for a sender of larger blocks,
     naming it; the same sender without it is accepted."""
-    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, worker, _ = copying_worker
     _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
     dcp = r"engine 'big': remote blocks larger than ours \(128 > 64 tokens\) with decode context parallelism"
     with pytest.raises(LayoutError, match=dcp):
@@ -893,12 +900,12 @@ def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copyi
     assert worker.larger_remote_blocks["big"].g == 2
 
 
-def test_a_handshake_without_per_region_facts_is_planned_and_read_from_its_totals(vllm_env, copying):
+def test_a_handshake_without_per_region_facts_is_planned_and_read_from_its_totals(vllm_env, copying_worker):
     """A sender's handshake may leave out its per-region block counts and memory types
     (vLLM's fields are optional): its regions are then ``num_blocks`` each, in our memory
     type; the plan is the one its full handshake gives, and its requests read right (vLLM
     then finds its descriptors by ``num_blocks``, in units)."""
-    connector, worker, caches = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    connector, worker, caches = copying_worker
     senders = {"full": ("LBHNC", 128), "bare": ("LBHNC", 128)}
     prefill, payloads = sender_workers(vllm_env, senders)
     full, bare = payloads["full"], payloads["bare"]
@@ -921,11 +928,11 @@ def test_a_handshake_without_per_region_facts_is_planned_and_read_from_its_total
     check_tokens(caches, 64, requests, computed, senders, prefill, before, set())
 
 
-def test_larger_senders_need_nixl_regions_that_are_block_regions(vllm_env, copying):
+def test_larger_senders_need_nixl_regions_that_are_block_regions(vllm_env, copying_worker):
     """A larger sender is read by kvhost's plan only where every NIXL region, on each side,
     is a block region of the right length, all with as many blocks, in one memory type;
     otherwise it is refused naming the side and what it registered, and nothing is noted."""
-    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, worker, _ = copying_worker
     _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
     meta = payloads["big"]
     assert len(meta.block_lens) >= 2 and len(set(meta.region_num_blocks)) == 1
@@ -977,10 +984,10 @@ def received_request(local, remote=None, engine="hnd", **extra):
     return ReqMeta(([*local],), ([*local],), 1, remote=sender, **extra)
 
 
-def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_env, copying):
+def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_env, copying_worker):
     """Of the finished requests handed to the post-process, those vLLM zeroes itself (a
     region read plan) or that had no sender are left out; nothing to do is no kvhost call."""
-    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, worker, _ = copying_worker
     _, payloads = sender_workers(vllm_env, {"hnd": ("LBHNC", 64), "big": ("LBHNC", 128)})
     worker.add_remote_agent(payloads["hnd"], 0, 1)
     worker.add_remote_agent(payloads["big"], 0, 1)
@@ -1019,12 +1026,12 @@ def test_first_position_counts_kernel_blocks_of_the_prefix_hit(vllm_env):
     assert worker._first_position(None) == 0  # vLLM no longer holds the request's metadata
 
 
-def test_the_tail_is_zeroed_only_where_vllm_converts(vllm_env, copying):
+def test_the_tail_is_zeroed_only_where_vllm_converts(vllm_env, copying_worker):
     """Requests whose sender's blocks hold fewer tokens than ours: the tokens that arrived
     are given for those whose bytes are converted (another block size or layout: kvhost
     zeroes the rest, as vLLM does there), not for those that land as they are (vLLM leaves
     their blocks alone) nor for those that arrived whole."""
-    _, worker, caches = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    _, worker, caches = copying_worker
     senders = {"same": ("LBNHC", 64), "hnd": ("LBHNC", 64), "small": ("LBNHC", 32)}
     _, payloads = sender_workers(vllm_env, senders)
     for engine in senders:

@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from kvhost.backend import Backend, Completion
+from kvhost.backend import Backend, Completion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.caches import CopyGroup, Member
 from kvhost.ids import find_runs
@@ -59,7 +59,7 @@ from kvhost.layout import Layout
 from kvhost.memory import byte_extent
 from kvhost.torch_backend import TorchBackend
 from kvhost.transform import plan_copy
-from kvhost_accelerator.launch import Limits, next_pow2, plan_copy_launch, plan_receive_launch
+from kvhost_accelerator.launch import Limits, plan_copy_launch, plan_receive_launch
 from kvhost_accelerator.runtime import DeviceRuntime, Event
 
 
@@ -403,7 +403,7 @@ class AcceleratorBackend(Backend):
         blocks, so layouts (and plans, and compiled kernels) repeat across calls.
         """
         layout = like[0].layout
-        blocks = next_pow2(count)
+        blocks = next_power_of_two(count)
         dtype = like[0].tensor.dtype
         if block_major:
             letters = "B" + layout.physical.replace("B", "")

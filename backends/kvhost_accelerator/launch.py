@@ -40,15 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import ceil, prod
 
+from kvhost.backend import next_power_of_two
 from kvhost.errors import BackendError
 from kvhost.layout import contiguous_strides
 from kvhost.transform import MAX_LOOP_DIMS, CopyPlan, Rearrangement
 
 WORD_TYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def widest_word(*quantities: int, most: int = 8) -> int:
@@ -161,8 +158,8 @@ def register_cost(tile: Tile, word: int, align: int) -> int:
 def _tile(rows: Rows, word: int, align: int, limits: Limits) -> Tile:
     """The largest tile of at most ``tile_bytes`` whose register cost fits ``thread_registers``."""
     words = max(1, limits.tile_bytes // word)
-    run = min(next_pow2(rows.run), words)
-    tile = Tile(min(next_pow2(rows.rows), max(1, words // run)), run)
+    run = min(next_power_of_two(rows.run), words)
+    tile = Tile(min(next_power_of_two(rows.rows), max(1, words // run)), run)
     while tile.words > 1 and register_cost(tile, word, align) > limits.thread_registers:
         tile = Tile(tile.rows // 2, tile.run) if tile.rows > 1 else Tile(1, tile.run // 2)
     return tile
@@ -312,7 +309,7 @@ def plan_receive_launch(
         rows = _piece_rows(shape, plan.perm, cut, keeps_run)
         # Rows start at multiples of the run (row strides are), so alignment is shared.
         align = widest_word(alignment, rows.run * word, plan.region_bytes, most=16)
-        whole = Tile(next_pow2(rows.rows), next_pow2(rows.run))
+        whole = Tile(next_power_of_two(rows.rows), next_power_of_two(rows.run))
         in_registers = whole.words * word <= limits.register_bytes
         in_registers = in_registers and register_cost(whole, word, align) <= limits.thread_registers
         if in_registers:

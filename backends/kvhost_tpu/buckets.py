@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvhost.backend import next_power_of_two
+
 MIN_BUCKET = 16
 
 
@@ -26,7 +28,7 @@ def bucket_size(count: int, min_bucket: int = MIN_BUCKET) -> int:
         raise ValueError(f"entry count {count} must not be negative")
     if min_bucket < 1 or min_bucket & (min_bucket - 1):
         raise ValueError(f"min_bucket {min_bucket} must be a positive power of two")
-    return max(min_bucket, 1 << max(count - 1, 0).bit_length())
+    return max(min_bucket, next_power_of_two(count))
 
 
 def buckets_up_to(count: int, min_bucket: int = MIN_BUCKET) -> list[int]:
