@@ -9,12 +9,14 @@ conformance suite runs the ``cuda``/``xpu`` targets where the devices exist.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import subprocess
 import sys
 import warnings
 import weakref
 from functools import cached_property
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from kvhost_xpu import XpuBackend
 from kvhost_xpu.backend import load_ipex_if_needed
 
 import kvhost
+from kvhost.backend import Completion
 from kvhost.batch import plan_copy_batch
 from kvhost.caches import CacheSet
 from kvhost.registry import registry
@@ -95,6 +98,19 @@ def test_each_device_says_which_path_runs():
     assert ("Triton kernels" in CudaBackend().describe()) == (cuda_compiler in compilers)
     if "intel" not in compilers:
         assert "not intel" in XpuBackend().describe() and "torch ops" in XpuBackend().describe()
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["barrier fences", "barrier does not fence"])
+def test_with_kernels_the_description_says_when_a_receive_takes_two_launches(fenced):
+    class StandIn(CudaBackend):
+        def barrier_orders_global_memory(self) -> bool:
+            return fenced
+
+    backend = StandIn()
+    backend.__dict__["kernels"] = ModuleType("kernels")  # as where compiled kernels run
+    text = backend.describe()
+    assert text.startswith("receive and scattered copies: Triton kernels")
+    assert ("every receive in two launches" in text) == (not fenced)
 
 
 def test_a_triton_too_old_for_the_kernels_means_torch_ops(monkeypatch):
@@ -356,11 +372,23 @@ def test_host_to_device_takes_runs_directly_or_stages(non_blocking):
     check_blocks(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, before)
 
 
+SPANS = {
+    "6 blocks": ([13, 2, 7, 9, 0, 4], [6, 7, 3, 4, 5, 8]),  # host runs 3..8 in a shuffled order
+    # 12 device blocks, none next to another: 3 layers x K x 12 = 72 copies if each were its
+    # own span, over max_host_copies; the host's 12 are one run, 6 copies.
+    "12 blocks": ([22, 0, 4, 18, 8, 12, 2, 20, 10, 14, 6, 16], [11, 0, 4, 3, 2, 1, 10, 9, 5, 6, 8, 7]),
+}
+
+
+@pytest.mark.parametrize("ids", SPANS)
+@pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("to_device", [True, False], ids=["load", "save"])
-def test_scattered_device_blocks_and_host_runs_cross_as_host_spans(to_device):
-    """The offload pattern: device blocks anywhere, host slots in runs, layouts differ (no direct way)."""
-    device, host = caches("KBNHC", "KBHNC", 16, 20, layers=3), caches("KBNHC", "KBNHC", 12, 30, layers=3)
-    device_ids, host_ids = [13, 2, 7, 9, 0, 4], [6, 7, 3, 4, 5, 8]  # host runs 3..8 in a shuffled order
+def test_scattered_device_blocks_and_host_runs_cross_as_host_spans(to_device, layers, ids):
+    """The offload pattern: device blocks anywhere, host slots in runs, layouts differ (no direct way).
+    The host's runs decide it, however scattered the device's blocks are."""
+    device = caches("KBNHC", "KBHNC", 24, 20, layers=layers)
+    host = caches("KBNHC", "KBNHC", 12, 30, layers=layers)
+    device_ids, host_ids = SPANS[ids]
     src, dst = (host, device) if to_device else (device, host)
     src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
     before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
@@ -369,7 +397,8 @@ def test_scattered_device_blocks_and_host_runs_cross_as_host_spans(to_device):
     assert backend.direct_copies(job) > backend.max_run_copies
     assert backend.copy_host(job, to_device=to_device, keep=keep) is None
     staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
-    assert [tuple(t.shape) for t in staged] == [(3, 2, 8, 8, 2, 16)]  # layers, then the host order K B N H C
+    blocks = 8 if len(device_ids) <= 8 else 16
+    assert [tuple(t.shape) for t in staged] == [(layers, 2, blocks, 8, 2, 16)]  # layers, then the host order K B N H C
     check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
 
 
@@ -392,6 +421,74 @@ def test_copy_on_one_device_completes_through_an_event():
     assert isinstance(result.completion, EventCompletion)  # one job: its completion as the backend gave it
     assert result.wait().done()
     check_blocks(src, dst, "KBNHC", "KBNHC", [3, 9, 1], [0, 7, 2], before)
+
+
+class WayRecorder(CpuStandIn):
+    """Records the way ``copy`` sends a job, by the devices the job names; moves nothing."""
+
+    device_types = ("cuda",)
+
+    def __init__(self) -> None:
+        super().__init__(use_triton=False)
+        self.ways: list[str] = []
+
+    def copy_on_device(self, job, keep):
+        self.ways.append("on the device")
+
+    def copy_host(self, job, *, to_device, keep):
+        self.ways.append("host to device" if to_device else "device to host")
+
+    def _copy_between_devices(self, job):
+        self.ways.append("between devices")
+        return Completion()
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "way"),
+    [
+        ("cpu", "cuda:0", "host to device"),
+        ("cuda:1", "cpu", "device to host"),
+        ("cuda:1", "cuda:1", "on the device"),
+        ("cuda:0", "cuda:1", "between devices"),
+    ],
+)
+def test_a_copy_goes_the_way_its_devices_say_and_keeps_the_callers_tensors(src, dst, way):
+    source, dest = caches("KBNHC", "KBNHC", 6, 1), caches("KBNHC", "KBNHC", 6, 2)
+    job = host_job(source, dest, "KBNHC", "KBNHC", [1, 2], [4, 0], non_blocking=True)
+    job = dataclasses.replace(job, src_device=torch.device(src), dst_device=torch.device(dst))
+    backend = WayRecorder()
+    completion = backend.copy(job)
+    assert backend.ways == [way]
+    if way == "between devices":
+        return  # torch's peer copies, complete on return
+    kept = {id(t) for t in completion.keep}
+    assert all(id(member.tensor) in kept for pair in job.pairs for member in pair)  # until the device is done
+    completion.wait()
+    assert completion.keep == []
+
+
+def test_host_blocks_that_are_not_one_span_each_cross_through_the_bounce_buffer():
+    """Every other block of a host cache (its blocks are not back to back): a run of host ids
+    is not one span, so the copy is staged whole, never read or written as spans."""
+    device = caches("KBNHC", "KBHNC", 16, 40)
+    whole = caches("KBNHC", "KBNHC", 24, 41)
+    host = {name: t[:, ::2] for name, t in whole.items()}
+    device_ids, host_ids = [13, 2, 7, 9, 0], [3, 4, 5, 9, 10]
+    for to_device in (True, False):
+        src, dst = (host, device) if to_device else (device, host)
+        src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
+        before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+        whole_before = {name: raw(t).clone() for name, t in whole.items()}
+        job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
+        backend, keep = CpuStandIn(use_triton=False), []
+        finish = backend.copy_host(job, to_device=to_device, keep=keep)
+        if finish is not None:
+            finish()
+        check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+        staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
+        assert [tuple(t.shape[:2]) for t in staged] == [(8, 2), (8, 2)]  # bounce and device staging, block-major
+        for name, t in whole.items():  # the blocks between the host's were never written
+            assert torch.equal(raw(t)[:, 1::2], whole_before[name][:, 1::2])
 
 
 def test_receive_on_the_torch_path_matches_the_sender():

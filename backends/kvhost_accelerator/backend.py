@@ -251,8 +251,7 @@ class AcceleratorBackend(Backend):
     # --- copies --------------------------------------------------------------------------
 
     def copy(self, job: CopyJob) -> Completion:
-        src_device = job.pairs[0][0].tensor.device
-        dst_device = job.pairs[0][1].tensor.device
+        src_device, dst_device = job.src_device, job.dst_device
         mine = self.device_types
         if src_device.type in mine and dst_device.type in mine and src_device != dst_device:
             return self._copy_between_devices(job)
@@ -285,7 +284,7 @@ class AcceleratorBackend(Backend):
         if kernels is None:
             self.torch_path.copy(job)
             return
-        device = job.pairs[0][0].tensor.device
+        device = job.src_device
         src_bases = np.array([s.tensor.data_ptr() for s, _ in job.pairs], dtype=np.int64)
         dst_bases = np.array([d.tensor.data_ptr() for _, d in job.pairs], dtype=np.int64)
         alignment = int(np.bitwise_or.reduce(np.concatenate([src_bases, dst_bases])))
@@ -449,7 +448,7 @@ class AcceleratorBackend(Backend):
     def _copy_between_devices(self, job: CopyJob) -> Completion:
         """Two devices of this type: torch's peer copies, complete on return."""
         self.torch_path.copy(job)
-        for device in {job.pairs[0][0].tensor.device, job.pairs[0][1].tensor.device}:
+        for device in {job.src_device, job.dst_device}:
             self.runtime.record(self.runtime.current_stream(device)).synchronize()
         return Completion()
 
