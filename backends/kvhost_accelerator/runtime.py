@@ -30,7 +30,6 @@ class DeviceRuntime:
     """Device-generic stream and event calls for one torch device type (``cuda`` or ``xpu``)."""
 
     def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
         self.module: Any = torch.get_device_module(device_type)
         accelerator = getattr(torch, "accelerator", None)
         # torch.accelerator.set_stream arrived in torch 2.6; before it, the device module's calls.
@@ -117,11 +116,12 @@ class _Finished:
 
 
 class SynchronousRuntime(DeviceRuntime):
-    """The CPU stand-in: every operation is complete on return, memory is ordinary memory."""
+    """The CPU stand-in: every operation is complete on return, memory is ordinary memory.
+
+    It answers every call itself, so it holds none of a device runtime's state."""
 
     def __init__(self) -> None:
-        self.device_type = "cpu"
-        self.generic = True
+        pass
 
     def current_stream(self, device: torch.device) -> None:
         return None
