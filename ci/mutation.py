@@ -316,7 +316,8 @@ class _Collector(ast.NodeVisitor):
             for default in [*node.args.defaults, *node.args.kw_defaults]:
                 if default is not None:
                     self.visit(default)  # evaluated where the function is defined
-            compiled = any(_decorator_name(d) in COMPILERS for d in node.decorator_list)
+            # Triton's kernels run as Python under TRITON_INTERPRET=1, where coverage sees their lines.
+            compiled = self.module in COMPILED and any(_decorator_name(d) in COMPILERS for d in node.decorator_list)
             self.when = "compiled" if compiled or outer_when == "compiled" else "call"
         self.scope.append(node.name)
         body = node.body
