@@ -113,6 +113,17 @@ def test_with_kernels_the_description_says_when_a_receive_takes_two_launches(fen
     assert ("every receive in two launches" in text) == (not fenced)
 
 
+@pytest.mark.parametrize(
+    ("version", "old"), [("3.1.9", True), ("2.9.0", True), ("3.2.0", False), ("3.10.0", False), ("4.0.0+git1", False)]
+)
+def test_the_kernels_need_triton_3_2_or_later(monkeypatch, version, old):
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(kernels.triton, "__version__", version)
+    assert kernels.too_old() == (f"triton {version} is older than 3.2" if old else None)
+
+
 def test_a_triton_too_old_for_the_kernels_means_torch_ops(monkeypatch):
     kernels = load_kernels()
     if kernels is None or kernels.interpreted():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import Target
+from kvhost_accelerator.backend import load_kernels
 from kvhost_accelerator.interpret import TritonInterpretBackend
 from kvhost_accelerator.launch import Limits, plan_receive_launch
 from test_copy import test_copy_between_layouts_and_devices as copy_conformance
@@ -38,15 +39,39 @@ def tiny_target(limits: Limits = TINY) -> Target:
     return Target(TritonInterpretBackend(limits), "cpu")  # type: ignore[arg-type]
 
 
+GUARD_WORDS = 256
+SENTINEL = -7
+
+
+@pytest.fixture
+def guarded_scratch(monkeypatch):
+    """Each receive's scratch placed between guard words; after the test, every guard word
+    must still hold its sentinel: the kernels write their slots and nothing around them
+    (a receive that is the identity launches nothing)."""
+    kernels = load_kernels()
+    original = kernels.receive_calls
+    scratches: list[tuple[torch.Tensor, int]] = []
+
+    def guarded(launch, *, scratch, **tables):
+        memory = torch.full((scratch.numel() + 2 * GUARD_WORDS,), SENTINEL, dtype=scratch.dtype)
+        scratches.append((memory, scratch.numel()))
+        return original(launch, scratch=memory[GUARD_WORDS : GUARD_WORDS + scratch.numel()], **tables)
+
+    monkeypatch.setattr(kernels, "receive_calls", guarded)
+    yield
+    for memory, words in scratches:
+        assert (memory[:GUARD_WORDS] == SENTINEL).all() and (memory[GUARD_WORDS + words :] == SENTINEL).all()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[::11])
-def test_receive_through_scratch_in_tiny_tiles(layout, kind, k, order):
+def test_receive_through_scratch_in_tiny_tiles(guarded_scratch, layout, kind, k, order):
     receive_conformance(tiny_target(), layout, kind, k, order)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[5::11])
-def test_receive_split_over_launches(layout, kind, k, order):
+def test_receive_split_over_launches(guarded_scratch, layout, kind, k, order):
     receive_conformance(tiny_target(SPLIT), layout, kind, k, order)
 
 
