@@ -383,11 +383,11 @@ def test_host_to_device_takes_runs_directly_or_stages(non_blocking):
     check_blocks(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, before)
 
 
-SPANS = {
-    "6 blocks": ([13, 2, 7, 9, 0, 4], [6, 7, 3, 4, 5, 8]),  # host runs 3..8 in a shuffled order
+SPANS = {  # device ids, host ids, blocks of the staging buffer (rounded up to a power of two)
+    "6 blocks": ([13, 2, 7, 9, 0, 4], [6, 7, 3, 4, 5, 8], 8),  # host runs 3..8 in a shuffled order
     # 12 device blocks, none next to another: 3 layers x K x 12 = 72 copies if each were its
     # own span, over max_host_copies; the host's 12 are one run, 6 copies.
-    "12 blocks": ([22, 0, 4, 18, 8, 12, 2, 20, 10, 14, 6, 16], [11, 0, 4, 3, 2, 1, 10, 9, 5, 6, 8, 7]),
+    "12 blocks": ([22, 0, 4, 18, 8, 12, 2, 20, 10, 14, 6, 16], [11, 0, 4, 3, 2, 1, 10, 9, 5, 6, 8, 7], 16),
 }
 
 
@@ -399,7 +399,7 @@ def test_scattered_device_blocks_and_host_runs_cross_as_host_spans(to_device, la
     The host's runs decide it, however scattered the device's blocks are."""
     device = caches("KBNHC", "KBHNC", 24, 20, layers=layers)
     host = caches("KBNHC", "KBNHC", 12, 30, layers=layers)
-    device_ids, host_ids = SPANS[ids]
+    device_ids, host_ids, blocks = SPANS[ids]
     src, dst = (host, device) if to_device else (device, host)
     src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
     before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
@@ -408,7 +408,6 @@ def test_scattered_device_blocks_and_host_runs_cross_as_host_spans(to_device, la
     assert backend.direct_copies(job) > backend.max_run_copies
     assert backend.copy_host(job, to_device=to_device, keep=keep) is None
     staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
-    blocks = 8 if len(device_ids) <= 8 else 16
     assert [tuple(t.shape) for t in staged] == [(layers, 2, blocks, 8, 2, 16)]  # layers, then the host order K B N H C
     check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
 
