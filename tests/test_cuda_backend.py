@@ -501,6 +501,39 @@ def test_host_blocks_that_are_not_one_span_each_cross_through_the_bounce_buffer(
             assert torch.equal(raw(t)[:, 1::2], whole_before[name][:, 1::2])
 
 
+class StagingRecorder(CpuStandIn):
+    """Records the device each staging buffer is made for (None: pinned host memory)."""
+
+    def __init__(self) -> None:
+        super().__init__(use_triton=False)
+        self.devices: list[torch.device | None] = []
+
+    def staging(self, like, count, device, *, block_major=True):
+        self.devices.append(device)
+        return super().staging(like, count, device, block_major=block_major)
+
+
+@pytest.mark.parametrize("way", ["_copy_host_spans", "_copy_bounced"])
+@pytest.mark.parametrize("to_device", [True, False])
+def test_staged_copies_stage_on_the_device_the_job_names(way, to_device):
+    """The device side is the job's device (``cpu:0`` here, the host plain ``cpu``), not a
+    device read back from a tensor, which the stand-in cannot tell from the host."""
+    device, host = caches("KBNHC", "KBHNC", 12, 42), caches("KBNHC", "KBNHC", 8, 43)
+    device_ids, host_ids = [9, 2, 5], [1, 2, 3]
+    src, dst = (host, device) if to_device else (device, host)
+    src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
+    before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+    job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
+    named = torch.device("cpu", 0)
+    job = dataclasses.replace(job, **{"dst_device" if to_device else "src_device": named})
+    backend, keep = StagingRecorder(), []
+    finish = getattr(backend, way)(job, to_device=to_device, keep=keep)
+    if finish is not None:
+        finish()
+    check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+    assert backend.devices == ([named] if way == "_copy_host_spans" else [None, named])
+
+
 def test_receive_on_the_torch_path_matches_the_sender():
     from kvhost.testing import ReceiveCase
 

@@ -344,12 +344,13 @@ class AcceleratorBackend(Backend):
         device_side = [d if to_device else s for s, d in job.pairs]
         host_ids = job.src_ids if to_device else job.dst_ids
         device_ids = job.dst_ids if to_device else job.src_ids
+        device = job.dst_device if to_device else job.src_device
         count = int(host_ids.size)
         # Staging position of a block: its rank among the host ids, so host runs are staging runs.
         order = np.argsort(host_ids, kind="stable")
         positions = np.empty(count, dtype=np.int64)
         positions[order] = np.arange(count)
-        staged, staged_members = self.staging(host, count, device_side[0].tensor.device, block_major=False)
+        staged, staged_members = self.staging(host, count, device, block_major=False)
         keep.append(staged)
         # (first host id, staging position, count) of each run of the sorted host ids.
         spans = [(first, position, n) for first, position, n in find_runs(host_ids[order], positions[order]).tolist()]
@@ -375,7 +376,7 @@ class AcceleratorBackend(Backend):
         device_side = [d if to_device else s for s, d in job.pairs]
         count = int(job.src_ids.size)
         positions = np.arange(count, dtype=np.int64)
-        device = device_side[0].tensor.device
+        device = job.dst_device if to_device else job.src_device
         bounce, bounce_members = self.staging(host, count, None)
         staged, staged_members = self.staging(host, count, device)
         keep += [bounce, staged]
