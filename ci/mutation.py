@@ -88,6 +88,10 @@ class Module:
     needs: str | None = None
     keyword: str | None = None
     env: tuple[tuple[str, str], ...] = ()  # set for its tests (before they import anything)
+    # Test files run whole, without ``env``, for a mutant the selection lets through: the
+    # kernels the interpreter runs as Python are also read as the compiler builds them
+    # (the barriers that order threads, which the interpreter runs one at a time).
+    compiled_tests: tuple[str, ...] = ()
 
     @property
     def selection(self) -> tuple[str | None, tuple[tuple[str, str], ...]]:
@@ -159,18 +163,20 @@ MODULES = [
     ),
     *(
         # The CUDA/XPU backends' shared code, on CPU tensors: the kernels run by Triton's
-        # interpreter (the triton-interpret target), as ci/cpu.sh runs them.
+        # interpreter (the triton-interpret target), as ci/cpu.sh runs them; the kernels
+        # also compiled for real GPUs, as make test compiles them.
         Module(
             path,
             (*ACCELERATOR, *CONFORMANCE, *CHECKS, *XLA),
             keyword="triton or cuda",
             env=(("TRITON_INTERPRET", "1"),),
+            compiled_tests=compiled_tests,
         )
-        for path in (
-            "backends/kvhost_accelerator/launch.py",
-            "backends/kvhost_accelerator/backend.py",
-            "backends/kvhost_accelerator/kernels.py",
-            "backends/kvhost_accelerator/runtime.py",
+        for path, compiled_tests in (
+            ("backends/kvhost_accelerator/launch.py", ()),
+            ("backends/kvhost_accelerator/backend.py", ()),
+            ("backends/kvhost_accelerator/kernels.py", ("tests/test_triton_compile.py",)),
+            ("backends/kvhost_accelerator/runtime.py", ()),
         )
     ),
     # The ahead-of-time compiles: judged where Triton compiles (no interpreter), as make test runs them.
@@ -553,6 +559,7 @@ COMPILED_ENTRY = {
 }
 IMPORT = "<import>"  # coverage's entry for the lines run before any test (ci/mutation_server.py)
 COMPILE_SECONDS = 240  # allowance for numba to compile a mutated kernel module from scratch
+COMPILED_TESTS_SECONDS = 300  # a module's compiled_tests, whole: Triton compiling every case from scratch
 START_SECONDS = 30  # a fork, the imports of kvhost and the test files, collection
 
 
@@ -818,8 +825,9 @@ def _function_lines(module: str, name: str) -> range:
 
 
 def test_mutant(worker: Worker, mutant: Mutant, module: Module, tests: list[str], timeout: float) -> Result:
-    """Write the mutant over the copy, run its tests, put the original back (with its file time)."""
-    if not tests:
+    """Write the mutant over the copy, run its tests (then the module's ``compiled_tests``
+    if those pass), put the original back (with its file time)."""
+    if not tests and not module.compiled_tests:
         return Result(mutant.key, mutant.module, mutant.line, mutant.op, "survived", 0.0, 0, "no test runs this code")
     path = worker.tree / mutant.module
     original = ROOT / mutant.module
@@ -831,7 +839,10 @@ def test_mutant(worker: Worker, mutant: Mutant, module: Module, tests: list[str]
         env["NUMBA_CACHE_DIR"] = str(fresh)  # compiled from the mutated source, and thrown away
         env["NUMBA_BOUNDSCHECK"] = "1"  # as ci/memcheck.sh runs the kernels: an index past an array's end raises
     try:
-        status, seconds, output = worker.run(["-x", *tests], timeout, env)
+        status, seconds, output = worker.run(["-x", *tests], timeout, env) if tests else ("passed", 0.0, "")
+        if status == "passed" and module.compiled_tests:
+            status, compiling, output = worker.run(["-x", *module.compiled_tests], COMPILED_TESTS_SECONDS)
+            seconds += compiling
     finally:
         shutil.copy2(original, path)
         shutil.rmtree(fresh, ignore_errors=True)
