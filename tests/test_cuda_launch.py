@@ -15,8 +15,10 @@ from kvhost_accelerator.backend import _byte_view
 from kvhost_accelerator.launch import (
     Limits,
     Rows,
+    Tile,
     plan_copy_launch,
     plan_receive_launch,
+    register_cost,
     widest_word,
 )
 from test_receive import LAYOUTS, RATIOS, remote_orders, request_ids
@@ -63,6 +65,9 @@ def run_receive_launch(job, limits: Limits) -> None:
     region = job.rearrangement.region_bytes
     columns = np.arange(run)
     assert launch.items == len(bases) * outer.size * units * launch.pieces
+    if launch.in_registers:  # a piece held whole by one program: within both register budgets
+        assert launch.piece_words * launch.word_bytes <= limits.register_bytes
+        assert register_cost(launch.tile, launch.word_bytes, launch.align_bytes) <= limits.thread_registers
     # Every unit's words, in the kernels' item order: (member, outer index, unit).
     memories = [_byte_view(member.tensor).numpy() for member in job.members]
     starts, unit_words = [], []
@@ -284,6 +289,56 @@ def test_limits_a_kernel_cannot_run_with_are_refused(field, value):
         Limits(**{field: value})
 
 
+def test_limits_at_their_edges_are_taken():
+    limits = Limits(tile_bytes=1, programs=1)  # 2^0 bytes is a power of two
+    assert (limits.tile_bytes, limits.programs) == (1, 1)
+
+
+def staging_copy_plan():
+    """A staging copy's plan: HND blocks of 16 tokens into NHD ones, rows of one head's 128 bf16 channels."""
+    return plan_copy(vllm_cache("KBHNC", tokens=16), vllm_cache("KBNHC", tokens=16))
+
+
+@pytest.mark.parametrize(
+    ("tile_bytes", "tile", "warps"),
+    [(16 << 10, Tile(64, 32), 8), (8 << 10, Tile(32, 32), 4), (4 << 10, Tile(16, 32), 4)],
+)
+def test_tiles_fill_their_budget_and_take_8_warps_past_8_kib(tile_bytes, tile, warps):
+    launch = plan_copy_launch(
+        staging_copy_plan(), pairs=2, blocks=4, alignment=256, limits=Limits(tile_bytes=tile_bytes)
+    )
+    assert (launch.word_bytes, launch.align_bytes) == (8, 16)
+    assert launch.tile == tile and launch.num_warps == warps
+
+
+def test_a_tile_costing_exactly_the_thread_budget_is_kept():
+    plan = staging_copy_plan()
+    full = plan_copy_launch(plan, pairs=2, blocks=4, alignment=256, limits=Limits())
+    cost = register_cost(full.tile, full.word_bytes, full.align_bytes)
+    assert cost == 24  # 64 rows x 32 words over 256 threads, as 16-byte pairs: 4 accesses of 4 + 2 registers
+    at_budget = plan_copy_launch(plan, pairs=2, blocks=4, alignment=256, limits=Limits(thread_registers=cost))
+    assert at_budget.tile == full.tile
+    under = plan_copy_launch(plan, pairs=2, blocks=4, alignment=256, limits=Limits(thread_registers=cost - 1))
+    assert under.tile.words < full.tile.words
+    assert register_cost(under.tile, under.word_bytes, under.align_bytes) <= cost - 1
+
+
+def test_a_tile_shrinks_to_one_word_and_no_further():
+    """A budget no tile meets still leaves a tile that moves something."""
+    launch = plan_copy_launch(staging_copy_plan(), pairs=2, blocks=4, alignment=256, limits=Limits(thread_registers=1))
+    assert launch.tile == Tile(1, 1)
+
+
+def test_an_empty_launch_still_has_a_grid():
+    """Zero items: one program that finds no work (a grid of none is not a launch)."""
+    receive = plan_receive_launch(
+        plan_receive(vllm_cache("KBNHC"), "HNC", 16), members=2, outer=2, units=0, alignment=256, limits=Limits()
+    )
+    copy = plan_copy_launch(staging_copy_plan(), pairs=2, blocks=0, alignment=256, limits=Limits())
+    assert (receive.items, receive.programs) == (0, 1)
+    assert (copy.items, copy.programs) == (0, 1)
+
+
 def test_helpers():
     assert widest_word(256, 64) == 8 and widest_word(6) == 2 and widest_word(256, most=16) == 16
     assert widest_word() == 8
@@ -360,3 +415,12 @@ def test_launches_too_large_for_int32_items_are_refused():
     plan = plan_receive(vllm_cache("KBHNC"), "NHC", 16)
     with pytest.raises(kvhost.BackendError, match="work items in one launch"):
         plan_receive_launch(plan, members=1 << 12, outer=2, units=1 << 20, alignment=256, limits=Limits())
+
+
+def test_launches_of_up_to_2_31_minus_1_items_are_planned():
+    """The kernels count items in int32: 2^31 - 1 is the last count they can hold."""
+    plan = staging_copy_plan()
+    most = plan_copy_launch(plan, pairs=1, blocks=(1 << 31) - 1, alignment=256, limits=Limits())
+    assert most.items == (1 << 31) - 1
+    with pytest.raises(kvhost.BackendError, match="2147483648 work items in one launch"):
+        plan_copy_launch(plan, pairs=2, blocks=1 << 30, alignment=256, limits=Limits())

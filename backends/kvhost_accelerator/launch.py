@@ -260,10 +260,10 @@ class ReceiveLaunch:
     items: int
     programs: int
     num_warps: int
-    chunks: int = 1
-    round_pieces: int = 0
-    halves: int = 0
-    schedule: tuple[Round, ...] = field(default=(), repr=False)
+    chunks: int
+    round_pieces: int
+    halves: int
+    schedule: tuple[Round, ...] = field(repr=False)
 
     @property
     def in_registers(self) -> bool:
