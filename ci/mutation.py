@@ -88,9 +88,10 @@ class Module:
     needs: str | None = None
     keyword: str | None = None
     env: tuple[tuple[str, str], ...] = ()  # set for its tests (before they import anything)
-    # Test files run whole, without ``env``, for a mutant the selection lets through: the
-    # kernels the interpreter runs as Python are also read as the compiler builds them
-    # (the barriers that order threads, which the interpreter runs one at a time).
+    # Test files run whole, without ``env``, for a mutant the selection lets through: where
+    # Triton compiles instead of interpreting, the kernels are read as the compiler builds
+    # them (the barriers that order threads, which the interpreter runs one at a time) and
+    # the backend takes the path it takes with compiled kernels.
     compiled_tests: tuple[str, ...] = ()
 
     @property
@@ -174,7 +175,7 @@ MODULES = [
         )
         for path, compiled_tests in (
             ("backends/kvhost_accelerator/launch.py", ()),
-            ("backends/kvhost_accelerator/backend.py", ()),
+            ("backends/kvhost_accelerator/backend.py", ("tests/test_cuda_backend.py",)),
             ("backends/kvhost_accelerator/kernels.py", ("tests/test_triton_compile.py",)),
             ("backends/kvhost_accelerator/runtime.py", ()),
         )

@@ -441,12 +441,17 @@ class WayRecorder(CpuStandIn):
     def __init__(self) -> None:
         super().__init__(use_triton=False)
         self.ways: list[str] = []
+        self.finished = 0  # host work run after the device was done (a bounced save's last step)
 
     def copy_on_device(self, job, keep):
         self.ways.append("on the device")
 
     def copy_host(self, job, *, to_device, keep):
         self.ways.append("host to device" if to_device else "device to host")
+        return None if to_device else self.finish
+
+    def finish(self) -> None:
+        self.finished += 1
 
     def _copy_between_devices(self, job):
         self.ways.append("between devices")
@@ -473,8 +478,40 @@ def test_a_copy_goes_the_way_its_devices_say_and_keeps_the_callers_tensors(src, 
         return  # torch's peer copies, complete on return
     kept = {id(t) for t in completion.keep}
     assert all(id(member.tensor) in kept for pair in job.pairs for member in pair)  # until the device is done
+    assert backend.finished == 0
     completion.wait()
-    assert completion.keep == []
+    assert completion.keep == [] and backend.finished == (1 if way == "device to host" else 0)
+
+
+@pytest.mark.parametrize(("src", "dst"), [("cpu", "cuda:0"), ("cuda:1", "cpu"), ("cuda:1", "cuda:1")])
+def test_a_blocking_copy_is_complete_when_copy_returns(src, dst):
+    """Nothing held, and the host's share of a save already run: the front end does not wait on it."""
+    source, dest = caches("KBNHC", "KBNHC", 6, 1), caches("KBNHC", "KBNHC", 6, 2)
+    job = host_job(source, dest, "KBNHC", "KBNHC", [1, 2], [4, 0], non_blocking=False)
+    job = dataclasses.replace(job, src_device=torch.device(src), dst_device=torch.device(dst))
+    backend = WayRecorder()
+    completion = backend.copy(job)
+    assert completion.keep == [] and backend.finished == (1 if dst == "cpu" else 0)
+    assert completion.done()
+
+
+def test_a_copy_between_two_devices_of_its_type_is_done_on_return():
+    """Two devices (``cpu:0`` and ``cpu:1`` for the stand-in): torch's peer copies, then both synchronized."""
+    src, dst = caches("KBNHC", "KBHNC", 8, 44), caches("KBNHC", "KBNHC", 6, 45)
+    before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+    job = host_job(src, dst, "KBNHC", "KBNHC", [7, 0, 3], [5, 1, 2], non_blocking=True)
+    job = dataclasses.replace(job, src_device=torch.device("cpu", 0), dst_device=torch.device("cpu", 1))
+    completion = CpuStandIn(use_triton=False).copy(job)
+    assert type(completion) is Completion and completion.done()
+    check_blocks(src, dst, "KBNHC", "KBNHC", [7, 0, 3], [5, 1, 2], before)
+
+
+def test_host_copies_are_separate_calls_when_few_or_each_large():
+    backend = CpuStandIn(use_triton=False)
+    most, span = backend.max_host_copies, backend.direct_span_bytes
+    assert backend.few_spans(0, most) and not backend.few_spans(0, most + 1)
+    assert backend.few_spans((most + 1) * span, most + 1)  # each copy at least a span
+    assert not backend.few_spans((most + 1) * span - 1, most + 1)
 
 
 def test_host_blocks_that_are_not_one_span_each_cross_through_the_bounce_buffer():

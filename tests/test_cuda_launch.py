@@ -246,6 +246,10 @@ def test_pieces_with_a_slot_per_program_keep_one_launch():
     fewer = Limits(programs=384)
     launch = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=fewer)
     assert launch.mode == "slots" and launch.launches == 1 and launch.programs == 384
+    at_edge = Limits(programs=384, scratch_bytes=384 * (64 << 10))  # a slot for every program, not a byte more
+    assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=at_edge).mode == "slots"
+    short = Limits(programs=384, scratch_bytes=384 * (64 << 10) - 1)
+    assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=short).mode == "split"
 
 
 def test_without_a_global_barrier_every_piece_is_split():
@@ -309,6 +313,17 @@ def test_tiles_fill_their_budget_and_take_8_warps_past_8_kib(tile_bytes, tile, w
     )
     assert (launch.word_bytes, launch.align_bytes) == (8, 16)
     assert launch.tile == tile and launch.num_warps == warps
+
+
+@pytest.mark.parametrize("tile_bytes", [1 << n for n in range(16)])
+def test_a_tile_stays_within_its_bytes(tile_bytes):
+    """Rows of 256 bytes (32 words of 8): from 256 bytes down a tile is one row, then part of one."""
+    launch = plan_copy_launch(
+        staging_copy_plan(), pairs=2, blocks=4, alignment=256, limits=Limits(tile_bytes=tile_bytes)
+    )
+    assert launch.tile.words * launch.word_bytes <= max(tile_bytes, launch.word_bytes)
+    if tile_bytes <= 256:
+        assert launch.tile == Tile(1, max(1, tile_bytes // 8))
 
 
 def test_a_tile_costing_exactly_the_thread_budget_is_kept():
