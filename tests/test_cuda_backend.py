@@ -212,10 +212,11 @@ def test_a_dropped_handle_waits_for_its_copy_before_releasing_what_it_keeps():
     completion = EventCompletion(event, keep=[buffer], finish=lambda: steps.append("host"))
     del buffer
     assert kept() is not None and event.waits == 0
-    with pytest.warns(ResourceWarning, match="dropped before done"):
+    with pytest.warns(ResourceWarning, match="dropped before done") as warned:
         del completion
         gc.collect()
     assert event.waits == 1 and steps == ["host"] and kept() is None
+    assert warned[0].filename == __file__  # the line that dropped it, not kvhost's
 
 
 def test_a_handle_seen_done_goes_quietly():
@@ -504,6 +505,24 @@ def test_a_copy_between_two_devices_of_its_type_is_done_on_return():
     completion = CpuStandIn(use_triton=False).copy(job)
     assert type(completion) is Completion and completion.done()
     check_blocks(src, dst, "KBNHC", "KBNHC", [7, 0, 3], [5, 1, 2], before)
+
+
+def test_copies_on_the_device_are_direct_up_to_max_run_copies():
+    """At most ``max_run_copies`` ``copy_`` calls go direct; one more and the kernel (here
+    the torch path: no kernels on the stand-in) takes the whole job."""
+    src, dst = caches("KBNHC", "KBNHC", 12, 46), caches("KBNHC", "KBNHC", 12, 47)
+    src_ids, dst_ids = [0, 1, 5, 6], [2, 3, 8, 9]  # two runs
+    for spare, direct in ((0, True), (-1, False)):
+        job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
+        backend = CpuStandIn(use_triton=False)
+        calls = backend.direct_copies(job)
+        assert calls == 2 * 2 * 2  # layers x K halves x runs
+        backend.max_run_copies = calls + spare
+        taken = []
+        backend.copy_direct = lambda job, taken=taken: taken.append(job)  # type: ignore[method-assign]
+        backend.torch_path.copy = lambda job, taken=taken: taken.append("torch path")  # type: ignore[method-assign]
+        backend.copy_on_device(job, [])
+        assert taken == ([job] if direct else ["torch path"])
 
 
 def test_host_copies_are_separate_calls_when_few_or_each_large():

@@ -359,6 +359,15 @@ def test_helpers():
     assert widest_word() == 8
 
 
+def test_register_cost_of_narrow_rows():
+    """2-byte words in rows of one word: each access moves one word (a register) from its
+    own 64-bit address (two): three registers per two bytes. 4 warps for tiles up to 8 KiB."""
+    for rows in (128, 256, 1024):
+        assert register_cost(Tile(rows, 1), word=2, align=2) == 3 * rows // 128
+    # Rows of 8 words 16-byte aligned: one 16-byte vector per access, 4 registers + 2.
+    assert register_cost(Tile(128, 8), word=2, align=16) == 6
+
+
 def run_copy_launch(job, limits: Limits) -> None:
     """Carry out a copy launch with NumPy, block by block like the kernel."""
     src_bases = [s.tensor.data_ptr() for s, _ in job.pairs]

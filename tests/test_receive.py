@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.testing import ReceiveCase, make_cache
+from kvhost.testing import ReceiveCase, fill_random, make_cache
 
 # (axes in shape order, physical order in memory, sizes). Local block size N = 8.
 LAYOUTS = {
@@ -131,6 +131,33 @@ def test_layers_as_views_of_one_cross_layer_buffer(target, kind, k):
         caches, requests, axes="BHNC", remote_order="NHC", remote_block_size=remote_size, backend=target.backend
     )
     case.check()
+
+
+@pytest.mark.parametrize(("kind", "k"), [("r", 2), ("r", 4), ("g", 2)])
+def test_blocks_padded_past_their_region(target, kind, k):
+    # A cache whose blocks carry 2 bytes of padding: 66 bytes apart, 64-byte regions, so
+    # only 2-byte words divide every block's address. The padding is never written.
+    if target.device == "xla":
+        pytest.skip("XLA tensors have no strides: their memory order is their shape order")
+    blocks, heads, tokens, channels = 12, 2, 4, 4
+    stride = heads * tokens * channels + 1
+    memory = torch.empty(2 * blocks * stride, dtype=torch.bfloat16, device=target.device)
+    hnd = memory.as_strided(
+        (2, blocks, heads, tokens, channels), (blocks * stride, stride, tokens * channels, channels, 1)
+    )
+    caches = {"layer": hnd.permute(0, 1, 3, 2, 4)}  # KBNHC over head-major blocks
+    fill_random(caches["layer"], k)
+    padding = memory.view(torch.int16).view(2 * blocks, stride)[:, -1].clone()
+    remote_size = tokens // k if kind == "r" else tokens * k
+    case = ReceiveCase(caches, "KBNHC", seed=k)
+    for name, ids in request_ids(k if kind == "g" else 1).items():
+        case.send(name, ids, "NHC", remote_size)
+    requests = {name: wired.block_ids for name, wired in case.requests.items()}
+    kvhost.receive(
+        caches, requests, axes="KBNHC", remote_order="NHC", remote_block_size=remote_size, backend=target.backend
+    )
+    case.check()
+    assert torch.equal(memory.view(torch.int16).view(2 * blocks, stride)[:, -1], padding)
 
 
 def test_kv_tuples(target):

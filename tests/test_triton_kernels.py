@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import Target
+from kvhost_accelerator import backend as accelerator_backend
 from kvhost_accelerator.backend import load_kernels
 from kvhost_accelerator.interpret import TritonInterpretBackend
 from kvhost_accelerator.launch import Limits, plan_receive_launch
@@ -111,6 +112,36 @@ def test_misaligned_caches_move_narrow_words(dtype, skip, word):
     alignment = int(np.bitwise_or.reduce(np.concatenate([bases, job.layout.outer_offsets_bytes])))
     launch = plan_receive_launch(job.rearrangement, members=2, outer=2, units=3, alignment=alignment, limits=Limits())
     assert launch.word_bytes == word
+
+
+@pytest.mark.parametrize("limits", [None, TINY], ids=["default", "tiny"])
+def test_blocks_padded_to_a_stride_the_words_do_not_divide(monkeypatch, limits):
+    """Regions of 64 bytes, blocks 66 bytes apart (a cache with a 2-byte pad per block): the
+    block stride, not the bases or the region, narrows the word to 2 bytes. (The interpreter
+    reads a wider word at any address; a GPU would fault, so the plan's word is checked.)"""
+    planned = []
+
+    def plan_and_record(*args, **kwargs):
+        planned.append(plan_receive_launch(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(accelerator_backend, "plan_receive_launch", plan_and_record)
+    blocks, heads, tokens, channels = 10, 2, 4, 4
+    stride = heads * tokens * channels + 1  # elements from one block to the next
+    memory = torch.empty(2 * blocks * stride, dtype=torch.bfloat16)
+    hnd = memory.as_strided(
+        (2, blocks, heads, tokens, channels), (blocks * stride, stride, tokens * channels, channels, 1)
+    )
+    caches = {"l": hnd.permute(0, 1, 3, 2, 4)}  # KBNHC axes over head-major blocks
+    fill_random(caches["l"], 5)
+    pads = memory.view(torch.int16).view(2 * blocks, stride)[:, -1].clone()
+    case = ReceiveCase(caches, "KBNHC", seed=22)
+    case.send("r", [6, 1, 9], "NHC", 2)
+    kvhost.receive(caches, {"r": [6, 1, 9]}, axes="KBNHC", remote_order="NHC", remote_block_size=2,
+                   backend=TritonInterpretBackend(limits))  # fmt: skip
+    case.check()
+    assert torch.equal(memory.view(torch.int16).view(2 * blocks, stride)[:, -1], pads)  # the pads are never written
+    assert [launch.word_bytes for launch in planned] == [2]
 
 
 @pytest.mark.parametrize("limits", [None, TINY, SPLIT], ids=["default", "tiny", "split"])
