@@ -557,12 +557,27 @@ def test_host_blocks_that_are_not_one_span_each_cross_through_the_bounce_buffer(
             assert torch.equal(raw(t)[:, 1::2], whole_before[name][:, 1::2])
 
 
+class PinnedRecorder(SynchronousRuntime):
+    """The stand-in's runtime, counting the buffers asked of its pinned host memory."""
+
+    def __init__(self) -> None:
+        self.pinned = 0
+
+    def host_buffer(self, shape, dtype):
+        self.pinned += 1
+        return super().host_buffer(shape, dtype)
+
+
 class StagingRecorder(CpuStandIn):
     """Records the device each staging buffer is made for (None: pinned host memory)."""
 
     def __init__(self) -> None:
         super().__init__(use_triton=False)
         self.devices: list[torch.device | None] = []
+
+    @cached_property
+    def runtime(self) -> DeviceRuntime:
+        return PinnedRecorder()
 
     def staging(self, like, count, device, *, block_major=True):
         self.devices.append(device)
@@ -588,6 +603,7 @@ def test_staged_copies_stage_on_the_device_the_job_names(way, to_device):
         finish()
     check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
     assert backend.devices == ([named] if way == "_copy_host_spans" else [None, named])
+    assert backend.runtime.pinned == (0 if way == "_copy_host_spans" else 1)  # the bounce buffer is pinned
 
 
 def test_receive_on_the_torch_path_matches_the_sender():

@@ -215,6 +215,8 @@ def test_large_pieces_fill_the_device(heads, remote, units):
     assert launch.tile.words * launch.word_bytes <= H200.tile_bytes
     rounds = -(-launch.items // launch.round_pieces)
     assert launch.launches == (rounds + 1 if launch.halves == 2 else 2 * rounds)
+    # Two halves (a round copied in while the last is written back) wherever two pieces fit.
+    assert (launch.halves == 2) == (2 * piece_bytes <= H200.scratch_bytes)
 
 
 @pytest.mark.parametrize(("items", "round_pieces", "halves"), [(1, 4, 2), (9, 4, 2), (8, 4, 2), (5, 1, 1), (7, 3, 1)])

@@ -91,6 +91,24 @@ def test_copy_in_tiny_tiles(pair, ids):
     copy_conformance(tiny_target(), pair, ids, "device->device")
 
 
+@pytest.mark.parametrize("limits", [None, TINY], ids=["default", "tiny"])
+def test_copy_of_blocks_whose_rows_are_not_a_power_of_two(limits):
+    """6 tokens x 3 heads of 12 channels, head-major -> token-major: 18 rows a block, so the
+    last tile of rows is part mask; the blocks around each destination keep their bytes."""
+    src = {"l": torch.empty([10, 3, 6, 12], dtype=torch.float16).permute(0, 2, 1, 3)}  # BNHC axes, HND memory
+    dst = {"l": torch.empty([10, 6, 3, 12], dtype=torch.float16)}
+    fill_random(src["l"], 31)
+    fill_random(dst["l"], 32)
+    before = raw(dst["l"]).clone()
+    src_ids, dst_ids = [7, 2, 5], [1, 4, 8]
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="BNHC", backend=TritonInterpretBackend(limits))
+    source, dest = CacheSet(src, "BNHC").members[0], CacheSet(dst, "BNHC").members[0]
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(read_tokens(dest.tensor, dest.layout, [d]), read_tokens(source.tensor, source.layout, [s]))
+    others = sorted(set(range(10)) - set(dst_ids))
+    assert torch.equal(raw(dst["l"])[others], before[others])
+
+
 def offset_cache(shape_in_memory: list[int], order: list[int], dtype: torch.dtype, skip: int) -> torch.Tensor:
     """A cache that starts ``skip`` items into its allocation: addresses only that aligned."""
     count = int(np.prod(shape_in_memory))
