@@ -111,6 +111,20 @@ def test_every_kv_dtype(target, dtype, kind, k):
     case.check()
 
 
+def receive_and_check(target, caches, axes: str, kind: str, k: int, tokens: int) -> None:
+    """Token-major senders with blocks ``k`` times smaller (r) or larger (g) than the local
+    ``tokens``: send request_ids' requests, receive them in one call, check every block."""
+    remote_size = tokens // k if kind == "r" else tokens * k
+    case = ReceiveCase(caches, axes, seed=k)
+    for name, ids in request_ids(k if kind == "g" else 1).items():
+        case.send(name, ids, "NHC", remote_size)
+    requests = {name: wired.block_ids for name, wired in case.requests.items()}
+    kvhost.receive(
+        caches, requests, axes=axes, remote_order="NHC", remote_block_size=remote_size, backend=target.backend
+    )
+    case.check()
+
+
 @pytest.mark.parametrize(("kind", "k"), RATIOS)
 def test_layers_as_views_of_one_cross_layer_buffer(target, kind, k):
     # Every block holds all layers back to back (a cross-layer allocation) and each layer's
@@ -122,15 +136,7 @@ def test_layers_as_views_of_one_cross_layer_buffer(target, kind, k):
     buffer = torch.empty(12, 3, 2, 8, 4, dtype=torch.bfloat16, device=target.device)  # B, layer, H, N, C
     caches = {f"layer{i}": buffer[:, i] for i in range(3)}
     assert caches["layer1"].stride(0) == 3 * caches["layer1"][0].numel()
-    remote_size = sizes["N"] // k if kind == "r" else sizes["N"] * k
-    case = ReceiveCase(caches, "BHNC", seed=k)
-    for name, ids in request_ids(k if kind == "g" else 1).items():
-        case.send(name, ids, "NHC", remote_size)
-    requests = {name: wired.block_ids for name, wired in case.requests.items()}
-    kvhost.receive(
-        caches, requests, axes="BHNC", remote_order="NHC", remote_block_size=remote_size, backend=target.backend
-    )
-    case.check()
+    receive_and_check(target, caches, "BHNC", kind, k, sizes["N"])
 
 
 @pytest.mark.parametrize(("kind", "k"), [("r", 2), ("r", 4), ("g", 2)])
@@ -148,15 +154,7 @@ def test_blocks_padded_past_their_region(target, kind, k):
     caches = {"layer": hnd.permute(0, 1, 3, 2, 4)}  # KBNHC over head-major blocks
     fill_random(caches["layer"], k)
     padding = memory.view(torch.int16).view(2 * blocks, stride)[:, -1].clone()
-    remote_size = tokens // k if kind == "r" else tokens * k
-    case = ReceiveCase(caches, "KBNHC", seed=k)
-    for name, ids in request_ids(k if kind == "g" else 1).items():
-        case.send(name, ids, "NHC", remote_size)
-    requests = {name: wired.block_ids for name, wired in case.requests.items()}
-    kvhost.receive(
-        caches, requests, axes="KBNHC", remote_order="NHC", remote_block_size=remote_size, backend=target.backend
-    )
-    case.check()
+    receive_and_check(target, caches, "KBNHC", kind, k, tokens)
     assert torch.equal(memory.view(torch.int16).view(2 * blocks, stride)[:, -1], padding)
 
 
