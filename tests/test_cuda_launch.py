@@ -305,14 +305,17 @@ def staging_copy_plan():
     return plan_copy(vllm_cache("KBHNC", tokens=16), vllm_cache("KBNHC", tokens=16))
 
 
+def staging_copy_launch(limits: Limits, blocks: int = 4):
+    """Its launch for 2 layers and ``blocks`` blocks, addresses 256-byte aligned."""
+    return plan_copy_launch(staging_copy_plan(), pairs=2, blocks=blocks, alignment=256, limits=limits)
+
+
 @pytest.mark.parametrize(
     ("tile_bytes", "tile", "warps"),
     [(16 << 10, Tile(64, 32), 8), (8 << 10, Tile(32, 32), 4), (4 << 10, Tile(16, 32), 4)],
 )
 def test_tiles_fill_their_budget_and_take_8_warps_past_8_kib(tile_bytes, tile, warps):
-    launch = plan_copy_launch(
-        staging_copy_plan(), pairs=2, blocks=4, alignment=256, limits=Limits(tile_bytes=tile_bytes)
-    )
+    launch = staging_copy_launch(Limits(tile_bytes=tile_bytes))
     assert (launch.word_bytes, launch.align_bytes) == (8, 16)
     assert launch.tile == tile and launch.num_warps == warps
 
@@ -320,29 +323,26 @@ def test_tiles_fill_their_budget_and_take_8_warps_past_8_kib(tile_bytes, tile, w
 @pytest.mark.parametrize("tile_bytes", [1 << n for n in range(16)])
 def test_a_tile_stays_within_its_bytes(tile_bytes):
     """Rows of 256 bytes (32 words of 8): from 256 bytes down a tile is one row, then part of one."""
-    launch = plan_copy_launch(
-        staging_copy_plan(), pairs=2, blocks=4, alignment=256, limits=Limits(tile_bytes=tile_bytes)
-    )
+    launch = staging_copy_launch(Limits(tile_bytes=tile_bytes))
     assert launch.tile.words * launch.word_bytes <= max(tile_bytes, launch.word_bytes)
     if tile_bytes <= 256:
         assert launch.tile == Tile(1, max(1, tile_bytes // 8))
 
 
 def test_a_tile_costing_exactly_the_thread_budget_is_kept():
-    plan = staging_copy_plan()
-    full = plan_copy_launch(plan, pairs=2, blocks=4, alignment=256, limits=Limits())
+    full = staging_copy_launch(Limits())
     cost = register_cost(full.tile, full.word_bytes, full.align_bytes)
     assert cost == 24  # 64 rows x 32 words over 256 threads, as 16-byte pairs: 4 accesses of 4 + 2 registers
-    at_budget = plan_copy_launch(plan, pairs=2, blocks=4, alignment=256, limits=Limits(thread_registers=cost))
+    at_budget = staging_copy_launch(Limits(thread_registers=cost))
     assert at_budget.tile == full.tile
-    under = plan_copy_launch(plan, pairs=2, blocks=4, alignment=256, limits=Limits(thread_registers=cost - 1))
+    under = staging_copy_launch(Limits(thread_registers=cost - 1))
     assert under.tile.words < full.tile.words
     assert register_cost(under.tile, under.word_bytes, under.align_bytes) <= cost - 1
 
 
 def test_a_tile_shrinks_to_one_word_and_no_further():
     """A budget no tile meets still leaves a tile that moves something."""
-    launch = plan_copy_launch(staging_copy_plan(), pairs=2, blocks=4, alignment=256, limits=Limits(thread_registers=1))
+    launch = staging_copy_launch(Limits(thread_registers=1))
     assert launch.tile == Tile(1, 1)
 
 
@@ -351,7 +351,7 @@ def test_an_empty_launch_still_has_a_grid():
     receive = plan_receive_launch(
         plan_receive(vllm_cache("KBNHC"), "HNC", 16), members=2, outer=2, units=0, alignment=256, limits=Limits()
     )
-    copy = plan_copy_launch(staging_copy_plan(), pairs=2, blocks=0, alignment=256, limits=Limits())
+    copy = staging_copy_launch(Limits(), blocks=0)
     assert (receive.items, receive.programs) == (0, 1)
     assert (copy.items, copy.programs) == (0, 1)
 

@@ -20,6 +20,7 @@ from kvhost_accelerator.interpret import TritonInterpretBackend
 from kvhost_accelerator.launch import Limits, plan_receive_launch
 from test_copy import test_copy_between_layouts_and_devices as copy_conformance
 from test_receive import CASES
+from test_receive import test_blocks_padded_past_their_region as padded_conformance
 from test_receive import test_receive_matches_sender as receive_conformance
 
 import kvhost
@@ -134,9 +135,9 @@ def test_misaligned_caches_move_narrow_words(dtype, skip, word):
 
 @pytest.mark.parametrize("limits", [None, TINY], ids=["default", "tiny"])
 def test_blocks_padded_to_a_stride_the_words_do_not_divide(monkeypatch, limits):
-    """Regions of 64 bytes, blocks 66 bytes apart (a cache with a 2-byte pad per block): the
-    block stride, not the bases or the region, narrows the word to 2 bytes. (The interpreter
-    reads a wider word at any address; a GPU would fault, so the plan's word is checked.)"""
+    """The conformance case of blocks 66 bytes apart with 64-byte regions: the block stride,
+    not the bases or the region, narrows the word to 2 bytes. The interpreter reads a wider
+    word at any address where a GPU would fault, so the plan's word is checked too."""
     planned = []
 
     def plan_and_record(*args, **kwargs):
@@ -144,22 +145,8 @@ def test_blocks_padded_to_a_stride_the_words_do_not_divide(monkeypatch, limits):
         return planned[-1]
 
     monkeypatch.setattr(accelerator_backend, "plan_receive_launch", plan_and_record)
-    blocks, heads, tokens, channels = 10, 2, 4, 4
-    stride = heads * tokens * channels + 1  # elements from one block to the next
-    memory = torch.empty(2 * blocks * stride, dtype=torch.bfloat16)
-    hnd = memory.as_strided(
-        (2, blocks, heads, tokens, channels), (blocks * stride, stride, tokens * channels, channels, 1)
-    )
-    caches = {"l": hnd.permute(0, 1, 3, 2, 4)}  # KBNHC axes over head-major blocks
-    fill_random(caches["l"], 5)
-    pads = memory.view(torch.int16).view(2 * blocks, stride)[:, -1].clone()
-    case = ReceiveCase(caches, "KBNHC", seed=22)
-    case.send("r", [6, 1, 9], "NHC", 2)
-    kvhost.receive(caches, {"r": [6, 1, 9]}, axes="KBNHC", remote_order="NHC", remote_block_size=2,
-                   backend=TritonInterpretBackend(limits))  # fmt: skip
-    case.check()
-    assert torch.equal(memory.view(torch.int16).view(2 * blocks, stride)[:, -1], pads)  # the pads are never written
-    assert [launch.word_bytes for launch in planned] == [2]
+    padded_conformance(Target(TritonInterpretBackend(limits), "cpu"), "r", 2)  # type: ignore[arg-type]
+    assert planned and {launch.word_bytes for launch in planned} == {2}
 
 
 @pytest.mark.parametrize("limits", [None, TINY, SPLIT], ids=["default", "tiny", "split"])
