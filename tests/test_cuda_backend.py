@@ -21,7 +21,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
-from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, load_kernels
+from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _HostSides, load_kernels
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
 from kvhost_cuda.gpucheck import Sizes, measure, table
@@ -598,7 +598,7 @@ def test_staged_copies_stage_on_the_device_the_job_names(way, to_device):
     named = torch.device("cpu", 0)
     job = dataclasses.replace(job, **{"dst_device" if to_device else "src_device": named})
     backend, keep = StagingRecorder(), []
-    finish = getattr(backend, way)(job, to_device=to_device, keep=keep)
+    finish = getattr(backend, way)(_HostSides.of(job, to_device), keep)
     if finish is not None:
         finish()
     check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cached_property
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -321,30 +321,27 @@ class AcceleratorBackend(Backend):
         memory with ``non_blocking``: the device staging buffer crosses as one copy to or
         from a pinned bounce buffer, and the CPU backend moves the host side.
         """
-        host = [s if to_device else d for s, d in job.pairs]
-        host_ids = job.src_ids if to_device else job.dst_ids
+        sides = _HostSides.of(job, to_device)
+        host = sides.host
         pinned = all(self.runtime.is_pinned(m.tensor) for m in host)
         can_transfer = pinned or not job.non_blocking  # pageable memory: copy_ waits, so only when blocking
         if can_transfer and self.few_spans(job.bytes_moved, self.direct_copies(job)):
             self.copy_direct(job)
             return None
-        spans = host_spans(host[0].layout, host_ids)
+        spans = host_spans(host[0].layout, sides.host_ids)
         transfers = len(host) * host[0].layout.outer_count * (len(spans) if spans is not None else 1 << 40)
         if can_transfer and self.few_spans(job.bytes_moved, transfers):
-            self._copy_host_spans(job, to_device=to_device, keep=keep)
+            self._copy_host_spans(sides, keep)
             return None
-        return self._copy_bounced(job, to_device=to_device, keep=keep)
+        return self._copy_bounced(sides, keep)
 
     def few_spans(self, nbytes: int, copies: int) -> bool:
         """Whether ``copies`` separate ``copy_`` calls are cheap for ``nbytes``: few, or each large."""
         return copies <= self.max_host_copies or nbytes >= copies * self.direct_span_bytes
 
-    def _copy_host_spans(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> None:
-        host = [s if to_device else d for s, d in job.pairs]
-        device_side = [d if to_device else s for s, d in job.pairs]
-        host_ids = job.src_ids if to_device else job.dst_ids
-        device_ids = job.dst_ids if to_device else job.src_ids
-        device = job.dst_device if to_device else job.src_device
+    def _copy_host_spans(self, sides: _HostSides, keep: list[Any]) -> None:
+        host, device_side, host_ids, device_ids = sides.host, sides.device_side, sides.host_ids, sides.device_ids
+        to_device, device = sides.to_device, sides.device
         count = int(host_ids.size)
         # Staging position of a block: its rank among the host ids, so host runs are staging runs.
         order = np.argsort(host_ids, kind="stable")
@@ -371,24 +368,22 @@ class AcceleratorBackend(Backend):
         if to_device:
             self.copy_on_device(_job(list(zip(staged_members, device_side)), positions, device_ids), keep)
 
-    def _copy_bounced(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> Callable[[], None] | None:
-        host = [s if to_device else d for s, d in job.pairs]
-        device_side = [d if to_device else s for s, d in job.pairs]
-        count = int(job.src_ids.size)
+    def _copy_bounced(self, sides: _HostSides, keep: list[Any]) -> Callable[[], None] | None:
+        host, device_side, device = sides.host, sides.device_side, sides.device
+        count = int(sides.host_ids.size)
         positions = np.arange(count, dtype=np.int64)
-        device = job.dst_device if to_device else job.src_device
         bounce, bounce_members = self.staging(host, count, None)
         staged, staged_members = self.staging(host, count, device)
         keep += [bounce, staged]
         cpu = self.host
-        if to_device:
-            cpu.copy(_job(list(zip(host, bounce_members)), job.src_ids, positions)).wait()
+        if sides.to_device:
+            cpu.copy(_job(list(zip(host, bounce_members)), sides.host_ids, positions)).wait()
             staged[:count].copy_(bounce[:count], non_blocking=True)
-            self.copy_on_device(_job(list(zip(staged_members, device_side)), positions, job.dst_ids), keep)
+            self.copy_on_device(_job(list(zip(staged_members, device_side)), positions, sides.device_ids), keep)
             return None
-        self.copy_on_device(_job(list(zip(device_side, staged_members)), job.src_ids, positions), keep)
+        self.copy_on_device(_job(list(zip(device_side, staged_members)), sides.device_ids, positions), keep)
         bounce[:count].copy_(staged[:count], non_blocking=True)
-        into_host = _job(list(zip(bounce_members, host)), positions, job.dst_ids)
+        into_host = _job(list(zip(bounce_members, host)), positions, sides.host_ids)
         return lambda: cpu.copy(into_host).wait()
 
     def staging(
@@ -469,6 +464,24 @@ class AcceleratorBackend(Backend):
         table = host.to(device, non_blocking=True)
         keep += [host, table]
         return [table[start : start + array.size] for array, start in zip(arrays, starts)]
+
+
+class _HostSides(NamedTuple):
+    """A copy between host memory and a device, told by side instead of by direction."""
+
+    host: list[Member]
+    device_side: list[Member]
+    host_ids: np.ndarray
+    device_ids: np.ndarray
+    device: torch.device
+    to_device: bool
+
+    @classmethod
+    def of(cls, job: CopyJob, to_device: bool) -> _HostSides:
+        sources, dests = [s for s, _ in job.pairs], [d for _, d in job.pairs]
+        if to_device:
+            return cls(sources, dests, job.src_ids, job.dst_ids, job.dst_device, True)
+        return cls(dests, sources, job.dst_ids, job.src_ids, job.src_device, False)
 
 
 def _job(pairs: list[tuple[Member, Member]], src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyJob:
