@@ -11,7 +11,9 @@ interleaved rounds (medians), side by side:
 - ``KVHost.copy_to`` on the torch path, and on the CPU backend (numba) for reference;
 - the torch backend's ``copy`` alone, on a job the front end planned in advance;
 - its ``copy_`` calls alone, on views made in advance;
-- the views alone (the ``narrow`` calls the backend makes per layer and run).
+- the views alone (the ``narrow`` calls the backend makes per layer and run);
+- the same copies through numpy (basic slicing makes views for a fraction of torch's cost,
+  but ``np.copyto`` runs on one thread): with its views, and on views made before.
 
 Each is reported as a fraction of memcpy and in microseconds. Nothing here is imported by
 kvhost.
@@ -66,6 +68,19 @@ def main() -> None:
             dest.narrow(b, 0, blocks)
             source.narrow(b, blocks, blocks)
 
+    arrays = [(source.numpy(), dest.numpy(), (slice(None),) * b) for source, dest, b, _ in views]
+    numpy_made = [
+        (dest[(*lead, slice(0, blocks))], source[(*lead, slice(blocks, 2 * blocks))]) for source, dest, lead in arrays
+    ]
+
+    def numpy_with_views() -> None:
+        for source, dest, lead in arrays:
+            np.copyto(dest[(*lead, slice(0, blocks))], source[(*lead, slice(blocks, 2 * blocks))])
+
+    def numpy_copies_alone() -> None:
+        for dest, source in numpy_made:
+            np.copyto(dest, source)
+
     nbytes = blocks * geometry.block_bytes
     methods = {
         "memcpy": space.memcpy(nbytes, device.device, device.device),
@@ -74,6 +89,8 @@ def main() -> None:
         "torch backend's copy alone": lambda: backend.copy(job).wait(),
         "its copy_ calls alone (views made before)": copies_alone,
         "its views alone (narrow per layer and side)": views_alone,
+        "numpy: views and np.copyto": numpy_with_views,
+        "numpy: np.copyto alone (views made before)": numpy_copies_alone,
     }
     touched = np.concatenate(
         [
