@@ -68,14 +68,18 @@ def main() -> None:
             dest.narrow(b, 0, blocks)
             source.narrow(b, blocks, blocks)
 
-    arrays = [(source.numpy(), dest.numpy(), (slice(None),) * b) for source, dest, b, _ in views]
-    numpy_made = [
-        (dest[(*lead, slice(0, blocks))], source[(*lead, slice(blocks, 2 * blocks))]) for source, dest, lead in arrays
-    ]
+    arrays = [(source.numpy(), dest.numpy(), b) for source, dest, b, _ in views]
+
+    def numpy_views(source: np.ndarray, dest: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """The run's (destination, source) views, as the torch path's ``narrow`` pair."""
+        lead = (slice(None),) * b
+        return dest[(*lead, slice(0, blocks))], source[(*lead, slice(blocks, 2 * blocks))]
+
+    numpy_made = [numpy_views(*array) for array in arrays]
 
     def numpy_with_views() -> None:
-        for source, dest, lead in arrays:
-            np.copyto(dest[(*lead, slice(0, blocks))], source[(*lead, slice(blocks, 2 * blocks))])
+        for array in arrays:
+            np.copyto(*numpy_views(*array))
 
     def numpy_copies_alone() -> None:
         for dest, source in numpy_made:
