@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _HostSides, load_kernels
+from kvhost_accelerator.launch import Limits, plan_copy_launch
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
 from kvhost_cuda.gpucheck import Sizes, measure, table
@@ -33,10 +34,12 @@ import kvhost
 from kvhost.backend import Completion
 from kvhost.batch import plan_copy_batch
 from kvhost.caches import CacheSet
+from kvhost.layout import Layout
 from kvhost.registry import registry
 from kvhost.stats import CopyResult
 from kvhost.testing import fill_random, make_cache, raw, read_tokens
 from kvhost.torch_backend import IndexBuffers
+from kvhost.transform import plan_copy
 
 CUDA = torch.cuda.is_available()
 XPU = hasattr(torch, "xpu") and torch.xpu.is_available()
@@ -671,3 +674,38 @@ def test_device_backend_is_picked_and_says_its_path(device):
     backend = kvhost.get_backend(torch.device(device, 0))
     assert backend.name == device
     assert backend.describe().startswith("receive and scattered copies:")
+
+
+def test_a_completion_seen_done_asks_the_device_no_more():
+    """Polling a finished copy is free: no event query (a driver call) once done() has said yes."""
+    queries = []
+
+    class CountedEvent(ManualEvent):
+        def query(self) -> bool:
+            queries.append(self.fired)
+            return self.fired
+
+    event = CountedEvent()
+    completion = EventCompletion(event)
+    event.fired = True
+    assert completion.done() and queries == [True]
+    assert completion.done() and completion.done() and queries == [True]
+
+
+def test_a_copy_without_id_tables_passes_a_table_of_the_same_type():
+    """A side without ids (a staging buffer) gets the other side's id table, never None, as its
+    placeholder: Triton would compile a None argument as a constant, a kernel of its own."""
+    kernels = load_kernels()
+    cache = make_cache("KBNHC", "KBHNC", dict(K=2, B=4, N=16, H=2, C=8))
+    staging = make_cache("KBNHC", "KBNHC", dict(K=2, B=4, N=16, H=2, C=8))
+    plan = plan_copy(Layout.of(cache, "KBNHC"), Layout.of(staging, "KBNHC"))
+    launch = plan_copy_launch(plan, pairs=1, blocks=2, alignment=256, limits=Limits())
+    bases, ids = torch.zeros(1, dtype=torch.int64), torch.tensor([3, 1], dtype=torch.int64)
+    for src_ids, dst_ids in ((ids, None), (None, ids)):
+        call = kernels.copy_call(
+            launch, src_bases=bases, dst_bases=bases, src_ids=src_ids, dst_ids=dst_ids,
+            blocks=2, src_block_stride=1, dst_block_stride=1,
+        )  # fmt: skip
+        assert call.args[2] is ids and call.args[3] is ids
+        assert call.constants["SRC_INDEXED"] is (src_ids is not None)
+        assert call.constants["DST_INDEXED"] is (dst_ids is not None)

@@ -450,3 +450,21 @@ def test_launches_of_up_to_2_31_minus_1_items_are_planned():
     assert most.items == (1 << 31) - 1
     with pytest.raises(kvhost.BackendError, match="2147483648 work items in one launch"):
         plan_copy_launch(plan, pairs=2, blocks=1 << 30, alignment=256, limits=Limits())
+
+
+def test_a_unit_that_fits_in_registers_is_one_piece():
+    """Shared leading dims (the remote sub-blocks) could make pieces, but a unit held whole needs only one."""
+    layout = Layout.of(make_cache("KBNHC", "KBNHC", dict(K=2, B=4, N=16, H=2, C=8)), "KBNHC")
+    plan = plan_receive(layout, "HNC", 4)
+    assert plan.perm[0] == 0  # the remote sub-block leads on both sides
+    launch = plan_receive_launch(plan, members=2, outer=2, units=4, alignment=256, limits=Limits())
+    assert launch.in_registers and launch.pieces == 1
+    assert launch.piece_words * launch.word_bytes == plan.unit_bytes == 512
+
+
+def test_a_split_launch_prints_without_its_schedule():
+    """Failed asserts and debuggers show a launch by its repr; its schedule (one round per launch) is left out."""
+    plan = plan_receive(vllm_cache("KBNHC", tokens=16), "HNC", 4096)
+    launch = plan_receive_launch(plan, members=32, outer=2, units=2, alignment=256, limits=H200)
+    assert launch.mode == "split" and len(launch.schedule) > 1
+    assert "schedule" not in repr(launch) and "Round(" not in repr(launch)

@@ -210,3 +210,19 @@ def test_gpu_check_rows_count_launches_and_compare_bytes():
     triton_rows = [row for row in rows if row.method == "triton"]
     assert len(triton_rows) == 7 and all(row.agrees == "yes" for row in rows if row.method != "memcpy")
     assert all(row.launches >= 1 and 1 <= row.programs <= TritonInterpretBackend.limits.programs for row in triton_rows)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "k", "order"), [("KBNHC/NHD", 2, "HNC"), ("KBNHC/HND", 4, "HNC")])
+def test_split_receive_of_two_layers_with_k_outside_the_block(monkeypatch, guarded_scratch, layout, k, order):
+    """Split items count (member, outer index, unit, piece): two layers and two outer offsets use every part."""
+    kernels = load_kernels()
+    original, seen = kernels.receive_calls, []
+
+    def recorded(launch, **tables):
+        seen.append((launch.mode, tables["bases"].numel(), tables["outer_offsets"].numel()))
+        return original(launch, **tables)
+
+    monkeypatch.setattr(kernels, "receive_calls", recorded)
+    receive_conformance(tiny_target(SPLIT), layout, "g", k, order)
+    assert seen == [("split", 2, 2)]

@@ -227,7 +227,7 @@ class AcceleratorBackend(Backend):
             # queues behind the kernel. The pinned staging buffer: a non-blocking copy records
             # an event for it, and the caching host allocator hands it out again only after.
             keep: list[torch.Tensor] = []
-            base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.reshape(-1)], job.device, keep)
+            base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.ravel()], job.device, keep)
             scratch = torch.empty(
                 max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes], device=job.device
             )
