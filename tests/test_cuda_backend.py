@@ -21,7 +21,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
-from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _HostSides, load_kernels
+from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _HostSides, _is_arange, load_kernels
 from kvhost_accelerator.launch import Limits, plan_copy_launch
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
@@ -135,6 +135,19 @@ def test_a_triton_too_old_for_the_kernels_means_torch_ops(monkeypatch):
     assert "torch ops (triton 3.1.0 is older than 3.2)" in CudaBackend().describe()
 
 
+def test_kernels_run_where_this_triton_compiles_for_the_device():
+    kernels = load_kernels()
+    if kernels is None or kernels.interpreted():
+        pytest.skip("needs compiled Triton kernels")
+    backend = CudaBackend()
+    if not set(backend.triton_compilers()) & set(kernels.compiler_targets()):
+        pytest.skip("this Triton has no compiler for CUDA")
+    assert backend.kernels_missing == "" and backend.kernels is kernels
+    assert backend.describe().startswith("receive and scattered copies: Triton kernels;")
+    with pytest.raises(NotImplementedError):
+        AcceleratorBackend().triton_compilers()  # a device says which compilers target it
+
+
 def test_cuda_and_xpu_share_one_runtime_and_differ_only_in_names():
     """Same class, same device-generic calls; only the device type and the Triton compiler differ."""
     assert type(CudaBackend()).__mro__[1] is AcceleratorBackend is type(XpuBackend()).__mro__[1]
@@ -227,10 +240,11 @@ def test_a_handle_seen_done_goes_quietly():
     completion = EventCompletion(event, keep=[torch.empty(2)])
     event.fired = True
     assert completion.done()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as warned:  # recorded: an error raised in __del__ would be swallowed
+        warnings.simplefilter("always")
         del completion
         gc.collect()
+    assert warned == [] and event.waits == 0
 
 
 class Stream:
@@ -709,3 +723,44 @@ def test_a_copy_without_id_tables_passes_a_table_of_the_same_type():
         assert call.args[2] is ids and call.args[3] is ids
         assert call.constants["SRC_INDEXED"] is (src_ids is not None)
         assert call.constants["DST_INDEXED"] is (dst_ids is not None)
+
+
+# --- the runtime's device-generic calls, on the CPU's device module ---------------------
+
+
+def test_runtime_keeps_one_side_stream_per_device_and_reads_an_explicit_index():
+    runtime = DeviceRuntime("cpu")
+    assert runtime.index(torch.device("cpu", 3)) == 3  # an explicit index: no question to the accelerator
+    first = runtime.side_stream(torch.device("cpu", 0))
+    assert runtime.side_stream(torch.device("cpu", 0)) is first
+    assert runtime.side_stream(torch.device("cpu", 1)) is not first
+
+
+def test_runtime_takes_the_device_modules_calls_before_torch_accelerator(monkeypatch):
+    """torch < 2.6 (native XPU on 2.5): no torch.accelerator.set_stream, so the device module's calls."""
+    assert DeviceRuntime("cpu").generic
+    monkeypatch.delattr(torch.accelerator, "set_stream")
+    assert not DeviceRuntime("cpu").generic
+
+
+@pytest.mark.parametrize(
+    ("properties", "count"),
+    [
+        (dict(multi_processor_count=132), 132),  # CUDA: streaming multiprocessors
+        (dict(multi_processor_count=0, gpu_subslice_count=0, max_compute_units=96), 96),  # a zero is no answer
+        (dict(gpu_subslice_count=64, max_compute_units=512), 64),  # XPU: Xe cores before execution units
+        ({}, 64),  # nothing known: 64
+    ],
+)
+def test_runtime_sizes_the_grid_from_the_first_count_the_device_gives(properties, count):
+    runtime = DeviceRuntime("cpu")
+    runtime.module = ModuleType("device")
+    runtime.module.get_device_properties = lambda index: type("Properties", (), properties)()  # type: ignore[attr-defined]
+    assert runtime.processors(torch.device("cpu", 0)) == count
+
+
+def test_only_ids_0_to_n_minus_1_go_without_a_table():
+    """A staging buffer filled from its start needs no id table on the device; any other ids do."""
+    assert _is_arange(np.arange(5))
+    assert not _is_arange(np.arange(1, 6)) and not _is_arange(np.array([0, 2, 3]))
+    assert not _is_arange(np.array([0, 1, 1])) and not _is_arange(np.array([], dtype=np.int64))

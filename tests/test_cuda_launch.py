@@ -16,6 +16,8 @@ from kvhost_accelerator.launch import (
     Limits,
     Rows,
     Tile,
+    _rows,
+    _tile,
     plan_copy_launch,
     plan_receive_launch,
     register_cost,
@@ -344,6 +346,22 @@ def test_a_tile_shrinks_to_one_word_and_no_further():
     """A budget no tile meets still leaves a tile that moves something."""
     launch = staging_copy_launch(Limits(thread_registers=1))
     assert launch.tile == Tile(1, 1)
+
+
+@pytest.mark.parametrize("budget", range(1, 40))
+@pytest.mark.parametrize(("rows", "run", "word", "align"), [(16, 512, 1, 1), (64, 32, 8, 16), (4, 2048, 2, 2)])
+def test_a_tile_halves_its_rows_to_one_before_its_run(budget, rows, run, word, align):
+    """The tile kept is the first of (R, C), (R/2, C) .. (1, C), (1, C/2) .. (1, 1) within the budget:
+    whole rows are kept while any fit (a row's loads stay wide), and no larger step fits."""
+    full = Tile(rows, run)  # 16 KiB: the default tile_bytes
+    tile = _tile(_rows([rows], [run], [run], run), word, align, Limits(thread_registers=budget))
+    if tile.rows > 1:
+        assert tile.run == full.run
+    if tile.words > 1:
+        assert register_cost(tile, word, align) <= budget
+    larger = Tile(tile.rows * 2, tile.run) if tile.run == full.run else Tile(1, tile.run * 2)
+    if tile != full:
+        assert register_cost(larger, word, align) > budget
 
 
 def test_an_empty_launch_still_has_a_grid():
