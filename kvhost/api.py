@@ -127,6 +127,8 @@ class KVHost:
         """The backend a copy with ``caches`` runs on: the registered one, unless the peer is
         the accelerator of a host cache. Chosen before the peer's tensors are read, so that
         its lock covers the reading."""
+        if _first_on_host(caches):  # the usual peer, a host buffer: known without making a device object
+            return self.backend
         device = _device_of(caches, axes, role)
         if device.type in ("cpu", self.device.type):
             return self.backend
@@ -213,6 +215,16 @@ def _device_of(caches: Mapping[str, Layer], axes: str, role: str) -> torch.devic
         if isinstance(first, torch.Tensor):
             return first.device
     return CacheSet(caches, axes, role=role).device
+
+
+def _first_on_host(caches: Mapping[str, Layer]) -> bool:
+    """Whether a plain dict's first layer is a plain tensor in host memory (``is_cpu``: a
+    cold call spends tens of microseconds making the ``torch.device`` that ``_device_of``
+    reads). Anything else answers False and goes the general way."""
+    if type(caches) is not dict or not caches:
+        return False
+    first = next(iter(caches.values()))
+    return type(first) is torch.Tensor and first.is_cpu
 
 
 def _copy_device(src: torch.device, dst: torch.device) -> torch.device:
