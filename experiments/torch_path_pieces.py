@@ -57,18 +57,18 @@ def main() -> None:
     peer = torch_host._peer(buffer, geometry.axes, "dst")
     job = plan_copy_batch(torch_host.caches, peer, src_ids, dst_ids, False).jobs[0]
     views = _pair_views(job)
-    made = [(dest.narrow(b, 0, blocks), source.narrow(b, blocks, blocks)) for source, dest, b, _ in views]
+    made = [(dest.narrow(b, 0, blocks), source.narrow(b, blocks, blocks)) for source, dest, b, *_ in views]
 
     def copies_alone() -> None:
         for dest, source in made:
             dest.copy_(source)
 
     def views_alone() -> None:
-        for source, dest, b, _ in views:
+        for source, dest, b, *_ in views:
             dest.narrow(b, 0, blocks)
             source.narrow(b, blocks, blocks)
 
-    arrays = [(source.numpy(), dest.numpy(), b) for source, dest, b, _ in views]
+    arrays = [(source.numpy(), dest.numpy(), b) for source, dest, b, *_ in views]
 
     def numpy_views(source: np.ndarray, dest: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
         """The run's (destination, source) views, as the torch path's ``narrow`` pair."""

@@ -2,7 +2,8 @@
 
 Receive is gather -> permute -> scatter on a view of each tensor in physical order
 (outer axes, ``B``, region). Copies move runs of consecutive ids with one ``copy_`` each,
-or gather/scatter when ids are scattered. Bytes are moved as integers of the same size
+or gather/scatter when ids are scattered (on the host, copies and scatters under a MiB go
+through numpy on the calling thread instead of waking torch's threads). Bytes are moved as integers of the same size
 (``kvhost.raw``), so fp8 and NaN payloads pass through untouched.
 
 It is the fallback where no device backend is installed, the reference the others are
@@ -16,6 +17,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -84,7 +86,10 @@ class TorchBackend(Backend):
     None takes a group in one pass); ``max_run_copies``: up to this many runs of ids on one
     side, a copy is one call per run and layer (``index_select`` into a destination run,
     ``index_copy_`` from a source run, ``copy_`` where both run alike),
-    beyond it one gather/scatter.
+    beyond it one gather/scatter; ``host_thread_bytes``: on the host, a scatter or
+    ``copy_`` moving fewer bytes runs on the calling thread, through numpy (torch's op
+    would wake its parked threads, about 70 us here, more than a second thread saves
+    below 1-2 MiB; ``index_select`` of a few ids already runs on the calling thread).
     """
 
     name = "torch"
@@ -93,6 +98,7 @@ class TorchBackend(Backend):
     host_chunk_bytes: int = 1 << 20
     device_chunk_bytes: int | None = None
     max_run_copies: int = 64
+    host_thread_bytes: int = 1 << 20
 
     def __init__(
         self,
@@ -100,6 +106,7 @@ class TorchBackend(Backend):
         host_chunk_bytes: int | None = None,
         device_chunk_bytes: int | None = None,
         max_run_copies: int | None = None,
+        host_thread_bytes: int | None = None,
     ) -> None:
         if host_chunk_bytes is not None:
             self.host_chunk_bytes = host_chunk_bytes
@@ -107,6 +114,8 @@ class TorchBackend(Backend):
             self.device_chunk_bytes = device_chunk_bytes
         if max_run_copies is not None:
             self.max_run_copies = max_run_copies
+        if host_thread_bytes is not None:
+            self.host_thread_bytes = host_thread_bytes
 
     @cached_property
     def index_buffers(self) -> IndexBuffers:
@@ -139,25 +148,34 @@ class TorchBackend(Backend):
         a staging buffer filling in order) or scattered straight from a source run
         (``index_copy_``, loading it back). Otherwise, up to ``max_run_copies`` runs
         consecutive on both sides, one ``copy_`` each; beyond that (both sides scattered), a
-        gather then a scatter."""
+        gather then a scatter. On the host, a scatter or ``copy_`` that moves fewer than
+        ``host_thread_bytes`` is numpy's index assignment or ``copyto`` instead, on the
+        calling thread."""
         dst_runs, src_runs = self._index_runs(job)
         gathers = _run_indices(job.src_ids, job.src_device, dst_runs)
         scatters = _run_indices(job.dst_ids, job.dst_device, src_runs)
         runs: list[list[int]] | None = None  # found where a pair needs them
         indices: tuple[torch.Tensor, torch.Tensor] | None = None  # each side's ids on its device, once a job
-        for source, dest, b, apart in _pair_views(job):
+        thread_bytes = self.host_thread_bytes  # on the host, calls moving fewer bytes: numpy, on this thread
+        for source, dest, b, apart, arrays, block_bytes in _pair_views(job):
             if apart and gathers:
-                for ids, d0, count in gathers:
+                for ids, d0, count in gathers:  # torch's: a few ids run on this thread, faster than numpy's take
                     torch.index_select(source, b, ids, out=dest.narrow(b, d0, count))
                 continue
             if apart and scatters:
                 for ids, s0, count in scatters:
-                    dest.index_copy_(b, ids, source.narrow(b, s0, count))
+                    if arrays is not None and count * block_bytes < thread_bytes:
+                        arrays[1][_span(b, ids.numpy())] = arrays[0][_span(b, s0, count)]
+                    else:
+                        dest.index_copy_(b, ids, source.narrow(b, s0, count))
                 continue
             runs = job.runs.tolist() if runs is None else runs
             if len(runs) <= self.max_run_copies:
                 for s0, d0, count in runs:
-                    dest.narrow(b, d0, count).copy_(source.narrow(b, s0, count), non_blocking=job.non_blocking)
+                    if arrays is not None and count * block_bytes < thread_bytes:
+                        np.copyto(arrays[1][_span(b, d0, count)], arrays[0][_span(b, s0, count)])
+                    else:
+                        dest.narrow(b, d0, count).copy_(source.narrow(b, s0, count), non_blocking=job.non_blocking)
                 continue
             if indices is None:
                 indices = (
@@ -189,10 +207,22 @@ class TorchBackend(Backend):
         return [], []
 
 
-def _pair_views(job: CopyJob) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
+class PairViews(NamedTuple):
+    """A member pair as the copy ops take it (``_pair_views``)."""
+
+    source: torch.Tensor
+    dest: torch.Tensor
+    b: int  # the B dim
+    apart: bool  # not one storage
+    arrays: tuple[np.ndarray, np.ndarray] | None  # (source, dest) as numpy arrays, on the host
+    block_bytes: int  # one block of one member: the bytes a call moves per id
+
+
+def _pair_views(job: CopyJob) -> list[PairViews]:
     """For each member pair: source and destination as raw views in the destination's memory
     order (the index ops then write a dense tensor: 4.5x faster than in shape order for an
-    HND cache on the host), the ``B`` dim, and whether the two are apart in memory.
+    HND cache on the host), the ``B`` dim, whether the two are apart in memory, and on the
+    host the same views as numpy arrays.
 
     Worked out once per copy group and kept with it (a call with 16 layers would otherwise
     spend most of a small copy making views), where every tensor is plain memory with an
@@ -201,6 +231,7 @@ def _pair_views(job: CopyJob) -> list[tuple[torch.Tensor, torch.Tensor, int, boo
     known = job.group.derived.get("torch views")
     if known is not None:
         return known  # type: ignore[return-value]
+    host = job.src_device.type == job.dst_device.type == "cpu"
     views = []
     for src, dst in job.pairs:
         source = as_raw(src.tensor).permute([src.layout.axes.index(a) for a in dst.layout.physical])
@@ -208,10 +239,18 @@ def _pair_views(job: CopyJob) -> list[tuple[torch.Tensor, torch.Tensor, int, boo
         # A copy within one cache reads and writes one storage: kept off the one-pass index
         # ops (whose behaviour on shared memory torch does not promise).
         apart = src.tensor.untyped_storage().data_ptr() != dst.tensor.untyped_storage().data_ptr()
-        views.append((source, dest, dst.layout.physical.index("B"), apart))
+        arrays = (source.detach().numpy(), dest.detach().numpy()) if host else None
+        b = dst.layout.physical.index("B")
+        views.append(PairViews(source, dest, b, apart, arrays, dest.numel() // dest.shape[b] * dest.element_size()))
     if all(src.address and dst.address for src, dst in job.pairs):
         job.group.derived["torch views"] = views
     return views
+
+
+def _span(b: int, first: int | np.ndarray, count: int | None = None) -> tuple[slice | int | np.ndarray, ...]:
+    """A numpy index of dim ``b``: blocks ``first .. first + count - 1``, or the ids ``first``."""
+    block = first if count is None else slice(first, first + count)
+    return (slice(None),) * b + (block,)
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvhost
+from kvhost.torch_backend import TorchBackend
 
 # The kernels only move bytes, so floating-point fusion is moot; naming it keeps Triton 3.9
 # from warning that its default will change.
@@ -45,6 +46,9 @@ def _targets() -> list[object]:
     return [
         pytest.param(Target("cpu", "cpu"), id="cpu"),
         pytest.param(Target("torch", "cpu"), id="torch-cpu"),
+        # The same path with torch's ops for every call, as on a device (by default the
+        # host's small calls go through numpy on the calling thread).
+        pytest.param(Target(TorchBackend(host_thread_bytes=0), "cpu"), id="torch-ops-cpu"),
         pytest.param(
             Target("cuda", "cuda"),
             id="cuda",

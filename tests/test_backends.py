@@ -77,8 +77,10 @@ def test_device_ids_go_through_one_growing_buffer_per_thread():
 def test_torch_backend_settings():
     default = TorchBackend()
     assert (default.host_chunk_bytes, default.device_chunk_bytes, default.max_run_copies) == (1 << 20, None, 64)
-    tuned = TorchBackend(host_chunk_bytes=4096, device_chunk_bytes=8192, max_run_copies=2)
+    assert default.host_thread_bytes == 1 << 20
+    tuned = TorchBackend(host_chunk_bytes=4096, device_chunk_bytes=8192, max_run_copies=2, host_thread_bytes=0)
     assert (tuned.host_chunk_bytes, tuned.device_chunk_bytes, tuned.max_run_copies) == (4096, 8192, 2)
+    assert tuned.host_thread_bytes == 0
     assert TorchBackend.priority == -100  # the fallback plugins rank against (docs/plugins.md, README)
 
 
@@ -159,6 +161,35 @@ def test_up_to_max_run_copies_runs_a_copy_is_one_copy_per_run(monkeypatch):
     kvhost.copy_blocks(src, dst, [0, 1, 5, 3], [2, 3, 6, 0], axes="KBNHC", backend=backend)  # three runs
     assert gathers == [1]
     assert torch.equal(raw(dst["l"])[:, [2, 3, 6, 0]], raw(src["l"])[:, [0, 1, 5, 3]])
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "op"),
+    [
+        ([5, 2, 7], [0, 1, 2], "index_select"),  # into a destination run: a gather, torch's at any size
+        ([0, 1, 2], [6, 3, 5], "index_copy_"),  # from a source run: a scatter
+        ([0, 1, 2, 5], [3, 4, 5, 7], "copy_"),  # runs alike on both sides
+    ],
+)
+@pytest.mark.parametrize(("host_thread_bytes", "below"), [(None, True), (769, True), (768, False), (0, False)])
+def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
+    monkeypatch, src_ids, dst_ids, op, host_thread_bytes, below
+):
+    """Blocks of 256 bytes (2 x 8 x 2 x 4 bf16), calls of up to 3 blocks: scatters and copies
+    through numpy below the bound, torch's op at it; gathers through torch's op always."""
+    numpy = below and op != "index_select"
+    src = {"l": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 1)}
+    dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 2)}
+    before = raw(dst["l"]).clone()
+    torch_calls = _gathers_counted(monkeypatch) if op == "index_select" else counted(monkeypatch, op)
+    backend = TorchBackend(host_thread_bytes=host_thread_bytes)
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend)
+    monkeypatch.undo()
+    assert (torch_calls == []) is numpy and (numpy or len(torch_calls) in (1, 2))
+    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
+    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
+    untouched = [i for i in range(SIZES["B"]) if i not in dst_ids]
+    assert torch.equal(raw(dst["l"])[:, untouched], before[:, untouched])
 
 
 def test_a_registered_copy_makes_its_views_once(monkeypatch):
@@ -492,7 +523,8 @@ def test_a_copy_takes_the_fewest_passes(monkeypatch, src_ids, dst_ids, max_run_c
     src = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
     dst = {"l": torch.zeros_like(src["l"])}
     calls = {method: counted(monkeypatch, method) for method in passes}
-    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=max_run_copies))
+    backend = TorchBackend(max_run_copies=max_run_copies, host_thread_bytes=0)  # torch's ops for every call
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend)
     assert {method: len(made) for method, made in calls.items()} == passes
     assert torch.equal(raw(dst["l"])[:, dst_ids], raw(src["l"])[:, src_ids])
     others = [b for b in range(raw(dst["l"]).shape[1]) if b not in dst_ids]
@@ -526,7 +558,8 @@ def test_a_host_copy_makes_one_call_per_run_of_the_side_with_fewest(monkeypatch,
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     gathers = _gathers_counted(monkeypatch)
     made = {method: counted(monkeypatch, method) for method in ("copy_", "index_copy_")}
-    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend()).wait()
+    backend = TorchBackend(host_thread_bytes=0)  # torch's ops for every call, as on a device
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend).wait()
     calls = {"index_select": len(gathers), **{method: len(c) for method, c in made.items()}}
     assert calls == {method: 3 * count for method, count in passes.items()}
     others = [b for b in range(SIZES["B"]) if b not in dst_ids]
@@ -544,7 +577,7 @@ def test_a_copy_within_one_cache_copies_each_run(monkeypatch, max_run_copies, pa
     before = {name: raw(t).clone() for name, t in cache.items()}
     made = {method: counted(monkeypatch, method) for method in passes}
     gathers = _gathers_counted(monkeypatch)
-    backend = TorchBackend(max_run_copies=max_run_copies)
+    backend = TorchBackend(max_run_copies=max_run_copies, host_thread_bytes=0)
     kvhost.copy_blocks(cache, cache, [0, 1, 4], [2, 3, 6], axes="KBNHC", backend=backend).wait()  # two runs
     assert {method: len(calls) for method, calls in made.items()} == passes and gathers == []
     for name, tensor in cache.items():
