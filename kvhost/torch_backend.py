@@ -2,9 +2,9 @@
 
 Receive is gather -> permute -> scatter on a view of each tensor in physical order
 (outer axes, ``B``, region). Copies move runs of consecutive ids with one ``copy_`` each,
-or gather/scatter when ids are scattered (on the host, copies and scatters under a MiB go
-through numpy on the calling thread instead of waking torch's threads). Bytes are moved as integers of the same size
-(``kvhost.raw``), so fp8 and NaN payloads pass through untouched.
+or gather/scatter when ids are scattered; on the host, copies and scatters under a MiB go
+through numpy on the calling thread instead of waking torch's threads. Bytes are moved as
+integers of the same size (``kvhost.raw``), so fp8 and NaN payloads pass through untouched.
 
 It is the fallback where no device backend is installed, the reference the others are
 tested against, and the path device backends hand work to where their kernels cannot
@@ -207,7 +207,7 @@ class TorchBackend(Backend):
         return [], []
 
 
-class PairViews(NamedTuple):
+class _PairViews(NamedTuple):
     """A member pair as the copy ops take it (``_pair_views``)."""
 
     source: torch.Tensor
@@ -218,7 +218,7 @@ class PairViews(NamedTuple):
     block_bytes: int  # one block of one member: the bytes a call moves per id
 
 
-def _pair_views(job: CopyJob) -> list[PairViews]:
+def _pair_views(job: CopyJob) -> list[_PairViews]:
     """For each member pair: source and destination as raw views in the destination's memory
     order (the index ops then write a dense tensor: 4.5x faster than in shape order for an
     HND cache on the host), the ``B`` dim, whether the two are apart in memory, and on the
@@ -241,7 +241,7 @@ def _pair_views(job: CopyJob) -> list[PairViews]:
         apart = src.tensor.untyped_storage().data_ptr() != dst.tensor.untyped_storage().data_ptr()
         arrays = (source.detach().numpy(), dest.detach().numpy()) if host else None
         b = dst.layout.physical.index("B")
-        views.append(PairViews(source, dest, b, apart, arrays, dest.numel() // dest.shape[b] * dest.element_size()))
+        views.append(_PairViews(source, dest, b, apart, arrays, dest.numel() // dest.shape[b] * dest.element_size()))
     if all(src.address and dst.address for src, dst in job.pairs):
         job.group.derived["torch views"] = views
     return views
