@@ -219,6 +219,9 @@ def test_views_of_memory_without_an_address_are_made_on_every_call():
     first = _pair_views(job)
     assert _pair_views(job) is not first and "torch views" not in job.group.derived
     host = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES)}, "KBNHC")
+    for one_side in ((host, dst), (src, host)):  # one side with an address is not enough
+        (job,) = plan_copy_batch(*one_side, [1, 2], [3, 4], False).jobs
+        assert _pair_views(job) is not _pair_views(job) and "torch views" not in job.group.derived
     (job,) = plan_copy_batch(host, host, [1, 2], [3, 4], False).jobs
     assert _pair_views(job) is _pair_views(job) is job.group.derived["torch views"]
 
