@@ -16,14 +16,18 @@ interleaved rounds (medians), side by side:
   but ``np.copyto`` runs on one thread): with its views, and on views made before.
 
 Each is reported as a fraction of memcpy and in microseconds. Nothing here is imported by
-kvhost.
+kvhost. Like ``kvhost bench``, it runs with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable
+is set (torch's workers parked between calls; until 3 December this experiment ran with
+them spinning, and missed what a wake costs each ``copy_``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 
 import numpy as np
 
@@ -37,6 +41,8 @@ from kvhost_tools.bench.workloads import PRESETS, Geometry
 
 
 def main() -> None:
+    if "OMP_WAIT_POLICY" not in os.environ:  # read once, when torch loads its OpenMP runtime: start again
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=61)
     parser.add_argument("--requests", type=int, default=1)
