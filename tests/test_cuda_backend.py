@@ -710,6 +710,8 @@ def test_a_copy_without_id_tables_passes_a_table_of_the_same_type():
     """A side without ids (a staging buffer) gets the other side's id table, never None, as its
     placeholder: Triton would compile a None argument as a constant, a kernel of its own."""
     kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("triton is not installed")
     cache = make_cache("KBNHC", "KBHNC", dict(K=2, B=4, N=16, H=2, C=8))
     staging = make_cache("KBNHC", "KBNHC", dict(K=2, B=4, N=16, H=2, C=8))
     plan = plan_copy(Layout.of(cache, "KBNHC"), Layout.of(staging, "KBNHC"))
