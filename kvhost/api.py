@@ -127,7 +127,8 @@ class KVHost:
         """The backend a copy with ``caches`` runs on: the registered one, unless the peer is
         the accelerator of a host cache. Chosen before the peer's tensors are read, so that
         its lock covers the reading."""
-        if _first_on_host(caches):  # the usual peer, a host buffer: known without making a device object
+        first = _first_tensor(caches)
+        if first is not None and first.is_cpu:  # the usual peer, a host buffer: no torch.device made (tens of us cold)
             return self.backend
         device = _device_of(caches, axes, role)
         if device.type in ("cpu", self.device.type):
@@ -209,22 +210,18 @@ def _device_of(caches: Mapping[str, Layer], axes: str, role: str) -> torch.devic
     memory facts, so that a backend (and its lock) can be chosen first. Where there is no
     first tensor, the set is read to say what is wrong with it (CacheSet checks that every
     tensor shares that device)."""
-    if isinstance(caches, Mapping) and caches:
+    first = _first_tensor(caches)
+    return first.device if first is not None else CacheSet(caches, axes, role=role).device
+
+
+def _first_tensor(caches: Mapping[str, Layer]) -> torch.Tensor | None:
+    """The first tensor of the first layer, unread; None where ``caches`` has none there."""
+    if (type(caches) is dict or isinstance(caches, Mapping)) and caches:  # a dict skips the ABC's check
         layer = next(iter(caches.values()))
         first = layer[0] if isinstance(layer, (tuple, list)) and layer else layer
         if isinstance(first, torch.Tensor):
-            return first.device
-    return CacheSet(caches, axes, role=role).device
-
-
-def _first_on_host(caches: Mapping[str, Layer]) -> bool:
-    """Whether a plain dict's first layer is a plain tensor in host memory (``is_cpu``: a
-    cold call spends tens of microseconds making the ``torch.device`` that ``_device_of``
-    reads). Anything else answers False and goes the general way."""
-    if type(caches) is not dict or not caches:
-        return False
-    first = next(iter(caches.values()))
-    return type(first) is torch.Tensor and first.is_cpu
+            return first
+    return None
 
 
 def _copy_device(src: torch.device, dst: torch.device) -> torch.device:

@@ -240,8 +240,8 @@ def _pair_views(job: CopyJob) -> list[_PairViews]:
         # ops (whose behaviour on shared memory torch does not promise).
         apart = src.tensor.untyped_storage().data_ptr() != dst.tensor.untyped_storage().data_ptr()
         arrays = (source.detach().numpy(), dest.detach().numpy()) if host else None
-        b = dst.layout.physical.index("B")
-        views.append(_PairViews(source, dest, b, apart, arrays, dest.numel() // dest.shape[b] * dest.element_size()))
+        block_bytes = dst.layout.region_bytes * dst.layout.outer_count
+        views.append(_PairViews(source, dest, dst.layout.physical.index("B"), apart, arrays, block_bytes))
     if all(src.address and dst.address for src, dst in job.pairs):
         job.group.derived["torch views"] = views
     return views
