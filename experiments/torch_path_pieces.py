@@ -1,11 +1,12 @@
 """Where the torch path's time goes in a cold one-request staging copy.
 
-    python experiments/torch_path_pieces.py [--rounds 61] [--requests 1]
+    python experiments/torch_path_pieces.py [--rounds 61] [--requests 1] [--scattered]
 
 The workload of ``kvhost bench``'s stage-runs point (16 layers, KBNHC, bf16, blocks of 16
 tokens x 8 heads x 128 channels, requests of 4 consecutive blocks into a host buffer that
-fills in order), timed with everything evicted before each call (``--cache all``), in
-interleaved rounds (medians), side by side:
+fills in order; with ``--scattered`` no two source blocks adjacent, so the torch path
+gathers, and the rows below its ``copy`` still time one run), timed with everything evicted
+before each call (``--cache all``), in interleaved rounds (medians), side by side:
 
 - memcpy of the same bytes (the roofline);
 - ``KVHost.copy_to`` on the torch path, and on the CPU backend (numba) for reference;
@@ -46,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=61)
     parser.add_argument("--requests", type=int, default=1)
+    parser.add_argument("--scattered", action="store_true", help="source ids one block apart (the path gathers)")
     args = parser.parse_args()
 
     geometry = Geometry(block_size=16)
@@ -55,6 +57,8 @@ def main() -> None:
     cache = space.caches("cache", geometry, geometry.physical, 4 * blocks)
     buffer = space.caches("host", geometry, geometry.physical, blocks)
     src_ids = list(range(blocks, 2 * blocks))  # one run: what an allocator hands a short prompt
+    if args.scattered:
+        src_ids = list(range(blocks, 3 * blocks, 2))  # no two adjacent: index_select into the buffer's run
     dst_ids = list(range(blocks))
     torch_host = kvhost.KVHost(cache, axes=geometry.axes, backend="torch")
     numba_host = kvhost.KVHost(cache, axes=geometry.axes, backend="cpu")

@@ -89,7 +89,8 @@ class TorchBackend(Backend):
     beyond it one gather/scatter; ``host_thread_bytes``: on the host, a scatter or
     ``copy_`` moving fewer bytes runs on the calling thread, through numpy (torch's op
     would wake its parked threads, about 70 us here, more than a second thread saves
-    below 1-2 MiB; ``index_select`` of a few ids already runs on the calling thread).
+    below 1-2 MiB; ``index_select`` of a few ids already runs on the calling thread; a
+    larger gather goes per index of the dims before ``B``, which torch spreads over threads).
     """
 
     name = "torch"
@@ -160,7 +161,13 @@ class TorchBackend(Backend):
         for source, dest, b, apart, arrays, block_bytes in _pair_views(job):
             if apart and gathers:
                 for ids, d0, count in gathers:  # torch's: a few ids run on this thread, faster than numpy's take
-                    torch.index_select(source, b, ids, out=dest.narrow(b, d0, count))
+                    if arrays is not None and count * block_bytes >= thread_bytes:
+                        # torch spreads ids over its threads only where one id's slice is under its
+                        # grain (32,768 elements): gathered per index of the dims before B, smaller
+                        for at in np.ndindex(*source.shape[:b]):
+                            torch.index_select(source[at], 0, ids, out=dest[at].narrow(0, d0, count))
+                    else:
+                        torch.index_select(source, b, ids, out=dest.narrow(b, d0, count))
                 continue
             if apart and scatters:
                 for ids, s0, count in scatters:
@@ -239,12 +246,24 @@ def _pair_views(job: CopyJob) -> list[_PairViews]:
         # A copy within one cache reads and writes one storage: kept off the one-pass index
         # ops (whose behaviour on shared memory torch does not promise).
         apart = src.tensor.untyped_storage().data_ptr() != dst.tensor.untyped_storage().data_ptr()
+        if host:
+            source, dest = _widened(source, dest)
         arrays = (source.detach().numpy(), dest.detach().numpy()) if host else None
         block_bytes = dst.layout.region_bytes * dst.layout.outer_count
         views.append(_PairViews(source, dest, dst.layout.physical.index("B"), apart, arrays, block_bytes))
     if all(src.address and dst.address for src, dst in job.pairs):
         job.group.derived["torch views"] = views
     return views
+
+
+def _widened(source: torch.Tensor, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both views as 8-byte integers where torch can view them so (their last dims dense and
+    a multiple of 8 bytes): ``index_copy_`` on the host moves one element at a time (a
+    32-request load went from 0.44 to 0.65 of memcpy, docs/design.md "Backends")."""
+    try:
+        return source.view(torch.int64), dest.view(torch.int64)
+    except RuntimeError:
+        return source, dest
 
 
 def _span(b: int, first: int | np.ndarray, count: int | None = None) -> tuple[slice | int | np.ndarray, ...]:

@@ -176,8 +176,15 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
     monkeypatch, src_ids, dst_ids, op, host_thread_bytes, below
 ):
     """Blocks of 256 bytes (2 x 8 x 2 x 4 bf16), calls of up to 3 blocks: scatters and copies
-    through numpy below the bound, torch's op at it; gathers through torch's op always."""
-    numpy = below and op != "index_select"
+    through numpy below the bound, torch's op at it; gathers through torch's op always, one
+    call a layer below the bound and one per index of K (the dim before B) at it."""
+    bound = 1 << 20 if host_thread_bytes is None else host_thread_bytes
+    assert below is (bound > 3 * 256)
+    # torch's calls: a gather 1, or 2 (per K) at the bound; a scatter of 3 blocks 0 or 1; copy_
+    # of two runs (3 blocks, 1 block) one for each run at the bound
+    calls = {"index_select": 1 if below else 2, "index_copy_": 0 if below else 1}.get(op)
+    if calls is None:
+        calls = sum(n * 256 >= bound for n in (3, 1))
     src = {"l": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 1)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 2)}
     before = raw(dst["l"]).clone()
@@ -185,11 +192,68 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
     backend = TorchBackend(host_thread_bytes=host_thread_bytes)
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend)
     monkeypatch.undo()
-    assert (torch_calls == []) is numpy and (numpy or len(torch_calls) in (1, 2))
+    assert len(torch_calls) == calls
     layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
     assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
     untouched = [i for i in range(SIZES["B"]) if i not in dst_ids]
     assert torch.equal(raw(dst["l"])[:, untouched], before[:, untouched])
+
+
+@pytest.mark.parametrize(
+    ("axes", "src_physical", "dst_physical", "calls"),
+    [
+        ("KBNHC", "KBNHC", "KBNHC", 2),  # per index of K: slices of 16 x 8 x 128, spread over threads
+        ("KBNHC", "KBHNC", "KBNHC", 2),  # the source's slices are not dense
+        ("KBNHC", "KBNHC", "BKNHC", 1),  # B first in the destination: nothing to split
+        ("LKBNHC", "LKBNHC", "LKBNHC", 6),  # L x K
+    ],
+)
+def test_host_gathers_of_a_mebibyte_or_more_go_per_index_before_b(monkeypatch, axes, src_physical, dst_physical, calls):
+    """Blocks of 64 KiB a layer (the bench's), 24 ids into a buffer's run: 1.5 MiB, one
+    ``index_select`` per index of the dims before B in the destination; every block lands, the
+    rest keep their bytes. Fresh tensors of 3-6 MiB (the sizes a use-after-free hides below)."""
+    sizes = {a: dict(L=3, K=2, B=48, N=16, H=8, C=128)[a] for a in axes}
+    src = {"l": fill_random(make_cache(axes, src_physical, sizes), 5)}
+    dst = {"l": fill_random(make_cache(axes, dst_physical, sizes), 6)}
+    before = raw(dst["l"]).clone()
+    src_ids = [int(i) for i in np.random.default_rng(3).permutation(48)[:24]]
+    dst_ids = list(range(10, 34))
+    gathers = _gathers_counted(monkeypatch)
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=axes, backend=TorchBackend())
+    monkeypatch.undo()
+    assert len(gathers) == calls
+    layout_src, layout_dst = kvhost.Layout.of(src["l"], axes), kvhost.Layout.of(dst["l"], axes)
+    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
+    b = axes.index("B")
+    untouched = torch.tensor([i for i in range(48) if i not in dst_ids])
+    assert torch.equal(raw(dst["l"]).index_select(b, untouched), before.index_select(b, untouched))
+
+
+@pytest.mark.parametrize(
+    ("channels", "dtype", "moved_as"),
+    [(4, torch.bfloat16, torch.int64), (3, torch.bfloat16, torch.int16), (4, torch.float8_e4m3fn, torch.uint8)],
+)
+def test_host_copies_move_8_byte_integers_where_the_last_dim_allows(monkeypatch, channels, dtype, moved_as):
+    """A scatter (``index_copy_``) on the host moves 8-byte elements where a channel row is a
+    multiple of 8 bytes (4 x bf16), the raw item otherwise (3 x bf16: 6 bytes; 4 x fp8)."""
+    sizes = dict(SIZES, C=channels)
+    src = {"l": fill_random(make_cache("KBNHC", "KBHNC", sizes, dtype=dtype), 1)}
+    dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes, dtype=dtype), 2)}
+    before = raw(dst["l"]).clone()
+    seen: list[torch.dtype] = []
+    original = torch.Tensor.index_copy_
+
+    def recording(self, *args):  # type: ignore[no-untyped-def]
+        seen.append(self.dtype)
+        return original(self, *args)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", recording)
+    kvhost.copy_blocks(src, dst, [0, 1, 2], [6, 3, 5], axes="KBNHC", backend=TorchBackend(host_thread_bytes=0))
+    monkeypatch.undo()
+    assert seen == [moved_as]
+    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
+    assert torch.equal(read_tokens(dst["l"], layout_dst, [6, 3, 5]), read_tokens(src["l"], layout_src, [0, 1, 2]))
+    assert torch.equal(raw(dst["l"])[:, [0, 1, 2, 4, 7]], before[:, [0, 1, 2, 4, 7]])
 
 
 def test_a_registered_copy_makes_its_views_once(monkeypatch):
@@ -552,7 +616,7 @@ def _gathers_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     [
         ([4, 5, 6], [0, 1, 2], dict(copy_=1, index_select=0, index_copy_=0)),  # one run on both sides
         ([7, 2, 3], [4, 0, 1], dict(copy_=2, index_select=0, index_copy_=0)),  # both sides in two runs alike
-        ([5, 1, 2], [0, 1, 2], dict(copy_=0, index_select=1, index_copy_=0)),  # gathered into one run
+        ([5, 1, 2], [0, 1, 2], dict(copy_=0, index_select=2, index_copy_=0)),  # gathered into one run, per K
         ([0, 1, 2], [5, 2, 3], dict(copy_=0, index_select=0, index_copy_=1)),  # scattered from one run
     ],
 )
