@@ -143,12 +143,34 @@ def test_a_receive_scatters_once_per_pass_of_chunk_bytes(monkeypatch, device, ho
     ids = [1, 2, 3, 4, 5]
     if case is not None:
         case.send("r", ids, "HNC", 8)
-    backend = TorchBackend() if host_chunk_bytes is None else TorchBackend(host_chunk_bytes=host_chunk_bytes)
+    backend = TorchBackend(host_chunk_bytes=host_chunk_bytes, host_thread_bytes=0)  # torch's ops on the host too
     scatters = counted(monkeypatch, "index_copy_")
     kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", backend=backend)
     assert len(scatters) == passes
     if case is not None:
         case.check()
+
+
+@pytest.mark.parametrize("host_thread_bytes", [None, 513, 512, 257, 256])
+@pytest.mark.parametrize(
+    ("remote_block_size", "ids", "unit_bytes"), [(4, [1, 2, 3, 4, 5], 256), (16, [2, 3, 6, 7], 512)]
+)
+def test_a_host_receive_of_small_units_goes_unit_by_unit_on_the_calling_thread(
+    monkeypatch, host_thread_bytes, remote_block_size, ids, unit_bytes
+):
+    """Units of 256 bytes (r = 2: one block, 2 x 128) and 512 (g = 2: two blocks): numpy
+    below ``host_thread_bytes``, torch's ops (one pass) at it; the wire bytes land either way."""
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    case = ReceiveCase(caches, "KBNHC", seed=4)
+    case.send("r", ids, "HNC", remote_block_size)
+    made = counted(monkeypatch, "index_copy_")
+    backend = TorchBackend(host_thread_bytes=host_thread_bytes)
+    kvhost.receive(
+        caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=remote_block_size, backend=backend
+    )
+    monkeypatch.undo()
+    assert len(made) == int(unit_bytes >= backend.host_thread_bytes)
+    case.check()
 
 
 def test_up_to_max_run_copies_runs_a_copy_is_one_copy_per_run(monkeypatch):
