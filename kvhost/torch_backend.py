@@ -141,7 +141,7 @@ class TorchBackend(Backend):
         for member in job.members:
             view, src_shape, region_shape = _receive_view(member.tensor, layout, plan, widen=host)
             if host and per_unit < self.host_thread_bytes:
-                _receive_units(view.numpy(), job.unit_ids, outer, src_shape, plan.perm, region_shape)
+                _receive_units(view.detach().numpy(), job.unit_ids, outer, src_shape, plan.perm, region_shape)
                 continue
             outer_shape = list(view.shape[:outer])
             for start in range(0, units, step):

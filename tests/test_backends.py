@@ -173,6 +173,54 @@ def test_a_host_receive_of_small_units_goes_unit_by_unit_on_the_calling_thread(
     case.check()
 
 
+@pytest.mark.parametrize("host_thread_bytes", [None, 0])  # numpy unit by unit; torch's ops
+@pytest.mark.parametrize(
+    ("axes", "channels", "dtype", "remote_order", "remote_block_size", "moved_as"),
+    [
+        ("KBNHC", 4, torch.bfloat16, "HNC", 4, torch.int64),  # 4 x 2 bytes: one 8-byte element
+        ("KBNHC", 4, torch.float32, "HNC", 4, torch.int64),  # 4 x 4 bytes: two
+        ("KBNHC", 3, torch.bfloat16, "HNC", 4, torch.int16),  # 6 bytes: not a multiple of 8
+        ("KBNHC", 8, torch.float8_e4m3fn, "HNC", 4, torch.int64),  # 8 x 1 byte
+        ("KBNHC", 4, torch.bfloat16, "NCH", 4, torch.int16),  # C not innermost on the wire
+        ("KBHCN", 4, torch.bfloat16, "HCN", 2, torch.int16),  # tokens innermost: runs of 2 on the wire
+        ("KBHCN", 4, torch.bfloat16, "HCN", 4, torch.int64),  # runs of 4 tokens, 8 bytes
+    ],
+)
+def test_a_host_receive_moves_8_byte_integers_where_the_innermost_dim_allows(
+    monkeypatch, host_thread_bytes, axes, channels, dtype, remote_order, remote_block_size, moved_as
+):
+    """Where the wire's innermost dim stays innermost locally and a run of it is a multiple
+    of 8 bytes, the rearrangement moves 8-byte elements; otherwise the raw item. The wire
+    bytes land either way (local blocks of 8 tokens, r = 2 or 4)."""
+    import kvhost.torch_backend as torch_backend
+
+    sizes = {a: dict(SIZES, C=channels)[a] for a in axes}
+    caches = {"l": make_cache(axes, axes, sizes, dtype=dtype)}
+    case = ReceiveCase(caches, axes, seed=6)
+    ids = [1, 2, 3, 4, 5]
+    case.send("r", ids, remote_order, remote_block_size)
+    seen: list[torch.dtype | np.dtype] = []
+    original_units, original_copy = torch_backend._receive_units, torch.Tensor.index_copy_
+
+    def units(blocks, *args):  # type: ignore[no-untyped-def]
+        seen.append(torch.from_numpy(blocks[:0]).dtype)
+        return original_units(blocks, *args)
+
+    def index_copy(self, *args):  # type: ignore[no-untyped-def]
+        seen.append(self.dtype)
+        return original_copy(self, *args)
+
+    monkeypatch.setattr(torch_backend, "_receive_units", units)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", index_copy)
+    backend = TorchBackend(host_thread_bytes=host_thread_bytes)
+    kvhost.receive(
+        caches, {"r": ids}, axes=axes, remote_order=remote_order, remote_block_size=remote_block_size, backend=backend
+    )
+    monkeypatch.undo()
+    assert seen == [moved_as]
+    case.check()
+
+
 def test_up_to_max_run_copies_runs_a_copy_is_one_copy_per_run(monkeypatch):
     src = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1)}
     dst = {"l": torch.zeros_like(src["l"])}
