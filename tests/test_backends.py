@@ -352,12 +352,14 @@ def test_views_of_memory_without_an_address_are_made_on_every_call():
     (job,) = plan_copy_batch(src, dst, [1, 2], [3, 4], False).jobs
     first = _pair_views(job)
     assert _pair_views(job) is not first and "torch views" not in job.group.derived
+    assert first[0].source.dtype == first[0].dest.dtype == torch.int16  # widened on the host only
     host = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES)}, "KBNHC")
     for one_side in ((host, dst), (src, host)):  # one side with an address is not enough
         (job,) = plan_copy_batch(*one_side, [1, 2], [3, 4], False).jobs
         assert _pair_views(job) is not _pair_views(job) and "torch views" not in job.group.derived
     (job,) = plan_copy_batch(host, host, [1, 2], [3, 4], False).jobs
     assert _pair_views(job) is _pair_views(job) is job.group.derived["torch views"]
+    assert _pair_views(job)[0].source.dtype == torch.int64
 
 
 # --- the CPU backend with and without its kernels ------------------------------------------
