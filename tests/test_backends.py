@@ -199,7 +199,7 @@ def test_a_host_receive_moves_8_byte_integers_where_the_innermost_dim_allows(
     case = ReceiveCase(caches, axes, seed=6)
     ids = [1, 2, 3, 4, 5]
     case.send("r", ids, remote_order, remote_block_size)
-    seen: list[torch.dtype | np.dtype] = []
+    seen: list[torch.dtype] = []
     original_units, original_copy = torch_backend._receive_units, torch.Tensor.index_copy_
 
     def units(blocks, *args):  # type: ignore[no-untyped-def]
