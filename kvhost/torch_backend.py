@@ -2,8 +2,8 @@
 
 Receive is gather -> permute -> scatter on a view of each tensor in physical order
 (outer axes, ``B``, region). Copies move runs of consecutive ids with one ``copy_`` each,
-or gather/scatter when ids are scattered; on the host, copies and scatters under a MiB go
-through numpy on the calling thread instead of waking torch's threads. Bytes are moved as
+or gather/scatter when ids are scattered. On the host, copies, scatters and receive units
+under a MiB go through numpy on the calling thread instead of waking torch's threads. Bytes are moved as
 integers of the same size (``kvhost.raw``), so fp8 and NaN payloads pass through untouched.
 
 It is the fallback where no device backend is installed, the reference the others are
@@ -87,8 +87,8 @@ class TorchBackend(Backend):
     None takes a group in one pass); ``max_run_copies``: up to this many runs of ids on one
     side, a copy is one call per run and layer (``index_select`` into a destination run,
     ``index_copy_`` from a source run, ``copy_`` where both run alike),
-    beyond it one gather/scatter; ``host_thread_bytes``: on the host, a scatter or
-    ``copy_`` moving fewer bytes runs on the calling thread, through numpy (torch's op
+    beyond it one gather/scatter; ``host_thread_bytes``: on the host, a scatter, a
+    ``copy_`` or a receive unit of fewer bytes runs on the calling thread, through numpy (torch's op
     would wake its parked threads, about 70 us here, more than a second thread saves
     below 1-2 MiB; ``index_select`` of a few ids already runs on the calling thread; a
     larger gather goes per index of the dims before ``B``, which torch spreads over threads).
