@@ -100,11 +100,19 @@ def find_runs(src_ids: np.ndarray, dst_ids: np.ndarray | None = None) -> np.ndar
     ``[n, 3]`` rows of source start, destination start, count."""
     dst = src_ids if dst_ids is None else dst_ids
     if src_ids.size <= SHORT_IDS:
-        return _short_runs(src_ids.tolist(), dst.tolist())
+        return np.array(_short_runs(src_ids.tolist(), dst.tolist()), dtype=np.int64).reshape(-1, 3)
     breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     counts = np.diff(np.concatenate((starts, [src_ids.size])))
     return np.stack([src_ids[starts], dst[starts], counts], axis=1)
+
+
+def find_runs_list(src_ids: np.ndarray, dst_ids: np.ndarray | None = None) -> list[list[int]]:
+    """``find_runs`` as Python rows: a short list never makes a numpy array."""
+    if src_ids.size <= SHORT_IDS:
+        ids = src_ids.tolist()
+        return _short_runs(ids, ids if dst_ids is None else dst_ids.tolist())
+    return find_runs(src_ids, dst_ids).tolist()  # type: ignore[no-any-return]
 
 
 # Up to this many ids, runs are found in a Python loop: a dozen numpy calls cost more
@@ -112,14 +120,14 @@ def find_runs(src_ids: np.ndarray, dst_ids: np.ndarray | None = None) -> np.ndar
 SHORT_IDS = 32
 
 
-def _short_runs(src: list[int], dst: list[int]) -> np.ndarray:
+def _short_runs(src: list[int], dst: list[int]) -> list[list[int]]:
     rows: list[list[int]] = []
     for s, d in zip(src, dst):
         if rows and s == rows[-1][0] + rows[-1][2] and d == rows[-1][1] + rows[-1][2]:
             rows[-1][2] += 1
         else:
             rows.append([s, d, 1])
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return rows
 
 
 _PLAIN = {list, tuple, range}

@@ -14,6 +14,7 @@ run (they hold one, configured for their device: composition, not inheritance).
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable
 from functools import cached_property
@@ -24,7 +25,7 @@ import torch
 
 from kvhost.backend import Backend, Completion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
-from kvhost.ids import find_runs
+from kvhost.ids import find_runs_list
 from kvhost.layout import Layout
 from kvhost.raw import as_raw
 from kvhost.transform import Rearrangement
@@ -88,10 +89,13 @@ class TorchBackend(Backend):
     side, a copy is one call per run and layer (``index_select`` into a destination run,
     ``index_copy_`` from a source run, ``copy_`` where both run alike),
     beyond it one gather/scatter; ``host_thread_bytes``: on the host, a scatter, a
-    ``copy_`` or a receive unit of fewer bytes runs on the calling thread, through numpy (torch's op
-    would wake its parked threads, about 70 us here, more than a second thread saves
-    below 1-2 MiB; ``index_select`` of a few ids already runs on the calling thread; a
-    larger gather goes per index of the dims before ``B``, which torch spreads over threads).
+    ``copy_`` or a receive unit of fewer bytes runs on the calling thread, through numpy
+    (torch's op would wake its parked threads, 70-300 us on the VMs measured, more than a
+    second thread saves below 1-8 MiB; ``index_select`` of a few ids already runs on the
+    calling thread); ``host_split_bytes``: on the host, a gather goes one call per index of
+    the dims before ``B`` where each such call moves at least this many bytes (dense slices:
+    a ``memcpy`` per id, where a gather along ``B`` copies each id in a strided loop; but
+    each call is a parallel region, a wake of the parked workers).
     """
 
     name = "torch"
@@ -101,6 +105,7 @@ class TorchBackend(Backend):
     device_chunk_bytes: int | None = None
     max_run_copies: int = 64
     host_thread_bytes: int = 1 << 20
+    host_split_bytes: int = 8 << 20
 
     def __init__(
         self,
@@ -109,6 +114,7 @@ class TorchBackend(Backend):
         device_chunk_bytes: int | None = None,
         max_run_copies: int | None = None,
         host_thread_bytes: int | None = None,
+        host_split_bytes: int | None = None,
     ) -> None:
         if host_chunk_bytes is not None:
             self.host_chunk_bytes = host_chunk_bytes
@@ -118,6 +124,8 @@ class TorchBackend(Backend):
             self.max_run_copies = max_run_copies
         if host_thread_bytes is not None:
             self.host_thread_bytes = host_thread_bytes
+        if host_split_bytes is not None:
+            self.host_split_bytes = host_split_bytes
 
     @cached_property
     def index_buffers(self) -> IndexBuffers:
@@ -167,12 +175,11 @@ class TorchBackend(Backend):
         runs: list[list[int]] | None = None  # found where a pair needs them
         indices: tuple[torch.Tensor, torch.Tensor] | None = None  # each side's ids on its device, once a job
         thread_bytes = self.host_thread_bytes  # on the host, calls moving fewer bytes: numpy, on this thread
-        for source, dest, b, apart, arrays, block_bytes in _pair_views(job):
+        for source, dest, b, apart, arrays, block_bytes, splits in _pair_views(job):
             if apart and gathers:
                 for ids, d0, count in gathers:  # torch's: a few ids run on this thread, faster than numpy's take
-                    if arrays is not None and count * block_bytes >= thread_bytes:
-                        # torch spreads ids over its threads only where one id's slice is under its
-                        # grain (32,768 elements): gathered per index of the dims before B, smaller
+                    if arrays is not None and count * block_bytes >= self.host_split_bytes * splits:
+                        # per index before B: dense slices, a memcpy per id over the threads
                         for at in np.ndindex(*source.shape[:b]):
                             torch.index_select(source[at], 0, ids, out=dest[at].narrow(0, d0, count))
                     else:
@@ -232,6 +239,7 @@ class _PairViews(NamedTuple):
     apart: bool  # not one storage
     arrays: tuple[np.ndarray, np.ndarray] | None  # (source, dest) as numpy arrays, on the host
     block_bytes: int  # one block of one member: the bytes a call moves per id
+    splits: int  # indices of the dims before B: the calls a gather split per index makes
 
 
 def _pair_views(job: CopyJob) -> list[_PairViews]:
@@ -259,7 +267,9 @@ def _pair_views(job: CopyJob) -> list[_PairViews]:
             source, dest = _widened(source, dest)
         arrays = (source.detach().numpy(), dest.detach().numpy()) if host else None
         block_bytes = dst.layout.region_bytes * dst.layout.outer_count
-        views.append(_PairViews(source, dest, dst.layout.physical.index("B"), apart, arrays, block_bytes))
+        b = dst.layout.physical.index("B")
+        splits = math.prod(dest.shape[:b])
+        views.append(_PairViews(source, dest, b, apart, arrays, block_bytes, splits))
     if all(src.address and dst.address for src, dst in job.pairs):
         job.group.derived["torch views"] = views
     return views
@@ -330,7 +340,7 @@ def _span(b: int, first: int | np.ndarray, count: int | None = None) -> tuple[sl
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """Runs of consecutive ids in one list: (position in the list, first id, count)."""
     runs, position = [], 0
-    for first, _, count in find_runs(ids).tolist():
+    for first, _, count in find_runs_list(ids):
         runs.append((position, first, count))
         position += count
     return runs
@@ -340,10 +350,15 @@ def _run_indices(
     ids: np.ndarray, device: torch.device, runs: list[tuple[int, int, int]]
 ) -> list[tuple[torch.Tensor, int, int]]:
     """Per run of the other side: the ids it reads or writes here (on ``device``, one
-    transfer for all), its first id and count."""
+    transfer for all), its first id and count. A host index is the ids' own memory, and one
+    run takes it whole (each torch call costs 10-35 us cold in a one-request copy)."""
     if not runs:
         return []
-    index = torch.from_numpy(ids).to(device)
+    index = torch.from_numpy(ids)
+    if device.type != "cpu":
+        index = index.to(device)
+    if len(runs) == 1:
+        return [(index, runs[0][1], runs[0][2])]
     return [(index[at : at + count], first, count) for at, first, count in runs]
 
 

@@ -46,9 +46,10 @@ def _targets() -> list[object]:
     return [
         pytest.param(Target("cpu", "cpu"), id="cpu"),
         pytest.param(Target("torch", "cpu"), id="torch-cpu"),
-        # The same path with torch's ops for every call, as on a device (by default the
-        # host's small calls go through numpy on the calling thread).
-        pytest.param(Target(TorchBackend(host_thread_bytes=0), "cpu"), id="torch-ops-cpu"),
+        # The same path with torch's ops for every call (by default the host's small calls
+        # go through numpy on the calling thread), and every host gather split per index of
+        # the dims before B (by default only from 8 MiB a call).
+        pytest.param(Target(TorchBackend(host_thread_bytes=0, host_split_bytes=0), "cpu"), id="torch-ops-cpu"),
         pytest.param(
             Target("cuda", "cuda"),
             id="cuda",

@@ -77,10 +77,12 @@ def test_device_ids_go_through_one_growing_buffer_per_thread():
 def test_torch_backend_settings():
     default = TorchBackend()
     assert (default.host_chunk_bytes, default.device_chunk_bytes, default.max_run_copies) == (1 << 20, None, 64)
-    assert default.host_thread_bytes == 1 << 20
-    tuned = TorchBackend(host_chunk_bytes=4096, device_chunk_bytes=8192, max_run_copies=2, host_thread_bytes=0)
+    assert (default.host_thread_bytes, default.host_split_bytes) == (1 << 20, 8 << 20)
+    tuned = TorchBackend(
+        host_chunk_bytes=4096, device_chunk_bytes=8192, max_run_copies=2, host_thread_bytes=0, host_split_bytes=5
+    )
     assert (tuned.host_chunk_bytes, tuned.device_chunk_bytes, tuned.max_run_copies) == (4096, 8192, 2)
-    assert tuned.host_thread_bytes == 0
+    assert (tuned.host_thread_bytes, tuned.host_split_bytes) == (0, 5)
     assert TorchBackend.priority == -100  # the fallback plugins rank against (docs/plugins.md, README)
 
 
@@ -247,19 +249,19 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
 ):
     """Blocks of 256 bytes (2 x 8 x 2 x 4 bf16), calls of up to 3 blocks: scatters and copies
     through numpy below the bound, torch's op at it; gathers through torch's op always, one
-    call a layer below the bound and one per index of K (the dim before B) at it."""
+    call a layer (each index of K would move 384 bytes, under ``host_split_bytes``)."""
     bound = 1 << 20 if host_thread_bytes is None else host_thread_bytes
     assert below is (bound > 3 * 256)
-    # torch's calls: a gather 1, or 2 (per K) at the bound; a scatter of 3 blocks 0 or 1; copy_
-    # of two runs (3 blocks, 1 block) one for each run at the bound
-    calls = {"index_select": 1 if below else 2, "index_copy_": 0 if below else 1}.get(op)
+    # torch's calls: a gather 1; a scatter of 3 blocks 0 or 1; copy_ of two runs (3 blocks,
+    # 1 block) one for each run at the bound
+    calls = {"index_select": 1, "index_copy_": 0 if below else 1}.get(op)
     if calls is None:
         calls = sum(n * 256 >= bound for n in (3, 1))
     src = {"l": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 1)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 2)}
     before = raw(dst["l"]).clone()
     torch_calls = _gathers_counted(monkeypatch) if op == "index_select" else counted(monkeypatch, op)
-    backend = TorchBackend(host_thread_bytes=host_thread_bytes)
+    backend = TorchBackend(host_thread_bytes=host_thread_bytes, host_split_bytes=385)
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend)
     monkeypatch.undo()
     assert len(torch_calls) == calls
@@ -270,18 +272,25 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
 
 
 @pytest.mark.parametrize(
-    ("axes", "src_physical", "dst_physical", "calls"),
+    ("axes", "src_physical", "dst_physical", "split_bytes", "calls"),
     [
-        ("KBNHC", "KBNHC", "KBNHC", 2),  # per index of K: slices of 16 x 8 x 128, spread over threads
-        ("KBNHC", "KBHNC", "KBNHC", 2),  # the source's slices are not dense
-        ("KBNHC", "KBNHC", "BKNHC", 1),  # B first in the destination: nothing to split
-        ("LKBNHC", "LKBNHC", "LKBNHC", 6),  # L x K
+        ("KBNHC", "KBNHC", "KBNHC", 768 << 10, 2),  # per index of K: 768 KiB each, at the bound
+        ("KBNHC", "KBNHC", "KBNHC", (768 << 10) + 1, 1),  # under it: one call along B
+        ("KBNHC", "KBHNC", "KBNHC", 768 << 10, 2),  # the source's slices are not dense
+        ("KBNHC", "KBNHC", "BKNHC", 768 << 10, 1),  # B first in the destination: nothing to split
+        ("KBNHC", "KBNHC", "BKNHC", (1536 << 10) + 1, 1),
+        ("LKBNHC", "LKBNHC", "LKBNHC", 768 << 10, 6),  # L x K: 4.5 MiB in 6 calls
+        ("LKBNHC", "LKBNHC", "LKBNHC", (768 << 10) + 1, 1),
+        ("KBNHC", "KBNHC", "KBNHC", None, 1),  # the default bound: 8 MiB a call
     ],
 )
-def test_host_gathers_of_a_mebibyte_or_more_go_per_index_before_b(monkeypatch, axes, src_physical, dst_physical, calls):
+def test_host_gathers_go_per_index_before_b_from_host_split_bytes_a_call(
+    monkeypatch, axes, src_physical, dst_physical, split_bytes, calls
+):
     """Blocks of 64 KiB a layer (the bench's), 24 ids into a buffer's run: 1.5 MiB, one
-    ``index_select`` per index of the dims before B in the destination; every block lands, the
-    rest keep their bytes. Fresh tensors of 3-6 MiB (the sizes a use-after-free hides below)."""
+    ``index_select`` per index of the dims before B in the destination where each such call
+    moves ``host_split_bytes`` or more; every block lands, the rest keep their bytes. Fresh
+    tensors of 3-6 MiB (the sizes a use-after-free hides below)."""
     sizes = {a: dict(L=3, K=2, B=48, N=16, H=8, C=128)[a] for a in axes}
     src = {"l": fill_random(make_cache(axes, src_physical, sizes), 5)}
     dst = {"l": fill_random(make_cache(axes, dst_physical, sizes), 6)}
@@ -289,7 +298,7 @@ def test_host_gathers_of_a_mebibyte_or_more_go_per_index_before_b(monkeypatch, a
     src_ids = [int(i) for i in np.random.default_rng(3).permutation(48)[:24]]
     dst_ids = list(range(10, 34))
     gathers = _gathers_counted(monkeypatch)
-    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=axes, backend=TorchBackend())
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=axes, backend=TorchBackend(host_split_bytes=split_bytes))
     monkeypatch.undo()
     assert len(gathers) == calls
     layout_src, layout_dst = kvhost.Layout.of(src["l"], axes), kvhost.Layout.of(dst["l"], axes)
@@ -688,7 +697,7 @@ def _gathers_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     [
         ([4, 5, 6], [0, 1, 2], dict(copy_=1, index_select=0, index_copy_=0)),  # one run on both sides
         ([7, 2, 3], [4, 0, 1], dict(copy_=2, index_select=0, index_copy_=0)),  # both sides in two runs alike
-        ([5, 1, 2], [0, 1, 2], dict(copy_=0, index_select=2, index_copy_=0)),  # gathered into one run, per K
+        ([5, 1, 2], [0, 1, 2], dict(copy_=0, index_select=1, index_copy_=0)),  # gathered into one run
         ([0, 1, 2], [5, 2, 3], dict(copy_=0, index_select=0, index_copy_=1)),  # scattered from one run
     ],
 )

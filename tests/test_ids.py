@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.ids import IdBatch, checked_ids, find_runs
+from kvhost.ids import IdBatch, checked_ids, find_runs, find_runs_list
 from kvhost.testing import ReceiveCase, make_cache
 
 SIZES = dict(K=2, B=8, N=8, H=2, C=4)
@@ -106,6 +106,10 @@ def test_runs_of_ids_consecutive_in_both_lists(runs_path):
     empty = find_runs(np.zeros(0, dtype=np.int64))
     assert empty.shape == (0, 3) and empty.dtype == np.int64
     assert find_runs(np.array([4]), np.array([2])).tolist() == [[4, 2, 1]]
+    assert find_runs_list(src, dst) == [[0, 3, 3], [5, 9, 1], [6, 11, 1], [9, 12, 1]]  # as Python rows
+    assert find_runs_list(src) == [[0, 0, 3], [5, 5, 2], [9, 9, 1]]
+    assert find_runs_list(np.array([7, 7, 8])) == [[7, 7, 1], [7, 7, 2]]
+    assert find_runs_list(np.zeros(0, dtype=np.int64)) == []
 
 
 def test_short_and_long_id_lists_find_the_same_runs():
@@ -117,9 +121,11 @@ def test_short_and_long_id_lists_find_the_same_runs():
         dst = np.cumsum(rng.choice([1, 1, 1, 7], size=length))
         short = kvhost.ids._short_runs(src.tolist(), dst.tolist())
         found = find_runs(src, dst)
-        assert found.dtype == short.dtype == np.int64 and found.shape == short.shape == (found.shape[0], 3)
-        assert found.tolist() == short.tolist()
+        assert found.dtype == np.int64 and found.shape == (len(short), 3)
+        assert found.tolist() == short
         assert found[:, 2].sum() == length
+        assert find_runs_list(src, dst) == short
+        assert find_runs_list(src) == find_runs(src).tolist() == kvhost.ids._short_runs(src.tolist(), src.tolist())
 
 
 def test_long_values_are_cut_short_in_messages():
