@@ -249,19 +249,19 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
 ):
     """Blocks of 256 bytes (2 x 8 x 2 x 4 bf16), calls of up to 3 blocks: scatters and copies
     through numpy below the bound, torch's op at it; gathers through torch's op always, one
-    call a layer (each index of K would move 384 bytes, under ``host_split_bytes``)."""
+    call per index of K at any size: HND into NHD, the slices under K are not dense."""
     bound = 1 << 20 if host_thread_bytes is None else host_thread_bytes
     assert below is (bound > 3 * 256)
-    # torch's calls: a gather 1; a scatter of 3 blocks 0 or 1; copy_ of two runs (3 blocks,
-    # 1 block) one for each run at the bound
-    calls = {"index_select": 1, "index_copy_": 0 if below else 1}.get(op)
+    # torch's calls: a gather 2 (per K); a scatter of 3 blocks 0 or 1; copy_ of two runs (3
+    # blocks, 1 block) one for each run at the bound
+    calls = {"index_select": 2, "index_copy_": 0 if below else 1}.get(op)
     if calls is None:
         calls = sum(n * 256 >= bound for n in (3, 1))
     src = {"l": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 1)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 2)}
     before = raw(dst["l"]).clone()
     torch_calls = _gathers_counted(monkeypatch) if op == "index_select" else counted(monkeypatch, op)
-    backend = TorchBackend(host_thread_bytes=host_thread_bytes, host_split_bytes=385)
+    backend = TorchBackend(host_thread_bytes=host_thread_bytes)
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend)
     monkeypatch.undo()
     assert len(torch_calls) == calls
@@ -272,11 +272,30 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
 
 
 @pytest.mark.parametrize(
+    ("shape", "permutation", "dim", "dense"),
+    [
+        ((2, 5, 3, 4), (0, 1, 2, 3), 1, True),
+        ((2, 5, 3, 4), (0, 1, 3, 2), 1, False),  # the last two dims swapped
+        ((2, 5, 3, 4), (0, 1, 3, 2), 2, False),  # one dim after, strided
+        ((2, 5, 3, 4), (0, 2, 1, 3), 2, True),  # dims before dim swapped
+        ((2, 5, 1, 4), (0, 1, 3, 2), 1, True),  # a dim of one: any stride
+        ((2, 5, 3, 4), (1, 0, 2, 3), 1, True),  # dims before dim do not count
+        ((2, 5, 3, 4), (0, 1, 2, 3), 3, True),  # nothing after
+    ],
+)
+def test_dense_after(shape, permutation, dim, dense):
+    tensor = torch.zeros(shape).permute(permutation)
+    assert kvhost.torch_backend._dense_after(tensor, dim) is dense
+
+
+@pytest.mark.parametrize(
     ("axes", "src_physical", "dst_physical", "split_bytes", "calls"),
     [
         ("KBNHC", "KBNHC", "KBNHC", 768 << 10, 2),  # per index of K: 768 KiB each, at the bound
         ("KBNHC", "KBNHC", "KBNHC", (768 << 10) + 1, 1),  # under it: one call along B
-        ("KBNHC", "KBHNC", "KBNHC", 768 << 10, 2),  # the source's slices are not dense
+        ("KBNHC", "KBHNC", "KBNHC", (768 << 10) + 1, 2),  # the source's slices are not dense: split at any size
+        ("KBNHC", "KBHNC", "KBNHC", None, 2),
+        ("KBNHC", "KBNHC", "KBHNC", None, 2),  # nor the destination's
         ("KBNHC", "KBNHC", "BKNHC", 768 << 10, 1),  # B first in the destination: nothing to split
         ("KBNHC", "KBNHC", "BKNHC", (1536 << 10) + 1, 1),
         ("LKBNHC", "LKBNHC", "LKBNHC", 768 << 10, 6),  # L x K: 4.5 MiB in 6 calls
