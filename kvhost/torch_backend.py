@@ -327,7 +327,7 @@ def _receive_units(
 def _dense_after(tensor: torch.Tensor, dim: int) -> bool:
     """Whether the dims after ``dim`` are one dense run of memory."""
     expected = 1
-    for size, stride in zip(reversed(tensor.shape[dim + 1 :]), reversed(tensor.stride()[dim + 1 :])):
+    for size, stride in zip(reversed(tensor.shape[dim + 1 :]), reversed(tensor.stride()[dim + 1 :]), strict=True):
         if size != 1 and stride != expected:
             return False
         expected *= size

@@ -271,6 +271,21 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
     assert torch.equal(raw(dst["l"])[:, untouched], before[:, untouched])
 
 
+def test_run_indices_each_run_its_ids_on_the_device():
+    from kvhost.torch_backend import _run_indices
+
+    ids = np.array([9, 4, 7, 2, 8], dtype=np.int64)
+    runs = [(0, 10, 2), (2, 30, 3)]  # (position in ids, first id of the other side, count)
+    made = _run_indices(ids, torch.device("cpu"), runs)
+    assert [(index.tolist(), first, count) for index, first, count in made] == [([9, 4], 10, 2), ([7, 2, 8], 30, 3)]
+    whole = _run_indices(ids, torch.device("cpu"), [(0, 6, 5)])
+    assert [(index.tolist(), first, count) for index, first, count in whole] == [([9, 4, 7, 2, 8], 6, 5)]
+    assert whole[0][0].data_ptr() == ids.ctypes.data  # a host index is the ids' own memory
+    on_meta = _run_indices(ids, META, runs) + _run_indices(ids, META, [(0, 6, 5)])
+    assert [index.device for index, _, _ in on_meta] == [META] * 3
+    assert _run_indices(ids, torch.device("cpu"), []) == []
+
+
 @pytest.mark.parametrize(
     ("shape", "permutation", "dim", "dense"),
     [
