@@ -92,10 +92,11 @@ class TorchBackend(Backend):
     ``copy_`` or a receive unit of fewer bytes runs on the calling thread, through numpy
     (torch's op would wake its parked threads, 70-300 us on the VMs measured, more than a
     second thread saves below 1-8 MiB; ``index_select`` of a few ids already runs on the
-    calling thread); ``host_split_bytes``: on the host, a gather goes one call per index of
-    the dims before ``B`` where each such call moves at least this many bytes (dense slices:
-    a ``memcpy`` per id, where a gather along ``B`` copies each id in a strided loop; but
-    each call is a parallel region, a wake of the parked workers).
+    calling thread); ``host_split_bytes``: on the host, a gather whose slices under the dims
+    before ``B`` are dense goes one call per index of those dims where each such call moves
+    at least this many bytes (a ``memcpy`` per id, where a gather along ``B`` copies each id
+    in a strided loop; but each call is a parallel region, a wake of the parked workers); one
+    whose slices are not dense (a buffer in another layout) always does, 2-3x faster.
     """
 
     name = "torch"
