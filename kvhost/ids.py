@@ -98,9 +98,9 @@ def checked_ids(ids: Any, subject: str, limit: int, *, unique: bool = True, allo
 def find_runs(src_ids: np.ndarray, dst_ids: np.ndarray | None = None) -> np.ndarray:
     """Runs of ids consecutive in both lists (in ``src_ids`` alone when ``dst_ids`` is None):
     ``[n, 3]`` rows of source start, destination start, count."""
-    dst = src_ids if dst_ids is None else dst_ids
     if src_ids.size <= SHORT_IDS:
-        return np.array(_short_runs(src_ids.tolist(), dst.tolist()), dtype=np.int64).reshape(-1, 3)
+        return np.array(find_runs_list(src_ids, dst_ids), dtype=np.int64).reshape(-1, 3)
+    dst = src_ids if dst_ids is None else dst_ids
     breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     counts = np.diff(np.concatenate((starts, [src_ids.size])))
@@ -108,7 +108,8 @@ def find_runs(src_ids: np.ndarray, dst_ids: np.ndarray | None = None) -> np.ndar
 
 
 def find_runs_list(src_ids: np.ndarray, dst_ids: np.ndarray | None = None) -> list[list[int]]:
-    """``find_runs`` as Python rows: a short list never makes a numpy array."""
+    """``find_runs`` as Python rows: a short list never makes a numpy array (``find_runs``
+    takes its own short lists from here)."""
     if src_ids.size <= SHORT_IDS:
         ids = src_ids.tolist()
         return _short_runs(ids, ids if dst_ids is None else dst_ids.tolist())

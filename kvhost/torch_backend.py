@@ -26,7 +26,7 @@ import torch
 from kvhost.backend import Backend, Completion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.ids import find_runs_list
-from kvhost.layout import Layout
+from kvhost.layout import Layout, contiguous_strides
 from kvhost.raw import as_raw
 from kvhost.transform import Rearrangement
 
@@ -326,13 +326,10 @@ def _receive_units(
 
 
 def _dense_after(tensor: torch.Tensor, dim: int) -> bool:
-    """Whether the dims after ``dim`` are one dense run of memory."""
-    expected = 1
-    for size, stride in zip(reversed(tensor.shape[dim + 1 :]), reversed(tensor.stride()[dim + 1 :]), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    """Whether the dims after ``dim`` are one dense run of memory (a dim of one may have any stride)."""
+    shape = tuple(tensor.shape[dim + 1 :])
+    strides = zip(shape, tensor.stride()[dim + 1 :], contiguous_strides(shape), strict=True)
+    return all(size == 1 or stride == dense for size, stride, dense in strides)
 
 
 def _widened(source: torch.Tensor, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
