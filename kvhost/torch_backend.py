@@ -2,9 +2,10 @@
 
 Receive is gather -> permute -> scatter on a view of each tensor in physical order
 (outer axes, ``B``, region). Copies move runs of consecutive ids with one ``copy_`` each,
-or gather/scatter when ids are scattered. On the host, copies, scatters and receive units
-under a MiB go through numpy on the calling thread instead of waking torch's threads. Bytes are moved as
-integers of the same size (``kvhost.raw``), so fp8 and NaN payloads pass through untouched.
+or gather/scatter when ids are scattered. On the host, copies, gathers, scatters and
+receive units under a MiB go through numpy on the calling thread instead of waking
+torch's threads. Bytes are moved as integers of the same size (``kvhost.raw``), so fp8 and
+NaN payloads pass through untouched.
 
 It is the fallback where no device backend is installed, the reference the others are
 tested against, and the path device backends hand work to where their kernels cannot
@@ -14,7 +15,6 @@ run (they hold one, configured for their device: composition, not inheritance).
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Callable
 from functools import cached_property
@@ -88,11 +88,11 @@ class TorchBackend(Backend):
     None takes a group in one pass); ``max_run_copies``: up to this many runs of ids on one
     side, a copy is one call per run and layer (``index_select`` into a destination run,
     ``index_copy_`` from a source run, ``copy_`` where both run alike),
-    beyond it one gather/scatter; ``host_thread_bytes``: on the host, a scatter, a
-    ``copy_`` or a receive unit of fewer bytes runs on the calling thread, through numpy
-    (torch's op would wake its parked threads, 70-300 us on the VMs measured, more than a
-    second thread saves below 1-8 MiB; ``index_select`` of a few ids already runs on the
-    calling thread); ``host_split_bytes``: on the host, a gather whose slices under the dims
+    beyond it one gather/scatter; ``host_thread_bytes``: on the host, a gather of packed
+    blocks, a scatter, a ``copy_`` or a receive unit of fewer bytes runs on the calling
+    thread, through numpy (torch's op would wake its parked threads, 70-300 us on the VMs
+    measured, more than a second thread saves below 1-8 MiB; a small gather makes no torch
+    call at all, each 10-35 us cold); ``host_split_bytes``: on the host, a gather whose slices under the dims
     before ``B`` are dense goes one call per index of those dims where each such call moves
     at least this many bytes (a ``memcpy`` per id, where a gather along ``B`` copies each id
     in a strided loop; but each call is a parallel region, a wake of the parked workers); one
@@ -167,32 +167,41 @@ class TorchBackend(Backend):
         a staging buffer filling in order) or scattered straight from a source run
         (``index_copy_``, loading it back). Otherwise, up to ``max_run_copies`` runs
         consecutive on both sides, one ``copy_`` each; beyond that (both sides scattered), a
-        gather then a scatter. On the host, a scatter or ``copy_`` that moves fewer than
-        ``host_thread_bytes`` is numpy's index assignment or ``copyto`` instead, on the
-        calling thread."""
+        gather then a scatter. On the host, a call that moves fewer than ``host_thread_bytes``
+        is numpy's instead, on the calling thread: ``take`` for a gather (where each side's
+        blocks lie back to back under each index before ``B``), index assignment for a
+        scatter, ``copyto`` for a run."""
         dst_runs, src_runs = self._index_runs(job)
-        gathers = _run_indices(job.src_ids, job.src_device, dst_runs)
-        scatters = _run_indices(job.dst_ids, job.dst_device, src_runs)
+        gathers = _RunIds(job.src_ids, job.src_device, dst_runs)
+        scatters = _RunIds(job.dst_ids, job.dst_device, src_runs)
         runs: list[list[int]] | None = None  # found where a pair needs them
         indices: tuple[torch.Tensor, torch.Tensor] | None = None  # each side's ids on its device, once a job
         thread_bytes = self.host_thread_bytes  # on the host, calls moving fewer bytes: numpy, on this thread
-        for source, dest, b, apart, arrays, block_bytes, splits, dense in _pair_views(job):
-            if apart and gathers:
-                for ids, d0, count in gathers:  # torch's: a few ids run on this thread, faster than numpy's take
-                    if arrays is not None and (not dense or count * block_bytes >= self.host_split_bytes * splits):
+        for source, dest, b, apart, arrays, block_bytes, before_b, dense, packed in _pair_views(job):
+            if apart and dst_runs:
+                for n, (_, d0, count) in enumerate(dst_runs):
+                    if arrays is not None and packed and count * block_bytes < thread_bytes:
+                        # numpy's take, a memcpy per id on this thread; "clip" because "raise" sends
+                        # the output through a temporary (the front end has checked every id)
+                        ids = gathers.array(n)
+                        for at in before_b:
+                            np.take(arrays[0][at], ids, axis=0, out=arrays[1][at][d0 : d0 + count], mode="clip")
+                    elif arrays is not None and (
+                        not dense or count * block_bytes >= self.host_split_bytes * len(before_b)
+                    ):
                         # per index before B: a memcpy per id over the threads where the slices are
                         # dense; where they are not, a strided copy per id, 2-3x faster than along B
-                        for at in np.ndindex(*source.shape[:b]):
-                            torch.index_select(source[at], 0, ids, out=dest[at].narrow(0, d0, count))
+                        for at in before_b:
+                            torch.index_select(source[at], 0, gathers.tensor(n), out=dest[at].narrow(0, d0, count))
                     else:
-                        torch.index_select(source, b, ids, out=dest.narrow(b, d0, count))
+                        torch.index_select(source, b, gathers.tensor(n), out=dest.narrow(b, d0, count))
                 continue
-            if apart and scatters:
-                for ids, s0, count in scatters:
+            if apart and src_runs:
+                for n, (_, s0, count) in enumerate(src_runs):
                     if arrays is not None and count * block_bytes < thread_bytes:
-                        arrays[1][_span(b, ids.numpy())] = arrays[0][_span(b, s0, count)]
+                        arrays[1][_span(b, scatters.array(n))] = arrays[0][_span(b, s0, count)]
                     else:
-                        dest.index_copy_(b, ids, source.narrow(b, s0, count))
+                        dest.index_copy_(b, scatters.tensor(n), source.narrow(b, s0, count))
                 continue
             runs = job.runs.tolist() if runs is None else runs
             if len(runs) <= self.max_run_copies:
@@ -241,8 +250,9 @@ class _PairViews(NamedTuple):
     apart: bool  # not one storage
     arrays: tuple[np.ndarray, np.ndarray] | None  # (source, dest) as numpy arrays, on the host
     block_bytes: int  # one block of one member: the bytes a call moves per id
-    splits: int  # indices of the dims before B: the calls a gather split per index makes
+    before_b: list[tuple[int, ...]]  # each index of the dims before B (a gather split per index: a call each)
     dense: bool  # a block's bytes under one index of the dims before B are one run on both sides
+    packed: bool  # so are all blocks' (numpy's take would copy a source that is not whole first)
 
 
 def _pair_views(job: CopyJob) -> list[_PairViews]:
@@ -271,9 +281,10 @@ def _pair_views(job: CopyJob) -> list[_PairViews]:
         arrays = (source.detach().numpy(), dest.detach().numpy()) if host else None
         block_bytes = dst.layout.region_bytes * dst.layout.outer_count
         b = dst.layout.physical.index("B")
-        splits = math.prod(dest.shape[:b])
+        before_b = list(np.ndindex(*dest.shape[:b]))
         dense = all(_dense_after(view, b) for view in (source, dest))
-        views.append(_PairViews(source, dest, b, apart, arrays, block_bytes, splits, dense))
+        packed = all(_dense_after(view, b - 1) for view in (source, dest))
+        views.append(_PairViews(source, dest, b, apart, arrays, block_bytes, before_b, dense, packed))
     if all(src.address and dst.address for src, dst in job.pairs):
         job.group.derived["torch views"] = views
     return views
@@ -357,20 +368,31 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _run_indices(
-    ids: np.ndarray, device: torch.device, runs: list[tuple[int, int, int]]
-) -> list[tuple[torch.Tensor, int, int]]:
-    """Per run of the other side: the ids it reads or writes here (on ``device``, one
-    transfer for all), its first id and count. A host index is the ids' own memory, and one
-    run takes it whole (each torch call costs 10-35 us cold in a one-request copy)."""
-    if not runs:
-        return []
-    index = torch.from_numpy(ids)
-    if device.type != "cpu":
-        index = index.to(device)
-    if len(runs) == 1:
-        return [(index, runs[0][1], runs[0][2])]
-    return [(index[at : at + count], first, count) for at, first, count in runs]
+class _RunIds:
+    """Per run of the other side (``runs``: position in ``ids``, first id, count), the ids
+    it reads or writes here: numpy views where numpy moves the bytes, tensors on ``device``
+    where torch does, made at the first such call, one transfer for all (each torch call
+    costs 10-35 us cold in a one-request copy: a host copy that numpy does makes none)."""
+
+    def __init__(self, ids: np.ndarray, device: torch.device, runs: list[tuple[int, int, int]]) -> None:
+        self.ids = ids
+        self.device = device
+        self.runs = runs
+        self._tensors: list[torch.Tensor] | None = None
+
+    def array(self, n: int) -> np.ndarray:
+        at, _, count = self.runs[n]
+        return self.ids[at : at + count]
+
+    def tensor(self, n: int) -> torch.Tensor:
+        if self._tensors is None:
+            index = torch.from_numpy(self.ids)
+            if self.device.type != "cpu":
+                index = index.to(self.device)
+            # one run takes the index whole: no view to make
+            whole = len(self.runs) == 1
+            self._tensors = [index if whole else index[at : at + count] for at, _, count in self.runs]
+        return self._tensors[n]
 
 
 class _StreamCompletion(Completion):

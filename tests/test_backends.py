@@ -248,8 +248,8 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
     monkeypatch, src_ids, dst_ids, op, host_thread_bytes, below
 ):
     """Blocks of 256 bytes (2 x 8 x 2 x 4 bf16), calls of up to 3 blocks: scatters and copies
-    through numpy below the bound, torch's op at it; gathers through torch's op always, one
-    call per index of K at any size: HND into NHD, the slices under K are not dense."""
+    through numpy below the bound, torch's op at it; these gathers through torch's op always,
+    one call per index of K at any size: HND into NHD, the slices under K are not dense."""
     bound = 1 << 20 if host_thread_bytes is None else host_thread_bytes
     assert below is (bound > 3 * 256)
     # torch's calls: a gather 2 (per K); a scatter of 3 blocks 0 or 1; copy_ of two runs (3
@@ -271,19 +271,22 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
     assert torch.equal(raw(dst["l"])[:, untouched], before[:, untouched])
 
 
-def test_run_indices_each_run_its_ids_on_the_device():
-    from kvhost.torch_backend import _run_indices
+def test_run_ids_numpy_views_at_once_tensors_at_the_first_torch_call():
+    from kvhost.torch_backend import _RunIds
 
     ids = np.array([9, 4, 7, 2, 8], dtype=np.int64)
     runs = [(0, 10, 2), (2, 30, 3)]  # (position in ids, first id of the other side, count)
-    made = _run_indices(ids, torch.device("cpu"), runs)
-    assert [(index.tolist(), first, count) for index, first, count in made] == [([9, 4], 10, 2), ([7, 2, 8], 30, 3)]
-    whole = _run_indices(ids, torch.device("cpu"), [(0, 6, 5)])
-    assert [(index.tolist(), first, count) for index, first, count in whole] == [([9, 4, 7, 2, 8], 6, 5)]
-    assert whole[0][0].data_ptr() == ids.ctypes.data  # a host index is the ids' own memory
-    on_meta = _run_indices(ids, META, runs) + _run_indices(ids, META, [(0, 6, 5)])
-    assert [index.device for index, _, _ in on_meta] == [META] * 3
-    assert _run_indices(ids, torch.device("cpu"), []) == []
+    run_ids = _RunIds(ids, torch.device("cpu"), runs)
+    assert [run_ids.array(n).tolist() for n in (0, 1)] == [[9, 4], [7, 2, 8]]
+    assert np.shares_memory(run_ids.array(1), ids)
+    assert run_ids._tensors is None  # numpy's calls make no tensor
+    made = [run_ids.tensor(n) for n in (0, 1)]
+    assert [index.tolist() for index in made] == [[9, 4], [7, 2, 8]]
+    assert [index.data_ptr() for index in made] == [ids.ctypes.data, ids.ctypes.data + 16]  # the ids' own memory
+    assert run_ids.tensor(1) is made[1]  # made once a job
+    assert _RunIds(ids, torch.device("cpu"), [(0, 6, 5)]).tensor(0).tolist() == [9, 4, 7, 2, 8]
+    on_meta = _RunIds(ids, META, runs)
+    assert [(on_meta.tensor(n).device, on_meta.tensor(n).shape) for n in (0, 1)] == [(META, (2,)), (META, (3,))]
 
 
 @pytest.mark.parametrize(
@@ -301,6 +304,60 @@ def test_run_indices_each_run_its_ids_on_the_device():
 def test_dense_after(shape, permutation, dim, dense):
     tensor = torch.zeros(shape).permute(permutation)
     assert kvhost.torch_backend._dense_after(tensor, dim) is dense
+
+
+def _layer_of_cross_layer_buffer(physical: str, layer: int) -> torch.Tensor:
+    """Layer ``layer`` of two whose blocks interleave in one buffer ``[B, layer, rest of physical]``:
+    a KBNHC tensor whose blocks lie two regions apart under each index of K."""
+    rest = physical.replace("B", "")
+    buffer = torch.zeros([SIZES["B"], 2, *(SIZES[a] for a in rest)], dtype=torch.bfloat16)
+    view = buffer[:, layer]  # dims: B, then rest
+    order = "B" + rest
+    return view.permute([order.index(a) for a in "KBNHC"])
+
+
+@pytest.mark.parametrize(
+    ("src_physical", "dst_physical", "host_thread_bytes", "takes", "selects"),
+    [
+        ("KBNHC", "KBNHC", None, 2, 0),  # every block's bytes one run under each K, on both sides: take per K
+        ("KBNHC", "KBNHC", 769, 2, 0),  # 3 blocks of 256 bytes: under the bound
+        ("KBNHC", "KBNHC", 768, 0, 1),  # at it: torch's gather along B
+        ("BKNHC", "BKNHC", None, 1, 0),  # B first: one take over the whole tensor
+        ("KBNHC", "BKNHC", None, 0, 1),  # B first in the destination only: the source's blocks are not packed
+        ("cross-layer", "KBNHC", None, 0, 1),  # the source's blocks apart (numpy would copy it whole first)
+        ("KBNHC", "KBHNC", None, 0, 2),  # the destination's slices not dense: torch's, per K
+    ],
+)
+def test_host_gathers_under_host_thread_bytes_are_numpys_take_where_blocks_are_packed(
+    monkeypatch, src_physical, dst_physical, host_thread_bytes, takes, selects
+):
+    """Blocks of 256 bytes, 3 ids into a destination run, on the default torch path: every
+    block lands, the others and the source keep their bytes."""
+    cross_layer = src_physical == "cross-layer"
+    source = _layer_of_cross_layer_buffer("KBNHC", 1) if cross_layer else make_cache("KBNHC", src_physical, SIZES)
+    src = {"l": fill_random(source, 1)}
+    dst = {"l": fill_random(make_cache("KBNHC", dst_physical, SIZES), 2)}
+    before, source_before = raw(dst["l"]).clone(), raw(src["l"]).clone()
+    src_ids, dst_ids = [5, 2, 7], [3, 4, 5]
+    took: list[int] = []
+    original_take = np.take
+
+    def take(*args, **kwargs):  # type: ignore[no-untyped-def]
+        took.append(1)
+        return original_take(*args, **kwargs)
+
+    monkeypatch.setattr(np, "take", take)
+    selected = _gathers_counted(monkeypatch)
+    kvhost.copy_blocks(
+        src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(host_thread_bytes=host_thread_bytes)
+    )
+    monkeypatch.undo()
+    assert (len(took), len(selected)) == (takes, selects)
+    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
+    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
+    untouched = [i for i in range(SIZES["B"]) if i not in dst_ids]
+    assert torch.equal(raw(dst["l"])[:, untouched], before[:, untouched])
+    assert torch.equal(raw(src["l"]), source_before)
 
 
 @pytest.mark.parametrize(
