@@ -389,9 +389,7 @@ class _RunIds:
             index = torch.from_numpy(self.ids)
             if self.device.type != "cpu":
                 index = index.to(self.device)
-            # one run takes the index whole: no view to make
-            whole = len(self.runs) == 1
-            self._tensors = [index if whole else index[at : at + count] for at, _, count in self.runs]
+            self._tensors = [index[at : at + count] for at, _, count in self.runs]
         return self._tensors[n]
 
 
