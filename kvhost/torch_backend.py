@@ -91,12 +91,13 @@ class TorchBackend(Backend):
     beyond it one gather/scatter; ``host_thread_bytes``: on the host, a gather of packed
     blocks, a scatter, a ``copy_`` or a receive unit of fewer bytes runs on the calling
     thread, through numpy (torch's op would wake its parked threads, 70-300 us on the VMs
-    measured, more than a second thread saves below 1-8 MiB; a small gather makes no torch
-    call at all, each 10-35 us cold); ``host_split_bytes``: on the host, a gather whose slices under the dims
-    before ``B`` are dense goes one call per index of those dims where each such call moves
-    at least this many bytes (a ``memcpy`` per id, where a gather along ``B`` copies each id
-    in a strided loop; but each call is a parallel region, a wake of the parked workers); one
-    whose slices are not dense (a buffer in another layout) always does, 2-3x faster.
+    measured, more than a second thread saves below 1-8 MiB; a small gather then makes no
+    torch call at all, each 10-35 us cold); ``host_split_bytes``: on the host, a gather whose
+    slices under the dims before ``B`` are dense goes one call per index of those dims where
+    each such call moves at least this many bytes (a ``memcpy`` per id, where a gather along
+    ``B`` copies each id in a strided loop; but each call is a parallel region, a wake of the
+    parked workers); one whose slices are not dense (a buffer in another layout) always
+    does, 2-3x faster.
     """
 
     name = "torch"
@@ -252,7 +253,7 @@ class _PairViews(NamedTuple):
     block_bytes: int  # one block of one member: the bytes a call moves per id
     before_b: list[tuple[int, ...]]  # each index of the dims before B (a gather split per index: a call each)
     dense: bool  # a block's bytes under one index of the dims before B are one run on both sides
-    packed: bool  # so are all blocks' (numpy's take would copy a source that is not whole first)
+    packed: bool  # all blocks under one such index are one run, on both sides (else numpy's take copies first)
 
 
 def _pair_views(job: CopyJob) -> list[_PairViews]:
@@ -283,7 +284,7 @@ def _pair_views(job: CopyJob) -> list[_PairViews]:
         b = dst.layout.physical.index("B")
         before_b = list(np.ndindex(*dest.shape[:b]))
         dense = all(_dense_after(view, b) for view in (source, dest))
-        packed = all(_dense_after(view, b - 1) for view in (source, dest))
+        packed = all(_dense_after(view, b - 1) for view in (source, dest))  # the dims from B on
         views.append(_PairViews(source, dest, b, apart, arrays, block_bytes, before_b, dense, packed))
     if all(src.address and dst.address for src, dst in job.pairs):
         job.group.derived["torch views"] = views

@@ -360,6 +360,29 @@ def test_host_gathers_under_host_thread_bytes_are_numpys_take_where_blocks_are_p
     assert torch.equal(raw(src["l"]), source_before)
 
 
+def test_host_gather_through_take_moves_pieces_of_a_mib(monkeypatch):
+    """Blocks of 1 MiB a K/V half (128 tokens x 32 heads x 128 channels bf16), fresh tensors
+    of 12 MiB, under a bound raised to 64 MiB: numpy's take, one call per K, lands every
+    block and leaves the rest."""
+    sizes = dict(K=2, B=6, N=128, H=32, C=128)
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes), 3)}
+    dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes), 4)}
+    before = raw(dst["l"]).clone()
+    took: list[int] = []
+    original_take = np.take
+
+    def take(*args, **kwargs):  # type: ignore[no-untyped-def]
+        took.append(1)
+        return original_take(*args, **kwargs)
+
+    monkeypatch.setattr(np, "take", take)
+    kvhost.copy_blocks(src, dst, [5, 0, 3], [1, 2, 3], axes="KBNHC", backend=TorchBackend(host_thread_bytes=64 << 20))
+    monkeypatch.undo()
+    assert len(took) == 2
+    assert torch.equal(raw(dst["l"])[:, [1, 2, 3]], raw(src["l"])[:, [5, 0, 3]])
+    assert torch.equal(raw(dst["l"])[:, [0, 4, 5]], before[:, [0, 4, 5]])
+
+
 @pytest.mark.parametrize(
     ("axes", "src_physical", "dst_physical", "split_bytes", "calls"),
     [
