@@ -144,15 +144,17 @@ class TorchBackend(Backend):
         outer = len(layout.outer)
         host = job.device.type == "cpu"
         per_unit = plan.unit_bytes * layout.outer_count
+        if host and per_unit < self.host_thread_bytes:  # numpy's calls: no index tensor to make
+            for member in job.members:
+                view, src_shape, region_shape = _receive_view(member.tensor, layout, plan, widen=True)
+                _receive_units(view.detach().numpy(), job.unit_ids, outer, src_shape, plan.perm, region_shape)
+            return
         ids = self.index_buffers(job.unit_ids.reshape(-1), job.device)
         units = job.unit_ids.shape[0]
         pass_bytes = self.host_chunk_bytes if host else self.device_chunk_bytes
         step = units if pass_bytes is None else max(1, pass_bytes // per_unit)
         for member in job.members:
             view, src_shape, region_shape = _receive_view(member.tensor, layout, plan, widen=host)
-            if host and per_unit < self.host_thread_bytes:
-                _receive_units(view.detach().numpy(), job.unit_ids, outer, src_shape, plan.perm, region_shape)
-                continue
             outer_shape = list(view.shape[:outer])
             for start in range(0, units, step):
                 count = min(step, units - start)
