@@ -348,14 +348,7 @@ def test_host_gathers_under_host_thread_bytes_are_numpys_take_where_blocks_are_p
     dst = {"l": fill_random(make_cache("KBNHC", dst_physical, SIZES), 2)}
     before, source_before = raw(dst["l"]).clone(), raw(src["l"]).clone()
     src_ids, dst_ids = [5, 2, 7], [3, 4, 5]
-    took: list[int] = []
-    original_take = np.take
-
-    def take(*args, **kwargs):  # type: ignore[no-untyped-def]
-        took.append(1)
-        return original_take(*args, **kwargs)
-
-    monkeypatch.setattr(np, "take", take)
+    took = _calls_counted(monkeypatch, np, "take")
     selected = _gathers_counted(monkeypatch)
     kvhost.copy_blocks(
         src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(host_thread_bytes=host_thread_bytes)
@@ -377,14 +370,7 @@ def test_host_gather_through_take_moves_pieces_of_a_mib(monkeypatch):
     src = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes), 3)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes), 4)}
     before = raw(dst["l"]).clone()
-    took: list[int] = []
-    original_take = np.take
-
-    def take(*args, **kwargs):  # type: ignore[no-untyped-def]
-        took.append(1)
-        return original_take(*args, **kwargs)
-
-    monkeypatch.setattr(np, "take", take)
+    took = _calls_counted(monkeypatch, np, "take")
     kvhost.copy_blocks(src, dst, [5, 0, 3], [1, 2, 3], axes="KBNHC", backend=TorchBackend(host_thread_bytes=64 << 20))
     monkeypatch.undo()
     assert len(took) == 2
@@ -804,14 +790,19 @@ def test_a_copy_takes_the_fewest_passes(monkeypatch, src_ids, dst_ids, max_run_c
 
 def _gathers_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count ``torch.index_select`` function calls (the gathers into destination runs)."""
+    return _calls_counted(monkeypatch, torch, "index_select")
+
+
+def _calls_counted(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    """Count calls of the function ``name`` of ``owner`` (a module)."""
     calls: list[int] = []
-    original = torch.index_select
+    original = getattr(owner, name)
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "index_select", counting)
+    monkeypatch.setattr(owner, name, counting)
     return calls
 
 
