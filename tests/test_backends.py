@@ -122,15 +122,7 @@ def test_copies_with_more_runs_than_copied_one_by_one_are_gathered():
 
 def counted(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
     """Count calls of a torch.Tensor method (the passes a backend makes)."""
-    calls: list[int] = []
-    original = getattr(torch.Tensor, method)
-
-    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, method, counting)
-    return calls
+    return _calls_counted(monkeypatch, torch.Tensor, method)
 
 
 @pytest.mark.parametrize(
@@ -168,14 +160,7 @@ def test_a_host_receive_of_small_units_goes_unit_by_unit_on_the_calling_thread(
     case.send("r", ids, "HNC", remote_block_size)
     made = counted(monkeypatch, "index_copy_")
     backend = TorchBackend(host_thread_bytes=host_thread_bytes)
-    index_tensors: list[int] = []
-    index_buffers = backend.index_buffers
-
-    def counted_buffers(ids, device):  # type: ignore[no-untyped-def]
-        index_tensors.append(ids.size)
-        return index_buffers(ids, device)
-
-    monkeypatch.setattr(backend, "index_buffers", counted_buffers)
+    index_tensors = _calls_counted(monkeypatch, backend, "index_buffers")
     kvhost.receive(
         caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=remote_block_size, backend=backend
     )
@@ -315,14 +300,11 @@ def test_dense_after(shape, permutation, dim, dense):
     assert kvhost.torch_backend._dense_after(tensor, dim) is dense
 
 
-def _layer_of_cross_layer_buffer(physical: str, layer: int) -> torch.Tensor:
-    """Layer ``layer`` of two whose blocks interleave in one buffer ``[B, layer, rest of physical]``:
-    a KBNHC tensor whose blocks lie two regions apart under each index of K."""
-    rest = physical.replace("B", "")
-    buffer = torch.zeros([SIZES["B"], 2, *(SIZES[a] for a in rest)], dtype=torch.bfloat16)
-    view = buffer[:, layer]  # dims: B, then rest
-    order = "B" + rest
-    return view.permute([order.index(a) for a in "KBNHC"])
+def _layer_of_cross_layer_buffer() -> torch.Tensor:
+    """The second of two layers whose blocks interleave in one buffer ``[B, layer, K, N, H,
+    C]``: a KBNHC tensor whose blocks lie two regions apart under each index of K."""
+    buffer = torch.zeros([SIZES["B"], 2, *(SIZES[a] for a in "KNHC")], dtype=torch.bfloat16)
+    return buffer[:, 1].transpose(0, 1)
 
 
 @pytest.mark.parametrize(
@@ -343,7 +325,7 @@ def test_host_gathers_under_host_thread_bytes_are_numpys_take_where_blocks_are_p
     """Blocks of 256 bytes, 3 ids into a destination run, on the default torch path: every
     block lands, the others and the source keep their bytes."""
     cross_layer = src_physical == "cross-layer"
-    source = _layer_of_cross_layer_buffer("KBNHC", 1) if cross_layer else make_cache("KBNHC", src_physical, SIZES)
+    source = _layer_of_cross_layer_buffer() if cross_layer else make_cache("KBNHC", src_physical, SIZES)
     src = {"l": fill_random(source, 1)}
     dst = {"l": fill_random(make_cache("KBNHC", dst_physical, SIZES), 2)}
     before, source_before = raw(dst["l"]).clone(), raw(src["l"]).clone()
@@ -794,7 +776,7 @@ def _gathers_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _calls_counted(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
-    """Count calls of the function ``name`` of ``owner`` (a module)."""
+    """Count calls of the function ``name`` of ``owner`` (a module, a class or an instance)."""
     calls: list[int] = []
     original = getattr(owner, name)
 
