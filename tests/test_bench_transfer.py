@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_nixl import needs_nixl
 
+from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost_tools.bench import cli, transfer
 from kvhost_tools.bench.methods import ROOFLINE
 
@@ -28,6 +29,10 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     section = result["transfer"]["same host, runs of 1..8"]
     assert section["where"] == "same host" and section["requests"] == 8
     assert section["bytes"] == section["pieces"] * section["piece_bytes"] > 0
+    # Both sides asked for huge pages (the quick model's caches hold no whole one) and said so.
+    huge = section["huge_pages"]
+    assert section["threads"] == DEFAULT_THREADS
+    assert huge["asked"] == "on" and huge["sender"] == huge["receiver"] == "huge pages: 0 of 0 MiB"
     methods = section["methods"]
     assert set(methods) == {
         ROOFLINE,
@@ -82,6 +87,7 @@ def test_transfer_options_are_checked(capsys):
         (["--transfer", "--bounds", "x"], "--bounds"),
         (["--transfer", "--sweep", "-1"], "--sweep sizes at least 0"),
         (["--transfer", "--peer-env", "UCX_TLS"], "KEY=VALUE"),
+        (["--transfer", "--threads", "-1"], "--threads -1: from 0 to 64"),
     ):
         with pytest.raises(SystemExit):
             cli.parse(argv)

@@ -19,8 +19,9 @@ import pytest
 import torch
 from test_nixl import caches_for, needs_nixl
 
+from kvhost.errors import ArgumentError
 from kvhost.nixl import Agent, NixlUnavailableError, TransferError, plan_transfer, region_table
-from kvhost.nixl.agent import Link, Transfer, merge_domains, post_rows
+from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS, Link, Transfer, merge_domains, post_rows
 from kvhost.nixl.plans import extent_rows, stream_extents
 from kvhost.testing import raw
 
@@ -67,6 +68,18 @@ def test_a_closed_agent_refuses_every_call_and_closes_twice():
     ):
         with pytest.raises(TransferError, match="agent 'closing' is closed"):
             call()
+
+
+@needs_nixl
+def test_worker_threads_reach_nixl_and_bad_counts_are_refused():
+    """``threads`` is NIXL's num_threads for UCX: the default (vLLM's), none, or a count given."""
+    for threads, params in ((None, {"num_threads": str(DEFAULT_THREADS)}), (0, {}), (3, {"num_threads": "3"})):
+        options = {} if threads is None else {"threads": threads}
+        with Agent(f"threads-{threads}", progress_thread=False, **options) as agent:
+            assert agent.nixl.get_backend_params("UCX") == params
+    for bad in (True, -1, MAX_THREADS + 1, 2.0, "4"):
+        with pytest.raises(ArgumentError, match=rf"threads {bad!r} must be an integer from 0 to {MAX_THREADS}"):
+            Agent("threads-bad", threads=bad)
 
 
 @needs_nixl

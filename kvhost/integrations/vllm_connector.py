@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 from kvhost.errors import LayoutError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
 from kvhost.nixl import RegionTable, Stream, TransferPlan, plan_transfer
+from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
 from kvhost.stats import ReceiveStats
 
 __all__ = ["KvhostNixlConnector", "KvhostNixlWorker", "LargerRemoteBlocks", "sender_blocks_touched"]
@@ -143,12 +144,16 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # engine -> how its blocks are read, for senders whose blocks hold g > 1 of ours.
         self.larger_remote_blocks: dict[str, LargerRemoteBlocks] = {}
         self.last_post_process: ReceiveStats | None = None
+        self.kvhost_huge_pages = HugePages()  # what asking for huge pages under registered host memory did
         self._loads: dict[str, list[int]] = {}
 
     # --- registration ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """vLLM's, with caches in host memory first backed by huge pages, which lets a peer
+        on the same machine read them near memcpy speed (``kvhost.nixl.hugepages``)."""
         self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout)
+        self.kvhost_huge_pages = back_host_tensors_with_huge_pages(m.tensor for m in self.kvhost.caches.members)
         super().register_kv_caches(kv_caches)  # in host-buffer mode, calls initialize_host_xfer_buffer
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, Any]) -> None:
@@ -158,6 +163,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         assert self.kvhost is not None  # made from these very caches by register_kv_caches, just before
         self.host_xfer_buffers = self.kvhost.host_buffers()
         self.host_buffer_kv_cache_layout = self.kv_cache_layout
+        self.kvhost_huge_pages += back_host_tensors_with_huge_pages(
+            t for layer in self.host_xfer_buffers.values() for t in (layer if isinstance(layer, tuple) else (layer,))
+        )
 
     # --- handshake ---------------------------------------------------------------------
 

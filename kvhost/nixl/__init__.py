@@ -10,6 +10,7 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
     tables.py     RegionTable, region_table: where a layer dict's regions live
     plans.py      TransferPlan, plan_transfer: two tables paired, descriptor rows per request, merged
     agent.py      Agent, Reader, Transfer: NIXL itself, imported on first use (load_nixl)
+    hugepages.py  huge pages under registered host memory (a same-host peer reads it at memcpy speed)
     handshake.py  auth, hello and done between two engines; accept_hello on a listening socket
     engine.py     EngineSpec: what an engine holds; refusal: can two engines work together
     ranks.py      tensor parallelism either way: head_shares, plan_ranks (RankPlan), RankReader
@@ -28,6 +29,7 @@ from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, PeerCl
 from kvhost.nixl.fields import MAX_WAIT_SECONDS, Fields, check_seconds
 from kvhost.nixl.framing import Message, decode, encode, receive, send
 from kvhost.nixl.handshake import Hello, RemoteRequest, accept_hello, parse_hello, prove, send_hello
+from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages, back_with_huge_pages
 from kvhost.nixl.peers import Offer, Session, connect
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, merge_rows, plan_transfer, stream_extents
 from kvhost.nixl.ranks import HeadShare, RankPlan, RankReader, head_shares, latent_source, plan_ranks
@@ -54,6 +56,7 @@ __all__ = [
     "Fields",
     "HeadShare",
     "Hello",
+    "HugePages",
     "IncompatibleEngineError",
     "InvalidTimeoutError",
     "Message",
@@ -75,6 +78,8 @@ __all__ = [
     "TransferError",
     "TransferPlan",
     "accept_hello",
+    "back_host_tensors_with_huge_pages",
+    "back_with_huge_pages",
     "check_seconds",
     "connect",
     "decode",

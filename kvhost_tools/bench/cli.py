@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 import kvhost
+from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS
 from kvhost_tools.bench.machine import Device, machine
 from kvhost_tools.bench.methods import KVHOST, METHODS, ROOFLINE, Workspace, prepare
 from kvhost_tools.bench.output import other_tables, plot, table, target_table, to_json
 from kvhost_tools.bench.targets import evaluate, front_end_share
 from kvhost_tools.bench.timing import measure, summarise
-from kvhost_tools.bench.transfer import BOUNDS, PROGRESS, QUICK_DEMO, SWEEP
+from kvhost_tools.bench.transfer import BOUNDS, HUGE_PAGES, PROGRESS, QUICK_DEMO, SWEEP
 from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
 
@@ -68,6 +69,18 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         choices=PROGRESS,
         default="poll",
         help="how both sides drive NIXL: poll (no progress thread) or NIXL's progress thread",
+    )
+    transfer.add_argument(
+        "--huge-pages",
+        choices=HUGE_PAGES,
+        default="on",
+        help="both sides ask for huge pages under their registered caches (Agent.register's default) or not",
+    )
+    transfer.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=f"UCX worker threads of both sides' agents (NIXL num_threads; default {DEFAULT_THREADS}, as vLLM's)",
     )
     transfer.add_argument("--peer-netns", help="run the sender under ip netns exec in this network namespace")
     transfer.add_argument(
@@ -110,6 +123,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             setattr(args, name, tuple(int(b) for b in given.split(",") if b.strip()))
         except ValueError:
             parser.error(f"--{name} {given!r}: give byte counts as integers separated by commas")
+    if not 0 <= args.threads <= MAX_THREADS:
+        parser.error(f"--threads {args.threads}: from 0 to {MAX_THREADS}")
     if any(b < 1 for b in args.bounds) or any(b < 0 for b in args.sweep) or args.inflight < 1:
         parser.error("--bounds and --inflight must be at least 1, --sweep sizes at least 0")
     if any("=" not in item for item in args.peer_env):

@@ -64,7 +64,9 @@ import torch
 import kvhost
 from kvhost.caches import CacheSet
 from kvhost.nixl import MAX_DESCRIPTOR_BYTES, Agent, Reader, RegionTable, Transfer, TransferPlan, plan_transfer
+from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost.nixl.framing import receive, send
+from kvhost.nixl.hugepages import back_with_huge_pages
 from kvhost.testing import fill_random, raw, read_tokens
 from kvhost_tools.bench.machine import Device, block_ranges, machine
 from kvhost_tools.bench.methods import ROOFLINE, Workspace
@@ -101,6 +103,9 @@ SENTINEL = 0xA5
 # the sender asks for notifications every POLL_S while it waits), or NIXL's progress
 # thread on both sides, which polls without pause (half a core each when idle, here).
 PROGRESS = ("poll", "thread")
+# Whether both sides ask for huge pages under their registered caches (and under memcpy's
+# buffers): Agent.register's default, or memory as the allocator left it.
+HUGE_PAGES = ("on", "off")
 POLL_S = 1e-4
 SEED = 1000  # the sender's layer i holds fill_random(seed SEED + i)
 
@@ -177,15 +182,19 @@ def peer_main(argv: Sequence[str]) -> int:
     parser.add_argument("--cache", default="data")
     parser.add_argument("--demo", default="")
     parser.add_argument("--progress", choices=PROGRESS, default="poll")
+    parser.add_argument("--huge-pages", choices=HUGE_PAGES, default="on")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     args = parser.parse_args(argv)
     batch = Batch.of(Setting.parse(args.demo))
     axes = batch.setting.axes
     caches = batch.sender_caches()
     device = Device("cpu", args.cache)
     thread = args.progress == "thread"
-    with socket.socket(fileno=args.fd) as sock, Agent(f"bench-prefill-{os.getpid()}", progress_thread=thread) as agent:
-        table = agent.register(caches, axes)
-        send(sock, "hello", {"table": table.to_dict(), "pid": os.getpid()}, agent.metadata(), timeout=TIMEOUT_S)
+    agent = Agent(f"bench-prefill-{os.getpid()}", progress_thread=thread, threads=args.threads)
+    with socket.socket(fileno=args.fd) as sock, agent:
+        table = agent.register(caches, axes, huge_pages=args.huge_pages == "on")
+        hello = {"table": table.to_dict(), "pid": os.getpid(), "huge_pages": agent.huge_pages.describe()}
+        send(sock, "hello", hello, agent.metadata(), timeout=TIMEOUT_S)
         ids = np.array(sorted({b for r in batch.remote_ids for b in r}), dtype=np.int64)
         touched = block_ranges(caches, axes, ids)
         while True:
@@ -203,10 +212,12 @@ def peer_main(argv: Sequence[str]) -> int:
 class Peer:
     """The sender process, and the control socket to it."""
 
-    def __init__(self, demo: str, cache: str, netns: str | None, env: dict[str, str], progress: str) -> None:
+    def __init__(self, args: argparse.Namespace, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", "kvhost_tools.bench.transfer", "--fd", str(theirs.fileno())]
-        command += ["--cache", cache, "--demo", demo, "--progress", progress]
+        command += ["--cache", args.cache, "--demo", args.demo, "--progress", args.progress]
+        command += ["--huge-pages", args.huge_pages, "--threads", str(args.threads)]
+        netns = args.peer_netns
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
         self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=dict(os.environ, **env))
@@ -217,6 +228,7 @@ class Peer:
         self.table = RegionTable.from_dict(fields.data["table"], "hello.table", hello.arrays)
         self.metadata = hello.blob
         self.pid = fields.integer("pid")
+        self.huge_pages = str(fields.data["huge_pages"])
 
     def evict(self) -> None:
         send(self.sock, "evict", {}, timeout=TIMEOUT_S)
@@ -482,10 +494,10 @@ def connect(args: argparse.Namespace) -> Setup:
     setting = Setting.parse(args.demo)
     batch = Batch.of(setting)
     env = dict(item.split("=", 1) for item in args.peer_env)
-    peer = Peer(args.demo, args.cache, args.peer_netns, env, args.progress)
-    agent = Agent(f"bench-decode-{os.getpid()}", progress_thread=args.progress == "thread")
+    peer = Peer(args, env)
+    agent = Agent(f"bench-decode-{os.getpid()}", progress_thread=args.progress == "thread", threads=args.threads)
     local = setting.model.caches(setting.decode, batch.local_pool)
-    plan = plan_transfer(agent.register(local, setting.axes), peer.table)
+    plan = plan_transfer(agent.register(local, setting.axes, huge_pages=args.huge_pages == "on"), peer.table)
     name = agent.add_peer(peer.metadata)
     setup = Setup(batch, agent, peer, local, plan)
     setup.readers[PER_PIECE] = agent.reader(plan, name, max_descriptor_bytes=None)
@@ -595,6 +607,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, *(bound_name(b) for b in args.bounds)]
         methods: dict[str, Callable[[], object]] = {ROOFLINE: space.memcpy(nbytes, device.device, device.device)}
+        if args.huge_pages == "on":  # the roofline's memory as the caches'
+            ring = space.memcpy_ranges(nbytes, device.device, device.device)
+            back_with_huge_pages([(int(address), int(length)) for address, length in ring])
         methods |= {name: setup.transfer(name, args.inflight) for name in transfers}
         methods[HANDOFF] = handoff
         methods |= {f"build {name}": setup.build(name) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH)}
@@ -684,6 +699,12 @@ def summarise(
         "max_descriptor_bytes": MAX_DESCRIPTOR_BYTES,
         "inflight": args.inflight,
         "progress": args.progress,
+        "threads": args.threads,
+        "huge_pages": {
+            "asked": args.huge_pages,
+            "sender": setup.peer.huge_pages,
+            "receiver": setup.agent.huge_pages.describe(),
+        },
         "ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "peer_netns": args.peer_netns,
         "peer_env": list(args.peer_env),

@@ -115,7 +115,7 @@ def memory_options(args: argparse.Namespace) -> str:
 def serve(args: argparse.Namespace, host: str, port: int) -> int:
     """Fill, register, serve, let go; the exit status."""
     from kvhost.caches import CacheSet
-    from kvhost.nixl import Agent, Offer, PeerHello, PeerRecord, ProtocolError, RemoteRequest, Server
+    from kvhost.nixl import Agent, HugePages, Offer, PeerHello, PeerRecord, ProtocolError, RemoteRequest, Server
     from kvhost.nixl.peers import read_secret_file, write_secret_file
     from kvhost.testing import raw
     from kvhost_tools.demo.values import token_values, write_tokens
@@ -182,7 +182,8 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
 
         say(
             f"listening {host}:{port} ({netenv.describe_network()}): {spec.describe()}; "
-            f"{len(held)} requests ({share}), filled in {fill_seconds:.2f} s"
+            f"{len(held)} requests ({share}), filled in {fill_seconds:.2f} s; "
+            f"{sum((agent.huge_pages for agent in agents), HugePages()).describe()}"
         )
         server = Server(listener, secret, spec, offer, release=release, peer_timeout=args.peer_timeout, log=say)
         server.serve(peers=args.serve or None, idle_timeout=args.idle_timeout)
