@@ -82,6 +82,14 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     assert "transfer (same host): 8 requests" in out and "x per-piece" in out and "hand-off = transfer" in out
 
 
+def test_a_transfer_section_is_kept_under_its_setting():
+    section = {"where": "same host", "block_ids": "runs of 1..8", "huge_pages": {"asked": "on"}}
+    assert cli.transfer_key({**section, "threads": DEFAULT_THREADS}) == "same host, runs of 1..8"
+    assert cli.transfer_key({**section, "threads": 0}) == "same host, runs of 1..8, 0 UCX threads"
+    off = {**section, "huge_pages": {"asked": "off"}, "threads": 2}
+    assert cli.transfer_key(off) == "same host, runs of 1..8, no huge pages asked, 2 UCX threads"
+
+
 def test_transfer_options_are_checked(capsys):
     for argv, message in (
         (["--transfer", "--bounds", "x"], "--bounds"),

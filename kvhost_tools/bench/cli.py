@@ -254,6 +254,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 1 if args.check and not all(t["passed"] for t in targets) else 0
 
 
+def transfer_key(section: dict[str, Any]) -> str:
+    """Where a transfer section is kept in the results: the setting, and what differs from
+    the defaults of an Agent (huge pages, UCX threads)."""
+    parts = [section["where"], section["block_ids"]]
+    if section["huge_pages"]["asked"] != "on":
+        parts.append("no huge pages asked")
+    if section["threads"] != DEFAULT_THREADS:
+        parts.append(f"{section['threads']} UCX threads")
+    return ", ".join(parts)
+
+
 def run_transfer(args: argparse.Namespace) -> int:
     """The transfer section (``transfer.py``): measured, printed, and kept in the results file
     under ``"transfer"``, one entry per setting, beside what the other scenarios measured."""
@@ -263,7 +274,7 @@ def run_transfer(args: argparse.Namespace) -> int:
         section = transfer.run(args)
     print(transfer.table(section))
     previous = _previous(args.json)
-    key = f"{section['where']}, {section['block_ids']}"
+    key = transfer_key(section)
     previous["transfer"] = {**previous.get("transfer", {}), key: section}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(to_json(previous) + "\n")
