@@ -140,6 +140,8 @@ MODULES = [
     Module("kvhost/nixl/engine.py", tuple(PROTOCOL)),
     # NIXL itself: registration, peers, descriptor lists, transfers and their deadlines.
     Module("kvhost/nixl/agent.py", (*NIXL, *PROTOCOL)),
+    # Huge pages under registered host memory: what the kernel did, read back from smaps.
+    Module("kvhost/nixl/hugepages.py", ("tests/test_hugepages.py",)),
     # vLLM's words for caches and layouts, turned into kvhost's (no vLLM needed).
     Module("kvhost/integrations/vllm.py", ("tests/test_vllm_adapter.py",)),
     # The connector itself, inside vLLM's own worker: run by ci/vllm.sh's interpreter, with

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import os
+import re
 import sys
 
 import numpy as np
@@ -23,10 +25,30 @@ from kvhost.nixl.hugepages import (
 )
 
 PAGE = huge_page_bytes()
+
+
+def kernel_collapses() -> bool:
+    """Linux 6.1 or later (MADV_COLLAPSE), from the release alone: what the tests expect of
+    ``collapse_works``, never decided by it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    return (major, minor) >= (6, 1)
+
+
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and smaps are Linux's")
-needs_collapse = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not collapse_works(), reason="this kernel has no MADV_COLLAPSE (Linux 6.1)"
-)
+needs_collapse = pytest.mark.skipif(not kernel_collapses(), reason="this kernel has no MADV_COLLAPSE (Linux 6.1)")
+
+
+@pytest.fixture
+def fresh_probes():
+    """The module's cached probes forgotten before and after a test that changes what they read."""
+    probes = (hugepages.huge_page_bytes, hugepages._madvise, hugepages.collapse_works)
+    for probe in probes:
+        probe.cache_clear()
+    yield
+    for probe in probes:
+        probe.cache_clear()
 
 
 def huge_bytes_in(first: int, last: int) -> int:
@@ -65,6 +87,29 @@ def test_whole_pages_inside_each_span() -> None:
     assert hugepages._whole_pages([(PAGE + 1, 3 * PAGE)], PAGE) == [(2 * PAGE, 4 * PAGE)]
     assert hugepages._whole_pages([(PAGE, 3 * PAGE - 1)], PAGE) == [(PAGE, 3 * PAGE)]
     assert hugepages._whole_pages([(PAGE - 1, PAGE + 2)], PAGE) == [(PAGE, 2 * PAGE)]
+
+
+def test_huge_page_size_from_the_kernel(tmp_path, monkeypatch, fresh_probes) -> None:
+    size_file = tmp_path / "hpage_pmd_size"
+    monkeypatch.setattr(hugepages, "PMD_SIZE_FILE", str(size_file))
+    for text, expected in (("4194304\n", 4 << 20), ("0\n", 2 << 20), ("x", 2 << 20), (None, 2 << 20)):
+        if text is None:
+            size_file.unlink()
+        else:
+            size_file.write_text(text)
+        huge_page_bytes.cache_clear()
+        assert huge_page_bytes() == expected, text
+
+
+@needs_collapse
+def test_collapse_works_where_the_kernel_has_it() -> None:
+    assert collapse_works() is True
+
+
+def test_no_madvise_off_linux(monkeypatch, fresh_probes) -> None:
+    monkeypatch.setattr(hugepages.sys, "platform", "darwin")
+    assert hugepages._madvise() is None
+    assert collapse_works() is False
 
 
 def test_spans_without_a_whole_huge_page_ask_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,22 +159,35 @@ def test_a_refusal_is_reported_per_huge_page_never_raised(monkeypatch: pytest.Mo
         if advice == hugepages.MADV_COLLAPSE and address == 2 * PAGE:
             ctypes.set_errno(errno.EAGAIN)
             return -1
+        if advice == hugepages.MADV_HUGEPAGE and address == 8 * PAGE:
+            ctypes.set_errno(errno.EPERM)
+            return -1
         return 0
 
     monkeypatch.setattr(hugepages, "_madvise", lambda: refusing)
-    done = back_with_huge_pages([(PAGE, 3 * PAGE)])
+    # Three spans: three whole huge pages, none whole (nothing asked), one whose hint is refused.
+    done = back_with_huge_pages([(PAGE, 3 * PAGE), (5 * PAGE + 1, PAGE), (8 * PAGE, PAGE)])
+    mib = PAGE >> 20
     assert done == HugePages(
-        3 * PAGE, 2 * PAGE, f"{PAGE >> 20} MiB not collapsed: MADV_COLLAPSE EAGAIN (Resource temporarily unavailable)"
+        4 * PAGE,
+        3 * PAGE,
+        f"{mib} MiB not collapsed: MADV_COLLAPSE EAGAIN (Resource temporarily unavailable); "
+        f"{mib} MiB MADV_HUGEPAGE EPERM (Operation not permitted)",
     )
-    hint = hugepages.MADV_HUGEPAGE
-    collapse = hugepages.MADV_COLLAPSE
-    assert calls == [(PAGE, 3 * PAGE, hint)] + [(a, PAGE, collapse) for a in (PAGE, 2 * PAGE, 3 * PAGE)]
+    hint, collapse = hugepages.MADV_HUGEPAGE, hugepages.MADV_COLLAPSE
+    assert calls == [
+        (PAGE, 3 * PAGE, hint),
+        *[(address, PAGE, collapse) for address in (PAGE, 2 * PAGE, 3 * PAGE)],
+        (8 * PAGE, PAGE, hint),
+        (8 * PAGE, PAGE, collapse),
+    ]
 
 
 def test_no_madvise_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hugepages, "_madvise", lambda: None)
     monkeypatch.setattr(hugepages.sys, "platform", "plan9")
     assert back_with_huge_pages([(0, 2 * PAGE)]) == HugePages(2 * PAGE, 0, "no madvise on plan9")
+    assert back_with_huge_pages([(1, PAGE)]) == HugePages()  # nothing asked, nothing to explain
 
 
 def test_reports_add_up() -> None:

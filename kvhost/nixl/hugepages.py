@@ -77,8 +77,7 @@ def _madvise() -> Any:
         return None
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]  # returns an int, ctypes' default
     return madvise
 
 
