@@ -11,12 +11,15 @@ import torch
 from kvhost.backend import Backend, Completion
 from kvhost.batch import Ids, Incoming, plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet, Layer
-from kvhost.errors import BackendError, LayoutError, RequestError
+from kvhost.errors import ArgumentError, BackendError, LayoutError, RequestError
 from kvhost.lru import LRU
 from kvhost.registry import get_backend
 from kvhost.stats import CopyResult, ReceiveStats
 
 Requests = Mapping[str, Sequence[int] | np.ndarray | Incoming]
+# Sets of some registered layers a KVHost keeps (``receive(layers=...)``): one per layer of
+# the largest models, and a few more.
+MAX_LAYER_SETS = 512
 
 
 def receive(
@@ -76,18 +79,51 @@ class KVHost:
         self.backend = _backend(backend, _device_of(caches, axes, "caches"))
         with self.backend.exclusive():
             self.caches = CacheSet(caches, axes)
+        # The layers as given (a list's tensors as a tuple), to make sets of some of them.
+        self._given = {name: tuple(layer) if isinstance(layer, list) else layer for name, layer in caches.items()}
         self._peers: LRU[tuple[int, str, str], CacheSet] = LRU(4)
+        self._some_layers: LRU[tuple[str, ...], CacheSet] = LRU(MAX_LAYER_SETS)
 
     @property
     def device(self) -> torch.device:
         return self.caches.device
 
     def receive(
-        self, requests: Requests, *, remote_order: str | None = None, remote_block_size: int | None = None
+        self,
+        requests: Requests,
+        *,
+        remote_order: str | None = None,
+        remote_block_size: int | None = None,
+        layers: Sequence[str] | None = None,
     ) -> ReceiveStats:
-        """Like ``kvhost.receive`` on the registered caches (which must still be where they were)."""
+        """Like ``kvhost.receive`` on the registered caches (which must still be where they were).
+
+        ``layers`` names the registered layers to post-process (default: every one): a
+        layer can then be done as soon as its bytes have landed, while later layers are
+        still arriving (``kvhost.nixl.Reader.read_layers``).
+        """
         with self.backend.exclusive():
-            return _receive(self.caches, requests, remote_order, remote_block_size, self.backend, registered=True)
+            caches = self.caches if layers is None else self._layers(layers)
+            return _receive(caches, requests, remote_order, remote_block_size, self.backend, registered=True)
+
+    def _layers(self, layers: Sequence[str]) -> CacheSet:
+        """The registered layers ``layers`` names, as a set of their own (made once, kept)."""
+        if isinstance(layers, str) or not isinstance(layers, (list, tuple)):
+            raise ArgumentError(f"layers must be a list or tuple of layer names, got {layers!r}")
+        key = tuple(layers)
+        known = self._some_layers.get(key)
+        if known is not None:
+            return known
+        if not key:
+            raise ArgumentError("layers: name at least one layer (None: every layer)")
+        for index, name in enumerate(key):
+            if not isinstance(name, str) or name not in self._given:
+                raise ArgumentError(f"layers[{index}]: {name!r} is not a registered layer ({len(self._given)} are)")
+            if name in key[:index]:
+                raise ArgumentError(f"layers[{index}]: {name!r} is named twice")
+        # Made from the tensors as they are now: only while they are where they were registered.
+        self.caches.check_current()
+        return self._some_layers.put(key, CacheSet({name: self._given[name] for name in key}, self.caches.axes))
 
     def copy_to(
         self,

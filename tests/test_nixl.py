@@ -28,6 +28,7 @@ from kvhost.nixl import (
     NixlUnavailableError,
     ProtocolError,
     RegionTable,
+    Transfer,
     TransferError,
     decode,
     encode,
@@ -286,18 +287,7 @@ def test_a_batch_plans_what_its_requests_plan_one_by_one(pair, sizes_name, domai
     """``merged_batch`` (and ``descriptor_batch``) of several requests, each with its own count
     of blocks (partial local blocks included), make exactly the rows of each request planned
     alone, back to back: whatever the layouts, r or g, bound and merge domains."""
-    axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
-    remote_size, local_size, _ = SIZES[sizes_name]
-    remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
-    local = caches_for(axes, local_memory, sizes, local_size, 80, seed=50)
-    plan = plan_transfer(region_table(local, axes), region_table(remote, axes))
-    streams = len(plan.local.streams)
-    labels = {
-        "own": None,
-        "shared": np.zeros(streams, dtype=np.int64),
-        "mixed": np.array([-1 if i % 2 else 0 for i in range(streams)], dtype=np.int64),
-    }[domains]
-    six = split_batch(plan, [1, 3, 2, 5, 1, 4], 80, 16, seed=len(pair) + len(sizes_name))
+    plan, labels, six = batch_of_six(pair, sizes_name, domains)
     for requests in (six, six[2:4]):
         if bound is None:
             alone = [plan.descriptor_pairs(*request) for request in requests]
@@ -315,6 +305,52 @@ def test_a_batch_plans_what_its_requests_plan_one_by_one(pair, sizes_name, domai
             assert pieces_of(together, plan.chunk_bytes) == pieces_of(want, plan.chunk_bytes)
         else:
             assert row_pairs(together) == row_pairs(want)
+
+
+@pytest.mark.parametrize("bound", [1, 3, 1 << 40])
+@pytest.mark.parametrize("domains", ["own", "shared", "mixed"])
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize("pair", LAYOUT_PAIRS)
+def test_layer_by_layer_moves_what_the_batch_moves(pair, sizes_name, domains, bound):
+    """``merged_layers`` gives every local layer, in the table's order, rows that land in that
+    layer alone; together they move each piece ``merged_batch`` moves, once, and where no
+    streams interleave they are exactly its rows."""
+    plan, labels, six = batch_of_six(pair, sizes_name, domains)
+    max_bytes = bound * plan.chunk_bytes if bound < 1 << 20 else bound
+    kwargs = dict(max_bytes=max_bytes, local_domains=labels, remote_domains=labels)
+    whole = plan.merged_batch(six, **kwargs)
+    layers = plan.merged_layers(six, **kwargs)
+    assert list(layers) == list(dict.fromkeys(s.layer for s in plan.local.streams)) == ["l0", "l1"]
+    extents = stream_extents(plan.local)
+    for name, (local_rows, _) in layers.items():
+        ours = [i for i, s in enumerate(plan.local.streams) if s.layer == name]
+        starts, ends = extents[ours, 0], extents[ours, 0] + extents[ours, 1]
+        inside = (local_rows[:, :1] >= starts) & (local_rows[:, :1] + local_rows[:, 1:2] <= ends)
+        assert inside.any(axis=1).all(), name
+    together = tuple(np.concatenate([rows[side] for rows in layers.values()]) for side in (0, 1))
+    assert pieces_of(together, plan.chunk_bytes) == pieces_of(whole, plan.chunk_bytes)
+    if plan._merge_kinds(labels, labels) is None:  # layers interleave: merged each on its own
+        assert together[0].shape[0] >= whole[0].shape[0]
+    else:
+        assert row_pairs(together) == row_pairs(whole)
+
+
+def batch_of_six(pair, sizes_name, domains):
+    """A plan of ``LAYOUT_PAIRS[pair]`` at ``SIZES[sizes_name]``, merge domains as ``domains``
+    says (each stream its own, one for all, or every other stream merging nothing), and a
+    batch of six requests of 1 to 5 remote blocks."""
+    axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
+    remote_size, local_size, _ = SIZES[sizes_name]
+    remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
+    local = caches_for(axes, local_memory, sizes, local_size, 80, seed=50)
+    plan = plan_transfer(region_table(local, axes), region_table(remote, axes))
+    streams = len(plan.local.streams)
+    labels = {
+        "own": None,
+        "shared": np.zeros(streams, dtype=np.int64),
+        "mixed": np.array([-1 if i % 2 else 0 for i in range(streams)], dtype=np.int64),
+    }[domains]
+    return plan, labels, split_batch(plan, [1, 3, 2, 5, 1, 4], 80, 16, seed=len(pair) + len(sizes_name))
 
 
 def test_a_batch_is_checked_whole():
@@ -618,6 +654,64 @@ def test_nixl_reads_a_batch_of_requests_as_one_transfer(agents):
                 transfer.release()
         landed.append([raw(t).clone() for t in local.values()])
     assert all(torch.equal(a, b) for a, b in zip(*landed))
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bound", [None, 1 << 20])
+def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
+    """``read_layers`` posts one transfer per local layer at once: each layer, received as soon
+    as its transfer is done, holds the sender's tokens, and the whole lands what
+    ``read_batch`` then one receive leave. Where a layer's transfer cannot be made, those
+    already posted are released before the error is raised."""
+    sender, receiver = agents
+    sizes = dict(K=2, H=2, C=8)
+    remote = caches_for("KBNHC", "KBHNC", sizes, 4, 16, seed=17, layers=3)
+    peer, remote_table = expose(sender, receiver, remote)
+    landed = []
+    for layered in (False, True):
+        local = caches_for("KBNHC", "KBNHC", sizes, 16, 24, seed=71, layers=3)
+        plan = plan_transfer(receiver.register(local, "KBNHC"), remote_table)
+        requests = split_batch(plan, [5, 1, 8, 3], 24, 16, seed=3)
+        named = {f"r{i}": local_ids for i, (local_ids, _) in enumerate(requests)}
+        reader = receiver.reader(plan, peer, max_descriptor_bytes=bound)
+        host = kvhost.KVHost(local, axes="KBNHC")
+        if layered:
+            transfers = reader.read_layers(requests)
+            assert list(transfers) == list(local)
+            assert [t.nbytes for t in transfers.values()] == [plan.bytes_for(17) // 3] * 3
+            assert sum(t.descriptors for t in transfers.values()) == reader.batch_descriptors(requests)[0].shape[0]
+            for name, transfer in transfers.items():
+                transfer.wait(timeout=20)
+                transfer.release()
+                host.receive(named, remote_order="HNC", remote_block_size=4, layers=[name])
+                lo, r = local[name], remote[name]
+                for local_ids, remote_ids in requests:
+                    got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, local_ids)[: 4 * len(remote_ids)]
+                    assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, remote_ids)), name
+        else:
+            transfer = reader.read_batch(requests)
+            transfer.wait(timeout=20)
+            transfer.release()
+            host.receive(named, remote_order="HNC", remote_block_size=4)
+        landed.append([raw(t).clone() for t in local.values()])
+    assert all(torch.equal(a, b) for a, b in zip(*landed))
+    released = []
+    real_release = Transfer.release
+    monkeypatch.setattr(Transfer, "release", lambda self: (released.append(self), real_release(self)))
+    made = []
+    real_make = receiver.nixl.initialize_xfer
+
+    def make_two(*args):
+        if len(made) == 2:
+            raise RuntimeError("no more requests")
+        made.append(real_make(*args))
+        return made[-1]
+
+    monkeypatch.setattr(receiver.nixl, "initialize_xfer", make_two)
+    with pytest.raises(TransferError, match="creating the transfer failed: no more requests"):
+        reader.read_layers(requests)
+    assert len(released) == 2 and all(t.released for t in released)
 
 
 @needs_nixl

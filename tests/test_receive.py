@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.testing import ReceiveCase, fill_random, make_cache
+from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
 
 # (axes in shape order, physical order in memory, sizes). Local block size N = 8.
 LAYOUTS = {
@@ -307,6 +307,57 @@ def test_kvhost_object_reuses_and_matches(target):
         stats = host.receive({"r": ids}, remote_order="HNC", remote_block_size=4)
         case.check()
         assert stats.backend == target.name
+
+
+def test_registered_layers_received_one_at_a_time(target):
+    """``KVHost.receive(layers=...)`` post-processes the named layers only (a layer as soon as
+    its transfer is done): the others keep the wire bytes until their turn, and layer by
+    layer the blocks end as one call would leave them, partly arrived requests included."""
+    sizes = dict(B=12, N=8, H=2, C=4)
+    caches = {
+        f"l{i}": (
+            make_cache("BNHC", "BNHC", sizes, device=target.device),
+            make_cache("BNHC", "BHNC", sizes, device=target.device),
+        )
+        for i in range(3)
+    }
+    host = kvhost.KVHost(caches, axes="KBNHC", backend=target.backend)
+    case = ReceiveCase(caches, "KBNHC", seed=9)
+    case.send("p", [4, 2], "HNC", 2)
+    case.send("q", [9, 0], "HNC", 2, tokens=11)
+    requests = {"p": [4, 2], "q": kvhost.Incoming([9, 0], tokens=11)}
+    wire = {name: [raw(t).cpu().clone() for t in layer] for name, layer in caches.items()}
+    stats = host.receive(requests, remote_order="HNC", remote_block_size=2, layers=["l1"])
+    assert stats.bytes_moved == 4 * 2 * (8 * 2 * 4 * 2)  # blocks x members x region bytes, one layer
+    for name in ("l0", "l2"):
+        assert all(torch.equal(raw(t).cpu(), w) for t, w in zip(caches[name], wire[name])), name
+    assert not all(torch.equal(raw(t).cpu(), w) for t, w in zip(caches["l1"], wire["l1"]))
+    host.receive(requests, remote_order="HNC", remote_block_size=2, layers=("l2", "l0"))
+    case.check()
+
+
+def test_registered_layers_named_wrongly_change_nothing():
+    sizes = dict(K=2, B=8, N=4, H=2, C=4)
+    caches = {f"l{i}": make_cache("KBNHC", "KBHNC", sizes) for i in range(2)}
+    host = kvhost.KVHost(caches, axes="KBNHC")
+    before = [raw(t).clone() for t in caches.values()]
+    for layers, words in (
+        ("l0", "a list or tuple of layer names"),
+        ({"l0"}, "a list or tuple"),
+        ([], "at least one layer"),
+        (["l2"], r"layers\[0\]: 'l2' is not a registered layer \(2 are\)"),
+        (["l1", True], r"layers\[1\]: True is not a registered layer"),
+        (["l0", "l1", "l0"], r"layers\[2\]: 'l0' is named twice"),
+    ):
+        with pytest.raises(kvhost.ArgumentError, match=words):
+            host.receive({"r": [1]}, remote_order="NHC", remote_block_size=2, layers=layers)
+    assert all(torch.equal(raw(t), b) for t, b in zip(caches.values(), before))
+    # A set of some layers is made once; it sees a registered tensor moved as the whole does.
+    host.receive({"r": [1]}, remote_order="NHC", remote_block_size=2, layers=["l1"])
+    caches["l1"].set_(torch.empty_like(caches["l1"]))
+    for layers in (["l1"], ["l0", "l1"], None):
+        with pytest.raises(kvhost.LayoutError, match="changed since it was registered"):
+            host.receive({"r": [1]}, remote_order="NHC", remote_block_size=2, layers=layers)
 
 
 @pytest.mark.parametrize(("order", "remote"), [("HNC", 16), ("HNC", 128)])

@@ -259,6 +259,32 @@ class Reader:
             raise TransferError(f"reader towards {self.peer!r} is closed")
         return self._post("READ", self.batch_descriptors(requests), notify)
 
+    def read_layers(self, requests: Sequence[tuple[Ids, Ids]]) -> dict[str, Transfer]:
+        """Start pulling several requests as one transfer per local layer, all posted at once
+        (``TransferPlan.merged_layers``): a layer's blocks can be post-processed
+        (``KVHost.receive(..., layers=[name])``) as soon as its transfer is done, while the
+        later layers are still in flight. Layers in the local table's order; the caller
+        tells the peer once every transfer is done. Where a transfer cannot be posted, those
+        already posted are released (cancelled) before the error is raised.
+        """
+        if self.closed:
+            raise TransferError(f"reader towards {self.peer!r} is closed")
+        layers = self.plan.merged_layers(
+            requests,
+            max_bytes=self.max_descriptor_bytes or self.plan.chunk_bytes,
+            local_domains=self.local_domains,
+            remote_domains=self.remote_domains,
+        )
+        posted: dict[str, Transfer] = {}
+        try:
+            for name, rows in layers.items():
+                posted[name] = self._post("READ", rows, b"")
+        except BaseException:
+            for transfer in posted.values():
+                transfer.release()
+            raise
+        return posted
+
     def _start(self, op: str, local_ids: Ids, remote_ids: Ids, notify: bytes) -> Transfer:
         if self.closed:
             raise TransferError(f"reader towards {self.peer!r} is closed")

@@ -138,6 +138,40 @@ class TransferPlan:
         requests reading one shared prefix). Pieces merge within a request, never across
         two, except where streams interleave (then every piece is sorted, as for one).
         """
+        (rows,) = self._merged(requests, max_bytes, local_domains, remote_domains, [self._all_streams])
+        return rows
+
+    def merged_layers(
+        self,
+        requests: Sequence[tuple[Ids, Ids]],
+        *,
+        max_bytes: int = MAX_DESCRIPTOR_BYTES,
+        local_domains: np.ndarray | None = None,
+        remote_domains: np.ndarray | None = None,
+    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``merged_batch``'s rows, local layer by local layer (in the local table's order):
+        what lands in each layer, so that each may go as its own transfer and be
+        post-processed as soon as it is done while later layers are still in flight.
+
+        No row spans two layers. Where streams of several layers share a domain and
+        interleave (layers laid out block by block in one buffer), each layer's pieces are
+        merged among themselves, so such a batch takes more descriptors than as one whole.
+        Checked as ``merged_batch`` checks, once for every layer.
+        """
+        layers = self._layer_streams
+        rows = self._merged(requests, max_bytes, local_domains, remote_domains, list(layers.values()))
+        return dict(zip(layers, rows))
+
+    def _merged(
+        self,
+        requests: Sequence[tuple[Ids, Ids]],
+        max_bytes: int,
+        local_domains: np.ndarray | None,
+        remote_domains: np.ndarray | None,
+        groups: list[np.ndarray],
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Merged rows of the batch's pieces in each group of local streams (indices into
+        ``local.streams``), pieces merging only with pieces of their own group."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ArgumentError(f"max_bytes must be an integer of at least 1, got {max_bytes!r}")
         checked, local = checked_batch(requests, self._checked)
@@ -148,16 +182,27 @@ class TransferPlan:
             # of different streams may continue one another, found by sorting every piece.
             local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)
             pairs = [self._pairs(lo, re) for lo, re in checked]
-            counts = [rows.shape[0] // len(self.local.streams) for rows, _ in pairs]
-            return merge_rows(
-                np.concatenate([rows for rows, _ in pairs]),
-                np.concatenate([rows for _, rows in pairs]),
-                max_bytes,
-                np.concatenate([np.repeat(local_labels, count) for count in counts]),
-                np.concatenate([np.repeat(remote_labels, count) for count in counts]),
-            )
+            streams = len(self.local.streams)
+            counts = [rows.shape[0] // streams for rows, _ in pairs]
+
+            def pieces(side: int, group: np.ndarray) -> np.ndarray:
+                return np.concatenate([pair[side].reshape(streams, -1, 3)[group].reshape(-1, 3) for pair in pairs])
+
+            def labels(of_stream: np.ndarray) -> np.ndarray:
+                return np.concatenate([np.repeat(of_stream, count) for count in counts])
+
+            return [
+                merge_rows(
+                    pieces(0, group),
+                    pieces(1, group),
+                    max_bytes,
+                    labels(local_labels[group]),
+                    labels(remote_labels[group]),
+                )
+                for group in groups
+            ]
         sizes = None if len(checked) == 1 else np.array([[lo.size, re.size] for lo, re in checked], dtype=np.int64)
-        return self._merged_in_streams(local, remote, sizes, max(1, max_bytes // self.chunk_bytes), kinds)
+        return self._merged_in_streams(local, remote, sizes, max(1, max_bytes // self.chunk_bytes), kinds, groups)
 
     def descriptor_batch(self, requests: Sequence[tuple[Ids, Ids]]) -> tuple[np.ndarray, np.ndarray]:
         """``descriptor_pairs`` of several requests back to back, for one transfer, checked
@@ -203,6 +248,7 @@ class TransferPlan:
                 streams = np.flatnonzero(code == kind)
                 kinds.append(
                     _Kind(
+                        streams,
                         (local_bases[streams, None], local_strides[streams, None]),
                         (remote_bases[streams, None], remote_strides[streams, None]),
                         bool(kind & 4),
@@ -223,8 +269,14 @@ class TransferPlan:
         )
 
     def _merged_in_streams(
-        self, local: np.ndarray, remote: np.ndarray, sizes: np.ndarray | None, per: int, kinds: list[_Kind]
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self,
+        local: np.ndarray,
+        remote: np.ndarray,
+        sizes: np.ndarray | None,
+        per: int,
+        kinds: list[_Kind],
+        groups: list[np.ndarray],
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Merged rows when pieces merge only within their stream, found from the ids alone.
 
         ``local`` and ``remote`` are the requests' ids back to back, ``sizes[k]`` request
@@ -236,7 +288,8 @@ class TransferPlan:
         That depends on the stream only through its kind (dense locally, dense remotely,
         may merge), so the cuts are found once per kind, from the places where ids stop
         counting up, and rows are made for the merged pieces only: a fixed number of numpy
-        calls for the whole batch, none over every piece.
+        calls for the whole batch, none over every piece. Rows go kind by kind, stream by
+        stream, for each group of streams in turn (one list of rows per group).
         """
         chunk = self.chunk_bytes
         total = remote.size * self.remote_parts
@@ -248,7 +301,7 @@ class TransferPlan:
                 _Side(self.local, local, self.local_parts, _starts(sizes[:, 0])),
                 _Side(self.remote, remote, self.remote_parts, _starts(sizes[:, 1])),
             )
-        out: list[list[np.ndarray]] = [[], []]
+        out: list[list[list[np.ndarray]]] = [[[], []] for _ in groups]
         for kind in kinds:
             if kind.merges:
                 starts = np.zeros(total + 1, dtype=bool)
@@ -270,6 +323,7 @@ class TransferPlan:
             first, pieces = _split(bounds, per)
             lengths = pieces.astype(np.uint64) * np.uint64(chunk)
             row_request = None if sizes is None else np.searchsorted(first_piece, first, side="right") - 1
+            chosen = [np.isin(kind.streams, group) for group in groups]
             for index, (side, (bases, strides)) in enumerate(zip(sides, (kind.local, kind.remote))):
                 # Each row's first piece as a chunk of its side: block, then part of the block.
                 at = first
@@ -282,10 +336,21 @@ class TransferPlan:
                 rows[:, :, 0] = address
                 rows[:, :, 1] = lengths
                 rows[:, :, 2] = side.table.device_id
-                out[index].append(rows.reshape(-1, 3))
-        if len(kinds) == 1:
-            return out[0][0], out[1][0]
-        return np.concatenate(out[0]), np.concatenate(out[1])
+                for lists, streams in zip(out, chosen):
+                    lists[index].append((rows if streams.all() else rows[streams]).reshape(-1, 3))
+        return [(_joined(lists[0]), _joined(lists[1])) for lists in out]
+
+    @cached_property
+    def _all_streams(self) -> np.ndarray:
+        return np.arange(len(self.local.streams), dtype=np.int64)
+
+    @cached_property
+    def _layer_streams(self) -> dict[str, np.ndarray]:
+        """Each local layer's streams (indices into ``local.streams``), in the table's order."""
+        layers: dict[str, list[int]] = {}
+        for index, stream in enumerate(self.local.streams):
+            layers.setdefault(stream.layer, []).append(index)
+        return {name: np.array(indices, dtype=np.int64) for name, indices in layers.items()}
 
     @cached_property
     def _local_streams(self) -> tuple[np.ndarray, np.ndarray]:
@@ -440,6 +505,10 @@ def merge_rows(
     return merged[0], merged[1]
 
 
+def _joined(rows: list[np.ndarray]) -> np.ndarray:
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+
 def _cut(follows: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
     """Where merged rows start, and how many pieces each holds: a new row wherever a piece
     does not follow the one before it (``follows[i]``: piece i + 1 follows piece i), and
@@ -482,9 +551,10 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Kind:
-    """Streams whose pieces continue one another alike: each side's (bases, block strides)
-    as columns, whether each side's blocks are dense (stride = run), whether they merge."""
+    """Streams whose pieces continue one another alike: which they are, each side's (bases,
+    block strides) as columns, whether each side's blocks are dense (stride = run), whether they merge."""
 
+    streams: np.ndarray  # indices into the local table's streams
     local: tuple[np.ndarray, np.ndarray]
     remote: tuple[np.ndarray, np.ndarray]
     local_dense: bool
