@@ -43,6 +43,7 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         transfer.BATCH,
         "kvhost<=2KiB",
         transfer.HANDOFF,
+        transfer.LAYERED,
         *(f"build {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.UNMERGED, transfer.KVHOST)),
         *(f"plan {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.KVHOST)),
         f"build {transfer.BATCH}",
@@ -75,11 +76,16 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     assert methods[transfer.KVHOST]["speedup"] == pytest.approx(best / methods[transfer.KVHOST]["median_s"], rel=1e-4)
     handoff = methods[transfer.HANDOFF]
     assert handoff["transfer_median_s"] > 0 and handoff["receive_median_s"] > 0
+    layered = methods[transfer.LAYERED]
+    assert 0 < layered["tail_median_s"] < layered["median_s"]
+    # One transfer per layer: each layer's pieces merge as in the batch (no stream spans two layers).
+    assert layered["descriptors"] == merged
     checks = section["targets"]["checks"]
-    names = ["kvhost-batch / per-piece (best)", "kvhost-batch / memcpy", "hand-off / memcpy"]
+    names = ["kvhost-batch / per-piece (best)", "kvhost-batch / memcpy", "hand-off-layered / memcpy"]
     assert [c["what"] for c in checks] == names
     assert section["targets"]["passed"] == all(c["passed"] for c in checks)
-    assert "transfer (same host): 8 requests" in out and "x per-piece" in out and "hand-off = transfer" in out
+    assert "transfer (same host): 8 requests" in out and "x per-piece" in out
+    assert "hand-off = transfer" in out and "last layer landed" in out
 
 
 def test_a_transfer_section_is_kept_under_its_setting():

@@ -25,6 +25,7 @@ from kvhost.errors import ArgumentError, LayoutError, RequestError
 from kvhost.nixl import (
     MAX_DESCRIPTOR_BYTES,
     NIXL_MODULES,
+    InvalidTimeoutError,
     NixlUnavailableError,
     ProtocolError,
     RegionTable,
@@ -660,14 +661,19 @@ def test_nixl_reads_a_batch_of_requests_as_one_transfer(agents):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bound", [None, 1 << 20])
 def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
-    """``read_layers`` posts one transfer per local layer at once: each layer, received as soon
-    as its transfer is done, holds the sender's tokens, and the whole lands what
-    ``read_batch`` then one receive leave. Where a layer's transfer cannot be made, those
-    already posted are released before the error is raised."""
+    """``read_layers`` yields each local layer once its bytes have landed, the next layer's
+    transfer posted: received then, each holds the sender's tokens, and the whole lands what
+    ``read_batch`` then one receive leave. A bad timeout or batch is refused before anything
+    is posted; a transfer that cannot be made, or a loop left early, leaves none posted."""
     sender, receiver = agents
     sizes = dict(K=2, H=2, C=8)
     remote = caches_for("KBNHC", "KBHNC", sizes, 4, 16, seed=17, layers=3)
     peer, remote_table = expose(sender, receiver, remote)
+    posted = []
+    real_post = receiver.nixl.transfer
+    monkeypatch.setattr(
+        receiver.nixl, "transfer", lambda handle, *rest: (posted.append(handle), real_post(handle, *rest))[1]
+    )
     landed = []
     for layered in (False, True):
         local = caches_for("KBNHC", "KBNHC", sizes, 16, 24, seed=71, layers=3)
@@ -677,18 +683,26 @@ def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
         reader = receiver.reader(plan, peer, max_descriptor_bytes=bound)
         host = kvhost.KVHost(local, axes="KBNHC")
         if layered:
-            transfers = reader.read_layers(requests)
-            assert list(transfers) == list(local)
-            assert [t.nbytes for t in transfers.values()] == [plan.bytes_for(17) // 3] * 3
-            assert sum(t.descriptors for t in transfers.values()) == reader.batch_descriptors(requests)[0].shape[0]
-            for name, transfer in transfers.items():
-                transfer.wait(timeout=20)
-                transfer.release()
+            for timeout in (-1, float("nan"), True):
+                with pytest.raises(InvalidTimeoutError):
+                    reader.read_layers(requests, timeout=timeout)
+            with pytest.raises(RequestError, match="same local block"):
+                reader.read_layers([requests[0], requests[0]], timeout=20)
+            rows = reader.layer_descriptors(requests)
+            assert list(rows) == list(local)
+            assert sum(r.shape[0] for r, _ in rows.values()) == reader.batch_descriptors(requests)[0].shape[0]
+            assert all(int(r[:, 1].sum()) == plan.bytes_for(17) // 3 for r, _ in rows.values())
+            posted.clear()
+            order = []
+            for name in reader.read_layers(requests, timeout=20):
+                order.append(name)
+                assert len(posted) == min(len(order) + 1, 3)  # the next layer already posted
                 host.receive(named, remote_order="HNC", remote_block_size=4, layers=[name])
                 lo, r = local[name], remote[name]
                 for local_ids, remote_ids in requests:
                     got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, local_ids)[: 4 * len(remote_ids)]
                     assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, remote_ids)), name
+            assert order == list(local)
         else:
             transfer = reader.read_batch(requests)
             transfer.wait(timeout=20)
@@ -699,6 +713,10 @@ def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
     released = []
     real_release = Transfer.release
     monkeypatch.setattr(Transfer, "release", lambda self: (released.append(self), real_release(self)))
+    layers = reader.read_layers(requests, timeout=20)
+    assert next(layers) == "l0"
+    layers.close()  # left after one layer: the second layer's transfer is released
+    assert len({id(t) for t in released}) == 2 and all(t.released for t in released)
     made = []
     real_make = receiver.nixl.initialize_xfer
 
@@ -709,9 +727,12 @@ def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
         return made[-1]
 
     monkeypatch.setattr(receiver.nixl, "initialize_xfer", make_two)
+    released.clear()
+    layers = reader.read_layers(requests, timeout=20)
+    assert next(layers) == "l0"
     with pytest.raises(TransferError, match="creating the transfer failed: no more requests"):
-        reader.read_layers(requests)
-    assert len(released) == 2 and all(t.released for t in released)
+        next(layers)
+    assert len({id(t) for t in released}) == 2 and all(t.released for t in released)
 
 
 @needs_nixl
