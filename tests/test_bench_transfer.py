@@ -81,7 +81,7 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     # One transfer per layer: each layer's pieces merge as in the batch (no stream spans two layers).
     assert layered["descriptors"] == merged
     checks = section["targets"]["checks"]
-    names = ["kvhost-batch / per-piece (best)", "kvhost-batch / memcpy", "hand-off-layered / memcpy"]
+    names = ["kvhost-batch / per-piece (best)", "kvhost-batch / memcpy", "hand-off / memcpy"]
     assert [c["what"] for c in checks] == names
     assert section["targets"]["passed"] == all(c["passed"] for c in checks)
     assert "transfer (same host): 8 requests" in out and "x per-piece" in out

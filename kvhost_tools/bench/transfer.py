@@ -716,7 +716,7 @@ def summarise(
     checks = [check(where, "kvhost-batch / per-piece (best)", speedup, ">=", 2.0 if args.peer_netns else 3.0)]
     if not args.peer_netns:
         checks.append(check(where, "kvhost-batch / memcpy", methods[BATCH]["fraction"], ">=", 0.7))
-        checks.append(check(where, "hand-off-layered / memcpy", methods[LAYERED]["fraction"], ">=", 0.5))
+        checks.append(check(where, "hand-off / memcpy", methods[HANDOFF]["fraction"], ">=", 0.5))
     c = setup.batch.setting
     m, w = c.model, c.workload
     return {
