@@ -160,14 +160,7 @@ def test_blocks_padded_past_their_region(target, kind, k):
 
 def test_kv_tuples(target):
     """K and V as separate tensors (as Gaudi keeps them): axes name each member, K the tuple index."""
-    sizes = dict(B=10, N=8, H=2, C=4)
-    caches = {
-        f"layer{i}": (
-            make_cache("BNHC", "BNHC", sizes, device=target.device),
-            make_cache("BNHC", "BNHC", sizes, device=target.device),
-        )
-        for i in range(3)
-    }
+    caches = kv_tuples(dict(B=10, N=8, H=2, C=4), target.device)
     case = ReceiveCase(caches, "KBNHC", seed=5)
     case.send("p", [4, 2], "HNC", 2)
     case.send("q", [9], "HNC", 2)
@@ -176,6 +169,14 @@ def test_kv_tuples(target):
     )
     case.check()
     assert stats.bytes_moved == 3 * 2 * 3 * (8 * 2 * 4 * 2)  # blocks x members x layers x region bytes
+
+
+def kv_tuples(sizes: dict[str, int], device: str, v_memory: str = "BNHC") -> dict[str, tuple[torch.Tensor, ...]]:
+    """Three layers of separate K and V tensors ``[B, N, H, C]``, V laid out as ``v_memory``."""
+    return {
+        f"l{i}": (make_cache("BNHC", "BNHC", sizes, device=device), make_cache("BNHC", v_memory, sizes, device=device))
+        for i in range(3)
+    }
 
 
 def test_mixed_remote_specs_in_one_batch(target):
@@ -313,14 +314,7 @@ def test_registered_layers_received_one_at_a_time(target):
     """``KVHost.receive(layers=...)`` post-processes the named layers only (a layer as soon as
     its transfer is done): the others keep the wire bytes until their turn, and layer by
     layer the blocks end as one call would leave them, partly arrived requests included."""
-    sizes = dict(B=12, N=8, H=2, C=4)
-    caches = {
-        f"l{i}": (
-            make_cache("BNHC", "BNHC", sizes, device=target.device),
-            make_cache("BNHC", "BHNC", sizes, device=target.device),
-        )
-        for i in range(3)
-    }
+    caches = kv_tuples(dict(B=12, N=8, H=2, C=4), target.device, v_memory="BHNC")
     host = kvhost.KVHost(caches, axes="KBNHC", backend=target.backend)
     case = ReceiveCase(caches, "KBNHC", seed=9)
     case.send("p", [4, 2], "HNC", 2)
@@ -336,7 +330,7 @@ def test_registered_layers_received_one_at_a_time(target):
     case.check()
 
 
-def test_registered_layers_named_wrongly_change_nothing():
+def test_registered_layers_named_wrongly_change_nothing(monkeypatch):
     sizes = dict(K=2, B=8, N=4, H=2, C=4)
     caches = {f"l{i}": make_cache("KBNHC", "KBHNC", sizes) for i in range(2)}
     host = kvhost.KVHost(caches, axes="KBNHC")
@@ -353,7 +347,12 @@ def test_registered_layers_named_wrongly_change_nothing():
             host.receive({"r": [1]}, remote_order="NHC", remote_block_size=2, layers=layers)
     assert all(torch.equal(raw(t), b) for t, b in zip(caches.values(), before))
     # A set of some layers is made once; it sees a registered tensor moved as the whole does.
-    host.receive({"r": [1]}, remote_order="NHC", remote_block_size=2, layers=["l1"])
+    made = []
+    real_cache_set = kvhost.api.CacheSet
+    monkeypatch.setattr(kvhost.api, "CacheSet", lambda *args, **kw: made.append(args) or real_cache_set(*args, **kw))
+    for _ in range(2):
+        host.receive({"r": [1]}, remote_order="NHC", remote_block_size=2, layers=["l1"])
+    assert len(made) == 1
     caches["l1"].set_(torch.empty_like(caches["l1"]))
     for layers in (["l1"], ["l0", "l1"], None):
         with pytest.raises(kvhost.LayoutError, match="changed since it was registered"):
