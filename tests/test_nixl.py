@@ -669,11 +669,18 @@ def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
     sizes = dict(K=2, H=2, C=8)
     remote = caches_for("KBNHC", "KBHNC", sizes, 4, 16, seed=17, layers=3)
     peer, remote_table = expose(sender, receiver, remote)
+    released = []
+    real_release = Transfer.release
+    monkeypatch.setattr(Transfer, "release", lambda self: (released.append(self), real_release(self)))
     posted = []
     real_post = receiver.nixl.transfer
-    monkeypatch.setattr(
-        receiver.nixl, "transfer", lambda handle, *rest: (posted.append(handle), real_post(handle, *rest))[1]
-    )
+
+    def post(handle, *rest):
+        posted.append(handle)
+        state = real_post(handle, *rest)
+        return "PROC" if state == "DONE" else state  # as a transfer larger than these still in flight
+
+    monkeypatch.setattr(receiver.nixl, "transfer", post)
     landed = []
     for layered in (False, True):
         local = caches_for("KBNHC", "KBNHC", sizes, 16, 24, seed=71, layers=3)
@@ -693,6 +700,7 @@ def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
             assert sum(r.shape[0] for r, _ in rows.values()) == reader.batch_descriptors(requests)[0].shape[0]
             assert all(int(r[:, 1].sum()) == plan.bytes_for(17) // 3 for r, _ in rows.values())
             posted.clear()
+            released.clear()
             order = []
             for name in reader.read_layers(requests, timeout=20):
                 order.append(name)
@@ -703,6 +711,7 @@ def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
                     got = read_tokens(lo, CacheSet({name: lo}, "KBNHC").layout, local_ids)[: 4 * len(remote_ids)]
                     assert torch.equal(got, read_tokens(r, CacheSet({name: r}, "KBNHC").layout, remote_ids)), name
             assert order == list(local)
+            assert len({id(t) for t in released}) == 3 and all(t.finished is not None for t in released)
         else:
             transfer = reader.read_batch(requests)
             transfer.wait(timeout=20)
@@ -710,9 +719,7 @@ def test_nixl_reads_a_batch_layer_by_layer(agents, monkeypatch, bound):
             host.receive(named, remote_order="HNC", remote_block_size=4)
         landed.append([raw(t).clone() for t in local.values()])
     assert all(torch.equal(a, b) for a, b in zip(*landed))
-    released = []
-    real_release = Transfer.release
-    monkeypatch.setattr(Transfer, "release", lambda self: (released.append(self), real_release(self)))
+    released.clear()
     layers = reader.read_layers(requests, timeout=20)
     assert next(layers) == "l0"
     layers.close()  # left after one layer: the second layer's transfer is released

@@ -105,6 +105,8 @@ def test_close_lets_go_of_readers_peers_memory_and_tensors():
         reader.read([0], [0, 1, 2, 3])
     with pytest.raises(TransferError, match="is closed"):
         reader.read_batch([([0], [0, 1, 2, 3])])
+    with pytest.raises(TransferError, match="is closed"):
+        reader.read_layers([([0], [0, 1, 2, 3])], timeout=1)
     assert not receiver.nixl.check_remote_metadata(peer), "the peer is still loaded in NIXL"
     assert not nixl_accepts(receiver, MINE, extent_rows(local_table)), "the memory is still registered"
     sender.close()
