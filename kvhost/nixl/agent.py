@@ -255,8 +255,7 @@ class Reader:
         """Start pulling several requests (``(local_ids, remote_ids)`` each) as one transfer:
         one NIXL request, its descriptors worked out for the whole batch at once
         (``TransferPlan.merged_batch``); a step's requests from one peer go together."""
-        if self.closed:
-            raise TransferError(f"reader towards {self.peer!r} is closed")
+        self._check_open()
         return self._post("READ", self.batch_descriptors(requests), notify)
 
     def read_layers(self, requests: Sequence[tuple[Ids, Ids]], *, timeout: float) -> Iterator[str]:
@@ -274,8 +273,7 @@ class Reader:
         leaving the loop early releases (cancels) the transfer in flight.
         """
         seconds = check_seconds(timeout, "Reader.read_layers timeout")
-        if self.closed:
-            raise TransferError(f"reader towards {self.peer!r} is closed")
+        self._check_open()
         return self._one_layer_at_a_time(self.layer_descriptors(requests), seconds)
 
     def _one_layer_at_a_time(self, layers: dict[str, tuple[np.ndarray, np.ndarray]], seconds: float) -> Iterator[str]:
@@ -292,8 +290,7 @@ class Reader:
             transfer.release()
 
     def _start(self, op: str, local_ids: Ids, remote_ids: Ids, notify: bytes) -> Transfer:
-        if self.closed:
-            raise TransferError(f"reader towards {self.peer!r} is closed")
+        self._check_open()
         return self._post(op, self.descriptors(local_ids, remote_ids), notify)
 
     def _post(self, op: str, rows: tuple[np.ndarray, np.ndarray], notify: bytes) -> Transfer:
@@ -335,6 +332,10 @@ class Reader:
 
     def close(self) -> None:
         self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TransferError(f"reader towards {self.peer!r} is closed")
 
 
 def check_descriptor_bound(max_descriptor_bytes: int | None) -> None:

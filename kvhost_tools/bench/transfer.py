@@ -547,8 +547,7 @@ def verify(setup: Setup, inflight: int) -> None:
     local_set = CacheSet(setup.local, axes)
     snapshots = []
     for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH):
-        for tensor in setup.local.values():
-            raw(tensor).view(torch.uint8).fill_(SENTINEL)
+        fill_sentinel(setup)
         setup.transfer(name, inflight)()
         snapshots.append([raw(m.tensor).clone() for m in local_set.members])
     for snapshot in snapshots[1:]:
@@ -557,10 +556,15 @@ def verify(setup: Setup, inflight: int) -> None:
     del snapshots
     post_process(setup)
     check_tokens(setup, local_set)
-    for tensor in setup.local.values():
-        raw(tensor).view(torch.uint8).fill_(SENTINEL)
+    fill_sentinel(setup)
     layered(setup, kvhost.KVHost(setup.local, axes=axes))()
     check_tokens(setup, local_set)
+
+
+def fill_sentinel(setup: Setup) -> None:
+    """Every byte of the receiver's caches set to ``SENTINEL``, before a way lands its bytes."""
+    for tensor in setup.local.values():
+        raw(tensor).view(torch.uint8).fill_(SENTINEL)
 
 
 def check_tokens(setup: Setup, local_set: CacheSet) -> None:
