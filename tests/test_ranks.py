@@ -170,6 +170,22 @@ def test_a_batch_of_requests_gets_each_requests_own_rows(pair, sizes_name, tp, m
             assert row_pairs(plan.batch_rows(source, requests, max_bytes=max_bytes)) == row_pairs(want)
             with pytest.raises(RequestError, match="same local block"):
                 plan.batch_rows(source, [requests[0], requests[0]], max_bytes=max_bytes)
+            check_layer_rows(plan, source, requests, max_bytes, local)
+
+
+def check_layer_rows(plan, source, requests, max_bytes, local):
+    """``layer_rows``: one entry per local layer in order, each row inside its layer's tensor,
+    and together the batch's rows (layers apart in memory merge nothing across each other)."""
+    layers = plan.layer_rows(source, requests, max_bytes=max_bytes)
+    assert list(layers) == list(local)
+    for name, (local_rows, _) in layers.items():
+        start = raw(local[name]).data_ptr()
+        end = start + raw(local[name]).nbytes
+        assert (local_rows[:, 0] >= start).all() and (local_rows[:, 0] + local_rows[:, 1] <= end).all(), name
+    together = (np.concatenate([r for r, _ in layers.values()]), np.concatenate([r for _, r in layers.values()]))
+    assert row_pairs(together) == row_pairs(plan.batch_rows(source, requests, max_bytes=max_bytes))
+    with pytest.raises(RequestError, match="same local block"):
+        plan.layer_rows(source, [requests[0], requests[0]], max_bytes=max_bytes)
 
 
 @pytest.mark.parametrize("tp", [(1, 2), (2, 1), (2, 4), (4, 2)], ids=lambda tp: f"P{tp[0]}D{tp[1]}")
@@ -379,6 +395,81 @@ def test_rank_readers_gather_over_nixl_from_several_agents():
                 check_rank(
                     local, "KBNHC", plan, local_ids, remote_caches, remote_ids, tokens, lambda s: (0, s.share.count)
                 )
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_rank_readers_read_layer_by_layer_from_several_agents(monkeypatch):
+    """Two prefill ranks into one decode rank, layer by layer: each layer is yielded once both
+    sources' transfers of it have landed (the next layer's already posted), and received then
+    it holds the tokens of its heads. The batch and timeout are checked before anything is
+    posted; a layer that does not land in time names every peer still owed; a loop left
+    early releases both transfers in flight."""
+    from kvhost.nixl import Agent, RankReader, Transfer, TransferError
+    from kvhost.nixl.errors import InvalidTimeoutError
+
+    remote_caches = [engine_caches("KBNHC", "KBHNC", 2, 16, 16, seed=40 + q, layers=3) for q in range(2)]
+    released = []
+    real_release = Transfer.release
+    monkeypatch.setattr(Transfer, "release", lambda self: (released.append(self), real_release(self)))
+    with contextlib.ExitStack() as stack:
+        senders = [stack.enter_context(Agent(f"layers-prefill-{q}")) for q in range(2)]
+        tables = [agent.register(c, "KBNHC") for agent, c in zip(senders, remote_caches)]
+        receiver = stack.enter_context(Agent("layers-decode"))
+        local = engine_caches("KBNHC", "KBNHC", 4, 64, 8, seed=95, layers=3)
+        plan = plan_ranks(receiver.register(local, "KBNHC"), 0, 1, tables)
+        peers = {s.rank: receiver.add_peer(senders[s.rank].metadata()) for s in plan.sources}
+        requests = [([5, 2], REMOTE_IDS[:7]), ([0], REMOTE_IDS[7:10])]
+        for bound in (None, 1 << 20):
+            reader = RankReader(receiver, plan, peers, max_descriptor_bytes=bound)
+            for timeout in (-1, float("inf"), True):
+                with pytest.raises(InvalidTimeoutError, match=r"RankReader\.read_layers timeout"):
+                    reader.read_layers(requests, timeout=timeout)
+            with pytest.raises(RequestError, match="same local block"):
+                reader.read_layers([requests[0], requests[0]], timeout=20)
+            assert reader.descriptors == 0 and not released  # nothing posted
+            for tensor in local.values():
+                raw(tensor).fill_(0)
+            host = kvhost.KVHost(local, axes="KBNHC")
+            named = {"x": [5, 2], "y": [0]}
+            order = []
+            for name in reader.read_layers(requests, timeout=20):
+                order.append(name)
+                assert all(t.finished is not None for t in released[-2:])  # both sources of the layer
+                host.receive(named, remote_order="HNC", remote_block_size=16, layers=[name])
+                for local_ids, remote_ids in requests:
+                    tokens = len(remote_ids) * 16
+                    check_rank(
+                        {name: local[name]},
+                        "KBNHC",
+                        plan,
+                        local_ids,
+                        [{name: c[name]} for c in remote_caches],
+                        remote_ids,
+                        tokens,
+                        lambda s: (0, s.share.count),
+                    )
+            assert order == list(local)
+            rows = [plan.layer_rows(s, requests, max_bytes=bound) for s in plan.sources]
+            assert reader.descriptors == sum(layers[n][0].shape[0] for layers in rows for n in local)
+            assert len({id(t) for t in released}) == 6 and all(t.finished is not None for t in released)
+            released.clear()
+
+        layers = reader.read_layers(requests, timeout=20)
+        assert next(layers) == "l0"
+        layers.close()  # left after one layer: both sources' second-layer transfers are released
+        assert len({id(t) for t in released}) == 4 and all(t.released for t in released)
+        real_state, real_post = receiver.nixl.check_xfer_state, receiver.nixl.transfer
+        monkeypatch.setattr(receiver.nixl, "check_xfer_state", lambda handle: "PROC")  # a link that went quiet
+        monkeypatch.setattr(receiver.nixl, "transfer", lambda handle, *rest: (real_post(handle, *rest), "PROC")[1])
+        released.clear()
+        layers = reader.read_layers(requests, timeout=0.05)
+        with pytest.raises(TransferError, match=r"did not finish within 0\.05 s") as caught:
+            next(layers)
+        assert caught.value.timed_out
+        assert all(repr(peers[s.rank]) in str(caught.value) for s in plan.sources)
+        assert len({id(t) for t in released}) == 2 and all(t.released for t in released)  # cancelled
+        monkeypatch.setattr(receiver.nixl, "check_xfer_state", real_state)
 
 
 @needs_nixl

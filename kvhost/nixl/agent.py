@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from types import ModuleType
@@ -274,20 +274,8 @@ class Reader:
         """
         seconds = check_seconds(timeout, "Reader.read_layers timeout")
         self._check_open()
-        return self._one_layer_at_a_time(self.layer_descriptors(requests), seconds)
-
-    def _one_layer_at_a_time(self, layers: dict[str, tuple[np.ndarray, np.ndarray]], seconds: float) -> Iterator[str]:
-        names = list(layers)
-        transfer = self._post("READ", layers[names[0]], b"")
-        try:
-            for index, name in enumerate(names):
-                transfer.wait(seconds)
-                transfer.release()
-                if index + 1 < len(names):
-                    transfer = self._post("READ", layers[names[index + 1]], b"")
-                yield name
-        finally:
-            transfer.release()
+        layers = self.layer_descriptors(requests)
+        return layer_by_layer(lambda name: [self._post("READ", layers[name], b"")], list(layers), seconds)
 
     def _start(self, op: str, local_ids: Ids, remote_ids: Ids, notify: bytes) -> Transfer:
         self._check_open()
@@ -407,6 +395,43 @@ def check_registered(agent: Agent, table: RegionTable, peer: str | None) -> None
         ) from None
 
 
+def wait_all(transfers: Sequence[Transfer], seconds: float, *, interval: float = 1e-4) -> None:
+    """Poll every transfer until all are done; TransferError(timed_out=True), naming the
+    peers still owed, once ``seconds`` (checked by the caller) have passed."""
+    deadline = time.monotonic() + seconds
+    pending = list(transfers)
+    while True:
+        pending = [transfer for transfer in pending if not transfer.poll()]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            peers = ", ".join(repr(transfer.link.peer) for transfer in pending)
+            raise TransferError(f"{pending[0].op} from {peers} did not finish within {seconds:g} s", timed_out=True)
+        time.sleep(interval)
+
+
+def layer_by_layer(post: Callable[[str], list[Transfer]], names: Sequence[str], seconds: float) -> Iterator[str]:
+    """Post each layer's transfers (``post(name)``) once the layer before has landed, and
+    yield its name once its own have, within ``seconds`` of the wait for it: one layer in
+    flight, the next already posted when the caller gets the one before. Every transfer is
+    released, landed or not, as the loop goes, ends or is left."""
+    in_flight = post(names[0])
+    try:
+        for index, name in enumerate(names):
+            wait_all(in_flight, seconds)
+            release_all(in_flight)
+            if index + 1 < len(names):
+                in_flight = post(names[index + 1])
+            yield name
+    finally:
+        release_all(in_flight)
+
+
+def release_all(transfers: Sequence[Transfer]) -> None:
+    for transfer in transfers:
+        transfer.release()
+
+
 @dataclass(frozen=True)
 class Link:
     """An agent and one of its peers: what a transfer needs to be polled and named."""
@@ -491,13 +516,7 @@ class Transfer:
         pause = check_seconds(interval, "Transfer.wait interval", positive=True)
         if pause > 1:
             raise InvalidTimeoutError(f"Transfer.wait interval: expected at most 1 s between polls, got {pause:g}")
-        deadline = time.monotonic() + seconds
-        while not self.poll():
-            if time.monotonic() > deadline:
-                raise TransferError(
-                    f"{self.op} from {self.link.peer!r} did not finish within {seconds:g} s", timed_out=True
-                )
-            time.sleep(pause)
+        wait_all([self], seconds, interval=pause)
 
     @property
     def seconds(self) -> float:

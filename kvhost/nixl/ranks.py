@@ -25,17 +25,31 @@ that feeds the local one.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import TypeVar
 
 import numpy as np
 
 from kvhost.errors import LayoutError
 from kvhost.ids import Ids
-from kvhost.nixl.agent import Agent, Transfer, check_descriptor_bound, check_registered, merge_domains, post_rows
+from kvhost.nixl.agent import (
+    Agent,
+    Transfer,
+    check_descriptor_bound,
+    check_registered,
+    layer_by_layer,
+    merge_domains,
+    post_rows,
+    release_all,
+)
+from kvhost.nixl.fields import check_seconds
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch, checked_request_ids, plan_transfer
 from kvhost.nixl.tables import RegionTable, Stream
+
+Rows = tuple[np.ndarray, np.ndarray]  # (address, length, device id) rows: local and remote
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -156,22 +170,56 @@ class RankPlan:
         """``rows`` of several requests (``(local_ids, remote_ids)`` each) for one transfer,
         each part planned for the whole batch at once (``TransferPlan.merged_batch``). No
         local block may be named by two requests."""
+
+        def part_rows(part: Part, chosen: list[tuple[np.ndarray, np.ndarray]], index: int) -> Rows:
+            if max_bytes is None:
+                return part.plan.descriptor_batch(chosen)
+            local_domains, remote_domains = domains[index] if domains is not None else (None, None)
+            return part.plan.merged_batch(
+                chosen, max_bytes=max_bytes, local_domains=local_domains, remote_domains=remote_domains
+            )
+
+        return _joined(self._by_part(source, requests, part_rows))
+
+    def layer_rows(
+        self,
+        source: Source,
+        requests: Sequence[tuple[Ids, Ids]],
+        *,
+        max_bytes: int | None = None,
+        domains: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
+    ) -> dict[str, Rows]:
+        """``batch_rows``, local layer by local layer (in the local table's order), from
+        ``TransferPlan.merged_layers``: what one transfer of each layer posts towards
+        ``source``. ``max_bytes`` None: one row per piece."""
+
+        def part_rows(part: Part, chosen: list[tuple[np.ndarray, np.ndarray]], index: int) -> dict[str, Rows]:
+            local_domains, remote_domains = domains[index] if domains is not None else (None, None)
+            return part.plan.merged_layers(
+                chosen,
+                max_bytes=max_bytes or part.plan.chunk_bytes,  # a bound of one piece merges nothing
+                local_domains=local_domains,
+                remote_domains=remote_domains,
+            )
+
+        by_part = self._by_part(source, requests, part_rows)
+        return {layer: _joined([rows[layer] for rows in by_part]) for layer in by_part[0]}
+
+    def _by_part(
+        self,
+        source: Source,
+        requests: Sequence[tuple[Ids, Ids]],
+        part_rows: Callable[[Part, list[tuple[np.ndarray, np.ndarray]], int], T],
+    ) -> list[T]:
+        """``part_rows(part, ids, index)`` of each part of ``source`` that moves some of the
+        requests' blocks (``ids``: what it moves of each), the batch checked first."""
         checked, _ = checked_batch(requests, self._checked)
-        pairs = []
+        found = []
         for index, part in enumerate(source.parts):
             chosen = [pair for pair in (self._chosen(part, lo, re) for lo, re in checked) if pair[1].size]
-            if not chosen:
-                continue
-            if max_bytes is None:
-                pairs.append(part.plan.descriptor_batch(chosen))
-            else:
-                local_domains, remote_domains = domains[index] if domains is not None else (None, None)
-                pairs.append(
-                    part.plan.merged_batch(
-                        chosen, max_bytes=max_bytes, local_domains=local_domains, remote_domains=remote_domains
-                    )
-                )
-        return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+            if chosen:
+                found.append(part_rows(part, chosen, index))
+        return found
 
     def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
         return checked_request_ids(
@@ -195,6 +243,11 @@ class RankPlan:
         if part.phase is None or self.g > 1:
             return remote_blocks
         return len(range(part.phase, remote_blocks, self.r))
+
+
+def _joined(pairs: Sequence[Rows]) -> Rows:
+    """Parts' (local, remote) rows as one pair of lists."""
+    return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
 
 
 def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequence[RegionTable]) -> RankPlan:
@@ -368,23 +421,44 @@ class RankReader:
 
     def read_batch(self, requests: Sequence[tuple[Ids, Ids]]) -> list[Transfer]:
         """Start pulling several requests (``(local_ids, remote_ids)`` each): one transfer per
-        source for the whole batch, planned at once (``RankPlan.batch_rows``)."""
+        source for the whole batch, planned at once (``RankPlan.batch_rows``) before any is
+        posted."""
+        return self._post(
+            {
+                source.rank: self.plan.batch_rows(
+                    source, requests, max_bytes=self.max_descriptor_bytes, domains=self.domains.get(source.rank)
+                )
+                for source in self.plan.sources
+            }
+        )
+
+    def read_layers(self, requests: Sequence[tuple[Ids, Ids]], *, timeout: float) -> Iterator[str]:
+        """Pull several requests layer by layer, as ``Reader.read_layers`` does: yields each
+        local layer's name once every source's transfer of it has landed (within
+        ``timeout`` seconds of the wait for it), the next layer's already posted. Every
+        source's rows of every layer (``RankPlan.layer_rows``) are planned, and so the batch
+        checked, before the first is posted; leaving the loop early releases (cancels) the
+        transfers in flight."""
+        seconds = check_seconds(timeout, "RankReader.read_layers timeout")
+        rows = {
+            source.rank: self.plan.layer_rows(
+                source, requests, max_bytes=self.max_descriptor_bytes, domains=self.domains.get(source.rank)
+            )
+            for source in self.plan.sources
+        }
+        names = list(rows[self.plan.sources[0].rank])
+        return layer_by_layer(lambda name: self._post({rank: rows[rank][name] for rank in rows}), names, seconds)
+
+    def _post(self, rows: Mapping[int, Rows]) -> list[Transfer]:
+        """One transfer per source rank of ``rows``; where one cannot be posted, those posted
+        before it are released."""
         transfers: list[Transfer] = []
         try:
-            for source in self.plan.sources:
-                local_rows, remote_rows = self.plan.batch_rows(
-                    source,
-                    requests,
-                    max_bytes=self.max_descriptor_bytes,
-                    domains=self.domains.get(source.rank),
-                )
+            for rank, (local_rows, remote_rows) in rows.items():
                 self.descriptors += local_rows.shape[0]
-                memory = (self.plan.local.memory, self.plan.remotes[source.rank].memory)
-                transfers.append(
-                    post_rows(self.agent, self.peers[source.rank], "READ", local_rows, remote_rows, memory)
-                )
+                memory = (self.plan.local.memory, self.plan.remotes[rank].memory)
+                transfers.append(post_rows(self.agent, self.peers[rank], "READ", local_rows, remote_rows, memory))
         except BaseException:
-            for transfer in transfers:
-                transfer.release()
+            release_all(transfers)
             raise
         return transfers
