@@ -307,7 +307,8 @@ def test_whole_regions_and_head_major_shares_take_one_plan_per_source():
 
 
 def test_merged_rows_of_runs_are_fewer_and_a_domain_of_minus_one_merges_nothing():
-    """Equal TP: whole regions, and consecutive blocks continue one another on both sides."""
+    """Equal TP: whole regions, and consecutive blocks continue one another on both sides
+    (in one batch, and layer by layer)."""
     remote = [region_table(engine_caches("KBNHC", "KBHNC", 4, 16, 16, seed=1), "KBNHC")]
     plan = plan_ranks(region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 16, seed=7), "KBNHC"), 0, 1, remote)
     local_ids, remote_ids = list(range(3, 9)), list(range(8, 14))  # whole regions, runs on both sides
@@ -320,6 +321,9 @@ def test_merged_rows_of_runs_are_fewer_and_a_domain_of_minus_one_merges_nothing(
             (np.full(len(p.plan.local.streams), -1), np.full(len(p.plan.remote.streams), -1)) for p in source.parts
         ]
         kept = plan.rows(source, local_ids, remote_ids, max_bytes=1 << 40, domains=apart)[0]
+        assert np.array_equal(np.sort(kept, axis=0), np.sort(per_piece, axis=0))
+        layers = plan.layer_rows(source, [(local_ids, remote_ids)], max_bytes=1 << 40, domains=apart)
+        kept = np.concatenate([rows for rows, _ in layers.values()])
         assert np.array_equal(np.sort(kept, axis=0), np.sort(per_piece, axis=0))
 
 
