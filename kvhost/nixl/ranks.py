@@ -446,7 +446,7 @@ class RankReader:
             )
             for source in self.plan.sources
         }
-        names = list(rows[self.plan.sources[0].rank])
+        names = list(next(iter(rows.values())))  # every source moves every layer
         return layer_by_layer(lambda name: self._post({rank: rows[rank][name] for rank in rows}), names, seconds)
 
     def _post(self, rows: Mapping[int, Rows]) -> list[Transfer]:
