@@ -874,7 +874,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--survivors", action="store_true", help="only the mutants that survived the last run")
     parser.add_argument("--untested", action="store_true", help="only the mutants with no result yet")
-    parser.add_argument("--match", help="only mutants whose label contains this text")
+    parser.add_argument(
+        "--match", action="append", help="only mutants whose label contains this text (repeatable: any of them)"
+    )
     parser.add_argument("--full", action="store_true", help="every test of the module for every mutant")
     parser.add_argument("--out", type=Path, default=ROOT / ".mutation", help="results and work trees")
     parser.add_argument("--timeout-factor", type=float, default=3.0, help="timeout: this times the tests' clean time")
@@ -912,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.untested:
         todo = [m for m in todo if m.key not in previous]
     if args.match:
-        todo = [m for m in todo if args.match in m.key]
+        todo = [m for m in todo if any(text in m.key for text in args.match)]
     if args.sample is not None and args.sample < len(todo):
         todo = sorted(random.Random(args.seed).sample(todo, args.sample), key=mutants.index)
         print(f"testing a seeded sample of {len(todo)} mutants (seed {args.seed})")
