@@ -49,6 +49,7 @@ from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch,
 from kvhost.nixl.tables import RegionTable, Stream
 
 Rows = tuple[np.ndarray, np.ndarray]  # (address, length, device id) rows: local and remote
+Domains = tuple[np.ndarray | None, np.ndarray | None]  # a part's merge domains: local and remote
 T = TypeVar("T")
 
 
@@ -149,7 +150,7 @@ class RankPlan:
         remote_ids: Ids,
         *,
         max_bytes: int | None = None,
-        domains: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
+        domains: Sequence[Domains] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The (address, length, device id) rows that move ``source``'s part of one request: local and remote.
 
@@ -165,21 +166,21 @@ class RankPlan:
         requests: Sequence[tuple[Ids, Ids]],
         *,
         max_bytes: int | None = None,
-        domains: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
+        domains: Sequence[Domains] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """``rows`` of several requests (``(local_ids, remote_ids)`` each) for one transfer,
         each part planned for the whole batch at once (``TransferPlan.merged_batch``). No
         local block may be named by two requests."""
 
-        def part_rows(part: Part, chosen: list[tuple[np.ndarray, np.ndarray]], index: int) -> Rows:
+        def part_rows(part: Part, chosen: list[tuple[np.ndarray, np.ndarray]], part_domains: Domains) -> Rows:
             if max_bytes is None:
                 return part.plan.descriptor_batch(chosen)
-            local_domains, remote_domains = domains[index] if domains is not None else (None, None)
+            local_domains, remote_domains = part_domains
             return part.plan.merged_batch(
                 chosen, max_bytes=max_bytes, local_domains=local_domains, remote_domains=remote_domains
             )
 
-        return _joined(self._by_part(source, requests, part_rows))
+        return _joined(self._by_part(source, requests, domains, part_rows))
 
     def layer_rows(
         self,
@@ -187,14 +188,16 @@ class RankPlan:
         requests: Sequence[tuple[Ids, Ids]],
         *,
         max_bytes: int | None = None,
-        domains: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
+        domains: Sequence[Domains] | None = None,
     ) -> dict[str, Rows]:
         """``batch_rows``, local layer by local layer (in the local table's order), from
         ``TransferPlan.merged_layers``: what one transfer of each layer posts towards
         ``source``. ``max_bytes`` None: one row per piece."""
 
-        def part_rows(part: Part, chosen: list[tuple[np.ndarray, np.ndarray]], index: int) -> dict[str, Rows]:
-            local_domains, remote_domains = domains[index] if domains is not None else (None, None)
+        def part_rows(
+            part: Part, chosen: list[tuple[np.ndarray, np.ndarray]], part_domains: Domains
+        ) -> dict[str, Rows]:
+            local_domains, remote_domains = part_domains
             return part.plan.merged_layers(
                 chosen,
                 max_bytes=max_bytes or part.plan.chunk_bytes,  # a bound of one piece merges nothing
@@ -202,23 +205,25 @@ class RankPlan:
                 remote_domains=remote_domains,
             )
 
-        by_part = self._by_part(source, requests, part_rows)
+        by_part = self._by_part(source, requests, domains, part_rows)
         return {layer: _joined([rows[layer] for rows in by_part]) for layer in by_part[0]}
 
     def _by_part(
         self,
         source: Source,
         requests: Sequence[tuple[Ids, Ids]],
-        part_rows: Callable[[Part, list[tuple[np.ndarray, np.ndarray]], int], T],
+        domains: Sequence[Domains] | None,
+        part_rows: Callable[[Part, list[tuple[np.ndarray, np.ndarray]], Domains], T],
     ) -> list[T]:
-        """``part_rows(part, ids, index)`` of each part of ``source`` that moves some of the
-        requests' blocks (``ids``: what it moves of each), the batch checked first."""
+        """``part_rows(part, ids, part_domains)`` of each part of ``source`` that moves some of
+        the requests' blocks (``ids``: what it moves of each; ``part_domains``: the part's
+        entry of ``domains``, (None, None) without), the batch checked first."""
         checked, _ = checked_batch(requests, self._checked)
         found = []
         for index, part in enumerate(source.parts):
             chosen = [pair for pair in (self._chosen(part, lo, re) for lo, re in checked) if pair[1].size]
             if chosen:
-                found.append(part_rows(part, chosen, index))
+                found.append(part_rows(part, chosen, domains[index] if domains is not None else (None, None)))
         return found
 
     def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
@@ -404,7 +409,7 @@ class RankReader:
         for source in plan.sources:
             check_registered(agent, plan.remotes[source.rank], self.peers[source.rank])
         self.max_descriptor_bytes = max_descriptor_bytes
-        self.domains: dict[int, list[tuple[np.ndarray | None, np.ndarray | None]]] = {}
+        self.domains: dict[int, list[Domains]] = {}
         if max_descriptor_bytes is not None:
             for source in plan.sources:
                 self.domains[source.rank] = [
@@ -423,14 +428,7 @@ class RankReader:
         """Start pulling several requests (``(local_ids, remote_ids)`` each): one transfer per
         source for the whole batch, planned at once (``RankPlan.batch_rows``) before any is
         posted."""
-        return self._post(
-            {
-                source.rank: self.plan.batch_rows(
-                    source, requests, max_bytes=self.max_descriptor_bytes, domains=self.domains.get(source.rank)
-                )
-                for source in self.plan.sources
-            }
-        )
+        return self._post(self._planned(self.plan.batch_rows, requests))
 
     def read_layers(self, requests: Sequence[tuple[Ids, Ids]], *, timeout: float) -> Iterator[str]:
         """Pull several requests layer by layer, as ``Reader.read_layers`` does: yields each
@@ -440,14 +438,19 @@ class RankReader:
         checked, before the first is posted; leaving the loop early releases (cancels) the
         transfers in flight."""
         seconds = check_seconds(timeout, "RankReader.read_layers timeout")
-        rows = {
-            source.rank: self.plan.layer_rows(
+        rows = self._planned(self.plan.layer_rows, requests)
+        names = list(next(iter(rows.values())))  # every source moves every layer
+        return layer_by_layer(lambda name: self._post({rank: rows[rank][name] for rank in rows}), names, seconds)
+
+    def _planned(self, rows_of: Callable[..., T], requests: Sequence[tuple[Ids, Ids]]) -> dict[int, T]:
+        """``rows_of`` (``RankPlan.batch_rows`` or ``layer_rows``) of every source, by rank,
+        with this reader's bound and merge domains."""
+        return {
+            source.rank: rows_of(
                 source, requests, max_bytes=self.max_descriptor_bytes, domains=self.domains.get(source.rank)
             )
             for source in self.plan.sources
         }
-        names = list(next(iter(rows.values())))  # every source moves every layer
-        return layer_by_layer(lambda name: self._post({rank: rows[rank][name] for rank in rows}), names, seconds)
 
     def _post(self, rows: Mapping[int, Rows]) -> list[Transfer]:
         """One transfer per source rank of ``rows``; where one cannot be posted, those posted
