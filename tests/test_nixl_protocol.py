@@ -202,7 +202,7 @@ FIELD_CASES = {
     "num-blocks-2^33": (set_path([T, "num_blocks"], 1 << 33), r"num_blocks: expected an integer in \[1, 4294967296\]"),
     "layers-missing": (set_path([T, "layers"], DELETE), r"table\.layers: missing"),
     "layers-name-empty": (set_path([T, "layers", 0], ""), r"table\.layers\[0\]: expected a string of 1 to 256"),
-    "layers-twice": (set_path([T, "layers", 1], "layer0"), r"table\.layers: 'layer0' appears twice"),
+    "layers-twice": (set_path([T, "layers", 1], "layer0"), r"table\.layers\[1\]: 'layer0' appears twice"),
     "coords-not-text": (set_path([T, "coords"], ["K"]), r"table\.coords: expected a string of coordinate letters"),
     "coords-letter": (set_path([T, "coords"], "Z"), r"table\.coords: bad coordinate 'Z'"),
     "coords-in-run": (set_path([T, "coords"], "N"), r"coordinate N lies inside the run"),
@@ -232,7 +232,7 @@ FIELD_CASES = {
         r"hello\.requests\.name: empty",
     ),
     "request-name-empty": (set_path([R, "name", 0], ""), r"requests\.name\[0\]: expected a string of 1 to 64"),
-    "request-name-twice": (set_path([R, "name", 1], "req-000"), r"name\[1\]: request name 'req-000' appears twice"),
+    "request-name-twice": (set_path([R, "name", 1], "req-000"), r"name\[1\]: 'req-000' appears twice"),
     "request-names-too-many": (
         set_path([R, "name"], ["r"] * 20000),
         r"requests\.name: expected a list of at most 16384",

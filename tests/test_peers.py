@@ -31,18 +31,22 @@ from test_peer_limits import _closed_by_listener
 
 from kvhost.errors import ArgumentError, KVHostError
 from kvhost.nixl import EngineSpec, IncompatibleEngineError, ProtocolError, RemoteRequest, region_table
+from kvhost.nixl import peers as peers_module
 from kvhost.nixl import server as server_module
 from kvhost.nixl.engine import refusal, table_refusal
-from kvhost.nixl.framing import encode, receive, send
+from kvhost.nixl.fields import Fields, check_text
+from kvhost.nixl.framing import decode, encode, receive, send
 from kvhost.nixl.peers import (
     BEAT,
     CHALLENGE,
     ENGINE,
     KNOCK,
+    OFFER,
     REFUSE,
     Offer,
     connect,
     parse_address,
+    parse_offer,
     proof,
     read_secret_file,
     write_secret_file,
@@ -1021,3 +1025,109 @@ def test_a_beat_that_cannot_be_sent_ends_the_beats_and_says_why():
     assert not _beat_threads()
     assert session.beat_error is not None and "could not send 'beat'" in session.beat_error
     session.close()
+
+
+UNPRINTABLE = {"lone surrogate": "\ud800abc", "line end": "ok\nforged line", "escape": "\x1b[2J", "nul": "a\x00"}
+
+
+@pytest.mark.parametrize("text", UNPRINTABLE.values(), ids=UNPRINTABLE.keys())
+def test_a_peer_s_text_must_be_printable(text):
+    """A peer's strings reach logs, messages and digests: JSON's escapes can spell what no
+    encoder takes (a lone surrogate) or what forges a log line."""
+    with pytest.raises(ProtocolError, match=r"^x\.name: expected printable text, got "):
+        check_text(text, "x.name")
+    assert check_text("naïve 名前 ok", "x.name") == "naïve 名前 ok"
+
+
+@pytest.mark.parametrize("text", UNPRINTABLE.values(), ids=UNPRINTABLE.keys())
+def test_a_stranger_s_unprintable_proof_is_dropped_and_the_server_serves_on(text):
+    running = Running(peers=1, idle=5.0, peer_timeout=2.0)
+    healthy = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    with contextlib.closing(healthy):
+        healthy.start_beats()
+        stranger, _ = _knocked(running.port)
+        with stranger:
+            send(stranger, ENGINE, {"proof": text, "engine": DECODE.to_dict()}, timeout=5)
+            assert _closed_by_listener(stranger, within=3.0)
+        assert running.thread.is_alive()
+        healthy.done(ok=True, timeout=5)
+    [record] = running.finish()
+    assert record.outcome == "done" and running.server.dropped == 1
+
+
+def test_a_refusal_with_unprintable_text_fails_the_peer_without_reaching_the_log():
+    running = Running(peers=1, idle=5.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    with contextlib.closing(session):
+        send(session.sock, REFUSE, {"reason": "no\n\udfff"}, timeout=5)
+        [record] = running.finish()
+    assert record.outcome == "failed" and record.detail.startswith("refuse.reason: expected printable text")
+    assert all(line.isprintable() for line in running.lines)
+
+
+@pytest.mark.parametrize(("secret", "got"), [(b"", "0 bytes"), (bytes(31), "31 bytes"), ("ab" * 32, "str")])
+def test_a_secret_too_short_or_not_bytes_is_refused_by_both_ends(secret, got):
+    """An empty key lets anyone prove it; a str would fail at the first knock."""
+    message = f"the shared secret must be at least 32 bytes, got {got}"
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with pytest.raises(ProtocolError, match=message):
+            Server(listener, secret, PREFILL, lambda peer: None)
+        with pytest.raises(ProtocolError, match=message):
+            connect(listener.getsockname(), secret, DECODE, timeout=5)
+        listener.setblocking(False)  # nothing connected: the check comes first
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    longer = Server(socket.socket(), bytes(64), PREFILL, lambda peer: None)  # longer secrets are fine
+    longer.listener.close()
+
+
+def test_an_offer_its_peer_does_not_read_stalls_no_other_peer():
+    """The offer goes out as its peer reads it: a peer that reads nothing for longer than the
+    others' beat deadline does not get them ended as silent (and released while reading)."""
+    running = Running(peers=None, idle=1.0, peer_timeout=0.5, send_timeout=2.0, metadata=BIG)
+    healthy = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    with contextlib.closing(healthy):
+        healthy.start_beats()
+        with _proven_and_silent(running.port):
+            time.sleep(2.5)  # past the silent one's send timeout
+            assert healthy.beat_error is None and running.released and running.released[0].outcome == "failed"
+        healthy.done(ok=True, timeout=5)
+    records = running.finish(within=10)
+    assert sorted((r.outcome, r.detail) for r in records) == [
+        ("done", ""),
+        ("failed", "could not send 'offer' within 2 s: the peer does not read"),
+    ]
+
+
+def _offer_message(spec=PREFILL):
+    keep = [rank_table(spec) for _ in range(spec.tp_size)]
+    offer = Offer(spec, [t for _, t in keep], [b"m"] * spec.tp_size, [RemoteRequest("req-0", 0, 5, [1])])
+    return decode(encode(OFFER, offer.header(), b"".join(offer.metadata)))
+
+
+def test_an_offer_s_table_count_is_checked_before_any_table_is_read():
+    message = _offer_message()
+    message.header["tables"].append({"not": "a table"})
+    with pytest.raises(ProtocolError, match=r"^offer\.tables: 3 tables for TP 2$"):
+        parse_offer(message, DECODE)
+
+
+def test_an_offer_s_tables_share_one_stream_budget(monkeypatch):
+    """Every table's arrays may point at the same bytes: the bound is on the whole offer."""
+    message = _offer_message()
+    per_table = len(parse_offer(message, DECODE).tables[0].streams)
+    monkeypatch.setattr(peers_module, "MAX_STREAMS", 2 * per_table)
+    assert len(parse_offer(message, DECODE).tables) == 2
+    monkeypatch.setattr(peers_module, "MAX_STREAMS", 2 * per_table - 1)
+    second_table = rf"^offer\.tables\[1\]\.streams\.layer.*\[0, {per_table - 1}\], got {per_table}"
+    with pytest.raises(ProtocolError, match=second_table):
+        parse_offer(message, DECODE)
+
+
+def test_a_repeated_name_is_found_in_one_pass():
+    """The repeat comes last in 65,000 names: found at once, not by a scan per name."""
+    names = [f"r{i}" for i in range(65_000)] + ["r0"]
+    started = time.monotonic()
+    with pytest.raises(ProtocolError, match=r"^x\.name\[65000\]: 'r0' appears twice$"):
+        Fields({"name": names}, "x").texts("name", max_items=1 << 17, distinct=True)
+    assert time.monotonic() - started < 2.0

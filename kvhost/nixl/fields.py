@@ -84,12 +84,20 @@ class Fields:
             )
         return value
 
-    def texts(self, name: str, *, max_items: int = 1 << 16, max_length: int = 256) -> list[str]:
+    def texts(self, name: str, *, max_items: int = 1 << 16, max_length: int = 256, distinct: bool = False) -> list[str]:
+        """A list of strings; ``distinct``: no string twice (the first repeat is named)."""
         where = f"{self.where}.{name}"
-        return [
+        values = [
             check_text(v, f"{where}[{i}]", max_length=max_length)
             for i, v in enumerate(self.items(name, max_length=max_items))
         ]
+        if distinct:
+            seen: set[str] = set()
+            for i, value in enumerate(values):
+                if value in seen:
+                    raise ProtocolError(f"{where}[{i}]: {value!r} appears twice")
+                seen.add(value)
+        return values
 
     def fields(self, name: str) -> Fields:
         return Fields(self._get(name), f"{self.where}.{name}", self.arrays)
@@ -116,8 +124,13 @@ def check_int(value: Any, where: str, *, minimum: int = 0, maximum: int = U64_MA
 
 
 def check_text(value: Any, where: str, *, max_length: int = 256) -> str:
+    """A string of 1 to ``max_length`` printable characters. A peer's text reaches logs,
+    messages and digests: JSON's escapes can spell control characters (a forged log line)
+    and lone surrogates (which no encoder takes)."""
     if not isinstance(value, str) or not value or len(value) > max_length:
         raise ProtocolError(f"{where}: expected a string of 1 to {max_length} characters, got {show(value)}")
+    if not value.isprintable():
+        raise ProtocolError(f"{where}: expected printable text, got {show(value)}")
     return value
 
 

@@ -129,10 +129,7 @@ def parse_requests(columns: Fields, block_size: int, num_blocks: int) -> list[Re
     view of the frame's bytes) must be as many as its tokens fill blocks of ``block_size``,
     each below ``num_blocks``. Names are distinct."""
     where = columns.where
-    names = columns.texts("name", max_items=MAX_REQUESTS, max_length=64)
-    if len(set(names)) != len(names):
-        i, twice = next((i, name) for i, name in enumerate(names) if name in names[:i])
-        raise ProtocolError(f"{where}.name[{i}]: request name {twice!r} appears twice")
+    names = columns.texts("name", max_items=MAX_REQUESTS, max_length=64, distinct=True)
     numbers = columns.array("number", maximum=1 << 31, max_length=MAX_REQUESTS)
     tokens = columns.array("tokens", minimum=1, maximum=MAX_TOKENS, max_length=MAX_REQUESTS)
     for name, values in (("number", numbers), ("tokens", tokens)):

@@ -49,7 +49,7 @@ from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
 from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, receive, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, RemoteRequest, parse_requests, request_columns
-from kvhost.nixl.tables import RegionTable
+from kvhost.nixl.tables import MAX_STREAMS, RegionTable
 
 KNOCK, CHALLENGE, ENGINE, OFFER, REFUSE, BEAT, DONE = "knock", "challenge", "engine", "offer", "refuse", "beat", "done"
 NONCE_BYTES = 16
@@ -78,6 +78,15 @@ def nonce_of(fields: Fields) -> bytes:
     if len(value) != NONCE_BYTES:
         raise ProtocolError(f"{fields.where}.nonce: expected {NONCE_BYTES} bytes in hex")
     return value
+
+
+def check_secret(secret: Any) -> bytes:
+    """A shared secret as the handshake takes it: bytes, at least ``SECRET_BYTES`` of them
+    (an empty key would let anyone prove it)."""
+    if not isinstance(secret, bytes) or len(secret) < SECRET_BYTES:
+        got = f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__
+        raise ProtocolError(f"the shared secret must be at least {SECRET_BYTES} bytes, got {got}")
+    return secret
 
 
 def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
@@ -156,15 +165,18 @@ def parse_offer(message: Message, local: EngineSpec) -> Offer:
     fields = message.fields(OFFER)
     spec = EngineSpec.from_dict(fields.fields("engine").data, "offer.engine")
     check_compatible(local, spec, local_name="decode", remote_name="prefill")
-    tables = []
-    for rank, data in enumerate(fields.items("tables", max_length=spec.tp_size + 1)):
-        table = RegionTable.from_dict(data, f"offer.tables[{rank}]", message.arrays)
+    items = fields.items("tables", max_length=spec.tp_size + 1)
+    if len(items) != spec.tp_size:
+        raise ProtocolError(f"offer.tables: {len(items)} tables for TP {spec.tp_size}")
+    tables: list[RegionTable] = []
+    streams_left = MAX_STREAMS  # for the whole offer, not each table: their arrays may share bytes
+    for rank, data in enumerate(items):
+        table = RegionTable.from_dict(data, f"offer.tables[{rank}]", message.arrays, max_streams=streams_left)
+        streams_left -= len(table.streams)
         problem = table_refusal(spec, rank, table)
         if problem is not None:
             raise IncompatibleEngineError(f"prefill {problem}")
         tables.append(table)
-    if len(tables) != spec.tp_size:
-        raise ProtocolError(f"offer.tables: {len(tables)} tables for TP {spec.tp_size}")
     lengths = fields.array("metadata_bytes", minimum=1, maximum=MAX_BLOB_BYTES, max_length=spec.tp_size)
     if lengths.size != spec.tp_size or int(lengths.sum()) != len(message.blob):
         raise ProtocolError(
@@ -252,6 +264,7 @@ def connect(
     served is an IncompatibleEngineError (it refused, or decode does, naming the field).
     """
     seconds = check_seconds(timeout, "connect timeout")
+    check_secret(secret)
     deadline = time.monotonic() + seconds
     name = f"prefill at {address[0]}:{address[1]}"
     sock = _connect(address, deadline, name)

@@ -11,8 +11,9 @@ Nothing a peer does is trusted: before it proves the secret a connection may sen
 frame of at most ``AUTH_FRAME_BYTES`` (its engine message at most ``ENGINE_FRAME_BYTES``)
 within ``auth_timeout`` seconds; at most ``MAX_CONNECTIONS`` connections are held, the
 oldest unproven one dropped for a new one; frames are read only up to their end, and a
-held peer may send only small frames. Everything runs on the calling thread; the only
-wait that is not on the selector is sending an offer, bounded by ``send_timeout``.
+held peer may send only small frames. Everything runs on the calling thread and nothing
+blocks it: an offer (megabytes of agent metadata) goes out as its peer reads it, within
+``send_timeout``, while the others are served.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvhost.nixl.peers import (
     OFFER,
     REFUSE,
     Offer,
+    check_secret,
     nonce_of,
     proof,
     proves,
@@ -81,8 +83,10 @@ class _Connection:
     sock: socket.socket
     address: str
     deadline: float
-    stage: str = KNOCK  # what it must send next: knock, engine, then beats and done (hold)
+    # What it must send next: knock, engine, nothing while its offer goes out (offer), beats and done.
+    stage: str = KNOCK
     data: bytearray = field(default_factory=bytearray)
+    outbox: memoryview = field(default_factory=lambda: memoryview(b""))  # what is left to send of its offer
     nonces: tuple[bytes, bytes] = (b"", b"")
     record: PeerRecord | None = None  # set once it proves the secret; an unproven one is only closed
     held_since: float = 0.0
@@ -111,7 +115,7 @@ class Server:
         log: Callable[[str], None] | None = None,
     ) -> None:
         self.listener = listener
-        self.secret = secret
+        self.secret = check_secret(secret)
         self.spec = spec
         self.offer = offer
         self.release = release
@@ -148,20 +152,31 @@ class Server:
                     elif now - quiet_since > idle:
                         self.log(f"no decode engine for {idle:g} s: stopping")
                         return
-                    for conn in [c for c in self._connections.values() if now > c.deadline]:
-                        # a held peer that stopped beating, or one that did not prove the secret in time
-                        self._end(selector, conn, "silent", f"no beat for {self.peer_timeout:g} s")
-                    for key, _ in selector.select(timeout=0.05):
+                    for key, events in selector.select(timeout=0.05):
                         if key.fileobj is self.listener:
                             self._accept(selector)
-                        elif key.fileobj in self._connections:
+                            continue
+                        if events & selectors.EVENT_WRITE and key.fileobj in self._connections:
+                            self._write(selector, self._connections[key.fileobj])
+                        if events & selectors.EVENT_READ and key.fileobj in self._connections:
                             self._read(selector, self._connections[key.fileobj])
+                    # Deadlines only after what had arrived was read: a step that took long here
+                    # (the application's offer, a release) must not end peers whose beats wait unread.
+                    self._expire(selector, time.monotonic())
             finally:
                 for conn in list(self._connections.values()):
                     self._end(selector, conn, "closed", "the server stopped")
 
     def _holding(self) -> bool:
-        return any(c.stage == BEAT for c in self._connections.values())
+        return any(c.offered for c in self._connections.values())
+
+    def _expire(self, selector: selectors.BaseSelector, now: float) -> None:
+        for conn in [c for c in self._connections.values() if now > c.deadline]:
+            if conn.stage == OFFER:
+                detail = f"could not send 'offer' within {self.send_timeout:g} s: the peer does not read"
+                self._end(selector, conn, "failed", detail)
+            else:  # a held peer that stopped beating, or one that did not prove the secret in time
+                self._end(selector, conn, "silent", f"no beat for {self.peer_timeout:g} s")
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         while True:
@@ -172,7 +187,7 @@ class Server:
             except OSError:  # the peer gave up between the listen queue and accept
                 return
             if len(self._connections) >= MAX_CONNECTIONS:
-                unproven = [c for c in self._connections.values() if c.stage != BEAT]
+                unproven = [c for c in self._connections.values() if c.record is None]
                 if not unproven:
                     sock.close()
                     self.dropped += 1
@@ -224,8 +239,7 @@ class Server:
         if not proves(self.secret, "decode", conn.nonces, fields.text("proof", max_length=64)):
             raise ProtocolError("wrong proof of the secret")
         record = conn.record = PeerRecord(conn.address)
-        self.records.append(record)
-        conn.stage = BEAT  # proven: from here on it is a peer, and what happens to it is recorded
+        self.records.append(record)  # proven: from here on it is a peer, and what happens to it is recorded
         conn.held_since = time.monotonic()
         try:
             spec = EngineSpec.from_dict(fields.fields("engine").data, "engine.engine")
@@ -239,9 +253,26 @@ class Server:
             return
         record.requests = len(offer.requests)
         offer = Offer(offer.spec, offer.tables, offer.metadata, offer.requests, self.beat_seconds, offer.extra)
-        _send(conn.sock, OFFER, offer.header(), self.send_timeout, blob=b"".join(offer.metadata))
-        conn.deadline = time.monotonic() + self.peer_timeout
-        self.log(f"offered {len(offer.requests)} requests to decode at {conn.address}")
+        conn.outbox = memoryview(encode(OFFER, offer.header(), b"".join(offer.metadata)))
+        conn.stage, conn.deadline = OFFER, time.monotonic() + self.send_timeout
+        selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def _write(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+        """Send what the socket takes of a peer's offer; once all is sent, the hold begins."""
+        try:
+            sent = conn.sock.send(conn.outbox)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self._end(selector, conn, "failed", f"could not send 'offer': {err}")
+            return
+        conn.outbox = conn.outbox[sent:]
+        if conn.outbox:
+            return
+        selector.modify(conn.sock, selectors.EVENT_READ)
+        conn.stage, conn.deadline = BEAT, time.monotonic() + self.peer_timeout
+        assert conn.record is not None
+        self.log(f"offered {conn.record.requests} requests to decode at {conn.address}")
 
     def _end(self, selector: selectors.BaseSelector, conn: _Connection, outcome: str, detail: str) -> None:
         """Close a connection; a proven one's record says how it ended (``outcome``, ``detail``),

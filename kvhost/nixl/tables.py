@@ -185,10 +185,18 @@ class RegionTable:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "table", arrays: bytes | bytearray | memoryview = b"") -> RegionTable:
+    def from_dict(
+        cls,
+        data: Any,
+        where: str = "table",
+        arrays: bytes | bytearray | memoryview = b"",
+        *,
+        max_streams: int = MAX_STREAMS,
+    ) -> RegionTable:
         """A table sent by a peer (``arrays``: the frame's array bytes); anything malformed is
         a ProtocolError naming the field. What it costs is bounded by what it holds: at most
-        ``MAX_STREAMS`` streams, and nothing per declared block."""
+        ``max_streams`` streams (a message of several tables shares one budget: their arrays
+        may all point at the same bytes), and nothing per declared block."""
         fields = Fields(data, where, arrays)
         memory = fields.text("memory")
         if memory not in MEMORY_OF_DEVICE.values():
@@ -212,12 +220,9 @@ class RegionTable:
         num_blocks = fields.integer("num_blocks", minimum=1, maximum=1 << 32)
         device_id = fields.integer("device_id", maximum=1 << 16)
         shell = cls(memory, device_id, order, split, sizes, itemsize, num_blocks, ())
-        layers = fields.texts("layers", max_items=MAX_STREAMS)
-        if len(set(layers)) != len(layers):
-            twice = next(name for i, name in enumerate(layers) if name in layers[:i])
-            raise ProtocolError(f"{where}.layers: {twice!r} appears twice")
+        layers = fields.texts("layers", max_items=MAX_STREAMS, distinct=True)
         letters = _coord_letters(fields, shell)
-        streams = _streams(fields.fields("streams"), shell, layers, letters)
+        streams = _streams(fields.fields("streams"), shell, layers, letters, max_streams)
         coordinates = set(letters)
         if not set(split) <= coordinates:
             raise ProtocolError(f"{where}.streams: split letters {split!r} must index the streams")
@@ -254,17 +259,19 @@ def _coord_letters(fields: Fields, table: RegionTable) -> str:
     return letters
 
 
-def _streams(fields: Fields, table: RegionTable, layers: list[str], letters: str) -> tuple[Stream, ...]:
+def _streams(
+    fields: Fields, table: RegionTable, layers: list[str], letters: str, max_streams: int
+) -> tuple[Stream, ...]:
     """The streams of a peer's table from its arrays, every value checked (vectorised where
-    it can be; one Python object per stream, at most ``MAX_STREAMS``)."""
+    it can be; one Python object per stream, at most ``max_streams``)."""
     where = fields.where
-    layer = fields.array("layer", maximum=max(len(layers) - 1, 0), max_length=MAX_STREAMS)
+    layer = fields.array("layer", maximum=max(len(layers) - 1, 0), max_length=max_streams)
     count = layer.size
     if not count:
         raise ProtocolError(f"{where}: empty")
     if not layers:
         raise ProtocolError(f"{where}.layer: {count} streams but no layer names")
-    coords = fields.array("coords", max_length=MAX_STREAMS * len(COORD_LETTERS))
+    coords = fields.array("coords", max_length=max_streams * len(COORD_LETTERS))
     if coords.size != count * len(letters):
         raise ProtocolError(f"{where}.coords: {coords.size} values for {count} streams of {len(letters)} coordinates")
     columns = coords.reshape(count, len(letters))
@@ -276,8 +283,8 @@ def _streams(fields: Fields, table: RegionTable, layers: list[str], letters: str
             got = int(column[bad])
             expected = f"expected an integer in [0, {limit}]"
             raise ProtocolError(f"{where}.coords[{bad}]: coordinate {letter}: {expected}, got {got}")
-    address = fields.array("address", minimum=1, max_length=MAX_STREAMS)
-    stride = fields.array("stride", minimum=table.run_bytes, maximum=1 << 48, max_length=MAX_STREAMS)
+    address = fields.array("address", minimum=1, max_length=max_streams)
+    stride = fields.array("stride", minimum=table.run_bytes, maximum=1 << 48, max_length=max_streams)
     for name, values in (("address", address), ("stride", stride)):
         if values.size != count:
             raise ProtocolError(f"{where}.{name}: {values.size} values for {count} streams")
