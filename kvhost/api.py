@@ -60,7 +60,7 @@ def copy_blocks(
     ``dst_axes`` names dst's dims when its layout differs (the copy rearranges on the
     way); devices may differ (host staging, either way).
     """
-    dst_axes = dst_axes or axes
+    dst_axes = axes if dst_axes is None else dst_axes
     chosen = _backend(backend, _copy_device(_device_of(src, axes, "src"), _device_of(dst, dst_axes, "dst")))
     with chosen.exclusive():
         source = CacheSet(src, axes, role="src")
@@ -111,7 +111,10 @@ class KVHost:
         if isinstance(layers, str) or not isinstance(layers, (list, tuple)):
             raise ArgumentError(f"layers must be a list or tuple of layer names, got {layers!r}")
         key = tuple(layers)
-        known = self._some_layers.get(key)
+        try:
+            known = self._some_layers.get(key)
+        except TypeError:  # a name that is not even hashable: the checks below word it
+            known = None
         if known is not None:
             return known
         if not key:
@@ -135,7 +138,7 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy registered blocks ``src_ids`` out to ``dst`` (e.g. save to a host buffer)."""
-        dst_axes = dst_axes or self.caches.axes
+        dst_axes = self.caches.axes if dst_axes is None else dst_axes
         backend = self._peer_backend(dst, dst_axes, "dst")
         with backend.exclusive():
             self.caches.check_current()
@@ -152,7 +155,7 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy blocks ``src_ids`` of ``src`` into registered blocks ``dst_ids`` (a load)."""
-        src_axes = src_axes or self.caches.axes
+        src_axes = self.caches.axes if src_axes is None else src_axes
         backend = self._peer_backend(src, src_axes, "src")
         with backend.exclusive():
             self.caches.check_current()

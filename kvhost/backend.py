@@ -77,12 +77,13 @@ class Backend(ABC):
         """Zero, in place, the tokens ``job`` names in every member tensor; runs after the
         batch's ``receive`` jobs.
 
-        Torch ops on a view in memory order, in the tensor's own dtype (zero is all-zero
-        bytes in every KV dtype), so it runs on any device; a backend may do it its way.
+        Torch ops on a view in memory order, of the tensor's bytes (zero is all-zero bytes
+        in every KV dtype, and integers of each item size have index ops where fp8 and
+        uint16 may not; no autograd), so it runs on any device; a backend may do it its way.
         """
         zeros = ZeroIndices.of(job)
         for member in job.members:
-            zeros.apply(_zeroable(member.tensor), job.layout)
+            zeros.apply(as_raw(member.tensor.detach()), job.layout)
 
     def exclusive(self) -> AbstractContextManager[object]:
         """Held around every call this backend does the work of, from the first read of a
@@ -133,13 +134,6 @@ class ZeroIndices:
             view.index_fill_(b, self.whole, 0)
         for first, ids in self.partial:
             view.narrow(n, first, layout.block_size - first).index_fill_(b, ids, 0)
-
-
-def _zeroable(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or its bytes where its dtype has no index ops (fp8 on some devices)."""
-    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
-        return as_raw(tensor)
-    return tensor
 
 
 class OptionalKernels:

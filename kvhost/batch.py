@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvhost.caches import CacheSet, CopyGroup, Member, MemberList, ReceiveGroup
-from kvhost.errors import KVHostError, RequestError
+from kvhost.errors import ArgumentError, KVHostError, RequestError
 from kvhost.ids import IdBatch, Ids, find_runs
 from kvhost.layout import Layout, check_letters
 from kvhost.memory import first_shared
@@ -150,11 +150,14 @@ def plan_receive_batch(
     except KVHostError:
         call_groups = None  # the checked path words the error, naming a request
     if call_groups == () and set(map(type, requests.values())) <= _PLAIN_ID_LISTS:
-        # Every request takes the call's transform, the identity: only the id containers'
-        # types are checked (an Incoming, a tensor or anything odd takes the checked path).
-        blocks = sum(map(len, requests.values()))  # type: ignore[arg-type]  # no Incoming, as just checked
-        return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
-    batch = IdBatch()
+        # Every request takes the call's transform, the identity: only the id containers
+        # are looked at (an Incoming, a tensor or anything odd takes the checked path, and
+        # so does a container this cannot count: it words the error).
+        counts = list(map(_plain_count, requests.values()))
+        if None not in counts:
+            blocks = sum(counts)  # type: ignore[arg-type]  # no None, as just checked
+            return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
+    batch = IdBatch(caches.num_blocks)
     keys: dict[tuple[str, int], int] = {}
     key_of_request: list[int] = []
     arrived: dict[int, int] = {}  # request index -> tokens that arrived, for requests that say
@@ -172,7 +175,13 @@ def plan_receive_batch(
             key = call_key
             batch.add(subject, request)
         key_of_request.append(keys.setdefault(key, len(keys)))
-    batch.check(caches.num_blocks, what="block id", unique=True)
+    batch.check()
+    if call_groups is None and call_key not in keys:  # no request takes it, yet a bad argument is refused
+        try:
+            caches.receive_groups(*call_key)
+        except KVHostError as err:
+            call = f"remote_order {remote_order!r}, remote_block_size {remote_block_size!r}"
+            raise ArgumentError(f"{call}: {err}") from None
 
     # The planner validates letters and sizes, for each layout (once per key: the cache set keeps its plans).
     key_list = list(keys)
@@ -325,13 +334,14 @@ def plan_copy_batch(
 ) -> CopyBatch:
     """Validate a copy and hand each group of member pairs that share a plan to one job."""
     copy_groups = src.copy_groups(dst)
-    sources, dests = IdBatch(), IdBatch()
+    sources = IdBatch(src.num_blocks, what="source block id", unique=False)
+    dests = IdBatch(dst.num_blocks, what="destination block id")
     sources.add("src_ids", src_ids)
     dests.add("dst_ids", dst_ids)
     if len(sources.flat) != len(dests.flat):
         raise RequestError(f"src_ids has {len(sources.flat)} ids but dst_ids has {len(dests.flat)}")
-    sources.check(src.num_blocks, what="source block id", unique=False)
-    dests.check(dst.num_blocks, what="destination block id", unique=True)
+    sources.check()
+    dests.check()
     if not sources.flat:
         return CopyBatch(jobs=[], blocks=0)
     source, dest = sources.array(), dests.array()
@@ -360,6 +370,17 @@ def _check_reads_apart_from_writes(meeting: list[tuple[Member, Member]], source:
 
 
 _PLAIN_ID_LISTS = {list, tuple, range, np.ndarray}
+
+
+def _plain_count(ids: Sequence[int] | np.ndarray) -> int | None:
+    """How many ids a container of ``_PLAIN_ID_LISTS`` holds, or None for one that cannot be
+    a list of ids (an array not flat or not of integers) or counted (a range past ``len``)."""
+    if type(ids) is np.ndarray:
+        return ids.size if ids.ndim == 1 and ids.dtype.kind in "iu" else None
+    try:
+        return len(ids)
+    except OverflowError:
+        return None
 
 
 def _remote_order(order: object, default: str, what: str) -> str:

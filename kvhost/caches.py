@@ -281,6 +281,11 @@ class CacheSet:
         """The same memory with ``K`` turned into tuple members (views, no copy)."""
         if "K" not in self.member_axes:
             return self
+        if "K" in self.layout.region:
+            raise LayoutError(
+                f"{self.role}: K lies inside the block region {self.layout.region!r}, so these caches cannot be "
+                "copied to or from K and V held as two tensors (give both sides K as a dim, or both as tuples)"
+            )
         k_dim = self.member_axes.index("K")
         split = {
             name: tuple(t for m in members for t in m.tensor.unbind(k_dim)) for name, members in self.layers.items()

@@ -26,21 +26,26 @@ ID_KINDS = "list, tuple, range, 1-D numpy array or 1-D tensor of integers"
 
 
 class IdBatch:
-    """Named id lists gathered into one flat list; ``check`` validates them all at once."""
+    """Named id lists gathered into one flat list; ``check`` validates them all at once:
+    each an integer in ``[0, limit)`` (``what`` names one in messages), and unique if asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int, *, what: str = "block id", unique: bool = True) -> None:
+        self.limit, self.what, self.unique = limit, what, unique
         self.subjects: list[str] = []  # "request 'a'", or an argument's name
         self.lengths: list[int] = []
         self.flat: list[Any] = []
 
     def add(self, subject: str, ids: Any) -> None:
         if type(ids) in _PLAIN:  # the common case first: no look-up of numpy's and torch's types
-            pass
+            if type(ids) is range:
+                self._check_range(subject, ids)
         elif isinstance(ids, (np.ndarray, torch.Tensor)):
             if ids.ndim != 1:
                 raise RequestError(f"{subject}: block ids must be a flat sequence, got shape {tuple(ids.shape)}")
             if not _integer_dtype(ids.dtype):
                 raise RequestError(f"{subject}: block ids must be integers, got an array of {ids.dtype}")
+            if isinstance(ids, torch.Tensor) and ids.device.type == "meta":
+                raise RequestError(f"{subject}: block ids on the meta device have no values")
             ids = ids.tolist()
         elif not isinstance(ids, (list, tuple, range)):
             raise RequestError(f"{subject}: block ids must be a {ID_KINDS}, got {type(ids).__name__} {_short(ids)}")
@@ -48,9 +53,18 @@ class IdBatch:
         self.lengths.append(len(ids))
         self.flat.extend(ids)
 
-    def check(self, limit: int, *, what: str = "block id", unique: bool = True) -> None:
+    def _check_range(self, subject: str, ids: range) -> None:
+        """A range's ids are distinct and run one way: all lie in ``[0, limit)`` if both ends
+        do. Otherwise the first outside is within ``limit + 1`` of the start, so a range
+        of a billion ids (or more than ``len`` can count) is refused without making them."""
+        limit = self.limit
+        if ids and not (0 <= ids[0] < limit and 0 <= ids[-1] < limit):
+            position, value = next((i, x) for i, x in enumerate(ids) if not 0 <= x < limit)
+            raise RequestError(f"{subject}: {self.what} {value} at position {position} is out of range [0, {limit})")
+
+    def check(self) -> None:
         """Raise unless every id is an integer in ``[0, limit)`` (and unique, if asked)."""
-        flat = self.flat
+        flat, limit, what = self.flat, self.limit, self.what
         if not flat:
             return
         kinds = set(map(type, flat))
@@ -62,7 +76,7 @@ class IdBatch:
             position = next(i for i, x in enumerate(flat) if not 0 <= x < limit)
             subject, at = self._where(position)
             raise RequestError(f"{subject}: {what} {flat[position]} at position {at} is out of range [0, {limit})")
-        if unique and len(set(flat)) != len(flat):
+        if self.unique and len(set(flat)) != len(flat):
             first_seen: dict[int, int] = {}
             for position, block in enumerate(flat):
                 earlier = first_seen.setdefault(block, position)
@@ -87,11 +101,11 @@ class IdBatch:
 
 def checked_ids(ids: Any, subject: str, limit: int, *, unique: bool = True, allow_empty: bool = True) -> np.ndarray:
     """One id list, checked as an ``IdBatch`` of one, as an int64 array."""
-    batch = IdBatch()
+    batch = IdBatch(limit, unique=unique)
     batch.add(subject, ids)
     if not batch.flat and not allow_empty:
         raise RequestError(f"{subject}: empty (no block ids)")
-    batch.check(limit, unique=unique)
+    batch.check()
     return batch.array()
 
 
@@ -132,6 +146,8 @@ def _short_runs(src: list[int], dst: list[int]) -> list[list[int]]:
 
 
 _PLAIN = {list, tuple, range}
+# Not quantized, bit or sub-byte types, whose elements ``tolist`` cannot read.
+_TORCH_INTEGERS = {getattr(torch, f"{sign}int{bits}") for sign in ("", "u") for bits in (8, 16, 32, 64)}
 _INT = {int}
 
 
@@ -141,7 +157,7 @@ def _integer_type(kind: type) -> bool:
 
 def _integer_dtype(dtype: np.dtype[Any] | torch.dtype) -> bool:
     if isinstance(dtype, torch.dtype):
-        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        return dtype in _TORCH_INTEGERS
     return dtype.kind in "iu"
 
 

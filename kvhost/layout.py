@@ -75,10 +75,9 @@ class Layout:
         """The layout of ``tensor`` whose dims, in shape order, are named by ``axes``."""
         if not isinstance(tensor, torch.Tensor):
             raise LayoutError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.layout != torch.strided:
-            raise LayoutError(f"{name}: a {tensor.layout} tensor has no strides to address blocks by")
-        if tensor.is_conj() or tensor.is_neg():
-            raise LayoutError(f"{name}: a lazily conjugated or negated view's bytes are not its values")
+        problem = _not_plain(tensor)
+        if problem is not None:
+            raise LayoutError(f"{name}: {problem}")
         if tensor.element_size() not in (1, 2, 4, 8):
             raise LayoutError(f"{name}: item size {tensor.element_size()} of {tensor.dtype} is not 1, 2, 4 or 8 bytes")
         check_letters(axes, what=f"{name}: axes")
@@ -105,7 +104,7 @@ class Layout:
         Only for a tensor whose own facts ``of`` checks hold (a strided tensor whose bytes
         are its values): the cache is keyed by shape and strides alone.
         """
-        if tensor.layout != torch.strided or tensor.is_conj() or tensor.is_neg():
+        if _not_plain(tensor) is not None:
             return None
         return _known.get(_key(tensor, axes))
 
@@ -255,6 +254,17 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def _not_plain(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor``'s blocks cannot be found by strides and moved as bytes, or None."""
+    if tensor.layout != torch.strided:
+        return f"a {tensor.layout} tensor has no strides to address blocks by"
+    if tensor.is_quantized:  # torch's own ops on its views crash the process
+        return f"a quantized tensor ({tensor.dtype}) keeps its scale apart from its bytes"
+    if tensor.is_conj() or tensor.is_neg():
+        return "a lazily conjugated or negated view's bytes are not its values"
+    return None
 
 
 def _key(tensor: torch.Tensor, axes: str) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:

@@ -1,8 +1,9 @@
 """A small thread-safe cache with a size bound, for everything kvhost remembers across calls.
 
 Keys come from callers' tensors and arguments, so every cache has a bound (least recently
-used entries go first), and connectors call from several threads, so every access holds
-a lock: one thread's eviction never makes another's lookup fail.
+used entries go first), and connectors call from several threads: every change holds a
+lock, and a lookup takes none (it runs on every call), relying on the interpreter's lock
+to make one dict read atomic; one thread's eviction never makes another's lookup fail.
 """
 
 from __future__ import annotations

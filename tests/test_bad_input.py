@@ -9,6 +9,7 @@ block size, "" is not an order).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,12 @@ def copy(src_ids: Any, dst_ids: Any, **kwargs: Any) -> Callable[[World], object]
     return lambda w: kvhost.copy_blocks(w.caches, w.host, src_ids, dst_ids, **call)
 
 
+def quantized(values: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch deprecates making them, not having them
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(values, 0.1, 0, torch.quint8)
+
+
 def gen() -> Any:
     return (i for i in [3, 4])
 
@@ -88,6 +95,47 @@ ROWS: dict[str, Row] = {
     "ids bool tensor": (receive(GOOD | {"bad": torch.tensor([True])}), kvhost.RequestError, "torch.bool"),
     "ids 2-D": (receive(GOOD | {"bad": np.array([[3, 4]])}), kvhost.RequestError, "shape (1, 2)"),
     "ids out of range": (receive(GOOD | {"bad": [3, 8]}), kvhost.RequestError, "block id 8 at position 1"),
+    "ids range past len": (receive(GOOD | {"bad": range(2**64)}), kvhost.RequestError, "block id 8 at position 8"),
+    "ids range below 0": (receive(GOOD | {"bad": range(3, -5, -1)}), kvhost.RequestError, "id -1 at position 4"),
+    "ids bits tensor": (
+        receive(GOOD | {"bad": torch.zeros(2, dtype=torch.uint8).view(torch.bits8)}),
+        kvhost.RequestError,
+        "must be integers, got an array of torch.bits8",
+    ),
+    "ids meta tensor": (
+        receive(GOOD | {"bad": torch.zeros(2, dtype=torch.int64, device="meta")}),
+        kvhost.RequestError,
+        "meta device",
+    ),
+    # The identity (token-major both sides, same block size) moves nothing, but its ids must
+    # still be what it counts.
+    "identity ids 0-d array": (
+        receive({"a": np.array(3)}, remote_order="NHC", remote_block_size=8),
+        kvhost.RequestError,
+        "shape ()",
+    ),
+    "identity ids 2-D array": (
+        receive({"a": np.array([[1, 2], [3, 4]])}, remote_order="NHC", remote_block_size=8),
+        kvhost.RequestError,
+        "shape (2, 2)",
+    ),
+    "identity ids float array": (
+        receive({"a": np.array([1.0])}, remote_order="NHC", remote_block_size=8),
+        kvhost.RequestError,
+        "array of float64",
+    ),
+    "identity ids range past len": (
+        receive({"a": range(2**64)}, remote_order="NHC", remote_block_size=8),
+        kvhost.RequestError,
+        "block id 8 at position 8",
+    ),
+    # The call's own remote spec is checked even when every request brings its own.
+    "call size bad, requests their own": (
+        receive({"good": kvhost.Incoming([1, 2], "HNC", 4)}, remote_block_size=3),
+        kvhost.ArgumentError,
+        "remote_block_size 3: remote block size 3 and local block size 8 do not divide",
+    ),
+    "call order bad, no requests": (receive({}, remote_order="KHC"), kvhost.ArgumentError, "remote_order 'KHC'"),
     "ids in an Incoming": (
         receive(GOOD | {"bad": kvhost.Incoming({3, 4}, "HNC", 4)}),
         kvhost.RequestError,
@@ -243,6 +291,35 @@ ROWS: dict[str, Row] = {
     "copy lengths differ": (copy([1, 2], [3]), kvhost.RequestError, "src_ids has 2 ids but dst_ids has 1"),
     "copy non_blocking string": (copy([1], [2], non_blocking="yes"), kvhost.RequestError, "got 'yes'"),
     "copy dst axes not a string": (copy([1], [2], dst_axes=5), kvhost.LayoutError, "axes must be a string"),
+    "copy dst axes empty": (copy([1], [2], dst_axes=""), kvhost.LayoutError, "non-empty string of axis letters"),
+    "copy dst axes False": (copy([1], [2], dst_axes=False), kvhost.LayoutError, "got False"),
+    "copy src range past len": (copy(range(2**64), [1]), kvhost.RequestError, "source block id 8 at position 8"),
+    "KVHost copy_to dst axes False": (
+        lambda w: w.kv.copy_to(w.host, [1], [2], dst_axes=False),  # type: ignore[arg-type]
+        kvhost.LayoutError,
+        "got False",
+    ),
+    "KVHost copy_from src axes empty": (
+        lambda w: w.kv.copy_from(w.host, [1], [2], src_axes=""),
+        kvhost.LayoutError,
+        "non-empty string of axis letters",
+    ),
+    "KVHost layers unhashable": (
+        registered_receive(GOOD, layers=[["layer0"]]),
+        kvhost.ArgumentError,
+        "layers[0]: ['layer0'] is not a registered layer",
+    ),
+    "quantized cache": (
+        lambda w: kvhost.receive(
+            {"q": quantized(torch.zeros(2, 8, 8, 2, 4))},
+            {"a": [1, 2]},
+            axes="KBNHC",
+            remote_order="HNC",
+            remote_block_size=4,
+        ),
+        kvhost.LayoutError,
+        "a quantized tensor (torch.quint8) keeps its scale apart from its bytes",
+    ),
     "copy dst list": (
         lambda w: kvhost.copy_blocks(w.caches, list(w.host.values()), [1], [2], axes="KBNHC"),
         kvhost.LayoutError,
@@ -311,3 +388,16 @@ def test_requests_in_any_mapping_are_received() -> None:
         stats = kvhost.receive(caches, requests, axes="KBNHC", remote_order="HNC", remote_block_size=4)
         assert stats.blocks == len(next(iter(requests.values())))
     case.check()
+
+
+def test_a_cache_with_k_inside_its_block_region_is_not_copied_to_k_and_v_apart() -> None:
+    """K and V as two tensors on one side means K is split off; where K lies inside the
+    other side's block region (K and V interleaved per head) that cannot be, and the
+    message says so, not what an internal view looked like."""
+    sizes = dict(SIZES)
+    src = {"l": make_cache("BNHKC", "BNHKC", sizes)}
+    halves = {"l": tuple(make_cache("BNHC", "BNHC", sizes) for _ in range(2))}
+    before = [raw(t).clone() for t in halves["l"]]
+    with pytest.raises(kvhost.LayoutError, match="src: K lies inside the block region 'NHKC'"):
+        kvhost.copy_blocks(src, halves, [1], [2], axes="BNHKC", dst_axes="BNHC")
+    assert all(torch.equal(raw(t), b) for t, b in zip(halves["l"], before))

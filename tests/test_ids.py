@@ -41,37 +41,40 @@ def test_subclasses_of_lists_tuples_and_ranges_are_id_lists_too():
         first: int
         second: int
 
-    batch = IdBatch()
+    batch = IdBatch(8)
     batch.add("list", Blocks([4, 5]))
     batch.add("tuple", Pair(1, 2))
-    batch.check(8)
+    batch.check()
     assert batch.array().tolist() == [4, 5, 1, 2] and batch.lengths == [2, 2]
 
     class Name(str):
         pass
 
     with pytest.raises(kvhost.RequestError, match="ids: block ids must be a"):
-        IdBatch().add("ids", Name("12"))
+        IdBatch(8).add("ids", Name("12"))
 
 
 def test_numpy_integers_in_a_list_are_ids():
-    batch = IdBatch()
+    batch = IdBatch(8)
     batch.add("ids", [np.int64(3), 4, np.uint8(5)])
-    batch.check(8)
+    batch.check()
     assert batch.array().tolist() == [3, 4, 5]
     with pytest.raises(kvhost.RequestError, match=r"ids: block ids must be integers, got np\.True_ at position 1"):
-        bad = IdBatch()
+        bad = IdBatch(8)
         bad.add("ids", [np.int64(3), np.True_])
-        bad.check(8)
+        bad.check()
 
 
 def test_ids_must_be_unique_unless_told_otherwise():
-    batch = IdBatch()
-    batch.add("mine", [1, 2])
-    batch.add("yours", [2])
-    with pytest.raises(kvhost.RequestError, match="block id 2 is claimed by mine and yours"):
-        batch.check(4)
-    batch.check(4, unique=False)
+    for unique in (True, False):
+        batch = IdBatch(4, unique=unique)
+        batch.add("mine", [1, 2])
+        batch.add("yours", [2])
+        if unique:
+            with pytest.raises(kvhost.RequestError, match="block id 2 is claimed by mine and yours"):
+                batch.check()
+        else:
+            batch.check()
 
 
 def test_checked_ids_is_one_checked_list():
@@ -131,7 +134,7 @@ def test_short_and_long_id_lists_find_the_same_runs():
 def test_long_values_are_cut_short_in_messages():
     def message(value: object) -> str:
         with pytest.raises(kvhost.RequestError) as raised:
-            IdBatch().add("ids", value)
+            IdBatch(8).add("ids", value)
         return str(raised.value).split(", got ", 1)[1]
 
     assert message(b"x" * 37) == "bytes b'" + "x" * 37 + "'"  # 40 characters: quoted whole
