@@ -153,9 +153,9 @@ def plan_receive_batch(
         # Every request takes the call's transform, the identity: only the id containers
         # are looked at (an Incoming, a tensor or anything odd takes the checked path, and
         # so does a container this cannot count: it words the error).
-        counts = list(map(_plain_count, requests.values()))
+        counts = list(map(_plain_count, requests.values()))  # type: ignore[arg-type]  # no Incoming: just checked
         if None not in counts:
-            blocks = sum(counts)  # type: ignore[arg-type]  # no None, as just checked
+            blocks = sum(counts)  # type: ignore[arg-type]  # no None: just checked
             return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
     batch = IdBatch(caches.num_blocks)
     keys: dict[tuple[str, int], int] = {}

@@ -338,10 +338,10 @@ class VllmCaches:
         """Every request's ids, checked and named by request, each block once, ascending."""
         if not isinstance(block_ids, Mapping):
             raise RequestError(f"block ids must map request id to block ids, got {type(block_ids).__name__}")
-        batch = IdBatch()
+        batch = IdBatch(self.num_blocks, unique=False)  # a shared prefix names a block twice: copied once
         for request_id, ids in block_ids.items():
             batch.add(f"request {request_id!r}", ids)
-        batch.check(self.num_blocks, unique=False)  # a shared prefix names a block twice: copied once
+        batch.check()
         # Ascending ids make the longest runs of consecutive blocks: fewer, larger copies.
         return np.unique(batch.array())
 
