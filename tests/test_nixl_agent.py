@@ -21,7 +21,7 @@ from test_nixl import caches_for, needs_nixl
 
 from kvhost.errors import ArgumentError
 from kvhost.nixl import Agent, NixlUnavailableError, TransferError, plan_transfer, region_table
-from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS, Link, Transfer, merge_domains, post_rows
+from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS, Link, Transfer, merge_domains, post_rows, release_all
 from kvhost.nixl.plans import extent_rows, stream_extents
 from kvhost.testing import raw
 
@@ -303,7 +303,7 @@ class Handle:
 def posted(*script, handle=None):
     nixl = ScriptedNixl(*script)
     handle = handle or Handle()
-    link = Link(SimpleNamespace(nixl=nixl), "prefill")  # type: ignore[arg-type]
+    link = Link(SimpleNamespace(nixl=nixl, uncancelled=[]), "prefill")  # type: ignore[arg-type]
     return Transfer.post(link, handle, 4096, "READ", descriptors=3), nixl, handle
 
 
@@ -350,12 +350,75 @@ def test_a_transfer_that_fails_while_polled_is_an_error():
 
 
 def test_a_transfer_released_before_it_finished_cannot_be_polled():
-    transfer, nixl, handle = posted("PROC", handle=Handle(fails=True))
-    transfer.release()  # towards a dead peer the release itself fails: that is not the caller's error
+    transfer, nixl, handle = posted("PROC")
+    transfer.release()
     assert handle.released == 1 and transfer.released
     with pytest.raises(TransferError, match="was released before it finished"):
         transfer.poll()
     assert nixl.calls == 1
+
+
+@pytest.mark.parametrize("state", ["PROC", RuntimeError("no such handle")], ids=["in progress", "unknown"])
+def test_a_transfer_nixl_cannot_cancel_stays_unreleased_and_its_agent_knows(state):
+    """NIXL keeps the handle of an active transfer it cannot cancel, and the transfer may
+    still write: the caller hears it, may try again, and the agent keeps the memory."""
+    transfer, nixl, handle = posted("PROC", state, handle=Handle(fails=True))
+    agent = transfer.link.agent
+    with pytest.raises(
+        TransferError, match=r"^READ from 'prefill' could not be cancelled \(the peer is gone\): it may"
+    ):
+        transfer.release()
+    assert not transfer.released and agent.uncancelled == [transfer] and nixl.calls == 2
+    nixl.script.append("PROC")
+    with pytest.raises(TransferError, match="could not be cancelled"):
+        transfer.release()  # tried again, still named once
+    assert agent.uncancelled == [transfer] and handle.released == 2
+    handle.fails = False
+    transfer.release()
+    assert transfer.released and agent.uncancelled == [] and handle.released == 3
+    transfer.release()
+    assert handle.released == 3
+
+
+@pytest.mark.parametrize(("state", "releases"), [("ERR", 1), ("DONE", 2)])
+def test_a_transfer_that_is_over_counts_as_released_when_nixl_keeps_its_handle(state, releases):
+    """Failed on the wire (a dead peer) or done: nothing more lands. A done one is freed again."""
+    transfer, _, handle = posted("PROC", state, handle=Handle(fails=True))
+    transfer.release()
+    assert transfer.released and transfer.link.agent.uncancelled == [] and handle.released == releases
+    with pytest.raises(TransferError, match="was released before it finished"):
+        transfer.poll()
+
+
+def test_release_all_releases_every_transfer_and_names_those_left():
+    stuck, _, _ = posted("PROC", "PROC", handle=Handle(fails=True))
+    free, _, free_handle = posted("PROC")
+    with pytest.raises(TransferError, match=r"^READ from 'prefill' could not be cancelled") as raised:
+        release_all([stuck, free])
+    assert free.released and free_handle.released == 1 and not stuck.released
+    assert str(raised.value).count("could not be cancelled") == 1
+
+
+@needs_nixl
+def test_an_agent_keeps_memory_a_transfer_may_still_write_registered():
+    agent = Agent("uncancelled", progress_thread=False)
+    caches = caches_for("KBNHC", "KBNHC", SIZES, 4, 4, seed=1)
+    table = agent.register(caches, "KBNHC")
+    alive = [weakref.ref(t) for t in caches.values()]
+    del caches
+    handle = Handle(fails=True)
+    stuck = Transfer(Link(agent, "prefill"), handle, 4096, "READ", 3)  # NIXL cannot tell the state of this handle
+    agent.uncancelled.append(stuck)
+    with pytest.raises(TransferError, match=r"1 transfer\(s\) from \['prefill'\] could not be cancelled"):
+        agent.close()
+    assert handle.released == 1, "close tries each once more"
+    gc.collect()
+    assert all(ref() is not None for ref in alive) and nixl_accepts(agent, MINE, extent_rows(table))
+    handle.fails = False
+    agent.close()  # the transfer lets go now: so does the agent
+    assert agent.uncancelled == [] and not nixl_accepts(agent, MINE, extent_rows(table))
+    gc.collect()
+    assert all(ref() is None for ref in alive)
 
 
 def test_a_wait_polls_at_its_interval_until_its_deadline():

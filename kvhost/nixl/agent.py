@@ -100,6 +100,7 @@ class Agent:
         self._registered: list[tuple[Any, list[torch.Tensor]]] = []
         self._peers: dict[str, bytes] = {}  # each peer's metadata as last loaded
         self._readers: list[Reader] = []
+        self.uncancelled: list[Transfer] = []  # released but not cancelled: they may still write
         self.huge_pages = HugePages()  # what asking for huge pages did, over every registration
         self.closed = False
 
@@ -187,12 +188,25 @@ class Agent:
 
     def close(self) -> None:
         """Close readers, drop peers, deregister memory (and let go of its tensors). Safe to
-        call twice: the second finds nothing left to undo."""
+        call twice: the second finds nothing left to undo.
+
+        A transfer NIXL could not cancel may still write into registered memory: while one
+        is left (each is released once more first), the memory stays registered and its
+        tensors alive, and a TransferError says so once the rest is done."""
         self.closed = True
         for reader in self._readers:
             reader.close()
+        for transfer in list(self.uncancelled):
+            with contextlib.suppress(TransferError):
+                transfer.release()
         for peer in list(self._peers):
             self.remove_peer(peer)
+        if self.uncancelled:
+            peers = sorted({t.link.peer for t in self.uncancelled})
+            raise TransferError(
+                f"agent {self.name!r}: {len(self.uncancelled)} transfer(s) from {peers} could not be cancelled and "
+                "may still write: their memory stays registered (and its tensors alive) for this process's life"
+            )
         for descs, _ in self._registered:
             with contextlib.suppress(Exception):  # nothing more to undo if this fails
                 self._nixl.deregister_memory(descs)
@@ -428,8 +442,15 @@ def layer_by_layer(post: Callable[[str], list[Transfer]], names: Sequence[str], 
 
 
 def release_all(transfers: Sequence[Transfer]) -> None:
+    """Release every transfer; one TransferError names those that could not be cancelled."""
+    errors = []
     for transfer in transfers:
-        transfer.release()
+        try:
+            transfer.release()
+        except TransferError as err:
+            errors.append(str(err))
+    if errors:
+        raise TransferError("; ".join(errors))
 
 
 @dataclass(frozen=True)
@@ -462,7 +483,7 @@ def post_rows(
     return Transfer.post(Link(agent, peer), handle, int(local_rows[:, 1].sum()), op, descriptors=local_rows.shape[0])
 
 
-@dataclass
+@dataclass(eq=False)
 class Transfer:
     """One posted transfer: ``poll()`` until True, or ``wait(timeout)``; ``release()`` when done."""
 
@@ -523,11 +544,42 @@ class Transfer:
         return (self.finished or time.perf_counter()) - self.started
 
     def release(self) -> None:
-        """Free the handle; an unfinished transfer is cancelled where the transport allows."""
-        if not self.released:
-            self.released = True
-            with contextlib.suppress(Exception):  # cancelling towards a dead peer can fail
+        """Free the handle; an unfinished transfer is cancelled.
+
+        Where NIXL cannot cancel one, it keeps the handle and the transfer may still write
+        into the local blocks: a TransferError says so, the transfer is not released (a
+        later ``release`` tries again), and its agent keeps its memory registered
+        (``Agent.uncancelled``). One that had failed on the wire writes nothing more: it
+        counts as released, whatever NIXL said.
+        """
+        if self.released:
+            return
+        try:
+            self.handle.release()
+        except Exception as err:
+            if self._may_still_write():
+                if self not in self.link.agent.uncancelled:
+                    self.link.agent.uncancelled.append(self)
+                raise TransferError(
+                    f"{self.op} from {self.link.peer!r} could not be cancelled ({err}): it may still write "
+                    "into its local blocks, which must not be reused until it is released"
+                ) from None
+        self.released = True
+        if self in self.link.agent.uncancelled:
+            self.link.agent.uncancelled.remove(self)
+
+    def _may_still_write(self) -> bool:
+        """After NIXL refused to release the handle: False where the transport says the
+        transfer is over (done, or failed: nothing more lands; NIXL may keep a handle);
+        in progress or unknown may write."""
+        try:
+            state = self.link.agent.nixl.check_xfer_state(self.handle)
+        except Exception:
+            return True
+        if state == "DONE":  # it finished meanwhile: NIXL frees it now
+            with contextlib.suppress(Exception):
                 self.handle.release()
+        return state not in ("DONE", "ERR")
 
     def _note(self, state: str) -> bool:
         if state == "DONE":

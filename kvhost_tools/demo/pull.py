@@ -28,6 +28,7 @@ import torch
 
 import kvhost
 from kvhost.nixl import RankPlan, RankReader, Session, Transfer, TransferError
+from kvhost.nixl.agent import release_all
 from kvhost_tools.demo.report import Outcome, ProgressBar
 
 
@@ -186,8 +187,11 @@ def pull(
                 request.failure = str(err)
                 engine.lost = engine.lost or str(err)
                 progressed = True
-            for transfer in request.transfers:
-                transfer.release()
+            try:
+                release_all(request.transfers)
+            except TransferError as err:  # one NIXL could not cancel (never one that landed) may still write
+                request.failure = f"{request.failure}; {err}" if request.failure else str(err)
+                engine.lost = engine.lost or str(err)
             inflight.remove(request)
             fault.maybe(done)
         now = time.perf_counter()
