@@ -20,7 +20,7 @@ import torch
 from test_nixl import caches_for, needs_nixl
 
 from kvhost.errors import ArgumentError
-from kvhost.nixl import Agent, NixlUnavailableError, TransferError, plan_transfer, region_table
+from kvhost.nixl import Agent, NixlUnavailableError, ProtocolError, TransferError, plan_transfer, region_table
 from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS, Link, Transfer, merge_domains, post_rows, release_all
 from kvhost.nixl.plans import extent_rows, stream_extents
 from kvhost.testing import raw
@@ -137,6 +137,26 @@ def test_peers_are_removed_and_the_same_metadata_again_keeps_them(monkeypatch):
             receiver.reader(plan, peer)
         receiver.remove_peer(peer)  # twice: nothing left to do
         assert removed.calls == [(peer,), (peer,)]
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_an_agent_name_a_second_peer_claims_is_refused_and_the_first_kept():
+    """Peers choose their agents' names: a second sender naming its agent as the first did
+    would have the receiver read its memory where it meant the first's. NIXL refuses the
+    second's connection info under a name it knows, and the first's stays as it was."""
+    with Agent("twin") as first, Agent("twin") as second, Agent("twins-receiver") as receiver:
+        first_table = first.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=7), "KBNHC")
+        second_table = second.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=8), "KBNHC")
+        local_table = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=9), "KBNHC")
+        assert receiver.add_peer(first.metadata()) == "twin"
+        with pytest.raises(ProtocolError, match=r"rejected by NIXL: NIXL_ERR_NOT_ALLOWED"):
+            receiver.add_peer(second.metadata())
+        assert nixl_accepts(receiver, "twin", extent_rows(first_table)), "the first peer's memory is gone"
+        assert not nixl_accepts(receiver, "twin", extent_rows(second_table)), "the second peer's memory was loaded"
+        receiver.reader(plan_transfer(local_table, first_table), "twin").read([1], [0, 1, 2, 3]).wait(timeout=20)
+        receiver.remove_peer("twin")
+        assert receiver.add_peer(second.metadata()) == "twin"  # once let go, the name is free
 
 
 @needs_nixl
