@@ -1,9 +1,10 @@
 """The control socket: malformed, truncated or corrupted metadata messages are ProtocolErrors.
 
-A hello from prefill carries its block table, its requests and its NIXL agent metadata.
-Every way it can be wrong (cut short, bytes flipped, fields missing or of the wrong type or
-out of range, garbage agent metadata) must end in a ``ProtocolError`` (a ``KVHostError``)
-that names what was wrong, never another exception, a hang or a crash.
+An offer from prefill carries its engine spec, its block table, its requests, its NIXL agent
+metadata and fields of the application's own. Every way it can be wrong (cut short, bytes
+flipped, fields missing or of the wrong type or out of range, garbage agent metadata) must
+end in a ``ProtocolError`` (a ``KVHostError``) that names what was wrong, never another
+exception, a hang or a crash.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import random
 import socket
 import struct
@@ -27,23 +29,20 @@ from test_nixl import needs_nixl
 
 from kvhost.errors import KVHostError
 from kvhost.nixl import (
+    EngineSpec,
     Fields,
+    Offer,
     ProtocolError,
     RemoteRequest,
-    accept_hello,
     decode,
     encode,
-    handshake,
-    parse_hello,
-    prove,
     receive,
     region_table,
     send,
-    send_hello,
 )
 from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION, json_values, parse_header
-from kvhost.nixl.handshake import hello_header as hello_header_of
-from kvhost.nixl.handshake import parse_requests, request_columns, send_done, wait_done
+from kvhost.nixl.handshake import parse_requests, request_columns
+from kvhost.nixl.peers import CHALLENGE, ENGINE, KNOCK, OFFER, connect, nonce_of, parse_offer, proof
 from kvhost.testing import make_cache
 from kvhost_tools.demo import config as demo_config
 from kvhost_tools.demo import decode as demo_decode
@@ -51,37 +50,49 @@ from kvhost_tools.demo import decode as demo_decode
 METADATA = b"nixlSerDes|" + bytes(range(256)) * 2  # stands in for agent metadata; NIXL is not asked
 
 
-def hello_header():
-    caches = {f"layer{i}": make_cache("KBNHC", "KBHNC", dict(K=2, B=12, N=4, H=2, C=4)) for i in range(2)}
-    table = region_table(caches, "KBNHC")
-    # As prefill sends them: columns, the bulk integers as arrays (binary), names as JSON.
-    requests = {
-        "name": ["req-000", "req-001"],
-        "number": np.array([0, 1], dtype=np.uint32),
-        "tokens": np.array([9, 4], dtype=np.uint32),
-        "block_ids": np.array([3, 1, 7, 0], dtype=np.uint32),
-    }
-    return {"pid": 4321, "table": table.to_dict(), "requests": requests, "fill_seconds": 0.25}
+SPEC = EngineSpec("mha", 2, 2, 4, "bfloat16", 4, "HNC", 1)  # what the table below holds
+TABLE = region_table(
+    {f"layer{i}": make_cache("KBNHC", "KBHNC", dict(K=2, B=12, N=4, H=2, C=4)) for i in range(2)}, "KBNHC"
+)
+REQUESTS = [RemoteRequest("req-000", 0, 9, [3, 1, 7]), RemoteRequest("req-001", 1, 4, [0])]
+EXTRA = {"pid": 4321, "fill_seconds": 0.25}  # the application's own fields, as the demo's prefill adds them
 
 
-HEADER = hello_header()
-FRAME = encode("hello", HEADER, METADATA)
+def offer_header():
+    """An offer as prefill sends it: the requests as columns, the bulk integers as arrays
+    (binary), names as JSON; the agent metadata goes as the frame's blob."""
+    return Offer(SPEC, [TABLE], [METADATA], REQUESTS, extra=EXTRA).header()
+
+
+HEADER = offer_header()
+FRAME = encode(OFFER, HEADER, METADATA)
+
+
+def parse_message(message):
+    """The offer, and the application's own fields read as an application reads them: a
+    pid in [1, 2^31], a number of seconds."""
+    offer = parse_offer(message, SPEC)
+    assert offer.fields is not None
+    offer.fields.integer("pid", minimum=1, maximum=1 << 31)
+    offer.fields.seconds("fill_seconds", default=0.0)
+    return offer
 
 
 def parse(frame):
-    hello = parse_hello(decode(frame))
-    hello.fields.seconds("fill_seconds", default=0.0)  # an application's own field, read as the demo reads it
-    return hello
+    return parse_message(decode(frame))
 
 
-def test_a_good_hello_parses():
-    hello = parse(FRAME)
-    assert "fields" not in repr(hello)  # the whole raw hello stays out of logs
-    assert [r.name for r in hello.requests] == ["req-000", "req-001"]
-    assert hello.requests[0].remote_ids.tolist() == [3, 1, 7] and hello.requests[0].tokens == 9
-    assert hello.requests[1].remote_ids.tolist() == [0] and hello.requests[1].number == 1
-    assert hello.table.order == "HNC" and hello.table.num_blocks == 12 and len(hello.table.streams) == 4
-    assert hello.metadata == METADATA and hello.pid == 4321
+def test_a_good_offer_parses():
+    offer = parse(FRAME)
+    assert "fields" not in repr(offer)  # the whole raw offer stays out of logs
+    assert [r.name for r in offer.requests] == ["req-000", "req-001"]
+    assert offer.requests[0].remote_ids.tolist() == [3, 1, 7] and offer.requests[0].tokens == 9
+    assert offer.requests[1].remote_ids.tolist() == [0] and offer.requests[1].number == 1
+    [table] = offer.tables
+    assert table == TABLE and table.order == "HNC" and table.num_blocks == 12 and len(table.streams) == 4
+    assert offer.spec == SPEC and offer.metadata == [METADATA] and offer.beat_seconds == 1.0
+    assert offer.fields is not None and offer.fields.integer("pid") == 4321
+    assert offer.fields.seconds("fill_seconds") == 0.25
 
 
 def test_every_truncation_is_rejected():
@@ -122,16 +133,16 @@ def lengths(json_len, blob_len=0, array_len=0, version=VERSION):
         pytest.param(lengths(2, 1 << 30), "blob length .* exceeds the limit", id="blob-too-long"),
         pytest.param(lengths(2, 0, 1 << 30), "array length .* exceeds the limit", id="arrays-too-long"),
         pytest.param(
-            framed(b'{"kind":"hello","v":[' + b"{}," * MAX_JSON_VALUES + b"{}]}"),
+            framed(b'{"kind":"offer","v":[' + b"{}," * MAX_JSON_VALUES + b"{}]}"),
             r"may hold \d+ JSON values, more than the limit of 65536",
             id="too-many-json-values",
         ),
         pytest.param(framed(b"\xff\xfe{}"), "not valid JSON", id="not-utf8"),
-        pytest.param(framed(b'{"kind": "hello", '), "not valid JSON", id="json-cut"),
+        pytest.param(framed(b'{"kind": "offer", '), "not valid JSON", id="json-cut"),
         pytest.param(framed(b"[1, 2, 3]"), "must be a JSON object", id="json-array"),
         pytest.param(framed(b'{"pid": 1}'), "no string 'kind'", id="no-kind"),
-        pytest.param(framed(b'{"kind": "hello", "pid": NaN}'), "NaN", id="nan"),
-        pytest.param(framed(b'{"kind": "hello", "pid": ' + b"9" * 5000 + b"}"), "not valid JSON", id="huge-int"),
+        pytest.param(framed(b'{"kind": "offer", "pid": NaN}'), "NaN", id="nan"),
+        pytest.param(framed(b'{"kind": "offer", "pid": ' + b"9" * 5000 + b"}"), "not valid JSON", id="huge-int"),
         pytest.param(framed(b"[" * 60000 + b"]" * 60000), "not valid JSON", id="deep-nesting"),
     ],
 )
@@ -143,7 +154,7 @@ def test_malformed_frames(frame, message):
 def mutated(change):
     header = copy.deepcopy(HEADER)
     change(header)
-    return encode("hello", header, METADATA)
+    return encode(OFFER, header, METADATA)
 
 
 def set_path(path, value):
@@ -160,8 +171,8 @@ def set_path(path, value):
 
 
 DELETE = object()
-T = "table"
-S = [T, "streams"]
+T = ["tables", 0]
+S = [*T, "streams"]
 R = "requests"
 
 
@@ -184,34 +195,40 @@ def u32(*values):
 
 
 FIELD_CASES = {
-    "no-table": (set_path([T], DELETE), r"hello\.table: missing"),
-    "table-not-object": (set_path([T], [1, 2]), r"hello\.table: expected an object"),
-    "memory-unknown": (set_path([T, "memory"], "GPU9"), r"memory: 'GPU9' is not one of"),
-    "order-unknown-letter": (set_path([T, "order"], "HNX"), r"order: 'HNX' must be distinct letters"),
-    "order-repeated": (set_path([T, "order"], "HNN"), r"must be distinct letters"),
-    "order-no-C": (set_path([T, "order"], "HN"), r"lacks C"),
-    "split-wrong": (set_path([T, "split"], "C"), r"split: 'C' must be empty or 'H'"),
-    "split-not-streams": (set_path([T, "split"], "H"), r"split letters 'H' must index the streams"),
-    "sizes-letter-B": (set_path([T, "sizes", "B"], 4), r"unknown letter 'B'"),
-    "sizes-zero": (set_path([T, "sizes", "H"], 0), r"sizes\.H: expected an integer in \[1,"),
-    "sizes-bool": (set_path([T, "sizes", "N"], True), r"sizes\.N: expected an integer .* got True"),
-    "sizes-extra-letter": (set_path([T, "sizes", "L"], 3), r"sizes name .* but order and stream coordinates"),
-    "itemsize-3": (set_path([T, "itemsize"], 3), r"itemsize: 3 is not 1, 2, 4 or 8"),
-    "itemsize-float": (set_path([T, "itemsize"], 2.0), r"itemsize: expected an integer"),
-    "num-blocks-negative": (set_path([T, "num_blocks"], -1), r"num_blocks: expected an integer"),
-    "num-blocks-2^33": (set_path([T, "num_blocks"], 1 << 33), r"num_blocks: expected an integer in \[1, 4294967296\]"),
-    "layers-missing": (set_path([T, "layers"], DELETE), r"table\.layers: missing"),
-    "layers-name-empty": (set_path([T, "layers", 0], ""), r"table\.layers\[0\]: expected a string of 1 to 256"),
-    "layers-twice": (set_path([T, "layers", 1], "layer0"), r"table\.layers\[1\]: 'layer0' appears twice"),
-    "coords-not-text": (set_path([T, "coords"], ["K"]), r"table\.coords: expected a string of coordinate letters"),
-    "coords-letter": (set_path([T, "coords"], "Z"), r"table\.coords: bad coordinate 'Z'"),
-    "coords-in-run": (set_path([T, "coords"], "N"), r"coordinate N lies inside the run"),
-    "coords-order": (set_path([T, "coords"], "K#"), r"'K#' must be distinct letters in '#LKHNC' order"),
-    "streams-empty": (
-        lambda h: h[T].update(streams={k: v[:0] for k, v in h[T]["streams"].items()}),
-        r"table\.streams: empty",
+    "no-tables": (set_path(["tables"], DELETE), r"offer\.tables: missing"),
+    "table-not-object": (set_path(T, [1, 2]), r"offer\.tables\[0\]: expected an object"),
+    "memory-unknown": (set_path([*T, "memory"], "GPU9"), r"memory: 'GPU9' is not one of"),
+    "order-unknown-letter": (set_path([*T, "order"], "HNX"), r"order: 'HNX' must be distinct letters"),
+    "order-repeated": (set_path([*T, "order"], "HNN"), r"must be distinct letters"),
+    "order-no-C": (set_path([*T, "order"], "HN"), r"lacks C"),
+    "split-wrong": (set_path([*T, "split"], "C"), r"split: 'C' must be empty or 'H'"),
+    "split-not-streams": (set_path([*T, "split"], "H"), r"split letters 'H' must index the streams"),
+    "sizes-letter-B": (set_path([*T, "sizes", "B"], 4), r"unknown letter 'B'"),
+    "sizes-zero": (set_path([*T, "sizes", "H"], 0), r"sizes\.H: expected an integer in \[1,"),
+    "sizes-bool": (set_path([*T, "sizes", "N"], True), r"sizes\.N: expected an integer .* got True"),
+    "sizes-extra-letter": (set_path([*T, "sizes", "L"], 3), r"sizes name .* but order and stream coordinates"),
+    "itemsize-3": (set_path([*T, "itemsize"], 3), r"itemsize: 3 is not 1, 2, 4 or 8"),
+    "itemsize-float": (set_path([*T, "itemsize"], 2.0), r"itemsize: expected an integer"),
+    "num-blocks-negative": (set_path([*T, "num_blocks"], -1), r"num_blocks: expected an integer"),
+    "num-blocks-2^33": (set_path([*T, "num_blocks"], 1 << 33), r"num_blocks: expected an integer in \[1, 4294967296\]"),
+    "layers-missing": (set_path([*T, "layers"], DELETE), r"offer\.tables\[0\]\.layers: missing"),
+    "layers-name-empty": (
+        set_path([*T, "layers", 0], ""),
+        r"offer\.tables\[0\]\.layers\[0\]: expected a string of 1 to 256",
     ),
-    "streams-not-object": (set_path(S, [[1, 2]]), r"table\.streams: expected an object"),
+    "layers-twice": (set_path([*T, "layers", 1], "layer0"), r"offer\.tables\[0\]\.layers\[1\]: 'layer0' appears twice"),
+    "coords-not-text": (
+        set_path([*T, "coords"], ["K"]),
+        r"offer\.tables\[0\]\.coords: expected a string of coordinate letters",
+    ),
+    "coords-letter": (set_path([*T, "coords"], "Z"), r"offer\.tables\[0\]\.coords: bad coordinate 'Z'"),
+    "coords-in-run": (set_path([*T, "coords"], "N"), r"coordinate N lies inside the run"),
+    "coords-order": (set_path([*T, "coords"], "K#"), r"'K#' must be distinct letters in '#LKHNC' order"),
+    "streams-empty": (
+        lambda h: h["tables"][0].update(streams={k: v[:0] for k, v in h["tables"][0]["streams"].items()}),
+        r"offer\.tables\[0\]\.streams: empty",
+    ),
+    "streams-not-object": (set_path(S, [[1, 2]]), r"offer\.tables\[0\]\.streams: expected an object"),
     "stream-layer-range": (
         set_item([*S, "layer"], 1, 5),
         r"streams\.layer\[1\]: expected an integer in \[0, 1\], got 5",
@@ -225,12 +242,8 @@ FIELD_CASES = {
     "stream-stride-huge": (set_item([*S, "stride"], 0, 1 << 60), r"streams\.stride\[0\]: .* \[64, 281474976710656\]"),
     "stream-past-end": (set_item([*S, "address"], 1, (1 << 64) - 100), r"streams\[1\]: blocks run past the end"),
     "stream-twice": (set_item([*S, "coords"], 1, 0), r"streams\[1\]: layer0\[K=0\] appears twice"),
-    "no-requests": (set_path([R], DELETE), r"hello\.requests: missing"),
-    "requests-not-object": (set_path([R], [{"name": "a"}]), r"hello\.requests: expected an object"),
-    "requests-empty": (
-        lambda h: h.update(requests={"name": [], "number": u32(), "tokens": u32(), "block_ids": u32()}),
-        r"hello\.requests\.name: empty",
-    ),
+    "no-requests": (set_path([R], DELETE), r"offer\.requests: missing"),
+    "requests-not-object": (set_path([R], [{"name": "a"}]), r"offer\.requests: expected an object"),
     "request-name-empty": (set_path([R, "name", 0], ""), r"requests\.name\[0\]: expected a string of 1 to 64"),
     "request-name-twice": (set_path([R, "name", 1], "req-000"), r"name\[1\]: 'req-000' appears twice"),
     "request-names-too-many": (
@@ -249,12 +262,12 @@ FIELD_CASES = {
         set_path([R, "block_ids"], u32(3, 1, 7)),
         r"block_ids: 3 block ids, but the requests' tokens need 4 blocks of 4",
     ),
-    "fill-seconds-string": (set_path(["fill_seconds"], "0.2"), r"hello\.fill_seconds: expected a number of seconds"),
-    "fill-seconds-huge": (set_path(["fill_seconds"], 10**400), r"hello\.fill_seconds: expected a number of seconds"),
-    "pid-missing": (set_path(["pid"], DELETE), r"hello\.pid: missing"),
-    "pid-string": (set_path(["pid"], "4321"), r"hello\.pid: expected an integer"),
-    "pid-zero": (set_path(["pid"], 0), r"hello\.pid: expected an integer in \[1, 2147483648\], got 0"),
-    "pid-above": (set_path(["pid"], (1 << 31) + 1), r"hello\.pid: expected an integer in \[1, 2147483648\]"),
+    "fill-seconds-string": (set_path(["fill_seconds"], "0.2"), r"offer\.fill_seconds: expected a number of seconds"),
+    "fill-seconds-huge": (set_path(["fill_seconds"], 10**400), r"offer\.fill_seconds: expected a number of seconds"),
+    "pid-missing": (set_path(["pid"], DELETE), r"offer\.pid: missing"),
+    "pid-string": (set_path(["pid"], "4321"), r"offer\.pid: expected an integer"),
+    "pid-zero": (set_path(["pid"], 0), r"offer\.pid: expected an integer in \[1, 2147483648\], got 0"),
+    "pid-above": (set_path(["pid"], (1 << 31) + 1), r"offer\.pid: expected an integer in \[1, 2147483648\]"),
     "request-number-above": (
         set_item([R, "number"], 1, (1 << 31) + 1),
         r"requests\.number\[1\]: expected an integer in \[0, 2147483648\]",
@@ -264,12 +277,13 @@ FIELD_CASES = {
 
 def test_the_bounds_of_a_pid_and_a_request_number_are_taken():
     for pid, number in ((1, 0), (1 << 31, 1 << 31)):
-        hello = parse(
+        offer = parse(
             mutated(
                 lambda h, pid=pid, number=number: (set_path(["pid"], pid)(h), set_item([R, "number"], 1, number)(h))
             )
         )
-        assert (hello.pid, hello.requests[1].number) == (pid, number)
+        assert offer.fields is not None
+        assert (offer.fields.integer("pid"), offer.requests[1].number) == (pid, number)
 
 
 @pytest.mark.parametrize("case", FIELD_CASES)
@@ -281,14 +295,19 @@ def test_malformed_fields_are_named(case):
 
 def test_unsendable_headers_are_protocol_errors():
     with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
-        encode("hello", {"pid": float("inf")})
+        encode(OFFER, {"pid": float("inf")})
     with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
-        encode("hello", {"pid": object()})
+        encode(OFFER, {"pid": object()})
 
 
-def test_hello_without_agent_metadata():
-    with pytest.raises(ProtocolError, match="no agent metadata"):
-        parse(encode("hello", HEADER, b""))
+def test_an_offer_without_agent_metadata_is_refused():
+    """The blob must hold every rank's metadata, each of at least one byte."""
+    missing = rf"offer\.metadata_bytes: \[{len(METADATA)}\] for 1 ranks and 0 blob bytes"
+    with pytest.raises(ProtocolError, match=missing):
+        parse(encode(OFFER, HEADER, b""))
+    header = {**HEADER, "metadata_bytes": np.zeros(1, dtype=np.uint32)}
+    with pytest.raises(ProtocolError, match=r"offer\.metadata_bytes\[0\]: expected an integer in \[1, "):
+        parse(encode(OFFER, header, b""))
 
 
 JSON_VALUES = st.recursive(
@@ -337,7 +356,7 @@ ARRAYS = st.sampled_from(["u1", "<u2", ">u4", "<u4", "<u8"]).flatmap(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(ARRAY_PATHS), ARRAYS)
 def test_any_integer_array_in_place_of_one_is_accepted_or_a_protocol_error(path, array):
-    """Arrays of any unsigned type, length and values where the hello has an array."""
+    """Arrays of any unsigned type, length and values where the offer has an array."""
     with contextlib.suppress(ProtocolError):
         parse(mutated(set_path(list(path), array)))
 
@@ -395,26 +414,30 @@ def test_any_bytes_spliced_in_are_a_protocol_error(junk, at):
 
 # --- over a real socket ---------------------------------------------------------------
 
-
 SECRET = bytes(range(32))
-AUTH = encode("auth", {"proof": SECRET.hex()})
 
 
-def serve(send_bytes, close=True):
-    """A listener and a peer thread that connects and sends ``send_bytes`` (then closes)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
+def proving_prefill(listener, answer, close=True):
+    """A prefill on a thread that proves the secret to the decode engine that connects,
+    takes its engine message and answers with the bytes ``answer`` (then closes, or holds
+    the connection until the returned event is set)."""
     done = threading.Event()
 
-    def peer():
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(send_bytes)
+    def prefill():
+        conn, _ = listener.accept()
+        with conn:
+            knock = receive(conn, timeout=5, expect=KNOCK)
+            mine = os.urandom(16)
+            nonces = (nonce_of(knock.fields()), mine)
+            send(conn, CHALLENGE, {"nonce": mine.hex(), "proof": proof(SECRET, "prefill", nonces)}, timeout=5)
+            receive(conn, timeout=5, expect=ENGINE)
+            conn.sendall(answer)
             if not close:
                 done.wait(5)
 
-    thread = threading.Thread(target=peer, daemon=True)
+    thread = threading.Thread(target=prefill, daemon=True)
     thread.start()
-    return listener, done, thread
+    return done, thread
 
 
 @pytest.mark.timeout(20)
@@ -425,135 +448,44 @@ def serve(send_bytes, close=True):
         pytest.param(FRAME[:300], True, r"connection closed after \d+ of \d+ JSON body bytes", id="cut-in-body"),
         pytest.param(FRAME[:-5], True, "closed after .* arrays bytes", id="cut-in-arrays"),
         pytest.param(FRAME[:300], False, "timed out waiting for the JSON body", id="stalls"),
-        pytest.param(encode("done", {}), True, "expected a 'hello' message, got 'done'", id="wrong-kind"),
+        pytest.param(encode("done", {}), True, "expected an offer, got 'done'", id="wrong-kind"),
         pytest.param(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", True, "not a kvhost frame", id="http"),
     ],
 )
-def test_decode_rejects_a_bad_hello_on_the_socket(payload, close, message):
-    """Prefill proved who it is, then sent a bad hello: its error, named."""
-    listener, done, thread = serve(AUTH + payload, close)
-    with listener, pytest.raises(ProtocolError, match=message):
-        accept_hello(listener, SECRET, timeout=1.0)
-    done.set()
-    thread.join(5)
-
-
-@pytest.mark.timeout(20)
-def test_what_prove_and_send_hello_send_is_what_accept_hello_reads():
-    """The holder's half of the handshake, as an engine calls it: the proof, then a hello
-    with its own field; the reader gets every request, the metadata, the pid and the field."""
-    table = parse_hello(decode(FRAME)).table
-    requests = [RemoteRequest("req-a", 7, 9, [3, 1, 7]), RemoteRequest("req-b", 8, 4, np.array([0]))]
+def test_decode_rejects_a_bad_offer_on_the_socket(payload, close, message):
+    """Prefill proved who it is, then sent a bad offer: its error, named."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
-
-        def holder():
-            with socket.create_connection(listener.getsockname()) as sock:
-                prove(sock, SECRET, timeout=5)
-                send_hello(sock, table, requests, METADATA, pid=99, timeout=5, extra={"fill_seconds": 0.5})
-                sock.recv(1)  # held open until the reader is done
-
-        thread = threading.Thread(target=holder)
-        thread.start()
-        sock, hello, dropped = accept_hello(listener, SECRET, timeout=10)
-        sock.close()
+        done, thread = proving_prefill(listener, payload, close)
+        with pytest.raises(ProtocolError, match=message):
+            connect(listener.getsockname(), SECRET, SPEC, timeout=1.0)
+        done.set()
         thread.join(5)
-    assert dropped == 0 and hello.pid == 99 and hello.metadata == METADATA and hello.table == table
-    assert [(r.name, r.number, r.tokens, r.remote_ids.tolist()) for r in hello.requests] == [
-        ("req-a", 7, 9, [3, 1, 7]),
-        ("req-b", 8, 4, [0]),
-    ]
-    assert hello.fields.seconds("fill_seconds") == 0.5
 
 
-@pytest.mark.timeout(20)
-@pytest.mark.parametrize("extra", [0, 1])
-def test_an_auth_frame_of_the_limit_is_taken_and_one_byte_more_is_not(extra):
-    base = len(encode("auth", {"proof": SECRET.hex(), "pad": ""}))
-    frame = encode("auth", {"proof": SECRET.hex(), "pad": "x" * (handshake.AUTH_FRAME_BYTES - base + extra)})
-    assert len(frame) == handshake.AUTH_FRAME_BYTES + extra
-    listener, done, thread = serve(frame + FRAME, close=False)
-    with listener:
-        if extra:
-            with pytest.raises(ProtocolError, match="did not connect and prove"):
-                accept_hello(listener, SECRET, timeout=1.0)
-        else:
-            sock, hello, dropped = accept_hello(listener, SECRET, timeout=5)
-            sock.close()
-            assert dropped == 0 and hello.pid == 4321
-    done.set()
-    thread.join(5)
-
-
-@pytest.mark.timeout(20)
-@pytest.mark.parametrize("ok", [True, False])
-def test_done_says_whether_all_was_well(ok):
-    left, right = socket.socketpair()
-    with left, right:
-        send_done(left, ok=ok, timeout=5)
-        message = wait_done(right, timeout=5)
-    assert message.kind == "done" and message.fields().data == {"ok": ok}
-
-
-def test_done_is_small_or_refused():
-    left, right = socket.socketpair()
-    with left, right:
-        left.sendall(encode("done", {"ok": True, "pad": "x" * handshake.AUTH_FRAME_BYTES}))
-        with pytest.raises(ProtocolError, match=r"exceeds the limit of 1024 bytes"):
-            wait_done(right, timeout=5)
-
-
-@pytest.mark.parametrize(
-    ("secret", "got"),
-    [
-        (bytes(31), "31 bytes"),
-        (bytes(33), "33 bytes"),
-        (b"", "0 bytes"),
-        (bytes(32).hex(), "str"),
-        (bytearray(32), "bytearray"),
-    ],
-)
-def test_a_secret_not_of_32_bytes_is_refused_before_anything_is_sent(secret, got):
-    left, right = socket.socketpair()
-    with left, right, socket.create_server(("127.0.0.1", 0)) as listener:
-        with pytest.raises(ProtocolError, match=f"^the shared secret must be 32 bytes, got {got}$"):
-            prove(left, secret, timeout=1)
-        with pytest.raises(ProtocolError, match=f"^the shared secret must be 32 bytes, got {got}$"):
-            accept_hello(listener, secret, timeout=1)
-        right.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            right.recv(1)  # prove sent nothing
-
-
-def test_a_hello_without_extra_fields_has_only_its_own():
-    table = parse_hello(decode(FRAME)).table
-    header = hello_header_of(table, [RemoteRequest("r", 0, 1, [2])], pid=5)
-    assert sorted(header) == ["pid", "requests", "table"] and header["pid"] == 5
+def test_an_offer_without_extra_fields_has_only_its_own():
+    header = Offer(SPEC, [TABLE], [METADATA], [RemoteRequest("r", 0, 1, [2])]).header()
+    assert sorted(header) == ["beat_seconds", "engine", "metadata_bytes", "requests", "tables"]
+    assert header["beat_seconds"] == 1.0
 
 
 @pytest.mark.parametrize(("num_blocks", "id_type"), [(12, np.uint32), (1 << 32, np.uint32), ((1 << 32) + 1, np.uint64)])
 def test_block_ids_go_as_the_narrowest_integers_the_table_needs(num_blocks, id_type):
     """Ids below 2^32 go as 4 bytes each; a table of more blocks sends 8, and its highest
     id comes back whole."""
-    table = dataclasses.replace(parse_hello(decode(FRAME)).table, num_blocks=num_blocks)
+    table = dataclasses.replace(TABLE, num_blocks=num_blocks)
     ids = [0, num_blocks - 1]
     columns = request_columns([RemoteRequest("r", 0, 2 * table.block_size, ids)], table)
     assert columns["block_ids"].dtype == id_type
-    message = decode(encode("hello", {"requests": columns}))
+    message = decode(encode(OFFER, {"requests": columns}))
     back = parse_requests(message.fields().fields("requests"), table.block_size, num_blocks)
     assert back[0].remote_ids.tolist() == ids
 
 
 def test_no_requests_go_as_empty_columns():
-    table = parse_hello(decode(FRAME)).table
-    columns = request_columns([], table)
+    columns = request_columns([], TABLE)
     assert columns["name"] == [] and columns["block_ids"].size == 0 and columns["block_ids"].dtype == np.uint32
-
-
-@pytest.mark.timeout(20)
-def test_a_listener_nobody_connects_to_times_out():
-    with socket.create_server(("127.0.0.1", 0)) as listener, pytest.raises(ProtocolError) as refused:
-        accept_hello(listener, SECRET, timeout=0.3)
-    assert str(refused.value) == "the peer did not connect and prove who it is within 0.3 s"  # no drops to count
+    message = decode(encode(OFFER, {"requests": columns}))
+    assert parse_requests(message.fields().fields("requests"), TABLE.block_size, TABLE.num_blocks) == []
 
 
 @pytest.mark.timeout(20)
@@ -567,12 +499,12 @@ def test_receive_reads_a_frame_split_across_sends():
 
         thread = threading.Thread(target=trickle)
         thread.start()
-        message = receive(left, timeout=5, expect="hello")
+        message = receive(left, timeout=5, expect=OFFER)
         thread.join()
     assert message.blob == METADATA
-    hello = parse_hello(message)
-    assert hello.table == parse_hello(decode(FRAME)).table
-    assert [r.remote_ids.tolist() for r in hello.requests] == [[3, 1, 7], [0]]
+    offer = parse_message(message)
+    assert offer.tables == [TABLE]
+    assert [r.remote_ids.tolist() for r in offer.requests] == [[3, 1, 7], [0]]
 
 
 @pytest.mark.timeout(20)
@@ -614,7 +546,7 @@ def test_garbage_agent_metadata_is_rejected_by_a_real_agent():
                 rejected += 1
         assert rejected >= len(cases) - 4  # a damaged byte inside an address or length may still parse
         assert fresh.add_peer(real) == "genuine"
-    damaged_frame = bytearray(encode("hello", HEADER, real))
+    damaged_frame = bytearray(encode(OFFER, HEADER, real))
     damaged_frame[-10] ^= 0xFF
     with pytest.raises(ProtocolError, match="checksum mismatch"):
         decode(bytes(damaged_frame))
@@ -625,8 +557,7 @@ def test_garbage_agent_metadata_is_rejected_by_a_real_agent():
 def test_decode_exits_with_a_clear_error_on_a_malformed_offer(capsys, tmp_path):
     """The whole decode engine, against a prefill that proves the secret and then offers a
     table whose order is wrong."""
-    from kvhost.nixl.engine import EngineSpec
-    from kvhost.nixl.peers import CHALLENGE, ENGINE, KNOCK, OFFER, Offer, nonce_of, proof, write_secret_file
+    from kvhost.nixl.peers import write_secret_file
 
     secret_file = str(tmp_path / "secret")
     secret = write_secret_file(secret_file)
@@ -799,9 +730,9 @@ def test_integers_reach_the_top_of_u64_and_seconds_start_at_zero():
     assert check_int(top, "n") == top
     with pytest.raises(ProtocolError, match=rf"n: expected an integer in \[0, {top}\], got {1 << 64}"):
         check_int(1 << 64, "n")
-    assert Fields({"n": top}, "hello").integer("n") == top and Fields({"n": 0}, "hello").integer("n") == 0
-    with pytest.raises(ProtocolError, match=rf"hello.n: expected an integer in \[0, {top}\], got -1"):
-        Fields({"n": -1}, "hello").integer("n")
+    assert Fields({"n": top}, "offer").integer("n") == top and Fields({"n": 0}, "offer").integer("n") == 0
+    with pytest.raises(ProtocolError, match=rf"offer.n: expected an integer in \[0, {top}\], got -1"):
+        Fields({"n": -1}, "offer").integer("n")
     assert check_seconds(0, "wait") == 0.0 and check_seconds(7 * 24 * 3600, "wait") == 7 * 24 * 3600
     for bad in (-1e-9, 7 * 24 * 3600 + 1):
         with pytest.raises(InvalidTimeoutError, match=r"wait: expected a number of seconds in \[0, 604800\]"):

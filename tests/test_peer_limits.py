@@ -36,22 +36,23 @@ from test_nixl_protocol import FRAME
 from kvhost.errors import KVHostError
 from kvhost.nixl import (
     MAX_STREAMS,
+    EngineSpec,
     InvalidTimeoutError,
     ProtocolError,
     RegionTable,
     Stream,
     Transfer,
-    accept_hello,
+    connect,
     decode,
     encode,
     handshake,
-    parse_hello,
     receive,
     send,
 )
 from kvhost.nixl.fields import MAX_ARRAY_BYTES
 from kvhost.nixl.framing import HEADER_BYTES, MAX_JSON_BYTES, MAX_JSON_VALUES
-from kvhost.nixl.peers import read_secret_file
+from kvhost.nixl.peers import DONE, ENGINE, KNOCK, OFFER, parse_offer, proof, read_secret_file
+from kvhost.nixl.server import MAX_CONNECTIONS
 from kvhost_tools.demo import cli as demo_cli
 from kvhost_tools.demo import config as demo_config
 from kvhost_tools.demo import decode as demo_decode
@@ -97,14 +98,14 @@ def test_receive_and_send_refuse_a_timeout_that_is_not_finite_seconds(timeout):
             send(left, "x", {}, timeout=timeout)
     listener = socket.create_server(("127.0.0.1", 0))
     with listener, pytest.raises(InvalidTimeoutError, match=r"connect timeout"):
-        accept_hello(listener, b"s" * 32, timeout)
+        connect(listener.getsockname(), SECRET, peers_tests().DECODE, timeout=timeout)
 
 
 @pytest.mark.timeout(20)
 def test_a_silent_peer_times_out_at_the_deadline():
     left, right = socket.socketpair()
     with left, right:
-        right.sendall(encode("hello", {})[: HEADER_BYTES + 3])
+        right.sendall(encode(OFFER, {})[: HEADER_BYTES + 3])
         started = time.monotonic()
         with pytest.raises(ProtocolError, match=r"timed out waiting for the JSON body: 3 of \d+ bytes"):
             receive(left, timeout=0.3)
@@ -197,10 +198,12 @@ def test_json_costs_a_bounded_amount_whatever_it_holds(shape):
         )
 
 
-def big_hello(block_ids: int, streams: int) -> tuple[bytes, int]:
-    """A hello at the caps: ``streams`` streams (layers x K/V) of 2^32 declared blocks of one
-    token, and ``block_ids`` block ids (one byte each) in 4 requests."""
+def big_offer(block_ids: int, streams: int) -> tuple[bytes, EngineSpec, int]:
+    """An offer at the caps: one rank's table of ``streams`` streams (layers x K/V) of 2^32
+    declared blocks of one token, and ``block_ids`` block ids (one byte each) in 4 requests;
+    and the engine it says it is."""
     layers = streams // 2
+    spec = EngineSpec("mha", layers, 1, 1, "uint8", 1, "HNC", 1)
     table = {
         "memory": "DRAM",
         "device_id": 0,
@@ -225,31 +228,37 @@ def big_hello(block_ids: int, streams: int) -> tuple[bytes, int]:
         "tokens": tokens,
         "block_ids": np.zeros(int(tokens.sum()), dtype=np.uint8),
     }
-    frame = encode("hello", {"pid": 1, "table": table, "requests": requests}, b"metadata")
-    return frame, int(tokens.sum())
+    header = {
+        "engine": spec.to_dict(),
+        "tables": [table],
+        "metadata_bytes": np.array([8], dtype=np.uint32),
+        "requests": requests,
+        "beat_seconds": 1.0,
+    }
+    return encode(OFFER, header, b"metadata"), spec, int(tokens.sum())
 
 
 @pytest.mark.timeout(180)
-def test_a_hello_at_the_caps_costs_its_size_and_a_bounded_rest():
-    """A hello as large as the caps allow: 2^16 streams and 60 MiB of block ids. Its arrays
+def test_an_offer_at_the_caps_costs_its_size_and_a_bounded_rest():
+    """An offer as large as the caps allow: 2^16 streams and 60 MiB of block ids. Its arrays
     are read in place, its ids checked without copies; what is not in proportion to the
     frame (one Python object per stream, per layer name, per request) is capped."""
-    frame, ids = big_hello(MAX_ARRAY_BYTES - 4 * MiB, MAX_STREAMS)
+    frame, spec, ids = big_offer(MAX_ARRAY_BYTES - 4 * MiB, MAX_STREAMS)
     parsed = []
-    peak = peak_bytes(received_and_parsed(frame, lambda message: parsed.append(parse_hello(message))))
-    assert parsed, "the hello was refused"
-    hello = parsed[0]
-    assert len(hello.table.streams) == MAX_STREAMS and sum(r.remote_ids.size for r in hello.requests) == ids
+    peak = peak_bytes(received_and_parsed(frame, lambda message: parsed.append(parse_offer(message, spec))))
+    assert parsed, "the offer was refused"
+    [table] = parsed[0].tables
+    assert len(table.streams) == MAX_STREAMS and sum(r.remote_ids.size for r in parsed[0].requests) == ids
     assert peak <= 1.25 * len(frame) + 40 * MiB, f"{len(frame) / MiB:.0f} MiB frame, peak {peak / MiB:.0f} MiB"
 
 
 def test_bulk_integers_are_not_accepted_as_json():
     """Block ids as a JSON list (what version 1 sent) are refused: only arrays carry them."""
-    frame, _ = big_hello(64, 4)
+    frame, spec, _ = big_offer(64, 4)
     message = decode(frame)
     message.header["requests"]["block_ids"] = [0] * 64
-    with pytest.raises(ProtocolError, match=r"hello\.requests\.block_ids: expected an integer array"):
-        parse_hello(message)
+    with pytest.raises(ProtocolError, match=r"offer\.requests\.block_ids: expected an integer array"):
+        parse_offer(message, spec)
 
 
 def test_stream_objects_are_small():
@@ -369,23 +378,31 @@ def test_a_reader_refuses_a_table_naming_memory_its_peer_did_not_register():
 SECRET = bytes(range(100, 132))
 
 
-def frames_for_prefill(secret=SECRET):
-    return encode("auth", {"proof": secret.hex()}) + FRAME
+def peers_tests():
+    """tests/test_peers.py, for its ``Running`` server, its engines and its secret: imported
+    when a test runs, as that module imports this one."""
+    import test_peers
+
+    return test_peers
 
 
 class Strays:
-    """Connections made to the port before prefill's, each misbehaving its own way."""
+    """Connections made to prefill's port before decode's, each misbehaving its own way.
+    ``secret`` is the real one: a stray proves it over no nonces, with no knock first."""
 
-    def __init__(self, port, silent=2):
-        wrong = encode("auth", {"proof": bytes(32).hex()})
+    def __init__(self, port, secret, silent=2):
+        knock = encode(KNOCK, {"nonce": os.urandom(16).hex()})
+        wrong = encode(ENGINE, {"proof": "0" * 64, "engine": {}})
+        replayed = encode(ENGINE, {"proof": proof(secret, "decode", (b"", b"")), "engine": {}})
         self.sockets = []
         self.sockets.append(self._connect(port, b"GET / HTTP/1.1\r\n\r\n" + os.urandom(200)))  # garbage
         self.sockets += [self._connect(port, b"") for _ in range(silent)]  # connect and say nothing
-        self.sockets.append(self._connect(port, wrong))  # a well-formed auth, the wrong secret
-        self.sockets.append(self._connect(port, wrong[:-1]))  # the wrong secret, one byte short: waits
-        self.sockets.append(self._connect(port, frames_for_prefill(bytes(32))))  # auth + a real hello, wrong secret
-        self.sockets.append(self._connect(port, FRAME))  # a real hello, no proof first
-        big = encode("auth", {"proof": "x" * 4000})
+        self.sockets.append(self._connect(port, encode(KNOCK, {"nonce": "zz"})))  # a knock without a nonce
+        self.sockets.append(self._connect(port, knock + wrong))  # a knock, then a wrong proof
+        self.sockets.append(self._connect(port, knock[:-1]))  # a knock, one byte short: waits
+        self.sockets.append(self._connect(port, replayed))  # the secret's proof, no knock first
+        self.sockets.append(self._connect(port, FRAME))  # a real offer, no proof first
+        big = encode(KNOCK, {"nonce": "x" * 4000})
         self.sockets.append(self._connect(port, big[:HEADER_BYTES]))  # claims a frame too large
         self.slow = self._connect(port, b"")
         self.stop = threading.Event()
@@ -399,7 +416,7 @@ class Strays:
         return sock
 
     def _trickle(self):
-        frame = encode("auth", {"proof": bytes(32).hex()})
+        frame = encode(KNOCK, {"nonce": os.urandom(16).hex()})
         for byte in frame:
             if self.stop.wait(1.0):
                 return
@@ -407,7 +424,7 @@ class Strays:
                 self.slow.sendall(bytes([byte]))
 
     def all_closed_by_the_other_side(self, within):
-        """Each stray reads EOF (or a reset) from decode within ``within`` seconds."""
+        """Each stray reads EOF (or a reset) from prefill within ``within`` seconds."""
         deadline = time.monotonic() + within
         for sock in [*self.sockets, self.slow]:
             sock.settimeout(max(deadline - time.monotonic(), 0.01))
@@ -427,77 +444,44 @@ class Strays:
 
 
 @pytest.mark.timeout(60)
-def test_stray_connections_are_dropped_and_prefill_is_still_heard():
-    """Garbage, silence, a wrong secret, a slow-loris, a hello without proof: all connected
-    before prefill, none stalls it, all are dropped within the per-connection deadline."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        strays = Strays(listener.getsockname()[1])
-        started = time.monotonic()
-        done = threading.Event()
-
-        def prefill():
-            time.sleep(0.3)
-            with socket.create_connection(listener.getsockname()) as sock:
-                sock.sendall(frames_for_prefill())
-                done.wait(10)
-
-        thread = threading.Thread(target=prefill, daemon=True)
-        thread.start()
-        try:
-            sock, hello, dropped = accept_hello(listener, SECRET, timeout=20)
-            seconds = time.monotonic() - started
-            sock.close()
-            assert [r.name for r in hello.requests] == ["req-000", "req-001"]
-            assert seconds < handshake.AUTH_SECONDS, f"prefill heard after {seconds:.1f} s: the strays stalled it"
-            assert dropped == len(strays.sockets) + 1
-            assert strays.all_closed_by_the_other_side(within=1.0)
-        finally:
-            done.set()
-            strays.close()
-            thread.join(5)
+def test_stray_connections_are_dropped_and_decode_is_still_served():
+    """Garbage, silence, bad knocks, a wrong proof, a proof with no knock, a slow-loris, an
+    offer without proof: all connected before decode, none stalls it, all are dropped."""
+    peers = peers_tests()
+    running = peers.Running(peer_timeout=5.0, auth_timeout=handshake.AUTH_SECONDS)
+    started = time.monotonic()
+    strays = Strays(running.port, peers.SECRET)
+    try:
+        time.sleep(0.3)
+        session = connect(("127.0.0.1", running.port), peers.SECRET, peers.DECODE, timeout=20)
+        seconds = time.monotonic() - started
+        with contextlib.closing(session):
+            assert [r.name for r in session.offer.requests] == ["req-0", "req-1"]
+            session.done(ok=True, timeout=5)
+        assert seconds < handshake.AUTH_SECONDS, f"decode served after {seconds:.1f} s: the strays stalled it"
+        [record] = running.finish()
+        assert record.outcome == "done" and running.asked[0].spec == peers.DECODE
+        assert running.server.dropped == len(strays.sockets) + 1
+        assert strays.all_closed_by_the_other_side(within=1.0)
+    finally:
+        strays.close()
 
 
 @pytest.mark.timeout(60)
-def test_more_strays_than_decode_will_hold_do_not_shut_prefill_out():
-    with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
-        port = listener.getsockname()[1]
-        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * handshake.MAX_PENDING_CONNECTIONS)]
-        real = socket.create_connection(("127.0.0.1", port))
-        real.sendall(frames_for_prefill())
-        try:
-            sock, hello, dropped = accept_hello(listener, SECRET, timeout=20)
+def test_more_strays_than_prefill_will_hold_do_not_shut_decode_out():
+    peers = peers_tests()
+    running = peers.Running(peer_timeout=5.0, auth_timeout=20.0)
+    silent = [socket.create_connection(("127.0.0.1", running.port)) for _ in range(3 * MAX_CONNECTIONS)]
+    try:
+        session = connect(("127.0.0.1", running.port), peers.SECRET, peers.DECODE, timeout=20)
+        with contextlib.closing(session):
+            assert len(session.offer.requests) == 2
+            session.done(ok=True, timeout=5)
+        [record] = running.finish()
+        assert record.outcome == "done" and running.server.dropped == len(silent)
+    finally:
+        for sock in silent:
             sock.close()
-            assert len(hello.requests) == 2 and dropped == len(silent)
-        finally:
-            real.close()
-            for sock in silent:
-                sock.close()
-
-
-@pytest.mark.timeout(60)
-def test_only_strays_end_in_a_clear_timeout():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        strays = Strays(listener.getsockname()[1], silent=1)
-        try:
-            with pytest.raises(ProtocolError, match=r"did not connect and prove who it is within 2 s \([1-9]\d* other"):
-                accept_hello(listener, SECRET, timeout=2)
-        finally:
-            strays.close()
-
-
-def _listening(listener, **options):
-    """accept_hello on a thread; ``result`` gets its answer or its error."""
-    result = {}
-
-    def listen():
-        try:
-            result["answer"] = accept_hello(listener, SECRET, **options)
-        except Exception as err:  # reported by the test
-            result["error"] = err
-
-    thread = threading.Thread(target=listen, daemon=True)
-    thread.start()
-    return thread, result
 
 
 def _closed_by_listener(sock, within):
@@ -510,110 +494,73 @@ def _closed_by_listener(sock, within):
         return True
 
 
-def _real_peer_heard(listener, thread, result, *sends, pause=0.0):
-    """The real peer connects and sends each of ``sends`` (``pause`` seconds apart); the
-    listener's answer: the hello and how many other connections it dropped."""
-    with socket.create_connection(listener.getsockname()) as real:
-        for i, data in enumerate(sends):
-            if i:
-                time.sleep(pause)
-            real.sendall(data)
-        thread.join(10)
-    sock, hello, dropped = result["answer"]
-    sock.close()
-    return hello, dropped
-
-
 @pytest.mark.timeout(20)
 def test_a_first_frame_over_the_auth_limit_is_dropped_on_its_header():
     """A header declaring more than AUTH_FRAME_BYTES is refused as soon as it is read: the
-    body is never waited for (nor a buffer of its size made)."""
-    padded = encode("auth", {"proof": SECRET.hex(), "pad": "x" * handshake.AUTH_FRAME_BYTES})
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        thread, result = _listening(listener, timeout=10)
-        with socket.create_connection(listener.getsockname()) as stray:
-            stray.sendall(padded[:HEADER_BYTES])
-            started = time.monotonic()
-            assert _closed_by_listener(stray, within=3.0)
-            assert time.monotonic() - started < 2.0 < handshake.AUTH_SECONDS
-        hello, dropped = _real_peer_heard(listener, thread, result, frames_for_prefill())
-    assert dropped == 1 and hello.pid == 4321
-
-
-@pytest.mark.timeout(30)
-def test_a_silent_connection_is_dropped_at_its_own_deadline(monkeypatch):
-    """Each connection has AUTH_SECONDS to prove itself, however long the listener waits
-    for the peer; the peer that comes later is still heard."""
-    monkeypatch.setattr(handshake, "AUTH_SECONDS", 0.3)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        thread, result = _listening(listener, timeout=20)
-        with socket.create_connection(listener.getsockname()) as silent:
-            started = time.monotonic()
-            assert _closed_by_listener(silent, within=3.0)
-            assert time.monotonic() - started < 2.0
-        hello, dropped = _real_peer_heard(listener, thread, result, frames_for_prefill())
-    assert dropped == 1 and len(hello.requests) == 2
-
-
-@pytest.mark.timeout(30)
-def test_past_the_pending_bound_the_oldest_connections_are_closed_at_once():
-    """At most MAX_PENDING_CONNECTIONS wait to prove themselves: each one more closes the
-    oldest, long before any deadline (strays cannot hold the listener's descriptors)."""
-    bound = handshake.MAX_PENDING_CONNECTIONS
-    with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
-        thread, result = _listening(listener, timeout=20)
-        silent = [socket.create_connection(listener.getsockname()) for _ in range(bound + 5)]
-        try:
-            time.sleep(0.5)
-            closed = [_closed_by_listener(sock, within=0.05) for sock in silent]
-            assert closed == [True] * 5 + [False] * bound
-            _, dropped = _real_peer_heard(listener, thread, result, frames_for_prefill())
-        finally:
-            for sock in silent:
-                sock.close()
-    assert dropped == bound + 5
-
-
-@pytest.mark.timeout(30)
-def test_watch_stops_the_wait_with_its_own_error():
-    calls = []
-
-    def watch():
-        calls.append(1)
-        if len(calls) == 3:
-            raise KVHostError("the prefill process exited")
-
-    with socket.create_server(("127.0.0.1", 0)) as listener:
+    body is never waited for (nor a buffer of its size made); decode is served after."""
+    peers = peers_tests()
+    padded = encode(KNOCK, {"nonce": os.urandom(16).hex(), "pad": "x" * handshake.AUTH_FRAME_BYTES})
+    running = peers.Running(peer_timeout=5.0, auth_timeout=10.0)
+    with socket.create_connection(("127.0.0.1", running.port)) as stray:
+        stray.sendall(padded[:HEADER_BYTES])
         started = time.monotonic()
-        with pytest.raises(KVHostError, match="the prefill process exited"):
-            accept_hello(listener, SECRET, timeout=10, watch=watch)
-    assert len(calls) == 3 and time.monotonic() - started < 2.0
+        assert _closed_by_listener(stray, within=3.0)
+        assert time.monotonic() - started < 2.0
+    session = connect(("127.0.0.1", running.port), peers.SECRET, peers.DECODE, timeout=10)
+    with contextlib.closing(session):
+        session.done(ok=True, timeout=5)
+    [record] = running.finish()
+    assert record.outcome == "done" and running.server.dropped == 1
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_knock_of_the_auth_limit_is_challenged_and_one_byte_more_is_not(extra):
+    peers = peers_tests()
+    base = len(encode(KNOCK, {"nonce": os.urandom(16).hex(), "pad": ""}))
+    frame = encode(KNOCK, {"nonce": os.urandom(16).hex(), "pad": "x" * (handshake.AUTH_FRAME_BYTES - base + extra)})
+    assert len(frame) == handshake.AUTH_FRAME_BYTES + extra
+    running = peers.Running(peers=None, idle=1.0)
+    with socket.create_connection(("127.0.0.1", running.port)) as sock:
+        sock.sendall(frame)
+        if extra:
+            assert _closed_by_listener(sock, within=3.0)
+        else:
+            assert receive(sock, timeout=5).kind == "challenge"
+    assert running.finish() == [] and running.server.dropped == 1
 
 
 @pytest.mark.timeout(30)
-def test_a_first_frame_of_another_kind_proves_nothing():
-    """A proof in any frame but ``auth`` (a hello that names the secret) is no proof."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        thread, result = _listening(listener, timeout=20)
-        with socket.create_connection(listener.getsockname()) as impostor:
-            impostor.sendall(encode("hello", {"proof": SECRET.hex()}))
-            assert _closed_by_listener(impostor, within=3.0)
-        _, dropped = _real_peer_heard(listener, thread, result, frames_for_prefill())
-    assert dropped == 1
+def test_a_proof_with_no_knock_first_proves_nothing():
+    """An engine message as a connection's first frame, with the secret's proof over no
+    nonces (all a recording could hold): no proof; the application never hears of it."""
+    peers = peers_tests()
+    running = peers.Running(peers=None, idle=1.0)
+    header = {"proof": proof(peers.SECRET, "decode", (b"", b"")), "engine": peers.DECODE.to_dict()}
+    with socket.create_connection(("127.0.0.1", running.port)) as impostor:
+        impostor.sendall(encode(ENGINE, header))
+        assert _closed_by_listener(impostor, within=3.0)
+    assert running.finish() == [] and running.asked == [] and running.server.dropped == 1
 
 
 @pytest.mark.timeout(30)
-def test_a_hello_may_come_a_while_after_the_proof():
-    """Once proved, the peer has what is left of the timeout to say hello (at least a second)."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        thread, result = _listening(listener, timeout=10)
-        hello, dropped = _real_peer_heard(
-            listener, thread, result, encode("auth", {"proof": SECRET.hex()}), FRAME, pause=1.5
-        )
-    assert dropped == 0 and len(hello.requests) == 2
+def test_the_engine_message_may_come_a_while_after_the_knock():
+    """Once challenged, decode has what is left of the auth timeout to prove the secret."""
+    peers = peers_tests()
+    running = peers.Running(peer_timeout=5.0, auth_timeout=5.0)
+    sock, nonces = peers._knocked(running.port)
+    with sock:
+        time.sleep(1.5)
+        header = {"proof": proof(peers.SECRET, "decode", nonces), "engine": peers.DECODE.to_dict()}
+        send(sock, ENGINE, header, timeout=5)
+        offer = parse_offer(receive(sock, timeout=5, expect=OFFER), peers.DECODE)
+        assert [r.name for r in offer.requests] == ["req-0", "req-1"]
+        send(sock, DONE, {"ok": True}, timeout=5)
+        [record] = running.finish()
+    assert (record.outcome, record.ok) == ("done", True) and running.server.dropped == 0
 
 
-ENGINE = ["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--max-tokens", "100"]
+ENGINE_OPTIONS = ["--requests", "3", "--layers", "1", "--heads", "2", "--head-dim", "8", "--max-tokens", "100"]
 
 
 @needs_nixl
@@ -624,16 +571,24 @@ def test_the_hand_off_verifies_with_strays_on_the_port_first(tmp_path, capsys):
     from kvhost.nixl import peers
 
     secret_file = str(tmp_path / "secret")
-    peers.write_secret_file(secret_file)
+    secret = peers.write_secret_file(secret_file)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
-        command = [sys.executable, "-m", "kvhost_tools.demo", "prefill", *ENGINE, "--secret-file", secret_file]
+        command = [sys.executable, "-m", "kvhost_tools.demo", "prefill", *ENGINE_OPTIONS, "--secret-file", secret_file]
         command += ["--listen", f"127.0.0.1:{port}", "--listen-fd", str(listener.fileno())]
         prefill = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, pass_fds=[listener.fileno()])
-    strays = Strays(port)
+    strays = Strays(port, secret)
     try:
         code = demo_decode.main(
-            [*ENGINE, "--prefill", f"127.0.0.1:{port}", "--secret-file", secret_file, "--connect-timeout", "180"]
+            [
+                *ENGINE_OPTIONS,
+                "--prefill",
+                f"127.0.0.1:{port}",
+                "--secret-file",
+                secret_file,
+                "--connect-timeout",
+                "180",
+            ]
         )
         out = capsys.readouterr().out
         assert code == demo_config.EXIT_OK, out

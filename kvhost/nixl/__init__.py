@@ -2,7 +2,7 @@
 
 A connector registers its layer dict with an ``Agent`` and gets a ``RegionTable``: where
 every block region of every layer lives, and the letters of its layout. Two engines swap
-tables and agent metadata (``handshake``, over ``framing``'s checksummed frames);
+tables and agent metadata (``peers`` and ``server``, over ``framing``'s checksummed frames);
 ``plan_transfer(local, remote)`` then turns a request's block ids on both sides into NIXL
 descriptors so that the bytes land as the wire model (docs/design.md) says, and
 ``kvhost.receive`` rearranges them in place.
@@ -11,11 +11,11 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
     plans.py      TransferPlan, plan_transfer: two tables paired, descriptor rows per request, merged
     agent.py      Agent, Reader, Transfer: NIXL itself, imported on first use (load_nixl)
     hugepages.py  huge pages under registered host memory (a same-host peer reads it at memcpy speed)
-    handshake.py  auth, hello and done between two engines; accept_hello on a listening socket
     engine.py     EngineSpec: what an engine holds; refusal: can two engines work together
     ranks.py      tensor parallelism either way: head_shares, plan_ranks (RankPlan), RankReader
     peers.py      engines on different hosts: the secret proved both ways, offers, beats (connect)
     server.py     the prefill side: Server serves many decode engines, lets go when one goes away
+    handshake.py  RemoteRequest: the requests an offer names, as columns; the bounds on unproven peers
     framing.py    the framed, checksummed control messages (encode, decode, send, receive)
     fields.py     strict checks of what a peer sends (Fields) and of every timeout
     errors.py     NixlUnavailableError, TransferError, ProtocolError (PeerClosedError), InvalidTimeoutError
@@ -28,7 +28,7 @@ from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, refusal
 from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, PeerClosedError, ProtocolError, TransferError
 from kvhost.nixl.fields import MAX_WAIT_SECONDS, Fields, check_seconds
 from kvhost.nixl.framing import Message, decode, encode, receive, send
-from kvhost.nixl.handshake import Hello, RemoteRequest, accept_hello, parse_hello, prove, send_hello
+from kvhost.nixl.handshake import RemoteRequest
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages, back_with_huge_pages
 from kvhost.nixl.peers import Offer, Session, connect
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, merge_rows, plan_transfer, stream_extents
@@ -55,7 +55,6 @@ __all__ = [
     "EngineSpec",
     "Fields",
     "HeadShare",
-    "Hello",
     "HugePages",
     "IncompatibleEngineError",
     "InvalidTimeoutError",
@@ -77,7 +76,6 @@ __all__ = [
     "Transfer",
     "TransferError",
     "TransferPlan",
-    "accept_hello",
     "back_host_tensors_with_huge_pages",
     "back_with_huge_pages",
     "check_seconds",
@@ -91,14 +89,11 @@ __all__ = [
     "memory_spans",
     "merge_domains",
     "merge_rows",
-    "parse_hello",
     "plan_ranks",
     "plan_transfer",
-    "prove",
     "receive",
     "refusal",
     "region_table",
     "send",
-    "send_hello",
     "stream_extents",
 ]
