@@ -220,7 +220,10 @@ class TorchBackend(Backend):
                     torch.from_numpy(job.dst_ids).to(job.dst_device),
                 )
             src_index, dst_index = indices
-            gathered = source.index_select(b, src_index).to(job.dst_device, non_blocking=job.non_blocking)
+            # Into host memory the scatter reads the gathered bytes on this thread at once:
+            # a non-blocking copy there would still be landing (into pinned memory torch made).
+            landing = job.non_blocking and job.dst_device.type != "cpu"
+            gathered = source.index_select(b, src_index).to(job.dst_device, non_blocking=landing)
             dest.index_copy_(b, dst_index, gathered)
         return _completion(job)
 

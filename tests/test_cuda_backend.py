@@ -684,6 +684,26 @@ def test_non_blocking_copies_complete_through_events(device, pinned):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_torch_path_saves_scattered_blocks_to_the_host_without_blocking_and_whole(device):
+    """Ids scattered on both sides (more runs than ``max_run_copies``): the torch path
+    gathers on the device and scatters on the host, which must not read the gathered bytes
+    while a non-blocking copy is still bringing them (the device kept busy meanwhile)."""
+    blocks = 1024
+    on_device = {name: t.to(device) for name, t in caches("KBNHC", "KBNHC", blocks, 13).items()}
+    rng = np.random.default_rng(2)
+    src_ids, dst_ids = rng.permutation(blocks)[:512], rng.permutation(blocks)[:512]
+    for _ in range(3):
+        busy = torch.randn(4096, 4096, device=device)
+        for _ in range(8):
+            busy = busy @ busy
+            busy = busy / busy.norm()
+        host = {name: torch.zeros_like(t, device="cpu") for name, t in on_device.items()}
+        kvhost.copy_blocks(on_device, host, src_ids, dst_ids, axes="KBNHC", backend="torch", non_blocking=True).wait()
+        for name, tensor in on_device.items():
+            assert torch.equal(raw(host[name])[:, dst_ids], raw(tensor.cpu())[:, src_ids])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_device_backend_is_picked_and_says_its_path(device):
     backend = kvhost.get_backend(torch.device(device, 0))
     assert backend.name == device

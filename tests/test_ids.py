@@ -131,6 +131,36 @@ def test_short_and_long_id_lists_find_the_same_runs():
         assert find_runs_list(src) == find_runs(src).tolist() == kvhost.ids._short_runs(src.tolist(), src.tolist())
 
 
+@pytest.mark.parametrize(
+    ("ids", "accepted"),
+    [
+        (range(3, 4), [3]),  # one id: its first is its last
+        (range(7, -1, -1), [7, 6, 5, 4, 3, 2, 1, 0]),  # every id, down to 0
+        (range(0, 8, 3), [0, 3, 6]),
+        (range(5, 5), []),
+    ],
+)
+def test_ranges_in_bounds_are_ids(ids, accepted):
+    assert checked_ids(ids, "ids", 8).tolist() == accepted
+
+
+@pytest.mark.parametrize(
+    ("ids", "value", "position"),
+    [
+        (range(8, 9), 8, 0),
+        (range(-(2**64), 5), -(2**64), 0),  # more ids than len() can count, its last in bounds
+        (range(2, 2**64), 8, 6),  # ... its first in bounds
+        (range(7, -(10**12), -1), -1, 8),
+    ],
+)
+def test_a_range_is_refused_from_its_ends_naming_its_first_id_out_of_bounds(ids, value, position):
+    """Checked without making its ids: the first out of bounds lies within limit + 1."""
+    with pytest.raises(
+        kvhost.RequestError, match=rf"^ids: block id {value} at position {position} is out of range \[0, 8\)$"
+    ):
+        checked_ids(ids, "ids", 8)
+
+
 def test_long_values_are_cut_short_in_messages():
     def message(value: object) -> str:
         with pytest.raises(kvhost.RequestError) as raised:
