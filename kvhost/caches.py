@@ -103,7 +103,7 @@ class MemberList(list[Member]):
 class CacheSet:
     """Layers by name, validated: one device, every member the same shape and letters."""
 
-    def __init__(self, caches: Mapping[str, Layer], axes: str, *, role: str = "caches") -> None:
+    def __init__(self, caches: Mapping[str, Layer], axes: str, *, role: str = "caches", split: bool = False) -> None:
         if not isinstance(caches, Mapping):
             raise LayoutError(f"{role}: expected a mapping of layer name to tensor, got {type(caches).__name__}")
         if not caches:
@@ -156,7 +156,7 @@ class CacheSet:
         self._by_layout: list[tuple[Layout, MemberList]] | None = None
         self._copy_groups: LRU[int, tuple[CacheSet, CopyGroups]] = LRU(4)
         self._receive_groups: LRU[tuple[str, int], tuple[ReceiveGroup, ...]] = LRU(16)
-        check_owned_once(self.members, role)
+        check_owned_once(self.members, role, split=split)
         self._tensors = tuple(m.tensor for m in self.members)
         self._data_ptrs = tuple(m.data_ptr for m in self.members)
         self._shapes = tuple(m.layout.shape for m in self.members)
@@ -290,7 +290,7 @@ class CacheSet:
         split = {
             name: tuple(t for m in members for t in m.tensor.unbind(k_dim)) for name, members in self.layers.items()
         }
-        return CacheSet(split, self.member_axes, role=self.role)
+        return CacheSet(split, self.member_axes, role=self.role, split=True)
 
 
 @dataclass
@@ -367,12 +367,13 @@ class ReceiveGroup:
         return self.rearrangement.unit_bytes * self.layout.outer_count * len(self.members)
 
 
-def check_owned_once(members: list[Member], role: str) -> None:
+def check_owned_once(members: list[Member], role: str, *, split: bool = False) -> None:
     """Raise unless every block region of every member is memory no other region shares.
 
     Two names for one tensor, a tuple holding one tensor twice, two tensors over one
     buffer: each would be rewritten twice by one call. Members whose spans do not meet
     (the usual case: a tensor per layer) are told apart without listing their blocks.
+    ``split``: the members are kvhost's own disjoint slices of a set already checked.
     """
     placed = sorted((m.address, m.address + m.layout.extent_bytes, i) for i, m in enumerate(members) if m.address)
     meeting = _spans_that_meet(placed)
@@ -381,8 +382,8 @@ def check_owned_once(members: list[Member], role: str) -> None:
         overlap = find_overlap([lane for m in chosen for lane in m.layout.lanes(m.address, m.name)])
         if overlap is not None:
             raise LayoutError(f"{role}: {overlap.describe()} share memory: a call would rewrite it twice")
-    if len(placed) < len(members):  # no addresses (XLA): only the tensor objects can be told apart
-        _check_distinct_tensors(members, role)
+    if len(placed) < len(members) and not split:  # no addresses (XLA): only buffers can be told apart
+        _check_distinct_buffers([m for m in members if not m.address], role)
 
 
 def _spans_that_meet(placed: list[tuple[int, int, int]]) -> list[int]:
@@ -399,12 +400,20 @@ def _spans_that_meet(placed: list[tuple[int, int, int]]) -> list[int]:
     return sorted(chosen)
 
 
-def _check_distinct_tensors(members: list[Member], role: str) -> None:
+def _check_distinct_buffers(members: list[Member], role: str) -> None:
+    """Raise if two members without addresses are views of one buffer. Such a device (XLA)
+    reports no storage offset either (every view says 0), so the bytes two views cover cannot
+    be compared: K and V unbound from one tensor look exactly like one view given twice."""
     seen: dict[int, Member] = {}
     for member in members:
-        first = seen.setdefault(id(member.tensor), member)
+        first = seen.setdefault(member.tensor.untyped_storage()._cdata, member)
         if first is not member:
-            raise LayoutError(f"{role}: {first.name} and {member.name} are one tensor: a call would rewrite it twice")
+            what = "one tensor" if first.tensor is member.tensor else "views of one buffer"
+            raise LayoutError(
+                f"{role}: {first.name} and {member.name} are {what}, and on {member.tensor.device} kvhost cannot "
+                "tell which bytes each covers: a call could rewrite them twice (give each its own tensor, or K "
+                "and V as one tensor with a K dim)"
+            )
 
 
 def _check_dtypes(layer: str, src: torch.dtype, dst: torch.dtype) -> None:

@@ -96,6 +96,18 @@ def test_tensors_without_addresses_are_told_apart_by_identity():
         kvhost.copy_blocks({"l": a}, {"l": a}, [1, 2], [2, 3], axes="KBNHC")
 
 
+def test_tensors_without_addresses_may_not_be_views_of_one_buffer():
+    """Without addresses (meta, XLA) views report no storage offset that can be trusted, so
+    K and V unbound from one tensor cannot be told from one view given twice: both refused."""
+    a = cache(device="meta")
+    for layers in ({"a": a, "b": a.view(a.shape)}, {"a": tuple(a.unbind(0))}, {"a": (a[0],), "b": (a[1],)}):
+        with pytest.raises(kvhost.LayoutError, match=r"are views of one buffer, and on meta kvhost cannot tell"):
+            CacheSet(layers, "KBNHC")
+    # kvhost's own split of a checked set is still made (K inside the tensor on one side).
+    pair = (cache(device="meta")[0], cache(device="meta")[0])
+    assert kvhost.copy_blocks({"l": a}, {"l": pair}, [1, 2], [3, 4], axes="KBNHC").blocks == 2
+
+
 # --- copies whose tensors share a buffer ----------------------------------------------------
 
 

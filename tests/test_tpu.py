@@ -81,13 +81,14 @@ def executions() -> int:
 
 
 def test_compile_count_over_200_random_batches_stays_within_the_buckets(device):
-    """Receive and both copies, 200 random batches each: compiles grow with log(batch), not per batch."""
+    """Receive (whole prompts, and prompts ending mid-block), both copies, 200 random batches
+    each: compiles grow with log(batch), not per batch or per prompt length."""
     caches = {f"l{i}": kv_cache(256, torch.bfloat16, i, device) for i in range(2)}
     host = kvhost.KVHost(caches, axes="KBNHC", backend="tpu")
     staging = {name: random_bytes([2, 128, 8, 2, 16], torch.bfloat16, 9) for name in caches}
     rng = np.random.default_rng(0)
     most = 100
-    sizes_seen: dict[str, set[int]] = {"receive": set(), "load": set(), "save": set()}
+    sizes_seen: dict[str, set[int]] = {"receive": set(), "partial": set(), "load": set(), "save": set()}
     for operation in sizes_seen:
         before = xla.compile_count()
         for _ in range(200):
@@ -99,12 +100,17 @@ def test_compile_count_over_200_random_batches_stays_within_the_buckets(device):
                 cut = np.sort(rng.choice(np.arange(1, count), min(3, count - 1), replace=False)) if count > 1 else []
                 requests = {f"r{i}": part for i, part in enumerate(np.split(ids, cut))}
                 host.receive(requests, remote_order="HNC", remote_block_size=4)
+            elif operation == "partial":  # one prompt whose last block it fills to any token
+                tokens = int(rng.integers(1, count * 8 + 1))
+                host.receive({"p": kvhost.Incoming(ids, "HNC", 4, tokens=tokens)})
             elif operation == "load":
                 host.copy_from(staging, rng.choice(128, min(count, 128), replace=False), ids[:128])
             else:
                 host.copy_to(staging, ids[:128], rng.choice(128, min(count, 128), replace=False))
         compiled = xla.compile_count() - before
         allowed = len(buckets_up_to(most))  # 16, 32, 64, 128: 4 graphs
+        if operation == "partial":
+            allowed *= 2  # the rearrangement's graphs and the zeroing's
         assert len(sizes_seen[operation]) > 3 * allowed  # many distinct batch sizes...
         assert 1 <= compiled <= allowed, f"{operation}: {compiled} graphs compiled for 200 batches"
 
@@ -294,6 +300,17 @@ def test_xla_to_xla_copy_and_tuples(device):
     kvhost.copy_blocks({"l": source}, {"l": pair}, [1, 6], [7, 0], axes="KBNHC", backend="tpu")
     for k in range(2):
         assert torch.equal(device_bytes(pair[k])[[7, 0]], device_bytes(source)[k, [1, 6]])
+
+
+def test_views_of_one_xla_buffer_are_refused_before_a_byte_moves(device):
+    """XLA gives no addresses and reports every view at storage offset 0: two layers over one
+    buffer would be rearranged twice, so they are refused, and the cache keeps its bytes."""
+    cache = kv_cache(8, torch.bfloat16, 23, device)
+    before = device_bytes(cache)
+    for layers in ({"a": cache, "b": cache.view(cache.shape)}, {"a": tuple(cache.unbind(0))}):
+        with pytest.raises(kvhost.LayoutError, match="are views of one buffer"):
+            kvhost.receive(layers, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=2)
+    assert torch.equal(device_bytes(cache), before)
 
 
 TWO_DEVICES = """

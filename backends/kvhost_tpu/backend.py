@@ -36,7 +36,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvhost.backend import Backend, Completion, ZeroIndices
+from kvhost.backend import Backend, Completion
 from kvhost.batch import CopyJob, ReceiveJob, ZeroJob
 from kvhost.caches import Member
 from kvhost.errors import LayoutError
@@ -76,15 +76,22 @@ class TpuBackend(Backend):
             self._receive(job)
 
     def zero(self, job: ZeroJob) -> None:
-        """Zero through the integer view where the device would upcast the dtype (a float
-        op there rewrites the NaN payloads of the bytes it keeps), then one sync."""
+        """One graph per bucket, whatever the cut points: each block and the first token it
+        loses are graph data, padded like every other index list (an ``index_fill_`` per
+        cut token would compile a graph for nearly every prompt length). Whole blocks cut
+        at token 0; padding repeats the last (block, cut), so it writes the same bytes twice."""
         with _GRAPH_LOCK:
-            zeros = ZeroIndices.of(job)
+            cuts = np.stack(
+                [
+                    np.concatenate([job.whole_ids, job.partial_ids]),
+                    np.concatenate([np.zeros_like(job.whole_ids), job.partial_from]),
+                ],
+                axis=1,
+            )
+            cuts = pad_rows(cuts, bucket_size(cuts.shape[0], self.min_bucket))
+            ids, first_zeroed = _upload(cuts[:, 0], job.device), _upload(cuts[:, 1], job.device)
             for member in job.members:
-                work = xla.bitcast(member.tensor, write_dtype(member.tensor))
-                zeros.apply(work, job.layout)
-                if work is not member.tensor:
-                    member.tensor.copy_(xla.bitcast(work, member.tensor.dtype))
+                _zero_tails(member.tensor, job.layout, ids, first_zeroed)
             xla.sync()
 
     def raw(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -173,6 +180,21 @@ def _write_rows(
     work.index_put_((*grids, ids.reshape([1] * b + [-1])), rows)
     if work is not cache:
         cache.copy_(xla.bitcast(work, cache.dtype))
+
+
+def _zero_tails(cache: torch.Tensor, layout: Layout, ids: torch.Tensor, first_zeroed: torch.Tensor) -> None:
+    """Zero every token from ``first_zeroed[i]`` on in block ``ids[i]`` of ``cache``, in
+    the integer view where the device would upcast the dtype (a float op there rewrites
+    the NaN payloads of the bytes it keeps)."""
+    b = block_dim(layout)
+    n = b + 1 + layout.region.index("N")  # the token dim of the gathered blocks
+    work = xla.bitcast(cache, write_dtype(cache))
+    blocks = work.index_select(b, ids)
+    tokens = torch.arange(layout.block_size, device=cache.device)
+    zeroed = tokens.reshape(1, -1) >= first_zeroed.reshape(-1, 1)  # [block, token]: b < n, so it reshapes in place
+    shape = [1] * blocks.dim()
+    shape[b], shape[n] = zeroed.shape
+    _write_rows(cache, b, ids, blocks.masked_fill(zeroed.reshape(shape), 0), work)
 
 
 def _gather(member: Member, ids: np.ndarray) -> torch.Tensor:
