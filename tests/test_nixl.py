@@ -371,6 +371,29 @@ def test_a_batch_is_checked_whole():
         plan.merged_batch([([1], [0])], max_bytes=True)
 
 
+def test_a_batch_refusal_names_the_request_and_the_block():
+    """A refused batch says which request (its index in the batch) is at fault, and for a
+    local block named twice, the block and both requests; a batch of one needs no index."""
+    plan = plan_transfer(fake_table([0], 64, 8), fake_table([1000], 64, 8))
+    for plan_batch in (plan.merged_batch, plan.descriptor_batch, plan.merged_layers):
+        with pytest.raises(RequestError) as refused:
+            plan_batch([([1, 2], [0, 1]), ([3, 4], [2, 3]), ([5, 6, 4], [4, 5, 6]), ([7, 1], [6, 7])])
+        assert str(refused.value) == (  # the first repeat in batch order, not the smallest block repeated
+            "requests 1 and 2 of one transfer name the same local block 4: it would be written twice"
+        )
+        with pytest.raises(RequestError) as refused:
+            plan_batch([([1], [0]), ([2], [1]), ([3], [9])])
+        assert str(refused.value) == "request 2 of 3: remote_ids: block id 9 at position 0 is out of range [0, 8)"
+        with pytest.raises(RequestError) as refused:
+            plan_batch([([1], [0]), ([2, 3], [1])])
+        assert str(refused.value) == (
+            "request 1 of 2: 1 remote blocks of 1 tokens need 1 local blocks of 1 tokens, got 2 local block ids"
+        )
+        with pytest.raises(RequestError) as refused:
+            plan_batch([([8], [0])])
+        assert str(refused.value) == "local_ids: block id 8 at position 0 is out of range [0, 8)"
+
+
 def layer_views(buffer):
     """Per-layer ``KBNHC`` views of one block-major ``[B, L, K, N, H, C]`` buffer: the layers of a
     block lie back to back (a cross-layer layout)."""

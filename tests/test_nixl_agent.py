@@ -21,7 +21,16 @@ from test_nixl import caches_for, needs_nixl
 
 from kvhost.errors import ArgumentError
 from kvhost.nixl import Agent, NixlUnavailableError, ProtocolError, TransferError, plan_transfer, region_table
-from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS, Link, Transfer, merge_domains, post_rows, release_all
+from kvhost.nixl.agent import (
+    DEFAULT_THREADS,
+    MAX_THREADS,
+    Link,
+    Transfer,
+    layer_by_layer,
+    merge_domains,
+    post_rows,
+    release_all,
+)
 from kvhost.nixl.plans import extent_rows, stream_extents
 from kvhost.testing import raw
 
@@ -408,6 +417,35 @@ def test_a_transfer_that_is_over_counts_as_released_when_nixl_keeps_its_handle(s
     assert transfer.released and transfer.link.agent.uncancelled == [] and handle.released == releases
     with pytest.raises(TransferError, match="was released before it finished"):
         transfer.poll()
+
+
+@pytest.mark.parametrize(
+    ("l1_script", "message", "timed_out"),
+    [
+        (["PROC"] * 100_000, "READ from 'prefill' did not finish within 0.05 s", True),
+        (["PROC", "ERR"], "READ from 'prefill' failed: transport state 'ERR'", False),
+    ],
+    ids=["stalls", "fails"],
+)
+def test_a_layer_that_does_not_land_is_named_with_its_place(l1_script, message, timed_out):
+    """Layer by layer, the error says which layer did not land and where it stands (those
+    before it did), keeping whether it was a deadline; nothing more is posted, all is released."""
+    landed, _, landed_handle = posted("DONE")
+    stuck, _, stuck_handle = posted(*l1_script)
+    transfers = {"l0": [landed], "l1": [stuck], "l2": []}
+    asked, yielded = [], []
+
+    def post(name):
+        asked.append(name)
+        return transfers[name]
+
+    with pytest.raises(TransferError) as raised:
+        for name in layer_by_layer(post, list(transfers), 0.05):
+            yielded.append(name)
+    assert str(raised.value) == f"layer 'l1' (2 of 3): {message}"
+    assert raised.value.timed_out is timed_out
+    assert yielded == ["l0"] and asked == ["l0", "l1"]
+    assert landed_handle.released == 1 and stuck_handle.released == 1 and stuck.released
 
 
 def test_release_all_releases_every_transfer_and_names_those_left():

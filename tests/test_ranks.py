@@ -10,6 +10,8 @@ plans over real NIXL between processes are in test_xpyd.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ from test_nixl import (
 import kvhost
 from kvhost.caches import CacheSet
 from kvhost.errors import LayoutError, RequestError
-from kvhost.nixl import region_table
+from kvhost.nixl import RegionTable, Stream, ranks, region_table
 from kvhost.nixl.ranks import HeadShare, head_shares, latent_source, plan_ranks
 from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens
 
@@ -340,6 +342,22 @@ def test_a_remote_id_beyond_the_smallest_remote_rank_is_refused():
             plan.rows(source, [0], [12])
 
 
+def test_a_rank_batch_refusal_names_the_request_and_the_block():
+    """``RankPlan.batch_rows`` and ``layer_rows`` name the request at fault by its index in
+    the batch, and a local block named twice with both requests."""
+    remote = [region_table(engine_caches("KBNHC", "KBHNC", 2, 16, 8, seed=q), "KBNHC") for q in range(2)]
+    plan = plan_ranks(region_table(engine_caches("KBNHC", "KBNHC", 4, 16, 8, seed=7), "KBNHC"), 0, 1, remote)
+    for rows_of in (plan.batch_rows, plan.layer_rows):
+        with pytest.raises(RequestError) as refused:
+            rows_of(plan.sources[0], [([0, 1], [0, 1]), ([2], [2]), ([3, 1], [3, 4])])
+        assert str(refused.value) == (
+            "requests 0 and 2 of one transfer name the same local block 1: it would be written twice"
+        )
+        with pytest.raises(RequestError) as refused:
+            rows_of(plan.sources[1], [([0], [0]), ([1], [8])])
+        assert str(refused.value) == "request 1 of 2: remote_ids: block id 8 at position 0 is out of range [0, 8)"
+
+
 def test_tables_that_cannot_share_heads_are_refused_naming_why():
     def table(memory, heads, block_size, channels=CHANNELS, axes="KBNHC"):
         return region_table(
@@ -363,6 +381,107 @@ def test_tables_that_cannot_share_heads_are_refused_naming_why():
         plan_ranks(table("BKNHC", 2, 8, axes="BKNHC"), 0, 2, [table("KBNHC", 4, 8)])
     with pytest.raises(LayoutError, match="token-run tables are not shared out by heads"):
         plan_ranks(table("BKNHC", 2, 8, axes="BKNHC").token_runs(), 0, 2, [table("BKNHC", 4, 8, axes="BKNHC")])
+
+
+def peer_tables(order, heads, block_size, tp, layers=2, channels=8):
+    """A peer's rank tables as they arrive (bf16, K and V per layer, one block each, streams
+    at made-up addresses): planning never touches the memory, so any block size is cheap."""
+    run = block_size * heads * channels * 2
+    sizes = {"K": 2, "N": block_size, "H": heads, "C": channels}
+    return [
+        RegionTable(
+            "DRAM",
+            0,
+            order,
+            "",
+            sizes,
+            2,
+            1,
+            tuple(
+                Stream(f"l{layer}", (("K", k),), (1 << 40) + ((rank * layers + layer) * 2 + k) * run, run)
+                for layer in range(layers)
+                for k in range(2)
+            ),
+        )
+        for rank in range(tp)
+    ]
+
+
+def decode_table(memory, heads, blocks=8):
+    """A decode rank's table of bf16 blocks of 16 tokens, 8 channels, two layers; ``blocks``
+    declared (a table of more blocks than the test allocates: planning reads none)."""
+    caches = {f"l{i}": make_cache("KBNHC", memory, dict(K=2, B=8, N=16, H=heads, C=8)) for i in range(2)}
+    return dataclasses.replace(region_table(caches, "KBNHC"), num_blocks=blocks)
+
+
+def window_streams(plan):
+    return sum(len(part.plan.local.streams) for source in plan.sources for part in source.parts)
+
+
+@pytest.mark.timeout(20)  # before the bound, the first of these took minutes and gigabytes
+@pytest.mark.parametrize(
+    ("memory", "order", "local_tp", "remote_tp", "windows"),
+    [("KBNHC", "NHC", 2, 1, "at least 16777216"), ("KBHNC", "HNC", 1, 2, "1048576")],
+    ids=["token-major share", "head-major gather"],
+)
+def test_a_peer_block_size_that_needs_too_many_windows_is_refused_at_once(memory, order, local_tp, remote_tp, windows):
+    """A peer's block of 2**24 tokens (what EngineSpec accepts) into blocks of 16, with heads
+    shared across TP: one byte window per token (token-major) or per local block of the
+    group (head-major), each of every stream. Counted from the sizes, and refused naming
+    both block sizes, before any window is made."""
+    local = decode_table(memory, 8 // local_tp, blocks=1 << 30)  # room for a group of 2**20 blocks
+    remotes = peer_tables(order, 8 // remote_tp, 1 << 24, remote_tp)
+    start = time.perf_counter()
+    with pytest.raises(LayoutError) as refused:
+        plan_ranks(local, 0, local_tp, remotes)
+    assert time.perf_counter() - start < 0.5
+    assert str(refused.value) == (
+        f"remote blocks of 16777216 tokens into local blocks of 16 tokens: sharing the heads takes {windows} "
+        f"byte windows of 4 streams, {int(windows.split()[-1]) * 4} streams a side, more than the 65536 a plan "
+        "may hold"
+    )
+
+
+@pytest.mark.parametrize(
+    ("memory", "order", "local_tp", "remote_tp", "remote_block", "placements"),
+    [
+        ("KBNHC", "NHC", 2, 1, 64, 64),  # g = 4: a window per remote token
+        ("KBNHC", "NHC", 2, 1, 4, 16),  # r = 4: a window per remote token, per sub-block
+        ("KBHNC", "HNC", 1, 2, 64, 4),  # g = 4 gathered: each source's run cut at two local blocks' ends
+        ("KBNHC", "NHC", 1, 2, 32, 64),  # g = 2 gathered token-major: a window per token and source
+    ],
+    ids=["token-major g4", "token-major r4", "head-major gather g4", "token-major gather g2"],
+)
+def test_windows_are_counted_exactly_up_to_the_stream_budget(
+    monkeypatch, memory, order, local_tp, remote_tp, remote_block, placements
+):
+    """The count is what planning builds: at the budget the plan is made, one stream under it
+    the same pair is refused with that count."""
+    local = decode_table(memory, 8 // local_tp)
+    remotes = peer_tables(order, 8 // remote_tp, remote_block, remote_tp)
+    monkeypatch.setattr(ranks, "MAX_STREAMS", placements * 4)
+    plan = plan_ranks(local, 0, local_tp, remotes)
+    assert window_streams(plan) == placements * 4
+    monkeypatch.setattr(ranks, "MAX_STREAMS", placements * 4 - 1)
+    with pytest.raises(LayoutError, match=f"takes (at least )?{placements} byte windows of 4 streams"):
+        plan_ranks(local, 0, local_tp, remotes)
+
+
+def test_a_remote_block_larger_than_the_local_cache_is_refused():
+    """A sender block spanning more local blocks than the cache holds can never be received:
+    refused whatever moves it (byte windows, whole regions, an MLA latent)."""
+    for memory, order, local_tp in (("KBNHC", "NHC", 2), ("KBNHC", "NHC", 1), ("KBHNC", "HNC", 1)):
+        local = decode_table(memory, 8 // local_tp, blocks=8)
+        assert len(plan_ranks(local, 0, local_tp, peer_tables(order, 8, 128, 1)).sources) == 1  # g = 8 fits
+        with pytest.raises(
+            LayoutError,
+            match=r"^a remote block of 256 tokens spans 16 local blocks of 16 tokens, more than the 8 blocks of "
+            r"the local cache$",
+        ):
+            plan_ranks(local, 0, local_tp, peer_tables(order, 8, 256, 1))
+    latent = region_table({"l0": make_cache("BNC", "BNC", dict(B=4, N=16, C=4))}, "BNC")
+    with pytest.raises(LayoutError, match="spans 8 local blocks of 16 tokens, more than the 4 blocks"):
+        plan_ranks(latent, 0, 1, [dataclasses.replace(latent, sizes={"N": 128, "C": 4})])
 
 
 @needs_nixl

@@ -428,11 +428,17 @@ def layer_by_layer(post: Callable[[str], list[Transfer]], names: Sequence[str], 
     """Post each layer's transfers (``post(name)``) once the layer before has landed, and
     yield its name once its own have, within ``seconds`` of the wait for it: one layer in
     flight, the next already posted when the caller gets the one before. Every transfer is
-    released, landed or not, as the loop goes, ends or is left."""
+    released, landed or not, as the loop goes, ends or is left. A layer that fails or times
+    out is named, with its place in ``names`` (those before it landed)."""
     in_flight = post(names[0])
     try:
         for index, name in enumerate(names):
-            wait_all(in_flight, seconds)
+            try:
+                wait_all(in_flight, seconds)
+            except TransferError as err:
+                raise TransferError(
+                    f"layer {name!r} ({index + 1} of {len(names)}): {err}", timed_out=err.timed_out
+                ) from None
             release_all(in_flight)
             if index + 1 < len(names):
                 in_flight = post(names[index + 1])

@@ -405,16 +405,42 @@ def checked_batch(
     requests: Sequence[tuple[Ids, Ids]], check: Callable[[Ids, Ids], tuple[np.ndarray, np.ndarray]]
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
     """Each request of a batch checked (``check``: its local and remote ids), and the local
-    ids back to back: no block may be named by two requests (it would be written twice)."""
+    ids back to back: no block may be named by two requests (it would be written twice).
+    Requests are named by their index in the batch (a batch of one needs no name)."""
     if not requests:
         raise RequestError("a transfer needs at least one request")
-    checked = [check(local_ids, remote_ids) for local_ids, remote_ids in requests]
-    if len(checked) == 1:
+    if len(requests) == 1:
+        checked = [check(*requests[0])]
         return checked, checked[0][0]
+    checked = []
+    for index, (local_ids, remote_ids) in enumerate(requests):
+        try:
+            checked.append(check(local_ids, remote_ids))
+        except RequestError as err:
+            raise RequestError(f"request {index} of {len(requests)}: {err}") from None
     local = np.concatenate([ids for ids, _ in checked])
-    if np.unique(local).size != local.size:
-        raise RequestError("two requests of one transfer name the same local block: it would be written twice")
+    twice = _claimed_twice(local, [ids.size for ids, _ in checked])
+    if twice is not None:
+        first, second, block = twice
+        raise RequestError(
+            f"requests {first} and {second} of one transfer name the same local block {block}: "
+            "it would be written twice"
+        )
     return checked, local
+
+
+def _claimed_twice(local: np.ndarray, sizes: Sequence[int]) -> tuple[int, int, int] | None:
+    """The first local block (in batch order) that a request names after an earlier one did:
+    the two requests' indices (``sizes``: each request's ids in ``local``) and the block;
+    None when each block is named once. One sort, as ``np.unique`` would take."""
+    order = np.argsort(local, kind="stable")  # stable: a block's positions stay in batch order
+    ranked = local[order]
+    again = np.flatnonzero(ranked[1:] == ranked[:-1])
+    if not again.size:
+        return None
+    repeat = again[np.argmin(order[again + 1])]  # the repeat that comes first in the batch
+    first, second = np.searchsorted(np.cumsum(sizes), order[[repeat, repeat + 1]], side="right")
+    return int(first), int(second), int(ranked[repeat])
 
 
 def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:

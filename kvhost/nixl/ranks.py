@@ -19,7 +19,8 @@ spans the group of ``g`` local blocks ``k * g ..``. ``plan_ranks`` turns each of
 placements into a ``TransferPlan`` made by ``plan_transfer`` (over byte windows of both
 tables where a share is not a whole region), so every descriptor row comes from
 ``TransferPlan.descriptor_pairs``. ``RankReader`` posts one NIXL transfer per remote rank
-that feeds the local one.
+that feeds the local one. Windows grow with a peer's block size, so they are counted from
+the tables' sizes first and held to ``MAX_STREAMS`` streams a side, as an offer's tables are.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -46,10 +47,13 @@ from kvhost.nixl.agent import (
 )
 from kvhost.nixl.fields import check_seconds
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch, checked_request_ids, plan_transfer
-from kvhost.nixl.tables import RegionTable, Stream
+from kvhost.nixl.tables import MAX_STREAMS, RegionTable, Stream
 
 Rows = tuple[np.ndarray, np.ndarray]  # (address, length, device id) rows: local and remote
 Domains = tuple[np.ndarray | None, np.ndarray | None]  # a part's merge domains: local and remote
+Run = tuple[int, int, int]  # a share's byte run: offset in the remote region, in the virtual region, length
+# How a share of the heads moves (``_share_way``); only "windows" costs more as blocks grow.
+ShareWay = Literal["whole regions", "head streams", "head run", "windows"]
 T = TypeVar("T")
 
 
@@ -271,6 +275,12 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
     big, small = max(local.block_size, first.block_size), min(local.block_size, first.block_size)
     if big % small:
         raise LayoutError(f"block sizes {local.block_size} (local) and {first.block_size} (remote) do not divide")
+    group = first.block_size // local.block_size
+    if group > local.num_blocks:  # such a block could never be received: refused before anything is planned
+        raise LayoutError(
+            f"a remote block of {first.block_size} tokens spans {group} local blocks of {local.block_size} "
+            f"tokens, more than the {local.num_blocks} blocks of the local cache"
+        )
     remote_tp = len(remotes)
     if "H" not in local.sizes and "H" not in first.sizes:
         rank = latent_source(local_rank, local_tp, remote_tp)
@@ -284,32 +294,76 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
             f"local {local.sizes['H']} heads x TP {local_tp} and remote {first.sizes['H']} heads x TP "
             f"{remote_tp} are not the same KV heads"
         )
+    shares = head_shares(local_rank, local_tp, remote_tp, kv_heads)
+    ways = [_share_way(local, remotes[share.remote_rank], share) for share in shares]
+    windowed = [(remotes[share.remote_rank], share) for share, way in zip(shares, ways) if way == "windows"]
+    runs = dict(zip((share for _, share in windowed), _window_runs(local, windowed)))
     sources = tuple(
-        Source(share.remote_rank, share, _parts(local, remotes[share.remote_rank], share))
-        for share in head_shares(local_rank, local_tp, remote_tp, kv_heads)
+        Source(share.remote_rank, share, _parts(local, remotes[share.remote_rank], share, way, runs.get(share, [])))
+        for share, way in zip(shares, ways)
     )
     return RankPlan(local, tuple(remotes), sources)
 
 
-def _parts(local: RegionTable, remote: RegionTable, share: HeadShare) -> tuple[Part, ...]:
-    """The plans that move one remote rank's share of the heads into the local rank's blocks."""
-    local_heads, remote_heads, count = local.sizes["H"], remote.sizes["H"], share.count
-    if count == local_heads == remote_heads:  # equal TP: whole regions
-        return (Part(plan_transfer(local, remote)),)
+def _share_way(local: RegionTable, remote: RegionTable, share: HeadShare) -> ShareWay:
+    """How one remote rank's share of the heads moves into the local rank's blocks: whole
+    regions (equal TP), heads that are streams on both sides picked, one run of a head-major
+    region, or byte windows of the share's runs (``_window_parts``)."""
+    if share.count == local.sizes["H"] == remote.sizes["H"]:
+        return "whole regions"
     local_coord = "H" in dict(local.streams[0].coords)
     remote_coord = "H" in dict(remote.streams[0].coords)
-    if local_coord and remote_coord:  # heads are streams: pick and renumber them on both sides
-        return (Part(plan_transfer(local.heads(share.local_first, count), remote.heads(share.remote_first, count))),)
+    if local_coord and remote_coord:
+        return "head streams"
     if local_coord or remote_coord:
         raise LayoutError("heads are streams on one side only: the tables cannot share heads")
-    if count == local_heads and remote.run_order.startswith("H"):  # a share of a head-major region: one run
+    if share.count == local.sizes["H"] and remote.run_order.startswith("H"):
+        return "head run"
+    return "windows"
+
+
+def _parts(
+    local: RegionTable, remote: RegionTable, share: HeadShare, way: ShareWay, runs: list[Run]
+) -> tuple[Part, ...]:
+    """The plans that move one remote rank's share of the heads into the local rank's blocks
+    (``runs``: the share's runs, when it moves by byte windows)."""
+    if way == "whole regions":
+        return (Part(plan_transfer(local, remote)),)
+    count = share.count
+    if way == "head streams":  # pick and renumber the heads on both sides
+        return (Part(plan_transfer(local.heads(share.local_first, count), remote.heads(share.remote_first, count))),)
+    if way == "head run":  # a share of a head-major region: one run
         return (Part(plan_transfer(local, remote.heads(share.remote_first, count))),)
-    return _window_parts(local, remote, share)
+    return _window_parts(local, remote, runs)
 
 
-def _window_parts(local: RegionTable, remote: RegionTable, share: HeadShare) -> tuple[Part, ...]:
-    """A share that is runs of the remote region into runs of the virtual sender's: one plan
-    per placement (sub-block, or part of a group) and run length, over byte windows."""
+def _window_runs(local: RegionTable, windowed: Sequence[tuple[RegionTable, HeadShare]]) -> list[list[Run]]:
+    """The runs of each share that moves by byte windows, once their windows are known to
+    fit in ``MAX_STREAMS`` streams a side.
+
+    Each placement of a run becomes a window of every stream, and a peer's block size sets
+    how many placements there are (one run per token of a token-major block; one placement
+    per local block of a group): counted from the tables' sizes before any run or window is
+    made, so a peer cannot make this rank build more than an offer's streams. Refused with a
+    LayoutError naming both block sizes.
+    """
+    if not windowed:
+        return []
+    for remote, _ in windowed:
+        _check_window_tables(local, remote)
+    streams = max(len(local.streams), *(len(remote.streams) for remote, _ in windowed))
+    # Every run takes at least one placement: a bound from the sizes alone, before any run is listed.
+    least = sum(_run_count(remote) * _sub_blocks(local, remote) for remote, _ in windowed)
+    _check_windows(local, windowed[0][0], least, streams, exact=False)
+    runs = [_share_runs(remote, share, local.sizes["H"]) for remote, share in windowed]
+    placements = sum(_placement_count(local, remote, share_runs) for (remote, _), share_runs in zip(windowed, runs))
+    _check_windows(local, windowed[0][0], placements, streams, exact=True)
+    return runs
+
+
+def _check_window_tables(local: RegionTable, remote: RegionTable) -> None:
+    """Tables whose runs can be cut into byte windows: region tables holding the same letters
+    and sizes but ``N`` and ``H``."""
     if local.split or remote.split:
         raise LayoutError("token-run tables are not shared out by heads across ranks; pair region tables")
     if sorted(local.run_order) != sorted(remote.run_order):
@@ -317,7 +371,42 @@ def _window_parts(local: RegionTable, remote: RegionTable, share: HeadShare) -> 
     others = {a: n for a, n in local.sizes.items() if a not in "NH"}
     if others != {a: n for a, n in remote.sizes.items() if a not in "NH"}:
         raise LayoutError(f"local sizes {local.sizes} and remote sizes {remote.sizes} differ beyond N and H")
-    runs = _share_runs(remote, share, local.sizes["H"])
+
+
+def _run_count(remote: RegionTable) -> int:
+    """How many runs a share of the remote region is: one per index of the letters before H."""
+    order = remote.run_order
+    return prod(remote.sizes[a] for a in order[: order.index("H")])
+
+
+def _sub_blocks(local: RegionTable, remote: RegionTable) -> int:
+    """Placements of each run when the local block is r >= 1 times the remote one (one per
+    sub-block); otherwise a run's pieces are at least one and counted by ``_placement_count``."""
+    return max(local.block_size // remote.block_size, 1)
+
+
+def _placement_count(local: RegionTable, remote: RegionTable, runs: Sequence[Run]) -> int:
+    """How many placements ``_window_parts`` makes of ``runs``, counted without making them."""
+    if local.block_size >= remote.block_size:
+        return len(runs) * _sub_blocks(local, remote)
+    region = local.run_bytes  # each run is cut at the ends of the g local regions it crosses
+    return sum((at + length - 1) // region - at // region + 1 for _, at, length in runs)
+
+
+def _check_windows(local: RegionTable, remote: RegionTable, placements: int, streams: int, *, exact: bool) -> None:
+    """Refuse ``placements`` windows of ``streams`` streams (a lower bound unless ``exact``)
+    past ``MAX_STREAMS`` a side: each is a Python object on both sides, and a plan per placement."""
+    if placements * streams > MAX_STREAMS:
+        raise LayoutError(
+            f"remote blocks of {remote.block_size} tokens into local blocks of {local.block_size} tokens: "
+            f"sharing the heads takes {'' if exact else 'at least '}{placements} byte windows of {streams} "
+            f"streams, {placements * streams} streams a side, more than the {MAX_STREAMS} a plan may hold"
+        )
+
+
+def _window_parts(local: RegionTable, remote: RegionTable, runs: Sequence[Run]) -> tuple[Part, ...]:
+    """A share that is runs of the remote region into runs of the virtual sender's: one plan
+    per placement (sub-block, or part of a group) and run length, over byte windows."""
     virtual = remote.run_bytes // remote.sizes["H"] * local.sizes["H"]  # one region of the virtual sender
     n_remote, n_local = remote.block_size, local.block_size
     placements: list[tuple[int, int, int, int]] = []  # (phase, local offset, remote offset, length)
@@ -346,7 +435,7 @@ def _window_parts(local: RegionTable, remote: RegionTable, share: HeadShare) -> 
     )
 
 
-def _share_runs(remote: RegionTable, share: HeadShare, local_heads: int) -> list[tuple[int, int, int]]:
+def _share_runs(remote: RegionTable, share: HeadShare, local_heads: int) -> list[Run]:
     """(offset in the remote region, offset in the virtual region, length) of the share's byte
     runs: one per index of the letters before H in the region. Two runs never continue one
     another on both sides: that takes a share of every head of both sides, which ``_parts``
@@ -361,7 +450,7 @@ def _share_runs(remote: RegionTable, share: HeadShare, local_heads: int) -> list
     remote_strides, virtual_strides = strides(remote_sizes), strides(virtual_sizes)
     head = remote_strides["H"]  # bytes of one head's inner letters, alike on both sides
     before = order[: order.index("H")]
-    runs: list[tuple[int, int, int]] = []
+    runs: list[Run] = []
     for index in itertools.product(*(range(remote_sizes[a]) for a in before)):
         start = sum(i * remote_strides[a] for a, i in zip(before, index)) + share.remote_first * head
         at = sum(i * virtual_strides[a] for a, i in zip(before, index)) + share.local_first * head
