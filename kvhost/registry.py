@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 import torch
 
@@ -20,6 +21,7 @@ from kvhost.errors import BackendError
 
 ENTRY_POINT_GROUP = "kvhost.backends"
 ENV_OVERRIDE = "KVHOST_BACKEND"
+DISTRIBUTION = "kvhost"  # the distribution whose entry points are kvhost's own backends
 
 
 @dataclass(frozen=True)
@@ -43,34 +45,57 @@ class Registry:
         self._lock = threading.RLock()
         self._classes: dict[str, type[Backend]] | None = None
         self._load_errors: dict[str, tuple[str, str]] = {}  # entry point name -> (its value, why)
-        self._sources: dict[str, str] = {}  # backend name -> the value of the entry point that won
+        self._sources: dict[str, str] = {}  # backend name -> the value of the entry point kept
         self._instances: dict[str, Backend] = {}
+        self._start_failures: dict[str, str] = {}  # backend name -> why its constructor raised
         self._chosen: dict[tuple[str, str | None], Backend] = {}
 
     def classes(self) -> dict[str, type[Backend]]:
-        """Every backend class the entry points name, loading them on first call."""
+        """Every backend class the entry points name, loading them on first call.
+
+        kvhost's own entry points load first, then the others by distribution and entry
+        point name, so which class keeps a shared backend name never depends on sys.path.
+        """
         with self._lock:
             if self._classes is None:
-                self._classes = {}
-                for point in entry_points(group=self._group):
+                classes: dict[str, type[Backend]] = {}
+                kept_by: dict[str, EntryPoint] = {}  # backend name -> the entry point that holds it
+                errors: dict[str, tuple[str, str]] = {}
+                for point in sorted(entry_points(group=self._group), key=_load_order):
+                    # A broken plugin must not break the others: anything wrong with one entry
+                    # point is recorded against it and the loop goes on.
                     try:
                         cls = point.load()
-                    except Exception as err:  # a broken plugin must not break the others
-                        self._load_errors[point.name] = (point.value, f"failed to load: {type(err).__name__}: {err}")
+                        problem = _class_problem(point, cls)
+                    except Exception as err:
+                        problem = f"failed to load: {type(err).__name__}: {err}"
+                    if problem is None and cls.name in kept_by:
+                        holder = kept_by[cls.name]
+                        problem = (
+                            f"backend name {cls.name!r} is already used by entry point {holder.name!r} "
+                            f"({holder.value}); entry point {point.name!r} ({point.value}) is not registered"
+                        )
+                    if problem is not None:
+                        errors[point.name] = (point.value, problem)
                         continue
-                    if not (isinstance(cls, type) and issubclass(cls, Backend)):
-                        self._load_errors[point.name] = (point.value, f"{point.value} is not a kvhost Backend")
-                        continue
-                    known = self._classes.get(cls.name)
-                    if known is None or cls.priority > known.priority:
-                        # Keyed by the backend's name, which need not be the entry point's.
-                        self._classes[cls.name] = cls
-                        self._sources[cls.name] = point.value
+                    # Keyed by the backend's name, which need not be the entry point's.
+                    classes[cls.name] = cls
+                    kept_by[cls.name] = point
+                # Published whole, so a lookup never sees a registry loaded halfway.
+                self._sources = {name: point.value for name, point in kept_by.items()}
+                self._load_errors = errors
+                self._classes = classes
             return self._classes
 
     def info(self) -> list[BackendInfo]:
         rows = [
-            BackendInfo(name, cls.device_types, cls.priority, self._sources[name], _reason(cls))
+            BackendInfo(
+                name,
+                _device_types(cls),
+                cls.priority,
+                self._sources[name],
+                _reason(cls) or self._start_failures.get(name),
+            )
             for name, cls in self.classes().items()
         ]
         rows += [BackendInfo(name, (), 0, source, why) for name, (source, why) in self._load_errors.items()]
@@ -78,28 +103,43 @@ class Registry:
 
     def instance(self, name: str) -> Backend:
         with self._lock:
-            if name not in self._instances:
-                classes = self.classes()
-                if name not in classes:
-                    known = ", ".join(sorted(classes)) or "none"
-                    why = self._load_errors.get(name, ("", "is not registered"))[1]
-                    raise BackendError(f"backend {name!r} {why} (registered: {known})")
-                cls = classes[name]
-                reason = _reason(cls)
-                if reason is not None:
-                    raise BackendError(f"backend {name!r} cannot run here: {reason}")
-                self._instances[name] = cls()
-            return self._instances[name]
+            classes = self.classes()
+            if name not in classes:
+                known = ", ".join(sorted(classes)) or "none"
+                why = self._load_errors.get(name, ("", "is not registered"))[1]
+                raise BackendError(f"backend {name!r} {why} (registered: {known})")
+            reason = _reason(classes[name])
+            if reason is not None:
+                raise BackendError(f"backend {name!r} cannot run here: {reason}")
+            backend = self._start(name)
+            if isinstance(backend, str):
+                raise BackendError(f"backend {name!r} ({self._sources[name]}) {backend}")
+            return backend
 
     def for_device(self, device: torch.device | str) -> Backend:
         """The backend for ``device``: ``KVHOST_BACKEND`` if it serves it, else the best usable."""
-        device_type = torch.device(device).type
+        device_type = _device_type(device)
         override = os.environ.get(ENV_OVERRIDE) or None
         key = (device_type, override)
         with self._lock:
             if key not in self._chosen:
                 self._chosen[key] = self._choose(device_type, override)
             return self._chosen[key]
+
+    def _start(self, name: str) -> Backend | str:
+        """The one instance of backend ``name``, made on first use, or why making it failed.
+
+        A failure is kept (shown by ``info()``) until ``clear()``: a constructor that raised
+        once is not run again on every lookup.
+        """
+        if name not in self._instances and name not in self._start_failures:
+            try:
+                self._instances[name] = self.classes()[name]()
+            except Exception as err:  # an abstract class, or a device runtime that will not start
+                self._start_failures[name] = f"failed to start: {type(err).__name__}: {err}"
+        if name in self._instances:
+            return self._instances[name]
+        return self._start_failures[name]
 
     def _choose(self, device_type: str, override: str | None) -> Backend:
         classes = self.classes()
@@ -117,17 +157,65 @@ class Registry:
         reasons = []
         for cls in candidates:
             reason = _reason(cls)
-            if reason is None:
-                return self.instance(cls.name)
-            reasons.append(f"{cls.name}: {reason}")
+            if reason is not None:
+                reasons.append(f"{cls.name}: {reason}")
+                continue
+            backend = self._start(cls.name)
+            if not isinstance(backend, str):
+                return backend
+            # The next candidate may still serve: this one's failure is only its reason.
+            reasons.append(f"{cls.name} ({self._sources[cls.name]}): {backend}")
         raise BackendError(
             f"no usable backend for device type {device_type!r} ({'; '.join(reasons) or 'none registered'})"
         )
 
     def clear(self) -> None:
-        """Forget every choice (for tests that change the environment)."""
+        """Forget every choice and failed start (for tests that change the environment)."""
         with self._lock:
             self._chosen.clear()
+            self._start_failures.clear()
+
+
+def _load_order(point: EntryPoint) -> tuple[bool, str, str]:
+    """kvhost's own entry points first, then by distribution name and entry point name."""
+    dist = point.dist.name.lower() if point.dist is not None else ""
+    return (dist != DISTRIBUTION, dist, point.name)
+
+
+def _class_problem(point: EntryPoint, cls: object) -> str | None:
+    """Why what ``point`` loaded cannot be registered, or None when it can.
+
+    Checked here, once, because the registry sorts and compares these attributes on every
+    lookup and in ``info()``: a wrong one found later would break every backend.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        return f"{point.value} is not a kvhost Backend"
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        return f"{point.value} has no backend name: set the class attribute `name` to a non-empty str"
+    priority = cls.priority
+    if not isinstance(priority, int) or isinstance(priority, bool):  # True would sort as 1
+        return f"{point.value}: priority must be an int, got {priority!r}"
+    types = getattr(cls, "device_types", None)
+    if not isinstance(types, Collection) or isinstance(types, str) or not all(isinstance(t, str) for t in types):
+        wanted = "a collection of str device types, such as ('hpu',)"
+        return f"{point.value}: device_types must be {wanted}, got {types!r}"
+    return None
+
+
+def _device_types(cls: type[Backend]) -> tuple[str, ...]:
+    """``cls.device_types`` as a tuple, in a stable order where it has none of its own."""
+    types = cls.device_types
+    return tuple(types) if isinstance(types, Sequence) else tuple(sorted(types))
+
+
+def _device_type(device: torch.device | str) -> str:
+    """The type of ``device`` as torch parses it, or a BackendError naming what was given."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError, ValueError) as err:
+        # torch's own message lists every device type it knows, or every signature of torch.device.
+        raise BackendError(f"no backend for device {device!r}: torch.device() does not accept it") from err
 
 
 def _reason(cls: type[Backend]) -> str | None:
@@ -145,8 +233,9 @@ def get_backend(device: torch.device | str | torch.Tensor, name: str | None = No
     if isinstance(device, torch.Tensor):
         device = device.device
     if name is not None:
+        device_type = _device_type(device)
         backend = registry.instance(name)
-        if not backend.serves(torch.device(device).type):
-            raise BackendError(f"backend {name!r} does not serve device type {torch.device(device).type!r}")
+        if not backend.serves(device_type):
+            raise BackendError(f"backend {name!r} does not serve device type {device_type!r}")
         return backend
     return registry.for_device(device)

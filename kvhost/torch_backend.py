@@ -400,7 +400,7 @@ class _RunIds:
 
 
 class _StreamCompletion(Completion):
-    """Done when the device passes an event recorded after the copy on its current stream."""
+    """Done when the device passes an event recorded after the copy on the stream it queued on."""
 
     def __init__(self, event: torch.Event) -> None:
         self.event = event
@@ -416,16 +416,33 @@ def _completion(job: CopyJob) -> Completion:
     """A non-blocking copy on an accelerator finishes later: track it with a device event."""
     if not job.non_blocking:
         return Completion()
-    devices = {job.src_device, job.dst_device} - {torch.device("cpu")}
-    if not devices:
+    # The destination's stream when it is a device: a copy between two devices ends with the
+    # destination's current stream waiting for it, and the scatter after a gather queues there.
+    device = job.dst_device if job.dst_device.type != "cpu" else job.src_device
+    if device.type == "cpu":
         return Completion()
-    device = devices.pop()
-    try:
-        event = torch.Event(device=device)
-        event.record()
-    except (RuntimeError, AttributeError, TypeError):
+    event = _event_on_stream_of(device)
+    if event is None:
         # No event for this device in this torch: let the device finish before returning.
         with contextlib.suppress(RuntimeError, AttributeError):
             torch.accelerator.synchronize(device)
         return Completion()
     return _StreamCompletion(event)
+
+
+def _event_on_stream_of(device: torch.device) -> torch.Event | None:
+    """An event recorded now on ``device``'s current stream, or None where torch has none.
+
+    The stream is passed explicitly: ``torch.Event(device=...)`` keeps only the device type,
+    and ``record()`` with no stream records on the current device's stream, which is
+    another device's when the caches are not on the current one.
+    """
+    stream = current_stream(device)
+    if not isinstance(stream, torch.Stream):  # device modules' streams (torch.cuda.Stream) subclass it
+        return None
+    try:
+        event = torch.Event(device=device)
+        event.record(stream)
+    except (RuntimeError, AttributeError, TypeError):
+        return None
+    return event

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,51 @@ class Plain(Backend):  # no priority of its own; hands its work to the torch pat
         return TorchBackend().copy(job)
 
 
+class BrokenStart(TorchBackend):
+    name, device_types, priority = "probe-broken-start", ("cpu",), 60
+
+    def __init__(self):
+        raise RuntimeError("device runtime init failed")
+
+
+class Abstract(Backend):  # no receive or copy: it cannot be made
+    name, device_types, priority = "probe-abstract", ("cpu",), 70
+
+
+class NoName(Backend):
+    device_types = ("cpu",)
+
+    def receive(self, job):
+        TorchBackend().receive(job)
+
+    def copy(self, job):
+        return TorchBackend().copy(job)
+
+
+class EmptyName(TorchBackend):
+    name, device_types = "", ("cpu",)
+
+
+class TextPriority(TorchBackend):
+    name, device_types, priority = "probe-text-priority", ("cpu",), "10"
+
+
+class BoolPriority(TorchBackend):
+    name, device_types, priority = "probe-bool-priority", ("cpu",), True
+
+
+class TextTypes(TorchBackend):
+    name, device_types = "probe-text-types", "hpu"
+
+
+class MixedTypes(TorchBackend):
+    name, device_types = "probe-mixed-types", ("hpu", 3)
+
+
+class SetTypes(TorchBackend):  # any collection of strs will do; kvhost info lists them sorted
+    name, device_types, priority = "probe-set-types", frozenset({"meta", "hpu"}), 2
+
+
 NOT_A_BACKEND = 3
 """
 
@@ -152,32 +198,67 @@ absent = kvhost_registry_probe:Absent
 raising = kvhost_registry_probe:Raising
 
 [kvhost.probe-none]
+
+[kvhost.probe-unstartable]
+broken-start = kvhost_registry_probe:BrokenStart
+abstract = kvhost_registry_probe:Abstract
+
+[kvhost.probe-unstartable-then-low]
+broken-start = kvhost_registry_probe:BrokenStart
+abstract = kvhost_registry_probe:Abstract
+low = kvhost_registry_probe:Low
+
+[kvhost.probe-malformed]
+bad-bool-priority = kvhost_registry_probe:BoolPriority
+bad-empty-name = kvhost_registry_probe:EmptyName
+bad-mixed-types = kvhost_registry_probe:MixedTypes
+bad-no-name = kvhost_registry_probe:NoName
+bad-text-priority = kvhost_registry_probe:TextPriority
+bad-text-types = kvhost_registry_probe:TextTypes
+good = kvhost_registry_probe:Low
+set-types = kvhost_registry_probe:SetTypes
 """
 
 
 @pytest.fixture
-def probes(tmp_path, monkeypatch):
-    """A distribution (a module and its dist-info) on sys.path: importlib.metadata finds its
-    entry points as it finds an installed plugin's."""
-    (tmp_path / "kvhost_registry_probe.py").write_text(PROBE_MODULE)
-    info = tmp_path / "kvhost_registry_probe-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvhost-registry-probe\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(PROBE_ENTRY_POINTS)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def install(tmp_path, monkeypatch):
+    """Installs a distribution (a module and its dist-info) in a directory of its own, put
+    first on sys.path: importlib.metadata finds its entry points as it finds an installed
+    plugin's. Its module is forgotten after the test."""
+    modules: list[str] = []
+
+    def install(module: str, source: str, entry_points: str) -> None:
+        site = tmp_path / module
+        info = site / f"{module}-1.0.dist-info"
+        info.mkdir(parents=True)
+        (site / f"{module}.py").write_text(source)
+        name = module.replace("_", "-")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(entry_points)
+        monkeypatch.syspath_prepend(str(site))
+        modules.append(module)
+
     monkeypatch.delenv("KVHOST_BACKEND", raising=False)
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+@pytest.fixture
+def probes(install):
+    install("kvhost_registry_probe", PROBE_MODULE, PROBE_ENTRY_POINTS)
     import kvhost_registry_probe
 
-    yield kvhost_registry_probe
-    sys.modules.pop("kvhost_registry_probe", None)
+    return kvhost_registry_probe
 
 
-def test_the_registry_keeps_the_highest_priority_class_of_a_name_and_reports_what_failed(probes, tmp_path):
+def test_the_registry_keeps_the_first_class_of_a_name_and_reports_what_failed(probes, tmp_path):
     from kvhost.registry import BackendInfo, Registry
 
     probe = Registry("kvhost.probe-backends")
     classes = probe.classes()
-    assert classes["probe"] is probes.High  # over Low (lower) and Same (equal, listed later)
+    # Loaded by entry point name: "high" before "low" and "same", whatever their priorities.
+    assert classes["probe"] is probes.High
     assert sorted(classes) == ["probe", "probe-absent", "probe-any", "probe-plain", "probe-raising"]
     rows = {row.name: row for row in probe.info()}
     assert rows["probe-plain"] == BackendInfo("probe-plain", ("hpu",), 0, "kvhost_registry_probe:Plain", None)
@@ -191,11 +272,20 @@ def test_the_registry_keeps_the_highest_priority_class_of_a_name_and_reports_wha
     wrong = "kvhost_registry_probe:NOT_A_BACKEND"
     assert rows["wrong"] == BackendInfo("wrong", (), 0, wrong, f"{wrong} is not a kvhost Backend")
     assert rows["probe"].source == "kvhost_registry_probe:High"  # the entry point whose class was kept
+    for clash in ("low", "same"):
+        assert rows[clash] == BackendInfo(
+            clash,
+            (),
+            0,
+            f"kvhost_registry_probe:{clash.title()}",
+            "backend name 'probe' is already used by entry point 'high' (kvhost_registry_probe:High); "
+            f"entry point {clash!r} (kvhost_registry_probe:{clash.title()}) is not registered",
+        )
     assert repr(probe.instance("probe")) == "<kvhost backend 'probe' for cpu>"
     assert probe.instance("probe") is probe.instance("probe")
     assert probe.instance("probe-plain").describe() == ""
     # Entry points are read once: a distribution removed afterwards changes nothing.
-    (tmp_path / "kvhost_registry_probe-1.0.dist-info" / "entry_points.txt").unlink()
+    (tmp_path / "kvhost_registry_probe" / "kvhost_registry_probe-1.0.dist-info" / "entry_points.txt").unlink()
     assert probe.classes() is classes and sorted(classes)[0] == "probe"
     assert Registry("kvhost.probe-backends").classes() == {}  # a new registry reads them again
 
@@ -252,3 +342,157 @@ def test_each_backends_priority_is_the_one_readme_shows(name):
     """Plugins choose theirs against these (docs/plugins.md): they are part of the contract."""
     priorities = {row.name: row.priority for row in registry.info()}
     assert _readme_priorities()[name] == priorities[name]
+
+
+def test_a_backend_that_fails_to_start_is_passed_over_and_named_when_asked_for(probes, monkeypatch):
+    from kvhost.registry import Registry
+
+    probe = Registry("kvhost.probe-unstartable-then-low")
+    # cpu: probe-abstract (70) and probe-broken-start (60) raise when made; Low (1) serves.
+    assert probe.for_device("cpu") is probe.instance("probe")
+    rows = {row.name: row for row in probe.info()}
+    assert rows["probe-broken-start"].unavailable == "failed to start: RuntimeError: device runtime init failed"
+    assert rows["probe-abstract"].unavailable.startswith(
+        "failed to start: TypeError: Can't instantiate abstract class Abstract"
+    )
+    with pytest.raises(
+        kvhost.BackendError,
+        match=r"^backend 'probe-broken-start' \(kvhost_registry_probe:BrokenStart\) failed to start: "
+        r"RuntimeError: device runtime init failed$",
+    ):
+        probe.instance("probe-broken-start")
+    monkeypatch.setenv("KVHOST_BACKEND", "probe-abstract")  # asked for by name: an error, no fallback
+    with pytest.raises(
+        kvhost.BackendError,
+        match=r"^backend 'probe-abstract' \(kvhost_registry_probe:Abstract\) failed to start: TypeError: Can't",
+    ):
+        probe.for_device("cpu")
+    monkeypatch.delenv("KVHOST_BACKEND")
+    probe.clear()  # a failed start is forgotten with the choices: the next lookup tries again
+    assert {row.name: row.unavailable for row in probe.info()}["probe-broken-start"] is None
+    with pytest.raises(
+        kvhost.BackendError,
+        match=r"no usable backend for device type 'cpu' \(probe-abstract \(kvhost_registry_probe:Abstract\): "
+        r"failed to start: TypeError: Can't .*; probe-broken-start \(kvhost_registry_probe:BrokenStart\): "
+        r"failed to start: RuntimeError: device runtime init failed\)",
+    ):
+        Registry("kvhost.probe-unstartable").for_device("cpu")
+
+
+def test_malformed_backend_classes_are_reported_and_the_others_load(probes):
+    from kvhost.registry import Registry
+
+    probe = Registry("kvhost.probe-malformed")
+    # The bad entry points load before "good" and "set-types": the registry still has those.
+    assert probe.classes() == {"probe": probes.Low, "probe-set-types": probes.SetTypes}
+    assert probe.for_device("cpu").name == "probe" and probe.for_device("hpu").name == "probe-set-types"
+    rows = {row.name: row for row in probe.info()}
+    assert rows["probe-set-types"].device_types == ("hpu", "meta")
+    no_name = "has no backend name: set the class attribute `name` to a non-empty str"
+    types = "device_types must be a collection of str device types, such as ('hpu',), got"
+    assert {name: (row.source, row.unavailable) for name, row in rows.items() if name.startswith("bad-")} == {
+        "bad-bool-priority": (
+            "kvhost_registry_probe:BoolPriority",
+            "kvhost_registry_probe:BoolPriority: priority must be an int, got True",
+        ),
+        "bad-empty-name": ("kvhost_registry_probe:EmptyName", f"kvhost_registry_probe:EmptyName {no_name}"),
+        "bad-mixed-types": (
+            "kvhost_registry_probe:MixedTypes",
+            f"kvhost_registry_probe:MixedTypes: {types} ('hpu', 3)",
+        ),
+        "bad-no-name": ("kvhost_registry_probe:NoName", f"kvhost_registry_probe:NoName {no_name}"),
+        "bad-text-priority": (
+            "kvhost_registry_probe:TextPriority",
+            "kvhost_registry_probe:TextPriority: priority must be an int, got '10'",
+        ),
+        "bad-text-types": ("kvhost_registry_probe:TextTypes", f"kvhost_registry_probe:TextTypes: {types} 'hpu'"),
+    }
+    with pytest.raises(kvhost.BackendError, match=r"^backend 'bad-no-name' kvhost_registry_probe:NoName has no"):
+        probe.instance("bad-no-name")
+
+
+PLUGIN_MODULE = """
+from kvhost.torch_backend import TorchBackend
+
+
+class BrokenStart(TorchBackend):
+    name, device_types, priority = "plugin-broken-start", ("cpu",), 20
+
+    def __init__(self):
+        raise RuntimeError("device runtime init failed")
+
+
+class NamedCpu(TorchBackend):
+    name, device_types, priority = "cpu", ("hpu",), 10
+
+    @classmethod
+    def unavailable_reason(cls):
+        return "habana_frameworks is not installed"
+
+
+class Unnamed(TorchBackend):  # no name of its own: it inherits "torch"
+    device_types, priority = ("hpu",), 10
+"""
+
+PLUGIN_ENTRY_POINTS = """
+[kvhost.backends]
+plugin-broken-start = kvhost_registry_plugin:BrokenStart
+my-cpu = kvhost_registry_plugin:NamedCpu
+my-hpu = kvhost_registry_plugin:Unnamed
+"""
+
+
+def test_kvhosts_own_backends_keep_their_names_and_serve_past_a_plugin_that_fails(install, monkeypatch):
+    from kvhost_cpu import CpuBackend
+
+    from kvhost.registry import Registry
+    from kvhost.torch_backend import TorchBackend
+
+    install("kvhost_registry_plugin", PLUGIN_MODULE, PLUGIN_ENTRY_POINTS)
+    plugged = Registry()
+    assert plugged.classes()["cpu"] is CpuBackend and plugged.classes()["torch"] is TorchBackend
+    rows = {row.name: row for row in plugged.info()}
+    assert rows["my-cpu"].unavailable == (
+        "backend name 'cpu' is already used by entry point 'cpu' (kvhost_cpu:CpuBackend); "
+        "entry point 'my-cpu' (kvhost_registry_plugin:NamedCpu) is not registered"
+    )
+    assert rows["my-hpu"].unavailable == (
+        "backend name 'torch' is already used by entry point 'torch' (kvhost.torch_backend:TorchBackend); "
+        "entry point 'my-hpu' (kvhost_registry_plugin:Unnamed) is not registered"
+    )
+    # plugin-broken-start (20) is tried first for cpu, fails to start, and kvhost's cpu serves.
+    assert plugged.for_device("cpu") is plugged.instance("cpu") and plugged.for_device("meta").name == "torch"
+    failed = r"^backend 'plugin-broken-start' \(kvhost_registry_plugin:BrokenStart\) failed to start: RuntimeError"
+    with pytest.raises(kvhost.BackendError, match=failed):
+        plugged.instance("plugin-broken-start")
+    monkeypatch.setenv("KVHOST_BACKEND", "plugin-broken-start")
+    with pytest.raises(kvhost.BackendError, match=failed):
+        plugged.for_device("cpu")
+
+
+def test_of_two_plugins_with_one_name_the_first_by_distribution_is_kept_wherever_it_is(probes, install):
+    from importlib.metadata import entry_points
+
+    from kvhost.registry import Registry
+
+    rival = "from kvhost.torch_backend import TorchBackend\n\n\nclass Rival(TorchBackend):\n"
+    rival += '    name, device_types, priority = "probe", ("cpu",), 99\n'
+    install("kvhost_registry_probe_rival", rival, "[kvhost.probe-backends]\naaa = kvhost_registry_probe_rival:Rival\n")
+    assert next(iter(entry_points(group="kvhost.probe-backends"))).name == "aaa"  # first on sys.path
+    probe = Registry("kvhost.probe-backends")
+    # Distribution kvhost-registry-probe sorts before kvhost-registry-probe-rival: its High
+    # keeps the name although the rival's priority is higher and it is found first.
+    assert probe.classes()["probe"] is probes.High
+    assert {row.name: row.unavailable for row in probe.info()}["aaa"] == (
+        "backend name 'probe' is already used by entry point 'high' (kvhost_registry_probe:High); "
+        "entry point 'aaa' (kvhost_registry_probe_rival:Rival) is not registered"
+    )
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", 3.5])
+def test_a_device_torch_cannot_parse_is_a_backend_error_naming_it(device):
+    message = re.escape(f"no backend for device {device!r}: torch.device() does not accept it")
+    with pytest.raises(kvhost.BackendError, match=message):
+        kvhost.get_backend(device)
+    with pytest.raises(kvhost.BackendError, match=message):
+        kvhost.get_backend(device, "cpu")

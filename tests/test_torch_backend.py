@@ -1,0 +1,109 @@
+"""The torch backend's completion of a non-blocking copy: an event on the caches' device.
+
+``torch.Event(device="cuda:1")`` keeps only the device type, and ``record()`` with no
+stream records on the current device's stream: with the caches on another device than the
+current one, that event says nothing about the copy. On the host the event's stream is
+checked on ``meta`` (which has neither streams nor events in torch, so both are stood in
+for where noted); with two CUDA devices the real event is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvhost
+import kvhost.torch_backend
+from kvhost.batch import plan_copy_batch
+from kvhost.caches import CacheSet
+from kvhost.testing import fill_random, make_cache
+
+SIZES = dict(K=2, B=8, N=8, H=2, C=4)
+META = torch.device("meta")
+
+
+class StreamsOfDevices:
+    """Stands in for ``current_stream`` on ``meta``: a real ``torch.Stream`` object of its own
+    per device asked about, and the devices asked about, in order."""
+
+    def __init__(self) -> None:
+        self.asked: list[torch.device] = []
+        self.streams: dict[torch.device, torch.Stream] = {}
+
+    def __call__(self, device: torch.device) -> torch.Stream:
+        self.asked.append(device)
+        return self.streams.setdefault(device, torch.Stream(device=META))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The stream each event made by the torch backend was recorded on (meta's own record
+    raises: torch has no meta events), and the streams handed out."""
+    streams = StreamsOfDevices()
+    recorded: list[object] = []
+
+    class RecordedEvent(torch.Event):
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    monkeypatch.setattr(kvhost.torch_backend, "current_stream", streams)
+    monkeypatch.setattr(torch, "Event", RecordedEvent)
+    return streams, recorded
+
+
+def meta_copy_job(src: torch.device, dst: torch.device, non_blocking: bool = True):
+    """A planned copy job between meta caches, given the devices it says its sides are on."""
+    caches = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}, "KBNHC")
+    (job,) = plan_copy_batch(caches, caches, [1, 2], [3, 4], non_blocking).jobs
+    return dataclasses.replace(job, src_device=src, dst_device=dst)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "tracked"),
+    [
+        ("cpu", "meta:1", "meta:1"),  # to a device: its stream
+        ("meta:1", "cpu", "meta:1"),  # to the host: the source device's
+        ("meta:0", "meta:1", "meta:1"),  # between devices: the destination's, which waits for the copy
+    ],
+)
+def test_a_non_blocking_copy_is_tracked_on_the_stream_of_its_device(recorded, src, dst, tracked):
+    streams, events = recorded
+    completion = kvhost.torch_backend._completion(meta_copy_job(torch.device(src), torch.device(dst)))
+    assert streams.asked == [torch.device(tracked)]  # the index kept, not the current device's
+    assert len(events) == 1 and events[0] is streams.streams[torch.device(tracked)]
+    assert isinstance(completion.event, torch.Event)
+
+
+def test_torch_backend_copies_record_their_event_on_the_caches_stream(recorded):
+    streams, events = recorded
+    src = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    dst = {"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}
+    result = kvhost.copy_blocks(src, dst, [1, 2], [3, 4], axes="KBNHC", non_blocking=True, backend="torch")
+    assert result.backend == "torch"
+    assert streams.asked == [META] and len(events) == 1 and events[0] is streams.streams[META]
+    assert isinstance(result.completion.event, torch.Event)
+
+
+def test_a_blocking_copy_or_one_on_the_host_needs_no_event(recorded):
+    streams, events = recorded
+    for job in (meta_copy_job(META, META, non_blocking=False), meta_copy_job(torch.device("cpu"), torch.device("cpu"))):
+        assert kvhost.torch_backend._completion(job).done()
+    assert streams.asked == [] and events == []
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_copy_on_the_second_gpu_is_done_only_when_that_gpu_is_done():
+    """cuda:0 current and idle, cuda:1 busy: the copy on cuda:1 queues behind the busy work,
+    and the result says so until cuda:1 has run it."""
+    assert torch.cuda.current_device() == 0
+    src = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES, device="cuda:1"), 1)}
+    dst = {"l": make_cache("KBNHC", "KBNHC", SIZES, device="cuda:1")}
+    with torch.cuda.device(1):
+        torch.cuda._sleep(1 << 30)  # about half a second of cuda:1's current stream
+    result = kvhost.copy_blocks(src, dst, [1, 2], [3, 4], axes="KBNHC", non_blocking=True, backend="torch")
+    assert result.completion.event.device == torch.device("cuda:1")
+    assert not result.done()
+    assert result.wait().done()
+    assert torch.equal(dst["l"][:, 3:5], src["l"][:, 1:3])
