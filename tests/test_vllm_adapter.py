@@ -378,6 +378,27 @@ def test_post_process_rejects_bad_batches_before_moving_a_byte():
         assert case.same_as(before), message
 
 
+def test_post_process_names_the_engine_of_malformed_arguments():
+    """Arguments of the wrong shape are a RequestError naming the engine where there is one,
+    raised before any byte moves; never an AttributeError or TypeError from inside."""
+    caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
+    kv = VllmCaches(caches, "flash_attn")
+    case = ReceiveCase(caches, kv.axes, seed=4)
+    before = case.snapshot()
+    good = RemoteEngine("HND", 2)
+    bad_calls = [
+        ({"p": [3, 7]}, {"p": good}, "engine 'p': received must map request id to block ids, got list"),
+        ({"p": {"r": [3]}}, {"p": ("HND", 2)}, "engine 'p': remote_engines gives a tuple, not a RemoteEngine"),
+        ({"p": {"r": [3]}}, {"p": RemoteEngine(["HND"], 2)}, r"engine 'p': layout \['HND'\] must be a layout name"),
+        ({"p": {"r": [3]}}, [good], "remote_engines must map engine id to RemoteEngine, got list"),
+        ([("p", {"r": [3]})], {"p": good}, "received must map engine id to {request id: block ids}, got list"),
+    ]
+    for received, engines, message in bad_calls:
+        with pytest.raises(kvhost.RequestError, match=message):
+            kv.post_process(received, engines)
+        assert case.same_as(before), message
+
+
 def test_constructor_errors():
     caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
     with pytest.raises(kvhost.LayoutError, match="give exactly one of layout"):
@@ -436,9 +457,15 @@ def test_save_rejects_bad_ids_by_request_and_changes_nothing():
         kv.save_to_host(host, {"a": [1, 2], "b": [3, 8]})
     with pytest.raises(kvhost.RequestError, match=r"request 'a': block ids must be integers, got 1\.5 at position 0"):
         kv.save_to_host(host, {"a": [1.5]})
-    small = kv.host_buffers(num_blocks=4)
-    with pytest.raises(kvhost.RequestError, match="destination block id 5"):
-        kv.save_to_host(small, {"a": [5]})
+    small = kv.host_buffers(num_blocks=4)  # fewer blocks than ours: ids are checked against both
+    fill(small, seed=7)
+    small_before = [raw(t).clone() for t in small.values()]
+    host_range = r"request 'b': host buffer block id 5 at position 0 is out of range \[0, 4\)"
+    with pytest.raises(kvhost.RequestError, match=host_range):
+        kv.save_to_host(small, {"a": [1], "b": [5]})
+    with pytest.raises(kvhost.RequestError, match=host_range):
+        kv.load_from_host(small, {"a": [1], "b": [5]})
+    assert all(torch.equal(raw(t), b) for t, b in zip(small.values(), small_before))
     with pytest.raises(kvhost.LayoutError, match="host layout 'KBNC' must use the letters"):
         kv.host_buffers(physical="KBNC")
     assert all(torch.equal(raw(t), b) for t, b in zip(host.values(), before))

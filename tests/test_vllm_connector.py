@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvhost.errors import LayoutError
+from kvhost.errors import LayoutError, RequestError
 from kvhost.integrations.vllm import cross_layer_view
 from kvhost.testing import fill_random, nixl_read, raw
 
@@ -476,6 +476,14 @@ def forbid_vllm_copies(*args, **kwargs):
     raise AssertionError("vLLM's per-request host copy ran; kvhost's one call per step should have")
 
 
+def engine_port(engine: str) -> int:
+    """A port of the engine's own: vLLM takes a new engine at a known address for a restart
+    of the one before, and drops that one once its requests are done."""
+    import zlib
+
+    return 1 + zlib.crc32(engine.encode()) % 60000
+
+
 def drive(connector, worker, requests, computed=None):
     """Steps as the model runner drives them: bind metadata, start loads, poll, until every
     request finished or failed. ``requests``: req -> (local ids, remote ids, engine);
@@ -490,7 +498,7 @@ def drive(connector, worker, requests, computed=None):
             "remote_engine_id": engine,
             "remote_request_id": req_id,
             "remote_host": "localhost",
-            "remote_port": 1,
+            "remote_port": engine_port(engine),
             "remote_tp_size": 1,
         }
         hit = (computed or {}).get(req_id, 0)
@@ -1092,3 +1100,348 @@ def test_a_save_step_copies_kernel_blocks_and_an_empty_step_copies_nothing(vllm_
     others = [b for b in range(BLOCKS) if b not in copied]
     assert torch.equal(tokens_of(worker.host_xfer_buffers, copied, BLOCK), tokens_of(device, copied, BLOCK))
     assert torch.equal(tokens_of(worker.host_xfer_buffers, others, BLOCK), tokens_of(before, others, BLOCK))
+
+
+# --- handshakes on vLLM's thread, heterogeneous TP, groups, failures, dropped engines ----
+
+
+def test_a_handshake_on_another_thread_leaves_the_steps_host_buffer_mode(vllm_env, copying):
+    """vLLM shakes hands on its own thread. While its checks run there (shown no host
+    buffer), a step on the main thread still loads its finished request from the host
+    buffer and saves to it: the request reads its sender's tokens, not stale device bytes."""
+    import threading
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    senders = {"a": ("LBNHC", 64), "b": ("LBNHC", 64)}
+    prefill, payloads = sender_workers(vllm_env, senders, host_buffer=True)
+    for sender_worker, _, _ in prefill.values():  # the prefill side's save of every block
+        sender_worker.kvhost.save_to_host(
+            sender_worker.host_xfer_buffers, {"all": range(sender_worker.kvhost.num_blocks)}
+        ).wait()
+    connector, worker, caches = make_worker(
+        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=copying
+    )
+    worker.copy_blocks = forbid_vllm_copies
+    fake_handshakes(worker, payloads)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+
+    entered, release, seen_while_checking = threading.Event(), threading.Event(), []
+    checks = NixlBaseConnectorWorker._validate_remote_agent_handshake
+
+    def held_checks(self, meta, *args, **kwargs):  # vLLM's checks of b, held open until the step ran
+        if meta.engine_id == "b":
+            seen_while_checking.append(self.use_host_buffer)
+            entered.set()
+            release.wait(30)
+        return checks(self, meta, *args, **kwargs)
+
+    with patch.object(NixlBaseConnectorWorker, "_validate_remote_agent_handshake", held_checks):
+        handshake = threading.Thread(target=worker.add_remote_agent, args=(payloads["b"], 0, 1))
+        handshake.start()
+        assert entered.wait(30)
+        try:
+            assert worker.use_host_buffer is True  # this thread's view, during b's checks
+            steps = drive(connector, worker, {"r": ([20, 2], [7, 1], "a")})
+            metadata = NixlConnectorMetadata()
+            metadata.add_new_req_to_save("s", ([5, 6],), {})
+            calls = spy(worker, ("save_to_host",))
+            connector.bind_connector_metadata(metadata)
+            connector.wait_for_save()
+            connector.clear_connector_metadata()
+        finally:
+            release.set()
+            handshake.join()
+    assert seen_while_checking == [False] and worker.use_host_buffer is True
+    assert "b" in worker.remote_engines  # b's handshake went through
+    assert [args[1] for _, args in calls] == [{"s": [5, 6]}]
+    assert_one_call_per_step(steps, "load_from_host")
+    check_tokens(caches, 64, {"r": ([20, 2], [7, 1], "a")}, {}, senders, prefill, before, set())
+
+
+def test_a_sender_of_another_tp_size_needs_our_region_order(vllm_env, copying, tmp_path):
+    """With another tensor-parallel size vLLM reads a share of heads per rank and places it
+    as if both sides had one layout: a sender whose block regions hold their letters in
+    another order than ours is refused, naming the engine and both layouts, and nothing is
+    noted; one in our region order (our layout, or BLHNC's padded blocks) is taken."""
+    one_head = write_model(tmp_path, 1)  # a prefill rank of TP 2 holds one of the two KV heads
+    _, payloads = sender_workers(
+        one_head, {"nhd": ("LBNHC", 64), "hnd": ("LBHNC", 64), "blhnc": ("BLHNC", 64)}, heads=1
+    )
+    _, worker, _ = make_worker(vllm_env, "LBHNC", block_size=64, blocks=16, wrapper=copying)
+    with pytest.raises(
+        LayoutError,
+        match=r"engine 'nhd': tensor-parallel size 2 \(ours 1\) splits heads, .* its LBNHC blocks read 'NHC' there, "
+        r"our LBHNC blocks 'HNC'",
+    ):
+        worker.add_remote_agent(payloads["nhd"], 0, 2)
+    assert not worker.remote_engines and "nhd" not in worker.dst_xfer_side_handles
+    for engine in ("hnd", "blhnc"):
+        for rank in (0, 1):
+            worker.add_remote_agent(dataclasses.replace(payloads[engine]), rank, 2)
+        assert set(worker.dst_xfer_side_handles[engine]) == {0, 1}
+    assert set(worker.remote_engines) == {"hnd", "blhnc"}
+
+
+def test_several_kv_cache_groups_are_refused_at_registration(vllm_env):
+    """A hybrid model (full and sliding-window attention) has two transfer groups: refused
+    when the caches are registered, naming both, before anything is described or registered."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SlidingWindowSpec,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    shape = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.bfloat16}
+    specs = (FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=64))
+    tensors, caches = [], {}
+    for name, spec in zip(LAYER_NAMES, specs):
+        strides = compute_layout_strides(spec, BLOCKS, 1, KVCacheLayout["LBNHC"])
+        tensor = KVCacheTensor(spec.page_size_bytes * BLOCKS, [name], strides[0], strides[1])
+        memory = torch.zeros(tensor.size, dtype=torch.int8)
+        caches[name] = create_kv_cache_views(memory, spec, BLOCKS, KVCacheLayout["LBNHC"], tensor)[0]
+        tensors.append(tensor)
+    groups = [KVCacheGroupSpec([name], spec) for name, spec in zip(LAYER_NAMES, specs)]
+    kv_cache_config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    config = make_config(vllm_env, "LBNHC")
+    base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+    with (
+        set_current_vllm_config(config),
+        patch(f"{base}.NixlWrapper", FakeNixlWrapper),
+        patch(f"{base}.check_nixl_version", lambda version: None),
+        patch.object(current_platform, "discover_numa_topology", lambda: []),
+    ):
+        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+        worker = connector.connector_worker
+        with pytest.raises(
+            LayoutError,
+            match=r"takes one KV cache group that transfers, got 2: group 0: FullAttentionSpec of 1 layers "
+            r"\('model.layers.0.self_attn.attn'\); group 1: SlidingWindowSpec of 1 layers "
+            r"\('model.layers.1.self_attn.attn'\)",
+        ):
+            connector.register_kv_caches(caches)
+    assert worker.kvhost is None and not worker.device_kv_caches and worker.num_regions == 0
+
+
+@pytest.mark.parametrize("fails", ["post_process", "load_from_host"])
+def test_a_step_whose_kvhost_work_fails_reports_its_requests_failed(vllm_env, copying, fails):
+    """When kvhost's post-process or host load raises for a step, the requests it was for
+    are reported finished and failed (their blocks invalid, as vLLM reports a failed read),
+    the error is logged for each, and later steps go on."""
+    host_buffer = fails == "load_from_host"
+    senders = {"s": ("LBHNC", 32)}
+    _, payloads = sender_workers(vllm_env, senders, host_buffer=host_buffer)
+    connector, worker, _ = make_worker(
+        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=host_buffer, wrapper=copying
+    )
+    fake_handshakes(worker, payloads)
+    assert not set().union(*(f for _, f, _ in drive(connector, worker, {"first": ([1], [2, 3], "s")})))
+    if fails == "post_process":  # a size kvhost refuses: 48 tokens do not divide our 64
+        worker.remote_engines["s"] = dataclasses.replace(worker.remote_engines["s"], block_size=48)
+    else:  # host buffers smaller than the ids loaded
+        registered = worker.host_xfer_buffers
+        worker.host_xfer_buffers = worker.kvhost.host_buffers(num_blocks=8)
+    requests = {"a": ([30, 9], [0, 5, 2, 7], "s"), "b": ([40], [6, 1], "s")}
+    with patch.object(worker, "_log_failure", wraps=worker._log_failure) as logged:
+        steps = drive(connector, worker, requests)
+    finished = set().union(*(f for f, _, _ in steps))
+    failed = set().union(*(f for _, f, _ in steps))
+    assert finished == failed == {"a", "b"}
+    assert worker.get_block_ids_with_load_errors() == {30, 9, 40}
+    assert worker.last_post_process is None
+    kind = {"post_process": "post_process_failed", "load_from_host": "host_load_failed"}[fails]
+    logged_failures = sorted((c.kwargs["req_id"], c.kwargs["failure_type"]) for c in logged.call_args_list)
+    assert logged_failures == [("a", kind), ("b", kind)]
+    assert all(isinstance(c.kwargs["error"], RequestError) for c in logged.call_args_list)
+    if fails == "load_from_host":
+        worker.host_xfer_buffers = registered
+    else:
+        worker.remote_engines["s"] = dataclasses.replace(worker.remote_engines["s"], block_size=32)
+    steps = drive(connector, worker, {"c": ([3], [4, 8], "s")})  # the next step works as usual
+    assert not set().union(*(f for _, f, _ in steps))
+
+
+def test_engines_vllm_drops_are_forgotten_once_no_request_needs_them(vllm_env, copying):
+    """vLLM drops an engine (TTL, a replaced or invalid peer): its notes go with it, so that
+    a decoder meeting a new engine id at every prefill restart does not grow; an engine
+    dropped in the very step that finishes its last request (a replaced peer) keeps them
+    until that request is post-processed from them, and reads its sender's tokens."""
+    connector, worker, caches = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    senders = {"old": ("LBHNC", 128)}
+    prefill, payloads = sender_workers(vllm_env, senders)
+    for i in range(20):
+        engine = f"restart-{i}"
+        name = worker.add_remote_agent(dataclasses.replace(payloads["old"], engine_id=engine), 0, 1)
+        worker._remote_agents[engine] = {(0, 0): name}  # what vLLM's handshake keeps of it
+        worker._cleanup_remote_engine(engine)
+    assert worker.remote_engines == {} and worker.larger_remote_blocks == {}
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    fake_handshakes(worker, payloads)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    requests = {"r": ([3, 9, 12], [5, 1], "old")}
+    metadata = NixlConnectorMetadata()
+    metadata.add_new_req_to_recv(
+        "r",
+        ([3, 9, 12],),
+        {
+            "remote_block_ids": ([5, 1],),
+            "remote_engine_id": "old",
+            "remote_request_id": "r",
+            "remote_host": "localhost",
+            "remote_port": 1,
+            "remote_tp_size": 1,
+        },
+    )
+    done = set()
+    for step in range(200):
+        connector.bind_connector_metadata(metadata if step == 0 else NixlConnectorMetadata())
+        connector.start_load_kv(None)
+        if "r" in worker._recving_transfers:  # its read is posted: a new engine now serves the address
+            worker._engine_by_address[("localhost", 1)] = "new"
+            assert "old" in worker.remote_engines
+        results = worker.get_transfer_results()
+        connector.clear_connector_metadata()
+        done |= set(results.finished_recving)
+        if done:
+            break
+        time.sleep(0.02)
+    assert done == {"r"} and not results.failed_recving
+    assert "old" not in worker._remote_agents  # vLLM dropped it in that very step
+    assert worker.last_post_process is not None and worker.last_post_process.requests == 2  # r/0 and r/2
+    assert worker.remote_engines == {} and worker.larger_remote_blocks == {}
+    check_tokens(caches, 64, requests, {}, senders, prefill, before, set())
+
+
+def documented_sender_layouts() -> dict[str, tuple[set[str], bool]]:
+    """docs/integrations.md's table of sender layouts: decoder -> (senders, of our block size only)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    table = text.split("<!-- sender-layouts:", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for decoder, senders in re.findall(r"^\| `(\w+)` \| (.+) \|$", table, flags=re.M):
+        rows[decoder] = (set(re.findall(r"`(\w+)`", senders)), "our block size only" in senders)
+    return rows
+
+
+def test_the_sender_layouts_the_docs_list_are_the_ones_taken(vllm_env, copying):
+    """Every decoder layout against every sender layout, at sender blocks of half, once and
+    twice ours: the handshake takes exactly the pairs docs/integrations.md lists, and a
+    refused one notes nothing (the sender's requests then fail, as vLLM fails them)."""
+    documented = documented_sender_layouts()
+    assert set(documented) == set(LAYOUTS)
+    taken, expected = set(), set()
+    for decoder in LAYOUTS:
+        senders, same_size_only = documented[decoder]
+        for layout in LAYOUTS:
+            for size in (32, 64, 128):
+                _, worker, _ = make_worker(vllm_env, decoder, block_size=64, blocks=64, wrapper=copying)
+                _, payloads = sender_workers(vllm_env, {"s": (layout, size)})
+                if layout in senders and (size == 64 or not same_size_only):
+                    expected.add((decoder, layout, size))
+                try:
+                    worker.add_remote_agent(payloads["s"], 0, 1)
+                    taken.add((decoder, layout, size))
+                except (AssertionError, LayoutError):  # vLLM's refusal, or kvhost's
+                    assert not worker.remote_engines and not worker.larger_remote_blocks
+    assert sorted(taken) == sorted(expected)
+
+
+def test_cpu_attentions_repack_runs_after_kvhosts_post_process(vllm_env, copying):
+    """A CPU_ATTN decoder repacks blocks from a sender of another attention backend into
+    its own format after the receive post-process, as vLLM's own worker orders it: kvhost's
+    load and post-process come first, then one repack per request, and the bytes are the
+    ones vLLM's own connector leaves. (The platform's repack is a native op this CPU wheel
+    lacks; it is played by one that, like it, rewrites [B, H, N, 2D] blocks as K rows then V
+    rows.)"""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+    from vllm.platforms import current_platform
+
+    order = []
+
+    def repack(cls, kv_cache, indices):
+        order.append(("repack", sorted(indices.tolist())))
+        blocks, heads, tokens, fused = kv_cache.shape
+        packed = kv_cache.index_select(0, indices)
+        packed = torch.cat([packed[..., : fused // 2], packed[..., fused // 2 :]], dim=2)
+        kv_cache.view(blocks, heads, 2 * tokens, fused // 2).index_copy_(0, indices, packed)
+
+    senders = {"gpu": ("LBHNC", 32)}
+    requests = {"a": ([3, 9], [0, 5, 2, 7], "gpu"), "b": ([4, 11], [6, 1, 3, 8], "gpu")}
+    received = {}
+    vllms_config = make_config
+    with patch.object(type(current_platform), "pack_kv_cache", classmethod(repack), create=True):
+        for which in ("vllm", "kvhost"):
+            _, payloads = sender_workers(vllm_env, senders)
+            payloads["gpu"] = dataclasses.replace(payloads["gpu"], attn_backend_name="FLASH_ATTN")
+            if which == "vllm":
+
+                def own_connector(*args, **kwargs):
+                    config = vllms_config(*args, **kwargs)
+                    config.kv_transfer_config = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+                    return config
+
+                with patch(f"{__name__}.make_config", own_connector):
+                    connector, worker, caches = make_worker(
+                        vllm_env, "LBHNC", block_size=64, blocks=64, wrapper=copying
+                    )
+            else:
+                connector, worker, caches = make_worker(vllm_env, "LBHNC", block_size=64, blocks=64, wrapper=copying)
+                post_process = worker.kvhost.post_process
+
+                def recorded(*args, _post_process=post_process, **kwargs):
+                    order.append(("post_process", None))
+                    return _post_process(*args, **kwargs)
+
+                worker.kvhost.post_process = recorded
+            assert worker.backend_name == "CPU_ATTN"
+            fake_handshakes(worker, payloads)
+            for i, view in enumerate(caches.values()):
+                fill_random(view, 100 + i)
+            order.clear()
+            metadata = NixlConnectorMetadata()
+            for req, (local_ids, remote_ids, engine) in requests.items():
+                params = {
+                    "remote_block_ids": (remote_ids,),
+                    "remote_engine_id": engine,
+                    "remote_request_id": req,
+                    "remote_host": "localhost",
+                    "remote_port": 1,
+                }
+                metadata.add_new_req_to_recv(req, (local_ids,), params)
+            done = set()
+            for step in range(200):
+                connector.bind_connector_metadata(metadata if step == 0 else NixlConnectorMetadata())
+                connector.start_load_kv(None)
+                done |= set(worker.get_transfer_results().finished_recving)
+                connector.clear_connector_metadata()
+                if done >= set(requests):
+                    break
+                time.sleep(0.02)
+            received[which] = {name: raw(view)[[3, 9, 4, 11]].clone() for name, view in caches.items()}
+            if which == "kvhost":
+                assert order[0] == ("post_process", None) and sorted(order[1:]) == [
+                    ("repack", [3, 9]),
+                    ("repack", [3, 9]),
+                    ("repack", [4, 11]),
+                    ("repack", [4, 11]),
+                ]  # one repack per request and layer, after the one post-process
+    assert all(torch.equal(received["vllm"][name], received["kvhost"][name]) for name in received["vllm"])

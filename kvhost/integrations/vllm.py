@@ -236,8 +236,8 @@ class VllmCaches:
         common prefix) are copied once. ``host_axes`` names the host buffers' dims when
         they differ from ours: the copy rearranges on the way.
         """
-        ids = self._batch_ids(block_ids)
         host = self._as_described(host_buffers)
+        ids = self._batch_ids(block_ids, _block_count(host, host_axes or self.axes))
         return self._kvhost.copy_to(host, ids, ids, dst_axes=host_axes, non_blocking=non_blocking)
 
     def load_from_host(
@@ -249,8 +249,8 @@ class VllmCaches:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy every request's blocks from the host buffers into the same block ids here."""
-        ids = self._batch_ids(block_ids)
         host = self._as_described(host_buffers)
+        ids = self._batch_ids(block_ids, _block_count(host, host_axes or self.axes))
         return self._kvhost.copy_from(host, ids, ids, src_axes=host_axes, non_blocking=non_blocking)
 
     def post_process(
@@ -270,14 +270,34 @@ class VllmCaches:
         vLLM does. The whole batch is checked before any byte moves, and requests whose
         senders share a layout and block size are rearranged together.
         """
+        if not isinstance(received, Mapping):
+            raise RequestError(
+                f"received must map engine id to {{request id: block ids}}, got {type(received).__name__}"
+            )
+        if not isinstance(remote_engines, Mapping):
+            raise RequestError(
+                f"remote_engines must map engine id to RemoteEngine, got {type(remote_engines).__name__}"
+            )
         requests: dict[str, BlockIds] = {}
         engine_of: dict[str, str] = {}
         sender: dict[str, tuple[str, int]] = {}  # engine -> its remote order and block size
         for engine_id, by_request in received.items():
+            if not isinstance(by_request, Mapping):
+                raise RequestError(
+                    f"engine {engine_id!r}: received must map request id to block ids, got {type(by_request).__name__}"
+                )
             remote = remote_engines.get(engine_id)
             if remote is None:
                 known = ", ".join(map(repr, remote_engines)) or "none"
                 raise RequestError(f"engine {engine_id!r} sent blocks but has no RemoteEngine (known: {known})")
+            if not isinstance(remote, RemoteEngine):
+                raise RequestError(
+                    f"engine {engine_id!r}: remote_engines gives a {type(remote).__name__}, not a RemoteEngine"
+                )
+            if not isinstance(remote.kv_cache_layout, str):
+                raise RequestError(
+                    f"engine {engine_id!r}: layout {remote.kv_cache_layout!r} must be a layout name (a str)"
+                )
             if isinstance(remote.block_size, bool) or not isinstance(remote.block_size, int) or remote.block_size <= 0:
                 raise RequestError(f"engine {engine_id!r}: block size {remote.block_size!r} must be a positive integer")
             try:
@@ -334,11 +354,15 @@ class VllmCaches:
 
     # --- helpers --------------------------------------------------------------------------
 
-    def _batch_ids(self, block_ids: Mapping[str, BlockIds]) -> np.ndarray:
-        """Every request's ids, checked and named by request, each block once, ascending."""
+    def _batch_ids(self, block_ids: Mapping[str, BlockIds], host_blocks: int | None = None) -> np.ndarray:
+        """Every request's ids, checked and named by request against our block count and the
+        host buffers' (``host_blocks``, where it can be read off them), each block once, ascending."""
         if not isinstance(block_ids, Mapping):
             raise RequestError(f"block ids must map request id to block ids, got {type(block_ids).__name__}")
-        batch = IdBatch(self.num_blocks, unique=False)  # a shared prefix names a block twice: copied once
+        limit, what = self.num_blocks, "block id"
+        if host_blocks is not None and host_blocks < limit:
+            limit, what = host_blocks, "host buffer block id"
+        batch = IdBatch(limit, what=what, unique=False)  # a shared prefix names a block twice: copied once
         for request_id, ids in block_ids.items():
             batch.add(f"request {request_id!r}", ids)
         batch.check()
@@ -368,6 +392,22 @@ class VllmCaches:
                     f"layer {members[0].layer!r} is stored {layout.physical} (strides {layout.strides}), "
                     f"but layout {name!r} stores a {layout.axes} cache as {expected}"
                 )
+
+
+def _block_count(buffers: Mapping[str, Layer], axes: str) -> int | None:
+    """The fewest blocks any of ``buffers``' tensors holds, read as ``axes`` (a tuple
+    layer's tensors without ``K``); None where no tensor has that many dims, whose
+    description kvhost's copy then refuses itself."""
+    counts: list[int] = []
+    for layer in buffers.values() if isinstance(buffers, Mapping) else ():
+        tensors = layer if isinstance(layer, tuple) else (layer,)
+        letters = axes.replace("K", "") if isinstance(layer, tuple) else axes
+        counts.extend(
+            t.shape[letters.index("B")]
+            for t in tensors
+            if isinstance(t, torch.Tensor) and t.dim() == len(letters) and "B" in letters
+        )
+    return min(counts) if counts else None
 
 
 def _member_is_tuple(member: Member, axes: str) -> bool:

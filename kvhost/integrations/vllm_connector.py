@@ -16,9 +16,10 @@ kvhost, one call per step each, and reads what vLLM cannot:
 - the host-buffer staging vLLM uses where NIXL cannot reach device memory (TPU, XPU,
   plugin devices): one save per step for every request to save, one load per step for
   every request received, instead of a copy per request;
-- the handshake accepts any remote KVCacheLayout (vLLM refuses all pairs but
-  LBHNC -> LBNHC), block sizes that differ with host buffers too, and remote blocks
-  larger than ours (g x ours; vLLM refuses them): each sender block is read as units
+- the handshake accepts remote KVCacheLayouts vLLM refuses (all pairs but LBHNC ->
+  LBNHC; docs/integrations.md lists the ones taken), block sizes that differ with host
+  buffers too, and remote blocks larger than ours (g x ours; vLLM refuses them): each
+  sender block is read as units
   (``LargerRemoteBlocks``: chunks of ``kvhost.nixl.plan_transfer``, one per block of
   ours, cut once more per run of the sender's tokens), so that the bytes land as
   kvhost's wire model says, whole sender blocks and sender blocks read in part alike.
@@ -32,6 +33,7 @@ import it, so it is only loaded when vLLM loads it.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -135,6 +137,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     """vLLM's pull worker; post-process and host staging are kvhost calls, one per step."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before vLLM's __init__, which sets use_host_buffer (a property here).
+        self._handshake_checks = threading.local()  # .running: this thread is in vLLM's handshake checks
+        self._use_host_buffer = False
         super().__init__(*args, **kwargs)
         self.kvhost: VllmCaches | None = None  # the device caches, once registered
         self.kvhost_host: VllmCaches | None = None  # the host buffers, in host-buffer mode
@@ -146,12 +151,29 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self.last_post_process: ReceiveStats | None = None
         self.kvhost_huge_pages = HugePages()  # what asking for huge pages under registered host memory did
         self._loads: dict[str, list[int]] = {}
+        self._packs: list[list[int]] = []  # vLLM's CPU attention repacks of a step, run after kvhost's
+        # The step's receiving requests, while get_transfer_results runs: vLLM pops finished
+        # ones (and may drop their engine) before kvhost post-processes them.
+        self._receiving: dict[str, Any] = {}
+        self._dropped_engines: set[str] = set()  # dropped by vLLM; their notes go once no request needs them
 
     # --- registration ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's, with caches in host memory first backed by huge pages, which lets a peer
-        on the same machine read them near memcpy speed (``kvhost.nixl.hugepages``)."""
+        on the same machine read them near memcpy speed (``kvhost.nixl.hugepages``). Several
+        transfer groups (hybrid models) are refused first: a request's blocks would come in one
+        list per group, each of its own block size, which the post-process does not cover."""
+        groups = self.kv_cache_config.transfer_groups
+        if len(groups) != 1:
+            named = "; ".join(
+                f"group {i}: {type(group.kv_cache_spec).__name__} of {len(group.layer_names)} layers "
+                f"({', '.join(map(repr, group.layer_names[:2]))}{', ...' if len(group.layer_names) > 2 else ''})"
+                for i, group in enumerate(groups)
+            )
+            raise LayoutError(
+                f"KvhostNixlConnector takes one KV cache group that transfers, got {len(groups)}: {named or 'none'}"
+            )
         self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout)
         self.kvhost_huge_pages = back_host_tensors_with_huge_pages(m.tensor for m in self.kvhost.caches.members)
         super().register_kv_caches(kv_caches)  # in host-buffer mode, calls initialize_host_xfer_buffer
@@ -192,20 +214,77 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             _note(self.larger_remote_blocks, engine, noted[1])
             raise
 
+    @property
+    def use_host_buffer(self) -> bool:
+        """vLLM's flag; False only on a thread running vLLM's handshake checks here, so that a
+        step on another thread (vLLM shakes hands on its own thread) sees the worker's mode."""
+        if getattr(self._handshake_checks, "running", False):
+            return False
+        return self._use_host_buffer
+
+    @use_host_buffer.setter
+    def use_host_buffer(self, value: bool) -> None:
+        self._use_host_buffer = value
+
     def _validate_remote_agent_handshake(self, nixl_agent_meta: Any, remote_tp_size: int, *args: Any) -> None:
         """vLLM's checks, less two refusals kvhost makes moot: another remote KVCacheLayout
         (each sender gets its own transform) and block sizes that differ in host-buffer mode
         (the host buffer is laid out like the device). vLLM is shown our layout as the
-        sender's, so it never turns on its worker-wide permute either."""
+        sender's, so it never turns on its worker-wide permute either. Hiding the sender's
+        layout also hides it from vLLM's heterogeneous-TP refusal, which kvhost makes instead
+        (``_check_head_split``)."""
+        self._check_head_split(nixl_agent_meta, remote_tp_size)
+        self._check_region_rearranges(nixl_agent_meta)
         theirs = nixl_agent_meta.kv_cache_layout
-        host_mode = bool(getattr(self, "use_host_buffer"))  # noqa: B009 (vLLM's attribute, untyped here)
         nixl_agent_meta.kv_cache_layout = self.kv_cache_layout  # the host buffer's too (initialize_host_xfer_buffer)
-        self.use_host_buffer = False
+        self._handshake_checks.running = True
         try:
             super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size, *args)
         finally:
             nixl_agent_meta.kv_cache_layout = theirs
-            self.use_host_buffer = host_mode
+            self._handshake_checks.running = False
+
+    def _check_head_split(self, meta: Any, remote_tp_size: int) -> None:
+        """Refuse a sender of another tensor-parallel size whose block regions hold their
+        letters in another order than ours. vLLM then reads a share of heads per rank and
+        places it as if both sides had one layout; the post-process, which sees one block,
+        cannot undo that. (MLA and replicated KV split no heads: any order stays right.)"""
+        assert self.kvhost is not None and self.transfer_topo is not None
+        engine = meta.engine_id
+        if (
+            abs(self.transfer_topo.tp_ratio(remote_tp_size)) == 1
+            or self.use_mla
+            or self.transfer_topo.is_kv_replicated(engine)
+        ):
+            return
+        theirs = self.kvhost.remote_order(meta.kv_cache_layout)
+        ours = self.kvhost.remote_order(self.kv_cache_layout)
+        if theirs != ours:
+            raise LayoutError(
+                f"engine {engine!r}: tensor-parallel size {remote_tp_size} (ours {self.transfer_topo.tp_size}) "
+                f"splits heads, which needs the sender's blocks in our region order; its {meta.kv_cache_layout} "
+                f"blocks read {theirs!r} there, our {self.kv_cache_layout} blocks {ours!r}"
+            )
+
+    def _check_region_rearranges(self, meta: Any) -> None:
+        """Refuse a sender whose bytes need rearranging where our NIXL regions are not
+        kvhost's block regions (BLNHC: vLLM registers a block's row of every layer, kvhost
+        describes each layer's part): the post-process would rearrange each layer's part as
+        if the sender's bytes for it had landed there. A sender of our layout and block size
+        needs no rearranging, and lands right."""
+        assert self.kvhost is not None
+        if meta.kv_cache_layout == self.kv_cache_layout and meta.block_size == self.block_size:
+            return
+        layout = self.kvhost.caches.layout
+        region_bytes = prod(layout.size(a) for a in layout.region) * layout.itemsize
+        registered = sorted(set(self.block_len_per_layer))
+        if registered != [region_bytes]:
+            raise LayoutError(
+                f"engine {meta.engine_id!r}: its {meta.kv_cache_layout} blocks of {meta.block_size} tokens need "
+                f"rearranging, but our {self.kv_cache_layout} NIXL regions ({registered} bytes a block) are not "
+                f"kvhost's block regions ({layout.region!r}, {region_bytes} bytes); only a sender of our layout "
+                f"and block size ({self.block_size}) is taken"
+            )
 
     def _plan_larger_remote_blocks(self, meta: Any, remote_tp_size: int, remote_dcp_size: int) -> LargerRemoteBlocks:
         """kvhost's transfer plan between our NIXL regions and a sender's whose blocks are
@@ -223,7 +302,6 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             "decode context parallelism": self.dcp_size > 1 or remote_dcp_size > 1,
             "mamba state": self._has_mamba,
             "layer-name routing (pipeline parallelism)": bool(self._transfer_layer_region_indices),
-            "several KV cache groups": len(self.kv_cache_config.transfer_groups) != 1,
         }
         for what, present in unsupported.items():
             if present:
@@ -311,6 +389,35 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         ]
         return np.concatenate(rows)
 
+    def _cleanup_remote_engine(self, engine_id: str, *, log_eviction: bool = True) -> None:
+        """vLLM's, and kvhost's notes of the engine go too, once no request needs them: vLLM
+        may drop an engine in the very step that finishes its last request, before kvhost
+        post-processes it; without this, every engine ever met (each prefill restart is a
+        new one) would stay noted."""
+        super()._cleanup_remote_engine(engine_id, log_eviction=log_eviction)
+        self._dropped_engines.add(engine_id)
+        self._forget_dropped_engines()
+
+    def _forget_dropped_engines(self) -> None:
+        """Forget the notes of engines vLLM dropped that no receiving request names, unless
+        the engine shook hands again or is shaking hands (its notes are the new ones)."""
+        if not self._dropped_engines:
+            return
+        needed = {
+            meta.remote.engine_id
+            for requests in (self._recving_metadata, self._receiving)
+            for meta in requests.values()
+            if meta.remote is not None
+        }
+        with self._handshake_lock:  # a handshake thread notes an engine before vLLM records its agents
+            for engine in list(self._dropped_engines):
+                if engine in self._remote_agents or engine in self._handshake_futures:
+                    self._dropped_engines.discard(engine)  # known again: noted anew
+                elif engine not in needed:
+                    self.remote_engines.pop(engine, None)
+                    self.larger_remote_blocks.pop(engine, None)
+                    self._dropped_engines.discard(engine)
+
     # --- reads ---------------------------------------------------------------------------
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> bool:
@@ -366,19 +473,70 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     def post_process_device_kv_on_receive(self, *args: Any, **kwargs: Any) -> None:
         """Replaced by one kvhost call per step (``get_transfer_results``)."""
 
+    def post_process_device_kv_on_receive_heterogeneous_attn(self, block_ids: list[int]) -> None:
+        """Collected here; vLLM's repack into CPU attention's format runs on the bytes
+        kvhost loaded and post-processed, as vLLM orders it (``get_transfer_results``)."""
+        self._packs.append(list(block_ids))
+
     def get_transfer_results(self) -> Any:
-        receiving = dict(self._recving_metadata)  # vLLM's loop pops what finished
-        self._loads = {}  # filled by vLLM's loop (sync_recved_kv_to_device)
-        results = super().get_transfer_results()
-        if self._loads:
-            assert self.kvhost is not None
-            self.kvhost.load_from_host(self.host_xfer_buffers, self._loads).wait()
-        done = set(results.finished_recving) - set(results.failed_recving)
-        self.last_post_process = self._post_process({r: receiving[r] for r in done if r in receiving})
+        """vLLM's, then one kvhost load and one post-process for the step's finished
+        requests, then vLLM's repacks. Where kvhost's load or post-process fails, the
+        requests it was for are reported as failed receives, their blocks invalid, as vLLM
+        reports a failed read, and the error is logged: the step's results are never lost."""
+        self._receiving = dict(self._recving_metadata)  # vLLM's loop pops what finished
+        self._loads, self._packs = {}, []  # filled by vLLM's loop
+        self.last_post_process = None
+        try:
+            results = super().get_transfer_results()
+            assert self.kvhost is not None  # registered before any request could arrive
+            failed: set[str] = set()
+            if self._loads:
+                try:
+                    self.kvhost.load_from_host(self.host_xfer_buffers, self._loads).wait()
+                except Exception as err:  # any error: the requests must still be reported
+                    failed = self._fail_receives(set(self._loads), "host_load_failed", err)
+            done = set(results.finished_recving) - set(results.failed_recving) - failed
+            pending = {r: self._receiving[r] for r in done if r in self._receiving}
+            named = set(pending)  # until the batch says which of them kvhost rearranges
+            try:
+                received, engines, tokens = self._post_process_batch(pending)
+                named = {request.split("/")[0] for by_request in received.values() for request in by_request}
+                if received:
+                    self.last_post_process = self.kvhost.post_process(received, engines, tokens=tokens)
+            except Exception as err:
+                failed |= self._fail_receives(named, "post_process_failed", err)
+            stale = {b for r in failed if r in self._receiving for b in self._receiving[r].local_physical_block_ids[0]}
+            for block_ids in self._packs:
+                if stale.isdisjoint(block_ids):
+                    super().post_process_device_kv_on_receive_heterogeneous_attn(block_ids)
+            results.failed_recving.update(failed)  # already in finished_recving, as vLLM lists failures
+        finally:
+            self._receiving = {}
+            self._forget_dropped_engines()
         return results
+
+    def _fail_receives(self, requests: set[str], failure_type: str, error: Exception) -> set[str]:
+        """Log each request as failed, and mark its blocks invalid as vLLM does for a failed
+        read (the scheduler recomputes them)."""
+        for req_id in sorted(requests):
+            meta = self._receiving.get(req_id)
+            self._log_failure(failure_type=failure_type, req_id=req_id, msg=str(error), error=error, meta=meta)
+            if meta is not None and not self._is_hma_required:
+                self._invalid_block_ids.put(set(meta.local_block_ids[0]))
+        return requests
 
     def _post_process(self, finished: Mapping[str, Any]) -> ReceiveStats | None:
         """Every finished request of every engine, rearranged and its tail zeroed at once."""
+        received, engines, tokens = self._post_process_batch(finished)
+        if not received:
+            return None
+        assert self.kvhost is not None  # registered before any request could arrive
+        return self.kvhost.post_process(received, engines, tokens=tokens)
+
+    def _post_process_batch(
+        self, finished: Mapping[str, Any]
+    ) -> tuple[dict[str, dict[str, list[int]]], dict[str, RemoteEngine], dict[str, int]]:
+        """``post_process``'s arguments for the finished requests whose bytes kvhost finishes."""
         received: dict[str, dict[str, list[int]]] = {}
         engines: dict[str, RemoteEngine] = {}
         tokens: dict[str, int] = {}
@@ -389,7 +547,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             engine = meta.remote.engine_id
             remote_engine = self.remote_engines[engine]
             layout, remote_size = remote_engine.kv_cache_layout, remote_engine.block_size
-            (local_ids,) = meta.local_physical_block_ids  # one attention group (checked at load)
+            (local_ids,) = meta.local_physical_block_ids  # one transfer group (register_kv_caches)
             if not local_ids:
                 continue
             larger = self.larger_remote_blocks.get(engine)
@@ -408,10 +566,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             arrived = min(len(local_ids) * local_size, len(remote_ids) * remote_size)
             if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
-        if not received:
-            return None
-        assert self.kvhost is not None  # registered before any request could arrive
-        return self.kvhost.post_process(received, engines, tokens=tokens)
+        return received, engines, tokens
 
 
 def _region_table(
