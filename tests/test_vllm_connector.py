@@ -1186,6 +1186,55 @@ def test_a_sender_of_another_tp_size_needs_our_region_order(vllm_env, copying, t
     assert set(worker.remote_engines) == {"hnd", "blhnc"}
 
 
+@pytest.mark.parametrize("sender", ["LBHNC", "BLHNC"])
+def test_a_sender_of_another_tp_size_in_our_region_order_lands_each_ranks_heads(vllm_env, copying, tmp_path, sender):
+    """The pairs the TP rule takes read right: two prefill ranks of one KV head each into a
+    decoder of two, each rank's head landing in its head of our blocks, token for token,
+    and the post-process leaves them (our region order: nothing to rearrange)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    one_head = write_model(tmp_path, 1)
+    ranks = []
+    for rank in range(2):
+        _, prefill, caches = make_worker(one_head, sender, block_size=64, blocks=8, wrapper=copying, heads=1)
+        for i, view in enumerate(caches.values()):
+            fill_random(view, 10 * rank + i + 1)
+        ranks.append((caches, handshake_payload(prefill, "p")))
+    connector, worker, caches = make_worker(vllm_env, "LBHNC", block_size=64, blocks=16, wrapper=copying)
+
+    def handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        names = {(0, r): worker.add_remote_agent(ranks[r][1], r, remote_tp_size) for r in range(remote_tp_size)}
+        return names, 0.0
+
+    worker._nixl_handshake = handshake
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    local_ids, remote_ids = [3, 9], [2, 5]
+    metadata = NixlConnectorMetadata()
+    params = {"remote_block_ids": (remote_ids,), "remote_engine_id": "p", "remote_request_id": "r"}
+    params |= {"remote_host": "h", "remote_port": 1, "remote_tp_size": 2, "tp_size": 2}
+    metadata.add_new_req_to_recv("r", (local_ids,), params)
+    finished: set[str] = set()
+    for step in range(200):
+        connector.bind_connector_metadata(metadata if step == 0 else NixlConnectorMetadata())
+        connector.start_load_kv(None)
+        results = worker.get_transfer_results()
+        connector.clear_connector_metadata()
+        assert not results.failed_recving
+        finished |= results.finished_recving
+        if finished:
+            break
+        time.sleep(0.01)
+    assert finished == {"r"} and worker.last_post_process.bytes_moved == 0
+    for name, view in caches.items():
+        got = raw(view)  # [B, H, N, C]
+        for head, (sent, _) in enumerate(ranks):
+            assert torch.equal(got[local_ids, head], raw(sent[name])[remote_ids, 0]), (name, head)
+        untouched = [b for b in range(16) if b not in local_ids]
+        assert torch.equal(got[untouched], before[name][untouched]), name
+
+
 def test_several_kv_cache_groups_are_refused_at_registration(vllm_env):
     """A hybrid model (full and sliding-window attention) has two transfer groups: refused
     when the caches are registered, naming both, before anything is described or registered."""
