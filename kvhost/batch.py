@@ -41,7 +41,8 @@ class Incoming:
     """A finished request: its local block ids in token order, and the sender's layout.
 
     ``remote_order`` and ``remote_block_size`` default to the call's values, and those to
-    the local region order and block size. ``tokens``, when given, is how many of the
+    the local ones: the block size, and each layout's own region order (a sender laid out
+    like the caches, whose layers may differ in strides). ``tokens``, when given, is how many of the
     request's tokens arrived: sender blocks that hold none of them are not rearranged,
     and every token from ``tokens`` on, to the end of the request's blocks, is zeroed
     (what vLLM does to a prompt that does not end on a block boundary). It has no
@@ -142,7 +143,7 @@ def plan_receive_batch(
         raise RequestError(f"requests must be a mapping of request id to block ids, got {type(requests).__name__}")
     local = caches.layout
     call_key = (
-        _remote_order(remote_order, local.region, "remote_order"),
+        _remote_order(remote_order, None, "remote_order"),  # None: each layout's own (a sender laid out like us)
         _remote_block_size(remote_block_size, local.block_size, "remote_block_size"),
     )
     try:
@@ -158,7 +159,7 @@ def plan_receive_batch(
             blocks = sum(counts)  # type: ignore[arg-type]  # no None: just checked
             return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
     batch = IdBatch(caches.num_blocks)
-    keys: dict[tuple[str, int], int] = {}
+    keys: dict[tuple[str | None, int], int] = {}  # (remote order, None: each layout's own; block size)
     key_of_request: list[int] = []
     arrived: dict[int, int] = {}  # request index -> tokens that arrived, for requests that say
     for name, request in requests.items():
@@ -383,7 +384,7 @@ def _plain_count(ids: Sequence[int] | np.ndarray) -> int | None:
         return None
 
 
-def _remote_order(order: object, default: str, what: str) -> str:
+def _remote_order(order: object, default: str | None, what: str) -> str | None:
     """A sender's region order as given (None: ``default``); anything but letters is refused."""
     if order is None:
         return default

@@ -155,7 +155,7 @@ class CacheSet:
         self.layout = first.layout
         self._by_layout: list[tuple[Layout, MemberList]] | None = None
         self._copy_groups: LRU[int, tuple[CacheSet, CopyGroups]] = LRU(4)
-        self._receive_groups: LRU[tuple[str, int], tuple[ReceiveGroup, ...]] = LRU(16)
+        self._receive_groups: LRU[tuple[str | None, int], tuple[ReceiveGroup, ...]] = LRU(16)
         check_owned_once(self.members, role, split=split)
         self._tensors = tuple(m.tensor for m in self.members)
         self._data_ptrs = tuple(m.data_ptr for m in self.members)
@@ -226,9 +226,11 @@ class CacheSet:
             self._by_layout = list(groups.items())
         return self._by_layout
 
-    def receive_groups(self, remote_order: str, remote_block_size: int) -> tuple[ReceiveGroup, ...]:
+    def receive_groups(self, remote_order: str | None, remote_block_size: int) -> tuple[ReceiveGroup, ...]:
         """The layouts that a sender's region order and block size leave work in, each with
-        its rearrangement; none when the transform is the identity everywhere.
+        its rearrangement; none when the transform is the identity everywhere. A
+        ``remote_order`` of None is each layout's own: a sender laid out like these caches,
+        whose layers may differ in strides (the first layer's order would rewrite the others).
 
         Planned once per transform and kept (a few transforms: a peer can name many), so a
         connector receiving from the same sender every step plans once. The planner
@@ -237,7 +239,10 @@ class CacheSet:
         key = (remote_order, remote_block_size)
         groups = self._receive_groups.get(key)
         if groups is None:
-            planned = ((layout, members, plan_receive(layout, *key)) for layout, members in self.by_layout())
+            planned = (
+                (layout, members, plan_receive(layout, remote_order or layout.region, remote_block_size))
+                for layout, members in self.by_layout()
+            )
             groups = self._receive_groups.put(
                 key, tuple(ReceiveGroup(members, layout, plan) for layout, members, plan in planned if plan)
             )

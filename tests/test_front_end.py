@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.testing import ReceiveCase, fill_random, make_cache
+from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
 
 SIZES = dict(K=2, B=8, N=8, H=2, C=4)
 
@@ -68,6 +68,33 @@ def test_without_a_sender_spec_anywhere_the_local_one_is_assumed(target):
     case.send("r", [3], "CNH", 8)
     kvhost.receive(caches, {"r": [3]}, axes="KBNHC", remote_order="CNH", backend=target.backend)
     case.check()
+
+
+@pytest.mark.parametrize("first", ["token-major", "head-major"])
+def test_without_a_sender_order_layers_that_differ_each_keep_their_own(first):
+    """No remote order anywhere: the sender is laid out like the caches, layer by layer. A
+    set whose layers (or K and V) differ in strides is not rewritten by the first one's
+    order, whichever comes first; with another block size each layer gets its own order's
+    sender blocks."""
+    memories = {"token-major": "KBNHC", "head-major": "KBHNC"}
+    second = "head-major" if first == "token-major" else "token-major"
+    caches = {name: make_cache("KBNHC", memories[name], SIZES) for name in (first, second)}
+    for seed, tensor in enumerate(caches.values()):
+        fill_random(tensor, seed)
+    before = {name: raw(tensor).clone() for name, tensor in caches.items()}
+    stats = kvhost.receive(caches, {"r": [1, 6]}, axes="KBNHC")
+    assert stats.groups == 0 and stats.skipped_blocks == 2
+    assert all(torch.equal(raw(caches[name]), before[name]) for name in caches)
+    pair = {"l": tuple(caches[name][k] for k, name in enumerate(caches))}  # K one layout, V the other
+    assert kvhost.receive(pair, {"r": [2]}, axes="KBNHC").groups == 0
+    assert all(torch.equal(raw(caches[name]), before[name]) for name in caches)
+    cases = [ReceiveCase({name: caches[name]}, "KBNHC", seed=7) for name in caches]
+    for case, name in zip(cases, caches):
+        case.send("r", [1, 6], {"token-major": "NHC", "head-major": "HNC"}[name], 4)
+    stats = kvhost.receive(caches, {"r": [1, 6]}, axes="KBNHC", remote_block_size=4)
+    for case in cases:
+        case.check()
+    assert stats.groups == 1
 
 
 def test_layers_whose_layouts_differ_are_planned_one_by_one():
