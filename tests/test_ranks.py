@@ -443,28 +443,42 @@ def test_a_peer_block_size_that_needs_too_many_windows_is_refused_at_once(memory
 
 
 @pytest.mark.parametrize(
-    ("memory", "order", "local_tp", "remote_tp", "remote_block", "placements"),
+    ("memory", "order", "local_tp", "remote_tp", "remote_block", "placements", "counted"),
     [
-        ("KBNHC", "NHC", 2, 1, 64, 64),  # g = 4: a window per remote token
-        ("KBNHC", "NHC", 2, 1, 4, 16),  # r = 4: a window per remote token, per sub-block
-        ("KBHNC", "HNC", 1, 2, 64, 4),  # g = 4 gathered: each source's run cut at two local blocks' ends
-        ("KBNHC", "NHC", 1, 2, 32, 64),  # g = 2 gathered token-major: a window per token and source
+        ("KBNHC", "NHC", 2, 1, 64, 64, "at least 64"),  # g = 4: a window per remote token, known from N
+        ("KBNHC", "NHC", 2, 1, 16, 16, "16"),  # equal blocks: a window per token
+        ("KBNHC", "NHC", 2, 1, 4, 16, "16"),  # r = 4: a window per remote token, per sub-block
+        ("KBHNC", "HNC", 1, 2, 64, 4, "4"),  # g = 4 gathered: each source's run cut at two local blocks' ends
+        ("KBNHC", "NHC", 1, 2, 32, 64, "at least 64"),  # g = 2 gathered token-major: a window per token and source
     ],
-    ids=["token-major g4", "token-major r4", "head-major gather g4", "token-major gather g2"],
+    ids=["token-major g4", "token-major equal", "token-major r4", "head-major gather g4", "token-major gather g2"],
 )
 def test_windows_are_counted_exactly_up_to_the_stream_budget(
-    monkeypatch, memory, order, local_tp, remote_tp, remote_block, placements
+    monkeypatch, memory, order, local_tp, remote_tp, remote_block, placements, counted
 ):
     """The count is what planning builds: at the budget the plan is made, one stream under it
-    the same pair is refused with that count."""
+    the same pair is refused, by the count from the sizes where that is reached ("at least",
+    before any run is listed), else by the exact one."""
     local = decode_table(memory, 8 // local_tp)
     remotes = peer_tables(order, 8 // remote_tp, remote_block, remote_tp)
     monkeypatch.setattr(ranks, "MAX_STREAMS", placements * 4)
     plan = plan_ranks(local, 0, local_tp, remotes)
     assert window_streams(plan) == placements * 4
     monkeypatch.setattr(ranks, "MAX_STREAMS", placements * 4 - 1)
-    with pytest.raises(LayoutError, match=f"takes (at least )?{placements} byte windows of 4 streams"):
+    with pytest.raises(LayoutError, match=f"takes {counted} byte windows of 4 streams, {placements * 4} streams"):
         plan_ranks(local, 0, local_tp, remotes)
+
+
+def test_windows_are_counted_over_the_side_with_more_streams(monkeypatch):
+    """Every window is made of every stream of both tables: a peer whose tables hold more
+    streams than ours is counted by its own."""
+    local = decode_table("KBNHC", 4)
+    remotes = [
+        dataclasses.replace(table, streams=table.streams + table.streams[:2]) for table in peer_tables("NHC", 8, 16, 1)
+    ]
+    monkeypatch.setattr(ranks, "MAX_STREAMS", 16 * 6 - 1)
+    with pytest.raises(LayoutError, match="takes 16 byte windows of 6 streams, 96 streams a side"):
+        plan_ranks(local, 0, 2, remotes)
 
 
 def test_a_remote_block_larger_than_the_local_cache_is_refused():

@@ -349,15 +349,22 @@ def _window_runs(local: RegionTable, windowed: Sequence[tuple[RegionTable, HeadS
     """
     if not windowed:
         return []
-    for remote, _ in windowed:
-        _check_window_tables(local, remote)
-    streams = max(len(local.streams), *(len(remote.streams) for remote, _ in windowed))
-    # Every run takes at least one placement: a bound from the sizes alone, before any run is listed.
-    least = sum(_run_count(remote) * _sub_blocks(local, remote) for remote, _ in windowed)
-    _check_windows(local, windowed[0][0], least, streams, exact=False)
+    for table, _ in windowed:
+        _check_window_tables(local, table)
+    remote = windowed[0][0]  # every remote rank's table has rank 0's order, block size and sizes
+    streams = max(len(local.streams), *(len(table.streams) for table, _ in windowed))
+    # Each run is placed once per local sub-block where the local block is the larger (the
+    # count, exactly), else at least once: known from the sizes, before any run is listed.
+    order = remote.run_order
+    runs_of_a_share = prod(remote.sizes[a] for a in order[: order.index("H")])  # one per index before H
+    per_run = max(local.block_size // remote.block_size, 1)
+    larger_local = local.block_size >= remote.block_size
+    _check_windows(local, remote, len(windowed) * runs_of_a_share * per_run, streams, exact=larger_local)
     runs = [_share_runs(remote, share, local.sizes["H"]) for remote, share in windowed]
-    placements = sum(_placement_count(local, remote, share_runs) for (remote, _), share_runs in zip(windowed, runs))
-    _check_windows(local, windowed[0][0], placements, streams, exact=True)
+    if not larger_local:  # each run is cut at the ends of the g local regions it crosses
+        region = local.run_bytes
+        pieces = sum((at + length - 1) // region - at // region + 1 for share in runs for _, at, length in share)
+        _check_windows(local, remote, pieces, streams, exact=True)
     return runs
 
 
@@ -371,26 +378,6 @@ def _check_window_tables(local: RegionTable, remote: RegionTable) -> None:
     others = {a: n for a, n in local.sizes.items() if a not in "NH"}
     if others != {a: n for a, n in remote.sizes.items() if a not in "NH"}:
         raise LayoutError(f"local sizes {local.sizes} and remote sizes {remote.sizes} differ beyond N and H")
-
-
-def _run_count(remote: RegionTable) -> int:
-    """How many runs a share of the remote region is: one per index of the letters before H."""
-    order = remote.run_order
-    return prod(remote.sizes[a] for a in order[: order.index("H")])
-
-
-def _sub_blocks(local: RegionTable, remote: RegionTable) -> int:
-    """Placements of each run when the local block is r >= 1 times the remote one (one per
-    sub-block); otherwise a run's pieces are at least one and counted by ``_placement_count``."""
-    return max(local.block_size // remote.block_size, 1)
-
-
-def _placement_count(local: RegionTable, remote: RegionTable, runs: Sequence[Run]) -> int:
-    """How many placements ``_window_parts`` makes of ``runs``, counted without making them."""
-    if local.block_size >= remote.block_size:
-        return len(runs) * _sub_blocks(local, remote)
-    region = local.run_bytes  # each run is cut at the ends of the g local regions it crosses
-    return sum((at + length - 1) // region - at // region + 1 for _, at, length in runs)
 
 
 def _check_windows(local: RegionTable, remote: RegionTable, placements: int, streams: int, *, exact: bool) -> None:
