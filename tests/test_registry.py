@@ -496,3 +496,25 @@ def test_a_device_torch_cannot_parse_is_a_backend_error_naming_it(device):
         kvhost.get_backend(device)
     with pytest.raises(kvhost.BackendError, match=message):
         kvhost.get_backend(device, "cpu")
+
+
+def test_hand_made_entry_points_load_and_device_types_keep_their_own_order(probes, monkeypatch):
+    """An entry point with no distribution behind it (made by hand, as a test harness or an
+    embedding application may) is loaded; a backend's device types are listed in its own
+    order, and a set of them sorted."""
+    from importlib.metadata import EntryPoint
+
+    from kvhost import registry as registry_module
+
+    probes.Ordered = type("Ordered", (probes.Low,), {"name": "probe-ordered", "device_types": ("meta", "cpu")})
+    probes.Unordered = type(
+        "Unordered", (probes.Low,), {"name": "probe-unordered", "device_types": frozenset({"meta", "cpu"})}
+    )
+    group = "kvhost.probe-by-hand"
+    points = [EntryPoint(name, f"kvhost_registry_probe:{name.title()}", group) for name in ("ordered", "unordered")]
+    assert all(point.dist is None for point in points)
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: points)
+    rows = {row.name: row for row in registry_module.Registry(group).info()}
+    assert rows["probe-ordered"].device_types == ("meta", "cpu")
+    assert rows["probe-unordered"].device_types == ("cpu", "meta")
+    assert rows["probe-ordered"].available and rows["probe-unordered"].available
