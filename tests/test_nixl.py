@@ -381,6 +381,9 @@ def test_a_batch_refusal_names_the_request_and_the_block():
         assert str(refused.value) == (  # the first repeat in batch order, not the smallest block repeated
             "requests 1 and 2 of one transfer name the same local block 4: it would be written twice"
         )
+        with pytest.raises(RequestError) as refused:  # block 5 repeats later in the batch than block 1 does
+            plan_batch([([5, 1], [0, 1]), ([1, 7], [2, 3]), ([5], [4])])
+        assert str(refused.value).startswith("requests 0 and 1 of one transfer name the same local block 1:")
         with pytest.raises(RequestError) as refused:
             plan_batch([([1], [0]), ([2], [1]), ([3], [9])])
         assert str(refused.value) == "request 2 of 3: remote_ids: block id 9 at position 0 is out of range [0, 8)"
