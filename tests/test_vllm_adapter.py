@@ -355,12 +355,17 @@ def test_a_step_whose_senders_all_match_us_is_only_counted():
 # --- bad input: a clear error naming the value, nothing changed --------------------------
 
 
-def test_post_process_rejects_bad_batches_before_moving_a_byte():
+def flash_attn_decoder(seed: int):
+    """FlashAttention's NHD caches of 8 blocks behind a VllmCaches, their bytes as they
+    were, and a sender it takes."""
     caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
     kv = VllmCaches(caches, "flash_attn")
-    case = ReceiveCase(caches, kv.axes, seed=3)
-    before = case.snapshot()
-    good = RemoteEngine("HND", 2)
+    case = ReceiveCase(caches, kv.axes, seed=seed)
+    return kv, case, case.snapshot(), RemoteEngine("HND", 2)
+
+
+def test_post_process_rejects_bad_batches_before_moving_a_byte():
+    kv, case, before, good = flash_attn_decoder(seed=3)
     bad_batches = [
         ({"p": {"a": [1]}, "q": {"b": [2]}}, {"p": good}, "engine 'q' sent blocks but has no RemoteEngine"),
         ({"p": {"a": [1]}}, {"p": RemoteEngine("HND", 0)}, "engine 'p': block size 0 must be a positive"),
@@ -381,11 +386,7 @@ def test_post_process_rejects_bad_batches_before_moving_a_byte():
 def test_post_process_names_the_engine_of_malformed_arguments():
     """Arguments of the wrong shape are a RequestError naming the engine where there is one,
     raised before any byte moves; never an AttributeError or TypeError from inside."""
-    caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
-    kv = VllmCaches(caches, "flash_attn")
-    case = ReceiveCase(caches, kv.axes, seed=4)
-    before = case.snapshot()
-    good = RemoteEngine("HND", 2)
+    kv, case, before, good = flash_attn_decoder(seed=4)
     bad_calls = [
         ({"p": [3, 7]}, {"p": good}, "engine 'p': received must map request id to block ids, got list"),
         ({"p": {"r": [3]}}, {"p": ("HND", 2)}, "engine 'p': remote_engines gives a tuple, not a RemoteEngine"),

@@ -476,6 +476,19 @@ def forbid_vllm_copies(*args, **kwargs):
     raise AssertionError("vLLM's per-request host copy ran; kvhost's one call per step should have")
 
 
+def host_buffer_decoder(vllm_env, copying, payloads):
+    """A decode worker in host-buffer mode that has met ``payloads``' senders: vLLM's own
+    per-request copies forbidden, its caches random; with their bytes as they were."""
+    connector, worker, caches = make_worker(
+        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=copying
+    )
+    worker.copy_blocks = forbid_vllm_copies
+    fake_handshakes(worker, payloads)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 100 + i)
+    return connector, worker, caches, {name: raw(view).clone() for name, view in caches.items()}
+
+
 def engine_port(engine: str) -> int:
     """A port of the engine's own: vLLM takes a new engine at a known address for a restart
     of the one before, and drops that one once its requests are done."""
@@ -740,16 +753,9 @@ def test_host_buffer_staging_through_the_worker(vllm_env, copying):
         size = senders[engine][1]
         assert torch.equal(tokens_of(worker.host_xfer_buffers, ids, size), tokens_of(device, ids, size)), engine
 
-    connector, worker, caches = make_worker(
-        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=copying
-    )
-    worker.copy_blocks = forbid_vllm_copies
-    fake_handshakes(worker, payloads)
-    for i, view in enumerate(caches.values()):
-        fill_random(view, 100 + i)
+    connector, worker, caches, before = host_buffer_decoder(vllm_env, copying, payloads)
     for i, view in enumerate(worker.host_xfer_buffers.values()):
         fill_random(view, 200 + i)
-    before = {name: raw(view).clone() for name, view in caches.items()}
     steps = drive(connector, worker, requests, computed)
     assert not set().union(*(f for _, f, _ in steps))
     assert_one_call_per_step(steps, "load_from_host")
@@ -1120,14 +1126,7 @@ def test_a_handshake_on_another_thread_leaves_the_steps_host_buffer_mode(vllm_en
         sender_worker.kvhost.save_to_host(
             sender_worker.host_xfer_buffers, {"all": range(sender_worker.kvhost.num_blocks)}
         ).wait()
-    connector, worker, caches = make_worker(
-        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=copying
-    )
-    worker.copy_blocks = forbid_vllm_copies
-    fake_handshakes(worker, payloads)
-    for i, view in enumerate(caches.values()):
-        fill_random(view, 100 + i)
-    before = {name: raw(view).clone() for name, view in caches.items()}
+    connector, worker, caches, before = host_buffer_decoder(vllm_env, copying, payloads)
 
     entered, release, seen_while_checking = threading.Event(), threading.Event(), []
     checks = NixlBaseConnectorWorker._validate_remote_agent_handshake
