@@ -1334,7 +1334,7 @@ def test_engines_vllm_drops_are_forgotten_once_no_request_needs_them(vllm_env, c
         name = worker.add_remote_agent(dataclasses.replace(payloads["old"], engine_id=engine), 0, 1)
         worker._remote_agents[engine] = {(0, 0): name}  # what vLLM's handshake keeps of it
         worker._cleanup_remote_engine(engine)
-    assert worker.remote_engines == {} and worker.larger_remote_blocks == {}
+    assert worker.remote_engines == {} and worker.larger_remote_blocks == {} and not worker._dropped_engines
 
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
 
@@ -1374,6 +1374,21 @@ def test_engines_vllm_drops_are_forgotten_once_no_request_needs_them(vllm_env, c
     assert worker.last_post_process is not None and worker.last_post_process.requests == 2  # r/0 and r/2
     assert worker.remote_engines == {} and worker.larger_remote_blocks == {}
     check_tokens(caches, 64, requests, {}, senders, prefill, before, set())
+
+    # Dropped while a request still names it, then back (a handshake) before that request
+    # ends: its notes are the new handshake's and stay; nothing is left listed as dropped.
+    from types import SimpleNamespace
+
+    name = worker.add_remote_agent(dataclasses.replace(payloads["old"], engine_id="back"), 0, 1)
+    worker._remote_agents["back"] = {(0, 0): name}
+    worker._receiving = {"q": SimpleNamespace(remote=SimpleNamespace(engine_id="back"))}
+    worker._cleanup_remote_engine("back")
+    assert "back" in worker.remote_engines and worker._dropped_engines == {"back"}
+    worker._remote_agents["back"] = {(0, 0): name}  # shook hands again
+    worker._receiving = {}
+    worker._forget_dropped_engines()
+    assert set(worker.remote_engines) == set(worker.larger_remote_blocks) == {"back"}
+    assert not worker._dropped_engines
 
 
 def documented_sender_layouts() -> dict[str, tuple[set[str], bool]]:
