@@ -1452,7 +1452,7 @@ def test_cpu_attentions_repack_runs_after_kvhosts_post_process(vllm_env, copying
     received = {}
     vllms_config = make_config
     with patch.object(type(current_platform), "pack_kv_cache", classmethod(repack), create=True):
-        for which in ("vllm", "kvhost"):
+        for which in ("vllm", "kvhost", "failing"):  # failing: kvhost's post-process raises
             _, payloads = sender_workers(vllm_env, senders)
             payloads["gpu"] = dataclasses.replace(payloads["gpu"], attn_backend_name="FLASH_ATTN")
             if which == "vllm":
@@ -1470,8 +1470,10 @@ def test_cpu_attentions_repack_runs_after_kvhosts_post_process(vllm_env, copying
                 connector, worker, caches = make_worker(vllm_env, "LBHNC", block_size=64, blocks=64, wrapper=copying)
                 post_process = worker.kvhost.post_process
 
-                def recorded(*args, _post_process=post_process, **kwargs):
+                def recorded(*args, _post_process=post_process, _fails=which == "failing", **kwargs):
                     order.append(("post_process", None))
+                    if _fails:
+                        raise RequestError("refused for this test")
                     return _post_process(*args, **kwargs)
 
                 worker.kvhost.post_process = recorded
@@ -1507,4 +1509,6 @@ def test_cpu_attentions_repack_runs_after_kvhosts_post_process(vllm_env, copying
                     ("repack", [4, 11]),
                     ("repack", [4, 11]),
                 ]  # one repack per request and layer, after the one post-process
+            if which == "failing":  # failed requests' blocks are not repacked
+                assert order == [("post_process", None)]
     assert all(torch.equal(received["vllm"][name], received["kvhost"][name]) for name in received["vllm"])
