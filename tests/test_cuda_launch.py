@@ -8,6 +8,8 @@ that would make the kernels move the wrong words fails here, on any machine.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -183,7 +185,7 @@ def test_grouped_receive_uses_a_bounded_scratch():
     assert launch.tile.words * launch.word_bytes <= limits.tile_bytes
 
 
-H200 = Limits(programs=132 * 4)  # 132 SMs, four programs each; the default 32 MiB scratch
+H200 = Limits(programs=132 * 4, processors=132)  # 132 SMs, four programs each; the default 32 MiB scratch
 
 
 def grids(launch) -> list[int]:
@@ -195,22 +197,23 @@ def grids(launch) -> list[int]:
 
 @pytest.mark.parametrize(
     ("heads", "remote", "units"),
-    [(32, 64, 100), (64, 256, 40), (64, 4096, 2), (8, 64, 100)],
-    ids=["32-heads-64", "64-heads-256", "piece-beyond-budget", "8-heads-64"],
+    [(32, 64, 100), (64, 256, 40), (64, 4096, 2)],
+    ids=["32-heads-64", "64-heads-256", "piece-beyond-budget"],
 )
 def test_large_pieces_fill_the_device(heads, remote, units):
     """Grouped receives (remote 64..4096 -> local 16) on a 132-SM GPU: every launch has every program busy.
 
-    As slots these were 64, 8 and 1 program (budget / piece); split, each launch's chunks
-    outnumber the device's programs, and scratch stays within the budget unless one piece
-    alone is larger (then it is that piece, once).
+    As slots these were 64, 8 and 1 program (budget / piece), fewer than the 132
+    multiprocessors; split, each launch's chunks outnumber the device's programs, and
+    scratch stays within the budget unless one piece alone is larger (then it is that
+    piece, once).
     """
     layout = Layout.of(make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=16, H=heads, C=128)), "KBNHC")
     plan = plan_receive(layout, "HNC", remote)
     launch = plan_receive_launch(plan, members=32, outer=2, units=units, alignment=256, limits=H200)
     piece_bytes = launch.piece_words * launch.word_bytes
     assert launch.mode == "split" and piece_bytes == remote * heads * 128 * 2
-    assert H200.scratch_bytes // piece_bytes < H200.programs  # too few slots for the device
+    assert H200.scratch_bytes // piece_bytes < H200.processors  # too few slots for the device
     assert all(grid == H200.programs for grid in grids(launch))
     scratch = launch.scratch_words * launch.word_bytes
     assert scratch <= max(H200.scratch_bytes, piece_bytes)
@@ -242,11 +245,32 @@ def test_split_schedule_moves_every_piece_once_through_a_slot_nobody_reuses_earl
     assert copied == written == list(range(items)) and not slots
 
 
+@pytest.mark.parametrize(("remote", "slots"), [(32, 512), (64, 256)])
+def test_pieces_with_a_slot_per_multiprocessor_keep_one_launch(remote, slots):
+    """Remote 32 or 64 -> local 16 with 8 heads on an H200: 64 or 128 KiB pieces, one launch of a program per slot.
+
+    Measured there (ci/gpu-check.sh, 2 GB receives): 128 KiB pieces ran at 0.52 of memcpy in
+    one launch of 264 programs and at 0.33 split into 129 launches.
+    """
+    plan = plan_receive(vllm_cache("KBNHC", tokens=16), "HNC", remote)
+    launch = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=H200)
+    assert launch.mode == "slots" and launch.launches == 1 and launch.programs == slots
+    assert launch.scratch_words * launch.word_bytes == H200.scratch_bytes
+    few = plan_receive_launch(plan, members=1, outer=1, units=3, alignment=256, limits=H200)
+    assert few.mode == "slots" and few.programs == 3  # never more programs than items
+    # One slot short of a program per multiprocessor: split.
+    short = replace(H200, scratch_bytes=132 * remote * 8 * 128 * 2 - 1)
+    enough = replace(short, scratch_bytes=short.scratch_bytes + 1)
+    for limits, mode in ((short, "split"), (enough, "slots")):
+        assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=limits).mode == mode
+
+
 def test_pieces_with_a_slot_per_program_keep_one_launch():
-    """Remote 32 -> local 16 with 8 heads: 64 KB pieces, 512 slots for 528 programs: split; 384 programs: slots."""
+    """Without a processor count (``processors=0``), slots need one for every program: 512 slots, 528 programs."""
     layout = vllm_cache("KBNHC", tokens=16)
     plan = plan_receive(layout, "HNC", 32)
-    assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=H200).mode == "split"
+    unknown = replace(H200, processors=0)
+    assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=unknown).mode == "split"
     fewer = Limits(programs=384)
     launch = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=fewer)
     assert launch.mode == "slots" and launch.launches == 1 and launch.programs == 384
@@ -291,7 +315,9 @@ def test_rows_are_padded_to_max_dims():
     assert sorted(src.tolist()) == dst.tolist() == list(range(0, launch.piece_words, launch.rows.run))
 
 
-@pytest.mark.parametrize(("field", "value"), [("tile_bytes", 15 << 10), ("tile_bytes", 0), ("programs", 0)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("tile_bytes", 15 << 10), ("tile_bytes", 0), ("programs", 0), ("processors", -1)]
+)
 def test_limits_a_kernel_cannot_run_with_are_refused(field, value):
     with pytest.raises(BackendError, match=f"Limits.{field} {value} must be"):
         Limits(**{field: value})

@@ -197,9 +197,10 @@ class AcceleratorBackend(Backend):
         return True
 
     def limits_for(self, device: torch.device) -> Limits:
-        programs = self.runtime.processors(device) * self.programs_per_processor
+        processors = self.runtime.processors(device)
+        programs = min(self.limits.programs, processors * self.programs_per_processor)
         barrier = self.limits.barrier and self.barrier_orders_global_memory()
-        return replace(self.limits, programs=min(self.limits.programs, programs), barrier=barrier)
+        return replace(self.limits, programs=programs, processors=processors, barrier=barrier)
 
     # --- receive -------------------------------------------------------------------------
 
