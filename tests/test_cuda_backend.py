@@ -177,6 +177,7 @@ def test_xpu_splits_every_receive_where_intels_barrier_fences_only_local_memory(
     assert backend.barrier_orders_global_memory() is fenced
     limits = backend.limits_for(torch.device("cpu"))
     assert limits.barrier is fenced and limits.programs == 64 * backend.programs_per_processor
+    assert limits.processors == 64  # a slots launch needs a slot per multiprocessor
     assert CudaBackend().barrier_orders_global_memory()
 
 
@@ -643,12 +644,14 @@ def test_gpu_check_measures_every_workload(capsys):
     assert emitted == rows  # each row handed out as it is measured (ci/gpu-check.sh streams them to $OUT)
     assert {row.agrees for row in rows if row.method != "memcpy"} == {"yes"}
     workloads = sorted({row.workload for row in rows})
-    assert len(workloads) == 3 + 4  # two receives, one device copy, staging {runs, scattered} x {load, save}
+    assert len(workloads) == 4 + 4  # three receives, one device copy, staging {runs, scattered} x {load, save}
     for workload in workloads:
         assert sorted(row.method for row in rows if row.workload == workload) == ["memcpy", "torch"]
     first = next(row for row in rows if row.workload == "receive HND16->NHD64")
     assert first.bytes == 4 * (64 * 2 * 16 * 2) * 2  # units x region bytes x K, one layer
     assert all(row.seconds > 0 and row.fraction > 0 for row in rows)
+    timed = [row for row in rows if row.method != "memcpy"]
+    assert all(row.host_seconds > 0 and row.kernel_fraction == 0 for row in timed)  # the torch path has no kernels
     assert len(table(rows).splitlines()) == len(rows) + 1
     if not CUDA:
         assert gpucheck_main(["--device", "cuda"]) == 1

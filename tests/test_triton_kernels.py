@@ -208,8 +208,15 @@ def test_gpu_check_rows_count_launches_and_compare_bytes():
     backends = {"triton": TritonInterpretBackend(), "torch": TritonInterpretBackend().torch_path}
     rows = measure(torch.device("cpu"), backends, sizes)  # type: ignore[arg-type]
     triton_rows = [row for row in rows if row.method == "triton"]
-    assert len(triton_rows) == 7 and all(row.agrees == "yes" for row in rows if row.method != "memcpy")
+    assert len(triton_rows) == 8 and all(row.agrees == "yes" for row in rows if row.method != "memcpy")
     assert all(row.launches >= 1 and 1 <= row.programs <= TritonInterpretBackend.limits.programs for row in triton_rows)
+    # Replayed launches timed alone where the device does all the work; host copies are not replayed.
+    on_device = [row for row in triton_rows if not row.workload.startswith("staging")]
+    assert len(on_device) == 4 and all(row.kernel_fraction > 0 for row in on_device)
+    # One call's launches only: the timed calls' would be replayed on tensors freed since.
+    assert [row.launches for row in on_device if "HND16" in row.workload or "copy" in row.workload] == [1, 1, 1]
+    assert all(row.kernel_fraction == 0 for row in triton_rows if row not in on_device)
+    assert all(row.host_seconds > 0 for row in rows if row.method != "memcpy")
 
 
 @pytest.mark.timeout(300)

@@ -10,6 +10,13 @@ of a contiguous pinned tensor of the same size, each way. Each row also says how
 kernel launches one call made and how many programs the largest had (against the
 device's multiprocessors), and whether the method's bytes agree with the torch path's.
 
+A call's time is host work (validation, planning, tables, launches) followed by the
+device's. Two more columns part them: ``host ms``, the time until the call returns (a
+receive returns once its kernels are queued), and, for the work done on the device
+alone, ``kernel x``: memcpy's device time over the device time of the call's recorded
+launches replayed by themselves (both timed with events). On the first H200 run the
+front end's host time (about 0.3 ms for 16 layers) was ten times a small receive's kernel.
+
 Rows are printed and appended to ``DIR/figures.jsonl`` as they are measured, after
 ``DIR/machine.json``: a run cut short still leaves every figure it took.
 ``ci/gpu-check.sh`` runs it; ``measure`` also runs on the CPU (tests).
@@ -59,6 +66,8 @@ class Row:
     launches: int = 0  # kernel launches in one call (0: none of kvhost's kernels)
     programs: int = 0  # programs of its largest launch
     agrees: str = ""  # "yes" when the bytes equal the torch path's, "NO" when not, "" when not compared
+    host_seconds: float = 0.0  # median time until the call returns (0: not measured)
+    kernel_fraction: float = 0.0  # memcpy's device time / the replayed launches' (0: not measured)
 
     @property
     def gbps(self) -> float:
@@ -86,39 +95,72 @@ def median_seconds(run: Callable[[], object], device: torch.device, repeats: int
     return statistics.median(times)
 
 
-def memcpy_seconds(device: torch.device, nbytes: int, repeats: int) -> float:
+def host_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median time until ``run`` returns, the device drained before each repetition (and after)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+        _sync(device)
+    return statistics.median(times)
+
+
+def device_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median device time of the work ``run`` queues, between two events on the current stream (CPU: wall time)."""
+    if device.type == "cpu":
+        return median_seconds(run, device, repeats)
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = (torch.Event(device=device, enable_timing=True) for _ in range(2))
+        _sync(device)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def memcpy_seconds(
+    device: torch.device, nbytes: int, repeats: int, timer: Callable[..., float] = median_seconds
+) -> float:
     """The roofline: one device-to-device ``copy_`` of ``nbytes`` contiguous bytes."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return median_seconds(lambda: dst.copy_(src), device, repeats)
+    return timer(lambda: dst.copy_(src), device, repeats)
 
 
 class Launches:
-    """The grids of the kernels a backend launches (through ``AcceleratorBackend.launch``)."""
+    """The kernel calls a backend launches (through ``AcceleratorBackend.launch``) during ``of``."""
 
     def __init__(self, backends: Mapping[str, Backend]) -> None:
-        self.grids: dict[str, list[int]] = {}
+        self.methods: set[str] = set()
+        self.recording: list[Any] | None = None  # only while ``of`` runs: a kept call keeps its tables
         for method, backend in backends.items():
             launch = getattr(backend, "launch", None)
             if launch is None:
                 continue
-            grids = self.grids[method] = []
+            self.methods.add(method)
 
-            def recording(call: Any, launch: Callable[[Any], None] = launch, grids: list[int] = grids) -> None:
-                grids.append(int(call.grid[0]))
+            def recording(call: Any, launch: Callable[[Any], None] = launch) -> None:
+                if self.recording is not None:
+                    self.recording.append(call)
                 launch(call)
 
             backend.launch = recording  # type: ignore[attr-defined]
 
-    def of(self, method: str, run: Callable[[], object]) -> tuple[int, int]:
-        """(launches, largest grid) of one call of ``run``."""
-        grids = self.grids.get(method)
-        if grids is None:
+    def of(self, method: str, run: Callable[[], object]) -> list[Any]:
+        """The kernel calls (``kernels.KernelCall``) of one call of ``run``, in order; each holds its tables."""
+        self.recording = [] if method in self.methods else None
+        try:
             run()
-            return 0, 0
-        grids.clear()
-        run()
-        return len(grids), max(grids, default=0)
+            return self.recording or []
+        finally:
+            self.recording = None
 
 
 def agreement(outputs: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:
@@ -142,8 +184,13 @@ def compare(
     launches: Launches | None = None,
     agrees: Mapping[str, str] | None = None,
     emit: Emit | None = None,
+    device_reference: Callable[[int], float] | None = None,
 ) -> None:
-    """Time every method of one workload against ``reference(bytes)``; bytes come from kvhost's own result."""
+    """Time every method of one workload against ``reference(bytes)``; bytes come from kvhost's own result.
+
+    With ``device_reference`` (the device time of the roofline), work done on the device
+    alone: the recorded launches are replayed by themselves and timed against it.
+    """
     nbytes = next(iter(calls.values()))().bytes_moved
 
     def add(row: Row) -> None:
@@ -153,10 +200,24 @@ def compare(
 
     baseline = reference(nbytes)
     add(Row(workload, "memcpy", baseline, nbytes, 1.0))
+    on_device = device_reference(nbytes) if device_reference is not None else 0.0
     for method, call in calls.items():
-        count, programs = launches.of(method, call) if launches is not None else (0, 0)
+        kernel_calls = launches.of(method, call) if launches is not None else []
         seconds = median_seconds(call, device, repeats)
-        add(Row(workload, method, seconds, nbytes, baseline / seconds, count, programs, (agrees or {}).get(method, "")))
+        returned = host_seconds(call, device, repeats)
+        kernel_fraction = 0.0
+        if kernel_calls and on_device:
+            replayed = device_seconds(functools.partial(_replay, kernel_calls), device, repeats)
+            kernel_fraction = on_device / replayed
+        programs = max((int(k.grid[0]) for k in kernel_calls), default=0)
+        agreed = (agrees or {}).get(method, "")
+        add(Row(workload, method, seconds, nbytes, baseline / seconds, len(kernel_calls), programs, agreed,
+                returned, kernel_fraction))  # fmt: skip
+
+
+def _replay(kernel_calls: list[Any]) -> None:
+    for call in kernel_calls:
+        call.launch()
 
 
 def cache_set(device: torch.device, sizes: Sizes, physical: str, blocks: int, tokens: int) -> dict[str, torch.Tensor]:
@@ -204,11 +265,21 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, em
     def memcpy(nbytes: int) -> float:
         return memcpy_seconds(device, nbytes, sizes.repeats)
 
-    for workload, local, remote in (("receive HND16->NHD64", 64, 16), ("receive HND64->NHD16 (g=4)", 16, 64)):
+    def memcpy_on_device(nbytes: int) -> float:
+        return memcpy_seconds(device, nbytes, sizes.repeats, device_seconds)
+
+    # Every request of 4 blocks at once, then one request alone (a decode step's receive: the fixed cost).
+    receives = (
+        ("receive HND16->NHD64", 64, 16, None),
+        ("receive HND64->NHD16 (g=4)", 16, 64, None),
+        ("receive HND16->NHD64, 1 request of 4 blocks", 64, 16, 1),
+    )
+    for workload, local, remote, kept in receives:
         parts = max(remote // local, 1)
         caches = cache_set(device, sizes, "KBNHC", sizes.receive_units * parts + 8, local)
         ids = rng.permutation(sizes.receive_units * parts + 8)[: sizes.receive_units * parts]
         requests = {f"r{i}": ids[i : i + 4 * parts] for i in range(0, ids.size, 4 * parts)}
+        requests = dict(list(requests.items())[:kept])
         receive = functools.partial(
             kvhost.receive, requests=requests, axes="KBNHC", remote_order="HNC", remote_block_size=remote
         )
@@ -218,7 +289,7 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, em
 
         outputs = _outputs(backends, caches, received)
         calls = {method: functools.partial(receive, caches, backend=backend) for method, backend in backends.items()}
-        timed(workload, calls, memcpy, agrees=agreement(outputs))
+        timed(workload, calls, memcpy, agrees=agreement(outputs), device_reference=memcpy_on_device)
         del caches, calls, outputs
 
     # Scattered blocks between two layouts on the device (what a staged copy does on the device).
@@ -233,7 +304,8 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, em
 
     outputs = _outputs(backends, dst, copied)
     copies = {method: functools.partial(copy, src, dst, backend=backend) for method, backend in backends.items()}
-    timed("device copy, scattered, NHD->HND", copies, memcpy, agrees=agreement(outputs))
+    timed("device copy, scattered, NHD->HND", copies, memcpy, agrees=agreement(outputs),
+          device_reference=memcpy_on_device)  # fmt: skip
     del dst, outputs
     _staging(device, backends, sizes, src, rng, timed)
     return rows
@@ -288,13 +360,16 @@ def table(rows: list[Row]) -> str:
 
 def header() -> str:
     columns = f"{'ms':>9} {'GB/s':>8} {'x ref':>7} {'launches':>8} {'programs':>8} {'agrees':>6}"
+    columns += f" {'host ms':>8} {'kernel x':>8}"
     return f"{'workload':48} {'method':8} {columns}"
 
 
 def line(row: Row) -> str:
     return (
         f"{row.workload:48} {row.method:8} {row.seconds * 1e3:9.3f} {row.gbps:8.1f} {row.fraction:7.2f} "
-        f"{row.launches or '':>8} {row.programs or '':>8} {row.agrees:>6}"
+        f"{row.launches or '':>8} {row.programs or '':>8} {row.agrees:>6} "
+        f"{f'{row.host_seconds * 1e3:.3f}' if row.host_seconds else '':>8} "
+        f"{f'{row.kernel_fraction:.2f}' if row.kernel_fraction else '':>8}"
     )
 
 
