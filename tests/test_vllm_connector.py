@@ -998,6 +998,12 @@ def received_request(local, remote=None, engine="hnd", **extra):
     return ReqMeta(([*local],), ([*local],), 1, remote=sender, **extra)
 
 
+def post_process(worker, finished):
+    """What ``get_transfer_results`` post-processes for ``finished``: None when kvhost has nothing to do."""
+    received, engines, tokens = worker._post_process_batch(finished)
+    return worker.kvhost.post_process(received, engines, tokens=tokens) if received else None
+
+
 def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_env, copying_worker):
     """Of the finished requests handed to the post-process, those vLLM zeroes itself (a
     region read plan) or that had no sender are left out; nothing to do is no kvhost call."""
@@ -1007,19 +1013,19 @@ def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_e
     worker.add_remote_agent(payloads["big"], 0, 1)
     calls = spy(worker, ("post_process",))
     request = received_request
-    assert worker._post_process({}) is None
-    assert worker._post_process({"local": request([1])}) is None
-    assert worker._post_process({"zeroed": request([2], [7], region_blocks_to_zero=[[2]])}) is None
-    assert worker._post_process({"cached": request([], [7])}) is None  # nothing of ours to receive
+    assert post_process(worker, {}) is None
+    assert post_process(worker, {"local": request([1])}) is None
+    assert post_process(worker, {"zeroed": request([2], [7], region_blocks_to_zero=[[2]])}) is None
+    assert post_process(worker, {"cached": request([], [7])}) is None  # nothing of ours to receive
     assert calls == []
-    stats = worker._post_process(
-        {"a": request([3], [5]), "local": request([1]), "zeroed": request([2], [7], region_blocks_to_zero=[])}
+    stats = post_process(
+        worker, {"a": request([3], [5]), "local": request([1]), "zeroed": request([2], [7], region_blocks_to_zero=[])}
     )
     assert [args[0] for _, args in calls] == [{"hnd": {"a": [3]}}]
     assert stats is not None and stats.requests == 1 and stats.blocks == 1
     # A larger sender (g = 2): whole sender blocks under its own name, the part of one as a
     # sender of that part (engine/parts, request/offset).
-    worker._post_process({"b": request([9, 4, 6], [5, 1], "big")})
+    post_process(worker, {"b": request([9, 4, 6], [5, 1], "big")})
     received, engines = calls[-1][1][:2]
     assert received == {"big": {"b": [9, 4]}, "big/1": {"b/2": [6]}}
     assert {name: (e.kv_cache_layout, e.block_size) for name, e in engines.items()} == {
@@ -1051,23 +1057,24 @@ def test_the_tail_is_zeroed_only_where_vllm_converts(vllm_env, copying_worker):
     for engine in senders:
         worker.add_remote_agent(payloads[engine], 0, 1)
     given = []
-    post_process = worker.kvhost.post_process
+    original = worker.kvhost.post_process
 
     def recording(received, engines, *, tokens=None):
         given.append(tokens)
-        return post_process(received, engines, tokens=tokens)
+        return original(received, engines, tokens=tokens)
 
     worker.kvhost.post_process = recording
     for i, view in enumerate(caches.values()):
         fill_random(view, 300 + i)
     before = {name: raw(view).clone() for name, view in caches.items()}
-    stats = worker._post_process(
+    stats = post_process(
+        worker,
         {
             "same": received_request([10, 11], [5], "same"),
             "hnd": received_request([12, 13], [6], "hnd"),
             "small": received_request([14, 15], [1, 2, 3], "small"),
             "whole": received_request([16], [7], "hnd"),
-        }
+        },
     )
     assert given == [{"hnd": 64, "small": 96}]
     assert stats.zeroed_blocks == 2  # block 13 whole, block 15 from its token 32 on
@@ -1468,9 +1475,9 @@ def test_cpu_attentions_repack_runs_after_kvhosts_post_process(vllm_env, copying
                     )
             else:
                 connector, worker, caches = make_worker(vllm_env, "LBHNC", block_size=64, blocks=64, wrapper=copying)
-                post_process = worker.kvhost.post_process
+                original = worker.kvhost.post_process
 
-                def recorded(*args, _post_process=post_process, _fails=which == "failing", **kwargs):
+                def recorded(*args, _post_process=original, _fails=which == "failing", **kwargs):
                     order.append(("post_process", None))
                     if _fails:
                         raise RequestError("refused for this test")

@@ -525,14 +525,6 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 self._invalid_block_ids.put(set(meta.local_block_ids[0]))
         return requests
 
-    def _post_process(self, finished: Mapping[str, Any]) -> ReceiveStats | None:
-        """Every finished request of every engine, rearranged and its tail zeroed at once."""
-        received, engines, tokens = self._post_process_batch(finished)
-        if not received:
-            return None
-        assert self.kvhost is not None  # registered before any request could arrive
-        return self.kvhost.post_process(received, engines, tokens=tokens)
-
     def _post_process_batch(
         self, finished: Mapping[str, Any]
     ) -> tuple[dict[str, dict[str, list[int]]], dict[str, RemoteEngine], dict[str, int]]:
