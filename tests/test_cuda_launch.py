@@ -265,6 +265,15 @@ def test_pieces_with_a_slot_per_multiprocessor_keep_one_launch(remote, slots):
         assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=limits).mode == mode
 
 
+def test_pieces_in_registers_need_no_slots():
+    """A registers launch has a program per item up to the device's, whatever the scratch budget."""
+    plan = plan_receive(vllm_cache("KBNHC", tokens=64), "HNC", 16)
+    launch = plan_receive_launch(
+        plan, members=32, outer=2, units=100, alignment=256, limits=replace(H200, scratch_bytes=1)
+    )
+    assert launch.mode == "registers" and launch.programs == H200.programs and launch.scratch_words == 0
+
+
 def test_pieces_with_a_slot_per_program_keep_one_launch():
     """Without a processor count (``processors=0``), slots need one for every program: 512 slots, 528 programs."""
     layout = vllm_cache("KBNHC", tokens=16)
