@@ -41,6 +41,7 @@ spills are pinned by ``tests/test_triton_compile.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import ceil, prod
 
 from kvhost.backend import next_power_of_two
@@ -300,6 +301,22 @@ class ReceiveLaunch:
         return len(self.schedule) if self.mode == "split" else 1
 
 
+@dataclass(frozen=True)
+class _Pieces:
+    """What a receive launch takes from the transform and the device alone (``_pieces``)."""
+
+    word: int
+    align: int
+    count: int  # pieces per unit
+    rows: Rows
+    tile: Tile
+    mode: str
+    slots: int
+    chunks: int = 1
+    round_pieces: int = 0
+    halves: int = 0
+
+
 def plan_receive_launch(
     plan: Rearrangement, *, members: int, outer: int, units: int, alignment: int, limits: Limits
 ) -> ReceiveLaunch:
@@ -308,6 +325,36 @@ def plan_receive_launch(
     ``alignment`` is the OR of every base address, outer offset and block stride (bytes):
     the word may not be wider than its lowest set bit.
     """
+    pieces = _pieces(plan, alignment, limits)
+    items = _items(members * outer * units * pieces.count)
+    if pieces.mode == "split":
+        schedule = _schedule(items, pieces.round_pieces, pieces.halves)
+        programs = limits.programs  # each launch: as many as its round's chunks, up to this
+    else:
+        schedule = ()
+        programs = min(items, limits.programs, pieces.slots if pieces.mode == "slots" else items)
+    return ReceiveLaunch(
+        word_bytes=pieces.word,
+        align_bytes=pieces.align,
+        parts=plan.parts,
+        region_words=plan.region_bytes // pieces.word,
+        pieces=pieces.count,
+        rows=pieces.rows,
+        tile=pieces.tile,
+        mode=pieces.mode,
+        items=items,
+        programs=max(1, programs),
+        num_warps=_warps(pieces.tile, pieces.word),
+        chunks=pieces.chunks,
+        round_pieces=pieces.round_pieces,
+        halves=pieces.halves,
+        schedule=schedule,
+    )
+
+
+@lru_cache(maxsize=256)
+def _pieces(plan: Rearrangement, alignment: int, limits: Limits) -> _Pieces:
+    """Words, pieces, tile and mode: worked out once per transform, alignment and device (tens of us)."""
     shape = list(plan.src_shape)
     keeps_run = plan.perm[-1] == len(shape) - 1  # the last dim is contiguous on both sides
     run_bytes = shape[-1] * plan.itemsize if keeps_run else plan.itemsize
@@ -327,48 +374,22 @@ def plan_receive_launch(
         in_registers = in_registers and register_cost(whole, word, align) <= limits.thread_registers
         if in_registers:
             break
-    pieces = prod(shape[:cut])
+    count = prod(shape[:cut])
     # The kernel trusts these: a row read past its piece would touch another block.
     reach = sum((d - 1) * s for d, s in zip(rows.dims, rows.src_strides)) + rows.run
-    if rows.words * word * pieces != plan.unit_bytes or reach > rows.words:
-        raise BackendError(f"receive launch does not tile its unit: {plan}, {rows}, {pieces} pieces of {word} B words")
-    items = _items(members * outer * units * pieces)
+    if rows.words * word * count != plan.unit_bytes or reach > rows.words:
+        raise BackendError(f"receive launch does not tile its unit: {plan}, {rows}, {count} pieces of {word} B words")
     piece_bytes = rows.words * word
     slots = limits.scratch_bytes // piece_bytes
     if in_registers and limits.barrier:
-        mode = "registers"
-    elif limits.barrier and slots >= limits.fewest_slots:
-        mode = "slots"
-    else:
-        mode = "split"
-    tile = whole if mode == "registers" else _tile(rows, word, align, limits)
-    programs = min(items, limits.programs, slots if mode == "slots" else items)
-    chunks, round_pieces, halves = 1, 0, 0
-    schedule: tuple[Round, ...] = ()
-    if mode == "split":
-        # A piece beyond the budget still needs all of its scratch: one piece a round.
-        round_pieces = max(1, limits.scratch_bytes // (2 * piece_bytes))
-        halves = 2 if 2 * round_pieces * piece_bytes <= limits.scratch_bytes else 1
-        chunks = ceil(rows.rows / tile.rows)
-        schedule = _schedule(items, round_pieces, halves)
-        programs = limits.programs  # each launch: as many as its round's chunks, up to this
-    return ReceiveLaunch(
-        word_bytes=word,
-        align_bytes=align,
-        parts=plan.parts,
-        region_words=plan.region_bytes // word,
-        pieces=pieces,
-        rows=rows,
-        tile=tile,
-        mode=mode,
-        items=items,
-        programs=max(1, programs),
-        num_warps=_warps(tile, word),
-        chunks=chunks,
-        round_pieces=round_pieces,
-        halves=halves,
-        schedule=schedule,
-    )
+        return _Pieces(word, align, count, rows, whole, "registers", slots)
+    tile = _tile(rows, word, align, limits)
+    if limits.barrier and slots >= limits.fewest_slots:
+        return _Pieces(word, align, count, rows, tile, "slots", slots)
+    # A piece beyond the budget still needs all of its scratch: one piece a round.
+    round_pieces = max(1, limits.scratch_bytes // (2 * piece_bytes))
+    halves = 2 if 2 * round_pieces * piece_bytes <= limits.scratch_bytes else 1
+    return _Pieces(word, align, count, rows, tile, "split", slots, ceil(rows.rows / tile.rows), round_pieces, halves)
 
 
 @dataclass(frozen=True)
