@@ -280,15 +280,17 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, em
         ids = rng.permutation(sizes.receive_units * parts + 8)[: sizes.receive_units * parts]
         requests = {f"r{i}": ids[i : i + 4 * parts] for i in range(0, ids.size, 4 * parts)}
         requests = dict(list(requests.items())[:kept])
-        receive = functools.partial(
-            kvhost.receive, requests=requests, axes="KBNHC", remote_order="HNC", remote_block_size=remote
-        )
+        options: dict[str, Any] = dict(remote_order="HNC", remote_block_size=remote)
 
-        def received(backend: Backend, out: dict[str, torch.Tensor], receive: Any = receive) -> object:
-            return receive(out, backend=backend)
+        def received(backend: Backend, out: dict[str, torch.Tensor], requests: Any = requests) -> object:
+            return kvhost.KVHost(out, axes="KBNHC", backend=backend).receive(requests, **options)  # noqa: B023
 
         outputs = _outputs(backends, caches, received)
-        calls = {method: functools.partial(receive, caches, backend=backend) for method, backend in backends.items()}
+        # Registered once, as a connector does: each call then pays only for the batch.
+        calls = {
+            method: functools.partial(kvhost.KVHost(caches, axes="KBNHC", backend=b).receive, requests, **options)
+            for method, b in backends.items()
+        }
         timed(workload, calls, memcpy, agrees=agreement(outputs), device_reference=memcpy_on_device)
         del caches, calls, outputs
 
@@ -297,13 +299,15 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, em
     src = cache_set(device, sizes, "KBNHC", 2 * blocks, 16)
     dst = cache_set(device, sizes, "KBHNC", 2 * blocks, 16)
     src_ids, dst_ids = rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks]
-    copy = functools.partial(kvhost.copy_blocks, src_ids=src_ids, dst_ids=dst_ids, axes="KBNHC")
 
     def copied(backend: Backend, out: dict[str, torch.Tensor]) -> object:
-        return copy(src, out, backend=backend)
+        return kvhost.KVHost(src, axes="KBNHC", backend=backend).copy_to(out, src_ids, dst_ids)
 
     outputs = _outputs(backends, dst, copied)
-    copies = {method: functools.partial(copy, src, dst, backend=backend) for method, backend in backends.items()}
+    copies = {
+        method: functools.partial(kvhost.KVHost(src, axes="KBNHC", backend=b).copy_to, dst, src_ids, dst_ids)
+        for method, b in backends.items()
+    }
     timed("device copy, scattered, NHD->HND", copies, memcpy, agrees=agreement(outputs),
           device_reference=memcpy_on_device)  # fmt: skip
     del dst, outputs
@@ -341,17 +345,39 @@ def _staging(
             host = {name: t.pin_memory() for name, t in host.items()}
         for ids_name, device_ids in (("runs", runs), ("scattered", scattered)):
             for way in ("load", "save"):
-                src, dst = (host, on_device) if way == "load" else (on_device, host)
                 src_ids, dst_ids = (slots, device_ids) if way == "load" else (device_ids, slots)
-                copy = functools.partial(kvhost.copy_blocks, src_ids=src_ids, dst_ids=dst_ids, axes="KBNHC")
-
-                def staged(backend: Backend, out: dict[str, torch.Tensor], copy: Any = copy, src: Any = src) -> object:
-                    return copy(src, out, backend=backend)
-
-                outputs = _outputs(backends, dst, staged)
-                calls = {method: functools.partial(copy, src, dst, backend=b) for method, b in backends.items()}
+                # The device caches registered, the host buffer a peer: a connector's save and load.
+                move = functools.partial(_stage_call, way=way, src_ids=src_ids, dst_ids=dst_ids)
+                outputs = _outputs(
+                    backends,
+                    host if way == "save" else on_device,
+                    functools.partial(_stage, move, way, host, on_device),
+                )
+                calls = {method: move(b, on_device, host) for method, b in backends.items()}
                 workload = f"staging {way}, {ids_name} device ids, {'pinned' if pinned else 'pageable'} host"
                 timed(workload, calls, plain(way), agrees=agreement(outputs))
+
+
+def _stage_call(
+    backend: Backend,
+    on_device: dict[str, torch.Tensor],
+    host: dict[str, torch.Tensor],
+    *,
+    way: str,
+    src_ids: Any,
+    dst_ids: Any,
+) -> Callable[[], object]:
+    """One staging call on ``backend``: the device caches registered once, the host buffer a peer."""
+    registered = kvhost.KVHost(on_device, axes="KBNHC", backend=backend)
+    move = registered.copy_from if way == "load" else registered.copy_to
+    return functools.partial(move, host, src_ids, dst_ids)
+
+
+def _stage(
+    move: Callable[..., Callable[[], object]], way: str, host: Any, on_device: Any, backend: Backend, out: Any
+) -> object:
+    """A staging call writing ``out``: a copy of the device caches for a load, of the host buffer for a save."""
+    return (move(backend, out, host) if way == "load" else move(backend, on_device, out))()
 
 
 def table(rows: list[Row]) -> str:
