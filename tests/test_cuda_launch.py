@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from kvhost_accelerator.backend import _byte_view
+from kvhost_accelerator.backend import AcceleratorBackend, _byte_view
 from kvhost_accelerator.launch import (
     Limits,
     Rows,
@@ -203,10 +203,10 @@ def grids(launch) -> list[int]:
 def test_large_pieces_fill_the_device(heads, remote, units):
     """Grouped receives (remote 64..4096 -> local 16) on a 132-SM GPU: every launch has every program busy.
 
-    As slots these were 64, 8 and 1 program (budget / piece), fewer than the 132
-    multiprocessors; split, each launch's chunks outnumber the device's programs, and
-    scratch stays within the budget unless one piece alone is larger (then it is that
-    piece, once).
+    With no room to grow (``scratch_most_bytes`` 0), as slots these were 64, 8 and 1
+    program (budget / piece), fewer than the 132 multiprocessors; split, each launch's
+    chunks outnumber the device's programs, and scratch stays within the budget unless
+    one piece alone is larger (then it is that piece, once).
     """
     layout = Layout.of(make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=16, H=heads, C=128)), "KBNHC")
     plan = plan_receive(layout, "HNC", remote)
@@ -263,6 +263,39 @@ def test_pieces_with_a_slot_per_multiprocessor_keep_one_launch(remote, slots):
     enough = replace(short, scratch_bytes=short.scratch_bytes + 1)
     for limits, mode in ((short, "split"), (enough, "slots")):
         assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=limits).mode == mode
+
+
+@pytest.mark.parametrize(
+    ("heads", "remote", "programs"),
+    [(32, 64, 512), (32, 128, 256), (24, 256, 170), (64, 256, 0)],
+    ids=["512KiB", "1MiB", "1.5MiB", "4MiB-too-large"],
+)
+def test_scratch_grows_to_a_slot_per_multiprocessor_before_a_receive_is_split(heads, remote, programs):
+    """Pieces too large for a slot per multiprocessor in 32 MiB get slots of up to 256 MiB
+    (AcceleratorBackend's limits): on an H200, 512 KiB pieces ran at 0.41 of memcpy in one
+    launch of 512 programs, against 0.16 split into 513 launches. Split only beyond that
+    (``programs`` 0 here: 4 MiB x 132 is more than 256 MiB)."""
+    grown = replace(H200, scratch_most_bytes=256 << 20)
+    assert AcceleratorBackend.limits.scratch_most_bytes == grown.scratch_most_bytes
+    layout = Layout.of(make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=16, H=heads, C=128)), "KBNHC")
+    plan = plan_receive(layout, "HNC", remote)
+    launch = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=grown)
+    piece_bytes = launch.piece_words * launch.word_bytes
+    assert piece_bytes == remote * heads * 128 * 2 and H200.scratch_bytes // piece_bytes < H200.processors
+    if programs:
+        assert launch.mode == "slots" and launch.launches == 1 and launch.programs == programs
+        assert launch.scratch_words * launch.word_bytes == programs * piece_bytes <= grown.scratch_most_bytes
+    else:
+        assert launch.mode == "split" and launch.scratch_words * launch.word_bytes <= H200.scratch_bytes
+    # At the edge: 132 slots exactly, or one byte short of them.
+    edge = replace(grown, scratch_most_bytes=132 * piece_bytes)
+    short = replace(edge, scratch_most_bytes=edge.scratch_most_bytes - 1)
+    for limits, mode in ((edge, "slots"), (short, "split")):
+        assert plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=limits).mode == mode
+    # A budget that holds a slot per multiprocessor is not grown: its slots stay in the cache.
+    enough = replace(grown, scratch_bytes=132 * piece_bytes)
+    kept = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=enough)
+    assert kept.mode == "slots" and kept.programs == 132
 
 
 def test_pieces_in_registers_need_no_slots():

@@ -10,6 +10,8 @@ device-side steps. Needs TRITON_INTERPRET=1 (ci/cpu.sh sets it); skipped otherwi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -35,6 +37,8 @@ pytestmark = pytest.mark.skipif(
 TINY = Limits(register_bytes=0, tile_bytes=64, programs=3)  # scratch slots, tiles of a few words: every loop runs
 # Scratch for a slot or two: split receives, many rounds, one half or two, chunks of 8 words.
 SPLIT = Limits(register_bytes=0, tile_bytes=64, programs=3, scratch_bytes=512)
+# The same budget, allowed to grow to a slot per program: slots launches with scratch beyond the budget.
+GROWN = replace(SPLIT, scratch_most_bytes=1 << 20)
 
 
 def tiny_target(limits: Limits = TINY) -> Target:
@@ -75,6 +79,22 @@ def test_receive_through_scratch_in_tiny_tiles(guarded_scratch, layout, kind, k,
 @pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[5::11])
 def test_receive_split_over_launches(guarded_scratch, layout, kind, k, order):
     receive_conformance(tiny_target(SPLIT), layout, kind, k, order)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[7::22])
+def test_receive_through_slots_grown_beyond_the_budget(guarded_scratch, monkeypatch, layout, kind, k, order):
+    """Where the budget holds too few slots, grown ones: one launch, and the bytes as split mode leaves them."""
+    kernels = load_kernels()
+    original, modes = kernels.receive_calls, []
+
+    def recorded(launch, **tables):
+        modes.append(launch.mode)
+        return original(launch, **tables)
+
+    monkeypatch.setattr(kernels, "receive_calls", recorded)
+    receive_conformance(tiny_target(GROWN), layout, kind, k, order)
+    assert set(modes) <= {"slots"}
 
 
 @pytest.mark.timeout(300)
@@ -149,7 +169,7 @@ def test_blocks_padded_to_a_stride_the_words_do_not_divide(monkeypatch, limits):
     assert planned and {launch.word_bytes for launch in planned} == {2}
 
 
-@pytest.mark.parametrize("limits", [None, TINY, SPLIT], ids=["default", "tiny", "split"])
+@pytest.mark.parametrize("limits", [None, TINY, SPLIT, GROWN], ids=["default", "tiny", "split", "grown"])
 @pytest.mark.parametrize(("remote", "order"), [(2, "HNC"), (18, "HNC"), (6, "NHC")])
 def test_sizes_that_are_not_powers_of_two(remote, order, limits):
     """Local blocks of 6 tokens, 3 heads of 12 channels: r = 3, g = 3 and masks everywhere."""

@@ -135,7 +135,7 @@ class AcceleratorBackend(Backend):
     max_run_copies: ClassVar[int] = 64  # on the device: direct copy_ calls at most; beyond, one kernel
     max_host_copies: ClassVar[int] = 64  # across the bus: copy_ calls at most, unless each is large:
     direct_span_bytes: ClassVar[int] = 512 << 10  # a host copy this large is worth its own call
-    limits: ClassVar[Limits] = Limits()
+    limits: ClassVar[Limits] = Limits(scratch_most_bytes=256 << 20)  # launch.py: why slots may outgrow L2
     programs_per_processor: ClassVar[int] = 4
 
     def __init__(self, *, use_triton: bool = True) -> None:

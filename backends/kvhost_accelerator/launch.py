@@ -21,8 +21,10 @@ a batch size never compiles a new kernel):
   device's multiprocessors; the launch then has as many programs as slots, up to
   ``programs`` (on an H200, 128 KiB pieces ran at 0.52 of memcpy in one launch of 264
   programs, against 0.33 split into 129 launches, each one's host-side launch cost
-  longer than its work);
-- *split*: pieces too large for that are cut into chunks of rows that every program
+  longer than its work). Where the budget is too small for that, the scratch may grow
+  to ``Limits.scratch_most_bytes``, beyond the cache: on the H200, 512 KiB pieces ran at
+  0.41 of memcpy with 256 MiB of slots in one launch, against 0.16 split into 513;
+- *split*: pieces too large even for that are cut into chunks of rows that every program
   shares, and the barrier between copying a piece in and writing it back is a kernel
   boundary: launch ``k`` writes back round ``k - 1`` from its half of the scratch and
   copies round ``k`` into the other half. A launch has a program for every chunk of its
@@ -72,7 +74,8 @@ class Limits:
     a tile (``register_cost``); ``barrier``: whether the kernels' in-kernel barrier orders
     global memory between a program's threads (when not, every receive is split);
     ``processors``: the device's multiprocessors, the fewest slots a slots-mode launch may
-    have (0: a slot for each of ``programs``).
+    have (0: a slot for each of ``programs``); ``scratch_most_bytes``: what the slots may
+    take, beyond the cache, where ``scratch_bytes`` holds too few (0: never more).
     """
 
     register_bytes: int = 32 << 10
@@ -82,6 +85,7 @@ class Limits:
     thread_registers: int = 64
     barrier: bool = True
     processors: int = 0
+    scratch_most_bytes: int = 0
 
     def __post_init__(self) -> None:
         # A tile's sides are powers of two (Triton's aranges); a tile of any other byte
@@ -381,6 +385,8 @@ def _pieces(plan: Rearrangement, alignment: int, limits: Limits) -> _Pieces:
         raise BackendError(f"receive launch does not tile its unit: {plan}, {rows}, {count} pieces of {word} B words")
     piece_bytes = rows.words * word
     slots = limits.scratch_bytes // piece_bytes
+    if slots < limits.fewest_slots:  # a slot per multiprocessor beats split launches even beyond the cache
+        slots = max(slots, limits.scratch_most_bytes // piece_bytes)
     if in_registers and limits.barrier:
         return _Pieces(word, align, count, rows, whole, "registers", slots)
     tile = _tile(rows, word, align, limits)
