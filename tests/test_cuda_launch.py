@@ -197,8 +197,8 @@ def grids(launch) -> list[int]:
 
 @pytest.mark.parametrize(
     ("heads", "remote", "units"),
-    [(32, 64, 100), (64, 256, 40), (64, 4096, 2)],
-    ids=["32-heads-64", "64-heads-256", "piece-beyond-budget"],
+    [(32, 64, 100), (64, 256, 40), (96, 1024, 3), (64, 4096, 2)],
+    ids=["32-heads-64", "64-heads-256", "piece-over-half-the-budget", "piece-beyond-budget"],
 )
 def test_large_pieces_fill_the_device(heads, remote, units):
     """Grouped receives (remote 64..4096 -> local 16) on a 132-SM GPU: every launch has every program busy.
@@ -296,6 +296,19 @@ def test_scratch_grows_to_a_slot_per_multiprocessor_before_a_receive_is_split(he
     enough = replace(grown, scratch_bytes=132 * piece_bytes)
     kept = plan_receive_launch(plan, members=32, outer=2, units=100, alignment=256, limits=enough)
     assert kept.mode == "slots" and kept.programs == 132
+
+
+def test_a_piece_stays_in_registers_at_exactly_the_thread_budget():
+    """The registers mode's register cost edge: at the budget, registers; one register less, through scratch."""
+    plan = plan_receive(vllm_cache("KBNHC", tokens=64), "HNC", 16)
+    launch = plan_receive_launch(plan, members=4, outer=2, units=10, alignment=256, limits=H200)
+    assert launch.mode == "registers"
+    cost = register_cost(launch.tile, launch.word_bytes, launch.align_bytes)
+    at_budget = replace(H200, thread_registers=cost)
+    under = replace(H200, thread_registers=cost - 1)
+    kept = plan_receive_launch(plan, members=4, outer=2, units=10, alignment=256, limits=at_budget)
+    assert kept.in_registers and (kept.pieces, kept.tile) == (launch.pieces, launch.tile)  # not a finer cut
+    assert not plan_receive_launch(plan, members=4, outer=2, units=10, alignment=256, limits=under).in_registers
 
 
 def test_pieces_in_registers_need_no_slots():
