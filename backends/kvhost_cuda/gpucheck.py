@@ -241,18 +241,19 @@ def _pinned(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and torch.accelerator.is_available() and t.is_pinned()
 
 
-def _outputs(
+def _calls(
     backends: Mapping[str, Backend],
-    writes: Mapping[str, torch.Tensor],
-    run: Callable[[Backend, dict[str, torch.Tensor]], object],
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Each method's result: ``run(backend, copy)`` on its own copy of the tensors the workload writes."""
+    writes: dict[str, torch.Tensor],
+    make: Callable[[Backend, dict[str, torch.Tensor]], Callable[[], object]],
+) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+    """Each method's timed call, ``make(backend, writes)``, and whether its bytes agree:
+    each method first runs once as ``make(backend, copy)`` on its own copy of ``writes``."""
     outputs = {}
     for method, backend in backends.items():
         copy = _clone(writes)
-        run(backend, copy)
+        make(backend, copy)()
         outputs[method] = copy
-    return outputs
+    return {method: make(backend, writes) for method, backend in backends.items()}, agreement(outputs)
 
 
 def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, emit: Emit | None = None) -> list[Row]:
@@ -280,37 +281,21 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, em
         ids = rng.permutation(sizes.receive_units * parts + 8)[: sizes.receive_units * parts]
         requests = {f"r{i}": ids[i : i + 4 * parts] for i in range(0, ids.size, 4 * parts)}
         requests = dict(list(requests.items())[:kept])
-        options: dict[str, Any] = dict(remote_order="HNC", remote_block_size=remote)
-
-        def received(backend: Backend, out: dict[str, torch.Tensor], requests: Any = requests) -> object:
-            return kvhost.KVHost(out, axes="KBNHC", backend=backend).receive(requests, **options)  # noqa: B023
-
-        outputs = _outputs(backends, caches, received)
         # Registered once, as a connector does: each call then pays only for the batch.
-        calls = {
-            method: functools.partial(kvhost.KVHost(caches, axes="KBNHC", backend=b).receive, requests, **options)
-            for method, b in backends.items()
-        }
-        timed(workload, calls, memcpy, agrees=agreement(outputs), device_reference=memcpy_on_device)
-        del caches, calls, outputs
+        receive = functools.partial(_receive_call, requests=requests, remote_block_size=remote)
+        calls, agrees = _calls(backends, caches, receive)
+        timed(workload, calls, memcpy, agrees=agrees, device_reference=memcpy_on_device)
+        del caches, calls
 
     # Scattered blocks between two layouts on the device (what a staged copy does on the device).
     blocks = sizes.staging_blocks
     src = cache_set(device, sizes, "KBNHC", 2 * blocks, 16)
     dst = cache_set(device, sizes, "KBHNC", 2 * blocks, 16)
     src_ids, dst_ids = rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks]
-
-    def copied(backend: Backend, out: dict[str, torch.Tensor]) -> object:
-        return kvhost.KVHost(src, axes="KBNHC", backend=backend).copy_to(out, src_ids, dst_ids)
-
-    outputs = _outputs(backends, dst, copied)
-    copies = {
-        method: functools.partial(kvhost.KVHost(src, axes="KBNHC", backend=b).copy_to, dst, src_ids, dst_ids)
-        for method, b in backends.items()
-    }
-    timed("device copy, scattered, NHD->HND", copies, memcpy, agrees=agreement(outputs),
-          device_reference=memcpy_on_device)  # fmt: skip
-    del dst, outputs
+    copy = functools.partial(_copy_call, src, src_ids=src_ids, dst_ids=dst_ids)
+    copies, agrees = _calls(backends, dst, copy)
+    timed("device copy, scattered, NHD->HND", copies, memcpy, agrees=agrees, device_reference=memcpy_on_device)
+    del dst, copies
     _staging(device, backends, sizes, src, rng, timed)
     return rows
 
@@ -347,37 +332,42 @@ def _staging(
             for way in ("load", "save"):
                 src_ids, dst_ids = (slots, device_ids) if way == "load" else (device_ids, slots)
                 # The device caches registered, the host buffer a peer: a connector's save and load.
-                move = functools.partial(_stage_call, way=way, src_ids=src_ids, dst_ids=dst_ids)
-                outputs = _outputs(
-                    backends,
-                    host if way == "save" else on_device,
-                    functools.partial(_stage, move, way, host, on_device),
-                )
-                calls = {method: move(b, on_device, host) for method, b in backends.items()}
+                stage = functools.partial(_stage_call, way=way, host=host, on_device=on_device, src_ids=src_ids,
+                                          dst_ids=dst_ids)  # fmt: skip
+                calls, agrees = _calls(backends, host if way == "save" else on_device, stage)
                 workload = f"staging {way}, {ids_name} device ids, {'pinned' if pinned else 'pageable'} host"
-                timed(workload, calls, plain(way), agrees=agreement(outputs))
+                timed(workload, calls, plain(way), agrees=agrees)
+
+
+def _receive_call(
+    backend: Backend, caches: dict[str, torch.Tensor], *, requests: Any, remote_block_size: int
+) -> Callable[[], object]:
+    registered = kvhost.KVHost(caches, axes="KBNHC", backend=backend)
+    return functools.partial(registered.receive, requests, remote_order="HNC", remote_block_size=remote_block_size)
+
+
+def _copy_call(
+    src: dict[str, torch.Tensor], backend: Backend, dst: dict[str, torch.Tensor], *, src_ids: Any, dst_ids: Any
+) -> Callable[[], object]:
+    return functools.partial(kvhost.KVHost(src, axes="KBNHC", backend=backend).copy_to, dst, src_ids, dst_ids)
 
 
 def _stage_call(
     backend: Backend,
-    on_device: dict[str, torch.Tensor],
-    host: dict[str, torch.Tensor],
+    written: dict[str, torch.Tensor],
     *,
     way: str,
+    host: Any,
+    on_device: Any,
     src_ids: Any,
     dst_ids: Any,
 ) -> Callable[[], object]:
-    """One staging call on ``backend``: the device caches registered once, the host buffer a peer."""
-    registered = kvhost.KVHost(on_device, axes="KBNHC", backend=backend)
-    move = registered.copy_from if way == "load" else registered.copy_to
-    return functools.partial(move, host, src_ids, dst_ids)
-
-
-def _stage(
-    move: Callable[..., Callable[[], object]], way: str, host: Any, on_device: Any, backend: Backend, out: Any
-) -> object:
-    """A staging call writing ``out``: a copy of the device caches for a load, of the host buffer for a save."""
-    return (move(backend, out, host) if way == "load" else move(backend, on_device, out))()
+    """A load from ``host`` into ``written`` (device caches), or a save from ``on_device`` into it (a host buffer)."""
+    if way == "load":
+        return functools.partial(
+            kvhost.KVHost(written, axes="KBNHC", backend=backend).copy_from, host, src_ids, dst_ids
+        )
+    return functools.partial(kvhost.KVHost(on_device, axes="KBNHC", backend=backend).copy_to, written, src_ids, dst_ids)
 
 
 def table(rows: list[Row]) -> str:
