@@ -315,7 +315,7 @@ class _Pieces:
     rows: Rows
     tile: Tile
     mode: str
-    slots: int
+    slots: int = 0  # slots mode: the scratch slots, one program each (the launch's most programs)
     chunks: int = 1
     round_pieces: int = 0
     halves: int = 0
@@ -388,14 +388,24 @@ def _pieces(plan: Rearrangement, alignment: int, limits: Limits) -> _Pieces:
     if slots < limits.fewest_slots:  # a slot per multiprocessor beats split launches even beyond the cache
         slots = max(slots, limits.scratch_most_bytes // piece_bytes)
     if in_registers and limits.barrier:
-        return _Pieces(word, align, count, rows, whole, "registers", slots)
+        return _Pieces(word, align, count, rows, whole, "registers")
     tile = _tile(rows, word, align, limits)
     if limits.barrier and slots >= limits.fewest_slots:
         return _Pieces(word, align, count, rows, tile, "slots", slots)
     # A piece beyond the budget still needs all of its scratch: one piece a round.
     round_pieces = max(1, limits.scratch_bytes // (2 * piece_bytes))
     halves = 2 if 2 * round_pieces * piece_bytes <= limits.scratch_bytes else 1
-    return _Pieces(word, align, count, rows, tile, "split", slots, ceil(rows.rows / tile.rows), round_pieces, halves)
+    return _Pieces(
+        word,
+        align,
+        count,
+        rows,
+        tile,
+        "split",
+        chunks=ceil(rows.rows / tile.rows),
+        round_pieces=round_pieces,
+        halves=halves,
+    )
 
 
 @dataclass(frozen=True)
