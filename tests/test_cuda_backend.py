@@ -17,6 +17,7 @@ import warnings
 import weakref
 from functools import cached_property
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -135,6 +136,15 @@ def test_a_triton_too_old_for_the_kernels_means_torch_ops(monkeypatch):
     assert "torch ops (triton 3.1.0 is older than 3.2)" in CudaBackend().describe()
 
 
+def test_without_triton_the_torch_path_says_so(monkeypatch):
+    import kvhost_accelerator.backend as accelerator
+
+    monkeypatch.setattr(accelerator, "load_kernels", lambda: None)
+    backend = CudaBackend()
+    assert backend.kernels_missing == "triton is not installed" and backend.kernels is None
+    assert "torch ops (triton is not installed)" in backend.describe()
+
+
 def test_kernels_run_where_this_triton_compiles_for_the_device():
     kernels = load_kernels()
     if kernels is None or kernels.interpreted():
@@ -248,6 +258,21 @@ def test_a_handle_seen_done_goes_quietly():
     assert warned == [] and event.waits == 0
 
 
+def test_a_handle_whose_construction_failed_goes_quietly():
+    """Its __del__ still runs; with nothing set up there is nothing to wait for or warn of."""
+    unraisable: list[object] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            with pytest.raises(TypeError):
+                EventCompletion(ManualEvent(), keep=5)  # type: ignore[arg-type]  # not a sequence: __init__ fails
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert warned == [] and unraisable == []
+
+
 class Stream:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -357,8 +382,26 @@ def caches(axes: str, physical: str, blocks: int, seed: int, layers: int = 2) ->
     return out
 
 
-def check_blocks(src, dst, src_axes, dst_axes, src_ids, dst_ids, before) -> None:
-    for s, d, saved in zip(CacheSet(src, src_axes).members, CacheSet(dst, dst_axes).members, before):
+class Snapshot(NamedTuple):
+    """Both sides' bytes before a copy, member by member."""
+
+    src: list[torch.Tensor]
+    dst: list[torch.Tensor]
+
+
+def snapshot(src, dst, src_axes, dst_axes) -> Snapshot:
+    def copied(caches, axes):
+        return [raw(m.tensor).clone() for m in CacheSet(caches, axes).members]
+
+    return Snapshot(copied(src, src_axes), copied(dst, dst_axes))
+
+
+def check_blocks(src, dst, src_axes, dst_axes, src_ids, dst_ids, before: Snapshot) -> None:
+    """Each destination block holds its source block; every other destination block, and the
+    whole source, are as they were (a copy that wrote its source would otherwise agree with itself)."""
+    sources, dests = CacheSet(src, src_axes).members, CacheSet(dst, dst_axes).members
+    assert all(torch.equal(raw(s.tensor), saved) for s, saved in zip(sources, before.src, strict=True))
+    for s, d, saved in zip(sources, dests, before.dst, strict=True):
         for si, di in zip(src_ids, dst_ids):
             assert torch.equal(read_tokens(d.tensor, d.layout, [di]), read_tokens(s.tensor, s.layout, [si]))
         b = d.layout.axes.index("B")
@@ -374,13 +417,13 @@ def host_job(src, dst, src_axes, dst_axes, src_ids, dst_ids, non_blocking):
 def test_staged_save_lands_only_when_completed(layouts):
     device_axes, device_phys, host_axes, host_phys = layouts
     device, host = caches(device_axes, device_phys, 12, 1), caches(host_axes, host_phys, 9, 50)
-    before = [raw(m.tensor).clone() for m in CacheSet(host, host_axes).members]
+    before = snapshot(device, host, device_axes, host_axes)
     src_ids, dst_ids = [11, 2, 7, 3, 4], [0, 8, 5, 1, 2]
     job = host_job(device, host, device_axes, host_axes, src_ids, dst_ids, non_blocking=True)
     backend, keep = CpuStandIn(use_triton=False), []
     finish = backend.copy_host(job, to_device=False, keep=keep)
     assert finish is not None  # pageable host memory, non-blocking: staged
-    assert all(torch.equal(raw(m.tensor), saved) for m, saved in zip(CacheSet(host, host_axes).members, before))
+    assert all(torch.equal(raw(m.tensor), saved) for m, saved in zip(CacheSet(host, host_axes).members, before.dst))
     finish()
     check_blocks(device, host, device_axes, host_axes, src_ids, dst_ids, before)
     bounce, staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
@@ -390,7 +433,7 @@ def test_staged_save_lands_only_when_completed(layouts):
 @pytest.mark.parametrize("non_blocking", [True, False])
 def test_host_to_device_takes_runs_directly_or_stages(non_blocking):
     host, device = caches("KBNHC", "KBNHC", 12, 3), caches("KBNHC", "KBNHC", 10, 70)  # K strides differ
-    before = [raw(m.tensor).clone() for m in CacheSet(device, "KBNHC").members]
+    before = snapshot(host, device, "KBNHC", "KBNHC")
     src_ids, dst_ids = [0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 0, 1]  # two runs, same layout both sides
     job = host_job(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking)
     backend, keep = CpuStandIn(use_triton=False), []
@@ -421,7 +464,7 @@ def test_scattered_device_blocks_and_host_runs_cross_as_host_spans(to_device, la
     device_ids, host_ids, blocks = SPANS[ids]
     src, dst = (host, device) if to_device else (device, host)
     src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
-    before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+    before = snapshot(src, dst, "KBNHC", "KBNHC")
     job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
     backend, keep = CpuStandIn(use_triton=False), []
     assert backend.direct_copies(job) > backend.max_run_copies
@@ -437,14 +480,14 @@ def test_direct_copies_need_the_same_block_bytes_on_both_sides():
     backend = CpuStandIn(use_triton=False)
     assert backend.direct_copies(job) > backend.max_run_copies
     keep: list[object] = []
-    before = [raw(m.tensor).clone() for m in CacheSet(device, "KBNHC").members]
+    before = snapshot(host, device, "KBNHC", "KBNHC")
     backend.copy_host(job, to_device=True, keep=keep)
     check_blocks(host, device, "KBNHC", "KBNHC", [0, 1], [0, 1], before)
 
 
 def test_copy_on_one_device_completes_through_an_event():
     src, dst = caches("KBNHC", "KBHNC", 12, 7), caches("KBNHC", "KBNHC", 10, 8)
-    before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+    before = snapshot(src, dst, "KBNHC", "KBNHC")
     result = kvhost.copy_blocks(src, dst, [3, 9, 1], [0, 7, 2], axes="KBNHC", non_blocking=True,
                                 backend=CpuStandIn(use_triton=False))  # fmt: skip
     assert isinstance(result.completion, EventCompletion)  # one job: its completion as the backend gave it
@@ -517,7 +560,7 @@ def test_a_blocking_copy_is_complete_when_copy_returns(src, dst):
 def test_a_copy_between_two_devices_of_its_type_is_done_on_return():
     """Two devices (``cpu:0`` and ``cpu:1`` for the stand-in): torch's peer copies, then both synchronized."""
     src, dst = caches("KBNHC", "KBHNC", 8, 44), caches("KBNHC", "KBNHC", 6, 45)
-    before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+    before = snapshot(src, dst, "KBNHC", "KBNHC")
     job = host_job(src, dst, "KBNHC", "KBNHC", [7, 0, 3], [5, 1, 2], non_blocking=True)
     job = dataclasses.replace(job, src_device=torch.device("cpu", 0), dst_device=torch.device("cpu", 1))
     completion = CpuStandIn(use_triton=False).copy(job)
@@ -561,7 +604,7 @@ def test_host_blocks_that_are_not_one_span_each_cross_through_the_bounce_buffer(
     for to_device in (True, False):
         src, dst = (host, device) if to_device else (device, host)
         src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
-        before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+        before = snapshot(src, dst, "KBNHC", "KBNHC")
         whole_before = {name: raw(t).clone() for name, t in whole.items()}
         job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
         backend, keep = CpuStandIn(use_triton=False), []
@@ -611,7 +654,7 @@ def test_staged_copies_stage_on_the_device_the_job_names(way, to_device):
     device_ids, host_ids = [9, 2, 5], [1, 2, 3]
     src, dst = (host, device) if to_device else (device, host)
     src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
-    before = [raw(m.tensor).clone() for m in CacheSet(dst, "KBNHC").members]
+    before = snapshot(src, dst, "KBNHC", "KBNHC")
     job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
     named = torch.device("cpu", 0)
     job = dataclasses.replace(job, **{"dst_device" if to_device else "src_device": named})
