@@ -82,8 +82,7 @@ def run_copy(spec: dict[str, Any], backend: Any, device: str) -> dict[str, Any]:
     """``spec``: src_axes, dst_axes, sizes (logical, B for the source), dst_blocks, dtype,
     layers, src_ids, dst_ids, src_device and dst_device (``host`` or ``device``)."""
     import kvhost
-    from kvhost.caches import CacheSet
-    from kvhost.testing import fill_random, raw, read_tokens
+    from kvhost.testing import CopyCase, fill_random
 
     where = {"host": "cpu", "device": device}
     src_sizes = {a: spec["sizes"][a] for a in spec["src_axes"]}
@@ -92,8 +91,7 @@ def run_copy(spec: dict[str, Any], backend: Any, device: str) -> dict[str, Any]:
     dst = caches_for(spec, spec["dst_axes"], dst_sizes, where[spec["dst_device"]], spec["layers"])
     for i, tensor in enumerate([*src.values(), *dst.values()]):
         fill_random(tensor, 7 + i)
-    src_set, dst_set = CacheSet(src, spec["src_axes"]), CacheSet(dst, spec["dst_axes"])
-    before = [raw(m.tensor).cpu().clone() for m in dst_set.members]
+    case = CopyCase(src, dst, spec["src_axes"], spec["dst_axes"])
     src_ids, dst_ids = spec["src_ids"], spec["dst_ids"]
     start = time.perf_counter()
     result = kvhost.copy_blocks(
@@ -101,17 +99,7 @@ def run_copy(spec: dict[str, Any], backend: Any, device: str) -> dict[str, Any]:
     )
     result.wait()
     seconds = time.perf_counter() - start
-    for s, d, saved in zip(src_set.members, dst_set.members, before):
-        got, want = read_tokens(d.tensor, d.layout, dst_ids), read_tokens(s.tensor, s.layout, src_ids)
-        if not torch.equal(got, want):
-            token = int((got != want).reshape(got.shape[0], -1).any(1).nonzero()[0, 0])
-            i = token // d.layout.block_size
-            raise AssertionError(f"layer {d.layer!r}: block {dst_ids[i]} does not hold source block {src_ids[i]}")
-        b = d.layout.axes.index("B")
-        now = raw(d.tensor).cpu()
-        for block in sorted(set(range(d.layout.num_blocks)) - set(dst_ids)):
-            if not torch.equal(now.select(b, block), saved.select(b, block)):
-                raise AssertionError(f"layer {d.layer!r}: untouched block {block} changed")
+    case.check(src_ids, dst_ids)
     return {"backend": result.backend, "bytes_moved": result.bytes_moved, "seconds": seconds}
 
 

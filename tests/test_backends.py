@@ -16,7 +16,7 @@ import torch
 
 import kvhost
 from kvhost.backend import OptionalKernels, next_power_of_two
-from kvhost.testing import ReceiveCase, fill_random, make_cache, raw, read_tokens
+from kvhost.testing import CopyCase, ReceiveCase, fill_random, make_cache, raw
 from kvhost.torch_backend import IndexBuffers, TorchBackend, current_stream
 
 SIZES = dict(K=2, B=8, N=8, H=2, C=4)
@@ -111,13 +111,10 @@ def test_units_larger_than_a_pass_are_rewritten_one_at_a_time(host_chunk_bytes):
 def test_copies_with_more_runs_than_copied_one_by_one_are_gathered():
     src = {"l": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 1)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 2)}
-    before = raw(dst["l"]).clone()
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     src_ids, dst_ids = [0, 1, 5, 3], [6, 7, 2, 0]  # three runs, more than max_run_copies
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=2))
-    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
-    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
-    for block in (1, 3, 4, 5):
-        assert torch.equal(raw(dst["l"])[:, block], before[:, block])
+    case.check(src_ids, dst_ids)
 
 
 def counted(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
@@ -253,16 +250,13 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
         calls = sum(n * 256 >= bound for n in (3, 1))
     src = {"l": fill_random(make_cache("KBNHC", "KBHNC", SIZES), 1)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 2)}
-    before = raw(dst["l"]).clone()
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     torch_calls = _gathers_counted(monkeypatch) if op == "index_select" else counted(monkeypatch, op)
     backend = TorchBackend(host_thread_bytes=host_thread_bytes)
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=backend)
     monkeypatch.undo()
     assert len(torch_calls) == calls
-    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
-    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
-    untouched = [i for i in range(SIZES["B"]) if i not in dst_ids]
-    assert torch.equal(raw(dst["l"])[:, untouched], before[:, untouched])
+    case.check(src_ids, dst_ids)
 
 
 def test_run_ids_numpy_views_at_once_tensors_at_the_first_torch_call():
@@ -328,7 +322,7 @@ def test_host_gathers_under_host_thread_bytes_are_numpys_take_where_blocks_are_p
     source = _layer_of_cross_layer_buffer() if cross_layer else make_cache("KBNHC", src_physical, SIZES)
     src = {"l": fill_random(source, 1)}
     dst = {"l": fill_random(make_cache("KBNHC", dst_physical, SIZES), 2)}
-    before, source_before = raw(dst["l"]).clone(), raw(src["l"]).clone()
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     src_ids, dst_ids = [5, 2, 7], [3, 4, 5]
     took = _calls_counted(monkeypatch, np, "take")
     selected = _gathers_counted(monkeypatch)
@@ -337,11 +331,7 @@ def test_host_gathers_under_host_thread_bytes_are_numpys_take_where_blocks_are_p
     )
     monkeypatch.undo()
     assert (len(took), len(selected)) == (takes, selects)
-    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
-    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
-    untouched = [i for i in range(SIZES["B"]) if i not in dst_ids]
-    assert torch.equal(raw(dst["l"])[:, untouched], before[:, untouched])
-    assert torch.equal(raw(src["l"]), source_before)
+    case.check(src_ids, dst_ids)
 
 
 def test_host_gather_through_take_moves_pieces_of_a_mib(monkeypatch):
@@ -351,13 +341,12 @@ def test_host_gather_through_take_moves_pieces_of_a_mib(monkeypatch):
     sizes = dict(K=2, B=6, N=128, H=32, C=128)
     src = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes), 3)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes), 4)}
-    before = raw(dst["l"]).clone()
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     took = _calls_counted(monkeypatch, np, "take")
     kvhost.copy_blocks(src, dst, [5, 0, 3], [1, 2, 3], axes="KBNHC", backend=TorchBackend(host_thread_bytes=64 << 20))
     monkeypatch.undo()
     assert len(took) == 2
-    assert torch.equal(raw(dst["l"])[:, [1, 2, 3]], raw(src["l"])[:, [5, 0, 3]])
-    assert torch.equal(raw(dst["l"])[:, [0, 4, 5]], before[:, [0, 4, 5]])
+    case.check([5, 0, 3], [1, 2, 3])
 
 
 @pytest.mark.parametrize(
@@ -385,18 +374,14 @@ def test_host_gathers_go_per_index_before_b_from_host_split_bytes_a_call(
     sizes = {a: dict(L=3, K=2, B=48, N=16, H=8, C=128)[a] for a in axes}
     src = {"l": fill_random(make_cache(axes, src_physical, sizes), 5)}
     dst = {"l": fill_random(make_cache(axes, dst_physical, sizes), 6)}
-    before = raw(dst["l"]).clone()
+    case = CopyCase(src, dst, axes, axes)
     src_ids = [int(i) for i in np.random.default_rng(3).permutation(48)[:24]]
     dst_ids = list(range(10, 34))
     gathers = _gathers_counted(monkeypatch)
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=axes, backend=TorchBackend(host_split_bytes=split_bytes))
     monkeypatch.undo()
     assert len(gathers) == calls
-    layout_src, layout_dst = kvhost.Layout.of(src["l"], axes), kvhost.Layout.of(dst["l"], axes)
-    assert torch.equal(read_tokens(dst["l"], layout_dst, dst_ids), read_tokens(src["l"], layout_src, src_ids))
-    b = axes.index("B")
-    untouched = torch.tensor([i for i in range(48) if i not in dst_ids])
-    assert torch.equal(raw(dst["l"]).index_select(b, untouched), before.index_select(b, untouched))
+    case.check(src_ids, dst_ids)
 
 
 @pytest.mark.parametrize(
@@ -409,7 +394,7 @@ def test_host_copies_move_8_byte_integers_where_the_last_dim_allows(monkeypatch,
     sizes = dict(SIZES, C=channels)
     src = {"l": fill_random(make_cache("KBNHC", "KBHNC", sizes, dtype=dtype), 1)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes, dtype=dtype), 2)}
-    before = raw(dst["l"]).clone()
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     seen: list[torch.dtype] = []
     original = torch.Tensor.index_copy_
 
@@ -421,9 +406,7 @@ def test_host_copies_move_8_byte_integers_where_the_last_dim_allows(monkeypatch,
     kvhost.copy_blocks(src, dst, [0, 1, 2], [6, 3, 5], axes="KBNHC", backend=TorchBackend(host_thread_bytes=0))
     monkeypatch.undo()
     assert seen == [moved_as]
-    layout_src, layout_dst = kvhost.Layout.of(src["l"], "KBNHC"), kvhost.Layout.of(dst["l"], "KBNHC")
-    assert torch.equal(read_tokens(dst["l"], layout_dst, [6, 3, 5]), read_tokens(src["l"], layout_src, [0, 1, 2]))
-    assert torch.equal(raw(dst["l"])[:, [0, 1, 2, 4, 7]], before[:, [0, 1, 2, 4, 7]])
+    case.check([0, 1, 2], [6, 3, 5])
 
 
 def test_a_registered_copy_makes_its_views_once(monkeypatch):

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import kvhost
-from kvhost.caches import CacheSet
-from kvhost.testing import fill_random, make_cache, raw, read_tokens
+from kvhost.testing import CopyCase, fill_random, make_cache, raw
 
 SIZES = dict(K=2, B=12, N=8, H=2, C=16)
 
@@ -33,19 +32,6 @@ def sizes_for(axes: str, blocks: int) -> dict[str, int]:
     return {a: sizes[a] for a in axes}
 
 
-def check_copied(src, dst, src_axes, dst_axes, src_ids, dst_ids, before) -> None:
-    src_set, dst_set = CacheSet(src, src_axes), CacheSet(dst, dst_axes)
-    for s, d, saved in zip(src_set.members, dst_set.members, before):
-        for si, di in zip(src_ids, dst_ids):
-            assert torch.equal(read_tokens(d.tensor, d.layout, [di]), read_tokens(s.tensor, s.layout, [si])), (
-                f"layer {d.layer!r}: block {di} does not hold source block {si}"
-            )
-        b = d.layout.axes.index("B")
-        now = raw(d.tensor).cpu()
-        for block in set(range(d.layout.num_blocks)) - set(dst_ids):
-            assert torch.equal(now.select(b, block), saved.select(b, block)), f"untouched block {block} changed"
-
-
 def build(axes, physical, blocks, device, seed, dtype=torch.bfloat16):
     caches = {f"layer{i}": make_cache(axes, physical, sizes_for(axes, blocks), dtype, device) for i in range(2)}
     for i, t in enumerate(caches.values()):
@@ -65,12 +51,12 @@ def test_copy_between_layouts_and_devices(target, pair, ids, direction):
     }[direction]
     src = build(src_axes, src_phys, 12, src_dev, 1)
     dst = build(dst_axes, dst_phys, 10, dst_dev, 100)
-    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, dst_axes).members]
+    case = CopyCase(src, dst, src_axes, dst_axes)
     src_ids, dst_ids = IDS[ids]
     result = kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=src_axes, dst_axes=dst_axes, backend=target.backend)
     result.wait()
     assert result.done()
-    check_copied(src, dst, src_axes, dst_axes, src_ids, dst_ids, before)
+    case.check(src_ids, dst_ids)
     block_bytes = 2  # bf16
     for a in src_axes.replace("B", ""):
         block_bytes *= sizes_for(src_axes, 12)[a]
@@ -85,9 +71,9 @@ def test_copy_between_layouts_and_devices(target, pair, ids, direction):
 def test_copy_dtypes(target, dtype):
     src = build("KBNHC", "KBHNC", 12, "cpu", 3, dtype)
     dst = build("KBNHC", "KBNHC", 10, target.device, 4, dtype)
-    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, "KBNHC").members]
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     kvhost.copy_blocks(src, dst, [3, 4, 9], [0, 1, 7], axes="KBNHC", backend=target.backend).wait()
-    check_copied(src, dst, "KBNHC", "KBNHC", [3, 4, 9], [0, 1, 7], before)
+    case.check([3, 4, 9], [0, 1, 7])
 
 
 def test_copy_kv_tuple_to_k_axis_and_back(target):
@@ -120,32 +106,32 @@ def test_kvhost_copy_to_and_from(target):
     device_caches = build("KBNHC", "KBNHC", 12, target.device, 50)
     host = kvhost.KVHost(device_caches, axes="KBNHC", backend=target.backend)
     host_buffer = build("KBNHC", "KBHNC", 8, "cpu", 60)
-    before = [raw(m.tensor).cpu().clone() for m in CacheSet(host_buffer, "KBNHC").members]
+    case = CopyCase(device_caches, host_buffer, "KBNHC", "KBNHC")
     host.copy_to(host_buffer, [10, 11, 4], [0, 1, 2]).wait()
-    check_copied(device_caches, host_buffer, "KBNHC", "KBNHC", [10, 11, 4], [0, 1, 2], before)
-    before = [raw(m.tensor).cpu().clone() for m in CacheSet(device_caches, "KBNHC").members]
+    case.check([10, 11, 4], [0, 1, 2])
+    case = CopyCase(host_buffer, device_caches, "KBNHC", "KBNHC")
     host.copy_from(host_buffer, [5, 6], [1, 2]).wait()
-    check_copied(host_buffer, device_caches, "KBNHC", "KBNHC", [5, 6], [1, 2], before)
+    case.check([5, 6], [1, 2])
 
 
 def test_non_blocking_copy_completes(target):
     src = build("KBNHC", "KBNHC", 12, "cpu", 70)
     dst = build("KBNHC", "KBNHC", 12, target.device, 80)
-    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, "KBNHC").members]
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     result = kvhost.copy_blocks(
         src, dst, [0, 1, 2, 3], [8, 9, 10, 11], axes="KBNHC", non_blocking=True, backend=target.backend
     )
     assert result.wait() is result and result.done()
-    check_copied(src, dst, "KBNHC", "KBNHC", [0, 1, 2, 3], [8, 9, 10, 11], before)
+    case.check([0, 1, 2, 3], [8, 9, 10, 11])
 
 
 def test_empty_copy_is_a_no_op(target):
     src = build("KBNHC", "KBNHC", 4, "cpu", 90)
     dst = build("KBNHC", "KBNHC", 4, target.device, 91)
-    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, "KBNHC").members]
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     result = kvhost.copy_blocks(src, dst, [], [], axes="KBNHC", backend=target.backend)
     assert result.blocks == 0 and result.bytes_moved == 0 and result.done() and result.runs == 0
-    check_copied(src, dst, "KBNHC", "KBNHC", [], [], before)
+    case.check([], [])
 
 
 def test_copy_results_compare_and_print_by_their_numbers():
@@ -170,14 +156,14 @@ def test_copy_large_enough_for_every_core(target, ids):
     sizes = dict(K=2, B=24, N=64, H=8, C=128)
     src = {"l": fill_random(make_cache("KBNHC", "KBHNC", sizes, device="cpu"), 1)}
     dst = {"l": fill_random(make_cache("KBNHC", "KBNHC", sizes, device=target.device), 2)}
-    before = [raw(dst["l"]).cpu().clone()]
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     src_ids, dst_ids = {
         "runs": (list(range(2, 14)), list(range(8, 20))),
         "scattered": ([5, 1, 22, 9, 14], [0, 23, 7, 12, 3]),
     }[ids]
     result = kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes="KBNHC", backend=target.backend).wait()
     assert result.bytes_moved > 1 << 20
-    check_copied(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+    case.check(src_ids, dst_ids)
 
 
 # (source ids, destination ids): destination ids in one run (a staging buffer filling in
@@ -199,11 +185,11 @@ def test_torch_copy_gathers_or_scatters_straight_when_one_side_runs(pair, ids):
     (src_axes, src_phys), (dst_axes, dst_phys) = PAIRS[pair]
     src = build(src_axes, src_phys, 12, "cpu", 1)
     dst = build(dst_axes, dst_phys, 10, "cpu", 100)
-    before = [raw(m.tensor).cpu().clone() for m in CacheSet(dst, dst_axes).members]
+    case = CopyCase(src, dst, src_axes, dst_axes)
     src_ids, dst_ids = MANY_RUNS[ids]
     backend = TorchBackend(max_run_copies=1)
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=src_axes, dst_axes=dst_axes, backend=backend).wait()
-    check_copied(src, dst, src_axes, dst_axes, src_ids, dst_ids, before)
+    case.check(src_ids, dst_ids)
 
 
 @pytest.mark.parametrize("ids", list(MANY_RUNS))
@@ -216,8 +202,34 @@ def test_torch_copy_within_one_cache(ids):
     dst_ids = [12 + d for d in dst_ids]
     for max_run_copies in (1, 64):  # a gather then a scatter; a copy_ per run
         cache = build("KBNHC", "KBHNC", 24, "cpu", 1)  # anew: each copy must land its own bytes
-        before = [raw(m.tensor).clone() for m in CacheSet(cache, "KBNHC").members]
+        case = CopyCase(cache, cache, "KBNHC", "KBNHC")
         kvhost.copy_blocks(
             cache, cache, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=max_run_copies)
         ).wait()
-        check_copied(cache, cache, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+        case.check(src_ids, dst_ids)
+
+
+FAULTS = {  # what a faulty copy leaves (the cache it wrote, the block), and what the oracle says
+    "wrong block": ("dst", 2, "block 2 does not hold source block 1"),
+    "untouched block": ("dst", 3, "block 3, not written by the copy, changed"),
+    "source written": ("src", 4, "block 4, not written by the copy, changed"),
+    # Source and destination written alike (staging garbage through both): they agree, but
+    # not with the source as it was.
+    "both written alike": ("both", 4, "block 0 does not hold source block 4"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_copy_oracle_fails_a_copy_that_is_wrong_anywhere(fault):
+    """CopyCase must be able to fail, whatever a copy got wrong."""
+    src = build("KBNHC", "KBHNC", 6, "cpu", 11)
+    dst = build("KBNHC", "KBNHC", 6, "cpu", 12)
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
+    kvhost.copy_blocks(src, dst, [4, 1], [0, 2], axes="KBNHC").wait()
+    case.check([4, 1], [0, 2])
+    written, block, message = FAULTS[fault]
+    raw((dst if written == "dst" else src)["layer1"])[1, block, 5, 0, 3] += 1  # one element of a V half
+    if written == "both":
+        kvhost.copy_blocks(src, dst, [4], [0], axes="KBNHC").wait()
+    with pytest.raises(AssertionError, match=message):
+        case.check([4, 1], [0, 2])

@@ -17,7 +17,6 @@ import warnings
 import weakref
 from functools import cached_property
 from types import ModuleType
-from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -38,7 +37,7 @@ from kvhost.caches import CacheSet
 from kvhost.layout import Layout
 from kvhost.registry import registry
 from kvhost.stats import CopyResult
-from kvhost.testing import fill_random, make_cache, raw, read_tokens
+from kvhost.testing import CopyCase, fill_random, make_cache, raw
 from kvhost.torch_backend import IndexBuffers
 from kvhost.transform import plan_copy
 
@@ -382,33 +381,6 @@ def caches(axes: str, physical: str, blocks: int, seed: int, layers: int = 2) ->
     return out
 
 
-class Snapshot(NamedTuple):
-    """Both sides' bytes before a copy, member by member."""
-
-    src: list[torch.Tensor]
-    dst: list[torch.Tensor]
-
-
-def snapshot(src, dst, src_axes, dst_axes) -> Snapshot:
-    def copied(caches, axes):
-        return [raw(m.tensor).clone() for m in CacheSet(caches, axes).members]
-
-    return Snapshot(copied(src, src_axes), copied(dst, dst_axes))
-
-
-def check_blocks(src, dst, src_axes, dst_axes, src_ids, dst_ids, before: Snapshot) -> None:
-    """Each destination block holds its source block; every other destination block, and the
-    whole source, are as they were (a copy that wrote its source would otherwise agree with itself)."""
-    sources, dests = CacheSet(src, src_axes).members, CacheSet(dst, dst_axes).members
-    assert all(torch.equal(raw(s.tensor), saved) for s, saved in zip(sources, before.src, strict=True))
-    for s, d, saved in zip(sources, dests, before.dst, strict=True):
-        for si, di in zip(src_ids, dst_ids):
-            assert torch.equal(read_tokens(d.tensor, d.layout, [di]), read_tokens(s.tensor, s.layout, [si]))
-        b = d.layout.axes.index("B")
-        for block in set(range(d.layout.num_blocks)) - set(dst_ids):
-            assert torch.equal(raw(d.tensor).select(b, block), saved.select(b, block))
-
-
 def host_job(src, dst, src_axes, dst_axes, src_ids, dst_ids, non_blocking):
     return plan_copy_batch(CacheSet(src, src_axes), CacheSet(dst, dst_axes), src_ids, dst_ids, non_blocking).jobs[0]
 
@@ -417,15 +389,17 @@ def host_job(src, dst, src_axes, dst_axes, src_ids, dst_ids, non_blocking):
 def test_staged_save_lands_only_when_completed(layouts):
     device_axes, device_phys, host_axes, host_phys = layouts
     device, host = caches(device_axes, device_phys, 12, 1), caches(host_axes, host_phys, 9, 50)
-    before = snapshot(device, host, device_axes, host_axes)
+    case = CopyCase(device, host, device_axes, host_axes)
     src_ids, dst_ids = [11, 2, 7, 3, 4], [0, 8, 5, 1, 2]
     job = host_job(device, host, device_axes, host_axes, src_ids, dst_ids, non_blocking=True)
     backend, keep = CpuStandIn(use_triton=False), []
     finish = backend.copy_host(job, to_device=False, keep=keep)
     assert finish is not None  # pageable host memory, non-blocking: staged
-    assert all(torch.equal(raw(m.tensor), saved) for m, saved in zip(CacheSet(host, host_axes).members, before.dst))
+    assert all(
+        torch.equal(raw(m.tensor), saved) for m, saved in zip(CacheSet(host, host_axes).members, case.dst_before)
+    )
     finish()
-    check_blocks(device, host, device_axes, host_axes, src_ids, dst_ids, before)
+    case.check(src_ids, dst_ids)
     bounce, staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
     assert bounce.shape[:2] == staged.shape[:2] == (8, 2)  # five blocks rounded up to eight, two layers
 
@@ -433,7 +407,7 @@ def test_staged_save_lands_only_when_completed(layouts):
 @pytest.mark.parametrize("non_blocking", [True, False])
 def test_host_to_device_takes_runs_directly_or_stages(non_blocking):
     host, device = caches("KBNHC", "KBNHC", 12, 3), caches("KBNHC", "KBNHC", 10, 70)  # K strides differ
-    before = snapshot(host, device, "KBNHC", "KBNHC")
+    case = CopyCase(host, device, "KBNHC", "KBNHC")
     src_ids, dst_ids = [0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 0, 1]  # two runs, same layout both sides
     job = host_job(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking)
     backend, keep = CpuStandIn(use_triton=False), []
@@ -442,7 +416,7 @@ def test_host_to_device_takes_runs_directly_or_stages(non_blocking):
     staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
     # Blocking: copy_ per run. Non-blocking from pageable memory: staged, so the call need not wait.
     assert len(staged) == (2 if non_blocking else 0)
-    check_blocks(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+    case.check(src_ids, dst_ids)
 
 
 SPANS = {  # device ids, host ids, blocks of the staging buffer (rounded up to a power of two)
@@ -464,14 +438,14 @@ def test_scattered_device_blocks_and_host_runs_cross_as_host_spans(to_device, la
     device_ids, host_ids, blocks = SPANS[ids]
     src, dst = (host, device) if to_device else (device, host)
     src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
-    before = snapshot(src, dst, "KBNHC", "KBNHC")
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
     backend, keep = CpuStandIn(use_triton=False), []
     assert backend.direct_copies(job) > backend.max_run_copies
     assert backend.copy_host(job, to_device=to_device, keep=keep) is None
     staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
     assert [tuple(t.shape) for t in staged] == [(layers, 2, blocks, 8, 2, 16)]  # layers, then the host order K B N H C
-    check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+    case.check(src_ids, dst_ids)
 
 
 def test_direct_copies_need_the_same_block_bytes_on_both_sides():
@@ -480,19 +454,19 @@ def test_direct_copies_need_the_same_block_bytes_on_both_sides():
     backend = CpuStandIn(use_triton=False)
     assert backend.direct_copies(job) > backend.max_run_copies
     keep: list[object] = []
-    before = snapshot(host, device, "KBNHC", "KBNHC")
+    case = CopyCase(host, device, "KBNHC", "KBNHC")
     backend.copy_host(job, to_device=True, keep=keep)
-    check_blocks(host, device, "KBNHC", "KBNHC", [0, 1], [0, 1], before)
+    case.check([0, 1], [0, 1])
 
 
 def test_copy_on_one_device_completes_through_an_event():
     src, dst = caches("KBNHC", "KBHNC", 12, 7), caches("KBNHC", "KBNHC", 10, 8)
-    before = snapshot(src, dst, "KBNHC", "KBNHC")
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     result = kvhost.copy_blocks(src, dst, [3, 9, 1], [0, 7, 2], axes="KBNHC", non_blocking=True,
                                 backend=CpuStandIn(use_triton=False))  # fmt: skip
     assert isinstance(result.completion, EventCompletion)  # one job: its completion as the backend gave it
     assert result.wait().done()
-    check_blocks(src, dst, "KBNHC", "KBNHC", [3, 9, 1], [0, 7, 2], before)
+    case.check([3, 9, 1], [0, 7, 2])
 
 
 class WayRecorder(CpuStandIn):
@@ -560,12 +534,12 @@ def test_a_blocking_copy_is_complete_when_copy_returns(src, dst):
 def test_a_copy_between_two_devices_of_its_type_is_done_on_return():
     """Two devices (``cpu:0`` and ``cpu:1`` for the stand-in): torch's peer copies, then both synchronized."""
     src, dst = caches("KBNHC", "KBHNC", 8, 44), caches("KBNHC", "KBNHC", 6, 45)
-    before = snapshot(src, dst, "KBNHC", "KBNHC")
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     job = host_job(src, dst, "KBNHC", "KBNHC", [7, 0, 3], [5, 1, 2], non_blocking=True)
     job = dataclasses.replace(job, src_device=torch.device("cpu", 0), dst_device=torch.device("cpu", 1))
     completion = CpuStandIn(use_triton=False).copy(job)
     assert type(completion) is Completion and completion.done()
-    check_blocks(src, dst, "KBNHC", "KBNHC", [7, 0, 3], [5, 1, 2], before)
+    case.check([7, 0, 3], [5, 1, 2])
 
 
 def test_copies_on_the_device_are_direct_up_to_max_run_copies():
@@ -604,14 +578,14 @@ def test_host_blocks_that_are_not_one_span_each_cross_through_the_bounce_buffer(
     for to_device in (True, False):
         src, dst = (host, device) if to_device else (device, host)
         src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
-        before = snapshot(src, dst, "KBNHC", "KBNHC")
+        case = CopyCase(src, dst, "KBNHC", "KBNHC")
         whole_before = {name: raw(t).clone() for name, t in whole.items()}
         job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
         backend, keep = CpuStandIn(use_triton=False), []
         finish = backend.copy_host(job, to_device=to_device, keep=keep)
         if finish is not None:
             finish()
-        check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+        case.check(src_ids, dst_ids)
         staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
         assert [tuple(t.shape[:2]) for t in staged] == [(8, 2), (8, 2)]  # bounce and device staging, block-major
         for name, t in whole.items():  # the blocks between the host's were never written
@@ -654,7 +628,7 @@ def test_staged_copies_stage_on_the_device_the_job_names(way, to_device):
     device_ids, host_ids = [9, 2, 5], [1, 2, 3]
     src, dst = (host, device) if to_device else (device, host)
     src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
-    before = snapshot(src, dst, "KBNHC", "KBNHC")
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
     job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
     named = torch.device("cpu", 0)
     job = dataclasses.replace(job, **{"dst_device" if to_device else "src_device": named})
@@ -662,7 +636,7 @@ def test_staged_copies_stage_on_the_device_the_job_names(way, to_device):
     finish = getattr(backend, way)(_HostSides.of(job, to_device), keep)
     if finish is not None:
         finish()
-    check_blocks(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, before)
+    case.check(src_ids, dst_ids)
     assert backend.devices == ([named] if way == "_copy_host_spans" else [None, named])
     assert backend.runtime.pinned == (0 if way == "_copy_host_spans" else 1)  # the bounce buffer is pinned
 

@@ -91,7 +91,7 @@ def test_blocks_that_are_not_back_to_back_are_copied_one_by_one(target):
     dst_memory = fill_random(make_cache("KBNHC", "KBNHC", sizes, device=target.device), 2)
     src, dst = {"l": src_memory[:, 0::2]}, {"l": dst_memory[:, 0::2]}
     assert not plan_copy(Layout.of(src["l"], "KBNHC"), Layout.of(dst["l"], "KBNHC")).merge_blocks
-    before = raw(dst_memory).cpu().clone()
+    before, source_before = raw(dst_memory).cpu().clone(), raw(src_memory).cpu().clone()
     kvhost.copy_blocks(src, dst, [0, 1, 2], [4, 5, 6], axes="KBNHC", backend=target.backend).completion.wait()
     layout_of = Layout.of(src["l"], "KBNHC")
     for s, d in zip([0, 1, 2], [4, 5, 6]):
@@ -99,3 +99,4 @@ def test_blocks_that_are_not_back_to_back_are_copied_one_by_one(target):
     now = raw(dst_memory).cpu()
     for block in set(range(16)) - {8, 10, 12}:
         assert torch.equal(now[:, block], before[:, block]), f"buffer block {block} changed"
+    assert torch.equal(raw(src_memory).cpu(), source_before), "the source changed"

@@ -28,7 +28,7 @@ from test_receive import test_receive_matches_sender as receive_conformance
 import kvhost
 from kvhost.batch import plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet
-from kvhost.testing import ReceiveCase, fill_random, raw, read_tokens
+from kvhost.testing import CopyCase, ReceiveCase, fill_random, raw, read_tokens
 
 pytestmark = pytest.mark.skipif(
     TritonInterpretBackend.unavailable_reason() is not None, reason=str(TritonInterpretBackend.unavailable_reason())
@@ -204,7 +204,7 @@ def test_staged_host_copy_with_kernels_on_the_device_side(to_device, non_blockin
         src, dst, src_axes, dst_axes, src_ids, dst_ids = host, device_caches, "BKNHC", "KBNHC", host_ids, device_ids
     else:
         src, dst, src_axes, dst_axes, src_ids, dst_ids = device_caches, host, "KBNHC", "BKNHC", device_ids, host_ids
-    before = [raw(m.tensor).clone() for m in CacheSet(dst, dst_axes).members]
+    case = CopyCase(src, dst, src_axes, dst_axes)
     job = plan_copy_batch(CacheSet(src, src_axes), CacheSet(dst, dst_axes), src_ids, dst_ids, non_blocking).jobs[0]
     keep: list[object] = []
     finish = backend.copy_host(job, to_device=to_device, keep=keep)
@@ -212,12 +212,7 @@ def test_staged_host_copy_with_kernels_on_the_device_side(to_device, non_blockin
     assert [tuple(t.shape[:2]) for t in staging] == buffers
     if finish is not None:
         finish()
-    for s, d, saved in zip(CacheSet(src, src_axes).members, CacheSet(dst, dst_axes).members, before):
-        for si, di in zip(src_ids, dst_ids):
-            assert torch.equal(read_tokens(d.tensor, d.layout, [di]), read_tokens(s.tensor, s.layout, [si]))
-        b = d.layout.axes.index("B")
-        for block in set(range(d.layout.num_blocks)) - set(dst_ids):
-            assert torch.equal(raw(d.tensor).select(b, block), saved.select(b, block))
+    case.check(src_ids, dst_ids)
 
 
 def test_gpu_check_rows_count_launches_and_compare_bytes():

@@ -2,7 +2,8 @@
 
 - ``oracle``: truth in logical axes, the wire bytes a sender writes (written from the wire
   model in docs/design.md, not from kvhost's planner), and ``ReceiveCase``, which checks a
-  post-process against both.
+  post-process against both; ``CopyCase``, which checks a copy against both sides as they
+  were before it.
 - ``connectors``: what a NIXL read leaves behind between two real caches (``nixl_read``)
   and a token-for-token comparison (``assert_same_tokens``), to test a connector without a
   network.
@@ -10,6 +11,7 @@
 
 from kvhost.testing.connectors import assert_same_tokens, nixl_read
 from kvhost.testing.oracle import (
+    CopyCase,
     ReceiveCase,
     Wired,
     block_letters,
@@ -23,6 +25,7 @@ from kvhost.testing.oracle import (
 )
 
 __all__ = [
+    "CopyCase",
     "ReceiveCase",
     "Wired",
     "assert_same_tokens",

@@ -211,3 +211,41 @@ class ReceiveCase:
 
     def same_as(self, snapshot: list[torch.Tensor]) -> bool:
         return all(torch.equal(raw(m.tensor).cpu(), saved) for m, saved in zip(self.set.members, snapshot))
+
+
+class CopyCase:
+    """Both sides of a copy read before it, and the check after it.
+
+    ``check(src_ids, dst_ids)`` asserts that destination block ``dst_ids[i]`` reads back,
+    token for token, as source block ``src_ids[i]`` read *before* the copy, and that every
+    other block of both sides kept its bytes: a copy that also wrote its source would
+    otherwise agree with itself. Source and destination may be one cache set (blocks apart).
+    Members pair in order, as a copy pairs them (same layer names, same tuple lengths).
+    """
+
+    def __init__(self, src: Mapping[str, Layer], dst: Mapping[str, Layer], src_axes: str, dst_axes: str) -> None:
+        self.src, self.dst = CacheSet(src, src_axes), CacheSet(dst, dst_axes)
+        self.same = src is dst
+        self.truths = [read_tokens(m.tensor, m.layout, range(m.layout.num_blocks)) for m in self.src.members]
+        self.src_before = [raw(m.tensor).cpu().clone() for m in self.src.members]
+        self.dst_before = [raw(m.tensor).cpu().clone() for m in self.dst.members]
+
+    def check(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        written = set(dst_ids)
+        for member, truth in zip(self.src.members, self.truths, strict=True):
+            per_block = truth.shape[0] // member.layout.num_blocks
+            destination = self.dst.layers[member.layer][member.index]
+            for s, d in zip(src_ids, dst_ids, strict=True):
+                want = truth[s * per_block : (s + 1) * per_block]
+                if not torch.equal(read_tokens(destination.tensor, destination.layout, [d]), want):
+                    raise AssertionError(f"{destination.name}: block {d} does not hold source block {s}")
+        for members, before, kept_out in (
+            (self.dst.members, self.dst_before, written),
+            (self.src.members, self.src_before, written if self.same else set()),
+        ):
+            for member, saved in zip(members, before, strict=True):
+                b = member.layout.axes.index("B")
+                now = raw(member.tensor).cpu()
+                for block in range(member.layout.num_blocks):
+                    if block not in kept_out and not torch.equal(now.select(b, block), saved.select(b, block)):
+                        raise AssertionError(f"{member.name}: block {block}, not written by the copy, changed")
