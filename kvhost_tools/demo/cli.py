@@ -264,15 +264,20 @@ def finish(engine: Engine, deadline: float, limit: float) -> int:
 
 
 def fault_options(args: argparse.Namespace, prefill: Engine) -> list[str]:
+    pid = prefill.pid
     if args.kill_prefill_after is not None:
-        after, signal, label = args.kill_prefill_after, "KILL", "killed"
+        after, command, label = args.kill_prefill_after, f"kill -KILL {pid}", "killed"
     elif args.freeze_prefill_after is not None:
-        after, signal, label = args.freeze_prefill_after, "STOP", "froze (SIGSTOP)"
+        # A stop takes effect once every thread of the process has stopped; decode goes on
+        # only then (where /proc shows it), or its next transfers may still be answered.
+        status = f"/proc/{pid}/status"
+        wait = f'while [ -r {status} ] && ! grep -qs "^State:.T" {status}; do sleep 0.01; done'
+        after, command, label = args.freeze_prefill_after, f"kill -STOP {pid} && {wait}", "froze (SIGSTOP)"
     else:
         return []
     return [
-        *["--fault-after", str(after), "--fault-command", f"kill -{signal} {prefill.pid}"],
-        *["--fault-label", f"{label} prefill 0 (pid {prefill.pid})"],
+        *["--fault-after", str(after), "--fault-command", command],
+        *["--fault-label", f"{label} prefill 0 (pid {pid})"],
     ]
 
 
