@@ -11,9 +11,10 @@
 #                     against a plain pinned copy_, each row with its launches and programs
 #                     against the multiprocessors, and whether its bytes equal the torch path's
 #   suite    (rest)   pytest -m cuda over the conformance modules and the backend's device tests
-# Everything lands in $OUT (or /tmp/kvhost-gpu-check) as it happens, at most 6 files:
+# Everything lands in $OUT (or /tmp/kvhost-gpu-check) as it happens, at most 7 files:
 # summary.txt (one line per step, then the answers), machine.txt, figures.txt,
-# figures.jsonl (one JSON row per figure, written as measured), machine.json, suite.txt. A step
+# figures.jsonl (one JSON row per figure, written as measured), machine.json,
+# host-profile.txt (where a one-request receive's host time goes), suite.txt. A step
 # that runs out of time is killed and the next one runs: a time-out still returns what was
 # measured. Nothing is installed: kvhost's sources go on PYTHONPATH and its backend entry
 # points come from a generated dist-info. What is missing is skipped, with the reason.

@@ -25,7 +25,7 @@ from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _Hos
 from kvhost_accelerator.launch import Limits, plan_copy_launch
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
-from kvhost_cuda.gpucheck import Sizes, measure, table
+from kvhost_cuda.gpucheck import Sizes, host_profile, measure, one_request_receive, table
 from kvhost_cuda.gpucheck import main as gpucheck_main
 from kvhost_xpu import XpuBackend
 from kvhost_xpu.backend import load_ipex_if_needed
@@ -673,6 +673,17 @@ def test_gpu_check_measures_every_workload(capsys):
     if not CUDA:
         assert gpucheck_main(["--device", "cuda"]) == 1
         assert "the cuda backend cannot run here" in capsys.readouterr().err
+
+
+def test_gpu_check_profiles_a_one_request_receive():
+    """The profile counts the calls it was asked for, not the warm-up: KVHost's receive, the
+    backend's and the torch path's, three times each."""
+    cpu = torch.device("cpu")
+    receive = one_request_receive(cpu, CpuStandIn(use_triton=False), Sizes(layers=2, heads=2, channels=16))
+    report = host_profile(receive, cpu, calls=3, top=10_000)
+    assert "Ordered by: internal time" in report
+    rows = [line.split() for line in report.splitlines() if line.rstrip().endswith("(receive)")]
+    assert len(rows) >= 3 and all(row[0] == "3" for row in rows), report
 
 
 # --- on a device ---------------------------------------------------------------------
