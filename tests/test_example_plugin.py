@@ -22,7 +22,7 @@ import torch
 
 import kvhost
 from kvhost.integrations.vllm import RemoteEngine
-from kvhost.testing import ReceiveCase, assert_same_tokens, fill_random, make_cache, nixl_read, raw
+from kvhost.testing import CopyCase, ReceiveCase, assert_same_tokens, fill_random, make_cache, nixl_read, raw
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gaudi_style_plugin"
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 2, 24, 8, 2, 16
@@ -116,14 +116,17 @@ def test_staging_copy_to_a_heads_first_float8_host_buffer_and_back(example):
     }
     assert kvhost.Layout.of(host["layers.0"][0], "BNHC").physical == "BHNC"
     requests = {"r1": [3, 4, 5, 9], "r2": [3, 4, 17]}  # a shared prefix is copied once
+    saving = CopyCase(prefill.views, host, prefill.axes, prefill.axes)  # both sides as they were
     saved = prefill.save_to_host(host, requests).wait()
     assert saved.backend == "gaudi-style" and saved.blocks == 5 and saved.runs == 3
     blocks = [3, 4, 5, 9, 17]
-    assert_same_tokens(host, prefill.axes, blocks, prefill.views, prefill.axes, blocks)
+    saving.check(blocks, blocks)
 
     decode = example.GaudiStyleCaches(engine_caches(seed=8), BLOCK_SIZE, backend=backend)
+    loading = CopyCase(host, decode.views, decode.axes, decode.axes)
     loaded = decode.load_from_host(host, requests).wait()
     assert loaded.blocks == 5
+    loading.check(blocks, blocks)
     assert_same_tokens(decode.views, decode.axes, blocks, prefill.views, prefill.axes, blocks)
 
 
