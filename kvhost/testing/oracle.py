@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhost.caches import CacheSet, Layer
+from kvhost.caches import CacheSet, Layer, Member
 from kvhost.layout import Layout
 from kvhost.raw import raw_dtype
 from kvhost.registry import get_backend
@@ -155,7 +155,7 @@ class ReceiveCase:
         self.seed = seed
         for i, member in enumerate(self.set.members):
             fill_random(member.tensor, seed * 1000 + i)
-        self.before = [raw(m.tensor).cpu().clone() for m in self.set.members]
+        self.before = snapshot(self.set.members)
         self.requests: dict[str, Wired] = {}
 
     def send(
@@ -197,17 +197,13 @@ class ReceiveCase:
 
     def check_untouched(self, member_index: int, claimed: set[int]) -> None:
         member = self.set.members[member_index]
-        b = member.layout.axes.index("B")
-        now = raw(member.tensor).cpu()
-        for block in range(member.layout.num_blocks):
-            if block not in claimed and not torch.equal(
-                now.select(b, block), self.before[member_index].select(b, block)
-            ):
-                raise AssertionError(f"layer {member.layer!r}[{member.index}]: untouched block {block} changed")
+        block = first_changed_block(member, self.before[member_index], claimed)
+        if block is not None:
+            raise AssertionError(f"layer {member.layer!r}[{member.index}]: untouched block {block} changed")
 
     def snapshot(self) -> list[torch.Tensor]:
         """Every cache's bytes now, to show later that a rejected call changed nothing."""
-        return [raw(m.tensor).cpu().clone() for m in self.set.members]
+        return snapshot(self.set.members)
 
     def same_as(self, snapshot: list[torch.Tensor]) -> bool:
         return all(torch.equal(raw(m.tensor).cpu(), saved) for m, saved in zip(self.set.members, snapshot))
@@ -227,13 +223,12 @@ class CopyCase:
         self.src, self.dst = CacheSet(src, src_axes), CacheSet(dst, dst_axes)
         self.same = src is dst
         self.truths = [read_tokens(m.tensor, m.layout, range(m.layout.num_blocks)) for m in self.src.members]
-        self.src_before = [raw(m.tensor).cpu().clone() for m in self.src.members]
-        self.dst_before = [raw(m.tensor).cpu().clone() for m in self.dst.members]
+        self.src_before, self.dst_before = snapshot(self.src.members), snapshot(self.dst.members)
 
     def check(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         written = set(dst_ids)
         for member, truth in zip(self.src.members, self.truths, strict=True):
-            per_block = truth.shape[0] // member.layout.num_blocks
+            per_block = member.layout.block_size  # the truth's tokens, block after block
             destination = self.dst.layers[member.layer][member.index]
             for s, d in zip(src_ids, dst_ids, strict=True):
                 want = truth[s * per_block : (s + 1) * per_block]
@@ -244,8 +239,22 @@ class CopyCase:
             (self.src.members, self.src_before, written if self.same else set()),
         ):
             for member, saved in zip(members, before, strict=True):
-                b = member.layout.axes.index("B")
-                now = raw(member.tensor).cpu()
-                for block in range(member.layout.num_blocks):
-                    if block not in kept_out and not torch.equal(now.select(b, block), saved.select(b, block)):
-                        raise AssertionError(f"{member.name}: block {block}, not written by the copy, changed")
+                block = first_changed_block(member, saved, kept_out)
+                if block is not None:
+                    raise AssertionError(f"{member.name}: block {block}, not written by the copy, changed")
+
+
+def snapshot(members: Sequence[Member]) -> list[torch.Tensor]:
+    """Each member's bytes now, on the host."""
+    return [raw(m.tensor).cpu().clone() for m in members]
+
+
+def first_changed_block(member: Member, saved: torch.Tensor, written: set[int]) -> int | None:
+    """The first block outside ``written`` whose bytes differ from ``saved`` (a ``snapshot``
+    entry of ``member``), or None."""
+    b = member.layout.axes.index("B")
+    now = raw(member.tensor).cpu()
+    for block in range(member.layout.num_blocks):
+        if block not in written and not torch.equal(now.select(b, block), saved.select(b, block)):
+            return block
+    return None
