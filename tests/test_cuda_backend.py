@@ -190,6 +190,26 @@ def test_xpu_splits_every_receive_where_intels_barrier_fences_only_local_memory(
     assert CudaBackend().barrier_orders_global_memory()
 
 
+def test_limits_are_fitted_once_per_device_and_again_when_replaced():
+    asked = []
+
+    class Runtime(SynchronousRuntime):
+        def processors(self, device):
+            asked.append(device)
+            return 8 if device.index == 1 else 64
+
+    backend = CudaBackend()
+    backend.__dict__["runtime"] = Runtime()
+    first, second = torch.device("cuda", 0), torch.device("cuda", 1)
+    fitted = backend.limits_for(first)
+    assert backend.limits_for(first) is fitted and asked == [first]
+    assert fitted.processors == 64 and fitted.programs == min(backend.limits.programs, 64 * 4)
+    assert backend.limits_for(second).processors == 8 and asked == [first, second]
+    backend.limits = dataclasses.replace(backend.limits, programs=100)  # type: ignore[misc]
+    refitted = backend.limits_for(first)
+    assert refitted.programs == 100 and refitted.processors == 64 and asked == [first, second, first]
+
+
 # --- completion handles --------------------------------------------------------------
 
 
