@@ -4,6 +4,7 @@
 #
 #   bash ci/gpu-check.sh                   # quick (default): about 4 minutes on an H200
 #   GPU_CHECK_FULL=1 bash ci/gpu-check.sh  # full sizes for the figures, then the suite
+#   GPU_CHECK_STEPS=suite GPU_CHECK_K=grown bash ci/gpu-check.sh  # a rerun of some tests only
 #
 # Steps, each under its own time limit (and all under GPU_CHECK_SECONDS, default 540):
 #   machine  (60 s)   device, multiprocessors, L2, versions, which optional packages are here
@@ -19,13 +20,17 @@
 # measured. Nothing is installed: kvhost's sources go on PYTHONPATH and its backend entry
 # points come from a generated dist-info. What is missing is skipped, with the reason.
 #
-# Exit status: 0 when the device is there, the suite passed and the figures were taken with
-# every method agreeing; 1 otherwise.
+# GPU_CHECK_STEPS (default "figures suite") names the steps after machine; GPU_CHECK_K, a
+# pytest -k expression, picks the suite's tests (a short rerun on a lease nearly spent).
+#
+# Exit status: 0 when the device is there and each step asked for passed (the suite, and
+# the figures taken with every method agreeing); 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 out=${OUT:-/tmp/kvhost-gpu-check}
 budget=${GPU_CHECK_SECONDS:-540}
+steps=" ${GPU_CHECK_STEPS:-figures suite} "
 mkdir -p "$out"
 summary="$out/summary.txt"
 : >"$summary"
@@ -125,14 +130,18 @@ has() { "$PYTHON" -c "import $1" 2>/dev/null; }
 
 quick=(--quick)
 [[ -n "${GPU_CHECK_FULL:-}" ]] && quick=()
-if has numpy; then
+if [[ $steps != *" figures "* ]]; then
+    note "figures: not asked for (GPU_CHECK_STEPS)"
+elif has numpy; then
     step figures 240 "$PYTHON" -m kvhost_cuda.gpucheck --device cuda "${quick[@]}" --out "$out" || status=1
 else
     note "figures: skipped, numpy is not installed"
     status=1
 fi
 
-if has pytest; then
+if [[ $steps != *" suite "* ]]; then
+    note "suite: not asked for (GPU_CHECK_STEPS)"
+elif has pytest; then
     # Every module that runs the conformance targets, and the backends' device tests.
     mapfile -t modules < <(grep -l -E "def test_[a-z0-9_]+\(target" tests/test_*.py; echo tests/test_cuda_backend.py)
     options=(-q -rs -m cuda -p no:cacheprovider)
@@ -141,6 +150,7 @@ if has pytest; then
     ((workers > 8)) && workers=8
     has xdist && options+=(-n "$workers")
     has pytest_timeout && options+=(--timeout 120)
+    [[ -n "${GPU_CHECK_K:-}" ]] && options+=(-k "$GPU_CHECK_K")
     has xdist || note "suite: serially (pytest-xdist is not installed)"
     step suite 330 "$PYTHON" -m pytest "${options[@]}" "${modules[@]}" || status=1
 else

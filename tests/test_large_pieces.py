@@ -162,6 +162,11 @@ RECEIVE_CASES = {
     "r4-NHD64-from-HND16-h128c256-bf16": ReceiveCase(
         "KBNHC", dict(K=2, N=64, H=128, C=256), "bf16", "HNC", 16, 1 * MiB
     ),
+    # Five units of the same: 40 pieces of 1 MiB, which on an H200 take 40 MiB of slots, past
+    # the 32 MiB a scratch is kept to unless it grows (test_grown_scratch_case_grows_on_an_h200).
+    "r4-NHD64-from-HND16-h128c256-bf16-grown": ReceiveCase(
+        "KBNHC", dict(K=2, N=64, H=128, C=256), "bf16", "HNC", 16, 1 * MiB, units=5
+    ),
     # r = 8: eight pieces of 1 MiB per unit.
     "r8-NHD256-from-HND32-h128c128-bf16": ReceiveCase(
         "KBNHC", dict(K=2, N=256, H=128, C=128), "bf16", "HNC", 32, 1 * MiB
@@ -243,6 +248,25 @@ def test_copy_large_blocks(target, case):
         directions += [("host", "device"), ("device", "host")]
     for src, dst in directions:
         run_worker(target, copy_case.spec(src, dst), f"copy {case} {src}->{dst} (blocks of {min(regions) / MiB:g} MiB)")
+
+
+def test_grown_scratch_case_grows_on_an_h200():
+    """The -grown case, planned for an H200 (132 SMs) with the CUDA backend's limits: one
+    launch whose slots take more than the 32 MiB scratch budget, so the suite's device run
+    reads and writes grown scratch."""
+    from dataclasses import replace
+
+    from kvhost_accelerator.backend import AcceleratorBackend
+    from kvhost_accelerator.launch import plan_receive_launch
+
+    case = RECEIVE_CASES["r4-NHD64-from-HND16-h128c256-bf16-grown"]
+    h200 = replace(AcceleratorBackend.limits, programs=132 * 4, processors=132, barrier=True)
+    layout = _layout(case.axes, dict(case.sizes, B=case.blocks), case.dtype)
+    plan = plan_receive(layout, case.order, case.remote)
+    launch = plan_receive_launch(plan, members=case.layers, outer=2, units=case.units, alignment=256, limits=h200)
+    scratch = launch.scratch_words * launch.word_bytes
+    assert launch.mode == "slots" and launch.launches == 1 and launch.programs == 40
+    assert scratch == 40 * MiB > h200.scratch_bytes
 
 
 SERIAL_CASES = ["g4-NHD64-from-HND256-h32c128-bf16", "r8-KNHC512-from-HKNC64-h32c128-bf16"]
