@@ -171,6 +171,8 @@ machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json
 sms = machine.get("multiprocessors")
 figures = out / "figures.jsonl"
 rows = [json.loads(line) for line in figures.read_text().splitlines()] if figures.exists() else []
+if not rows:
+    sys.exit()
 print(f"figures: {len(rows)} rows on {machine.get('name', '?')} ({sms} SMs); x ref = reference time / this time")
 for row in rows:
     if row["method"] == "memcpy":
