@@ -25,7 +25,7 @@ from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _Hos
 from kvhost_accelerator.launch import Limits, plan_copy_launch
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
-from kvhost_cuda.gpucheck import Sizes, host_profile, measure, one_request_receive, table
+from kvhost_cuda.gpucheck import Sizes, agreement, host_profile, measure, one_request_receive, table
 from kvhost_cuda.gpucheck import main as gpucheck_main
 from kvhost_xpu import XpuBackend
 from kvhost_xpu.backend import load_ipex_if_needed
@@ -675,7 +675,7 @@ def test_receive_on_the_torch_path_matches_the_sender():
 
 def test_gpu_check_measures_every_workload(capsys):
     """The GPU check's measurements on the CPU stand-in, at toy sizes: every row, sane numbers."""
-    sizes = Sizes(layers=1, heads=2, channels=16, receive_units=4, staging_blocks=4, repeats=1)
+    sizes = Sizes(layers=1, heads=2, channels=16, receive_units=8, staging_blocks=8, repeats=1)  # two requests
     emitted: list[object] = []
     rows = measure(torch.device("cpu"), {"torch": CpuStandIn(use_triton=False)}, sizes, emitted.append)
     assert emitted == rows  # each row handed out as it is measured (ci/gpu-check.sh streams them to $OUT)
@@ -683,16 +683,27 @@ def test_gpu_check_measures_every_workload(capsys):
     workloads = sorted({row.workload for row in rows})
     assert len(workloads) == 4 + 4  # three receives, one device copy, staging {runs, scattered} x {load, save}
     for workload in workloads:
-        assert sorted(row.method for row in rows if row.workload == workload) == ["memcpy", "torch"]
+        # kvhost's methods, then the engines' per-request path, checked against them too.
+        assert [row.method for row in rows if row.workload == workload] == ["memcpy", "torch", "per-request"]
     first = next(row for row in rows if row.workload == "receive HND16->NHD64")
-    assert first.bytes == 4 * (64 * 2 * 16 * 2) * 2  # units x region bytes x K, one layer
+    assert first.bytes == 8 * (64 * 2 * 16 * 2) * 2  # units x region bytes x K, one layer
     assert all(row.seconds > 0 and row.fraction > 0 for row in rows)
     timed = [row for row in rows if row.method != "memcpy"]
-    assert all(row.host_seconds > 0 and row.kernel_fraction == 0 for row in timed)  # the torch path has no kernels
+    assert all(row.host_seconds > 0 and row.kernel_fraction == 0 for row in timed)  # neither path has kernels
+    assert {row.bytes for row in rows if row.workload == first.workload} == {first.bytes}
     assert len(table(rows).splitlines()) == len(rows) + 1
     if not CUDA:
         assert gpucheck_main(["--device", "cuda"]) == 1
         assert "the cuda backend cannot run here" in capsys.readouterr().err
+
+
+def test_gpu_check_agreement_is_against_the_torch_path():
+    reference = {"l0": torch.arange(8, dtype=torch.uint8)}
+    other = {"l0": reference["l0"].clone()}
+    other["l0"][5] += 1
+    outputs = {"triton": reference, "torch": {"l0": reference["l0"].clone()}, "per-request": other}
+    assert agreement(outputs) == {"triton": "yes", "torch": "yes", "per-request": "NO"}
+    assert agreement({"per-request": other, "triton": reference}) == {"per-request": "yes", "triton": "NO"}
 
 
 def test_gpu_check_profiles_a_one_request_receive():

@@ -9,6 +9,10 @@ rearrangement reads and writes every byte once), host staging against a plain ``
 of a contiguous pinned tensor of the same size, each way. Each row also says how many
 kernel launches one call made and how many programs the largest had (against the
 device's multiprocessors), and whether the method's bytes agree with the torch path's.
+Methods: ``triton`` (kvhost with its kernels), ``torch`` (kvhost's torch path, what a
+plugin device without kernels runs) and ``per-request`` (the engines' way: one request,
+one layer, one K/V half at a time, ``kvhost_tools.bench.baseline``, as ``kvhost bench``
+times it on the CPU), all on a ``KVHost`` or baseline built once per set of caches.
 
 A call's time is host work (validation, planning, tables, launches) followed by the
 device's. Two more columns part them: ``host ms``, the time until the call returns (a
@@ -46,6 +50,10 @@ import torch
 import kvhost
 from kvhost.backend import Backend
 from kvhost.testing import make_cache, raw
+from kvhost_tools.bench.baseline import PerRequestReceiver, PerRequestStager
+
+PER_REQUEST = "per-request"
+REQUEST_UNITS = 4  # units (sender blocks) per request in the per-request path and the receives
 
 
 @dataclass(frozen=True)
@@ -246,19 +254,32 @@ def _pinned(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and torch.accelerator.is_available() and t.is_pinned()
 
 
+Maker = Callable[[dict[str, torch.Tensor]], Callable[[], object]]
+
+
 def _calls(
     backends: Mapping[str, Backend],
     writes: dict[str, torch.Tensor],
     make: Callable[[Backend, dict[str, torch.Tensor]], Callable[[], object]],
+    per_request: Maker,
 ) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
-    """Each method's timed call, ``make(backend, writes)``, and whether its bytes agree:
-    each method first runs once as ``make(backend, copy)`` on its own copy of ``writes``."""
+    """Each method's timed call, ``make(backend, writes)`` and last ``per_request(writes)``,
+    and whether its bytes agree: each first runs once on its own copy of ``writes``."""
+    makers: dict[str, Maker] = {method: functools.partial(make, backend) for method, backend in backends.items()}
+    makers[PER_REQUEST] = per_request
     outputs = {}
-    for method, backend in backends.items():
+    for method, maker in makers.items():
         copy = _clone(writes)
-        make(backend, copy)()
+        maker(copy)()
         outputs[method] = copy
-    return {method: make(backend, writes) for method, backend in backends.items()}, agreement(outputs)
+    return {method: maker(writes) for method, maker in makers.items()}, agreement(outputs)
+
+
+def _in_requests(src_ids: np.ndarray, dst_ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A copy's ids as the per-request path takes them: requests of ``REQUEST_UNITS`` blocks."""
+    return [
+        (src_ids[i : i + REQUEST_UNITS], dst_ids[i : i + REQUEST_UNITS]) for i in range(0, src_ids.size, REQUEST_UNITS)
+    ]
 
 
 def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, emit: Emit | None = None) -> list[Row]:
@@ -284,11 +305,13 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, em
         parts = max(remote // local, 1)
         caches = cache_set(device, sizes, "KBNHC", sizes.receive_units * parts + 8, local)
         ids = rng.permutation(sizes.receive_units * parts + 8)[: sizes.receive_units * parts]
-        requests = {f"r{i}": ids[i : i + 4 * parts] for i in range(0, ids.size, 4 * parts)}
+        step = REQUEST_UNITS * parts
+        requests = {f"r{i}": ids[i : i + step] for i in range(0, ids.size, step)}
         requests = dict(list(requests.items())[:kept])
         # Registered once, as a connector does: each call then pays only for the batch.
         receive = functools.partial(_receive_call, requests=requests, remote_block_size=remote)
-        calls, agrees = _calls(backends, caches, receive)
+        per_request = functools.partial(_per_request_receive, requests=requests, remote_block_size=remote)
+        calls, agrees = _calls(backends, caches, receive, per_request)
         timed(workload, calls, memcpy, agrees=agrees, device_reference=memcpy_on_device)
         del caches, calls
 
@@ -298,7 +321,8 @@ def measure(device: torch.device, backends: dict[str, Backend], sizes: Sizes, em
     dst = cache_set(device, sizes, "KBHNC", 2 * blocks, 16)
     src_ids, dst_ids = rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks]
     copy = functools.partial(_copy_call, src, src_ids=src_ids, dst_ids=dst_ids)
-    copies, agrees = _calls(backends, dst, copy)
+    per_request = functools.partial(_per_request_copy, src, requests=_in_requests(src_ids, dst_ids))
+    copies, agrees = _calls(backends, dst, copy, per_request)
     timed("device copy, scattered, NHD->HND", copies, memcpy, agrees=agrees, device_reference=memcpy_on_device)
     del dst, copies
     _staging(device, backends, sizes, src, rng, timed)
@@ -339,7 +363,9 @@ def _staging(
                 # The device caches registered, the host buffer a peer: a connector's save and load.
                 stage = functools.partial(_stage_call, way=way, host=host, on_device=on_device, src_ids=src_ids,
                                           dst_ids=dst_ids)  # fmt: skip
-                calls, agrees = _calls(backends, host if way == "save" else on_device, stage)
+                source = host if way == "load" else on_device
+                per_request = functools.partial(_per_request_copy, source, requests=_in_requests(src_ids, dst_ids))
+                calls, agrees = _calls(backends, host if way == "save" else on_device, stage, per_request)
                 workload = f"staging {way}, {ids_name} device ids, {'pinned' if pinned else 'pageable'} host"
                 timed(workload, calls, plain(way), agrees=agrees)
 
@@ -349,6 +375,19 @@ def _receive_call(
 ) -> Callable[[], object]:
     registered = kvhost.KVHost(caches, axes="KBNHC", backend=backend)
     return functools.partial(registered.receive, requests, remote_order="HNC", remote_block_size=remote_block_size)
+
+
+def _per_request_receive(
+    caches: dict[str, torch.Tensor], *, requests: Any, remote_block_size: int
+) -> Callable[[], object]:
+    receiver = PerRequestReceiver(caches, "KBNHC")
+    return functools.partial(receiver.receive, requests, remote_order="HNC", remote_block_size=remote_block_size)
+
+
+def _per_request_copy(
+    src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], *, requests: Any
+) -> Callable[[], object]:
+    return functools.partial(PerRequestStager(src, dst, axes="KBNHC").copy, requests)
 
 
 def _copy_call(
