@@ -181,5 +181,5 @@ for row in rows:
     agrees = f", bytes agree: {row['agrees']}" if row["agrees"] else ""
     host = f", returns in {row['host_seconds'] * 1e3:.3f} ms" if row.get("host_seconds") else ""
     kernel = f", kernels alone x{row['kernel_fraction']:.2f}" if row.get("kernel_fraction") else ""
-    print(f"  {row['workload']:48} {row['method']:7} {row['gbps']:7.1f} GB/s  x{row['fraction']:.2f}{kernel}{used}{host}{agrees}")
+    print(f"  {row['workload']:49} {row['method']:11} {row['gbps']:7.1f} GB/s  x{row['fraction']:.2f}{kernel}{used}{host}{agrees}")
 PY

@@ -445,12 +445,12 @@ def table(rows: list[Row]) -> str:
 def header() -> str:
     columns = f"{'ms':>9} {'GB/s':>8} {'x ref':>7} {'launches':>8} {'programs':>8} {'agrees':>6}"
     columns += f" {'host ms':>8} {'kernel x':>8}"
-    return f"{'workload':48} {'method':8} {columns}"
+    return f"{'workload':49} {'method':11} {columns}"
 
 
 def line(row: Row) -> str:
     return (
-        f"{row.workload:48} {row.method:8} {row.seconds * 1e3:9.3f} {row.gbps:8.1f} {row.fraction:7.2f} "
+        f"{row.workload:49} {row.method:11} {row.seconds * 1e3:9.3f} {row.gbps:8.1f} {row.fraction:7.2f} "
         f"{row.launches or '':>8} {row.programs or '':>8} {row.agrees:>6} "
         f"{f'{row.host_seconds * 1e3:.3f}' if row.host_seconds else '':>8} "
         f"{f'{row.kernel_fraction:.2f}' if row.kernel_fraction else '':>8}"
