@@ -57,7 +57,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
@@ -168,9 +168,9 @@ class Batch:
         local_ids, _ = allocate_blocks(local_pool, local_needed, workload, stream=3)
         return cls(setting, remote_pool, local_pool, remote_ids, local_ids)
 
-    def sender_caches(self) -> dict[str, torch.Tensor]:
+    def sender_caches(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """The sender's cache, filled as the sender fills it (seeded)."""
-        caches = self.setting.model.caches(self.setting.prefill, self.remote_pool)
+        caches = self.setting.model.caches(self.setting.prefill, self.remote_pool, device)
         for i, tensor in enumerate(caches.values()):
             fill_random(tensor, SEED + i)
         return caches
@@ -545,43 +545,50 @@ def verify(setup: Setup, inflight: int) -> None:
     the sender's tokens, bit for bit; blocks no request names keep the sentinel."""
     axes = setup.batch.setting.axes
     local_set = CacheSet(setup.local, axes)
-    snapshots = []
-    for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH):
-        fill_sentinel(setup)
-        setup.transfer(name, inflight)()
-        snapshots.append([raw(m.tensor).clone() for m in local_set.members])
-    for snapshot in snapshots[1:]:
-        if not all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshot)):
-            raise AssertionError("per-piece and merged descriptors landed different bytes")
-    del snapshots
+    ways = [setup.transfer(name, inflight) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH)]
+    same_landing(setup.local, ways)
     post_process(setup)
-    check_tokens(setup, local_set)
-    fill_sentinel(setup)
+    check_tokens(setup.batch, local_set)
+    fill_sentinel(setup.local)
     layered(setup, kvhost.KVHost(setup.local, axes=axes))()
-    check_tokens(setup, local_set)
+    check_tokens(setup.batch, local_set)
 
 
-def fill_sentinel(setup: Setup) -> None:
+def same_landing(local: Mapping[str, torch.Tensor], ways: Sequence[Callable[[], object]]) -> None:
+    """Each way, run on caches filled with ``SENTINEL``, lands the same bytes as the first."""
+    first: list[torch.Tensor] | None = None
+    for way in ways:
+        fill_sentinel(local)
+        way()
+        landed = [raw(tensor).clone() for tensor in local.values()]
+        if first is None:
+            first = landed
+        elif not all(torch.equal(a, b) for a, b in zip(first, landed)):
+            raise AssertionError("per-piece and merged descriptors landed different bytes")
+
+
+def fill_sentinel(local: Mapping[str, torch.Tensor]) -> None:
     """Every byte of the receiver's caches set to ``SENTINEL``, before a way lands its bytes."""
-    for tensor in setup.local.values():
+    for tensor in local.values():
         raw(tensor).view(torch.uint8).fill_(SENTINEL)
 
 
-def check_tokens(setup: Setup, local_set: CacheSet) -> None:
+def check_tokens(batch: Batch, local_set: CacheSet) -> None:
     """Every request's blocks hold the sender's tokens, bit for bit; blocks no request names
     keep the sentinel."""
-    sender = CacheSet(setup.batch.sender_caches(), local_set.axes)
-    size = setup.batch.setting.prefill.block_size
-    for remote_ids, local_ids in zip(setup.batch.remote_ids, setup.batch.local_ids):
+    sender = CacheSet(batch.sender_caches(), local_set.axes)
+    size = batch.setting.prefill.block_size
+    for remote_ids, local_ids in zip(batch.remote_ids, batch.local_ids):
         tokens = len(remote_ids) * size
         for r, lo in zip(sender.members, local_set.members):
             if not torch.equal(
                 read_tokens(lo.tensor, lo.layout, local_ids)[:tokens], read_tokens(r.tensor, r.layout, remote_ids)
             ):
                 raise AssertionError("the hand-off's blocks do not hold the sender's tokens")
-    spare = sorted(set(range(setup.batch.local_pool)) - {b for ids in setup.batch.local_ids for b in ids})
+    spare = sorted(set(range(batch.local_pool)) - {b for ids in batch.local_ids for b in ids})
     for member in local_set.members:
-        kept = raw(member.tensor).index_select(member.layout.axes.index("B"), torch.tensor(spare))
+        index = torch.tensor(spare, dtype=torch.int64, device=member.tensor.device)
+        kept = raw(member.tensor).index_select(member.layout.axes.index("B"), index)
         if not bool((kept.view(torch.uint8) == SENTINEL).all()):
             raise AssertionError("a block no request names was written")
 

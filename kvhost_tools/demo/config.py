@@ -95,15 +95,17 @@ class Model:
         """Bytes of one token of every layer (all heads)."""
         return self.layers * self.kv * self.heads * self.head_dim * self.itemsize
 
-    def caches(self, shape: EngineShape, num_blocks: int) -> dict[str, torch.Tensor]:
-        """One rank's caches: every layer, the rank's heads (all of an mla latent)."""
+    def caches(
+        self, shape: EngineShape, num_blocks: int, device: str | torch.device = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """One rank's caches on ``device``: every layer, the rank's heads (all of an mla latent)."""
         from kvhost.testing import make_cache
 
         heads = self.heads // shape.tp if self.kind == "mha" else 1
         sizes = dict(K=2, B=num_blocks, N=shape.block_size, H=heads, C=self.head_dim)
         memory = LAYOUTS[shape.layout]
         return {
-            f"layer{i}": make_cache(self.axes, memory, {a: sizes[a] for a in memory}, self.dtype)
+            f"layer{i}": make_cache(self.axes, memory, {a: sizes[a] for a in memory}, self.dtype, device)
             for i in range(self.layers)
         }
 
