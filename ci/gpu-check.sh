@@ -11,17 +11,23 @@
 #   figures  (240 s)  python -m kvhost_cuda.gpucheck: receive against device memcpy, staging
 #                     against a plain pinned copy_, each row with its launches and programs
 #                     against the multiprocessors, and whether its bytes equal the torch path's
+#   handoff  (90 s)   python -m kvhost_cuda.handoff: the demo's batch read over NIXL between
+#                     two agents into device memory, per-piece and merged descriptors, then
+#                     the receive, against a device copy; only where NIXL imports
 #   suite    (rest)   pytest -m cuda over the conformance modules and the backend's device tests
-# Everything lands in $OUT (or /tmp/kvhost-gpu-check) as it happens, at most 7 files:
+# Everything lands in $OUT (or /tmp/kvhost-gpu-check) as it happens, at most 8 files:
 # summary.txt (one line per step, then the answers), machine.txt, figures.txt,
 # figures.jsonl (one JSON row per figure, written as measured), machine.json,
-# host-profile.txt (where a one-request receive's host time goes), suite.txt. A step
-# that runs out of time is killed and the next one runs: a time-out still returns what was
-# measured. Nothing is installed: kvhost's sources go on PYTHONPATH and its backend entry
-# points come from a generated dist-info. What is missing is skipped, with the reason.
+# host-profile.txt (where a one-request receive's host time goes), handoff.txt, suite.txt.
+# A step that runs out of time is killed and the next one runs: a time-out still returns
+# what was measured. Nothing is installed into the machine's Python: kvhost's sources go on
+# PYTHONPATH and its backend entry points come from a generated dist-info; wheels carried
+# in .whl/ (NIXL's, which the machine lacks: see the README) go into a temporary folder on
+# PYTHONPATH. What is missing is skipped, with the reason.
 #
-# GPU_CHECK_STEPS (default "figures suite") names the steps after machine; GPU_CHECK_K, a
-# pytest -k expression, picks the suite's tests (a short rerun on a lease nearly spent).
+# GPU_CHECK_STEPS (default "figures handoff suite") names the steps after machine;
+# GPU_CHECK_K, a pytest -k expression, picks the suite's tests (a short rerun on a lease
+# nearly spent).
 #
 # Exit status: 0 when the device is there and each step asked for passed (the suite, and
 # the figures taken with every method agreeing); 1 otherwise.
@@ -30,7 +36,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 out=${OUT:-/tmp/kvhost-gpu-check}
 budget=${GPU_CHECK_SECONDS:-540}
-steps=" ${GPU_CHECK_STEPS:-figures suite} "
+steps=" ${GPU_CHECK_STEPS:-figures handoff suite} "
 mkdir -p "$out"
 summary="$out/summary.txt"
 : >"$summary"
@@ -92,6 +98,15 @@ PY
     exit
 fi
 export PYTHONPATH="$PWD:$PWD/backends:$meta${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    site=$(mktemp -d)
+    if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl; then
+        export PYTHONPATH="$PYTHONPATH:$site"
+        note "wheels: $(cd .whl && echo *.whl) on PYTHONPATH"
+    else
+        note "wheels: pip could not install .whl/*.whl (what needs them is skipped)"
+    fi
+fi
 
 step machine 60 "$PYTHON" - <<'PY'
 import importlib.util, sys
@@ -110,6 +125,8 @@ for package in ("triton", "numpy", "numba", "pytest", "xdist", "pytest_timeout",
     if importlib.util.find_spec(package) is not None:
         versions[package] = getattr(__import__(package), "__version__", "present")
 print(", ".join(f"{name} {version}" for name, version in versions.items()))
+nixl = [name for name in ("nixl", "nixl_cu13", "nixl_cu12") if importlib.util.find_spec(name) is not None]
+print(f"NIXL: {', '.join(nixl) or 'not installed (the handoff step is skipped)'}")
 missing = [p for p in ("triton", "numpy", "pytest", "numba", "xdist", "pytest_timeout") if p not in versions]
 if missing:
     print(f"missing: {', '.join(missing)} (what needs them is skipped or slower)")
@@ -139,6 +156,14 @@ else
     status=1
 fi
 
+if [[ $steps != *" handoff "* ]]; then
+    note "handoff: not asked for (GPU_CHECK_STEPS)"
+elif has nixl._api || has nixl_cu13._api || has nixl_cu12._api; then
+    step handoff 90 "$PYTHON" -m kvhost_cuda.handoff --device cuda || status=1
+else
+    note "handoff: skipped, NIXL does not import here (carry nixl-cu13's wheel in .whl/)"
+fi
+
 if [[ $steps != *" suite "* ]]; then
     note "suite: not asked for (GPU_CHECK_STEPS)"
 elif has pytest; then
@@ -166,7 +191,15 @@ out = pathlib.Path(sys.argv[1])
 suite = out / "suite.txt"
 lines = [line for line in suite.read_text().splitlines() if line.strip()] if suite.exists() else []
 verdict = next((line for line in reversed(lines) if " passed" in line or " failed" in line or " error" in line), None)
-print(f"cuda-marked suite: {verdict or 'no result (see suite.txt)'}")
+if suite.exists():
+    print(f"cuda-marked suite: {verdict or 'no result (see suite.txt)'}")
+handoff = out / "handoff.txt"
+ways = {"way", "memcpy", "per-piece", "merged", "receive", "hand-off"}
+said = handoff.read_text().splitlines() if handoff.exists() else []
+table = [line for line in said if line.split()[:1] and line.split()[0] in ways]
+if table:
+    print("NIXL hand-off into device memory (x memcpy = device copy time / this time):")
+    print("\n".join(f"  {line}" for line in table))
 machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
 sms = machine.get("multiprocessors")
 figures = out / "figures.jsonl"

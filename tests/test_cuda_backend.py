@@ -29,6 +29,7 @@ from kvhost_cuda.gpucheck import Sizes, agreement, host_profile, measure, one_re
 from kvhost_cuda.gpucheck import main as gpucheck_main
 from kvhost_xpu import XpuBackend
 from kvhost_xpu.backend import load_ipex_if_needed
+from test_nixl import needs_nixl
 
 import kvhost
 from kvhost.backend import Completion
@@ -848,3 +849,37 @@ def test_only_ids_0_to_n_minus_1_go_without_a_table():
     assert _is_arange(np.arange(5))
     assert not _is_arange(np.arange(1, 6)) and not _is_arange(np.array([0, 2, 3]))
     assert not _is_arange(np.array([0, 1, 1])) and not _is_arange(np.array([], dtype=np.int64))
+
+
+# --- the hand-off check (kvhost_cuda.handoff): NIXL into the device's memory, here host memory ---
+
+SMALL_BATCH = "--requests 4 --layers 2 --heads 2 --head-dim 16 --min-tokens 20 --max-tokens 200"
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA")])]
+)
+def test_handoff_check_verifies_then_times_every_way(device):
+    from kvhost_cuda.handoff import measure as handoff
+
+    rows = handoff(torch.device(device), SMALL_BATCH, repeats=1)
+    assert [row.way for row in rows] == ["memcpy", "per-piece", "merged", "receive", "hand-off"]
+    by_way = {row.way: row for row in rows}
+    assert len({row.bytes for row in rows}) == 1 and rows[0].bytes > 0
+    # Allocator-like runs merge: fewer, larger descriptors than one per sender region.
+    assert 0 < by_way["merged"].descriptors < by_way["per-piece"].descriptors
+    assert by_way["hand-off"].descriptors == by_way["merged"].descriptors and by_way["receive"].descriptors == 0
+    assert all(row.seconds > 0 and row.fraction > 0 for row in rows)
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_handoff_check_fails_when_the_receive_leaves_wire_bytes(monkeypatch):
+    """The check is the tokens, not the transfer: landed bytes never rearranged fail it."""
+    from kvhost_cuda.handoff import measure as handoff
+
+    monkeypatch.setattr(kvhost.KVHost, "receive", lambda self, *args, **kwargs: None)
+    with pytest.raises(AssertionError, match="do not hold the sender's tokens"):
+        handoff(torch.device("cpu"), SMALL_BATCH, repeats=1)

@@ -1,0 +1,167 @@
+"""A NIXL hand-off into a device's memory, side by side with the device's own copy.
+
+    python -m kvhost_cuda.handoff [--device cuda] [--demo "OPTIONS"] [--repeats N] [--out DIR]
+
+The demo's batch (``kvhost bench --transfer``'s: 40 requests of mixed length, block ids in
+runs as allocators hand them out, prefill's head-major blocks of 16 tokens, decode's
+token-major blocks of 64; ``--demo`` takes the demo's options to change it) moves between
+two NIXL agents of this process, each cache in the device's memory (VRAM; host memory
+with ``--device cpu``, which the tests run), and ``KVHost.receive`` then makes the landed
+bytes decode's layout. Each way is a median of ``--repeats`` with the device synchronized
+around each, against a device copy of the same bytes measured in the same run:
+
+- ``per-piece``: one descriptor per sender region (``max_descriptor_bytes=None``), the
+  batch as one transfer;
+- ``merged``: kvhost's merged descriptors (the default bound), the batch as one transfer;
+- ``receive``: the post-process alone, on a ``KVHost`` registered once;
+- ``hand-off``: ``merged`` then ``receive``, from the first read to blocks attention can read.
+
+Before timing, both transfers land the same bytes, and after the receive every request's
+blocks hold the sender's tokens bit for bit while blocks no request names keep a sentinel.
+Rows are printed and appended to ``DIR/handoff.jsonl`` as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import kvhost
+from kvhost.caches import CacheSet
+from kvhost.nixl import Agent, Reader, Transfer, plan_transfer
+from kvhost_cuda.gpucheck import median_seconds, memcpy_seconds
+from kvhost_tools.bench.transfer import Batch, Setting, check_tokens, fill_sentinel, same_landing
+from kvhost_tools.demo.netenv import QUIET
+
+TIMEOUT_S = 60.0  # one batch's transfer; a hung transport fails the check instead of hanging it
+
+
+@dataclass(frozen=True)
+class Row:
+    way: str
+    seconds: float  # median
+    bytes: int
+    fraction: float  # the device copy's time / this time
+    descriptors: int = 0  # descriptors one transfer posted (0: no transfer)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9
+
+
+def wait(transfer: Transfer, sender: Agent) -> None:
+    """Poll ``transfer`` until it is done, driving the sender's agent too (no progress threads)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not transfer.poll():
+        sender.nixl.get_new_notifs()
+        if time.monotonic() > deadline:
+            transfer.release()
+            raise TimeoutError(f"a batch transfer did not finish within {TIMEOUT_S:g} s")
+
+
+def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row], None] | None = None) -> list[Row]:
+    """Every way, verified first, then timed; ``emit`` gets each row as it is measured."""
+    batch = Batch.of(Setting.parse(demo))
+    setting = batch.setting
+    axes = setting.axes
+    remote = batch.sender_caches(device)
+    local = setting.model.caches(setting.decode, batch.local_pool, device)
+    pairs = list(zip(batch.local_ids, batch.remote_ids))
+    requests = {f"req-{i:03d}": ids for i, ids in enumerate(batch.local_ids)}
+    rows: list[Row] = []
+    with (
+        Agent("handoff-prefill", progress_thread=False) as sender,
+        Agent("handoff-decode", progress_thread=False) as receiver,
+    ):
+        remote_table = sender.register(remote, axes)
+        plan = plan_transfer(receiver.register(local, axes), remote_table)
+        peer = receiver.add_peer(sender.metadata())
+        per_piece, merged = receiver.reader(plan, peer, max_descriptor_bytes=None), receiver.reader(plan, peer)
+        host = kvhost.KVHost(local, axes=axes)
+        order, size = plan.remote_order, plan.remote_block_size
+        posted: dict[str, int] = {}
+
+        def read(name: str, reader: Reader) -> Callable[[], object]:
+            def run() -> None:
+                transfer = reader.read_batch(pairs)
+                wait(transfer, sender)
+                transfer.release()
+                posted[name] = transfer.descriptors
+
+            return run
+
+        def receive() -> object:
+            return host.receive(requests, remote_order=order, remote_block_size=size)
+
+        def hand_off() -> None:
+            read("merged", merged)()
+            receive()
+
+        ways: dict[str, Callable[[], object]] = {
+            "per-piece": read("per-piece", per_piece),
+            "merged": read("merged", merged),
+            "receive": receive,
+            "hand-off": hand_off,
+        }
+        same_landing(local, [ways["per-piece"], ways["merged"]])
+        receive()
+        check_tokens(batch, CacheSet(local, axes))
+        fill_sentinel(local)
+        hand_off()
+        check_tokens(batch, CacheSet(local, axes))
+
+        nbytes = plan.bytes_for(sum(len(ids) for ids in batch.remote_ids))
+        reference = memcpy_seconds(device, nbytes, repeats)
+        rows.append(Row("memcpy", reference, nbytes, 1.0))
+        if emit is not None:
+            emit(rows[-1])
+        for way, run in ways.items():
+            seconds = median_seconds(run, device, repeats)
+            descriptors = posted["merged" if way == "hand-off" else way] if way != "receive" else 0
+            rows.append(Row(way, seconds, nbytes, reference / seconds, descriptors))
+            if emit is not None:
+                emit(rows[-1])
+    return rows
+
+
+def line(row: Row) -> str:
+    posted = f"{row.descriptors:>11}" if row.descriptors else f"{'':>11}"
+    return f"{row.way:10} {row.seconds * 1e3:9.3f} {row.gbps:8.1f} {row.fraction:7.2f} {posted}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvhost_cuda.handoff", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="where both caches live (default cuda)")
+    parser.add_argument("--demo", default="", help="the demo's options for the batch (default: its own)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed repetitions per way (median)")
+    parser.add_argument("--out", help="append each row to DIR/handoff.jsonl as it is measured")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    for key, value in QUIET.items():  # UCX's and NIXL's chatter, unless asked for
+        os.environ.setdefault(key, value)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "handoff.jsonl").write_text("")
+
+    def emit(row: Row) -> None:
+        print(line(row), flush=True)
+        if out is not None:
+            with open(out / "handoff.jsonl", "a") as figures:
+                figures.write(json.dumps(asdict(row) | {"gbps": row.gbps, "device": str(device)}) + "\n")
+
+    print(f"{'way':10} {'ms':>9} {'GB/s':>8} {'x memcpy':>7} {'descriptors':>11}", flush=True)
+    measure(device, args.demo, args.repeats, emit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
