@@ -874,6 +874,14 @@ def test_handoff_check_verifies_then_times_every_way(device):
     assert all(row.seconds > 0 and row.fraction > 0 for row in rows)
 
 
+def test_handoff_check_refuses_no_repetitions(capsys):
+    from kvhost_cuda.handoff import main as handoff_main
+
+    with pytest.raises(SystemExit):
+        handoff_main(["--device", "cpu", "--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+
+
 @needs_nixl
 @pytest.mark.timeout(120)
 def test_handoff_check_fails_when_the_receive_leaves_wire_bytes(monkeypatch):

@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="timed repetitions per way (median)")
     parser.add_argument("--out", help="append each row to DIR/handoff.jsonl as it is measured")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     device = torch.device(args.device)
     for key, value in QUIET.items():  # UCX's and NIXL's chatter, unless asked for
         os.environ.setdefault(key, value)
