@@ -118,17 +118,19 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
         hand_off()
         check_tokens(batch, CacheSet(local, axes))
 
+        def add(row: Row) -> None:
+            rows.append(row)
+            if emit is not None:
+                emit(row)
+
         nbytes = plan.bytes_for(sum(len(ids) for ids in batch.remote_ids))
         reference = memcpy_seconds(device, nbytes, repeats)
-        rows.append(Row("memcpy", reference, nbytes, 1.0))
-        if emit is not None:
-            emit(rows[-1])
+        add(Row("memcpy", reference, nbytes, 1.0))
+        transfer_of = {"per-piece": "per-piece", "merged": "merged", "hand-off": "merged"}  # the read each way posts
         for way, run in ways.items():
             seconds = median_seconds(run, device, repeats)
-            descriptors = posted["merged" if way == "hand-off" else way] if way != "receive" else 0
-            rows.append(Row(way, seconds, nbytes, reference / seconds, descriptors))
-            if emit is not None:
-                emit(rows[-1])
+            descriptors = posted[transfer_of[way]] if way in transfer_of else 0
+            add(Row(way, seconds, nbytes, reference / seconds, descriptors))
     return rows
 
 
