@@ -359,6 +359,26 @@ def test_registered_layers_named_wrongly_change_nothing(monkeypatch):
             host.receive({"r": [1]}, remote_order="NHC", remote_block_size=2, layers=layers)
 
 
+def test_a_model_of_512_layers_received_layer_by_layer_makes_each_set_once(monkeypatch):
+    """A KVHost keeps a set of layers for each of 512 ``layers=`` lists (one per layer of the
+    largest models); the 513th pushes out the least recently used."""
+    sizes = dict(K=2, B=2, N=1, H=1, C=1)
+    caches = {f"l{i}": make_cache("KBNHC", "KBNHC", sizes, torch.float32) for i in range(513)}
+    host = kvhost.KVHost(caches, axes="KBNHC")
+    made = []
+    real_cache_set = kvhost.api.CacheSet
+    monkeypatch.setattr(kvhost.api, "CacheSet", lambda *args, **kw: made.append(args) or real_cache_set(*args, **kw))
+
+    def layer_by_layer(names):
+        for name in names:
+            host.receive({"r": [1]}, remote_order="NHC", remote_block_size=1, layers=[name])
+
+    layer_by_layer([f"l{i}" for i in range(512)] * 2)
+    assert len(made) == 512 == kvhost.api.MAX_LAYER_SETS
+    layer_by_layer(["l512", "l0"])  # l0 was the least recently used
+    assert len(made) == 514
+
+
 @pytest.mark.parametrize(("order", "remote"), [("HNC", 16), ("HNC", 128)])
 def test_jobs_large_enough_for_every_core(target, order, remote):
     """Over a megabyte per job: the CPU backend's parallel kernels, not the serial ones."""
