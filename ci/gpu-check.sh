@@ -2,7 +2,7 @@
 # One GPU check that cannot come back empty: made for a borrowed machine with a CUDA GPU, the
 # repository, a Python with torch, no network, and one command of at most 10 minutes.
 #
-#   bash ci/gpu-check.sh                   # quick (default): about 4 minutes on an H200
+#   bash ci/gpu-check.sh                   # quick (default): 2.5 minutes on an H200
 #   GPU_CHECK_FULL=1 bash ci/gpu-check.sh  # full sizes for the figures, then the suite
 #   GPU_CHECK_STEPS=suite GPU_CHECK_K=grown bash ci/gpu-check.sh  # a rerun of some tests only
 #
@@ -10,7 +10,8 @@
 #   machine  (60 s)   device, multiprocessors, L2, versions, which optional packages are here
 #   figures  (240 s)  python -m kvhost_cuda.gpucheck: receive against device memcpy, staging
 #                     against a plain pinned copy_, each row with its launches and programs
-#                     against the multiprocessors, and whether its bytes equal the torch path's
+#                     against the multiprocessors, kvhost beside the engines' per-request
+#                     path, and whether each method's bytes equal the torch path's
 #   handoff  (90 s)   python -m kvhost_cuda.handoff: the demo's batch read over NIXL between
 #                     two agents into device memory, per-piece and merged descriptors, then
 #                     the receive, against a device copy; only where NIXL imports
