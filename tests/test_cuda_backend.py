@@ -865,12 +865,14 @@ def test_handoff_check_verifies_then_times_every_way(device):
     from kvhost_cuda.handoff import measure as handoff
 
     rows = handoff(torch.device(device), SMALL_BATCH, repeats=1)
-    assert [row.way for row in rows] == ["memcpy", "per-piece", "merged", "receive", "hand-off"]
+    assert [row.way for row in rows] == ["memcpy", "per-piece", "merged", "receive", "hand-off", "hand-off-layered"]
     by_way = {row.way: row for row in rows}
     assert len({row.bytes for row in rows}) == 1 and rows[0].bytes > 0
     # Allocator-like runs merge: fewer, larger descriptors than one per sender region.
     assert 0 < by_way["merged"].descriptors < by_way["per-piece"].descriptors
     assert by_way["hand-off"].descriptors == by_way["merged"].descriptors and by_way["receive"].descriptors == 0
+    # Layer by layer, merging stops at each layer's edge: at least as many descriptors.
+    assert by_way["merged"].descriptors <= by_way["hand-off-layered"].descriptors < by_way["per-piece"].descriptors
     assert all(row.seconds > 0 and row.fraction > 0 for row in rows)
 
 

@@ -14,7 +14,10 @@ around each, against a device copy of the same bytes measured in the same run:
   batch as one transfer;
 - ``merged``: kvhost's merged descriptors (the default bound), the batch as one transfer;
 - ``receive``: the post-process alone, on a ``KVHost`` registered once;
-- ``hand-off``: ``merged`` then ``receive``, from the first read to blocks attention can read.
+- ``hand-off``: ``merged`` then ``receive``, from the first read to blocks attention can read;
+- ``hand-off-layered``: the same bytes as one transfer per layer (``Reader.read_layers``),
+  each layer received as soon as it lands while the next one moves: on a device the copy
+  and the receive need not share an engine, so this is where overlap would show.
 
 Before timing, both transfers land the same bytes, and after the receive every request's
 blocks hold the sender's tokens bit for bit while blocks no request names keep a sentinel.
@@ -38,7 +41,7 @@ import kvhost
 from kvhost.caches import CacheSet
 from kvhost.nixl import Agent, Reader, Transfer, plan_transfer
 from kvhost_cuda.gpucheck import median_seconds, memcpy_seconds
-from kvhost_tools.bench.transfer import Batch, Setting, check_tokens, fill_sentinel, same_landing
+from kvhost_tools.bench.transfer import Batch, Setting, check_tokens, fill_sentinel, hand_off_layered, same_landing
 from kvhost_tools.demo.netenv import QUIET
 
 TIMEOUT_S = 60.0  # one batch's transfer; a hung transport fails the check instead of hanging it
@@ -57,11 +60,10 @@ class Row:
         return self.bytes / self.seconds / 1e9
 
 
-def wait(transfer: Transfer, sender: Agent) -> None:
-    """Poll ``transfer`` until it is done, driving the sender's agent too (no progress threads)."""
+def wait(transfer: Transfer) -> None:
+    """Poll ``transfer`` until it is done."""
     deadline = time.monotonic() + TIMEOUT_S
     while not transfer.poll():
-        sender.nixl.get_new_notifs()
         if time.monotonic() > deadline:
             transfer.release()
             raise TimeoutError(f"a batch transfer did not finish within {TIMEOUT_S:g} s")
@@ -77,8 +79,10 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
     pairs = list(zip(batch.local_ids, batch.remote_ids))
     requests = {f"req-{i:03d}": ids for i, ids in enumerate(batch.local_ids)}
     rows: list[Row] = []
+    # The sender's transport is driven by NIXL's progress thread (large reads need the
+    # sender's side to answer), the receiver's by polling its transfers, as a decode engine does.
     with (
-        Agent("handoff-prefill", progress_thread=False) as sender,
+        Agent("handoff-prefill") as sender,
         Agent("handoff-decode", progress_thread=False) as receiver,
     ):
         remote_table = sender.register(remote, axes)
@@ -92,7 +96,7 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
         def read(name: str, reader: Reader) -> Callable[[], object]:
             def run() -> None:
                 transfer = reader.read_batch(pairs)
-                wait(transfer, sender)
+                wait(transfer)
                 transfer.release()
                 posted[name] = transfer.descriptors
 
@@ -110,13 +114,16 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
             "merged": read("merged", merged),
             "receive": receive,
             "hand-off": hand_off,
+            "hand-off-layered": hand_off_layered(merged, pairs, host, requests, plan),
         }
+        posted["layered"] = sum(rows.shape[0] for rows, _ in merged.layer_descriptors(pairs).values())
         same_landing(local, [ways["per-piece"], ways["merged"]])
         receive()
         check_tokens(batch, CacheSet(local, axes))
-        fill_sentinel(local)
-        hand_off()
-        check_tokens(batch, CacheSet(local, axes))
+        for whole in ("hand-off", "hand-off-layered"):
+            fill_sentinel(local)
+            ways[whole]()
+            check_tokens(batch, CacheSet(local, axes))
 
         def add(row: Row) -> None:
             rows.append(row)
@@ -126,7 +133,13 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
         nbytes = plan.bytes_for(sum(len(ids) for ids in batch.remote_ids))
         reference = memcpy_seconds(device, nbytes, repeats)
         add(Row("memcpy", reference, nbytes, 1.0))
-        transfer_of = {"per-piece": "per-piece", "merged": "merged", "hand-off": "merged"}  # the read each way posts
+        # The reads each way posts.
+        transfer_of = {
+            "per-piece": "per-piece",
+            "merged": "merged",
+            "hand-off": "merged",
+            "hand-off-layered": "layered",
+        }
         for way, run in ways.items():
             seconds = median_seconds(run, device, repeats)
             descriptors = posted[transfer_of[way]] if way in transfer_of else 0
@@ -136,7 +149,7 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
 
 def line(row: Row) -> str:
     posted = f"{row.descriptors:>11}" if row.descriptors else f"{'':>11}"
-    return f"{row.way:10} {row.seconds * 1e3:9.3f} {row.gbps:8.1f} {row.fraction:7.2f} {posted}"
+    return f"{row.way:16} {row.seconds * 1e3:9.3f} {row.gbps:8.1f} {row.fraction:7.2f} {posted}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(out / "handoff.jsonl", "a") as figures:
                 figures.write(json.dumps(asdict(row) | {"gbps": row.gbps, "device": str(device)}) + "\n")
 
-    print(f"{'way':10} {'ms':>9} {'GB/s':>8} {'x memcpy':>7} {'descriptors':>11}", flush=True)
+    print(f"{'way':16} {'ms':>9} {'GB/s':>8} {'x memcpy':>7} {'descriptors':>11}", flush=True)
     measure(device, args.demo, args.repeats, emit)
     return 0
 

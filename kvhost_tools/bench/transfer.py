@@ -609,10 +609,21 @@ def post_process(setup: Setup, host: kvhost.KVHost | None = None) -> None:
 
 
 def layered(setup: Setup, host: kvhost.KVHost, tail: list[float] | None = None) -> Callable[[], None]:
+    """The hand-off layer by layer, with kvhost's merged descriptors (``hand_off_layered``)."""
+    return hand_off_layered(setup.readers[KVHOST], setup.pairs(), host, setup.requests(), setup.plan, tail)
+
+
+def hand_off_layered(
+    reader: Reader,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    host: kvhost.KVHost,
+    requests: Mapping[str, Sequence[int]],
+    plan: TransferPlan,
+    tail: list[float] | None = None,
+) -> Callable[[], None]:
     """The hand-off layer by layer (``Reader.read_layers``): each layer received as soon as its
     transfer is done, the next layer's already posted. ``tail`` collects the time from the
     last layer landing to the end: what stays on the critical path."""
-    reader, pairs, requests, plan = setup.readers[KVHOST], setup.pairs(), setup.requests(), setup.plan
 
     def handoff() -> None:
         for name in reader.read_layers(pairs, timeout=TIMEOUT_S):
