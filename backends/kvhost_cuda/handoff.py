@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,12 +38,20 @@ import torch
 
 import kvhost
 from kvhost.caches import CacheSet
-from kvhost.nixl import Agent, Reader, Transfer, plan_transfer
+from kvhost.nixl import Agent, Reader, plan_transfer
 from kvhost_cuda.gpucheck import median_seconds, memcpy_seconds
-from kvhost_tools.bench.transfer import Batch, Setting, check_tokens, fill_sentinel, hand_off_layered, same_landing
+from kvhost_tools.bench.transfer import (
+    Batch,
+    Setting,
+    check_tokens,
+    fill_sentinel,
+    hand_off_layered,
+    layered_descriptors,
+    same_landing,
+)
 from kvhost_tools.demo.netenv import QUIET
 
-TIMEOUT_S = 60.0  # one batch's transfer; a hung transport fails the check instead of hanging it
+TIMEOUT_S = 60.0  # one batch's transfer (Transfer.wait): a hung transport fails the check instead of hanging it
 
 
 @dataclass(frozen=True)
@@ -60,15 +67,6 @@ class Row:
         return self.bytes / self.seconds / 1e9
 
 
-def wait(transfer: Transfer) -> None:
-    """Poll ``transfer`` until it is done."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while not transfer.poll():
-        if time.monotonic() > deadline:
-            transfer.release()
-            raise TimeoutError(f"a batch transfer did not finish within {TIMEOUT_S:g} s")
-
-
 def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row], None] | None = None) -> list[Row]:
     """Every way, verified first, then timed; ``emit`` gets each row as it is measured."""
     batch = Batch.of(Setting.parse(demo))
@@ -76,8 +74,7 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
     axes = setting.axes
     remote = batch.sender_caches(device)
     local = setting.model.caches(setting.decode, batch.local_pool, device)
-    pairs = list(zip(batch.local_ids, batch.remote_ids))
-    requests = {f"req-{i:03d}": ids for i, ids in enumerate(batch.local_ids)}
+    pairs, requests = batch.pairs(), batch.requests()
     rows: list[Row] = []
     # The sender's transport is driven by NIXL's progress thread (large reads need the
     # sender's side to answer), the receiver's by polling its transfers, as a decode engine does.
@@ -91,14 +88,14 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
         per_piece, merged = receiver.reader(plan, peer, max_descriptor_bytes=None), receiver.reader(plan, peer)
         host = kvhost.KVHost(local, axes=axes)
         order, size = plan.remote_order, plan.remote_block_size
-        posted: dict[str, int] = {}
 
-        def read(name: str, reader: Reader) -> Callable[[], object]:
+        def read(reader: Reader) -> Callable[[], object]:
             def run() -> None:
                 transfer = reader.read_batch(pairs)
-                wait(transfer)
-                transfer.release()
-                posted[name] = transfer.descriptors
+                try:
+                    transfer.wait(TIMEOUT_S)
+                finally:
+                    transfer.release()
 
             return run
 
@@ -106,24 +103,32 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
             return host.receive(requests, remote_order=order, remote_block_size=size)
 
         def hand_off() -> None:
-            read("merged", merged)()
+            read(merged)()
             receive()
 
         ways: dict[str, Callable[[], object]] = {
-            "per-piece": read("per-piece", per_piece),
-            "merged": read("merged", merged),
+            "per-piece": read(per_piece),
+            "merged": read(merged),
             "receive": receive,
             "hand-off": hand_off,
-            "hand-off-layered": hand_off_layered(merged, pairs, host, requests, plan),
+            "hand-off-layered": hand_off_layered(merged, batch, host, plan),
         }
-        posted["layered"] = sum(rows.shape[0] for rows, _ in merged.layer_descriptors(pairs).values())
+        merged_count = int(merged.batch_descriptors(pairs)[0].shape[0])
+        descriptors = {
+            "per-piece": int(per_piece.batch_descriptors(pairs)[0].shape[0]),
+            "merged": merged_count,
+            "receive": 0,
+            "hand-off": merged_count,
+            "hand-off-layered": layered_descriptors(merged, batch),
+        }
         same_landing(local, [ways["per-piece"], ways["merged"]])
         receive()
-        check_tokens(batch, CacheSet(local, axes))
+        local_set, truth = CacheSet(local, axes), CacheSet(batch.sender_caches(), axes)
+        check_tokens(batch, local_set, truth)
         for whole in ("hand-off", "hand-off-layered"):
             fill_sentinel(local)
             ways[whole]()
-            check_tokens(batch, CacheSet(local, axes))
+            check_tokens(batch, local_set, truth)
 
         def add(row: Row) -> None:
             rows.append(row)
@@ -133,17 +138,9 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
         nbytes = plan.bytes_for(sum(len(ids) for ids in batch.remote_ids))
         reference = memcpy_seconds(device, nbytes, repeats)
         add(Row("memcpy", reference, nbytes, 1.0))
-        # The reads each way posts.
-        transfer_of = {
-            "per-piece": "per-piece",
-            "merged": "merged",
-            "hand-off": "merged",
-            "hand-off-layered": "layered",
-        }
         for way, run in ways.items():
             seconds = median_seconds(run, device, repeats)
-            descriptors = posted[transfer_of[way]] if way in transfer_of else 0
-            add(Row(way, seconds, nbytes, reference / seconds, descriptors))
+            add(Row(way, seconds, nbytes, reference / seconds, descriptors[way]))
     return rows
 
 

@@ -175,6 +175,14 @@ class Batch:
             fill_random(tensor, SEED + i)
         return caches
 
+    def requests(self) -> dict[str, list[int]]:
+        """The receiver's block ids by request name, as ``kvhost.receive`` takes them."""
+        return {f"req-{i:03d}": ids for i, ids in enumerate(self.local_ids)}
+
+    def pairs(self) -> list[tuple[list[int], list[int]]]:
+        """(local ids, remote ids) per request, as a ``Reader`` takes them."""
+        return list(zip(self.local_ids, self.remote_ids))
+
 
 # --- the sender ------------------------------------------------------------------------------
 
@@ -389,16 +397,10 @@ class Setup:
     readers: dict[str, Any] = field(default_factory=dict)  # name -> Reader, Batched or Prepared
     handles: list[Any] = field(default_factory=list)  # NIXL requests made once, released at the end
 
-    def requests(self) -> dict[str, list[int]]:
-        return {f"req-{i:03d}": ids for i, ids in enumerate(self.batch.local_ids)}
-
-    def pairs(self) -> list[tuple[list[int], list[int]]]:
-        return list(zip(self.batch.local_ids, self.batch.remote_ids))
-
     def transfer(self, name: str, inflight: int) -> Callable[[], None]:
         reader, batch = self.readers[name], self.batch
         if isinstance(reader, Batched):
-            pairs = self.pairs()
+            pairs = self.batch.pairs()
             return lambda: pull(lambda _: reader.reader.read_batch(pairs), 1, 1)
         count = len(batch.remote_ids)
         return lambda: pull(lambda i: reader.read(batch.local_ids[i], batch.remote_ids[i]), count, inflight)
@@ -407,7 +409,7 @@ class Setup:
         """Create every request's NIXL transfer (the batch's one, for ``kvhost-batch``) and
         release it unposted: what handing the descriptors over costs, without moving a byte."""
         reader = self.readers[name]
-        pairs = self.pairs()
+        pairs = self.batch.pairs()
 
         def make(local_ids: Sequence[int], remote_ids: Sequence[int]) -> Any:
             if isinstance(reader, Prepared):
@@ -432,7 +434,7 @@ class Setup:
         """Work out every request's descriptors (rows, or indices into prepared lists) without
         handing them to NIXL: kvhost's share of ``build``."""
         reader = self.readers[name]
-        pairs = self.pairs()
+        pairs = self.batch.pairs()
 
         def plan() -> None:
             if isinstance(reader, Batched):
@@ -490,7 +492,7 @@ class Setup:
         if isinstance(reader, Prepared):
             return sum(len(reader.indices(lo, re)[0]) for lo, re in zip(batch.local_ids, batch.remote_ids))
         if isinstance(reader, Batched):
-            return int(reader.reader.batch_descriptors(self.pairs())[0].shape[0])
+            return int(reader.reader.batch_descriptors(self.batch.pairs())[0].shape[0])
         return sum(reader.descriptors(lo, re)[0].shape[0] for lo, re in zip(batch.local_ids, batch.remote_ids))
 
 
@@ -548,10 +550,11 @@ def verify(setup: Setup, inflight: int) -> None:
     ways = [setup.transfer(name, inflight) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH)]
     same_landing(setup.local, ways)
     post_process(setup)
-    check_tokens(setup.batch, local_set)
+    truth = CacheSet(setup.batch.sender_caches(), axes)
+    check_tokens(setup.batch, local_set, truth)
     fill_sentinel(setup.local)
     layered(setup, kvhost.KVHost(setup.local, axes=axes))()
-    check_tokens(setup.batch, local_set)
+    check_tokens(setup.batch, local_set, truth)
 
 
 def same_landing(local: Mapping[str, torch.Tensor], ways: Sequence[Callable[[], object]]) -> None:
@@ -573,14 +576,14 @@ def fill_sentinel(local: Mapping[str, torch.Tensor]) -> None:
         raw(tensor).view(torch.uint8).fill_(SENTINEL)
 
 
-def check_tokens(batch: Batch, local_set: CacheSet) -> None:
-    """Every request's blocks hold the sender's tokens, bit for bit; blocks no request names
-    keep the sentinel."""
-    sender = CacheSet(batch.sender_caches(), local_set.axes)
+def check_tokens(batch: Batch, local_set: CacheSet, truth: CacheSet) -> None:
+    """Every request's blocks hold the sender's tokens (``truth``: ``batch.sender_caches()``,
+    made again rather than read from the sender, which a transfer could have written), bit
+    for bit; blocks no request names keep the sentinel."""
     size = batch.setting.prefill.block_size
     for remote_ids, local_ids in zip(batch.remote_ids, batch.local_ids):
         tokens = len(remote_ids) * size
-        for r, lo in zip(sender.members, local_set.members):
+        for r, lo in zip(truth.members, local_set.members):
             if not torch.equal(
                 read_tokens(lo.tensor, lo.layout, local_ids)[:tokens], read_tokens(r.tensor, r.layout, remote_ids)
             ):
@@ -599,31 +602,27 @@ def post_process(setup: Setup, host: kvhost.KVHost | None = None) -> None:
     if host is None:
         kvhost.receive(
             setup.local,
-            setup.requests(),
+            setup.batch.requests(),
             axes=setup.batch.setting.axes,
             remote_order=plan.remote_order,
             remote_block_size=plan.remote_block_size,
         )
     else:
-        host.receive(setup.requests(), remote_order=plan.remote_order, remote_block_size=plan.remote_block_size)
+        host.receive(setup.batch.requests(), remote_order=plan.remote_order, remote_block_size=plan.remote_block_size)
 
 
 def layered(setup: Setup, host: kvhost.KVHost, tail: list[float] | None = None) -> Callable[[], None]:
     """The hand-off layer by layer, with kvhost's merged descriptors (``hand_off_layered``)."""
-    return hand_off_layered(setup.readers[KVHOST], setup.pairs(), host, setup.requests(), setup.plan, tail)
+    return hand_off_layered(setup.readers[KVHOST], setup.batch, host, setup.plan, tail)
 
 
 def hand_off_layered(
-    reader: Reader,
-    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-    host: kvhost.KVHost,
-    requests: Mapping[str, Sequence[int]],
-    plan: TransferPlan,
-    tail: list[float] | None = None,
+    reader: Reader, batch: Batch, host: kvhost.KVHost, plan: TransferPlan, tail: list[float] | None = None
 ) -> Callable[[], None]:
     """The hand-off layer by layer (``Reader.read_layers``): each layer received as soon as its
     transfer is done, the next layer's already posted. ``tail`` collects the time from the
     last layer landing to the end: what stays on the critical path."""
+    pairs, requests = batch.pairs(), batch.requests()
 
     def handoff() -> None:
         for name in reader.read_layers(pairs, timeout=TIMEOUT_S):
@@ -635,6 +634,11 @@ def hand_off_layered(
             tail.append(time.perf_counter() - landed)
 
     return handoff
+
+
+def layered_descriptors(reader: Reader, batch: Batch) -> int:
+    """Descriptors the layer-by-layer hand-off posts, every layer together."""
+    return sum(rows.shape[0] for rows, _ in reader.layer_descriptors(batch.pairs()).values())
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -731,8 +735,7 @@ def summarise(
     methods[HANDOFF]["transfer_median_s"] = float(np.median(parts["transfer"]))
     methods[HANDOFF]["receive_median_s"] = float(np.median(parts["receive"]))
     methods[LAYERED]["tail_median_s"] = float(np.median(parts["tail"]))
-    layers = setup.readers[KVHOST].layer_descriptors(setup.pairs())
-    methods[LAYERED]["descriptors"] = sum(rows.shape[0] for rows, _ in layers.values())
+    methods[LAYERED]["descriptors"] = layered_descriptors(setup.readers[KVHOST], setup.batch)
     where = "two network namespaces over TCP" if args.peer_netns else "same host"
     speedup = methods[BATCH]["speedup"]
     checks = [check(where, "kvhost-batch / per-piece (best)", speedup, ">=", 2.0 if args.peer_netns else 3.0)]
