@@ -126,7 +126,9 @@ for package in ("triton", "numpy", "numba", "pytest", "xdist", "pytest_timeout",
     if importlib.util.find_spec(package) is not None:
         versions[package] = getattr(__import__(package), "__version__", "present")
 print(", ".join(f"{name} {version}" for name, version in versions.items()))
-nixl = [name for name in ("nixl", "nixl_cu13", "nixl_cu12") if importlib.util.find_spec(name) is not None]
+from kvhost.nixl.agent import NIXL_MODULES  # where kvhost looks for NIXL, in its order
+
+nixl = [name for name in NIXL_MODULES if importlib.util.find_spec(name.split(".")[0]) is not None]
 print(f"NIXL: {', '.join(nixl) or 'not installed (the handoff step is skipped)'}")
 missing = [p for p in ("triton", "numpy", "pytest", "numba", "xdist", "pytest_timeout") if p not in versions]
 if missing:
@@ -159,7 +161,7 @@ fi
 
 if [[ $steps != *" handoff "* ]]; then
     note "handoff: not asked for (GPU_CHECK_STEPS)"
-elif has nixl._api || has nixl_cu13._api || has nixl_cu12._api; then
+elif "$PYTHON" -c "from kvhost.nixl.agent import load_nixl; load_nixl()" 2>/dev/null; then
     step handoff 90 "$PYTHON" -m kvhost_cuda.handoff --device cuda || status=1
 else
     note "handoff: skipped, NIXL does not import here (carry nixl-cu13's wheel in .whl/)"
