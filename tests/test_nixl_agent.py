@@ -9,7 +9,9 @@ for the two calls a Transfer makes and answers them from a script.
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import os
 import time
 import weakref
 from types import SimpleNamespace
@@ -24,8 +26,10 @@ from kvhost.nixl import Agent, NixlUnavailableError, ProtocolError, TransferErro
 from kvhost.nixl.agent import (
     DEFAULT_THREADS,
     MAX_THREADS,
+    UCX_CUDA_DEFAULTS,
     Link,
     Transfer,
+    _cuda_driver_loads,
     layer_by_layer,
     merge_domains,
     post_rows,
@@ -89,6 +93,38 @@ def test_worker_threads_reach_nixl_and_bad_counts_are_refused():
     for bad in (True, -1, MAX_THREADS + 1, 2.0, "4"):
         with pytest.raises(ArgumentError, match=rf"threads {bad!r} must be an integer from 0 to {MAX_THREADS}"):
             Agent("threads-bad", threads=bad)
+
+
+@needs_nixl
+@pytest.mark.parametrize("driver", [True, False])
+def test_an_agent_gives_ucx_cuda_ipc_reads_unless_the_environment_says_otherwise(monkeypatch, driver):
+    """Without cuda_ipc's get, a read of another process's VRAM on a GPU without NVLink goes
+    over TCP loopback; an operator's own setting is left as it is, and where the CUDA driver
+    does not load (UCX's CUDA transports with it) nothing is set for UCX to warn about."""
+    key = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    assert {key: "on"} == UCX_CUDA_DEFAULTS
+    monkeypatch.setattr("kvhost.nixl.agent._cuda_driver_loads", lambda: driver)
+    monkeypatch.delenv(key, raising=False)
+    with Agent("ucx-defaults", progress_thread=False):
+        assert os.environ.get(key) == ("on" if driver else None)
+    monkeypatch.setenv(key, "off")
+    with Agent("ucx-operator", progress_thread=False):
+        assert os.environ[key] == "off"
+
+
+def test_the_cuda_driver_probe_answers_what_loading_it_does(monkeypatch):
+    _cuda_driver_loads.cache_clear()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: calls.append(name))
+    calls: list[str] = []
+    assert _cuda_driver_loads() and calls == ["libcuda.so.1"]
+
+    def refuse(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    _cuda_driver_loads.cache_clear()
+    monkeypatch.setattr(ctypes, "CDLL", refuse)
+    assert not _cuda_driver_loads()
+    _cuda_driver_loads.cache_clear()
 
 
 @needs_nixl
