@@ -865,7 +865,8 @@ def test_handoff_check_verifies_then_times_every_way(device):
     from kvhost_cuda.handoff import measure as handoff
 
     rows = handoff(torch.device(device), SMALL_BATCH, repeats=1)
-    assert [row.way for row in rows] == ["memcpy", "per-piece", "merged", "receive", "hand-off", "hand-off-layered"]
+    ways = ["memcpy", "per-piece", "merged", "receive", "hand-off", "hand-off-layered"]
+    assert [row.way for row in rows] == [*ways, "span/64KiB", "span/1MiB", "span/layer"]
     by_way = {row.way: row for row in rows}
     assert len({row.bytes for row in rows}) == 1 and rows[0].bytes > 0
     # Allocator-like runs merge: fewer, larger descriptors than one per sender region.
@@ -873,6 +874,10 @@ def test_handoff_check_verifies_then_times_every_way(device):
     assert by_way["hand-off"].descriptors == by_way["merged"].descriptors and by_way["receive"].descriptors == 0
     # Layer by layer, merging stops at each layer's edge: at least as many descriptors.
     assert by_way["merged"].descriptors <= by_way["hand-off-layered"].descriptors < by_way["per-piece"].descriptors
+    # The transport alone: the batch's bytes in 64 KiB pieces, at most 1 MiB, one per layer (2 here).
+    layer_bytes = rows[0].bytes // 2
+    assert by_way["span/64KiB"].descriptors == 2 * -(-layer_bytes // (64 << 10))
+    assert by_way["span/1MiB"].descriptors == 2 * -(-layer_bytes // (1 << 20)) and by_way["span/layer"].descriptors == 2
     assert all(row.seconds > 0 and row.fraction > 0 for row in rows)
 
 

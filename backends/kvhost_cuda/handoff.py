@@ -4,11 +4,14 @@
 
 The demo's batch (``kvhost bench --transfer``'s: 40 requests of mixed length, block ids in
 runs as allocators hand them out, prefill's head-major blocks of 16 tokens, decode's
-token-major blocks of 64; ``--demo`` takes the demo's options to change it) moves between
-two NIXL agents of this process, each cache in the device's memory (VRAM; host memory
-with ``--device cpu``, which the tests run), and ``KVHost.receive`` then makes the landed
-bytes decode's layout. Each way is a median of ``--repeats`` with the device synchronized
-around each, against a device copy of the same bytes measured in the same run:
+token-major blocks of 64; ``--demo`` takes the demo's options to change it) moves over NIXL
+from the bench's sender process to this one, each cache in the device's memory (VRAM;
+host memory with ``--device cpu``, which the tests run), and ``KVHost.receive`` then makes
+the landed bytes decode's layout. The sender is a process of its own because UCX reads
+device memory between processes (cuda_ipc) and not between two agents of one process,
+which it served over TCP loopback at 0.3 GB/s on an H200. Each way is a median of
+``--repeats`` with the device synchronized around each, against a device copy of the same
+bytes measured in the same run:
 
 - ``per-piece``: one descriptor per sender region (``max_descriptor_bytes=None``), the
   batch as one transfer;
@@ -17,7 +20,10 @@ around each, against a device copy of the same bytes measured in the same run:
 - ``hand-off``: ``merged`` then ``receive``, from the first read to blocks attention can read;
 - ``hand-off-layered``: the same bytes as one transfer per layer (``Reader.read_layers``),
   each layer received as soon as it lands while the next one moves: on a device the copy
-  and the receive need not share an engine, so this is where overlap would show.
+  and the receive need not share an engine, so this is where overlap would show;
+- ``span/64KiB``, ``span/1MiB``, ``span/layer``: the transport alone, the same number of
+  bytes read from one contiguous span of each layer in descriptors of that size (one NIXL
+  request made once and posted again): what one descriptor costs against its size.
 
 Before timing, both transfers land the same bytes, and after the receive every request's
 blocks hold the sender's tokens bit for bit while blocks no request names keep a sentinel.
@@ -27,6 +33,7 @@ Rows are printed and appended to ``DIR/handoff.jsonl`` as they are measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -39,18 +46,25 @@ import torch
 import kvhost
 from kvhost.caches import CacheSet
 from kvhost.nixl import Agent, Reader, plan_transfer
+from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost_cuda.gpucheck import median_seconds, memcpy_seconds
 from kvhost_tools.bench.transfer import (
+    KVHOST,
     Batch,
+    Peer,
     Setting,
+    Setup,
     check_tokens,
     fill_sentinel,
     hand_off_layered,
     layered_descriptors,
+    repost,
     same_landing,
+    span_name,
 )
 from kvhost_tools.demo.netenv import QUIET
 
+SPANS = (64 << 10, 1 << 20, 0)  # the transport alone: descriptors of these sizes (0: one per layer)
 TIMEOUT_S = 60.0  # one batch's transfer (Transfer.wait): a hung transport fails the check instead of hanging it
 
 
@@ -67,24 +81,32 @@ class Row:
         return self.bytes / self.seconds / 1e9
 
 
+def sender_options(demo: str) -> argparse.Namespace:
+    """The bench's sender process with the demo's batch: polled (no progress thread), its
+    cache registered with huge pages where it is host memory, in this network namespace."""
+    return argparse.Namespace(
+        cache="data", demo=demo, progress="poll", huge_pages="on", threads=DEFAULT_THREADS, peer_netns=None
+    )
+
+
 def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row], None] | None = None) -> list[Row]:
     """Every way, verified first, then timed; ``emit`` gets each row as it is measured."""
     batch = Batch.of(Setting.parse(demo))
     setting = batch.setting
     axes = setting.axes
-    remote = batch.sender_caches(device)
     local = setting.model.caches(setting.decode, batch.local_pool, device)
     pairs, requests = batch.pairs(), batch.requests()
     rows: list[Row] = []
-    # The sender's transport is driven by NIXL's progress thread (large reads need the
-    # sender's side to answer), the receiver's by polling its transfers, as a decode engine does.
+    # The sender is a process of its own, as a prefill engine is: UCX reads another
+    # process's device memory directly (cuda_ipc), but reads between two agents of one
+    # process went over TCP loopback (0.3 GB/s on an H200). The receiver polls its
+    # transfers, as a decode engine does.
     with (
-        Agent("handoff-prefill") as sender,
+        contextlib.closing(Peer(sender_options(demo), {}, device=str(device))) as sender,
         Agent("handoff-decode", progress_thread=False) as receiver,
     ):
-        remote_table = sender.register(remote, axes)
-        plan = plan_transfer(receiver.register(local, axes), remote_table)
-        peer = receiver.add_peer(sender.metadata())
+        plan = plan_transfer(receiver.register(local, axes), sender.table)
+        peer = receiver.add_peer(sender.metadata)
         per_piece, merged = receiver.reader(plan, peer, max_descriptor_bytes=None), receiver.reader(plan, peer)
         host = kvhost.KVHost(local, axes=axes)
         order, size = plan.remote_order, plan.remote_block_size
@@ -141,6 +163,17 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
         for way, run in ways.items():
             seconds = median_seconds(run, device, repeats)
             add(Row(way, seconds, nbytes, reference / seconds, descriptors[way]))
+        # The transport alone, the same bytes in descriptors of one size each: its cost per
+        # descriptor against the descriptor's size, which bounds what merging can gain.
+        spans = Setup(batch, receiver, sender, local, plan, readers={KVHOST: merged})
+        made = [(span_name(size), *spans.span(size, nbytes)) for size in SPANS]
+        try:
+            for name, handle, count in made:
+                seconds = median_seconds(repost(receiver.nixl, handle), device, repeats)
+                add(Row(name, seconds, nbytes, reference / seconds, count))
+        finally:
+            for _, handle, _ in made:
+                handle.release()
     return rows
 
 

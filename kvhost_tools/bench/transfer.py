@@ -66,6 +66,7 @@ import torch
 
 import kvhost
 from kvhost.caches import CacheSet
+from kvhost.errors import KVHostError
 from kvhost.nixl import MAX_DESCRIPTOR_BYTES, Agent, Reader, RegionTable, Transfer, TransferPlan, plan_transfer
 from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost.nixl.framing import receive, send
@@ -188,10 +189,12 @@ class Batch:
 
 
 def peer_main(argv: Sequence[str]) -> int:
-    """The sender: ``--fd N`` (its end of the socket pair), ``--cache`` and the demo's options."""
+    """The sender: ``--fd N`` (its end of the socket pair), ``--cache``, ``--device`` (where its
+    cache lives) and the demo's options."""
     parser = argparse.ArgumentParser(prog="python -m kvhost_tools.bench.transfer")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--cache", default="data")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--demo", default="")
     parser.add_argument("--progress", choices=PROGRESS, default="poll")
     parser.add_argument("--huge-pages", choices=HUGE_PAGES, default="on")
@@ -199,7 +202,7 @@ def peer_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     batch = Batch.of(Setting.parse(args.demo))
     axes = batch.setting.axes
-    caches = batch.sender_caches()
+    caches = batch.sender_caches(args.device)
     device = Device("cpu", args.cache)
     thread = args.progress == "thread"
     agent = Agent(f"bench-prefill-{os.getpid()}", progress_thread=thread, threads=args.threads)
@@ -208,13 +211,16 @@ def peer_main(argv: Sequence[str]) -> int:
         hello = {"table": table.to_dict(), "pid": os.getpid(), "huge_pages": agent.huge_pages.describe()}
         send(sock, "hello", hello, agent.metadata(), timeout=TIMEOUT_S)
         ids = np.array(sorted({b for r in batch.remote_ids for b in r}), dtype=np.int64)
-        touched = block_ranges(caches, axes, ids)
+        # Only host memory is evicted (what the bench asks for); a device's cache is read as it is.
+        touched = block_ranges(caches, axes, ids) if args.device == "cpu" else None
         while True:
             if not thread:  # drive the transport while no control message waits
                 while not select.select([sock], [], [], POLL_S)[0]:
                     agent.nixl.get_new_notifs()
             message = receive(sock, timeout=24 * 3600.0)
             if message.kind == "evict":
+                if touched is None:
+                    raise KVHostError(f"evict: the sender's cache is in {args.device} memory, which is not evicted")
                 device.flush(touched)
                 send(sock, "evicted", {}, timeout=TIMEOUT_S)
             elif message.kind == "quit":
@@ -222,12 +228,12 @@ def peer_main(argv: Sequence[str]) -> int:
 
 
 class Peer:
-    """The sender process, and the control socket to it."""
+    """The sender process, and the control socket to it; ``device``: where its cache lives."""
 
-    def __init__(self, args: argparse.Namespace, env: dict[str, str]) -> None:
+    def __init__(self, args: argparse.Namespace, env: dict[str, str], device: str = "cpu") -> None:
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", "kvhost_tools.bench.transfer", "--fd", str(theirs.fileno())]
-        command += ["--cache", args.cache, "--demo", args.demo, "--progress", args.progress]
+        command += ["--cache", args.cache, "--device", device, "--demo", args.demo, "--progress", args.progress]
         command += ["--huge-pages", args.huge_pages, "--threads", str(args.threads)]
         netns = args.peer_netns
         if netns:
