@@ -217,6 +217,25 @@ def test_the_factory_loads_kvhosts_connector_by_module_path(vllm_env):
     assert worker.kvhost is not None and worker.kvhost.axes == "BHNC"
 
 
+def test_vllms_nixl_agent_starts_with_cuda_ipc_reads(vllm_env, monkeypatch):
+    """vLLM's agent reads another process's VRAM; without cuda_ipc's get (UCX leaves it off on
+    GPUs without NVLink) it would read over TCP loopback. An operator's setting stays."""
+    key = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    seen = []
+
+    class Recording(FakeNixlWrapper):
+        def __init__(self, name, *args, **kwargs):
+            seen.append(os.environ.get(key))
+            super().__init__(name, *args, **kwargs)
+
+    monkeypatch.setattr("kvhost.nixl.agent._cuda_driver_loads", lambda: True)
+    monkeypatch.delenv(key, raising=False)
+    make_worker(vllm_env, "LBHNC", wrapper=Recording)
+    monkeypatch.setenv(key, "off")
+    make_worker(vllm_env, "LBHNC", wrapper=Recording)
+    assert seen == ["on", "off"]
+
+
 def test_the_scheduler_side_is_vllms_own(vllm_env):
     """In the scheduler process the connector is vLLM's pull scheduler, with no worker."""
     from vllm.config import set_current_vllm_config

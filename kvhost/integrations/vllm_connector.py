@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 from kvhost.errors import LayoutError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
 from kvhost.nixl import RegionTable, Stream, TransferPlan, plan_transfer
+from kvhost.nixl.agent import give_ucx_defaults
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
 from kvhost.stats import ReceiveStats
 
@@ -140,6 +141,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # Before vLLM's __init__, which sets use_host_buffer (a property here).
         self._handshake_checks = threading.local()  # .running: this thread is in vLLM's handshake checks
         self._use_host_buffer = False
+        give_ucx_defaults()  # before vLLM's __init__ starts its NIXL agent (and UCX reads them)
         super().__init__(*args, **kwargs)
         self.kvhost: VllmCaches | None = None  # the device caches, once registered
         self.kvhost_host: VllmCaches | None = None  # the host buffers, in host-buffer mode

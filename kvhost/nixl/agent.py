@@ -44,8 +44,8 @@ MAX_THREADS = 64
 # (UCX reads them when the first agent starts its backend). NIXL reads with UCX's get; UCX
 # leaves cuda_ipc's get off on a GPU without NVLink peers (a lone GPU, PCIe boards), and a
 # read of device memory from another process of the same machine then goes as software
-# over TCP loopback: on an H200, the demo's batch read at 0.37 GB/s that way and at 9.6 GB/s
-# with cuda_ipc's get.
+# over TCP loopback: on an H200, the demo's batch read at 0.37 GB/s that way and at
+# 9.6-12 GB/s with cuda_ipc's get.
 UCX_CUDA_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 
 
@@ -67,6 +67,13 @@ def ucx_defaults() -> dict[str, str]:
     """``UCX_CUDA_DEFAULTS`` where UCX would read them: its CUDA transports load only where
     the CUDA driver does (elsewhere UCX warns of every variable it did not use)."""
     return dict(UCX_CUDA_DEFAULTS) if _cuda_driver_loads() else {}
+
+
+def give_ucx_defaults() -> None:
+    """Put ``ucx_defaults()`` in this process's environment where it names none of them:
+    before a NIXL agent starts (kvhost's ``Agent``, vLLM's through kvhost's connector)."""
+    for key, value in ucx_defaults().items():
+        os.environ.setdefault(key, value)
 
 
 @cache
@@ -112,8 +119,7 @@ class Agent:
         if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
             raise ArgumentError(f"threads {threads!r} must be an integer from 0 to {MAX_THREADS}")
         module = load_nixl()
-        for key, value in ucx_defaults().items():
-            os.environ.setdefault(key, value)
+        give_ucx_defaults()
         try:
             config = module.nixl_agent_config(
                 enable_prog_thread=progress_thread, backends=list(backends), num_threads=threads
