@@ -12,9 +12,9 @@
 #                     against a plain pinned copy_, each row with its launches and programs
 #                     against the multiprocessors, kvhost beside the engines' per-request
 #                     path, and whether each method's bytes equal the torch path's
-#   handoff  (90 s)   python -m kvhost_cuda.handoff: the demo's batch read over NIXL between
-#                     two agents into device memory, per-piece and merged descriptors, then
-#                     the receive, against a device copy; only where NIXL imports
+#   handoff  (90 s)   python -m kvhost_cuda.handoff: the demo's batch read over NIXL from a
+#                     sender process into device memory, per-piece and merged descriptors,
+#                     then the receive, against a device copy; only where NIXL imports
 #   suite    (rest)   pytest -m cuda over the conformance modules and the backend's device tests
 # Everything lands in $OUT (or /tmp/kvhost-gpu-check) as it happens, at most 8 files:
 # summary.txt (one line per step, then the answers), machine.txt, figures.txt,
