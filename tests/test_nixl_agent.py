@@ -113,9 +113,9 @@ def test_an_agent_gives_ucx_cuda_ipc_reads_unless_the_environment_says_otherwise
 
 
 def test_the_cuda_driver_probe_answers_what_loading_it_does(monkeypatch):
-    _cuda_driver_loads.cache_clear()
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: calls.append(name))
     calls: list[str] = []
+    _cuda_driver_loads.cache_clear()
+    monkeypatch.setattr(ctypes, "CDLL", calls.append)
     assert _cuda_driver_loads() and calls == ["libcuda.so.1"]
 
     def refuse(name):

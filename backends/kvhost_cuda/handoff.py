@@ -165,8 +165,8 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
             add(Row(way, seconds, nbytes, reference / seconds, descriptors[way]))
         # The transport alone, the same bytes in descriptors of one size each: its cost per
         # descriptor against the descriptor's size, which bounds what merging can gain.
-        spans = Setup(batch, receiver, sender, local, plan, readers={KVHOST: merged})
-        made = [(span_name(size), *spans.span(size, nbytes)) for size in SPANS]
+        connected = Setup(batch, receiver, sender, local, plan, readers={KVHOST: merged})
+        made = [(span_name(size), *connected.span(size, nbytes)) for size in SPANS]
         try:
             for name, handle, count in made:
                 seconds = median_seconds(repost(receiver.nixl, handle), device, repeats)
