@@ -116,14 +116,14 @@ def test_the_cuda_driver_probe_answers_what_loading_it_does(monkeypatch):
     calls: list[str] = []
     _cuda_driver_loads.cache_clear()
     monkeypatch.setattr(ctypes, "CDLL", calls.append)
-    assert _cuda_driver_loads() and calls == ["libcuda.so.1"]
+    assert _cuda_driver_loads() is True and calls == ["libcuda.so.1"]
 
     def refuse(name):
         raise OSError(f"{name}: cannot open shared object file")
 
     _cuda_driver_loads.cache_clear()
     monkeypatch.setattr(ctypes, "CDLL", refuse)
-    assert not _cuda_driver_loads()
+    assert _cuda_driver_loads() is False
     _cuda_driver_loads.cache_clear()
 
 
