@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -88,12 +89,53 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     assert "hand-off = transfer" in out and "last layer landed" in out
 
 
+@needs_nixl
+@pytest.mark.timeout(300)
+def test_cross_layer_caches_read_a_descriptor_per_sender_block_before_merging(tmp_path, capfd):
+    """``--demo "... --cross-layer"``: both caches hold a block's layers back to back, so a
+    piece is a whole sender block (every layer, K and V) and the section is kept apart."""
+    out_json = tmp_path / "bench.json"
+    argv = ["--transfer", "--in-process", "--rounds", "3", "--seconds", "1", "--bounds", "", "--sweep", "0"]
+    argv += ["--demo", transfer.QUICK_DEMO + " --cross-layer", "--json", str(out_json)]
+    code = cli.main(argv)
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    section = json.loads(out_json.read_text())["transfer"]["same host, runs of 1..8, cross-layer caches"]
+    batch = transfer.Batch.of(transfer.Setting.parse(transfer.QUICK_DEMO + " --cross-layer"))
+    assert section["cross_layer"] is True and section["sender"].endswith("tokens, layers inside blocks")
+    blocks = sum(len(ids) for ids in batch.remote_ids)
+    assert section["pieces"] == blocks and section["piece_bytes"] * blocks == section["bytes"]
+    methods = section["methods"]
+    assert 0 < methods[transfer.BATCH]["descriptors"] < blocks
+    assert methods["span/layer"]["descriptors"] == 1  # every layer in one span
+    assert "layers inside blocks" in out
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_the_sender_takes_demo_options_that_are_one_flag():
+    """``--demo --cross-layer`` reaches the sender process as the demo's options, not as an
+    option of its own (argparse takes a lone ``--flag`` value for an option)."""
+    options = argparse.Namespace(
+        cache="data", demo="--cross-layer", progress="poll", huge_pages="off", threads=0, peer_netns=None
+    )
+    peer = transfer.Peer(options, {})
+    try:
+        assert peer.table.order.startswith("L") and len(peer.table.streams) == 1  # every layer in one region
+    finally:
+        peer.close()
+    assert peer.process.returncode == 0
+
+
 def test_a_transfer_section_is_kept_under_its_setting():
     section = {"where": "same host", "block_ids": "runs of 1..8", "huge_pages": {"asked": "on"}}
     assert cli.transfer_key({**section, "threads": DEFAULT_THREADS}) == "same host, runs of 1..8"
     assert cli.transfer_key({**section, "threads": 0}) == "same host, runs of 1..8, 0 UCX threads"
     off = {**section, "huge_pages": {"asked": "off"}, "threads": 2}
     assert cli.transfer_key(off) == "same host, runs of 1..8, no huge pages asked, 2 UCX threads"
+    crossed = {**section, "threads": 0, "cross_layer": True}
+    assert cli.transfer_key(crossed) == "same host, runs of 1..8, cross-layer caches, 0 UCX threads"
+    assert cli.transfer_key({**crossed, "cross_layer": False}) == "same host, runs of 1..8, 0 UCX threads"
 
 
 def test_transfer_options_are_checked(capsys):

@@ -881,6 +881,36 @@ def test_handoff_check_verifies_then_times_every_way(device):
     assert all(row.seconds > 0 and row.fraction > 0 for row in rows)
 
 
+def runs_on_both_sides(batch, r):
+    """Descriptors when whole sender blocks merge wherever both sides continue: the sender's
+    ids run on, and the receiver's too where the next sender block starts a receiver block
+    (r sender blocks to one)."""
+    count = 0
+    for remote, local in zip(batch.remote_ids, batch.local_ids):
+        for k in range(len(remote)):
+            joined = k > 0 and remote[k] == remote[k - 1] + 1 and (k % r or local[k // r] == local[k // r - 1] + 1)
+            count += not joined
+    return count
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_handoff_check_reads_a_cross_layer_batch_in_runs_of_blocks():
+    """Both caches cross-layer (a block's layers back to back): one region per sender block holds
+    every layer, so per-piece is a descriptor per sender block and merging joins runs of them,
+    across receiver blocks too; every token checked as before."""
+    from kvhost_cuda.handoff import measure as handoff
+
+    from kvhost_tools.bench.transfer import Batch, Setting
+
+    demo = SMALL_BATCH + " --cross-layer"
+    batch = Batch.of(Setting.parse(demo))
+    by_way = {row.way: row for row in handoff(torch.device("cpu"), demo, repeats=1)}
+    assert by_way["per-piece"].descriptors == sum(len(ids) for ids in batch.remote_ids)
+    assert by_way["merged"].descriptors == runs_on_both_sides(batch, 64 // 16) < by_way["per-piece"].descriptors
+    assert by_way["span/layer"].descriptors == 1  # the layers share one span: one descriptor for it all
+
+
 def test_handoff_check_refuses_no_repetitions(capsys):
     from kvhost_cuda.handoff import main as handoff_main
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 from test_nixl import needs_nixl
 
+from kvhost.caches import CacheSet
 from kvhost.testing import raw
 from kvhost_tools.demo.cli import main
 from kvhost_tools.demo.config import EXIT_FAILED, EngineShape, Model, Workload
@@ -292,6 +293,23 @@ def test_frozen_prefill_times_out_instead_of_hanging(runs):
 
 
 MODEL = Model("mha", 2, 2, 16, "bfloat16")
+
+
+@pytest.mark.parametrize(("layout", "region"), [("HND", "LKHNC"), ("NHD", "LKNHC")])
+def test_a_cross_layer_cache_is_one_tensor_whose_block_region_holds_every_layer(layout, region):
+    """vLLM's cross-layer layout: a block's layers back to back, so one block region (what NIXL
+    moves) holds every layer, and a run of blocks is one span for the whole model."""
+    shape = EngineShape(layout, 8, cross_layer=True)
+    caches = MODEL.caches(shape, 6)
+    assert list(caches) == ["layers"] and MODEL.axes_for(shape) == "LKBNHC" == "L" + MODEL.axes
+    tensor = caches["layers"]
+    assert tuple(tensor.shape) == (MODEL.layers, 2, 6, 8, MODEL.heads, MODEL.head_dim)
+    layout_of = CacheSet(caches, MODEL.axes_for(shape)).members[0].layout
+    region_bytes = MODEL.layers * 2 * 8 * MODEL.heads * MODEL.head_dim * 2
+    assert layout_of.region_bytes == layout_of.block_stride_bytes == region_bytes
+    assert layout_of.physical == "B" + region
+    assert "layers inside blocks" in shape.describe() and "layers" not in EngineShape(layout, 8).describe()
+    assert list(MODEL.caches(EngineShape(layout, 8), 6)) == ["layer0", "layer1"]
 
 
 def test_verification_catches_a_flipped_byte_and_a_stray_write():

@@ -255,9 +255,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def transfer_key(section: dict[str, Any]) -> str:
-    """Where a transfer section is kept in the results: the setting, and what differs from
-    the defaults of an Agent (huge pages, UCX threads)."""
+    """Where a transfer section is kept in the results: the setting (cross-layer caches among
+    it), and what differs from the defaults of an Agent (huge pages, UCX threads)."""
     parts = [section["where"], section["block_ids"]]
+    if section.get("cross_layer"):  # sections before the option have no such key
+        parts.append("cross-layer caches")
     if section["huge_pages"]["asked"] != "on":
         parts.append("no huge pages asked")
     if section["threads"] != DEFAULT_THREADS:

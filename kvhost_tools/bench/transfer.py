@@ -40,6 +40,11 @@ order per round, medians over rounds (``timing.measure``):
   posted again each round: the transport's per-operation cost against descriptor size,
   and its bandwidth when descriptors are as large as they come.
 
+``--demo`` takes, besides the demo's options, ``--prefill-layout``/``--decode-layout``,
+their block sizes, and ``--cross-layer``: both caches one tensor each with a block's layers
+back to back (vLLM's cross-layer layout; the demo itself has no such engine), so that one
+region per block holds every layer.
+
 Each request is read with up to ``--inflight`` transfers in flight, as the demo does.
 Before timing, every way's bytes are checked to be the same, and the hand-off's blocks to
 hold the sender's tokens bit for bit.
@@ -139,14 +144,17 @@ class Setting:
         p.add_argument("--prefill-block-size", type=int, default=16)
         p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default=None)
         p.add_argument("--decode-block-size", type=int, default=64)
+        p.add_argument("--cross-layer", action="store_true")  # both caches: a block's layers back to back
         args = p.parse_args(shlex.split(text))
-        prefill = EngineShape(default_layout(args.cache, args.prefill_layout, "HND"), args.prefill_block_size)
-        decode = EngineShape(default_layout(args.cache, args.decode_layout, "NHD"), args.decode_block_size)
+        prefill_layout = default_layout(args.cache, args.prefill_layout, "HND")
+        decode_layout = default_layout(args.cache, args.decode_layout, "NHD")
+        prefill = EngineShape(prefill_layout, args.prefill_block_size, cross_layer=args.cross_layer)
+        decode = EngineShape(decode_layout, args.decode_block_size, cross_layer=args.cross_layer)
         return cls(model_of(args), workload_of(args), prefill, decode)
 
     @property
     def axes(self) -> str:
-        return self.model.axes
+        return self.model.axes_for(self.prefill)  # both sides cross-layer, or neither
 
 
 @dataclass(frozen=True)
@@ -233,7 +241,7 @@ class Peer:
     def __init__(self, args: argparse.Namespace, env: dict[str, str], device: str = "cpu") -> None:
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", "kvhost_tools.bench.transfer", "--fd", str(theirs.fileno())]
-        command += ["--cache", args.cache, "--device", device, "--demo", args.demo, "--progress", args.progress]
+        command += ["--cache", args.cache, "--device", device, f"--demo={args.demo}", "--progress", args.progress]
         command += ["--huge-pages", args.huge_pages, "--threads", str(args.threads)]
         netns = args.peer_netns
         if netns:
@@ -756,8 +764,9 @@ def summarise(
         "demo": args.demo,
         "model": f"{m.layers} layers x {'K/V x ' if m.kv == 2 else ''}{m.heads} heads x {m.head_dim} channels, "
         f"{m.dtype_name}",
-        "sender": f"{c.prefill.layout} blocks of {c.prefill.block_size} tokens",
-        "receiver": f"{c.decode.layout} blocks of {c.decode.block_size} tokens",
+        "sender": f"{c.prefill.layout} blocks of {c.prefill.block_size} tokens{_layers(c.prefill)}",
+        "receiver": f"{c.decode.layout} blocks of {c.decode.block_size} tokens{_layers(c.decode)}",
+        "cross_layer": c.prefill.cross_layer,
         "requests": len(setup.batch.remote_ids),
         "block_ids": f"{w.block_ids}" + (f" of 1..{w.max_run}" if w.block_ids == "runs" else ""),
         "bytes": nbytes,
@@ -783,6 +792,10 @@ def summarise(
         "methods": methods,
         "targets": {"checks": checks, "passed": all(c["passed"] for c in checks)},
     }
+
+
+def _layers(shape: EngineShape) -> str:
+    return ", layers inside blocks" if shape.cross_layer else ""
 
 
 def table(result: dict[str, Any]) -> str:

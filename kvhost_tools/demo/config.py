@@ -102,21 +102,31 @@ class Model:
         from kvhost.testing import make_cache
 
         heads = self.heads // shape.tp if self.kind == "mha" else 1
-        sizes = dict(K=2, B=num_blocks, N=shape.block_size, H=heads, C=self.head_dim)
+        sizes = dict(L=self.layers, K=2, B=num_blocks, N=shape.block_size, H=heads, C=self.head_dim)
         memory = LAYOUTS[shape.layout]
+        if shape.cross_layer:  # one tensor, a block's layers back to back: one block region holds them all
+            physical = "BL" + memory.replace("B", "")
+            return {"layers": make_cache(self.axes_for(shape), physical, sizes, self.dtype, device)}
         return {
             f"layer{i}": make_cache(self.axes, memory, {a: sizes[a] for a in memory}, self.dtype, device)
             for i in range(self.layers)
         }
 
+    def axes_for(self, shape: EngineShape) -> str:
+        """The axes of ``caches(shape, ...)``'s tensors: ``L`` first where they hold every layer."""
+        return "L" + self.axes if shape.cross_layer else self.axes
+
 
 @dataclass(frozen=True)
 class EngineShape:
-    """One engine's own cache: its layout (``HND``, ``NHD``; ``MLA`` for a latent), block size and TP."""
+    """One engine's own cache: its layout (``HND``, ``NHD``; ``MLA`` for a latent), block size and
+    TP; ``cross_layer``: every layer in one buffer, a block's layers back to back (vLLM's
+    cross-layer layout), so that a run of blocks is one span of memory for all layers."""
 
     layout: str
     block_size: int
     tp: int = 1
+    cross_layer: bool = False
 
     @property
     def order(self) -> str:
@@ -125,7 +135,8 @@ class EngineShape:
 
     def describe(self) -> str:
         tp = f", TP {self.tp}" if self.tp > 1 else ""
-        return f"{self.layout} (memory {LAYOUTS[self.layout]}), block {self.block_size} tokens{tp}"
+        layers = ", layers inside blocks" if self.cross_layer else ""
+        return f"{self.layout} (memory {LAYOUTS[self.layout]}), block {self.block_size} tokens{tp}{layers}"
 
 
 @dataclass(frozen=True)
