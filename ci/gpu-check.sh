@@ -12,9 +12,10 @@
 #                     against a plain pinned copy_, each row with its launches and programs
 #                     against the multiprocessors, kvhost beside the engines' per-request
 #                     path, and whether each method's bytes equal the torch path's
-#   handoff  (90 s)   python -m kvhost_cuda.handoff: the demo's batch read over NIXL from a
+#   handoff  (150 s)  python -m kvhost_cuda.handoff: the demo's batch read over NIXL from a
 #                     sender process into device memory, per-piece and merged descriptors,
-#                     then the receive, against a device copy; only where NIXL imports
+#                     then the receive, against a device copy; per-layer caches, then
+#                     cross-layer ones; only where NIXL imports
 #   suite    (rest)   pytest -m cuda over the conformance modules and the backend's device tests
 # Everything lands in $OUT (or /tmp/kvhost-gpu-check) as it happens, at most 8 files:
 # summary.txt (one line per step, then the answers), machine.txt, figures.txt,
@@ -162,7 +163,7 @@ fi
 if [[ $steps != *" handoff "* ]]; then
     note "handoff: not asked for (GPU_CHECK_STEPS)"
 elif "$PYTHON" -c "from kvhost.nixl.agent import load_nixl; load_nixl()" 2>/dev/null; then
-    step handoff 90 "$PYTHON" -m kvhost_cuda.handoff --device cuda || status=1
+    step handoff 150 "$PYTHON" -m kvhost_cuda.handoff --device cuda --demo= --demo=--cross-layer || status=1
 else
     note "handoff: skipped, NIXL does not import here (carry nixl-cu13's wheel in .whl/)"
 fi
@@ -197,7 +198,7 @@ verdict = next((line for line in reversed(lines) if " passed" in line or " faile
 if suite.exists():
     print(f"cuda-marked suite: {verdict or 'no result (see suite.txt)'}")
 handoff = out / "handoff.txt"
-ways = {"way", "memcpy", "per-piece", "merged", "receive", "hand-off"}
+ways = {"batch:", "way", "memcpy", "per-piece", "merged", "receive", "hand-off", "hand-off-layered", "span/layer"}
 said = handoff.read_text().splitlines() if handoff.exists() else []
 table = [line for line in said if line.split()[:1] and line.split()[0] in ways]
 if table:

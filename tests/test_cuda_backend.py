@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import subprocess
 import sys
 import warnings
@@ -894,21 +895,30 @@ def runs_on_both_sides(batch, r):
 
 
 @needs_nixl
-@pytest.mark.timeout(120)
-def test_handoff_check_reads_a_cross_layer_batch_in_runs_of_blocks():
+@pytest.mark.timeout(180)
+def test_handoff_check_reads_a_cross_layer_batch_in_runs_of_blocks(tmp_path, capsys):
     """Both caches cross-layer (a block's layers back to back): one region per sender block holds
     every layer, so per-piece is a descriptor per sender block and merging joins runs of them,
-    across receiver blocks too; every token checked as before."""
-    from kvhost_cuda.handoff import measure as handoff
+    across receiver blocks too; every token checked as before. Each ``--demo`` is its own
+    batch, measured in turn, its rows in the figures under its options."""
+    from kvhost_cuda.handoff import main as handoff_main
 
     from kvhost_tools.bench.transfer import Batch, Setting
 
-    demo = SMALL_BATCH + " --cross-layer"
-    batch = Batch.of(Setting.parse(demo))
-    by_way = {row.way: row for row in handoff(torch.device("cpu"), demo, repeats=1)}
-    assert by_way["per-piece"].descriptors == sum(len(ids) for ids in batch.remote_ids)
-    assert by_way["merged"].descriptors == runs_on_both_sides(batch, 64 // 16) < by_way["per-piece"].descriptors
-    assert by_way["span/layer"].descriptors == 1  # the layers share one span: one descriptor for it all
+    cross = SMALL_BATCH + " --cross-layer"
+    argv = ["--device", "cpu", "--repeats", "1", "--demo", SMALL_BATCH, "--demo", cross, "--out", str(tmp_path)]
+    assert handoff_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("batch: ") == 2 and "64 tokens, layers inside blocks" in printed
+    rows = [json.loads(line) for line in (tmp_path / "handoff.jsonl").read_text().splitlines()]
+    by_demo = {demo: {row["way"]: row for row in rows if row["demo"] == demo} for demo in (SMALL_BATCH, cross)}
+    assert len(rows) == 18 and list(by_demo[SMALL_BATCH]) == list(by_demo[cross])
+    batch = Batch.of(Setting.parse(cross))
+    crossed = by_demo[cross]
+    assert crossed["per-piece"]["descriptors"] == sum(len(ids) for ids in batch.remote_ids)
+    assert crossed["merged"]["descriptors"] == runs_on_both_sides(batch, 64 // 16) < crossed["per-piece"]["descriptors"]
+    assert crossed["merged"]["descriptors"] < by_demo[SMALL_BATCH]["merged"]["descriptors"]
+    assert crossed["span/layer"]["descriptors"] == 1  # the layers share one span: one descriptor for it all
 
 
 def test_handoff_check_refuses_no_repetitions(capsys):

@@ -1,6 +1,6 @@
 """A NIXL hand-off into a device's memory, side by side with the device's own copy.
 
-    python -m kvhost_cuda.handoff [--device cuda] [--demo "OPTIONS"] [--repeats N] [--out DIR]
+    python -m kvhost_cuda.handoff [--device cuda] [--demo="OPTIONS" ...] [--repeats N] [--out DIR]
 
 The demo's batch (``kvhost bench --transfer``'s: 40 requests of mixed length, block ids in
 runs as allocators hand them out, prefill's head-major blocks of 16 tokens, decode's
@@ -27,7 +27,9 @@ bytes measured in the same run:
 
 Before timing, both transfers land the same bytes, and after the receive every request's
 blocks hold the sender's tokens bit for bit while blocks no request names keep a sentinel.
-Rows are printed and appended to ``DIR/handoff.jsonl`` as they are measured.
+Rows are printed and appended to ``DIR/handoff.jsonl`` (with the batch's options) as they
+are measured. ``--demo`` again measures another batch after the first; ``--demo=--cross-layer``
+gives both caches vLLM's cross-layer layout (``kvhost bench --transfer``'s option).
 """
 
 from __future__ import annotations
@@ -185,7 +187,11 @@ def line(row: Row) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvhost_cuda.handoff", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="where both caches live (default cuda)")
-    parser.add_argument("--demo", default="", help="the demo's options for the batch (default: its own)")
+    parser.add_argument(
+        "--demo",
+        action="append",
+        help="the demo's options for the batch (default: its own); again for another batch, measured after",
+    )
     parser.add_argument("--repeats", type=int, default=15, help="timed repetitions per way (median)")
     parser.add_argument("--out", help="append each row to DIR/handoff.jsonl as it is measured")
     args = parser.parse_args(argv)
@@ -198,16 +204,26 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "handoff.jsonl").write_text("")
+    for demo in args.demo or [""]:
 
-    def emit(row: Row) -> None:
-        print(line(row), flush=True)
-        if out is not None:
-            with open(out / "handoff.jsonl", "a") as figures:
-                figures.write(json.dumps(asdict(row) | {"gbps": row.gbps, "device": str(device)}) + "\n")
+        def emit(row: Row, demo: str = demo) -> None:
+            print(line(row), flush=True)
+            if out is not None:
+                with open(out / "handoff.jsonl", "a") as figures:
+                    entry = asdict(row) | {"gbps": row.gbps, "device": str(device), "demo": demo}
+                    figures.write(json.dumps(entry) + "\n")
 
-    print(f"{'way':16} {'ms':>9} {'GB/s':>8} {'x memcpy':>7} {'descriptors':>11}", flush=True)
-    measure(device, args.demo, args.repeats, emit)
+        print(f"batch: {describe(demo)}", flush=True)
+        print(f"{'way':16} {'ms':>9} {'GB/s':>8} {'x memcpy':>7} {'descriptors':>11}", flush=True)
+        measure(device, demo, args.repeats, emit)
     return 0
+
+
+def describe(demo: str) -> str:
+    """One line for a batch: its options, and both caches as the bench names them."""
+    setting = Setting.parse(demo)
+    shapes = " -> ".join(shape.describe() for shape in (setting.prefill, setting.decode))
+    return f"{demo or 'the demo as it is'}: {shapes}"
 
 
 if __name__ == "__main__":
