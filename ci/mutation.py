@@ -140,6 +140,7 @@ MODULES = [
     Module("kvhost/nixl/engine.py", tuple(PROTOCOL)),
     # NIXL itself: registration, peers, descriptor lists, transfers and their deadlines.
     Module("kvhost/nixl/agent.py", (*NIXL, *PROTOCOL, "tests/test_hugepages.py")),  # register asks for huge pages
+    Module("kvhost/nixl/ucx.py", ("tests/test_nixl_agent.py",)),
     # Huge pages under registered host memory: what the kernel did, read back from smaps.
     Module("kvhost/nixl/hugepages.py", ("tests/test_hugepages.py",)),
     # vLLM's words for caches and layouts, turned into kvhost's (no vLLM needed).

@@ -26,16 +26,15 @@ from kvhost.nixl import Agent, NixlUnavailableError, ProtocolError, TransferErro
 from kvhost.nixl.agent import (
     DEFAULT_THREADS,
     MAX_THREADS,
-    UCX_CUDA_DEFAULTS,
     Link,
     Transfer,
-    _cuda_driver_loads,
     layer_by_layer,
     merge_domains,
     post_rows,
     release_all,
 )
 from kvhost.nixl.plans import extent_rows, stream_extents
+from kvhost.nixl.ucx import UCX_CUDA_DEFAULTS, _cuda_driver_loads
 from kvhost.testing import raw
 
 SIZES = dict(K=2, H=2, C=8)
@@ -103,7 +102,7 @@ def test_an_agent_gives_ucx_cuda_ipc_reads_unless_the_environment_says_otherwise
     does not load (UCX's CUDA transports with it) nothing is set for UCX to warn about."""
     key = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
     assert {key: "on"} == UCX_CUDA_DEFAULTS
-    monkeypatch.setattr("kvhost.nixl.agent._cuda_driver_loads", lambda: driver)
+    monkeypatch.setattr("kvhost.nixl.ucx._cuda_driver_loads", lambda: driver)
     monkeypatch.delenv(key, raising=False)
     with Agent("ucx-defaults", progress_thread=False):
         assert os.environ.get(key) == ("on" if driver else None)

@@ -228,7 +228,7 @@ def test_vllms_nixl_agent_starts_with_cuda_ipc_reads(vllm_env, monkeypatch):
             seen.append(os.environ.get(key))
             super().__init__(name, *args, **kwargs)
 
-    monkeypatch.setattr("kvhost.nixl.agent._cuda_driver_loads", lambda: True)
+    monkeypatch.setattr("kvhost.nixl.ucx._cuda_driver_loads", lambda: True)
     monkeypatch.delenv(key, raising=False)
     make_worker(vllm_env, "LBHNC", wrapper=Recording)
     monkeypatch.setenv(key, "off")

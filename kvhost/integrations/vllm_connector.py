@@ -51,8 +51,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 from kvhost.errors import LayoutError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
 from kvhost.nixl import RegionTable, Stream, TransferPlan, plan_transfer
-from kvhost.nixl.agent import give_ucx_defaults
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
+from kvhost.nixl.ucx import give_ucx_defaults
 from kvhost.stats import ReceiveStats
 
 __all__ = ["KvhostNixlConnector", "KvhostNixlWorker", "LargerRemoteBlocks", "sender_blocks_touched"]

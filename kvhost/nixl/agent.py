@@ -12,9 +12,7 @@ package when installed, else ``nixl_cu13`` or ``nixl_cu12``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from kvhost.nixl.fields import check_seconds
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, stream_extents
 from kvhost.nixl.tables import RegionTable, as_cache_set, memory_spans, region_table
+from kvhost.nixl.ucx import give_ucx_defaults
 
 # The ``nixl`` meta package forwards ``nixl._api`` to whichever CUDA build is installed.
 NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
@@ -40,13 +39,6 @@ NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 # keeps the NIC resources each thread takes (UARs on Mellanox NICs) few.
 DEFAULT_THREADS = 4
 MAX_THREADS = 64
-# Settings an Agent gives UCX's CUDA transports unless the environment already names them
-# (UCX reads them when the first agent starts its backend). NIXL reads with UCX's get; UCX
-# leaves cuda_ipc's get off on a GPU without NVLink peers (a lone GPU, PCIe boards), and a
-# read of device memory from another process of the same machine then goes as software
-# over TCP loopback: on an H200, the demo's batch read at 0.37 GB/s that way and at
-# 9.6-12 GB/s with cuda_ipc's get.
-UCX_CUDA_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 
 
 @cache
@@ -61,28 +53,6 @@ def load_nixl() -> ModuleType:
     raise NixlUnavailableError(
         f"NIXL is not installed ({'; '.join(reasons)}); install it with pip install 'kvhost[nixl]'"
     )
-
-
-def ucx_defaults() -> dict[str, str]:
-    """``UCX_CUDA_DEFAULTS`` where UCX would read them: its CUDA transports load only where
-    the CUDA driver does (elsewhere UCX warns of every variable it did not use)."""
-    return dict(UCX_CUDA_DEFAULTS) if _cuda_driver_loads() else {}
-
-
-def give_ucx_defaults() -> None:
-    """Put ``ucx_defaults()`` in this process's environment where it names none of them:
-    before a NIXL agent starts (kvhost's ``Agent``, vLLM's through kvhost's connector)."""
-    for key, value in ucx_defaults().items():
-        os.environ.setdefault(key, value)
-
-
-@cache
-def _cuda_driver_loads() -> bool:
-    try:  # loading the library only: cuInit is not called, so a fork after this stays safe
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
 
 
 class Agent:
@@ -104,8 +74,9 @@ class Agent:
     few dozen descriptors stayed as they were (``kvhost bench --transfer``). Idle, the
     threads used no CPU. The default is vLLM 0.33's for its NIXL connector.
 
-    The first agent of a process gives UCX the settings of ``ucx_defaults()`` that the
-    environment does not name (``os.environ``): set one before to keep UCX's own choice.
+    An agent gives UCX the settings of ``kvhost.nixl.ucx.ucx_defaults()`` that the
+    environment does not name (``os.environ``) before it starts NIXL: set one before to keep
+    UCX's own choice.
     """
 
     def __init__(
