@@ -764,8 +764,8 @@ def summarise(
         "demo": args.demo,
         "model": f"{m.layers} layers x {'K/V x ' if m.kv == 2 else ''}{m.heads} heads x {m.head_dim} channels, "
         f"{m.dtype_name}",
-        "sender": f"{c.prefill.layout} blocks of {c.prefill.block_size} tokens{_layers(c.prefill)}",
-        "receiver": f"{c.decode.layout} blocks of {c.decode.block_size} tokens{_layers(c.decode)}",
+        "sender": f"{c.prefill.layout} blocks of {c.prefill.block_size} tokens{c.prefill.layers_note}",
+        "receiver": f"{c.decode.layout} blocks of {c.decode.block_size} tokens{c.decode.layers_note}",
         "cross_layer": c.prefill.cross_layer,
         "requests": len(setup.batch.remote_ids),
         "block_ids": f"{w.block_ids}" + (f" of 1..{w.max_run}" if w.block_ids == "runs" else ""),
@@ -792,10 +792,6 @@ def summarise(
         "methods": methods,
         "targets": {"checks": checks, "passed": all(c["passed"] for c in checks)},
     }
-
-
-def _layers(shape: EngineShape) -> str:
-    return ", layers inside blocks" if shape.cross_layer else ""
 
 
 def table(result: dict[str, Any]) -> str:

@@ -133,10 +133,14 @@ class EngineShape:
         """The region's memory order in letters, as ``RegionTable.order`` says it."""
         return LAYOUTS[self.layout].split("B", 1)[1]
 
+    @property
+    def layers_note(self) -> str:
+        """What a description adds where the cache is not a tensor per layer."""
+        return ", layers inside blocks" if self.cross_layer else ""
+
     def describe(self) -> str:
         tp = f", TP {self.tp}" if self.tp > 1 else ""
-        layers = ", layers inside blocks" if self.cross_layer else ""
-        return f"{self.layout} (memory {LAYOUTS[self.layout]}), block {self.block_size} tokens{tp}{layers}"
+        return f"{self.layout} (memory {LAYOUTS[self.layout]}), block {self.block_size} tokens{tp}{self.layers_note}"
 
 
 @dataclass(frozen=True)
