@@ -10,7 +10,7 @@ import pytest
 from test_nixl import needs_nixl
 
 from kvhost.nixl.agent import DEFAULT_THREADS
-from kvhost_tools.bench import cli, transfer
+from kvhost_tools.bench import cli, sender, ways
 from kvhost_tools.bench.methods import ROOFLINE
 
 
@@ -37,18 +37,18 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     methods = section["methods"]
     assert set(methods) == {
         ROOFLINE,
-        transfer.PER_PIECE,
-        transfer.PREPPED,
-        transfer.UNMERGED,
-        transfer.KVHOST,
-        transfer.BATCH,
+        ways.PER_PIECE,
+        ways.PREPPED,
+        ways.UNMERGED,
+        ways.KVHOST,
+        ways.BATCH,
         "kvhost<=2KiB",
-        transfer.HANDOFF,
-        transfer.LAYERED,
-        *(f"build {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.UNMERGED, transfer.KVHOST)),
-        *(f"plan {name}" for name in (transfer.PER_PIECE, transfer.PREPPED, transfer.KVHOST)),
-        f"build {transfer.BATCH}",
-        f"plan {transfer.BATCH}",
+        ways.HANDOFF,
+        ways.LAYERED,
+        *(f"build {name}" for name in (ways.PER_PIECE, ways.PREPPED, ways.UNMERGED, ways.KVHOST)),
+        *(f"plan {name}" for name in (ways.PER_PIECE, ways.PREPPED, ways.KVHOST)),
+        f"build {ways.BATCH}",
+        f"plan {ways.BATCH}",
         "span/4KiB",
         "span/layer",
     }
@@ -56,13 +56,13 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     # Per piece, both ways post one descriptor per piece; merged posts fewer; the 2 KiB bound
     # (two pieces of 1 KiB) lies between; NIXL joins prepared neighbours without a bound.
     pieces = section["pieces"]
-    assert methods[transfer.PER_PIECE]["descriptors"] == methods[transfer.UNMERGED]["descriptors"] == pieces
-    merged = methods[transfer.KVHOST]["descriptors"]
-    assert methods[transfer.PREPPED]["descriptors"] <= merged
+    assert methods[ways.PER_PIECE]["descriptors"] == methods[ways.UNMERGED]["descriptors"] == pieces
+    merged = methods[ways.KVHOST]["descriptors"]
+    assert methods[ways.PREPPED]["descriptors"] <= merged
     assert 0 < merged < methods["kvhost<=2KiB"]["descriptors"] < pieces
     assert methods["build kvhost"]["descriptors"] == methods["plan kvhost"]["descriptors"] == merged
     # One transfer for the batch: the same rows, planned at once (no request's ids meet another's).
-    assert methods[transfer.BATCH]["descriptors"] == methods[f"plan {transfer.BATCH}"]["descriptors"] == merged
+    assert methods[ways.BATCH]["descriptors"] == methods[f"plan {ways.BATCH}"]["descriptors"] == merged
     assert methods["span/layer"]["descriptors"] == 2  # one per layer of the quick model
     assert methods["span/4KiB"]["descriptors"] == 2 * -(-section["bytes"] // 2 // 4096)
     for name, entry in methods.items():
@@ -72,12 +72,12 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         if not name.startswith(("build ", "plan ")):
             assert entry["fraction"] == pytest.approx(methods[ROOFLINE]["median_s"] / entry["median_s"], rel=1e-4)
             assert entry["gbps"] == pytest.approx(section["bytes"] / entry["median_s"] / 1e9, rel=1e-4)
-    assert section["baseline_best"] in (transfer.PER_PIECE, transfer.UNMERGED)
+    assert section["baseline_best"] in (ways.PER_PIECE, ways.UNMERGED)
     best = methods[section["baseline_best"]]["median_s"]
-    assert methods[transfer.KVHOST]["speedup"] == pytest.approx(best / methods[transfer.KVHOST]["median_s"], rel=1e-4)
-    handoff = methods[transfer.HANDOFF]
+    assert methods[ways.KVHOST]["speedup"] == pytest.approx(best / methods[ways.KVHOST]["median_s"], rel=1e-4)
+    handoff = methods[ways.HANDOFF]
     assert handoff["transfer_median_s"] > 0 and handoff["receive_median_s"] > 0
-    layered = methods[transfer.LAYERED]
+    layered = methods[ways.LAYERED]
     assert 0 < layered["tail_median_s"] < layered["median_s"]
     # One transfer per layer: each layer's pieces merge as in the batch (no stream spans two layers).
     assert layered["descriptors"] == merged
@@ -96,17 +96,17 @@ def test_cross_layer_caches_read_a_descriptor_per_sender_block_before_merging(tm
     piece is a whole sender block (every layer, K and V) and the section is kept apart."""
     out_json = tmp_path / "bench.json"
     argv = ["--transfer", "--in-process", "--rounds", "3", "--seconds", "1", "--bounds", "", "--sweep", "0"]
-    argv += ["--demo", transfer.QUICK_DEMO + " --cross-layer", "--json", str(out_json)]
+    argv += ["--demo", sender.QUICK_DEMO + " --cross-layer", "--json", str(out_json)]
     code = cli.main(argv)
     out, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     section = json.loads(out_json.read_text())["transfer"]["same host, runs of 1..8, cross-layer caches"]
-    batch = transfer.Batch.of(transfer.Setting.parse(transfer.QUICK_DEMO + " --cross-layer"))
+    batch = sender.Batch.of(sender.Setting.parse(sender.QUICK_DEMO + " --cross-layer"))
     assert section["cross_layer"] is True and section["sender"].endswith("tokens, layers inside blocks")
     blocks = sum(len(ids) for ids in batch.remote_ids)
     assert section["pieces"] == blocks and section["piece_bytes"] * blocks == section["bytes"]
     methods = section["methods"]
-    assert 0 < methods[transfer.BATCH]["descriptors"] < blocks
+    assert 0 < methods[ways.BATCH]["descriptors"] < blocks
     assert methods["span/layer"]["descriptors"] == 1  # every layer in one span
     assert "layers inside blocks" in out
 
@@ -119,7 +119,7 @@ def test_the_sender_takes_demo_options_that_are_one_flag():
     options = argparse.Namespace(
         cache="data", demo="--cross-layer", progress="poll", huge_pages="off", threads=0, peer_netns=None
     )
-    peer = transfer.Peer(options, {})
+    peer = sender.Peer(options, {})
     try:
         assert peer.table.order.startswith("L") and len(peer.table.streams) == 1  # every layer in one region
     finally:

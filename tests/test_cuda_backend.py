@@ -903,7 +903,7 @@ def test_handoff_check_reads_a_cross_layer_batch_in_runs_of_blocks(tmp_path, cap
     batch, measured in turn, its rows in the figures under its options."""
     from kvhost_cuda.handoff import main as handoff_main
 
-    from kvhost_tools.bench.transfer import Batch, Setting
+    from kvhost_tools.bench.sender import Batch, Setting
 
     cross = SMALL_BATCH + " --cross-layer"
     argv = ["--device", "cpu", "--repeats", "1", "--demo", SMALL_BATCH, "--demo", cross, "--out", str(tmp_path)]

@@ -50,20 +50,9 @@ from kvhost.caches import CacheSet
 from kvhost.nixl import Agent, Reader, plan_transfer
 from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost_cuda.gpucheck import median_seconds, memcpy_seconds
-from kvhost_tools.bench.transfer import (
-    KVHOST,
-    Batch,
-    Peer,
-    Setting,
-    Setup,
-    check_tokens,
-    fill_sentinel,
-    hand_off_layered,
-    layered_descriptors,
-    repost,
-    same_landing,
-    span_name,
-)
+from kvhost_tools.bench.sender import Batch, Peer, Setting
+from kvhost_tools.bench.transfer import Setup, check_tokens, fill_sentinel, hand_off_layered, same_landing
+from kvhost_tools.bench.ways import KVHOST, layered_descriptors, repost, span_name
 from kvhost_tools.demo.netenv import QUIET
 
 SPANS = (64 << 10, 1 << 20, 0)  # the transport alone: descriptors of these sizes (0: one per layer)

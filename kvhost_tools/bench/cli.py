@@ -29,9 +29,10 @@ from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS
 from kvhost_tools.bench.machine import Device, machine
 from kvhost_tools.bench.methods import KVHOST, METHODS, ROOFLINE, Workspace, prepare
 from kvhost_tools.bench.output import other_tables, plot, table, target_table, to_json
+from kvhost_tools.bench.sender import HUGE_PAGES, PROGRESS, QUICK_DEMO
 from kvhost_tools.bench.targets import evaluate, front_end_share
 from kvhost_tools.bench.timing import measure, summarise
-from kvhost_tools.bench.transfer import BOUNDS, HUGE_PAGES, PROGRESS, QUICK_DEMO, SWEEP
+from kvhost_tools.bench.ways import BOUNDS, SWEEP
 from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
 
@@ -270,11 +271,11 @@ def transfer_key(section: dict[str, Any]) -> str:
 def run_transfer(args: argparse.Namespace) -> int:
     """The transfer section (``transfer.py``): measured, printed, and kept in the results file
     under ``"transfer"``, one entry per setting, beside what the other scenarios measured."""
-    from kvhost_tools.bench import transfer
+    from kvhost_tools.bench import transfer, transfer_report
 
     with _loopback_ucx():
         section = transfer.run(args)
-    print(transfer.table(section))
+    print(transfer_report.table(section))
     previous = _previous(args.json)
     key = transfer_key(section)
     previous["transfer"] = {**previous.get("transfer", {}), key: section}

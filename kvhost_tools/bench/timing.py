@@ -148,6 +148,21 @@ def per_round(measured: Measured, top: str, bottom: str) -> list[float]:
     return [float(np.quantile(ratios, q)) for q in (0.25, 0.75)] if ratios else []
 
 
+def sample_entry(measured: Measured, name: str, sample: Sample) -> dict[str, Any]:
+    """A method's entry in the results: the counted calls' spread (``sample``), and every call."""
+    return {
+        "median_s": sample.median,
+        "p25_s": sample.quantile(0.25),
+        "p75_s": sample.quantile(0.75),
+        "min_s": min(sample.seconds),
+        "max_s": max(sample.seconds),
+        "rounds": len(sample.seconds),
+        "samples_s": measured.samples[name].seconds,  # every call; "used" marks those the figures count
+        "run_queue_wait_s": measured.samples[name].waits,
+        "used": measured.used[name],
+    }
+
+
 def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str, Any]:
     samples = measured.used_samples()
     row: dict[str, Any] = {
@@ -174,17 +189,7 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
     row["baseline_best"] = best
 
     for name, sample in samples.items():
-        entry: dict[str, Any] = {
-            "median_s": sample.median,
-            "p25_s": sample.quantile(0.25),
-            "p75_s": sample.quantile(0.75),
-            "min_s": min(sample.seconds),
-            "max_s": max(sample.seconds),
-            "rounds": len(sample.seconds),
-            "samples_s": measured.samples[name].seconds,  # every call; "used" marks those the figures count
-            "run_queue_wait_s": measured.samples[name].waits,
-            "used": measured.used[name],
-        }
+        entry = sample_entry(measured, name, sample)
         if prepared.nbytes:
             entry["gbps"] = prepared.nbytes / sample.median / 1e9
         if ROOFLINE in samples:

@@ -1,0 +1,208 @@
+"""The demo's batch and the process that sends it, for ``kvhost bench --transfer``.
+
+``Setting`` is the batch as ``--demo`` gives it (the demo's model and workload, both
+engines' layouts and block sizes, cross-layer caches or not) and ``Batch`` its block ids on
+both sides. The sender (``python -m kvhost_tools.bench.sender``, started by ``Peer``, under
+``ip netns exec`` with ``--peer-netns``) fills the prefill cache, registers it with NIXL,
+sends its table and agent metadata over a socket pair, and then evicts the blocks read
+from it whenever the receiver asks, as the receiver evicts what it touches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import numpy as np
+import torch
+
+from kvhost.errors import KVHostError
+from kvhost.nixl import Agent, RegionTable
+from kvhost.nixl.agent import DEFAULT_THREADS
+from kvhost.nixl.framing import receive, send
+from kvhost.testing import fill_random
+from kvhost_tools.bench.machine import Device, block_ranges
+from kvhost_tools.demo.config import (
+    LAYOUTS,
+    EngineShape,
+    Model,
+    Workload,
+    allocate_blocks,
+    blocks_for,
+    local_blocks_for,
+    pool_for,
+)
+from kvhost_tools.demo.options import add_model, add_workload, default_layout, model_of, workload_of
+
+QUICK_DEMO = "--layers 2 --heads 2 --head-dim 16 --requests 8 --min-tokens 5 --max-tokens 150"
+TIMEOUT_S = 120.0  # any one control message, and any one transfer
+# How each side drives NIXL: "poll" (no progress thread; the receiver polls its transfers,
+# the sender asks for notifications every POLL_S while it waits), or NIXL's progress
+# thread on both sides, which polls without pause (half a core each when idle, here).
+PROGRESS = ("poll", "thread")
+# Whether both sides ask for huge pages under their registered caches (and under memcpy's
+# buffers): Agent.register's default, or memory as the allocator left it.
+HUGE_PAGES = ("on", "off")
+POLL_S = 1e-4
+SEED = 1000  # the sender's layer i holds fill_random(seed SEED + i)
+
+
+class _DemoParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SystemExit(f"kvhost bench --demo: {message}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The demo's batch as ``--demo`` gives it: the model, the workload (with how both sides'
+    allocators hand out block ids) and both engines' caches (one rank each)."""
+
+    model: Model
+    workload: Workload
+    prefill: EngineShape
+    decode: EngineShape
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        p = _DemoParser(prog="kvhost bench --demo", add_help=False)
+        add_model(p)
+        add_workload(p)
+        p.add_argument("--prefill-layout", choices=sorted(LAYOUTS), default=None)
+        p.add_argument("--prefill-block-size", type=int, default=16)
+        p.add_argument("--decode-layout", choices=sorted(LAYOUTS), default=None)
+        p.add_argument("--decode-block-size", type=int, default=64)
+        p.add_argument("--cross-layer", action="store_true")  # both caches: a block's layers back to back
+        args = p.parse_args(shlex.split(text))
+        prefill_layout = default_layout(args.cache, args.prefill_layout, "HND")
+        decode_layout = default_layout(args.cache, args.decode_layout, "NHD")
+        prefill = EngineShape(prefill_layout, args.prefill_block_size, cross_layer=args.cross_layer)
+        decode = EngineShape(decode_layout, args.decode_block_size, cross_layer=args.cross_layer)
+        return cls(model_of(args), workload_of(args), prefill, decode)
+
+    @property
+    def axes(self) -> str:
+        return self.model.axes_for(self.prefill)  # both sides cross-layer, or neither
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The demo's batch: per request, the sender's block ids and the receiver's."""
+
+    setting: Setting
+    remote_pool: int
+    local_pool: int
+    remote_ids: list[list[int]]
+    local_ids: list[list[int]]
+
+    @classmethod
+    def of(cls, setting: Setting) -> Batch:
+        prefill, decode, workload = setting.prefill, setting.decode, setting.workload
+        needed = [blocks_for(t, prefill.block_size) for t in workload.lengths()]
+        local_needed = [local_blocks_for(n, prefill.block_size, decode.block_size) for n in needed]
+        remote_pool, local_pool = pool_for(needed), pool_for(local_needed)
+        remote_ids, _ = allocate_blocks(remote_pool, needed, workload, stream=2)
+        local_ids, _ = allocate_blocks(local_pool, local_needed, workload, stream=3)
+        return cls(setting, remote_pool, local_pool, remote_ids, local_ids)
+
+    def sender_caches(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The sender's cache, filled as the sender fills it (seeded)."""
+        caches = self.setting.model.caches(self.setting.prefill, self.remote_pool, device)
+        for i, tensor in enumerate(caches.values()):
+            fill_random(tensor, SEED + i)
+        return caches
+
+    def requests(self) -> dict[str, list[int]]:
+        """The receiver's block ids by request name, as ``kvhost.receive`` takes them."""
+        return {f"req-{i:03d}": ids for i, ids in enumerate(self.local_ids)}
+
+    def pairs(self) -> list[tuple[list[int], list[int]]]:
+        """(local ids, remote ids) per request, as a ``Reader`` takes them."""
+        return list(zip(self.local_ids, self.remote_ids))
+
+
+def peer_main(argv: Sequence[str]) -> int:
+    """The sender: ``--fd N`` (its end of the socket pair), ``--cache``, ``--device`` (where its
+    cache lives) and the demo's options."""
+    parser = argparse.ArgumentParser(prog="python -m kvhost_tools.bench.sender")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--cache", default="data")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--demo", default="")
+    parser.add_argument("--progress", choices=PROGRESS, default="poll")
+    parser.add_argument("--huge-pages", choices=HUGE_PAGES, default="on")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    args = parser.parse_args(argv)
+    batch = Batch.of(Setting.parse(args.demo))
+    axes = batch.setting.axes
+    caches = batch.sender_caches(args.device)
+    device = Device("cpu", args.cache)
+    thread = args.progress == "thread"
+    agent = Agent(f"bench-prefill-{os.getpid()}", progress_thread=thread, threads=args.threads)
+    with socket.socket(fileno=args.fd) as sock, agent:
+        table = agent.register(caches, axes, huge_pages=args.huge_pages == "on")
+        hello = {"table": table.to_dict(), "pid": os.getpid(), "huge_pages": agent.huge_pages.describe()}
+        send(sock, "hello", hello, agent.metadata(), timeout=TIMEOUT_S)
+        ids = np.array(sorted({b for r in batch.remote_ids for b in r}), dtype=np.int64)
+        # Only host memory is evicted (what the bench asks for); a device's cache is read as it is.
+        touched = block_ranges(caches, axes, ids) if args.device == "cpu" else None
+        while True:
+            if not thread:  # drive the transport while no control message waits
+                while not select.select([sock], [], [], POLL_S)[0]:
+                    agent.nixl.get_new_notifs()
+            message = receive(sock, timeout=24 * 3600.0)
+            if message.kind == "evict":
+                if touched is None:
+                    raise KVHostError(f"evict: the sender's cache is in {args.device} memory, which is not evicted")
+                device.flush(touched)
+                send(sock, "evicted", {}, timeout=TIMEOUT_S)
+            elif message.kind == "quit":
+                return 0
+
+
+class Peer:
+    """The sender process, and the control socket to it; ``device``: where its cache lives."""
+
+    def __init__(self, args: argparse.Namespace, env: dict[str, str], device: str = "cpu") -> None:
+        ours, theirs = socket.socketpair()
+        command = [sys.executable, "-m", "kvhost_tools.bench.sender", "--fd", str(theirs.fileno())]
+        command += ["--cache", args.cache, "--device", device, f"--demo={args.demo}", "--progress", args.progress]
+        command += ["--huge-pages", args.huge_pages, "--threads", str(args.threads)]
+        netns = args.peer_netns
+        if netns:
+            command = ["ip", "netns", "exec", netns, *command]
+        self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=dict(os.environ, **env))
+        theirs.close()
+        self.sock = ours
+        hello = receive(ours, timeout=TIMEOUT_S, expect="hello")
+        fields = hello.fields()
+        self.table = RegionTable.from_dict(fields.data["table"], "hello.table", hello.arrays)
+        self.metadata = hello.blob
+        self.pid = fields.integer("pid")
+        self.huge_pages = str(fields.data["huge_pages"])
+
+    def evict(self) -> None:
+        send(self.sock, "evict", {}, timeout=TIMEOUT_S)
+        receive(self.sock, timeout=TIMEOUT_S, expect="evicted")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            send(self.sock, "quit", {}, timeout=5.0)
+        self.sock.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(peer_main(sys.argv[1:]))

@@ -1,0 +1,172 @@
+"""Ways of handing the batch's descriptors to NIXL, timed side by side by ``kvhost bench
+--transfer``: their names, the readers that are not kvhost's own (``Prepared``: vLLM's
+per-block way; ``Batched``: kvhost's reader posting the batch as one transfer), and how a
+way's transfers are driven (``pull``, ``repost``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvhost.nixl import Agent, Reader, RegionTable, Transfer, TransferPlan
+from kvhost_tools.bench.sender import TIMEOUT_S
+
+if TYPE_CHECKING:
+    from kvhost_tools.bench.sender import Batch
+
+PER_PIECE = "per-piece"
+PREPPED = "per-piece-prepped"
+UNMERGED = "per-piece-prepped-unmerged"
+KVHOST = "kvhost"
+BATCH = "kvhost-batch"
+HANDOFF = "hand-off"
+LAYERED = "hand-off-layered"
+BOUNDS = (64 << 10, 256 << 10, 4 << 20, 1 << 40)  # other merge bounds, beside MAX_DESCRIPTOR_BYTES
+# Descriptor sizes of the transport sweep: the batch's bytes, read from one contiguous span
+# per layer in descriptors of this size (0: one per layer).
+SWEEP = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 0)
+
+
+class Batched:
+    """kvhost's reader, posting the whole batch as one transfer (``Reader.read_batch``)."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        self.peer = reader.peer
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class Prepared:
+    """Every piece of both tables prepared once (``prep_xfer_dlist``), and transfers made by
+    index (``make_prepped_xfer``): the per-block way of vLLM's NixlConnector."""
+
+    def __init__(self, agent: Agent, plan: TransferPlan, peer: str, *, nixl_merges: bool = True) -> None:
+        self.nixl, self.plan, self.peer = agent.nixl, plan, peer
+        self.nixl_merges = nixl_merges
+        remote_streams = [plan.remote.streams[i] for i in plan.remote_streams]
+        self.local = self.nixl.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _every_piece(plan.local, plan.local.streams, plan), plan.local.memory
+        )
+        self.remote = self.nixl.prep_xfer_dlist(
+            peer, _every_piece(plan.remote, remote_streams, plan), plan.remote.memory
+        )
+
+    def indices(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Indices of a request's pieces in the prepared lists, in ``descriptor_pairs``' order."""
+        plan = self.plan
+        chunks = np.arange(len(remote_ids) * plan.remote_parts, dtype=np.int64)
+        out = []
+        for table, ids, parts in (
+            (plan.local, np.asarray(local_ids), plan.local_parts),
+            (plan.remote, np.asarray(remote_ids), plan.remote_parts),
+        ):
+            within = ids[chunks // parts] * parts + chunks % parts
+            per_stream = table.num_blocks * parts
+            streams = np.arange(len(plan.local.streams), dtype=np.int64)[:, None] * per_stream
+            out.append((streams + within[None, :]).reshape(-1).astype(np.int32))
+        return out[0], out[1]
+
+    def make(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> Any:
+        local, remote = self.indices(local_ids, remote_ids)
+        return self.nixl.make_prepped_xfer(
+            "READ", self.local, local, self.remote, remote, skip_desc_merge=not self.nixl_merges
+        )
+
+    def read(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> NixlTransfer:
+        handle = self.make(local_ids, remote_ids)
+        return NixlTransfer(self.nixl, handle, self.nixl.transfer(handle))
+
+    def close(self) -> None:
+        self.local.release()
+        self.remote.release()
+
+
+def _every_piece(table: RegionTable, streams: Sequence[Any], plan: TransferPlan) -> np.ndarray:
+    """(address, length, device) of every piece of every block of ``streams``: stream-major,
+    then block, then part."""
+    parts = plan.local_parts if table is plan.local else plan.remote_parts
+    bases = np.array([s.address for s in streams], dtype=np.uint64)
+    strides = np.array([s.block_stride for s in streams], dtype=np.uint64)
+    blocks = np.arange(table.num_blocks, dtype=np.uint64)
+    offsets = np.arange(parts, dtype=np.uint64) * np.uint64(plan.chunk_bytes)
+    addresses = bases[:, None, None] + blocks[None, :, None] * strides[:, None, None] + offsets[None, None, :]
+    rows = np.empty((addresses.size, 3), dtype=np.uint64)
+    rows[:, 0] = addresses.reshape(-1)
+    rows[:, 1] = plan.chunk_bytes
+    rows[:, 2] = table.device_id
+    return rows
+
+
+@dataclass
+class NixlTransfer:
+    """A posted NIXL request, polled like ``kvhost.nixl.Transfer``."""
+
+    nixl: Any
+    handle: Any
+    state: str
+
+    def poll(self) -> bool:
+        if self.state == "PROC":
+            self.state = self.nixl.check_xfer_state(self.handle)
+        if self.state not in ("DONE", "PROC"):
+            raise RuntimeError(f"transfer failed: {self.state}")
+        return self.state == "DONE"
+
+    def release(self) -> None:
+        self.handle.release()
+
+
+def pull(start: Callable[[int], Transfer | NixlTransfer], requests: int, inflight: int) -> None:
+    """Start request ``i`` with ``start(i)``, up to ``inflight`` at once, until every one is done."""
+    pending = list(range(requests))[::-1]
+    running: list[Transfer | NixlTransfer] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    while pending or running:
+        while pending and len(running) < inflight:
+            running.append(start(pending.pop()))
+        done = [t for t in running if t.poll()]
+        for transfer in done:
+            transfer.release()
+            running.remove(transfer)
+        if not done:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"transfers did not finish within {TIMEOUT_S:g} s")
+            time.sleep(2e-4)
+
+
+def span_name(size: int) -> str:
+    if size == 0:
+        return "span/layer"
+    return f"span/{size >> 20}MiB" if size >= 1 << 20 else f"span/{size >> 10}KiB"
+
+
+def repost(nixl: Any, handle: Any) -> Callable[[], None]:
+    """Post a NIXL request made once, and wait for it."""
+
+    def post() -> None:
+        transfer = NixlTransfer(nixl, handle, nixl.transfer(handle))
+        deadline = time.monotonic() + TIMEOUT_S
+        while not transfer.poll():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a transfer did not finish within {TIMEOUT_S:g} s")
+            time.sleep(2e-4)
+
+    return post
+
+
+def bound_name(bound: int) -> str:
+    if bound >= 1 << 30:
+        return f"{KVHOST}<=any"
+    return f"{KVHOST}<={bound >> 20}MiB" if bound >= 1 << 20 else f"{KVHOST}<={bound >> 10}KiB"
+
+
+def layered_descriptors(reader: Reader, batch: Batch) -> int:
+    """Descriptors the layer-by-layer hand-off posts, every layer together."""
+    return sum(rows.shape[0] for rows, _ in reader.layer_descriptors(batch.pairs()).values())
