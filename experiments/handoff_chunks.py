@@ -1,0 +1,194 @@
+"""Whether a hand-off in chunks of requests beats one transfer then one receive, on one host.
+
+The idea: receive a chunk of requests while the next chunk moves, each chunk small enough
+(a few MiB) that its bytes are still in the L3 when the receive reads them, so the receive
+would cost less memory traffic and overlap the transfer. Same batch, sender process and
+eviction as ``kvhost bench --transfer`` (its ``connect``, ``verify`` and ``measure``);
+interleaved rounds, medians, against a memcpy of the same bytes:
+
+    python experiments/handoff_chunks.py [--chunks 4,16] [bench --transfer options]
+
+- ``kvhost-batch``, ``hand-off``: as in the bench (one transfer; then one receive);
+- ``chunked/N``: requests in chunks of about N MiB, one transfer each, chunk k received
+  while chunk k + 1 moves (posted before the receive starts);
+- ``serial/N``: the same chunks, each moved then received, nothing overlapped;
+- ``moved/N``: the same chunks' transfers alone, one after another.
+
+Then, outside the rounds, where a transfer's time goes as the batch is cut into more
+transfers: NIXL's build (``initialize_xfer``), its post (``transfer``) and the wait after it.
+Every chunked way is checked to leave every request's tokens, bit for bit, before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+
+import kvhost
+from kvhost.caches import CacheSet
+from kvhost.nixl import Reader, Transfer
+from kvhost.nixl.hugepages import back_with_huge_pages
+from kvhost_tools.bench import transfer
+from kvhost_tools.bench.cli import parse
+from kvhost_tools.bench.machine import block_ranges
+from kvhost_tools.bench.methods import ROOFLINE, Workspace
+from kvhost_tools.bench.sender import TIMEOUT_S, Batch
+from kvhost_tools.bench.timing import measure
+from kvhost_tools.bench.ways import BATCH, HANDOFF, KVHOST
+from kvhost_tools.bench.workloads import PRESETS
+
+
+def chunks_of(batch: Batch, setup: transfer.Setup, chunk_bytes: int) -> list[list[int]]:
+    """Consecutive requests grouped until each group holds at least ``chunk_bytes``."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, ids in enumerate(batch.remote_ids):
+        if size >= chunk_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += setup.plan.bytes_for(len(ids))
+    return groups
+
+
+def ways(setup: transfer.Setup, host: kvhost.KVHost, groups: list[list[int]]) -> dict[str, Callable[[], None]]:
+    reader: Reader = setup.readers[KVHOST]
+    plan = setup.plan
+    requests = setup.batch.requests()
+    names, pairs = list(requests), setup.batch.pairs()
+
+    def receive(group: Sequence[int]) -> None:
+        batch = {names[i]: requests[names[i]] for i in group}
+        host.receive(batch, remote_order=plan.remote_order, remote_block_size=plan.remote_block_size)
+
+    def read(group: Sequence[int]) -> Transfer:
+        return reader.read_batch([pairs[i] for i in group])
+
+    def landed(moving: Transfer) -> None:
+        moving.wait(TIMEOUT_S)
+        moving.release()
+
+    def chunked() -> None:
+        moving = read(groups[0])
+        for k, group in enumerate(groups):
+            landed(moving)
+            if k + 1 < len(groups):
+                moving = read(groups[k + 1])
+            receive(group)
+
+    def threaded() -> None:
+        # chunk k + 1 posted from another thread while this one receives chunk k
+        with ThreadPoolExecutor(1) as poster:
+            moving = poster.submit(read, groups[0])
+            for k, group in enumerate(groups):
+                landed(moving.result())
+                if k + 1 < len(groups):
+                    moving = poster.submit(read, groups[k + 1])
+                receive(group)
+
+    def serial() -> None:
+        for group in groups:
+            landed(read(group))
+            receive(group)
+
+    def moved() -> None:
+        for group in groups:
+            landed(read(group))
+
+    return {"chunked": chunked, "threaded": threaded, "serial": serial, "moved": moved}
+
+
+def post_and_wait(setup: transfer.Setup, counts: Sequence[int], repeats: int) -> None:
+    """Medians of NIXL's build, post and wait, the batch cut into ``count`` transfers."""
+    reader, plan, nixl = setup.readers[KVHOST], setup.plan, setup.agent.nixl
+    pairs = setup.batch.pairs()
+    for count in counts:
+        groups = np.array_split(np.arange(len(pairs)), count)
+        rows = [reader.batch_descriptors([pairs[i] for i in group]) for group in groups]
+        spent: dict[str, list[float]] = {"build": [], "post": [], "wait": []}
+        for _ in range(repeats):
+            setup.peer.evict()
+            build = post = wait = 0.0
+            for local, remote in rows:
+                started = time.perf_counter()
+                handle = nixl.initialize_xfer(
+                    "READ",
+                    nixl.get_xfer_descs(local, plan.local.memory),
+                    nixl.get_xfer_descs(remote, plan.remote.memory),
+                    reader.peer,
+                )
+                built = time.perf_counter()
+                state = nixl.transfer(handle)
+                posted = time.perf_counter()
+                deadline = posted + TIMEOUT_S
+                while state == "PROC" and time.perf_counter() < deadline:
+                    state = nixl.check_xfer_state(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"transfer ended in state {state!r}")
+                build, post = build + built - started, post + posted - built
+                wait += time.perf_counter() - posted
+                handle.release()
+            for name, seconds in zip(spent, (build, post, wait)):
+                spent[name].append(seconds)
+        medians = "  ".join(f"{name} {np.median(s) * 1e3:6.2f} ms" for name, s in spent.items())
+        print(f"{count:3d} transfer(s), {sum(r[0].shape[0] for r in rows):,} descriptors: {medians}")
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--chunks", default="4,16", help="chunk sizes, MiB, comma-separated")
+    ours, rest = parser.parse_known_args(argv)
+    args = parse(["--transfer", "--in-process", *rest])
+    args.argv = list(rest)
+    setup = transfer.connect(args)
+    try:
+        transfer.verify(setup, args.inflight)
+        batch, axes = setup.batch, setup.batch.setting.axes
+        nbytes = setup.plan.bytes_for(sum(len(r) for r in batch.remote_ids))
+        device = transfer.BothSides(args.cache, setup.peer)
+        space = Workspace(device)
+        host = kvhost.KVHost(setup.local, axes=axes)
+        merged = setup.transfer(BATCH, args.inflight)
+
+        def handoff() -> None:
+            merged()
+            transfer.post_process(setup, host)
+
+        methods: dict[str, Callable[[], object]] = {ROOFLINE: space.memcpy(nbytes, device.device, device.device)}
+        ring = space.memcpy_ranges(nbytes, device.device, device.device)
+        back_with_huge_pages([(int(address), int(length)) for address, length in ring])
+        methods |= {BATCH: merged, HANDOFF: handoff}
+        truth = CacheSet(batch.sender_caches(), axes)
+        for mib in (int(x) for x in ours.chunks.split(",")):
+            groups = chunks_of(batch, setup, mib << 20)
+            for name, way in ways(setup, host, groups).items():
+                if name != "moved":
+                    transfer.fill_sentinel(setup.local)
+                    way()
+                    transfer.check_tokens(batch, CacheSet(setup.local, axes), truth)
+                methods[f"{name}/{mib}MiB ({len(groups)})"] = way
+        ids = np.array(sorted({b for r in batch.local_ids for b in r}), dtype=np.int64)
+        touched = np.concatenate([block_ranges(setup.local, axes, ids), ring])
+        preset = replace(PRESETS["full"], seconds_per_point=args.seconds)
+        measured = measure(methods, device, preset, args.rounds, random.Random(args.seed), touched)
+        samples = measured.used_samples()
+        roof = samples[ROOFLINE].median
+        for name, sample in samples.items():
+            print(f"{name:24s} {sample.median * 1e3:8.2f} ms  {roof / sample.median:.2f} of memcpy")
+        post_and_wait(setup, (1, 2, 4, 8, 40), repeats=15)
+    finally:
+        for reader in setup.readers.values():
+            reader.close()
+        setup.agent.close()
+        setup.peer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
