@@ -256,6 +256,14 @@ def test_block_sizes_layouts_and_tp_that_differ_are_served(change):
     assert refusal(EngineSpec(**{**DECODE.to_dict(), **change}), PREFILL) is None
 
 
+def test_cross_layer_engines_are_served_together_and_refused_with_per_layer_ones():
+    """A cross-layer cache's block holds every layer (region ``LK...``): it is served by
+    another cross-layer engine of any major order and block size, not by a per-layer one."""
+    crossed = EngineSpec(**{**PREFILL.to_dict(), "layout": "LKHNC"})
+    assert refusal(EngineSpec(**{**DECODE.to_dict(), "layout": "LKNHC"}), crossed) is None
+    assert refusal(DECODE, crossed) == "layout: local NHC, remote LKHNC (blocks that hold different letters)"
+
+
 def test_a_table_is_checked_against_its_engines_heads_and_kind():
     """An mha table holds the rank's share of the heads; an mla table holds no heads at all
     (its latent is whole on every rank)."""
@@ -281,6 +289,17 @@ def test_a_table_that_is_not_what_the_engine_says_is_refused_by_decode():
     assert table_refusal(PREFILL, 0, table) == "rank 0 table: region order 'NHC', the engine says 'HNC'"
     _, table = rank_table(EngineSpec("mha", 3, 4, 8, "bfloat16", 16, "HNC", 2))
     assert table_refusal(PREFILL, 0, table) == "rank 0 table: 3 layers, the engine says 2"
+    # One tensor holding every layer (vLLM's cross-layer layout): its L axis counts the layers.
+    sizes = dict(L=2, K=2, B=8, N=16, H=2, C=8)
+    crossed = {"layers": make_cache("LKBNHC", "BLKHNC", sizes, torch.bfloat16)}
+    table = region_table(crossed, "LKBNHC")
+    assert table_refusal(EngineSpec("mha", 2, 4, 8, "bfloat16", 16, "LKHNC", 2), 0, table) is None
+    three = EngineSpec("mha", 3, 4, 8, "bfloat16", 16, "LKHNC", 2)
+    assert table_refusal(three, 0, table) == "rank 0 table: 2 layers, the engine says 3"
+    halves = {f"half{i}": make_cache("LKBNHC", "BLKHNC", sizes, torch.bfloat16) for i in range(2)}
+    assert (
+        table_refusal(EngineSpec("mha", 4, 4, 8, "bfloat16", 16, "LKHNC", 2), 0, region_table(halves, "LKBNHC")) is None
+    )
 
     running = Running(peers=None, idle=3.0)
     running.keep[1] = rank_table(EngineSpec("mha", 2, 4, 8, "bfloat16", 32, "HNC", 2))

@@ -186,7 +186,8 @@ def table_refusal(spec: EngineSpec, rank: int, table: RegionTable) -> str | None
         return f"{where}: item size {table.itemsize}, the engine's {spec.dtype} has {spec.itemsize}"
     if table.order != spec.layout:
         return f"{where}: region order {table.order!r}, the engine says {spec.layout!r}"
-    layers = len({s.layer for s in table.streams})
+    # Layer names, each with the layers an L axis holds (a cross-layer tensor is one name).
+    layers = len({s.layer for s in table.streams}) * table.sizes.get("L", 1)
     if layers != spec.layers:
         return f"{where}: {layers} layers, the engine says {spec.layers}"
     return None
