@@ -64,6 +64,12 @@ RUNS = {
         *[*SMALL, "--heads", "4", "--requests", "6", "--decode-tp", "2", "--max-run", "1"],
         *["--prefill-block-size", "4", "--decode-block-size", "8"],
     ],
+    # Cross-layer caches on both sides (a block's layers back to back in one tensor), r = 4,
+    # two decode ranks each reading its share of the heads out of every layer of a block.
+    "cross-layer": [
+        *[*SMALL, "--heads", "4", "--requests", "8", "--cross-layer", "--decode-tp", "2"],
+        *["--prefill-block-size", "4", "--decode-block-size", "16"],
+    ],
     # Prefill killed once 3 requests arrived, with 3 transfers in flight at a time.
     "kill": [*SMALL, "--requests", "12", "--inflight", "3", "--kill-prefill-after", "3", "--backend", "torch"],
     # Prefill frozen (SIGSTOP) once 2 arrived; over TCP alone its memory cannot be read, so transfers hang.
@@ -198,6 +204,7 @@ def test_direct_handoff_verifies_every_byte(runs):
     assert figures["decode_blocks"] * 4 >= figures["prefill_blocks"]  # r = 4
     assert figures["post_what"].startswith("kvhost.receive") and figures["backend"] == "cpu"
     assert "HND (memory KBHNC), block 4 tokens" in text and "NHD (memory KBNHC), block 16 tokens" in text
+    assert "tokens x 2 layers x K/V bit for bit" in text
     # Each step post-processed what had arrived, from the one sender, in one call.
     assert sum(figures["post_step_sizes"]) == figures["requests"] == 8
     assert len(figures["post_step_sizes"]) == figures["post_steps"] >= 1
@@ -232,6 +239,20 @@ def test_decode_ranks_each_read_their_share_of_the_heads(runs):
     assert "; r = 2, ranks [0] read" in text  # both decode ranks read from the one prefill rank
     # Between them the ranks read every sender block once: 4 tokens x K/V x 4 heads x 16
     # channels x 2 bytes x 2 layers per block.
+    assert figures["transfer_bytes"] == figures["prefill_blocks"] * 4 * 2 * 4 * 16 * 2 * 2
+
+
+@needs_nixl
+@pytest.mark.timeout(RUN_SECONDS + 30)
+def test_cross_layer_engines_hand_off_every_layer_in_each_block(runs):
+    code, outcome, text = runs["cross-layer"].result()
+    check_complete(code, outcome, text)
+    figures = outcome["figures"]
+    assert "HND (memory BLKHNC), block 4 tokens, layers inside blocks" in text
+    assert "NHD (memory BLKNHC), block 16 tokens, TP 2, layers inside blocks" in text
+    # Each decode rank reads its 2 heads of every layer and K/V of every sender block: a
+    # head-major region keeps a head share in one piece per layer and K/V.
+    assert figures["descriptors"] == figures["prefill_blocks"] * 2 * 2 * 2
     assert figures["transfer_bytes"] == figures["prefill_blocks"] * 4 * 2 * 4 * 16 * 2 * 2
 
 
@@ -312,6 +333,38 @@ def test_a_cross_layer_cache_is_one_tensor_whose_block_region_holds_every_layer(
     assert list(MODEL.caches(EngineShape(layout, 8), 6)) == ["layer0", "layer1"]
 
 
+def test_engine_shapes_are_found_from_the_region_order_a_peer_sends():
+    for layout in ("HND", "NHD", "MLA"):
+        for cross_layer in (False, True):
+            shape = EngineShape(layout, 8, 2, cross_layer=cross_layer)
+            assert EngineShape.of_order(shape.order, 8, 2) == shape
+    assert EngineShape("HND", 8, cross_layer=True).order == "LKHNC"
+    assert EngineShape("MLA", 8, cross_layer=True).physical == "BLNC"
+    assert EngineShape.of_order("KHNC", 8) is None  # K inside the block: no demo layout
+
+
+def test_a_cross_layer_cache_is_verified_layer_by_layer():
+    shape = EngineShape("NHD", 8, cross_layer=True)
+    caches, axes = MODEL.caches(shape, 6), MODEL.axes_for(shape)
+    raw(caches["layers"]).view(torch.uint8).fill_(SENTINEL_BYTE)
+    request = Request("req-000", 0, 13, None, remote_ids=[], local_ids=[4, 1])
+    for layer in range(MODEL.layers):
+        values = token_values(0, 0, layer, 13, MODEL.heads, MODEL.head_dim, 2)
+        write_tokens(caches["layers"][layer], MODEL.axes, request.local_ids, values)
+    outcome = Outcome()
+    verify(MODEL, axes, 0, [Rank(caches, MODEL.heads)], [request], [0, 2, 3, 5], outcome)
+    assert outcome.verified == ["req-000"] and outcome.mismatched == {}
+
+    raw(caches["layers"])[1, 1, 1, 12 - 8, 1, 3] ^= 1  # layer 1, V, block 1 (tokens 8..15): token 12
+    raw(caches["layers"])[0, 0, 3, 0, 0, 0] ^= 1  # a spare block
+    outcome = Outcome()
+    verify(MODEL, axes, 0, [Rank(caches, MODEL.heads)], [request], [0, 2, 3, 5], outcome)
+    assert outcome.mismatched == {
+        "req-000": "layers[1] token 12 K/V 1 head 1 channel 3 differs",
+        "spare blocks": "a block no request owns was written",
+    }
+
+
 def test_verification_catches_a_flipped_byte_and_a_stray_write():
     caches = MODEL.caches(EngineShape("HND", 8), 6)
     for tensor in caches.values():
@@ -322,14 +375,14 @@ def test_verification_catches_a_flipped_byte_and_a_stray_write():
         write_tokens(tensor, MODEL.axes, request.local_ids, values)
 
     outcome = Outcome()
-    verify(MODEL, 0, [Rank(caches, MODEL.heads)], [request], [0, 2, 3, 5], outcome)
+    verify(MODEL, MODEL.axes, 0, [Rank(caches, MODEL.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == ["req-000"] and outcome.mismatched == {}
 
     layer1 = caches["layer1"]
     raw(layer1)[1, 1, 12 - 8, 1, 3] ^= 1  # V, block 1 holds tokens 8..15: token 12, head 1, channel 3
     raw(caches["layer0"])[0, 5, 0, 0, 0] ^= 1  # a spare block
     outcome = Outcome()
-    verify(MODEL, 0, [Rank(caches, MODEL.heads)], [request], [0, 2, 3, 5], outcome)
+    verify(MODEL, MODEL.axes, 0, [Rank(caches, MODEL.heads)], [request], [0, 2, 3, 5], outcome)
     assert outcome.verified == []
     assert outcome.mismatched["req-000"] == "layer1 token 12 K/V 1 head 1 channel 3 differs"
     assert outcome.mismatched["spare blocks"] == "a block no request owns was written"
@@ -345,18 +398,18 @@ def test_each_rank_is_verified_against_its_own_heads():
             values = token_values(0, 0, layer, 10, MODEL.heads, MODEL.head_dim, 2)
             write_tokens(tensor, MODEL.axes, request.local_ids, values.narrow(2, rank.first_head, 1))
     outcome = Outcome()
-    verify(MODEL, 0, ranks, [request], [], outcome)
+    verify(MODEL, MODEL.axes, 0, ranks, [request], [], outcome)
     assert outcome.verified == ["req-000"]
 
     raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1  # K, block 0 holds tokens 8..9: token 9
     outcome = Outcome()
-    verify(MODEL, 0, ranks, [request], [], outcome)
+    verify(MODEL, MODEL.axes, 0, ranks, [request], [], outcome)
     assert outcome.mismatched == {"req-000": "rank 1 layer0 token 9 K/V 0 head 1 channel 2 differs"}
     # A rank holding another rank's head is caught too.
     raw(ranks[1].caches["layer0"])[0, 0, 1, 0, 2] ^= 1
     ranks[0].first_head, ranks[1].first_head = 1, 0
     outcome = Outcome()
-    verify(MODEL, 0, ranks, [request], [], outcome)
+    verify(MODEL, MODEL.axes, 0, ranks, [request], [], outcome)
     assert outcome.mismatched["req-000"].startswith("rank 0 layer0 token 0 K/V 0 head 1")
 
 
@@ -369,11 +422,11 @@ def test_an_mla_latent_is_verified_whole_on_every_rank():
         for layer, tensor in enumerate(rank.caches.values()):
             write_tokens(tensor, "BNC", request.local_ids, token_values(0, 1, layer, 11, 1, 12, 2, kv=1))
     outcome = Outcome()
-    verify(model, 0, ranks, [request], [1], outcome)
+    verify(model, model.axes, 0, ranks, [request], [1], outcome)
     assert outcome.verified == ["req-001"]
     raw(ranks[1].caches["layer1"])[0, 2, 5] ^= 1  # block 0 holds tokens 8..10: token 10
     outcome = Outcome()
-    verify(model, 0, ranks, [request], [], outcome)
+    verify(model, model.axes, 0, ranks, [request], [], outcome)
     assert outcome.mismatched == {"req-001": "rank 1 layer1 token 10 K/V 0 head 0 channel 5 differs"}
 
 

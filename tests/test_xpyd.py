@@ -149,6 +149,7 @@ def test_an_mla_latent_is_read_whole_once_per_decode_rank(runs):
     check_verified(outcome, range(8))
     figures = outcome["figures"]
     assert "4 ranks of the latent each" in text
+    assert "tokens x 2 layers (one latent a token) bit for bit" in text
     # Not split by heads: each of the 4 decode ranks read every prefill block's whole latent
     # (2 layers x 16 channels x 2 bytes per token) once, from one prefill rank.
     assert figures["transfer_bytes"] == 4 * sender_bytes(8, [16, 128], 2 * 16 * 2)

@@ -44,7 +44,7 @@ order per round, medians over rounds (``timing.measure``):
 
 ``--demo`` takes, besides the demo's options, ``--prefill-layout``/``--decode-layout``,
 their block sizes, and ``--cross-layer``: both caches one tensor each with a block's layers
-back to back (vLLM's cross-layer layout; the demo itself has no such engine), so that one
+back to back (vLLM's cross-layer layout, as ``kvhost demo --cross-layer``), so that one
 region per block holds every layer.
 
 Each request is read with up to ``--inflight`` transfers in flight, as the demo does.

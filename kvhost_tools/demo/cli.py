@@ -101,6 +101,10 @@ def parser() -> Parser:
     group.add_argument("--decode-block-size", type=int, default=64, metavar="N", help="tokens per decode block")
     group.add_argument("--decode-tp", "--decode-ranks", type=int, default=1, metavar="T", help="decode TP ranks")
     group.add_argument("--via-host", action="store_true", help="land bytes in a host buffer, then copy_blocks")
+    group = p.add_argument_group("every engine")
+    group.add_argument(
+        "--cross-layer", action="store_true", help="one cache tensor per rank, a block's layers back to back"
+    )
     group.add_argument("--backend", default=None, help="kvhost backend for the post-process (None: by device)")
     group.add_argument("--inflight", type=int, default=8, help="requests in flight at once, per decode engine")
     group.add_argument("--timeout", type=seconds, default=10.0, help="seconds one request's transfers may take")
@@ -126,10 +130,16 @@ def engines_of(args: argparse.Namespace) -> tuple[list[EngineShape], EngineShape
         if layout not in LAYOUTS:
             raise ValueError(f"--prefill-layout: {layout!r} is not one of {sorted(LAYOUTS)}")
     prefills = [
-        EngineShape(layouts[min(i, len(layouts) - 1)], sizes[min(i, len(sizes) - 1)], tps[min(i, len(tps) - 1)])
+        EngineShape(
+            layouts[min(i, len(layouts) - 1)],
+            sizes[min(i, len(sizes) - 1)],
+            tps[min(i, len(tps) - 1)],
+            cross_layer=args.cross_layer,
+        )
         for i in range(count)
     ]
-    decode = EngineShape(default_layout(args.cache, args.decode_layout, "NHD"), args.decode_block_size, args.decode_tp)
+    decode_layout = default_layout(args.cache, args.decode_layout, "NHD")
+    decode = EngineShape(decode_layout, args.decode_block_size, args.decode_tp, cross_layer=args.cross_layer)
     return prefills, decode
 
 
@@ -212,6 +222,7 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
                     argv = [
                         *common,
                         *["--layout", shape.layout, "--block-size", str(shape.block_size), "--tp", str(shape.tp)],
+                        *(["--cross-layer"] if shape.cross_layer else []),
                         *["--share", f"{index}/{len(prefills)}", "--serve", str(args.decodes)],
                         *["--listen", f"127.0.0.1:{port}", "--listen-fd", str(listener.fileno())],
                         *["--secret-file", "-", "--idle-timeout", str(args.connect_timeout + 60)],
@@ -225,6 +236,7 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
                     *common,
                     *passed(args, DECODE_ONLY),
                     *["--layout", decode.layout, "--block-size", str(decode.block_size), "--tp", str(decode.tp)],
+                    *(["--cross-layer"] if decode.cross_layer else []),
                     *["--share", f"{index}/{args.decodes}", "--prefill", ",".join(addresses)],
                     *["--secret-file", "-", "--connect-timeout", str(args.connect_timeout)],
                     *["--json", os.path.join(scratch, f"decode-{index}.json")],

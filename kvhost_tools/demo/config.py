@@ -103,10 +103,9 @@ class Model:
 
         heads = self.heads // shape.tp if self.kind == "mha" else 1
         sizes = dict(L=self.layers, K=2, B=num_blocks, N=shape.block_size, H=heads, C=self.head_dim)
-        memory = LAYOUTS[shape.layout]
+        memory = shape.physical
         if shape.cross_layer:  # one tensor, a block's layers back to back: one block region holds them all
-            physical = "BL" + memory.replace("B", "")
-            return {"layers": make_cache(self.axes_for(shape), physical, sizes, self.dtype, device)}
+            return {"layers": make_cache(self.axes_for(shape), memory, sizes, self.dtype, device)}
         return {
             f"layer{i}": make_cache(self.axes, memory, {a: sizes[a] for a in memory}, self.dtype, device)
             for i in range(self.layers)
@@ -128,10 +127,28 @@ class EngineShape:
     tp: int = 1
     cross_layer: bool = False
 
+    @classmethod
+    def of_order(cls, order: str, block_size: int, tp: int = 1) -> EngineShape | None:
+        """The shape whose region order is ``order`` (as a peer's ``EngineSpec.layout`` says
+        it), or None where no layout here has it."""
+        for layout in LAYOUTS:
+            for cross_layer in (False, True):
+                shape = cls(layout, block_size, tp, cross_layer=cross_layer)
+                if shape.order == order:
+                    return shape
+        return None
+
+    @property
+    def physical(self) -> str:
+        """The memory order of a cache tensor: the layout's, with the layers inside the block
+        (``L`` right after ``B``) where they share one tensor."""
+        memory = LAYOUTS[self.layout]
+        return "BL" + memory.replace("B", "") if self.cross_layer else memory
+
     @property
     def order(self) -> str:
         """The region's memory order in letters, as ``RegionTable.order`` says it."""
-        return LAYOUTS[self.layout].split("B", 1)[1]
+        return self.physical.split("B", 1)[1]
 
     @property
     def layers_note(self) -> str:
@@ -140,7 +157,7 @@ class EngineShape:
 
     def describe(self) -> str:
         tp = f", TP {self.tp}" if self.tp > 1 else ""
-        return f"{self.layout} (memory {LAYOUTS[self.layout]}), block {self.block_size} tokens{tp}{self.layers_note}"
+        return f"{self.layout} (memory {self.physical}), block {self.block_size} tokens{tp}{self.layers_note}"
 
 
 @dataclass(frozen=True)

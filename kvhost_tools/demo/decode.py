@@ -196,7 +196,8 @@ def run(
             staging = model.caches(shape, pool) if args.via_host else None
             ranks.append(Rank(caches, per_rank, index * per_rank if model.kind == "mha" else 0, staging))
             agents.append(Agent(f"decode-{tag}-r{index}"))
-        tables = [agent.register(rank.staging or rank.caches, model.axes) for agent, rank in zip(agents, ranks)]
+        axes = model.axes_for(shape)
+        tables = [agent.register(rank.staging or rank.caches, axes) for agent, rank in zip(agents, ranks)]
         for engine in engines:
             offer = engine.session.offer
             for index, (agent, table) in enumerate(zip(agents, tables)):
@@ -220,7 +221,7 @@ def run(
             args.inflight,
             args.timeout,
             args.step,
-            model.axes,
+            axes,
             args.backend,
             progress,
             args.fault_after,
@@ -249,7 +250,7 @@ def run(
             post_what=what + (f", on each of {len(ranks)} ranks" if len(ranks) > 1 else ""),
         )
         figures["memcpy_gbps"] = memcpy_gbps(figures.get("transfer_bytes", 0))
-        verify(model, workload.seed, ranks, arrived, spare, outcome, progress=progress)
+        verify(model, axes, workload.seed, ranks, arrived, spare, outcome, progress=progress)
     finally:
         for session in sessions:
             session.close()
@@ -302,7 +303,7 @@ def compile_before_hello(model: Model, shape: EngineShape, backend: str | None, 
     """
     if model.kind != "mha":
         return
-    other = "HNC" if shape.order != "HNC" else "NHC"  # a sender of the other major order
+    other = shape.order.translate(str.maketrans("HN", "NH"))  # a sender of the other major order
     sizes = {shape.block_size, shape.block_size * 2, max(shape.block_size // 2, 1)}  # same, g = 2, r = 2
     for size in sorted(sizes):
         receive_on_scratch(model, shape, other, size, backend=backend, staging=staging)
@@ -314,8 +315,8 @@ def receive_on_scratch(
     """One request from a sender of ``order`` and block ``size`` post-processed on scratch caches."""
     count = local_blocks_for(1, size, shape.block_size)
     scratch = model.caches(shape, count)
-    ids = list(range(count))
+    ids, axes = list(range(count)), model.axes_for(shape)
     if staging:
         source = model.caches(shape, count)
-        kvhost.copy_blocks(source, scratch, ids, ids, axes=model.axes, backend=backend).wait()
-    kvhost.receive(scratch, {"warm-up": kvhost.Incoming(ids, order, size)}, axes=model.axes, backend=backend)
+        kvhost.copy_blocks(source, scratch, ids, ids, axes=axes, backend=backend).wait()
+    kvhost.receive(scratch, {"warm-up": kvhost.Incoming(ids, order, size)}, axes=axes, backend=backend)

@@ -82,6 +82,9 @@ def add_engine(p: argparse.ArgumentParser, layout: str, block_size: int) -> None
     group.add_argument("--layout", choices=sorted(LAYOUTS), default=None, help=f"cache layout (default {layout}; MLA)")
     group.add_argument("--block-size", type=int, default=block_size, metavar="N", help="tokens per block")
     group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks, each its own NIXL agent")
+    group.add_argument(
+        "--cross-layer", action="store_true", help="one cache tensor, a block's layers back to back (vLLM's)"
+    )
     group.add_argument("--share", type=share, default=Share(), metavar="I/N", help="take requests I mod N")
 
 
@@ -120,7 +123,8 @@ def default_layout(kind: str, given: str | None, default: str) -> str:
 
 
 def shape_of(args: argparse.Namespace, default_layout_name: str) -> EngineShape:
-    return EngineShape(default_layout(args.cache, args.layout, default_layout_name), args.block_size, args.tp)
+    layout = default_layout(args.cache, args.layout, default_layout_name)
+    return EngineShape(layout, args.block_size, args.tp, cross_layer=args.cross_layer)
 
 
 def listed(kind: type, name: str) -> type:

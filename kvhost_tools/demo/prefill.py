@@ -118,7 +118,7 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
     from kvhost.nixl import Agent, HugePages, Offer, PeerHello, PeerRecord, ProtocolError, RemoteRequest, Server
     from kvhost.nixl.peers import read_secret_file, write_secret_file
     from kvhost.testing import raw
-    from kvhost_tools.demo.values import token_values, write_tokens
+    from kvhost_tools.demo.values import layer_views, token_values, write_tokens
 
     model, workload = model_of(args), workload_of(args)
     shape, share = shape_of(args, "HND"), args.share
@@ -142,10 +142,12 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
     ids, _ = allocate_blocks(pool, counts, workload, stream=100 + share.index)
     per_rank = model.heads // shape.tp
     rank_caches = [model.caches(shape, pool) for _ in range(shape.tp)]
-    cache_sets = [CacheSet(caches, model.axes) for caches in rank_caches]
+    axes = model.axes_for(shape)
+    cache_sets = [CacheSet(caches, axes) for caches in rank_caches]
     for cache_set in cache_sets:
         for member in cache_set.members:
             raw(member.tensor).zero_()
+    rank_layers = [layer_views(cache_set) for cache_set in cache_sets]
     held = []
     for number, block_ids in zip(numbers, ids):
         tokens = lengths[number]
@@ -154,15 +156,16 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
             whole = token_values(
                 workload.seed, number, layer, tokens, model.heads, model.head_dim, model.itemsize, kv=model.kv
             )
-            for rank, cache_set in enumerate(cache_sets):
+            for rank, layers in enumerate(rank_layers):
                 values = whole.narrow(2, rank * per_rank, per_rank) if model.kind == "mha" else whole
-                write_tokens(cache_set.members[layer].tensor, model.axes, block_ids, values)
+                _, tensor, layer_axes = layers[layer]
+                write_tokens(tensor, layer_axes, block_ids, values)
     fill_seconds = time.perf_counter() - started
 
     tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
     agents = [Agent(f"prefill-{tag}-r{rank}") for rank in range(shape.tp)]
     try:
-        tables = [agent.register(caches, model.axes) for agent, caches in zip(agents, rank_caches)]
+        tables = [agent.register(caches, axes) for agent, caches in zip(agents, rank_caches)]
         metadata = [agent.metadata() for agent in agents]
 
         def offer(peer: PeerHello) -> Offer:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from kvhost_tools.demo.config import LAYOUTS, EngineShape, Model
+from kvhost_tools.demo.config import EngineShape, Model
 
 if TYPE_CHECKING:
     from kvhost_tools.demo.pull import Engine
@@ -93,10 +93,11 @@ def describe_decode(model: Model, shape: EngineShape, engines: Sequence[Engine],
         pid = extra.integer("pid") if extra is not None and "pid" in extra.data else 0
         filled = extra.seconds("fill_seconds", default=0.0) if extra is not None else 0.0
         feeds = sorted({s.rank for plan in engine.plans for s in plan.sources})
-        name = next((n for n, memory in LAYOUTS.items() if memory.split("B", 1)[1] == spec.layout), spec.layout)
+        sender = EngineShape.of_order(spec.layout, spec.block_size, spec.tp_size)
+        cache = sender.describe() if sender else f"{spec.layout} blocks of {spec.block_size} tokens"
         outcome.lines.append(
             f"prefill   {engine.index} at {engine.session.address} (pid {pid}): "
-            f"{EngineShape(name, spec.block_size, spec.tp_size).describe()}; {len(offer.requests)} requests, "
+            f"{cache}; {len(offer.requests)} requests, "
             f"filled in {filled:.2f} s; {ratio(spec.block_size, shape.block_size)}, ranks {feeds} read"
         )
     heads = "the latent" if model.kind == "mla" else f"{model.heads // shape.tp} heads"
@@ -145,7 +146,8 @@ def print_report(outcome: Outcome, stream: TextIO) -> None:
         spare = "untouched" if f["spare_untouched"] else "CHANGED"
         stream.write(
             f"  verify    {len(outcome.verified)}/{f['requests']} requests, {f['verified_tokens']:,} tokens x "
-            f"{f['layers']} layers x K/V bit for bit in {f['verify_seconds']:.2f} s; "
+            f"{f['layers']} layers{' x K/V' if f.get('kv', 2) == 2 else ' (one latent a token)'} bit for bit in "
+            f"{f['verify_seconds']:.2f} s; "
             f"{f['spare_blocks']} spare blocks {spare}\n"
         )
     causes: dict[str, list[str]] = {}

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvhost.caches import CacheSet
 from kvhost.layout import Layout
 from kvhost.testing import raw
 
@@ -39,6 +40,20 @@ def token_values(
     kept = {1: (np.uint8, np.uint8), 2: (np.uint16, np.int16), 4: (np.uint32, np.int32)}[itemsize]
     values = x.astype(kept[0]).view(kept[1]) if itemsize < 4 else x.view(np.int32)
     return torch.from_numpy(values).reshape(tokens, kv, heads, head_dim)
+
+
+def layer_views(cache_set: CacheSet) -> list[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, axes) of every layer in order: each member, or each layer of a member
+    that holds them all (an ``L`` axis), selected out of it."""
+    views = []
+    for member in cache_set.members:
+        axes = member.layout.axes
+        if "L" not in axes:
+            views.append((member.layer, member.tensor, axes))
+            continue
+        at, rest = axes.index("L"), axes.replace("L", "")
+        views += [(f"{member.layer}[{i}]", member.tensor.select(at, i), rest) for i in range(member.tensor.shape[at])]
+    return views
 
 
 def write_tokens(tensor: torch.Tensor, axes: str, block_ids: Sequence[int], values: torch.Tensor) -> None:
