@@ -101,14 +101,14 @@ def parser() -> Parser:
     group.add_argument("--decode-block-size", type=int, default=64, metavar="N", help="tokens per decode block")
     group.add_argument("--decode-tp", "--decode-ranks", type=int, default=1, metavar="T", help="decode TP ranks")
     group.add_argument("--via-host", action="store_true", help="land bytes in a host buffer, then copy_blocks")
-    group = p.add_argument_group("every engine")
-    group.add_argument(
-        "--cross-layer", action="store_true", help="one cache tensor per rank, a block's layers back to back"
-    )
     group.add_argument("--backend", default=None, help="kvhost backend for the post-process (None: by device)")
     group.add_argument("--inflight", type=int, default=8, help="requests in flight at once, per decode engine")
     group.add_argument("--timeout", type=seconds, default=10.0, help="seconds one request's transfers may take")
     group.add_argument("--step", type=seconds, default=0.05, help="seconds between post-process steps")
+    group = p.add_argument_group("every engine")
+    group.add_argument(
+        "--cross-layer", action="store_true", help="one cache tensor per rank, a block's layers back to back"
+    )
     faults = p.add_mutually_exclusive_group()
     faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill 0 after N requests arrived")
     faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill 0 after N arrived")
