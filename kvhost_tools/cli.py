@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -58,11 +59,16 @@ DELEGATED = {
     "decode": ("kvhost_tools.demo.decode", "a decode engine: pulls from prefill engines, post-processes, verifies"),
     "bench": ("kvhost_tools.bench.cli", "memcpy roofline, the per-request baseline and kvhost, side by side"),
 }
+ENGINES = ("demo", "prefill", "decode")  # commands that run engines (the bench parks its workers itself)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
+        if argv[0] in ENGINES:
+            from kvhost_tools.demo.netenv import park_workers
+
+            park_workers(os.environ)  # before the engine imports torch (netenv says why)
         module = importlib.import_module(DELEGATED[argv[0]][0])
         return int(module.main(argv[1:]))
     parser = argparse.ArgumentParser(prog="kvhost", description=__doc__)

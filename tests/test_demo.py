@@ -487,3 +487,33 @@ def test_bad_options_are_refused(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+SPY_ON_PARKING = """
+import os, sys
+import kvhost_tools.demo.netenv as netenv
+original = netenv.park_workers
+def spy(env):
+    print("torch loaded:", "torch" in sys.modules)
+    original(env)
+netenv.park_workers = spy
+from kvhost_tools import cli
+try:
+    cli.main([sys.argv[1], "--help"])
+except SystemExit:
+    pass
+print("policy:", os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize("command", ["demo", "prefill", "decode"])
+def test_engines_park_openmp_workers_before_torch_loads_unless_told(command):
+    """GNU OpenMP reads its wait policy once, when it loads: the engine commands set it to
+    PASSIVE first (spinning workers slowed decode's post-process up to 40x here), and leave
+    a policy the user chose alone."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = [sys.executable, "-c", SPY_ON_PARKING, command]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
+    assert "torch loaded: False" in out and out.strip().endswith("policy: PASSIVE")
+    out = subprocess.run(run, env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("policy: ACTIVE")

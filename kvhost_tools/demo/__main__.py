@@ -8,6 +8,9 @@ loaded) lets the demo finish sooner.
 import os
 import sys
 
+from kvhost_tools.demo.netenv import park_workers
+
+park_workers(os.environ)  # before torch loads its OpenMP runtime (netenv says why)
 role = sys.argv[1] if len(sys.argv) > 1 else ""
 if role == "prefill":
     from kvhost_tools.demo.prefill import main
