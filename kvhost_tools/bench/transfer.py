@@ -140,18 +140,19 @@ class Setup:
         def make(local_ids: Sequence[int], remote_ids: Sequence[int]) -> Any:
             if isinstance(reader, Prepared):
                 return reader.make(local_ids, remote_ids)
-            return self._request(reader.descriptors(local_ids, remote_ids), reader.peer)
+            return self.request(reader.descriptors(local_ids, remote_ids), reader.peer)
 
         def build() -> None:
             if isinstance(reader, Batched):
-                self._request(reader.reader.batch_descriptors(pairs), reader.peer).release()
+                self.request(reader.reader.batch_descriptors(pairs), reader.peer).release()
                 return
             for local_ids, remote_ids in pairs:
                 make(local_ids, remote_ids).release()
 
         return build
 
-    def _request(self, rows: tuple[np.ndarray, np.ndarray], peer: str) -> Any:
+    def request(self, rows: tuple[np.ndarray, np.ndarray], peer: str) -> Any:
+        """NIXL's READ request for ``rows`` (local and remote), made and not posted."""
         nixl = self.agent.nixl
         local = nixl.get_xfer_descs(rows[0], self.plan.local.memory)
         return nixl.initialize_xfer("READ", local, nixl.get_xfer_descs(rows[1], self.plan.remote.memory), peer)
