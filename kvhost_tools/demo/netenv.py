@@ -13,8 +13,8 @@ unless the user chose a policy. An OpenMP runtime reads it once, when it loads (
 when torch is imported), so the commands set it before anything imports torch. GNU
 OpenMP's default keeps a worker spinning after each parallel region; in an engine whose
 NIXL progress thread and UCX threads want the same cores, decode's post-process of the
-demo's batch took 5-700 ms (median about 80) in 8 runs here, against 19-31 ms in 8 runs
-with the workers parked. ``kvhost bench`` measures with them parked too.
+demo's batch took 16-684 ms (median 74) in 8 runs here, against 16-32 ms (median 20) in 8
+runs with the workers parked, alternated. ``kvhost bench`` measures with them parked too.
 """
 
 from __future__ import annotations
