@@ -13,7 +13,8 @@
 #                     against the multiprocessors, kvhost beside the engines' per-request
 #                     path, and whether each method's bytes equal the torch path's
 #   handoff  (150 s)  python -m kvhost_cuda.handoff: the demo's batch read over NIXL from a
-#                     sender process into device memory, per-piece and merged descriptors,
+#                     sender process into device memory, per-piece, merged, and packed by
+#                     the sender first (its blocks copied into one buffer) descriptors,
 #                     then the receive, against a device copy; per-layer caches, then
 #                     cross-layer ones; only where NIXL imports
 #   suite    (rest)   pytest -m cuda over the conformance modules and the backend's device tests
@@ -198,7 +199,8 @@ verdict = next((line for line in reversed(lines) if " passed" in line or " faile
 if suite.exists():
     print(f"cuda-marked suite: {verdict or 'no result (see suite.txt)'}")
 handoff = out / "handoff.txt"
-ways = {"batch:", "way", "memcpy", "per-piece", "merged", "receive", "hand-off", "hand-off-layered", "span/layer"}
+ways = {"batch:", "way", "memcpy", "per-piece", "merged", "receive", "hand-off", "packed", "hand-off-packed"}
+ways |= {"hand-off-layered", "span/layer"}
 said = handoff.read_text().splitlines() if handoff.exists() else []
 table = [line for line in said if line.split()[:1] and line.split()[0] in ways]
 if table:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import numpy as np
@@ -42,8 +43,10 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         ways.UNMERGED,
         ways.KVHOST,
         ways.BATCH,
+        ways.PACKED,
         "kvhost<=2KiB",
         ways.HANDOFF,
+        ways.HANDOFF_PACKED,
         ways.LAYERED,
         *(f"build {name}" for name in (ways.PER_PIECE, ways.PREPPED, ways.UNMERGED, ways.KVHOST)),
         *(f"plan {name}" for name in (ways.PER_PIECE, ways.PREPPED, ways.KVHOST)),
@@ -63,6 +66,14 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     assert methods["build kvhost"]["descriptors"] == methods["plan kvhost"]["descriptors"] == merged
     # One transfer for the batch: the same rows, planned at once (no request's ids meet another's).
     assert methods[ways.BATCH]["descriptors"] == methods[f"plan {ways.BATCH}"]["descriptors"] == merged
+    # Packed, each request's sender blocks are one run of the sender's pack buffer: only the
+    # receiver's runs cut descriptors, one per run of receiver blocks for each layer and K/V.
+    local_ids = sender.Batch.of(sender.Setting.parse(sender.QUICK_DEMO)).local_ids
+    local_runs = sum(1 + sum(b != a + 1 for a, b in itertools.pairwise(ids)) for ids in local_ids)
+    assert methods[ways.PACKED]["descriptors"] == methods[ways.HANDOFF_PACKED]["descriptors"] == 2 * 2 * local_runs
+    assert methods[ways.PACKED]["descriptors"] < merged
+    packed = methods[ways.HANDOFF_PACKED]
+    assert 0 < packed["pack_median_s"] < packed["median_s"] and 0 < packed["read_median_s"] < packed["median_s"]
     assert methods["span/layer"]["descriptors"] == 2  # one per layer of the quick model
     assert methods["span/4KiB"]["descriptors"] == 2 * -(-section["bytes"] // 2 // 4096)
     for name, entry in methods.items():
@@ -86,7 +97,7 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     assert [c["what"] for c in checks] == names
     assert section["targets"]["passed"] == all(c["passed"] for c in checks)
     assert "transfer (same host): 8 requests" in out and "x per-piece" in out
-    assert "hand-off = transfer" in out and "last layer landed" in out
+    assert "hand-off = transfer" in out and "last layer landed" in out and "hand-off-packed = pack" in out
 
 
 @needs_nixl

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import subprocess
 import sys
@@ -866,13 +867,21 @@ def test_handoff_check_verifies_then_times_every_way(device):
     from kvhost_cuda.handoff import measure as handoff
 
     rows = handoff(torch.device(device), SMALL_BATCH, repeats=1)
-    ways = ["memcpy", "per-piece", "merged", "receive", "hand-off", "hand-off-layered"]
+    ways = ["memcpy", "per-piece", "merged", "receive", "hand-off", "packed", "hand-off-packed", "hand-off-layered"]
     assert [row.way for row in rows] == [*ways, "span/64KiB", "span/1MiB", "span/layer"]
     by_way = {row.way: row for row in rows}
     assert len({row.bytes for row in rows}) == 1 and rows[0].bytes > 0
     # Allocator-like runs merge: fewer, larger descriptors than one per sender region.
     assert 0 < by_way["merged"].descriptors < by_way["per-piece"].descriptors
     assert by_way["hand-off"].descriptors == by_way["merged"].descriptors and by_way["receive"].descriptors == 0
+    # Packed, each request's sender blocks are one run: only the receiver's runs cut
+    # descriptors, one per run of receiver blocks for each layer and K/V (2 x 2 here).
+    from kvhost_tools.bench.sender import Batch, Setting
+
+    local_ids = Batch.of(Setting.parse(SMALL_BATCH)).local_ids
+    local_runs = sum(1 + sum(b != a + 1 for a, b in itertools.pairwise(ids)) for ids in local_ids)
+    assert by_way["packed"].descriptors == by_way["hand-off-packed"].descriptors == 2 * 2 * local_runs
+    assert by_way["packed"].descriptors < by_way["merged"].descriptors
     # Layer by layer, merging stops at each layer's edge: at least as many descriptors.
     assert by_way["merged"].descriptors <= by_way["hand-off-layered"].descriptors < by_way["per-piece"].descriptors
     # The transport alone: the batch's bytes in 64 KiB pieces, at most 1 MiB, one per layer (2 here).
@@ -912,7 +921,7 @@ def test_handoff_check_reads_a_cross_layer_batch_in_runs_of_blocks(tmp_path, cap
     assert printed.count("batch: ") == 2 and "64 tokens, layers inside blocks" in printed
     rows = [json.loads(line) for line in (tmp_path / "handoff.jsonl").read_text().splitlines()]
     by_demo = {demo: {row["way"]: row for row in rows if row["demo"] == demo} for demo in (SMALL_BATCH, cross)}
-    assert len(rows) == 18 and list(by_demo[SMALL_BATCH]) == list(by_demo[cross])
+    assert len(rows) == 22 and list(by_demo[SMALL_BATCH]) == list(by_demo[cross])
     batch = Batch.of(Setting.parse(cross))
     crossed = by_demo[cross]
     assert crossed["per-piece"]["descriptors"] == sum(len(ids) for ids in batch.remote_ids)

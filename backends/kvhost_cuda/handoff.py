@@ -18,6 +18,11 @@ bytes measured in the same run:
 - ``merged``: kvhost's merged descriptors (the default bound), the batch as one transfer;
 - ``receive``: the post-process alone, on a ``KVHost`` registered once;
 - ``hand-off``: ``merged`` then ``receive``, from the first read to blocks attention can read;
+- ``packed``: the sender first copies the batch's blocks, request after request, into one
+  buffer of its own laid out like its cache (``KVHost.copy_to`` on its device; the round
+  trip to ask for it included), then one transfer reads them: each request's sender blocks
+  are then one run, so only the receiver's runs cut descriptors;
+- ``hand-off-packed``: ``packed`` then ``receive``;
 - ``hand-off-layered``: the same bytes as one transfer per layer (``Reader.read_layers``),
   each layer received as soon as it lands while the next one moves: on a device the copy
   and the receive need not share an engine, so this is where overlap would show;
@@ -39,7 +44,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,7 +57,7 @@ from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost_cuda.gpucheck import median_seconds, memcpy_seconds
 from kvhost_tools.bench.sender import Batch, Peer, Setting
 from kvhost_tools.bench.transfer import Setup, check_tokens, fill_sentinel, hand_off_layered, same_landing
-from kvhost_tools.bench.ways import KVHOST, layered_descriptors, repost, span_name
+from kvhost_tools.bench.ways import KVHOST, Batched, Pair, layered_descriptors, repost, span_name
 from kvhost_tools.demo.netenv import QUIET
 
 SPANS = (64 << 10, 1 << 20, 0)  # the transport alone: descriptors of these sizes (0: one per layer)
@@ -93,16 +98,19 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
     # process went over TCP loopback (0.3 GB/s on an H200). The receiver polls its
     # transfers, as a decode engine does.
     with (
-        contextlib.closing(Peer(sender_options(demo), {}, device=str(device))) as sender,
+        contextlib.closing(Peer(sender_options(demo), {}, device=str(device), pack=True)) as sender,
         Agent("handoff-decode", progress_thread=False) as receiver,
     ):
-        plan = plan_transfer(receiver.register(local, axes), sender.table)
+        local_table = receiver.register(local, axes)
+        plan = plan_transfer(local_table, sender.table)
         peer = receiver.add_peer(sender.metadata)
         per_piece, merged = receiver.reader(plan, peer, max_descriptor_bytes=None), receiver.reader(plan, peer)
+        assert sender.pack_table is not None
+        packed = Batched(receiver.reader(plan_transfer(local_table, sender.pack_table), peer), batch.packed_pairs())
         host = kvhost.KVHost(local, axes=axes)
         order, size = plan.remote_order, plan.remote_block_size
 
-        def read(reader: Reader) -> Callable[[], object]:
+        def read(reader: Reader, pairs: Sequence[Pair] = pairs) -> Callable[[], object]:
             def run() -> None:
                 transfer = reader.read_batch(pairs)
                 try:
@@ -119,26 +127,39 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
             read(merged)()
             receive()
 
+        def read_packed() -> None:
+            sender.pack()
+            read(packed.reader, packed.pairs)()
+
+        def hand_off_packed() -> None:
+            read_packed()
+            receive()
+
         ways: dict[str, Callable[[], object]] = {
             "per-piece": read(per_piece),
             "merged": read(merged),
             "receive": receive,
             "hand-off": hand_off,
+            "packed": read_packed,
+            "hand-off-packed": hand_off_packed,
             "hand-off-layered": hand_off_layered(merged, batch, host, plan),
         }
         merged_count = int(merged.batch_descriptors(pairs)[0].shape[0])
+        packed_count = int(packed.reader.batch_descriptors(packed.pairs)[0].shape[0])
         descriptors = {
             "per-piece": int(per_piece.batch_descriptors(pairs)[0].shape[0]),
             "merged": merged_count,
             "receive": 0,
             "hand-off": merged_count,
+            "packed": packed_count,
+            "hand-off-packed": packed_count,
             "hand-off-layered": layered_descriptors(merged, batch),
         }
-        same_landing(local, [ways["per-piece"], ways["merged"]])
+        same_landing(local, [ways["per-piece"], ways["merged"], ways["packed"]])
         receive()
         local_set, truth = CacheSet(local, axes), CacheSet(batch.sender_caches(), axes)
         check_tokens(batch, local_set, truth)
-        for whole in ("hand-off", "hand-off-layered"):
+        for whole in ("hand-off", "hand-off-packed", "hand-off-layered"):
             fill_sentinel(local)
             ways[whole]()
             check_tokens(batch, local_set, truth)

@@ -25,6 +25,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
+import kvhost
 from kvhost.errors import KVHostError
 from kvhost.nixl import Agent, RegionTable
 from kvhost.nixl.agent import DEFAULT_THREADS
@@ -128,10 +129,27 @@ class Batch:
         """(local ids, remote ids) per request, as a ``Reader`` takes them."""
         return list(zip(self.local_ids, self.remote_ids))
 
+    @property
+    def packed_blocks(self) -> int:
+        return sum(len(ids) for ids in self.remote_ids)
+
+    def packed_pairs(self) -> list[tuple[list[int], list[int]]]:
+        """(local ids, ids in the sender's pack buffer) per request: the batch's sender blocks
+        copied, request after request, to blocks 0, 1, 2, ... of a buffer laid out like the
+        sender's cache (``--pack``), so that each request's blocks are one run there."""
+        pairs, at = [], 0
+        for local_ids, remote_ids in self.pairs():
+            pairs.append((local_ids, list(range(at, at + len(remote_ids)))))
+            at += len(remote_ids)
+        return pairs
+
 
 def peer_main(argv: Sequence[str]) -> int:
     """The sender: ``--fd N`` (its end of the socket pair), ``--cache``, ``--device`` (where its
-    cache lives) and the demo's options."""
+    cache lives) and the demo's options. With ``--pack`` it also registers a pack buffer laid
+    out like its cache, with a block for each block of the batch, and on ``pack`` copies the
+    batch's blocks into it (``Batch.packed_pairs``) before it answers ``packed``: what a
+    prefill engine would do before offering blocks, so that a reader needs fewer descriptors."""
     parser = argparse.ArgumentParser(prog="python -m kvhost_tools.bench.sender")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--cache", default="data")
@@ -140,6 +158,7 @@ def peer_main(argv: Sequence[str]) -> int:
     parser.add_argument("--progress", choices=PROGRESS, default="poll")
     parser.add_argument("--huge-pages", choices=HUGE_PAGES, default="on")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    parser.add_argument("--pack", action="store_true")
     args = parser.parse_args(argv)
     batch = Batch.of(Setting.parse(args.demo))
     axes = batch.setting.axes
@@ -148,12 +167,20 @@ def peer_main(argv: Sequence[str]) -> int:
     thread = args.progress == "thread"
     agent = Agent(f"bench-prefill-{os.getpid()}", progress_thread=thread, threads=args.threads)
     with socket.socket(fileno=args.fd) as sock, agent:
-        table = agent.register(caches, axes, huge_pages=args.huge_pages == "on")
+        huge_pages = args.huge_pages == "on"
+        table = agent.register(caches, axes, huge_pages=huge_pages)
         hello = {"table": table.to_dict(), "pid": os.getpid(), "huge_pages": agent.huge_pages.describe()}
-        send(sock, "hello", hello, agent.metadata(), timeout=TIMEOUT_S)
         ids = np.array(sorted({b for r in batch.remote_ids for b in r}), dtype=np.int64)
         # Only host memory is evicted (what the bench asks for); a device's cache is read as it is.
         touched = block_ranges(caches, axes, ids) if args.device == "cpu" else None
+        if args.pack:
+            pack = batch.setting.model.caches(batch.setting.prefill, batch.packed_blocks, args.device)
+            hello["pack_table"] = agent.register(pack, axes, huge_pages=huge_pages).to_dict()
+            packer = Packer(kvhost.KVHost(caches, axes=axes), pack, batch)
+            if touched is not None:
+                every = np.arange(batch.packed_blocks, dtype=np.int64)
+                touched = np.concatenate([touched, block_ranges(pack, axes, every)])
+        send(sock, "hello", hello, agent.metadata(), timeout=TIMEOUT_S)
         while True:
             if not thread:  # drive the transport while no control message waits
                 while not select.select([sock], [], [], POLL_S)[0]:
@@ -164,18 +191,37 @@ def peer_main(argv: Sequence[str]) -> int:
                     raise KVHostError(f"evict: the sender's cache is in {args.device} memory, which is not evicted")
                 device.flush(touched)
                 send(sock, "evicted", {}, timeout=TIMEOUT_S)
+            elif message.kind == "pack" and args.pack:
+                packer.pack()
+                send(sock, "packed", {}, timeout=TIMEOUT_S)
             elif message.kind == "quit":
                 return 0
+
+
+class Packer:
+    """The sender's copy of the batch's blocks into its pack buffer, done when ``pack`` returns."""
+
+    def __init__(self, host: kvhost.KVHost, pack: dict[str, torch.Tensor], batch: Batch) -> None:
+        self.host, self.pack_caches = host, pack
+        self.ids = [b for ids in batch.remote_ids for b in ids]
+        self.device = next(iter(pack.values())).device
+
+    def pack(self) -> None:
+        self.host.copy_to(self.pack_caches, self.ids, range(len(self.ids))).wait()
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
 
 
 class Peer:
     """The sender process, and the control socket to it; ``device``: where its cache lives."""
 
-    def __init__(self, args: argparse.Namespace, env: dict[str, str], device: str = "cpu") -> None:
+    def __init__(
+        self, args: argparse.Namespace, env: dict[str, str], device: str = "cpu", *, pack: bool = False
+    ) -> None:
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", "kvhost_tools.bench.sender", "--fd", str(theirs.fileno())]
         command += ["--cache", args.cache, "--device", device, f"--demo={args.demo}", "--progress", args.progress]
-        command += ["--huge-pages", args.huge_pages, "--threads", str(args.threads)]
+        command += ["--huge-pages", args.huge_pages, "--threads", str(args.threads), *(["--pack"] if pack else [])]
         netns = args.peer_netns
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
@@ -185,6 +231,8 @@ class Peer:
         hello = receive(ours, timeout=TIMEOUT_S, expect="hello")
         fields = hello.fields()
         self.table = RegionTable.from_dict(fields.data["table"], "hello.table", hello.arrays)
+        packed = fields.data.get("pack_table")
+        self.pack_table = None if packed is None else RegionTable.from_dict(packed, "hello.pack_table", hello.arrays)
         self.metadata = hello.blob
         self.pid = fields.integer("pid")
         self.huge_pages = str(fields.data["huge_pages"])
@@ -192,6 +240,11 @@ class Peer:
     def evict(self) -> None:
         send(self.sock, "evict", {}, timeout=TIMEOUT_S)
         receive(self.sock, timeout=TIMEOUT_S, expect="evicted")
+
+    def pack(self) -> None:
+        """The sender copies the batch's blocks into its pack buffer (``--pack``), and says so."""
+        send(self.sock, "pack", {}, timeout=TIMEOUT_S)
+        receive(self.sock, timeout=TIMEOUT_S, expect="packed")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -78,8 +78,10 @@ from kvhost_tools.bench.transfer_report import summarise
 from kvhost_tools.bench.ways import (
     BATCH,
     HANDOFF,
+    HANDOFF_PACKED,
     KVHOST,
     LAYERED,
+    PACKED,
     PER_PIECE,
     PREPPED,
     UNMERGED,
@@ -126,8 +128,7 @@ class Setup:
     def transfer(self, name: str, inflight: int) -> Callable[[], None]:
         reader, batch = self.readers[name], self.batch
         if isinstance(reader, Batched):
-            pairs = self.batch.pairs()
-            return lambda: pull(lambda _: reader.reader.read_batch(pairs), 1, 1)
+            return reader.read()
         count = len(batch.remote_ids)
         return lambda: pull(lambda i: reader.read(batch.local_ids[i], batch.remote_ids[i]), count, inflight)
 
@@ -144,7 +145,7 @@ class Setup:
 
         def build() -> None:
             if isinstance(reader, Batched):
-                self.request(reader.reader.batch_descriptors(pairs), reader.peer).release()
+                self.request(reader.reader.batch_descriptors(reader.pairs), reader.peer).release()
                 return
             for local_ids, remote_ids in pairs:
                 make(local_ids, remote_ids).release()
@@ -165,7 +166,7 @@ class Setup:
 
         def plan() -> None:
             if isinstance(reader, Batched):
-                reader.reader.batch_descriptors(pairs)
+                reader.reader.batch_descriptors(reader.pairs)
                 return
             rows = reader.indices if isinstance(reader, Prepared) else reader.descriptors
             for local_ids, remote_ids in pairs:
@@ -219,7 +220,7 @@ class Setup:
         if isinstance(reader, Prepared):
             return sum(len(reader.indices(lo, re)[0]) for lo, re in zip(batch.local_ids, batch.remote_ids))
         if isinstance(reader, Batched):
-            return int(reader.reader.batch_descriptors(self.batch.pairs())[0].shape[0])
+            return int(reader.reader.batch_descriptors(reader.pairs)[0].shape[0])
         return sum(reader.descriptors(lo, re)[0].shape[0] for lo, re in zip(batch.local_ids, batch.remote_ids))
 
 
@@ -227,17 +228,21 @@ def connect(args: argparse.Namespace) -> Setup:
     setting = Setting.parse(args.demo)
     batch = Batch.of(setting)
     env = dict(item.split("=", 1) for item in args.peer_env)
-    peer = Peer(args, env)
+    peer = Peer(args, env, pack=True)
     agent = Agent(f"bench-decode-{os.getpid()}", progress_thread=args.progress == "thread", threads=args.threads)
     local = setting.model.caches(setting.decode, batch.local_pool)
-    plan = plan_transfer(agent.register(local, setting.axes, huge_pages=args.huge_pages == "on"), peer.table)
+    local_table = agent.register(local, setting.axes, huge_pages=args.huge_pages == "on")
+    plan = plan_transfer(local_table, peer.table)
     name = agent.add_peer(peer.metadata)
     setup = Setup(batch, agent, peer, local, plan)
     setup.readers[PER_PIECE] = agent.reader(plan, name, max_descriptor_bytes=None)
     setup.readers[PREPPED] = Prepared(agent, plan, name)
     setup.readers[UNMERGED] = Prepared(agent, plan, name, nixl_merges=False)
     setup.readers[KVHOST] = agent.reader(plan, name)
-    setup.readers[BATCH] = Batched(setup.readers[KVHOST])
+    setup.readers[BATCH] = Batched(setup.readers[KVHOST], batch.pairs())
+    assert peer.pack_table is not None
+    packed = agent.reader(plan_transfer(local_table, peer.pack_table), name)
+    setup.readers[PACKED] = Batched(packed, batch.packed_pairs(), first=peer.pack)
     for bound in args.bounds:
         setup.readers[bound_name(bound)] = agent.reader(plan, name, max_descriptor_bytes=bound)
     return setup
@@ -248,7 +253,7 @@ def verify(setup: Setup, inflight: int) -> None:
     the sender's tokens, bit for bit; blocks no request names keep the sentinel."""
     axes = setup.batch.setting.axes
     local_set = CacheSet(setup.local, axes)
-    ways = [setup.transfer(name, inflight) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH)]
+    ways = [setup.transfer(name, inflight) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PACKED)]
     same_landing(setup.local, ways)
     post_process(setup)
     truth = CacheSet(setup.batch.sender_caches(), axes)
@@ -261,14 +266,14 @@ def verify(setup: Setup, inflight: int) -> None:
 def same_landing(local: Mapping[str, torch.Tensor], ways: Sequence[Callable[[], object]]) -> None:
     """Each way, run on caches filled with ``SENTINEL``, lands the same bytes as the first."""
     first: list[torch.Tensor] | None = None
-    for way in ways:
+    for number, way in enumerate(ways):
         fill_sentinel(local)
         way()
         landed = [raw(tensor).clone() for tensor in local.values()]
         if first is None:
             first = landed
         elif not all(torch.equal(a, b) for a, b in zip(first, landed)):
-            raise AssertionError("per-piece and merged descriptors landed different bytes")
+            raise AssertionError(f"way {number} of {len(ways)} landed other bytes than the first (per-piece)")
 
 
 def fill_sentinel(local: Mapping[str, torch.Tensor]) -> None:
@@ -348,8 +353,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         space = Workspace(device)
         axes = setup.batch.setting.axes
         host = kvhost.KVHost(setup.local, axes=axes)
-        parts: dict[str, list[float]] = {"transfer": [], "receive": [], "tail": []}
+        parts: dict[str, list[float]] = {name: [] for name in ("transfer", "receive", "tail", "pack", "packed_read")}
         merged = setup.transfer(BATCH, args.inflight)
+        packed = setup.readers[PACKED]
 
         def handoff() -> None:
             started = time.perf_counter()
@@ -359,13 +365,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             parts["transfer"].append(landed - started)
             parts["receive"].append(time.perf_counter() - landed)
 
-        transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, *(bound_name(b) for b in args.bounds)]
+        def handoff_packed() -> None:
+            started = time.perf_counter()
+            setup.peer.pack()
+            sent = time.perf_counter()
+            pull(lambda _: packed.reader.read_batch(packed.pairs), 1, 1)
+            landed = time.perf_counter()
+            post_process(setup, host)
+            parts["pack"].append(sent - started)
+            parts["packed_read"].append(landed - sent)
+
+        transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PACKED, *(bound_name(b) for b in args.bounds)]
         methods: dict[str, Callable[[], object]] = {ROOFLINE: space.memcpy(nbytes, device.device, device.device)}
         if args.huge_pages == "on":  # the roofline's memory as the caches'
             ring = space.memcpy_ranges(nbytes, device.device, device.device)
             back_with_huge_pages([(int(address), int(length)) for address, length in ring])
         methods |= {name: setup.transfer(name, args.inflight) for name in transfers}
         methods[HANDOFF] = handoff
+        methods[HANDOFF_PACKED] = handoff_packed
         methods[LAYERED] = layered(setup, host, parts["tail"])
         methods |= {f"build {name}": setup.build(name) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH)}
         methods |= {f"plan {name}": setup.plan_only(name) for name in (PER_PIECE, PREPPED, KVHOST, BATCH)}

@@ -16,7 +16,18 @@ from kvhost_tools.bench.methods import ROOFLINE
 from kvhost_tools.bench.output import format_table
 from kvhost_tools.bench.targets import check
 from kvhost_tools.bench.timing import Measured, per_round, sample_entry
-from kvhost_tools.bench.ways import BATCH, HANDOFF, KVHOST, LAYERED, PER_PIECE, PREPPED, UNMERGED, layered_descriptors
+from kvhost_tools.bench.ways import (
+    BATCH,
+    HANDOFF,
+    HANDOFF_PACKED,
+    KVHOST,
+    LAYERED,
+    PACKED,
+    PER_PIECE,
+    PREPPED,
+    UNMERGED,
+    layered_descriptors,
+)
 
 if TYPE_CHECKING:
     from kvhost_tools.bench.transfer import Setup
@@ -44,7 +55,7 @@ def summarise(
             entry["gbps"] = nbytes / sample.median / 1e9
             entry["fraction"] = roof / sample.median
             entry["fraction_rounds_p25_p75"] = per_round(measured, ROOFLINE, name)
-        if name in transfers or name in (HANDOFF, LAYERED):
+        if name in transfers or name in (HANDOFF, LAYERED, HANDOFF_PACKED):
             entry["speedup"] = samples[best].median / sample.median
             entry["speedup_rounds_p25_p75"] = per_round(measured, best, name)
             entry["vs_prepped"] = samples[PREPPED].median / sample.median
@@ -57,6 +68,9 @@ def summarise(
     methods[HANDOFF]["transfer_median_s"] = float(np.median(parts["transfer"]))
     methods[HANDOFF]["receive_median_s"] = float(np.median(parts["receive"]))
     methods[LAYERED]["tail_median_s"] = float(np.median(parts["tail"]))
+    methods[HANDOFF_PACKED]["pack_median_s"] = float(np.median(parts["pack"]))
+    methods[HANDOFF_PACKED]["read_median_s"] = float(np.median(parts["packed_read"]))
+    methods[HANDOFF_PACKED]["descriptors"] = methods[PACKED]["descriptors"]
     methods[LAYERED]["descriptors"] = layered_descriptors(setup.readers[KVHOST], setup.batch)
     where = "two network namespaces over TCP" if args.peer_netns else "same host"
     speedup = methods[BATCH]["speedup"]
@@ -120,7 +134,7 @@ def table(result: dict[str, Any]) -> str:
                 f"{m['vs_prepped']:.2f}x" if "vs_prepped" in m else "-",
             ]
         )
-    h = result["methods"][HANDOFF]
+    h, p = result["methods"][HANDOFF], result["methods"][HANDOFF_PACKED]
     head = (
         f"transfer ({result['where']}): {result['requests']} requests, {result['bytes'] / 1e6:,.1f} MB, "
         f"{result['model']}, {result['sender']} -> {result['receiver']}, block ids {result['block_ids']}; "
@@ -129,7 +143,10 @@ def table(result: dict[str, Any]) -> str:
     tail = (
         f"hand-off = transfer {h['transfer_median_s'] * 1e3:.1f} ms + receive {h['receive_median_s'] * 1e3:.1f} ms "
         f"(medians); hand-off-layered: receive after the last layer landed "
-        f"{result['methods'][LAYERED]['tail_median_s'] * 1e3:.1f} ms; build: creating every request's NIXL "
+        f"{result['methods'][LAYERED]['tail_median_s'] * 1e3:.1f} ms; {PACKED}: the sender first copies the "
+        f"batch's blocks into one buffer, request after request (its round trip included), then one transfer "
+        f"reads them; {HANDOFF_PACKED} = pack {p['pack_median_s'] * 1e3:.1f} ms + read "
+        f"{p['read_median_s'] * 1e3:.1f} ms + receive; build: creating every request's NIXL "
         f"transfer, unposted; plan: its descriptors (rows, or indices into prepared lists) alone, without "
         f"NIXL; x per-piece: against the faster way of one operation per piece ({result['baseline_best']}); "
         f"x prepped: against {PREPPED}, whose neighbouring descriptors NIXL joins itself"

@@ -26,18 +26,38 @@ KVHOST = "kvhost"
 BATCH = "kvhost-batch"
 HANDOFF = "hand-off"
 LAYERED = "hand-off-layered"
+PACKED = "kvhost-packed"
+HANDOFF_PACKED = "hand-off-packed"
 BOUNDS = (64 << 10, 256 << 10, 4 << 20, 1 << 40)  # other merge bounds, beside MAX_DESCRIPTOR_BYTES
 # Descriptor sizes of the transport sweep: the batch's bytes, read from one contiguous span
 # per layer in descriptors of this size (0: one per layer).
 SWEEP = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 0)
 
 
-class Batched:
-    """kvhost's reader, posting the whole batch as one transfer (``Reader.read_batch``)."""
+Pair = tuple[Sequence[int], Sequence[int]]  # a request's local ids and remote ids
 
-    def __init__(self, reader: Reader) -> None:
-        self.reader = reader
+
+class Batched:
+    """kvhost's reader, posting the whole batch (``pairs``) as one transfer
+    (``Reader.read_batch``); ``first``, when given, runs before each transfer is made (the
+    sender packing the batch's blocks, for ``kvhost-packed``)."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+        first: Callable[[], object] | None = None,
+    ) -> None:
+        self.reader, self.pairs, self.first = reader, pairs, first
         self.peer = reader.peer
+
+    def read(self) -> Callable[[], None]:
+        def run() -> None:
+            if self.first is not None:
+                self.first()
+            pull(lambda _: self.reader.read_batch(self.pairs), 1, 1)
+
+        return run
 
     def close(self) -> None:
         self.reader.close()
