@@ -323,6 +323,30 @@ def test_a_peer_that_stops_beating_is_let_go_within_the_peer_timeout():
         session.close()
 
 
+def test_decode_sends_its_small_frames_at_once():
+    """Beats and ``done`` are a few dozen bytes each: Nagle's algorithm would hold one back
+    until the last is acknowledged, so decode's socket has it off."""
+    running = Running(peer_timeout=30.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    try:
+        assert session.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        session.close()
+    running.finish(within=10)
+
+
+def test_decodes_own_refusal_is_cut_to_what_prefill_reads(monkeypatch):
+    """A refusal decode sends back is cut to the 400 characters prefill reads of a reason,
+    so prefill records it as a refusal, with its first 400 characters, not as a bad frame."""
+    why = "the table is not what the engine says " * 13  # 494 characters
+    monkeypatch.setattr(peers_module, "table_refusal", lambda spec, rank, table: why)
+    running = Running(peers=None, idle=1.0)
+    with pytest.raises(IncompatibleEngineError, match="the table is not what"):
+        connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    [record] = running.finish(within=5)
+    assert (record.outcome, record.detail) == ("refused", f"prefill {why}"[:400])
+
+
 def test_a_peer_whose_process_ends_is_let_go_at_once():
     running = Running(peer_timeout=30.0)
     session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
