@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import time
 
 import numpy as np
 import pytest
 from test_nixl import needs_nixl
 
+from kvhost.errors import KVHostError
 from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost_tools.bench import cli, sender, ways
 from kvhost_tools.bench.methods import ROOFLINE
@@ -136,6 +138,26 @@ def test_the_sender_takes_demo_options_that_are_one_flag():
     finally:
         peer.close()
     assert peer.process.returncode == 0
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_sender_started_without_pack_says_so_at_once():
+    """Asked to pack without ``--pack``, the sender exits at once and the receiver hears it
+    then, not at the control message's deadline."""
+    options = argparse.Namespace(
+        cache="data", demo=sender.QUICK_DEMO, progress="poll", huge_pages="off", threads=0, peer_netns=None
+    )
+    peer = sender.Peer(options, {})
+    assert peer.pack_table is None
+    started = time.monotonic()
+    try:
+        with pytest.raises(KVHostError):
+            peer.pack()
+        assert time.monotonic() - started < 30
+    finally:
+        peer.close()
+    assert peer.process.returncode != 0
 
 
 def test_a_transfer_section_is_kept_under_its_setting():

@@ -5,7 +5,8 @@ engines' layouts and block sizes, cross-layer caches or not) and ``Batch`` its b
 both sides. The sender (``python -m kvhost_tools.bench.sender``, started by ``Peer``, under
 ``ip netns exec`` with ``--peer-netns``) fills the prefill cache, registers it with NIXL,
 sends its table and agent metadata over a socket pair, and then evicts the blocks read
-from it whenever the receiver asks, as the receiver evicts what it touches.
+from it whenever the receiver asks, as the receiver evicts what it touches; with ``--pack``
+it also copies the batch's blocks into a buffer of its own when asked (``kvhost-packed``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import kvhost
 from kvhost.errors import KVHostError
 from kvhost.nixl import Agent, RegionTable
 from kvhost.nixl.agent import DEFAULT_THREADS
+from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.framing import receive, send
 from kvhost.testing import fill_random
 from kvhost_tools.bench.machine import Device, block_ranges
@@ -191,7 +193,9 @@ def peer_main(argv: Sequence[str]) -> int:
                     raise KVHostError(f"evict: the sender's cache is in {args.device} memory, which is not evicted")
                 device.flush(touched)
                 send(sock, "evicted", {}, timeout=TIMEOUT_S)
-            elif message.kind == "pack" and args.pack:
+            elif message.kind == "pack":
+                if not args.pack:  # exiting closes the socket: the receiver hears it at once
+                    raise KVHostError("pack: this sender was started without --pack")
                 packer.pack()
                 send(sock, "packed", {}, timeout=TIMEOUT_S)
             elif message.kind == "quit":
@@ -247,7 +251,7 @@ class Peer:
         receive(self.sock, timeout=TIMEOUT_S, expect="packed")
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ProtocolError):  # a sender that has already exited
             send(self.sock, "quit", {}, timeout=5.0)
         self.sock.close()
         try:

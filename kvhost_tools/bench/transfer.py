@@ -35,6 +35,11 @@ order per round, medians over rounds (``timing.measure``):
 - ``hand-off-layered``: the same bytes as one transfer per layer (``Reader.read_layers``),
   each layer received (``KVHost.receive(layers=...)``) as soon as its transfer is done,
   while the next layer's moves;
+- ``kvhost-packed``: the sender, asked over its control socket, first copies the batch's
+  blocks request after request into one registered buffer laid out like its cache
+  (``KVHost.copy_to``), then one transfer reads them from there: a request's sender blocks
+  are one run, so only the receiver's runs cut descriptors (the round trip and the copy are
+  in the time); ``hand-off-packed``: that, then the receive;
 - ``build ...``: creating every request's transfer without posting it (descriptor rows
   and NIXL's request), per way of handing descriptors to NIXL: what each costs;
 - ``span/N``: the transport alone (``--sweep``): the batch's bytes read from one
