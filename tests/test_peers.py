@@ -347,6 +347,37 @@ def test_decodes_own_refusal_is_cut_to_what_prefill_reads(monkeypatch):
     assert (record.outcome, record.detail) == ("refused", f"prefill {why}"[:400])
 
 
+def _full_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair whose reader reads nothing and whose buffers are full, the writer
+    left non-blocking as the server keeps its sockets."""
+    writer, reader = socket.socketpair()
+    writer.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            writer.send(b"x" * 65536)
+    return writer, reader
+
+
+def test_the_servers_send_gives_up_on_a_peer_that_does_not_read_at_its_deadline():
+    writer, reader = _full_pair()
+    with writer, reader:
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match=r"could not send 'challenge' within 0.3 s: the peer does not read"):
+            server_module._send(writer, CHALLENGE, {"nonce": "00"}, 0.3)
+        assert 0.25 < time.monotonic() - started < 2.0
+        assert writer.gettimeout() == 0.0, "the socket is left non-blocking, as the server keeps it"
+        # No time at all: refused before a byte is offered.
+        with pytest.raises(ProtocolError, match=r"within 0 s: the peer does not read"):
+            server_module._send(writer, CHALLENGE, {"nonce": "00"}, 0.0)
+
+
+def test_the_servers_send_to_a_peer_that_is_gone_is_a_protocol_error():
+    writer, reader = socket.socketpair()
+    reader.close()
+    with writer, pytest.raises(ProtocolError, match=r"could not send 'refuse': "):
+        server_module._send(writer, REFUSE, {"reason": "gone"}, 1.0)
+
+
 def test_a_peer_whose_process_ends_is_let_go_at_once():
     running = Running(peer_timeout=30.0)
     session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
