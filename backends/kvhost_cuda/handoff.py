@@ -57,7 +57,7 @@ from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost_cuda.gpucheck import median_seconds, memcpy_seconds
 from kvhost_tools.bench.sender import Batch, Peer, Setting
 from kvhost_tools.bench.transfer import Setup, check_tokens, fill_sentinel, hand_off_layered, same_landing
-from kvhost_tools.bench.ways import KVHOST, Batched, Pair, layered_descriptors, repost, span_name
+from kvhost_tools.bench.ways import KVHOST, Pair, layered_descriptors, repost, span_name
 from kvhost_tools.demo.netenv import QUIET
 
 SPANS = (64 << 10, 1 << 20, 0)  # the transport alone: descriptors of these sizes (0: one per layer)
@@ -106,7 +106,8 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
         peer = receiver.add_peer(sender.metadata)
         per_piece, merged = receiver.reader(plan, peer, max_descriptor_bytes=None), receiver.reader(plan, peer)
         assert sender.pack_table is not None
-        packed = Batched(receiver.reader(plan_transfer(local_table, sender.pack_table), peer), batch.packed_pairs())
+        packed = receiver.reader(plan_transfer(local_table, sender.pack_table), peer)
+        packed_pairs = batch.packed_pairs()
         host = kvhost.KVHost(local, axes=axes)
         order, size = plan.remote_order, plan.remote_block_size
 
@@ -129,7 +130,7 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
 
         def read_packed() -> None:
             sender.pack()
-            read(packed.reader, packed.pairs)()
+            read(packed, packed_pairs)()
 
         def hand_off_packed() -> None:
             read_packed()
@@ -145,7 +146,7 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
             "hand-off-layered": hand_off_layered(merged, batch, host, plan),
         }
         merged_count = int(merged.batch_descriptors(pairs)[0].shape[0])
-        packed_count = int(packed.reader.batch_descriptors(packed.pairs)[0].shape[0])
+        packed_count = int(packed.batch_descriptors(packed_pairs)[0].shape[0])
         descriptors = {
             "per-piece": int(per_piece.batch_descriptors(pairs)[0].shape[0]),
             "merged": merged_count,
