@@ -14,6 +14,7 @@ from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
 from kvhost_tools.bench import cli, machine, output, targets, timing, workloads
 from kvhost_tools.bench.baseline import PerRequestReceiver, PerRequestStager, wire_view
 from kvhost_tools.bench.methods import BASELINE, KVHOST, KVHOST_FN, ROOFLINE
+from kvhost_tools.bench.output import ROUNDING_TOLERANCE
 
 TARGET_SCENARIOS = {"receive-r4", "receive-g4", "stage-runs", "stage-scattered", "identity", "front-end"}
 
@@ -44,11 +45,13 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
             assert len(entry["samples_s"]) == len(entry["run_queue_wait_s"]) == len(entry["used"]) == row["rounds_run"]
             used = [t for t, keep in zip(entry["samples_s"], entry["used"]) if keep]
             assert len(used) == entry["rounds"] >= 3
-            assert entry["median_s"] == pytest.approx(float(np.median(used)), rel=1e-4)  # JSON keeps 5 digits
+            assert entry["median_s"] == pytest.approx(
+                float(np.median(used)), rel=ROUNDING_TOLERANCE
+            )  # JSON keeps 5 digits
             assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
-            assert entry["gbps"] == pytest.approx(row["bytes"] / entry["median_s"] / 1e9, rel=1e-4)
+            assert entry["gbps"] == pytest.approx(row["bytes"] / entry["median_s"] / 1e9, rel=ROUNDING_TOLERANCE)
         best = methods[row["baseline_best"]]["median_s"]
-        assert methods[KVHOST]["speedup"] == pytest.approx(best / methods[KVHOST]["median_s"], rel=1e-4)
+        assert methods[KVHOST]["speedup"] == pytest.approx(best / methods[KVHOST]["median_s"], rel=ROUNDING_TOLERANCE)
     # Every scenario's first point was checked against the baseline, bit for bit.
     firsts = {}
     for row in roofline_rows:

@@ -15,6 +15,7 @@ from kvhost.errors import KVHostError
 from kvhost.nixl.agent import DEFAULT_THREADS
 from kvhost_tools.bench import cli, sender, ways
 from kvhost_tools.bench.methods import ROOFLINE
+from kvhost_tools.bench.output import ROUNDING_TOLERANCE
 
 
 @needs_nixl
@@ -81,13 +82,17 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     for name, entry in methods.items():
         used = [t for t, keep in zip(entry["samples_s"], entry["used"]) if keep]
         assert len(used) == entry["rounds"] >= 1 and entry["median_s"] > 0
-        assert entry["median_s"] == pytest.approx(float(np.median(used)), rel=1e-4)
+        assert entry["median_s"] == pytest.approx(float(np.median(used)), rel=ROUNDING_TOLERANCE)
         if not name.startswith(("build ", "plan ")):
-            assert entry["fraction"] == pytest.approx(methods[ROOFLINE]["median_s"] / entry["median_s"], rel=1e-4)
-            assert entry["gbps"] == pytest.approx(section["bytes"] / entry["median_s"] / 1e9, rel=1e-4)
+            assert entry["fraction"] == pytest.approx(
+                methods[ROOFLINE]["median_s"] / entry["median_s"], rel=ROUNDING_TOLERANCE
+            )
+            assert entry["gbps"] == pytest.approx(section["bytes"] / entry["median_s"] / 1e9, rel=ROUNDING_TOLERANCE)
     assert section["baseline_best"] in (ways.PER_PIECE, ways.UNMERGED)
     best = methods[section["baseline_best"]]["median_s"]
-    assert methods[ways.KVHOST]["speedup"] == pytest.approx(best / methods[ways.KVHOST]["median_s"], rel=1e-4)
+    assert methods[ways.KVHOST]["speedup"] == pytest.approx(
+        best / methods[ways.KVHOST]["median_s"], rel=ROUNDING_TOLERANCE
+    )
     handoff = methods[ways.HANDOFF]
     assert handoff["transfer_median_s"] > 0 and handoff["receive_median_s"] > 0
     layered = methods[ways.LAYERED]

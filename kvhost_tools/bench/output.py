@@ -186,8 +186,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+SIGNIFICANT_DIGITS = 5
+# What a value derived from up to three rounded ones (a ratio of two medians, itself rounded) may
+# differ by, relatively: half a unit in the last kept digit, three times over.
+ROUNDING_TOLERANCE = 3 * 0.5 * 10 ** (1 - SIGNIFICANT_DIGITS)
+
+
 def to_json(value: Any) -> str:
-    """Indented JSON with every list of numbers on one line, and floats to 5 significant digits."""
+    """Indented JSON with every list of numbers on one line, and floats to SIGNIFICANT_DIGITS
+    significant digits."""
     if isinstance(value, dict):
         items = [f"{json.dumps(key)}: {to_json(item)}" for key, item in value.items()]
         return "{\n" + ",\n".join(" " + item.replace("\n", "\n ") for item in items) + "\n}"
@@ -196,5 +203,5 @@ def to_json(value: Any) -> str:
     if isinstance(value, list):
         return "[\n" + ",\n".join(" " + to_json(v).replace("\n", "\n ") for v in value) + "\n]"
     if isinstance(value, float) and math.isfinite(value):
-        return json.dumps(float(f"{value:.5g}"))
+        return json.dumps(float(f"{value:.{SIGNIFICANT_DIGITS}g}"))
     return json.dumps(value)
