@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from kvhost.nixl.engine import EngineSpec, check_compatible
 from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
-from kvhost.nixl.framing import Message, encode, read_arrived
+from kvhost.nixl.framing import Message, encode, read_arrived, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, AUTH_SECONDS
 from kvhost.nixl.peers import (
     BEAT,
@@ -291,21 +291,12 @@ class Server:
 
 
 def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: float, *, blob: bytes = b"") -> None:
-    """One frame on a non-blocking socket, within ``timeout`` seconds."""
-    frame = memoryview(encode(kind, header, blob))
-    deadline = time.monotonic() + timeout
+    """``framing.send`` on one of the server's sockets, left non-blocking after it as the
+    server keeps them; with no time left nothing is offered (half a frame is worse than none)."""
     try:
-        while frame:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ProtocolError(f"could not send {kind!r} within {timeout:g} s: the peer does not read")
-            sock.settimeout(left)
-            sent = sock.send(frame)
-            frame = frame[sent:]
-    except TimeoutError:
-        raise ProtocolError(f"could not send {kind!r} within {timeout:g} s: the peer does not read") from None
-    except OSError as err:
-        raise ProtocolError(f"could not send {kind!r}: {err}") from None
+        if timeout <= 0:
+            raise ProtocolError(f"could not send {kind!r} within {timeout:g} s: the peer does not read")
+        send(sock, kind, header, blob, timeout=timeout)
     finally:
         with contextlib.suppress(OSError):
             sock.setblocking(False)
