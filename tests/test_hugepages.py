@@ -8,6 +8,7 @@ import errno
 import mmap
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -104,6 +105,15 @@ def test_huge_page_size_from_the_kernel(tmp_path, monkeypatch, fresh_probes) -> 
 @needs_collapse
 def test_collapse_works_where_the_kernel_has_it() -> None:
     assert collapse_works() is True
+
+
+@needs_collapse
+def test_the_probe_needs_no_open_file() -> None:
+    """The probe maps anonymous memory: a daemon started with its standard input closed
+    gets the same answer (a probe handed a file descriptor would fail there)."""
+    probe = "import os; os.close(0); from kvhost.nixl.hugepages import collapse_works; print(collapse_works())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
 
 
 def test_no_madvise_off_linux(monkeypatch, fresh_probes) -> None:
