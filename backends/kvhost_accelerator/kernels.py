@@ -284,21 +284,12 @@ def receive_calls(
 
     One launch in registers or slots mode; split, one per round of ``launch.schedule``.
     """
-    rows = launch.rows
     constants = dict(
         PARTS=launch.parts,
         PIECES=launch.pieces,
         REGION_WORDS=launch.region_words,
-        ROWS=rows.rows,
-        RUN=rows.run,
-        **_each("D", rows.dims),
-        **_each("S", rows.src_strides),
-        TILE_ROWS=launch.tile.rows,
-        TILE_RUN=launch.tile.run,
-        ALIGN=launch.align_bytes,
-        WORD=TRITON_WORDS[launch.word_bytes],
-        WORD_BYTES=launch.word_bytes,
-        num_warps=launch.num_warps,
+        **_each("S", launch.rows.src_strides),
+        **_tiling(launch),
         # One stage: no load of a later step is hoisted above a barrier.
         num_stages=1,
     )
@@ -358,19 +349,22 @@ def copy_call(
             *rows.src_strides,
             *rows.dst_strides,
         ),
-        dict(
-            SRC_INDEXED=src_ids is not None,
-            DST_INDEXED=dst_ids is not None,
-            ROWS=rows.rows,
-            RUN=rows.run,
-            **_each("D", rows.dims),
-            TILE_ROWS=launch.tile.rows,
-            TILE_RUN=launch.tile.run,
-            ALIGN=launch.align_bytes,
-            WORD=TRITON_WORDS[launch.word_bytes],
-            WORD_BYTES=launch.word_bytes,
-            num_warps=launch.num_warps,
-        ),
+        dict(SRC_INDEXED=src_ids is not None, DST_INDEXED=dst_ids is not None, **_tiling(launch)),
+    )
+
+
+def _tiling(launch: ReceiveLaunch | CopyLaunch) -> dict[str, Any]:
+    """The constants both kernels take alike: the rows they move, their tile, word and warps."""
+    return dict(
+        ROWS=launch.rows.rows,
+        RUN=launch.rows.run,
+        **_each("D", launch.rows.dims),
+        TILE_ROWS=launch.tile.rows,
+        TILE_RUN=launch.tile.run,
+        ALIGN=launch.align_bytes,
+        WORD=TRITON_WORDS[launch.word_bytes],
+        WORD_BYTES=launch.word_bytes,
+        num_warps=launch.num_warps,
     )
 
 
