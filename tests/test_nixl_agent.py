@@ -84,8 +84,10 @@ def test_a_closed_agent_refuses_every_call_and_closes_twice():
 
 @needs_nixl
 def test_worker_threads_reach_nixl_and_bad_counts_are_refused():
-    """``threads`` is NIXL's num_threads for UCX: the default (vLLM's), none, or a count given."""
-    for threads, params in ((None, {"num_threads": str(DEFAULT_THREADS)}), (0, {}), (3, {"num_threads": "3"})):
+    """``threads`` is NIXL's num_threads for UCX: the default (vLLM's), none, or a count given,
+    up to and including the most an agent takes."""
+    accepted = ((None, {"num_threads": str(DEFAULT_THREADS)}), (0, {}), (3, {"num_threads": "3"}))
+    for threads, params in (*accepted, (MAX_THREADS, {"num_threads": str(MAX_THREADS)})):
         options = {} if threads is None else {"threads": threads}
         with Agent(f"threads-{threads}", progress_thread=False, **options) as agent:
             assert agent.nixl.get_backend_params("UCX") == params
