@@ -480,6 +480,33 @@ def test_save_rejects_bad_ids_by_request_and_changes_nothing():
     assert all(torch.equal(raw(t), b) for t, b in zip(host.values(), before))
 
 
+def test_host_ids_are_checked_against_the_smallest_host_buffer_of_any_shape():
+    """The host buffers' block count is read off K/V tuples as off single tensors, and is the
+    fewest any buffer holds; buffers that are not even a layer dict, or whose tensors are not
+    shaped as named, are refused by the copy itself, as layout errors."""
+    device = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
+    pairs = VllmCaches({name: tuple(t.unbind(0)) for name, t in device.items()}, axes="KBNHC")
+    small_pairs = pairs.host_buffers(num_blocks=4)
+    assert all(isinstance(layer, tuple) for layer in small_pairs.values())
+    fill(small_pairs, seed=8)
+    before = [raw(t).clone() for layer in small_pairs.values() for t in layer]
+    with pytest.raises(kvhost.RequestError, match=r"request 'b': host buffer block id 5 at position 0 .* \[0, 4\)"):
+        pairs.save_to_host(small_pairs, {"a": [1], "b": [5]})
+    assert all(torch.equal(raw(t), b) for t, b in zip((t for layer in small_pairs.values() for t in layer), before))
+
+    kv = VllmCaches(device, "flash_attn")
+    uneven = kv.host_buffers(num_blocks=6)
+    first = next(iter(uneven))
+    uneven[first] = uneven[first][:, :5]  # one layer holds 5 blocks: ids are checked against 5
+    with pytest.raises(kvhost.RequestError, match=r"request 'b': host buffer block id 5 at position 0 .* \[0, 5\)"):
+        kv.load_from_host(uneven, {"a": [1], "b": [5]})
+    with pytest.raises(kvhost.LayoutError, match="expected a mapping of layer name to tensor, got list"):
+        kv.save_to_host(list(kv.host_buffers().values()), {"a": [1]})
+    flat = {name: torch.zeros(64) for name in device}  # one dim where five are named
+    with pytest.raises(kvhost.LayoutError):
+        kv.save_to_host(flat, {"a": [1]})
+
+
 def test_host_buffer_mode_end_to_end_with_a_tpu_style_sender():
     """Prefill on a TPU-style cache, decode on a FlashAttention one, both through host buffers.
 
