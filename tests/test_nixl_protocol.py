@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import os
 import random
 import socket
@@ -40,7 +41,17 @@ from kvhost.nixl import (
     region_table,
     send,
 )
-from kvhost.nixl.framing import HEADER_BYTES, MAGIC, MAX_JSON_VALUES, VERSION, json_values, parse_header
+from kvhost.nixl.errors import PeerClosedError
+from kvhost.nixl.framing import (
+    HEADER_BYTES,
+    MAGIC,
+    MAX_JSON_VALUES,
+    VERSION,
+    Message,
+    json_values,
+    parse_header,
+    read_arrived,
+)
 from kvhost.nixl.handshake import parse_requests, request_columns
 from kvhost.nixl.peers import CHALLENGE, ENGINE, KNOCK, OFFER, connect, nonce_of, parse_offer, proof
 from kvhost.testing import make_cache
@@ -460,6 +471,67 @@ def test_decode_rejects_a_bad_offer_on_the_socket(payload, close, message):
             connect(listener.getsockname(), SECRET, SPEC, timeout=1.0)
         done.set()
         thread.join(5)
+
+
+def test_a_frame_of_another_kind_than_expected_is_named():
+    a, b = socket.socketpair()
+    with a, b:
+        send(a, "done", {}, timeout=1.0)
+        with pytest.raises(ProtocolError, match=r"^expected a 'hello' message, got 'done'$"):
+            receive(b, timeout=1.0, expect="hello")
+        send(a, "hello", {"n": 1}, timeout=1.0)
+        assert receive(b, timeout=1.0, expect="hello").header == {"n": 1}
+
+
+def _arrived(sock: socket.socket, data: bytearray) -> Message | None:
+    return read_arrived(sock, data, limit=1 << 20)
+
+
+def test_read_arrived_reads_frames_piece_by_piece_and_never_past_one():
+    """On a non-blocking socket: None until a frame is whole, then the message (blob and
+    arrays too), ``data`` emptied; a second frame already behind it is left for the next call."""
+    ids = np.arange(5, dtype=np.uint64)
+    first = encode("offer", {"ids": ids, "note": "first"}, b"metadata")
+    second = encode("done", {"ids": ids[::-1].copy()}, b"more")
+    writer, reader = socket.socketpair()
+    with writer, reader:
+        reader.setblocking(False)
+        data = bytearray()
+        assert _arrived(reader, data) is None
+        cuts = [0, 3, HEADER_BYTES, HEADER_BYTES + 7, len(first) - 9, len(first)]
+        for start, end in itertools.pairwise(cuts[:-1]):
+            writer.sendall(first[start:end])
+            assert _arrived(reader, data) is None and len(data) == end
+        writer.sendall(first[cuts[-2] :] + second)  # the rest of the first, and all of the second
+        message = _arrived(reader, data)
+        assert message is not None and not data
+        assert (message.kind, message.blob, message.header["note"]) == ("offer", b"metadata", "first")
+        assert Fields(message.header, "offer", message.arrays).array("ids").tolist() == ids.tolist()
+        message = _arrived(reader, data)
+        assert message is not None and not data
+        assert (message.kind, message.blob) == ("done", b"more")
+        assert Fields(message.header, "done", message.arrays).array("ids").tolist() == ids[::-1].tolist()
+        assert _arrived(reader, data) is None
+
+
+def test_read_arrived_says_where_a_peer_closed_and_when_the_socket_failed():
+    frame = encode("done", {})
+    closes = {
+        b"": r"^the peer closed the connection$",
+        frame[:10]: r"^the peer closed the connection 10 bytes into a frame$",
+    }
+    for sent, said in closes.items():
+        writer, reader = socket.socketpair()
+        with reader:
+            writer.sendall(sent)
+            writer.close()
+            with pytest.raises(PeerClosedError, match=said):
+                _arrived(reader, bytearray())  # blocking here: reads what was sent, then the close
+    writer, reader = socket.socketpair()
+    writer.close()
+    reader.close()
+    with pytest.raises(PeerClosedError, match=r"^the connection failed: "):
+        _arrived(reader, bytearray())
 
 
 def test_an_offer_without_extra_fields_has_only_its_own():
