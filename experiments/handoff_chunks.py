@@ -22,27 +22,20 @@ Every chunked way is checked to leave every request's tokens, bit for bit, befor
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import numpy as np
+import transfer_rig
 
 import kvhost
 from kvhost.caches import CacheSet
 from kvhost.nixl import Reader, Transfer
-from kvhost.nixl.hugepages import back_with_huge_pages
 from kvhost_tools.bench import transfer
-from kvhost_tools.bench.cli import parse
-from kvhost_tools.bench.machine import block_ranges
-from kvhost_tools.bench.methods import ROOFLINE, Workspace
 from kvhost_tools.bench.sender import TIMEOUT_S, Batch
-from kvhost_tools.bench.timing import measure
 from kvhost_tools.bench.ways import BATCH, HANDOFF, KVHOST, NixlTransfer
-from kvhost_tools.bench.workloads import PRESETS
 
 
 def chunks_of(batch: Batch, setup: transfer.Setup, chunk_bytes: int) -> list[list[int]]:
@@ -138,26 +131,17 @@ def main(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--chunks", default="4,16", help="chunk sizes, MiB, comma-separated")
     ours, rest = parser.parse_known_args(argv)
-    args = parse(["--transfer", "--in-process", *rest])
-    args.argv = list(rest)
-    setup = transfer.connect(args)
-    try:
-        transfer.verify(setup, args.inflight)
+    with transfer_rig.connected(rest) as rig:
+        setup = rig.setup
         batch, axes = setup.batch, setup.batch.setting.axes
-        nbytes = setup.plan.bytes_for(sum(len(r) for r in batch.remote_ids))
-        device = transfer.BothSides(args.cache, setup.peer)
-        space = Workspace(device)
         host = kvhost.KVHost(setup.local, axes=axes)
-        merged = setup.transfer(BATCH, args.inflight)
+        merged = setup.transfer(BATCH, rig.args.inflight)
 
         def handoff() -> None:
             merged()
             transfer.post_process(setup, host)
 
-        methods: dict[str, Callable[[], object]] = {ROOFLINE: space.memcpy(nbytes, device.device, device.device)}
-        ring = space.memcpy_ranges(nbytes, device.device, device.device)
-        back_with_huge_pages([(int(address), int(length)) for address, length in ring])
-        methods |= {BATCH: merged, HANDOFF: handoff}
+        methods: dict[str, Callable[[], object]] = {BATCH: merged, HANDOFF: handoff}
         truth = CacheSet(batch.sender_caches(), axes)
         for mib in (int(x) for x in ours.chunks.split(",")):
             groups = chunks_of(batch, setup, mib << 20)
@@ -167,21 +151,9 @@ def main(argv: Sequence[str]) -> None:
                     way()
                     transfer.check_tokens(batch, CacheSet(setup.local, axes), truth)
                 methods[f"{name}/{mib}MiB ({len(groups)})"] = way
-        ids = np.array(sorted({b for r in batch.local_ids for b in r}), dtype=np.int64)
-        touched = np.concatenate([block_ranges(setup.local, axes, ids), ring])
-        preset = replace(PRESETS["full"], seconds_per_point=args.seconds)
-        measured = measure(methods, device, preset, args.rounds, random.Random(args.seed), touched)
-        samples = measured.used_samples()
-        roof = samples[ROOFLINE].median
-        for name, sample in samples.items():
-            print(f"{name:24s} {sample.median * 1e3:8.2f} ms  {roof / sample.median:.2f} of memcpy")
+        rig.measure_and_print(methods)
         cuts = sorted({min(count, len(batch.remote_ids)) for count in (1, 2, 4, 8, 40)})  # no empty transfer
         post_and_wait(setup, cuts, repeats=15)
-    finally:
-        for reader in setup.readers.values():
-            reader.close()
-        setup.agent.close()
-        setup.peer.close()
 
 
 if __name__ == "__main__":
