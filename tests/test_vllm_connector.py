@@ -265,6 +265,37 @@ def test_cache_registration_for_every_layout(vllm_env, layout):
     assert described <= {t.data_ptr() for t in caches.values()}  # the very views vLLM registered
 
 
+@pytest.mark.parametrize("host_buffer", [False, True])
+def test_registration_asks_for_huge_pages_under_the_caches_and_the_host_buffers(vllm_env, monkeypatch, host_buffer):
+    """Registering asks for huge pages under every tensor kvhost describes, then (host-buffer
+    mode) under every host buffer, and keeps what each ask did, added up."""
+    from kvhost.integrations import vllm_connector
+    from kvhost.nixl.hugepages import HugePages
+
+    asked: list[list[torch.Tensor]] = []
+
+    def record(tensors):
+        asked.append(list(tensors))
+        return HugePages(len(asked[-1]) << 21, len(asked) << 21, f"ask {len(asked)}")
+
+    monkeypatch.setattr(vllm_connector, "back_host_tensors_with_huge_pages", record)
+    _, worker, _ = make_worker(vllm_env, "LBNHC", host_buffer=host_buffer)
+
+    def views(tensors):
+        return [(t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors]
+
+    assert views(asked[0]) == views(m.tensor for m in worker.kvhost.caches.members)
+    if not host_buffer:
+        assert len(asked) == 1 and worker.kvhost_huge_pages == HugePages(len(asked[0]) << 21, 1 << 21, "ask 1")
+        return
+    buffers = [
+        t for layer in worker.host_xfer_buffers.values() for t in (layer if isinstance(layer, tuple) else (layer,))
+    ]
+    assert len(asked) == 2 and views(asked[1]) == views(buffers)
+    expected = HugePages((len(asked[0]) + len(asked[1])) << 21, 3 << 21, "ask 1; ask 2")
+    assert worker.kvhost_huge_pages == expected
+
+
 # --- a step: several senders, partial blocks, a failed request ---------------------------
 
 
