@@ -33,7 +33,6 @@ class Rig:
     args: argparse.Namespace
     setup: transfer.Setup
     device: transfer.BothSides
-    nbytes: int  # the batch's bytes
     memcpy: Callable[[], None]
     ring: np.ndarray  # (address, bytes) of what the memcpy touches
 
@@ -65,7 +64,7 @@ def connected(argv: Sequence[str]) -> Iterator[Rig]:
         space = Workspace(device)
         ring = space.memcpy_ranges(nbytes, device.device, device.device)
         back_with_huge_pages([(int(address), int(length)) for address, length in ring])
-        yield Rig(args, setup, device, nbytes, space.memcpy(nbytes, device.device, device.device), ring)
+        yield Rig(args, setup, device, space.memcpy(nbytes, device.device, device.device), ring)
     finally:
         for reader in setup.readers.values():
             reader.close()

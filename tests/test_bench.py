@@ -45,9 +45,7 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
             assert len(entry["samples_s"]) == len(entry["run_queue_wait_s"]) == len(entry["used"]) == row["rounds_run"]
             used = [t for t, keep in zip(entry["samples_s"], entry["used"]) if keep]
             assert len(used) == entry["rounds"] >= 3
-            assert entry["median_s"] == pytest.approx(
-                float(np.median(used)), rel=ROUNDING_TOLERANCE
-            )  # JSON keeps 5 digits
+            assert entry["median_s"] == pytest.approx(float(np.median(used)), rel=ROUNDING_TOLERANCE)
             assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
             assert entry["gbps"] == pytest.approx(row["bytes"] / entry["median_s"] / 1e9, rel=ROUNDING_TOLERANCE)
         best = methods[row["baseline_best"]]["median_s"]
