@@ -170,7 +170,7 @@ class KVHost:
         if first is not None and first.is_cpu:  # the usual peer, a host buffer: no torch.device made (tens of us cold)
             return self.backend
         device = _device_of(caches, axes, role)
-        if device.type in ("cpu", self.device.type):
+        if device.type == self.device.type:
             return self.backend
         return _backend(None, _copy_device(self.device, device))
 

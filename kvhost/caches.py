@@ -372,7 +372,7 @@ class ReceiveGroup:
         return self.rearrangement.unit_bytes * self.layout.outer_count * len(self.members)
 
 
-def check_owned_once(members: list[Member], role: str, *, split: bool = False) -> None:
+def check_owned_once(members: list[Member], role: str, *, split: bool) -> None:
     """Raise unless every block region of every member is memory no other region shares.
 
     Two names for one tensor, a tuple holding one tensor twice, two tensors over one

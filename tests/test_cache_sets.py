@@ -265,3 +265,78 @@ def test_a_copy_result_s_job_is_the_batch_s_first():
     result = kvhost.copy_blocks(src, dst, [1, 2, 5], [3, 4, 6], axes="KBNHC")
     assert result.job is not None and [s.layer for s, _ in result.job.pairs] == ["a"]
     assert result.runs == 2
+
+
+def test_a_peer_in_any_mapping_is_read_once_while_it_holds_the_same_tensors(monkeypatch):
+    # Not only dicts: a read-only view of an engine's dict is a mapping too, and choosing the
+    # backend must not read the whole set to find the first tensor's device.
+    import types
+
+    import kvhost.api
+
+    host = kvhost.KVHost({"a": cache(), "b": cache(2)}, axes="KBNHC")
+    reads: list[object] = []
+    real = kvhost.api.CacheSet
+
+    def counted(caches, *args, **kwargs):  # type: ignore[no-untyped-def]
+        reads.append(caches)
+        return real(caches, *args, **kwargs)
+
+    monkeypatch.setattr(kvhost.api, "CacheSet", counted)
+    peer = types.MappingProxyType({"a": empty(), "b": empty()})
+    host.copy_to(peer, [1], [1])
+    host.copy_to(peer, [2], [2])
+    assert reads == [peer]
+    assert torch.equal(raw(peer["b"][:, 2]), raw(host.caches.layers["b"][0].tensor[:, 2]))
+
+
+def test_a_group_s_repr_leaves_out_what_a_backend_derived_from_it():
+    # A backend keeps arrays and views in ``derived``; a group printed while debugging stays short.
+    src, dst = CacheSet({"a": cache()}, "KBNHC"), CacheSet({"a": cache(2)}, "KBNHC")
+    (copy_group,) = src.copy_groups(dst).groups
+    (receive_group,) = src.receive_groups("HNC", 4)
+    for group in (copy_group, receive_group):
+        group.derived["cpu"] = "what-a-backend-derived"
+        text = repr(group)
+        assert "what-a-backend-derived" not in text and "derived" not in text
+        assert text.startswith(type(group).__name__ + "(")
+
+
+def test_layers_given_as_lists_are_the_tensors_registered_even_when_the_list_changes():
+    # A K/V list is the engine's object: what it holds later is not what was registered.
+    k, v = cache(1).unbind(0)
+    expected = (k.clone(), v.clone())
+    kvhost.receive({"a": expected}, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    given = [k, v]
+    host = kvhost.KVHost({"a": given}, axes="KBNHC")
+    stranger = torch.zeros_like(k)
+    given[0] = stranger
+    host.receive({"r": [1]}, remote_order="HNC", remote_block_size=4, layers=["a"])
+    assert torch.equal(raw(k), raw(expected[0])) and torch.equal(raw(v), raw(expected[1]))
+    assert not raw(stranger).any(), "a tensor put in the list after registering was written"
+
+
+def test_copies_with_a_peer_on_the_registered_device_or_the_host_run_on_the_registered_backend():
+    # A backend instance given to KVHost serves its device's copies whatever the registry
+    # would pick: with a host peer, and with a peer on the same device.
+    from kvhost.backend import Backend, Completion
+
+    class Recording(Backend):
+        name = "recording"
+        device_types = ("meta",)
+
+        def __init__(self) -> None:
+            self.copies: list[tuple[str, str]] = []
+
+        def receive(self, job):  # type: ignore[no-untyped-def]
+            raise AssertionError("no receive here")
+
+        def copy(self, job):  # type: ignore[no-untyped-def]
+            self.copies.append((job.src_device.type, job.dst_device.type))
+            return Completion()
+
+    recording = Recording()
+    host = kvhost.KVHost({"a": cache(device="meta")}, axes="KBNHC", backend=recording)
+    host.copy_from({"a": empty()}, [1], [2]).wait()  # a host buffer
+    host.copy_to({"a": cache(device="meta")}, [2], [3]).wait()  # another tensor on the device
+    assert recording.copies == [("cpu", "meta"), ("meta", "meta")]

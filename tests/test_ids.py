@@ -169,3 +169,13 @@ def test_long_values_are_cut_short_in_messages():
 
     assert message(b"x" * 37) == "bytes b'" + "x" * 37 + "'"  # 40 characters: quoted whole
     assert message(b"x" * 38) == "bytes b'" + "x" * 35 + "..."  # 41: the first 37 and an ellipsis
+
+
+@pytest.mark.parametrize("bits", [8, 16, 32, 64])
+@pytest.mark.parametrize("sign", ["", "u"])
+def test_ids_as_tensors_of_every_whole_byte_integer_type_are_accepted(sign, bits):
+    dtype = getattr(torch, f"{sign}int{bits}")
+    batch = IdBatch(8)
+    batch.add("ids", torch.tensor([5, 2], dtype=dtype))
+    batch.check()
+    assert batch.array().tolist() == [5, 2]
