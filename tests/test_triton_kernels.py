@@ -248,3 +248,20 @@ def test_split_receive_of_two_layers_with_k_outside_the_block(monkeypatch, guard
     monkeypatch.setattr(kernels, "receive_calls", recorded)
     receive_conformance(tiny_target(SPLIT), layout, "g", k, order)
     assert seen == [("split", 2, 2)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "order"), [("BKNHC", "NKHC"), ("LBHNC/BLHNC", "NLHC")])
+def test_split_receive_of_units_cut_into_pieces(monkeypatch, guarded_scratch, layout, order):
+    """A unit cut along the dim both sides lead with (g = 2: the local block): every piece
+    read from and written back at its own offset in the unit."""
+    kernels = load_kernels()
+    original, seen = kernels.receive_calls, []
+
+    def recorded(launch, **tables):
+        seen.append((launch.mode, launch.pieces))
+        return original(launch, **tables)
+
+    monkeypatch.setattr(kernels, "receive_calls", recorded)
+    receive_conformance(tiny_target(SPLIT), layout, "g", 2, order)
+    assert seen == [("split", 2)]
