@@ -69,6 +69,20 @@ def guarded_scratch(monkeypatch):
         assert (memory[:GUARD_WORDS] == SENTINEL).all() and (memory[GUARD_WORDS + words :] == SENTINEL).all()
 
 
+@pytest.fixture
+def receive_launches(monkeypatch):
+    """Every receive launch the kernels are asked for, with its tables, in order."""
+    kernels = load_kernels()
+    original, launches = kernels.receive_calls, []
+
+    def recorded(launch, **tables):
+        launches.append((launch, tables))
+        return original(launch, **tables)
+
+    monkeypatch.setattr(kernels, "receive_calls", recorded)
+    return launches
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[::11])
 def test_receive_through_scratch_in_tiny_tiles(guarded_scratch, layout, kind, k, order):
@@ -83,18 +97,10 @@ def test_receive_split_over_launches(guarded_scratch, layout, kind, k, order):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("layout", "kind", "k", "order"), CASES[7::22])
-def test_receive_through_slots_grown_beyond_the_budget(guarded_scratch, monkeypatch, layout, kind, k, order):
+def test_receive_through_slots_grown_beyond_the_budget(guarded_scratch, receive_launches, layout, kind, k, order):
     """Where the budget holds too few slots, grown ones: one launch, and the bytes as split mode leaves them."""
-    kernels = load_kernels()
-    original, modes = kernels.receive_calls, []
-
-    def recorded(launch, **tables):
-        modes.append(launch.mode)
-        return original(launch, **tables)
-
-    monkeypatch.setattr(kernels, "receive_calls", recorded)
     receive_conformance(tiny_target(GROWN), layout, kind, k, order)
-    assert set(modes) <= {"slots"}
+    assert {launch.mode for launch, _ in receive_launches} <= {"slots"}
 
 
 @pytest.mark.timeout(300)
@@ -236,32 +242,17 @@ def test_gpu_check_rows_count_launches_and_compare_bytes():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("layout", "k", "order"), [("KBNHC/NHD", 2, "HNC"), ("KBNHC/HND", 4, "HNC")])
-def test_split_receive_of_two_layers_with_k_outside_the_block(monkeypatch, guarded_scratch, layout, k, order):
+def test_split_receive_of_two_layers_with_k_outside_the_block(guarded_scratch, receive_launches, layout, k, order):
     """Split items count (member, outer index, unit, piece): two layers and two outer offsets use every part."""
-    kernels = load_kernels()
-    original, seen = kernels.receive_calls, []
-
-    def recorded(launch, **tables):
-        seen.append((launch.mode, tables["bases"].numel(), tables["outer_offsets"].numel()))
-        return original(launch, **tables)
-
-    monkeypatch.setattr(kernels, "receive_calls", recorded)
     receive_conformance(tiny_target(SPLIT), layout, "g", k, order)
+    seen = [(launch.mode, t["bases"].numel(), t["outer_offsets"].numel()) for launch, t in receive_launches]
     assert seen == [("split", 2, 2)]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("layout", "order"), [("BKNHC", "NKHC"), ("LBHNC/BLHNC", "NLHC")])
-def test_split_receive_of_units_cut_into_pieces(monkeypatch, guarded_scratch, layout, order):
+def test_split_receive_of_units_cut_into_pieces(guarded_scratch, receive_launches, layout, order):
     """A unit cut along the dim both sides lead with (g = 2: the local block): every piece
     read from and written back at its own offset in the unit."""
-    kernels = load_kernels()
-    original, seen = kernels.receive_calls, []
-
-    def recorded(launch, **tables):
-        seen.append((launch.mode, launch.pieces))
-        return original(launch, **tables)
-
-    monkeypatch.setattr(kernels, "receive_calls", recorded)
     receive_conformance(tiny_target(SPLIT), layout, "g", 2, order)
-    assert seen == [("split", 2)]
+    assert [(launch.mode, launch.pieces) for launch, _ in receive_launches] == [("split", 2)]
