@@ -1050,7 +1050,8 @@ def received_request(local, remote=None, engine="hnd", **extra):
 
 def post_process(worker, finished):
     """What ``get_transfer_results`` post-processes for ``finished``: None when kvhost has nothing to do."""
-    received, engines, tokens = worker._post_process_batch(finished)
+    received, engines, tokens, named = worker._post_process_batch(finished)
+    assert named == {request for by_request in received.values() for request in by_request} & set(finished)
     return worker.kvhost.post_process(received, engines, tokens=tokens) if received else None
 
 
@@ -1082,6 +1083,22 @@ def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_e
         "big": ("LBHNC", 128),
         "big/1": ("LBHNC", 64),
     }
+    # Ids are anyone's strings: a peer that calls itself "big/1" (token-major) and a request
+    # "b/2" in the same step keep their names and their sender's layout; the part's take
+    # names no id of the step has.
+    _, nhd = sender_workers(vllm_env, {"big/1": ("LBNHC", 64)})
+    worker.add_remote_agent(nhd["big/1"], 0, 1)
+    step = {"b": request([9, 4, 6], [5, 1], "big"), "b/2": request([7], [3], "big/1")}
+    received, engines, _, named = worker._post_process_batch(step)
+    assert received == {"big": {"b": [9, 4]}, "big/1'": {"b/2'": [6]}, "big/1": {"b/2": [7]}}
+    assert {name: (e.kv_cache_layout, e.block_size) for name, e in engines.items()} == {
+        "big": ("LBHNC", 128),
+        "big/1'": ("LBHNC", 64),
+        "big/1": ("LBNHC", 64),
+    }
+    assert named == {"b", "b/2"}
+    stats = post_process(worker, step)
+    assert stats is not None and stats.requests == 3 and stats.skipped_blocks == 1  # token-major: nothing to do
 
 
 def test_first_position_counts_kernel_blocks_of_the_prefix_hit(vllm_env):
@@ -1358,17 +1375,18 @@ def test_a_step_whose_kvhost_work_fails_reports_its_requests_failed(vllm_env, co
     else:  # host buffers smaller than the ids loaded
         registered = worker.host_xfer_buffers
         worker.host_xfer_buffers = worker.kvhost.host_buffers(num_blocks=8)
-    requests = {"a": ([30, 9], [0, 5, 2, 7], "s"), "b": ([40], [6, 1], "s")}
+    # Ids of a client's choosing (vLLM builds a request's id from its X-Request-Id header).
+    requests = {"user/a": ([30, 9], [0, 5, 2, 7], "s"), "user/b": ([40], [6, 1], "s")}
     with patch.object(worker, "_log_failure", wraps=worker._log_failure) as logged:
         steps = drive(connector, worker, requests)
     finished = set().union(*(f for f, _, _ in steps))
     failed = set().union(*(f for _, f, _ in steps))
-    assert finished == failed == {"a", "b"}
+    assert finished == failed == {"user/a", "user/b"}
     assert worker.get_block_ids_with_load_errors() == {30, 9, 40}
     assert worker.last_post_process is None
     kind = {"post_process": "post_process_failed", "load_from_host": "host_load_failed"}[fails]
     logged_failures = sorted((c.kwargs["req_id"], c.kwargs["failure_type"]) for c in logged.call_args_list)
-    assert logged_failures == [("a", kind), ("b", kind)]
+    assert logged_failures == [("user/a", kind), ("user/b", kind)]
     assert all(isinstance(c.kwargs["error"], RequestError) for c in logged.call_args_list)
     if fails == "load_from_host":
         worker.host_xfer_buffers = registered

@@ -501,8 +501,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             pending = {r: self._receiving[r] for r in done if r in self._receiving}
             named = set(pending)  # until the batch says which of them kvhost rearranges
             try:
-                received, engines, tokens = self._post_process_batch(pending)
-                named = {request.split("/")[0] for by_request in received.values() for request in by_request}
+                received, engines, tokens, named = self._post_process_batch(pending)
                 if received:
                     self.last_post_process = self.kvhost.post_process(received, engines, tokens=tokens)
             except Exception as err:
@@ -529,11 +528,17 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _post_process_batch(
         self, finished: Mapping[str, Any]
-    ) -> tuple[dict[str, dict[str, list[int]]], dict[str, RemoteEngine], dict[str, int]]:
-        """``post_process``'s arguments for the finished requests whose bytes kvhost finishes."""
+    ) -> tuple[dict[str, dict[str, list[int]]], dict[str, RemoteEngine], dict[str, int], set[str]]:
+        """``post_process``'s arguments for the finished requests whose bytes kvhost finishes,
+        and those requests' ids. A sender block read in part is a request of its own, from
+        a sender of its own, under names no engine or request of the step has (ids are
+        anyone's strings: a peer names its engine, a client its request)."""
         received: dict[str, dict[str, list[int]]] = {}
         engines: dict[str, RemoteEngine] = {}
         tokens: dict[str, int] = {}
+        named: set[str] = set()
+        taken = set(finished) | {meta.remote.engine_id for meta in finished.values() if meta.remote is not None}
+        part_senders: dict[tuple[str, int], str] = {}
         local_size = self.block_size
         for req_id, meta in finished.items():
             if meta.region_blocks_to_zero is not None or meta.remote is None:
@@ -549,18 +554,32 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 # Each of our blocks got whole bytes; a sender block read in part reads as a
                 # sender whose blocks hold that part: engine/parts, request/offset.
                 for offset, length, parts in larger.pieces(self._first_position(meta), len(local_ids)):
-                    whole = parts == larger.g
-                    name, request = (engine, req_id) if whole else (f"{engine}/{parts}", f"{req_id}/{offset}")
+                    if parts == larger.g:
+                        name, request = engine, req_id
+                    else:
+                        if (engine, parts) not in part_senders:
+                            part_senders[engine, parts] = _unused(f"{engine}/{parts}", taken)
+                        name, request = part_senders[engine, parts], _unused(f"{req_id}/{offset}", taken)
                     engines[name] = RemoteEngine(layout, parts * local_size)
                     received.setdefault(name, {})[request] = list(local_ids[offset : offset + length])
+                named.add(req_id)
                 continue
+            named.add(req_id)
             engines[engine] = remote_engine
             (remote_ids,) = meta.remote.block_ids
             received.setdefault(engine, {})[req_id] = list(local_ids)
             arrived = min(len(local_ids) * local_size, len(remote_ids) * remote_size)
             if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
-        return received, engines, tokens
+        return received, engines, tokens, named
+
+
+def _unused(name: str, taken: set[str]) -> str:
+    """``name``, primed until no name in ``taken`` is the same; taken from then on."""
+    while name in taken:
+        name += "'"
+    taken.add(name)
+    return name
 
 
 def _region_table(
