@@ -18,6 +18,7 @@ import sys
 import warnings
 import weakref
 from functools import cached_property
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -27,7 +28,7 @@ from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _Hos
 from kvhost_accelerator.launch import Limits, plan_copy_launch
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
-from kvhost_cuda.gpucheck import Sizes, agreement, host_profile, measure, one_request_receive, table
+from kvhost_cuda.gpucheck import Sizes, agreement, host_profile, measure, one_request_receive, relative_paths, table
 from kvhost_cuda.gpucheck import main as gpucheck_main
 from kvhost_xpu import XpuBackend
 from kvhost_xpu.backend import load_ipex_if_needed
@@ -729,6 +730,14 @@ def test_gpu_check_profiles_a_one_request_receive():
     assert "Ordered by: internal time" in report
     rows = [line.split() for line in report.splitlines() if line.rstrip().endswith("(receive)")]
     assert len(rows) >= 3 and all(row[0] == "3" for row in rows), report
+    # Named as the repository names them (kvhost/api.py), not where this machine keeps it.
+    assert "kvhost/api.py:" in report and str(Path(kvhost.__file__).parent) not in report, report
+    assert relative_paths(f"{Path(kvhost.__file__).resolve().parents[1]}/kvhost/api.py:1(f)") == "kvhost/api.py:1(f)"
+    assert (
+        relative_paths("/opt/v/lib/python3.12/site-packages/triton/jit.py:5(run)")
+        == "site-packages/triton/jit.py:5(run)"
+    )
+    assert relative_paths("/usr/lib/python3/dist-packages/numpy/x.py") == "site-packages/numpy/x.py"
 
 
 # --- on a device ---------------------------------------------------------------------

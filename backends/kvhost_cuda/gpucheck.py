@@ -36,6 +36,7 @@ import functools
 import io
 import json
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -429,7 +430,14 @@ def host_profile(run: Callable[[], object], device: torch.device, calls: int = 2
     _sync(device)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+    return relative_paths(text.getvalue())
+
+
+def relative_paths(text: str) -> str:
+    """File names as the repository and the installed packages name them, not where this
+    machine keeps them (the report is committed as a record)."""
+    root = f"{Path(kvhost.__file__).resolve().parents[1]}/"
+    return re.sub(r"\S*/(?:site|dist)-packages/", "site-packages/", text.replace(root, ""))
 
 
 def one_request_receive(device: torch.device, backend: Backend, sizes: Sizes) -> Callable[[], object]:
