@@ -1051,7 +1051,7 @@ def received_request(local, remote=None, engine="hnd", **extra):
 def post_process(worker, finished):
     """What ``get_transfer_results`` post-processes for ``finished``: None when kvhost has nothing to do."""
     received, engines, tokens, named = worker._post_process_batch(finished)
-    assert named == {request for by_request in received.values() for request in by_request} & set(finished)
+    assert named <= set(finished)
     return worker.kvhost.post_process(received, engines, tokens=tokens) if received else None
 
 
@@ -1088,17 +1088,21 @@ def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_e
     # names no id of the step has.
     _, nhd = sender_workers(vllm_env, {"big/1": ("LBNHC", 64)})
     worker.add_remote_agent(nhd["big/1"], 0, 1)
-    step = {"b": request([9, 4, 6], [5, 1], "big"), "b/2": request([7], [3], "big/1")}
+    step = {
+        "b": request([9, 4, 6], [5, 1], "big"),
+        "b/2": request([7], [3], "big/1"),
+        "c": request([11], [8], "big"),  # the part of another request: the same part sender
+    }
     received, engines, _, named = worker._post_process_batch(step)
-    assert received == {"big": {"b": [9, 4]}, "big/1'": {"b/2'": [6]}, "big/1": {"b/2": [7]}}
+    assert received == {"big": {"b": [9, 4]}, "big/1'": {"b/2'": [6], "c/0": [11]}, "big/1": {"b/2": [7]}}
     assert {name: (e.kv_cache_layout, e.block_size) for name, e in engines.items()} == {
         "big": ("LBHNC", 128),
         "big/1'": ("LBHNC", 64),
         "big/1": ("LBNHC", 64),
     }
-    assert named == {"b", "b/2"}
+    assert named == {"b", "b/2", "c"}
     stats = post_process(worker, step)
-    assert stats is not None and stats.requests == 3 and stats.skipped_blocks == 1  # token-major: nothing to do
+    assert stats is not None and stats.requests == 4 and stats.skipped_blocks == 1  # token-major: nothing to do
 
 
 def test_first_position_counts_kernel_blocks_of_the_prefix_hit(vllm_env):

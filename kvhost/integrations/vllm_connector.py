@@ -538,7 +538,6 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         tokens: dict[str, int] = {}
         named: set[str] = set()
         taken = set(finished) | {meta.remote.engine_id for meta in finished.values() if meta.remote is not None}
-        part_senders: dict[tuple[str, int], str] = {}
         local_size = self.block_size
         for req_id, meta in finished.items():
             if meta.region_blocks_to_zero is not None or meta.remote is None:
@@ -549,6 +548,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             (local_ids,) = meta.local_physical_block_ids  # one transfer group (register_kv_caches)
             if not local_ids:
                 continue
+            named.add(req_id)
             larger = self.larger_remote_blocks.get(engine)
             if larger is not None:
                 # Each of our blocks got whole bytes; a sender block read in part reads as a
@@ -557,14 +557,10 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     if parts == larger.g:
                         name, request = engine, req_id
                     else:
-                        if (engine, parts) not in part_senders:
-                            part_senders[engine, parts] = _unused(f"{engine}/{parts}", taken)
-                        name, request = part_senders[engine, parts], _unused(f"{req_id}/{offset}", taken)
+                        name, request = _unused(f"{engine}/{parts}", taken), _unused(f"{req_id}/{offset}", taken)
                     engines[name] = RemoteEngine(layout, parts * local_size)
                     received.setdefault(name, {})[request] = list(local_ids[offset : offset + length])
-                named.add(req_id)
                 continue
-            named.add(req_id)
             engines[engine] = remote_engine
             (remote_ids,) = meta.remote.block_ids
             received.setdefault(engine, {})[req_id] = list(local_ids)
@@ -575,10 +571,10 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
 
 def _unused(name: str, taken: set[str]) -> str:
-    """``name``, primed until no name in ``taken`` is the same; taken from then on."""
+    """``name``, primed until no name in ``taken`` is the same. Names made so never meet
+    one another: each is an id, a ``/`` and a number of its own, then its primes."""
     while name in taken:
         name += "'"
-    taken.add(name)
     return name
 
 
