@@ -9,6 +9,7 @@ for the two calls a Transfer makes and answers them from a script.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -25,6 +26,7 @@ from kvhost.errors import ArgumentError
 from kvhost.nixl import Agent, NixlUnavailableError, ProtocolError, TransferError, plan_transfer, region_table
 from kvhost.nixl.agent import (
     DEFAULT_THREADS,
+    MAX_PEER_NAME,
     MAX_THREADS,
     Link,
     Transfer,
@@ -38,7 +40,7 @@ from kvhost.nixl.ucx import UCX_CUDA_DEFAULTS, _cuda_driver_loads
 from kvhost.testing import raw
 
 SIZES = dict(K=2, H=2, C=8)
-MINE = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory
+MINE = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory (kvhost.nixl.agent.NIXL_LOCAL_AGENT)
 
 
 def nixl_accepts(agent, owner, rows, memory="DRAM"):
@@ -203,6 +205,39 @@ def test_an_agent_name_a_second_peer_claims_is_refused_and_the_first_kept():
         receiver.reader(plan_transfer(local_table, first_table), "twin").read([1], [0, 1, 2, 3]).wait(timeout=20)
         receiver.remove_peer("twin")
         assert receiver.add_peer(second.metadata()) == "twin"  # once let go, the name is free
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_a_peer_agent_name_that_is_not_plain_text_or_is_nixls_local_name_is_refused_and_let_go(monkeypatch):
+    """A peer names its agent in its metadata, and the name then names it in every NIXL
+    call and message. Bytes that are not UTF-8 (two such names would read as one), control
+    characters, a name longer than MAX_PEER_NAME and NIXL's name for the local agent (read
+    as our own memory wherever a transfer's side is named) are refused as ProtocolErrors,
+    and NIXL lets go of what it loaded; a plain name of MAX_PEER_NAME is a peer."""
+    longest, longer = "n" * MAX_PEER_NAME, "n" * (MAX_PEER_NAME + 1)
+    names = ["peer-name-xyzw", "line\nbreak", MINE, longest, longer]
+    with Agent("names-receiver") as receiver, contextlib.ExitStack() as stack:
+        peers = {name: stack.enter_context(Agent(name)) for name in names}
+        removed = Spy(monkeypatch, receiver.nixl, "remove_remote_agent")
+        garbled = peers["peer-name-xyzw"].metadata().replace(b"peer-name-xyzw", b"peer-name-xy\xff\xfe")
+        refusals = [
+            (garbled, r"peer agent name b'peer-name-xy\\xff\\xfe' is not UTF-8 text", b"peer-name-xy\xff\xfe"),
+            (peers["line\nbreak"].metadata(), r"peer agent name: expected printable text, got 'line\\nbreak'", None),
+            (peers[MINE].metadata(), r"peer agent name 'NIXL_INIT_AGENT' is NIXL's name for the local agent", None),
+            (peers[longer].metadata(), rf"peer agent name: expected a string of 1 to {MAX_PEER_NAME} characters", None),
+        ]
+        for metadata, message, raw_name in refusals:
+            removed.calls.clear()
+            with pytest.raises(ProtocolError, match=message):
+                receiver.add_peer(metadata)
+            assert len(removed.calls) == 1 and not receiver._peers
+            if raw_name is not None:
+                assert removed.calls[0][0] == raw_name
+            else:
+                assert not receiver.nixl.check_remote_metadata(removed.calls[0][0].decode()), "NIXL kept the peer"
+        assert receiver.add_peer(peers[longest].metadata()) == longest
+        assert receiver.add_peer(peers["peer-name-xyzw"].metadata()) == "peer-name-xyzw"
 
 
 @needs_nixl

@@ -27,7 +27,7 @@ from kvhost.caches import CacheSet, Layer
 from kvhost.errors import ArgumentError
 from kvhost.ids import Ids
 from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
-from kvhost.nixl.fields import check_seconds
+from kvhost.nixl.fields import check_seconds, check_text, show
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, stream_extents
 from kvhost.nixl.tables import RegionTable, as_cache_set, memory_spans, region_table
@@ -39,6 +39,24 @@ NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 # keeps the NIC resources each thread takes (UARs on Mellanox NICs) few.
 DEFAULT_THREADS = 4
 MAX_THREADS = 64
+# A peer names its own agent: the name must be text that names only it. NIXL reads this
+# one as the local agent where a transfer's side is named (prep_xfer_dlist), and a name
+# reaches every message about the peer, so its length is bounded (a FQDN and more).
+NIXL_LOCAL_AGENT = "NIXL_INIT_AGENT"
+MAX_PEER_NAME = 1024
+
+
+def _peer_name(loaded: object) -> str:
+    """The agent name NIXL read from a peer's metadata (bytes, or str in some bindings), as
+    text that names only that peer; a ProtocolError where it is not."""
+    try:
+        name = loaded.decode() if isinstance(loaded, bytes) else loaded
+    except UnicodeDecodeError:
+        raise ProtocolError(f"peer agent name {show(loaded)} is not UTF-8 text") from None
+    name = check_text(name, "peer agent name", max_length=MAX_PEER_NAME)
+    if name == NIXL_LOCAL_AGENT:
+        raise ProtocolError(f"peer agent name {name!r} is NIXL's name for the local agent")
+    return name
 
 
 @cache
@@ -169,10 +187,15 @@ class Agent:
 
     def _load_peer(self, metadata: bytes) -> str:
         try:
-            name = self._nixl.add_remote_agent(metadata)
+            loaded = self._nixl.add_remote_agent(metadata)
         except Exception as err:
             raise ProtocolError(f"peer agent metadata ({len(metadata)} bytes) rejected by NIXL: {err}") from None
-        return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        try:
+            return _peer_name(loaded)
+        except ProtocolError:
+            with contextlib.suppress(Exception):  # NIXL has loaded it: let go of it under its own name
+                self._nixl.remove_remote_agent(loaded)
+            raise
 
     def remove_peer(self, peer: str) -> None:
         if peer in self._peers:
