@@ -98,7 +98,7 @@ class Running:
         self.thread.join(within)
         assert not self.thread.is_alive(), "the server did not return"
         self.listener.close()
-        return self.server.records
+        return list(self.server.records)
 
 
 def test_a_decode_engine_takes_the_offer_beats_and_says_done():
@@ -751,6 +751,23 @@ def test_a_server_serves_several_decode_engines_at_once():
         session.close()
     records = running.finish()
     assert sorted((r.outcome, r.ok) for r in records) == [("closed", None), ("done", False), ("done", True)]
+    server = running.server
+    assert (server.proven, server.ended, server.done_ok) == (3, {"closed": 1, "done": 2}, 1)
+
+
+def test_a_long_lived_server_keeps_the_latest_records_and_counts_every_peer(monkeypatch):
+    """A server may serve for months, and a peer that holds the secret may come back in a
+    loop: only the latest MAX_RECORDS records are kept; the counts (what ``serve`` stops on
+    and the prefill reports) keep every peer, refused ones included."""
+    monkeypatch.setattr(server_module, "MAX_RECORDS", 2)
+    running = Running(peers=3, peer_timeout=5.0)
+    for ok in (True, False, True):
+        session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+        session.done(ok=ok, timeout=5)
+        session.close()
+        time.sleep(0.1)  # ended in this order
+    assert [r.ok for r in running.finish()] == [False, True]
+    assert (running.server.proven, running.server.ended, running.server.done_ok) == (3, {"done": 3}, 2)
 
 
 def test_secret_files_are_private_and_checked(tmp_path):

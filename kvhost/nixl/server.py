@@ -23,6 +23,7 @@ import os
 import selectors
 import socket
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ from kvhost.nixl.peers import (
 )
 
 MAX_CONNECTIONS = 64  # proven or not, held at once
+MAX_RECORDS = 1024  # the latest proven peers' records kept (a server may run for months); counts keep all
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,10 @@ class Server:
         self.auth_timeout = check_seconds(auth_timeout, "auth timeout", positive=True)
         self.send_timeout = check_seconds(send_timeout, "send timeout", positive=True)
         self.log = log or (lambda line: None)
-        self.records: list[PeerRecord] = []
+        self.records: deque[PeerRecord] = deque(maxlen=MAX_RECORDS)  # the latest, held ones included
+        self.proven = 0  # connections that proved the secret: peers
+        self.ended: Counter[str] = Counter()  # peers whose holds ended, by outcome
+        self.done_ok = 0  # peers that said done, and that all went well
         self.dropped = 0  # connections that never proved the secret
         self._connections: dict[socket.socket, _Connection] = {}
 
@@ -143,8 +148,8 @@ class Server:
             selector.register(self.listener, selectors.EVENT_READ)
             try:
                 while True:
-                    ended = sum(1 for r in self.records if r.outcome != "refused")
-                    if (peers is not None and ended >= peers and not self._holding()) or (stop and stop()):
+                    served = self.proven - self.ended["refused"]
+                    if (peers is not None and served >= peers and not self._holding()) or (stop and stop()):
                         return
                     now = time.monotonic()
                     if self._connections:
@@ -240,6 +245,7 @@ class Server:
             raise ProtocolError("wrong proof of the secret")
         record = conn.record = PeerRecord(conn.address)
         self.records.append(record)  # proven: from here on it is a peer, and what happens to it is recorded
+        self.proven += 1
         conn.held_since = time.monotonic()
         try:
             spec = EngineSpec.from_dict(fields.fields("engine").data, "engine.engine")
@@ -285,6 +291,8 @@ class Server:
             return
         conn.record.outcome, conn.record.detail = outcome, detail
         conn.record.held_seconds = time.monotonic() - conn.held_since
+        self.ended[outcome] += 1
+        self.done_ok += outcome == "done" and conn.record.ok is True
         self.log(f"decode at {conn.address}: {conn.record.outcome}" + (f": {detail}" if detail else ""))
         if self.release is not None and conn.offered:
             self.release(conn.record)

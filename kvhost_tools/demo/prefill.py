@@ -195,11 +195,12 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
         for agent in agents:
             agent.close()
     let_go = time.monotonic() - last_release[0]
-    served = [r for r in server.records if r.outcome != "refused"]
+    refused = server.ended["refused"]
+    served = server.proven - refused
     say(
         f"deregistered the cache {let_go:.2f} s after the last decode engine let go; "
-        f"{len(served)} served, {len(server.records) - len(served)} refused, {server.dropped} stray connection(s)"
+        f"{served} served, {refused} refused, {server.dropped} stray connection(s)"
     )
     if not served:
         return EXIT_ERROR
-    return EXIT_OK if all(r.outcome == "done" and r.ok for r in served) else EXIT_FAILED
+    return EXIT_OK if server.done_ok == served else EXIT_FAILED
