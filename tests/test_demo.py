@@ -30,7 +30,7 @@ from kvhost.testing import raw
 from kvhost_tools.demo.cli import main
 from kvhost_tools.demo.config import EXIT_FAILED, EngineShape, Model, Workload
 from kvhost_tools.demo.pull import Rank, Request
-from kvhost_tools.demo.report import Outcome, ProgressBar
+from kvhost_tools.demo.report import Outcome, ProgressBar, prefill_pid
 from kvhost_tools.demo.values import SENTINEL_BYTE, token_values, write_tokens
 from kvhost_tools.demo.verify import verify
 
@@ -517,3 +517,17 @@ def test_engines_park_openmp_workers_before_torch_loads_unless_told(command):
     assert "torch loaded: False" in out and out.strip().endswith("policy: PASSIVE")
     out = subprocess.run(run, env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True, check=True)
     assert out.stdout.strip().endswith("policy: ACTIVE")
+
+
+def test_an_offer_without_a_pid_is_reported_as_pid_0():
+    """kvhost's prefill names its pid in its offer for the report; another engine's offer
+    that names none (or has no fields of its own) is served and reported as pid 0."""
+    from kvhost.nixl.fields import Fields
+    from kvhost.nixl.peers import Offer
+
+    def offer(fields):
+        return Offer(None, [], [], [], fields=fields)  # type: ignore[arg-type]
+
+    assert prefill_pid(offer(Fields({"pid": 4321}, "offer"))) == 4321
+    assert prefill_pid(offer(Fields({"want": "all"}, "offer"))) == 0
+    assert prefill_pid(offer(None)) == 0

@@ -70,7 +70,7 @@ from kvhost_tools.demo.options import (
     workload_of,
 )
 from kvhost_tools.demo.pull import Engine, Rank, Request, Settings, Steps, pull
-from kvhost_tools.demo.report import Outcome, describe_decode, memcpy_gbps, print_report, write_json
+from kvhost_tools.demo.report import Outcome, describe_decode, memcpy_gbps, prefill_pid, print_report, write_json
 from kvhost_tools.demo.values import SENTINEL_BYTE
 from kvhost_tools.demo.verify import verify
 
@@ -213,7 +213,7 @@ def run(
             decode_ranks=shape.tp,
             spare_blocks=len(spare),
             pool=pool,
-            prefill_pids=[e.session.offer.fields.integer("pid") if e.session.offer.fields else 0 for e in engines],
+            prefill_pids=[prefill_pid(e.session.offer) for e in engines],
         )
         describe_decode(model, shape, engines, outcome)
 

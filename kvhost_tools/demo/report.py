@@ -20,6 +20,7 @@ import torch
 from kvhost_tools.demo.config import EngineShape, Model
 
 if TYPE_CHECKING:
+    from kvhost.nixl.peers import Offer
     from kvhost_tools.demo.pull import Engine
 
 
@@ -63,6 +64,13 @@ class Outcome:
         return not (self.failed or self.mismatched or self.error) and len(self.verified) == self.figures.get("requests")
 
 
+def prefill_pid(offer: Offer) -> int:
+    """The pid a prefill engine's offer names, 0 where it names none: kvhost's prefill adds
+    it for the report, and an engine that leaves it out is still served."""
+    extra = offer.fields
+    return extra.integer("pid") if extra is not None and "pid" in extra.data else 0
+
+
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
     """This machine's copy rate right now (median of a few): the yardstick for the figures above."""
     size = min(max(nbytes, 1 << 20), 64 << 20)
@@ -90,7 +98,7 @@ def describe_decode(model: Model, shape: EngineShape, engines: Sequence[Engine],
         offer = engine.session.offer
         spec = offer.spec
         extra = offer.fields
-        pid = extra.integer("pid") if extra is not None and "pid" in extra.data else 0
+        pid = prefill_pid(offer)
         filled = extra.seconds("fill_seconds", default=0.0) if extra is not None else 0.0
         feeds = sorted({s.rank for plan in engine.plans for s in plan.sources})
         sender = EngineShape.of_order(spec.layout, spec.block_size, spec.tp_size)
