@@ -309,6 +309,8 @@ def test_unsendable_headers_are_protocol_errors():
         encode(OFFER, {"pid": float("inf")})
     with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
         encode(OFFER, {"pid": object()})
+    with pytest.raises(ProtocolError, match="message 'offer': its header must not name 'kind'"):
+        encode(OFFER, {"kind": "refuse", "reason": "a header's kind would replace the message's"})
 
 
 def test_an_offer_without_agent_metadata_is_refused():

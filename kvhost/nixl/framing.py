@@ -63,6 +63,8 @@ def encode(kind: str, header: Mapping[str, Any], blob: bytes = b"") -> bytes:
 
     Flat unsigned numpy integer arrays anywhere in ``header`` travel as arrays.
     """
+    if "kind" in header:  # it would replace the message's own kind
+        raise ProtocolError(f"message {kind!r}: its header must not name 'kind'")
     parts: list[bytes] = []
     size = 0
 
