@@ -30,6 +30,7 @@ from kvhost.nixl.agent import (
     MAX_THREADS,
     Link,
     Transfer,
+    _peer_name,
     layer_by_layer,
     merge_domains,
     post_rows,
@@ -238,6 +239,15 @@ def test_a_peer_agent_name_that_is_not_plain_text_or_is_nixls_local_name_is_refu
                 assert not receiver.nixl.check_remote_metadata(removed.calls[0][0].decode()), "NIXL kept the peer"
         assert receiver.add_peer(peers[longest].metadata()) == longest
         assert receiver.add_peer(peers["peer-name-xyzw"].metadata()) == "peer-name-xyzw"
+
+
+def test_a_peer_agent_name_given_as_text_is_checked_as_text():
+    """NIXL 1.5's binding gives a peer's name as bytes; one that gives text is read the same."""
+    assert _peer_name("prefill-r0") == "prefill-r0" == _peer_name(b"prefill-r0")
+    with pytest.raises(ProtocolError, match="peer agent name 'NIXL_INIT_AGENT' is NIXL's name for the local agent"):
+        _peer_name("NIXL_INIT_AGENT")
+    with pytest.raises(ProtocolError, match="peer agent name: expected a string of 1 to 1024 characters, got 7"):
+        _peer_name(7)
 
 
 @needs_nixl
