@@ -133,6 +133,11 @@ class Server:
         self._connections: dict[socket.socket, _Connection] = {}
 
     @property
+    def served(self) -> int:
+        """Peers offered blocks so far (proven and not refused), held ones included."""
+        return self.proven - self.ended["refused"]
+
+    @property
     def beat_seconds(self) -> float:
         """How often peers are told to beat: four beats fit in ``peer_timeout``."""
         return min(max(self.peer_timeout / 4, 0.05), 60.0)
@@ -148,8 +153,7 @@ class Server:
             selector.register(self.listener, selectors.EVENT_READ)
             try:
                 while True:
-                    served = self.proven - self.ended["refused"]
-                    if (peers is not None and served >= peers and not self._holding()) or (stop and stop()):
+                    if (peers is not None and self.served >= peers and not self._holding()) or (stop and stop()):
                         return
                     now = time.monotonic()
                     if self._connections:

@@ -195,12 +195,10 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
         for agent in agents:
             agent.close()
     let_go = time.monotonic() - last_release[0]
-    refused = server.ended["refused"]
-    served = server.proven - refused
     say(
         f"deregistered the cache {let_go:.2f} s after the last decode engine let go; "
-        f"{served} served, {refused} refused, {server.dropped} stray connection(s)"
+        f"{server.served} served, {server.ended['refused']} refused, {server.dropped} stray connection(s)"
     )
-    if not served:
+    if not server.served:
         return EXIT_ERROR
-    return EXIT_OK if server.done_ok == served else EXIT_FAILED
+    return EXIT_OK if server.done_ok == server.served else EXIT_FAILED
