@@ -138,11 +138,10 @@ def child(scenario: str, mib: int, repeats: int) -> dict[str, object]:
 
 def omp_env(cores: str) -> dict[str, str]:
     """The OpenMP variables vLLM 0.33's ``configure_omp_envs`` sets for a worker on ``cores``
-    (no OpenMP library preloaded)."""
-    ids = []
-    for part in cores.split(","):
-        first, _, last = part.partition("-")
-        ids += range(int(first), int(last or first) + 1)
+    (no OpenMP library preloaded), ``cores`` read by vLLM's own parser of the binding."""
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    ids = parse_id_list(cores)
     listed = ",".join(str(i) for i in ids)
     return {"OMP_NUM_THREADS": str(len(ids)), "OMP_PLACES": f"{{{listed}}}", "OMP_PROC_BIND": "true"}
 
