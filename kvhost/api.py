@@ -103,11 +103,15 @@ class KVHost:
         still arriving (``kvhost.nixl.Reader.read_layers``).
         """
         with self.backend.exclusive():
-            caches = self.caches if layers is None else self._layers(layers)
-            return _receive(caches, requests, remote_order, remote_block_size, self.backend, registered=True)
+            if layers is None:
+                return _receive(self.caches, requests, remote_order, remote_block_size, self.backend, registered=True)
+            key, caches = self._layers(layers)
+            stats = _receive(caches, requests, remote_order, remote_block_size, self.backend, registered=True)
+            self._some_layers.put(key, caches)  # kept once a receive was planned with it: a refused call leaves nothing
+            return stats
 
-    def _layers(self, layers: Sequence[str]) -> CacheSet:
-        """The registered layers ``layers`` names, as a set of their own (made once, kept)."""
+    def _layers(self, layers: Sequence[str]) -> tuple[tuple[str, ...], CacheSet]:
+        """The registered layers ``layers`` names, as a set of their own (made once), and its key."""
         if isinstance(layers, str) or not isinstance(layers, (list, tuple)):
             raise ArgumentError(f"layers must be a list or tuple of layer names, got {layers!r}")
         key = tuple(layers)
@@ -116,7 +120,7 @@ class KVHost:
         except TypeError:  # a name that is not even hashable: the checks below word it
             known = None
         if known is not None:
-            return known
+            return key, known
         if not key:
             raise ArgumentError("layers: name at least one layer (None: every layer)")
         for index, name in enumerate(key):
@@ -126,7 +130,7 @@ class KVHost:
                 raise ArgumentError(f"layers[{index}]: {name!r} is named twice")
         # Made from the tensors as they are now: only while they are where they were registered.
         self.caches.check_current()
-        return self._some_layers.put(key, CacheSet({name: self._given[name] for name in key}, self.caches.axes))
+        return key, CacheSet({name: self._given[name] for name in key}, self.caches.axes)
 
     def copy_to(
         self,
@@ -138,12 +142,7 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy registered blocks ``src_ids`` out to ``dst`` (e.g. save to a host buffer)."""
-        dst_axes = self.caches.axes if dst_axes is None else dst_axes
-        backend = self._peer_backend(dst, dst_axes, "dst")
-        with backend.exclusive():
-            self.caches.check_current()
-            dest = self._peer(dst, dst_axes, "dst")
-            return _copy(self.caches, dest, src_ids, dst_ids, non_blocking, backend)
+        return self._copy_with(dst, dst_axes, "dst", src_ids, dst_ids, non_blocking)
 
     def copy_from(
         self,
@@ -155,12 +154,31 @@ class KVHost:
         non_blocking: bool = False,
     ) -> CopyResult:
         """Copy blocks ``src_ids`` of ``src`` into registered blocks ``dst_ids`` (a load)."""
-        src_axes = self.caches.axes if src_axes is None else src_axes
-        backend = self._peer_backend(src, src_axes, "src")
+        return self._copy_with(src, src_axes, "src", src_ids, dst_ids, non_blocking)
+
+    def _copy_with(
+        self, peer: Mapping[str, Layer], axes: str | None, role: str, src_ids: Ids, dst_ids: Ids, non_blocking: bool
+    ) -> CopyResult:
+        """A copy between the registered caches and ``peer``, the copy's ``role`` side.
+
+        A connector's host buffer is allocated once and passed on every call; its layouts
+        need not be read again. A few peers are remembered (and kept alive), each only once
+        a copy with it was planned: a refused call leaves nothing behind.
+        """
+        axes = self.caches.axes if axes is None else axes
+        backend = self._peer_backend(peer, axes, role)
         with backend.exclusive():
             self.caches.check_current()
-            source = self._peer(src, src_axes, "src")
-            return _copy(source, self.caches, src_ids, dst_ids, non_blocking, backend)
+            if not isinstance(axes, str):  # not a key to look up; the set says what is wrong
+                CacheSet(peer, axes, role=role)
+            key = (id(peer), axes, role)
+            known = self._peers.get(key)
+            peer_set = known if known is not None and known.describes(peer) else CacheSet(peer, axes, role=role)
+            source, dest = (self.caches, peer_set) if role == "dst" else (peer_set, self.caches)
+            result = _copy(source, dest, src_ids, dst_ids, non_blocking, backend)
+            if peer_set is not known:
+                self._peers.put(key, peer_set)
+            return result
 
     def _peer_backend(self, caches: Mapping[str, Layer], axes: str, role: str) -> Backend:
         """The backend a copy with ``caches`` runs on: the registered one, unless the peer is
@@ -173,18 +191,6 @@ class KVHost:
         if device.type == self.device.type:
             return self.backend
         return _backend(None, _copy_device(self.device, device))
-
-    def _peer(self, caches: Mapping[str, Layer], axes: str, role: str) -> CacheSet:
-        """The other side of a copy, read once while the same mapping holds the same tensors.
-
-        A connector's host buffer is allocated once and passed on every call; its layouts
-        need not be read again. A few peers are remembered (and kept alive).
-        """
-        key = (id(caches), axes, role)
-        known = self._peers.get(key)
-        if known is not None and known.describes(caches):
-            return known
-        return self._peers.put(key, CacheSet(caches, axes, role=role))
 
 
 def _receive(

@@ -46,6 +46,8 @@ class IdBatch:
                 raise RequestError(f"{subject}: block ids must be integers, got an array of {ids.dtype}")
             if isinstance(ids, torch.Tensor) and ids.device.type == "meta":
                 raise RequestError(f"{subject}: block ids on the meta device have no values")
+            if isinstance(ids, torch.Tensor) and ids.layout != torch.strided:
+                raise RequestError(f"{subject}: block ids must be a dense tensor, got a {ids.layout} tensor")
             ids = ids.tolist()
         elif not isinstance(ids, (list, tuple, range)):
             raise RequestError(f"{subject}: block ids must be a {ID_KINDS}, got {type(ids).__name__} {_short(ids)}")

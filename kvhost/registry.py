@@ -233,6 +233,8 @@ def get_backend(device: torch.device | str | torch.Tensor, name: str | None = No
     if isinstance(device, torch.Tensor):
         device = device.device
     if name is not None:
+        if not isinstance(name, str):
+            raise BackendError(f"a backend's name must be a string, got {name!r}")
         device_type = _device_type(device)
         backend = registry.instance(name)
         if not backend.serves(device_type):

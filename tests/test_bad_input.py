@@ -102,6 +102,11 @@ ROWS: dict[str, Row] = {
         kvhost.RequestError,
         "must be integers, got an array of torch.bits8",
     ),
+    "ids sparse tensor": (
+        receive(GOOD | {"bad": torch.tensor([3, 4]).to_sparse()}),
+        kvhost.RequestError,
+        "request 'bad': block ids must be a dense tensor, got a torch.sparse_coo tensor",
+    ),
     "ids meta tensor": (
         receive(GOOD | {"bad": torch.zeros(2, dtype=torch.int64, device="meta")}),
         kvhost.RequestError,
@@ -274,6 +279,11 @@ ROWS: dict[str, Row] = {
     # Backends.
     "backend not a name": (receive(GOOD, backend=5), kvhost.BackendError, "got 5"),
     "backend unknown": (receive(GOOD, backend="nonesuch"), kvhost.BackendError, "'nonesuch'"),
+    "get_backend name a list": (
+        lambda w: kvhost.get_backend("cpu", ["cpu"]),  # type: ignore[arg-type]
+        kvhost.BackendError,
+        "a backend's name must be a string, got ['cpu']",
+    ),
     # The registered object.
     "KVHost ids None": (registered_receive(GOOD | {"bad": None}), kvhost.RequestError, "request 'bad'"),
     "KVHost size 4.9": (registered_receive(GOOD, remote_block_size=4.9), kvhost.RequestError, "got 4.9"),
@@ -298,6 +308,21 @@ ROWS: dict[str, Row] = {
         lambda w: w.kv.copy_to(w.host, [1], [2], dst_axes=False),  # type: ignore[arg-type]
         kvhost.LayoutError,
         "got False",
+    ),
+    "KVHost copy_to dst axes a list": (
+        lambda w: w.kv.copy_to(w.host, [1], [2], dst_axes=list("KBNHC")),  # type: ignore[arg-type]
+        kvhost.LayoutError,
+        "dst: axes must be a string of axis letters, got ['K', 'B', 'N', 'H', 'C']",
+    ),
+    "KVHost copy_from src axes a dict": (
+        lambda w: w.kv.copy_from(w.host, [1], [2], src_axes={}),  # type: ignore[arg-type]
+        kvhost.LayoutError,
+        "src: axes must be a string of axis letters, got {}",
+    ),
+    "KVHost copy_to ids sparse": (
+        lambda w: w.kv.copy_to(w.host, torch.tensor([1, 2]).to_sparse(), [3, 4]),
+        kvhost.RequestError,
+        "src_ids: block ids must be a dense tensor",
     ),
     "KVHost copy_from src axes empty": (
         lambda w: w.kv.copy_from(w.host, [1], [2], src_axes=""),
@@ -348,6 +373,29 @@ def test_bad_input_is_named_and_changes_nothing(name: str) -> None:
     assert type(raised.value) is error or isinstance(raised.value, error), repr(raised.value)
     assert fragment in str(raised.value), f"{fragment!r} not in {raised.value}"
     assert w.same_as(before), "a rejected call changed bytes"
+
+
+REFUSED_WITH_A_NEW_PEER_OR_LAYER_SET = {
+    "copy_to, an id out of range": lambda w, host: w.kv.copy_to(host, [1], [99]),
+    "copy_from, ids of two lengths": lambda w, host: w.kv.copy_from(host, [1, 2], [3]),
+    "receive of some layers, a bad request": lambda w, host: w.kv.receive(
+        GOOD | {"bad": [99]}, remote_order="HNC", remote_block_size=4, layers=["layer1"]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_WITH_A_NEW_PEER_OR_LAYER_SET))
+def test_a_refused_call_leaves_the_registered_object_as_it_was(name: str) -> None:
+    """What a KVHost remembers across calls (peers' layouts, sets of some layers, each
+    keeping its tensors alive) is kept only once a call with it was planned: a refused
+    call neither evicts a peer a connector uses nor keeps the refused buffer alive."""
+    w = world()
+    w.kv.copy_to(w.host, [1], [2])  # the connector's own host buffer, remembered
+    remembered = (list(w.kv._peers._entries.values()), list(w.kv._some_layers._entries.values()))
+    host = {name: tensor.clone() for name, tensor in w.host.items()}  # a peer never seen
+    with pytest.raises(kvhost.KVHostError):
+        REFUSED_WITH_A_NEW_PEER_OR_LAYER_SET[name](w, host)
+    assert (list(w.kv._peers._entries.values()), list(w.kv._some_layers._entries.values())) == remembered
 
 
 def test_the_table_moves_bytes_when_the_bad_part_is_taken_out() -> None:

@@ -133,16 +133,24 @@ def test_a_read_and_a_write_of_one_buffer_are_found_whichever_starts_first(first
 
 def test_a_peer_is_read_once_while_it_holds_the_same_tensors():
     host = kvhost.KVHost({"a": cache(), "b": cache(2)}, axes="KBNHC")
+
+    def read(peer):
+        """The set a copy to ``peer`` used, as the registered object keeps it."""
+        host.copy_to(peer, [1], [1])
+        return host._peers.get((id(peer), "KBNHC", "dst"))
+
     peer = {"a": empty(), "b": empty()}
-    read = host._peer(peer, "KBNHC", "dst")
-    assert host._peer(peer, "KBNHC", "dst") is read
+    first = read(peer)
+    assert first is not None and read(peer) is first
     pairs = {"a": tuple(cache(3).unbind(0)), "b": tuple(cache(4).unbind(0))}  # K and V apart
-    read_pairs = host._peer(pairs, "KBNHC", "dst")
-    assert host._peer(pairs, "KBNHC", "dst") is read_pairs
+    first_pairs = read(pairs)
+    assert first_pairs is not None and read(pairs) is first_pairs
     peer["b"] = empty()  # another tensor under the same name
-    assert host._peer(peer, "KBNHC", "dst") is not read
+    assert read(peer) is not first
     pairs["a"] = pairs["a"][:1]  # one tensor fewer
-    assert host._peer(pairs, "KBNHC", "dst") is not read_pairs
+    with pytest.raises(kvhost.LayoutError):
+        host.copy_to(pairs, [1], [1])
+    assert host._peers.get((id(pairs), "KBNHC", "dst")) is first_pairs  # refused: kept as it was
 
 
 def test_a_peer_that_lost_a_layer_is_refused():
