@@ -177,7 +177,7 @@ def plan_receive_batch(
             batch.add(subject, request)
         key_of_request.append(keys.setdefault(key, len(keys)))
     batch.check()
-    if call_groups is None and call_key not in keys:  # no request takes it, yet a bad argument is refused
+    if call_groups is None:  # the call's own spec is refused as such, whether or not a request takes it
         try:
             caches.receive_groups(*call_key)
         except KVHostError as err:

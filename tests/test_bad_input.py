@@ -141,6 +141,8 @@ ROWS: dict[str, Row] = {
         "remote_block_size 3: remote block size 3 and local block size 8 do not divide",
     ),
     "call order bad, no requests": (receive({}, remote_order="KHC"), kvhost.ArgumentError, "remote_order 'KHC'"),
+    # ... and alike when requests take it: the fault is the call's, not the first request's.
+    "call order bad, requests take it": (receive(GOOD, remote_order="KHC"), kvhost.ArgumentError, "remote_order 'KHC'"),
     "ids in an Incoming": (
         receive(GOOD | {"bad": kvhost.Incoming({3, 4}, "HNC", 4)}),
         kvhost.RequestError,
@@ -213,7 +215,7 @@ ROWS: dict[str, Row] = {
     "block size whole float": (receive(GOOD, remote_block_size=4.0), kvhost.RequestError, "got 4.0"),
     "block size True": (receive(GOOD, remote_block_size=True), kvhost.RequestError, "got True"),
     "block size string": (receive(GOOD, remote_block_size="4"), kvhost.RequestError, "got '4'"),
-    "block size does not divide": (receive(GOOD, remote_block_size=3), kvhost.RequestError, "do not divide"),
+    "block size does not divide": (receive(GOOD, remote_block_size=3), kvhost.ArgumentError, "remote_block_size 3: "),
     "Incoming size 0": (
         receive(GOOD | {"bad": kvhost.Incoming([3], "HNC", 0)}),
         kvhost.RequestError,

@@ -186,6 +186,12 @@ SPEC_PROBLEMS = [
 ]
 
 
+def test_a_dtype_that_is_not_a_name_is_refused_as_such():
+    """Built here (a peer's dtype is read as text of 32 characters at most first)."""
+    with pytest.raises(ArgumentError, match=r"^dtype: \['bfloat16'\] is not one of \['bfloat16'"):
+        EngineSpec(**{**PREFILL.to_dict(), "dtype": ["bfloat16"]})
+
+
 @pytest.mark.parametrize(("change", "message"), SPEC_PROBLEMS)
 def test_a_spec_no_engine_can_have_is_refused_naming_the_field(change, message):
     """Built here it is an ArgumentError; sent by a peer, a ProtocolError that says where."""

@@ -143,6 +143,13 @@ def test_kv_cache_axes(layout, shape, axes):
         ("LBNHC", (100, 16, 256), "shape \\(100, 16, 256\\) has 3 dims"),
         ("BHLNC", (100, 8, 16, 256), "a BHLNC layer view .* no contiguous block region.*cross_layer_view"),
         ("NHD", (2, 100, 16, 8, 128), "unknown vLLM cache layout 'NHD'"),
+        # Never cast: 2.9 is not the 2 of K and V, nor is "2".
+        ("flash_attn", (2.9, 8, 8, 2, 4), r"a cache's shape must be a sequence of integers, got 2.9 in \(2.9, 8"),
+        ("flash_attn", ("2", 8, 8, 2, 4), "a cache's shape must be a sequence of integers, got '2'"),
+        ("flash_attn", (True, 8, 8, 2, 4), "a cache's shape must be a sequence of integers, got True"),
+        ("flash_attn", "KBNHC", "a cache's shape must be a sequence of integers, got 'KBNHC'"),
+        (["flash_attn"], (2, 8, 8, 2, 4), r"layout must be a name \(a str\), got \['flash_attn'\]"),
+        ({}, (2, 8, 8, 2, 4), r"layout must be a name \(a str\), got \{\}"),
     ],
 )
 def test_kv_cache_axes_rejects(layout, shape, message):
@@ -178,6 +185,12 @@ def test_remote_order_rejects_mixed_vocabularies_and_unknown_names():
         remote_order("KBNHC", "KBNHC", "LBHNC")
     with pytest.raises(kvhost.RequestError, match="unknown remote layout 'NDH'"):
         remote_order("BHNC", "BHNC", "NDH")
+    with pytest.raises(kvhost.RequestError, match=r"remote layout must be a name \(a str\), got \['HND'\]"):
+        remote_order("BHNC", "BHNC", ["HND"])
+    with pytest.raises(kvhost.LayoutError, match="physical order 'KNHC' must be the letters of axes 'KBNHC', B among"):
+        remote_order("KBNHC", "KNHC", "HND")
+    with pytest.raises(kvhost.LayoutError, match="physical order 'KBNHQ' has unknown letter"):
+        remote_order("KBNHC", "KBNHQ", "HND")
 
 
 # --- post-process: every KVCacheLayout, per-layer views and whole groups -----------------
@@ -421,6 +434,12 @@ def test_constructor_errors():
     with pytest.raises(kvhost.LayoutError, match="is a tuple; layout 'flash_attn' describes single tensors"):
         VllmCaches(pairs, "flash_attn")
     assert VllmCaches(pairs, axes="KBNHC").caches.layout.axes == "BNHC"
+    with pytest.raises(kvhost.LayoutError, match="kv_caches must map layer name to tensor, got list"):
+        VllmCaches(list(caches.values()), "flash_attn")
+    with pytest.raises(kvhost.LayoutError, match=r"layout must be a name \(a str\), got \['flash_attn'\]"):
+        VllmCaches(caches, ["flash_attn"])
+    with pytest.raises(kvhost.LayoutError, match="kv_caches must map layer name to tensor, got list"):
+        cross_layer_view(list(caches.values()))
 
 
 # --- host staging ------------------------------------------------------------------------
@@ -718,6 +737,27 @@ def test_the_worker_steps_name_bad_arguments():
         with pytest.raises(kvhost.LayoutError, match=f"num_blocks {bad!r} must be a positive integer"):
             kv.host_buffers(num_blocks=bad)
     assert all(t.shape[1] == 1 for t in kv.host_buffers(num_blocks=1).values())
+    with pytest.raises(kvhost.LayoutError, match="host buffers of 4611686018427387904 blocks cannot be made"):
+        kv.host_buffers(num_blocks=2**62)
+    with pytest.raises(kvhost.LayoutError, match="physical must be a string of the caches' axis letters or None, got"):
+        kv.host_buffers(physical=5)
+    saved = {name: raw(t).clone() for name, t in host.items()}
+    with pytest.raises(kvhost.LayoutError, match="dst: axes must be a string of axis letters, got 5"):
+        kv.save_to_host(host, {"a": [3]}, host_axes=5)
+    with pytest.raises(kvhost.LayoutError, match=r"src: axes must be a string of axis letters, got \['K'"):
+        kv.load_from_host(host, {"a": [3]}, host_axes=list("KBNHC"))
+    assert all(torch.equal(raw(t), saved[name]) for name, t in host.items())
+    with pytest.raises(kvhost.RequestError, match=r"remote layout must be a name \(a str\), got \['HND'\]"):
+        kv.remote_order(["HND"])
+    # No tokens is None: 0 or an empty list is not a mapping of token counts, and never
+    # taken for "every block whole".
+    for bad in (0, []):
+        wording = f"tokens must map request id to a token count, got {type(bad).__name__} {re.escape(repr(bad))}"
+        with pytest.raises(kvhost.RequestError, match=wording):
+            kv.post_process({"e": {"r": [1]}}, {"e": RemoteEngine("NHD", BLOCK)}, tokens=bad)
+    # A step whose senders all share one spec gives it for the call: a fault in it still names them.
+    with pytest.raises(kvhost.RequestError, match="engine 'e', 'f': remote_order 'NHC', remote_block_size 3: remote"):
+        kv.post_process({"e": {"r": [1]}, "f": {"s": [2]}}, dict.fromkeys("ef", RemoteEngine("NHD", 3)))
 
 
 def test_host_buffers_of_tuple_layers_are_tuples():

@@ -37,9 +37,9 @@ from kvhost.api import KVHost
 from kvhost.backend import Backend
 from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
-from kvhost.errors import LayoutError, RequestError
+from kvhost.errors import ArgumentError, KVHostError, LayoutError, RequestError
 from kvhost.ids import IdBatch
-from kvhost.layout import Layout
+from kvhost.layout import Layout, check_letters
 from kvhost.stats import CopyResult, ReceiveStats
 
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -57,7 +57,8 @@ def kv_cache_axes(layout: str, shape: Sequence[int]) -> str:
     ``layout`` is a cache format (``flash_attn``, ``flashinfer``, ``mla``) or a KVCacheLayout
     name; a KVCacheLayout cache is a layer view ``[B, H, N, C]`` or a group ``[L, B, H, N, C]``.
     """
-    dims = tuple(int(d) for d in shape)
+    _check_name(layout, "layout", LayoutError)
+    dims = _dims(shape)
     if layout in CACHE_FORMATS and len(dims) == len(GROUP_AXES) - 1:
         return GROUP_AXES[1:]  # vLLM 0.33: every backend's layer view is [B, H, N, C]
     if layout in CACHE_FORMATS:
@@ -100,6 +101,11 @@ def remote_order(axes: str, physical: str, remote_layout: str) -> str:
     that keeps layers apart and, inside a layer, our memory order with tokens or heads
     first. A region sees the sender's order of its own letters only.
     """
+    check_letters(axes, what="axes")
+    check_letters(physical, what="physical order")
+    if "B" not in axes or sorted(physical) != sorted(axes):
+        raise LayoutError(f"physical order {physical!r} must be the letters of axes {axes!r}, B among them")
+    _check_name(remote_layout, "remote layout", RequestError)
     region = physical[physical.index("B") + 1 :]
     if remote_layout in TOKEN_HEAD_ORDERS:
         sender = "L" + _tokens_heads(physical.replace("L", ""), remote_layout)
@@ -133,6 +139,7 @@ def cross_layer_view(kv_caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
     so a layout whose layer views have no contiguous block region (``BHLNC``) can be
     described whole. Layers, in dict order, must share storage, shape, strides and dtype.
     """
+    _check_mapping(kv_caches, "kv_caches")
     views = list(kv_caches.items())
     if not views:
         raise LayoutError("kv_caches: no layers given")
@@ -181,6 +188,9 @@ class VllmCaches:
     ) -> None:
         if (layout is None) == (axes is None):
             raise LayoutError("give exactly one of layout (a vLLM name) and axes (kvhost letters)")
+        _check_mapping(kv_caches, "kv_caches")
+        if layout is not None:
+            _check_name(layout, "layout", LayoutError)
         self.layer_names: tuple[str, ...] | None = None  # set when the layers are seen as their group
         if layout is not None:
             first = _first_tensor(kv_caches, layout)
@@ -216,6 +226,7 @@ class VllmCaches:
 
     def remote_order(self, remote_layout: str) -> str:
         """The order NIXL leaves a ``remote_layout`` sender's bytes in our block regions."""
+        _check_name(remote_layout, "remote layout", RequestError)
         if remote_layout not in self._orders:
             self._orders[remote_layout] = remote_order(self.axes, self.caches.layout.physical, remote_layout)
         return self._orders[remote_layout]
@@ -312,9 +323,9 @@ class VllmCaches:
                     )
                 engine_of[request_id] = engine_id
                 requests[request_id] = ids
+        if tokens is not None and not isinstance(tokens, Mapping):
+            raise RequestError(f"tokens must map request id to a token count, got {type(tokens).__name__} {tokens!r}")
         if tokens:
-            if not isinstance(tokens, Mapping):
-                raise RequestError(f"tokens must map request id to a token count, got {type(tokens).__name__}")
             unknown = [r for r in tokens if r not in engine_of]
             if unknown:
                 raise RequestError(f"tokens name request {unknown[0]!r}, which no engine sent")
@@ -326,7 +337,10 @@ class VllmCaches:
             # Every sender lays blocks out alike: say so once for the call, so that a step
             # whose bytes already read right is only counted, not checked id by id.
             ((order, size),) = layouts
-            return self._kvhost.receive(requests, remote_order=order, remote_block_size=size)
+            try:
+                return self._kvhost.receive(requests, remote_order=order, remote_block_size=size)
+            except ArgumentError as err:  # the senders' spec, given for the call: name the senders
+                raise RequestError(f"engine {', '.join(map(repr, received))}: {err}") from None
         return self._kvhost.receive({r: Incoming(ids, *sender[engine_of[r]]) for r, ids in requests.items()})
 
     # --- host buffers ---------------------------------------------------------------------
@@ -341,6 +355,8 @@ class VllmCaches:
         blocks = self.num_blocks if num_blocks is None else num_blocks
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
             raise LayoutError(f"num_blocks {num_blocks!r} must be a positive integer")
+        if physical is not None and not isinstance(physical, str):
+            raise LayoutError(f"physical must be a string of the caches' axis letters or None, got {physical!r}")
         buffers: dict[str, Layer] = {}
         for name, members in self.caches.layers.items():
             tensors = tuple(_host_tensor(member, physical, blocks) for member in members)
@@ -399,6 +415,8 @@ def _block_count(buffers: Mapping[str, Layer], axes: str) -> int | None:
     layer's tensors without ``K``); None where no tensor has that many dims, whose
     description kvhost's copy then refuses itself."""
     counts: list[int] = []
+    if not isinstance(axes, str):
+        return None
     for layer in buffers.values() if isinstance(buffers, Mapping) else ():
         tensors = layer if isinstance(layer, tuple) else (layer,)
         letters = axes.replace("K", "") if isinstance(layer, tuple) else axes
@@ -433,6 +451,28 @@ def _sized(layout: Layout, order: str) -> str:
     return "".join(a for a in order if layout.size(a) > 1)
 
 
+def _check_mapping(kv_caches: object, what: str) -> None:
+    if not isinstance(kv_caches, Mapping):
+        raise LayoutError(f"{what} must map layer name to tensor, got {type(kv_caches).__name__}")
+
+
+def _check_name(name: object, what: str, error: type[KVHostError]) -> None:
+    if not isinstance(name, str):
+        raise error(f"{what} must be a name (a str), got {name!r}")
+
+
+def _dims(shape: object) -> tuple[int, ...]:
+    """A cache's shape as ints; anything that is not a sequence of integers is refused, not cast."""
+    if isinstance(shape, torch.Size):
+        return tuple(shape)
+    if not isinstance(shape, Sequence) or isinstance(shape, str):
+        raise LayoutError(f"a cache's shape must be a sequence of integers, got {shape!r}")
+    for dim in shape:
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+            raise LayoutError(f"a cache's shape must be a sequence of integers, got {dim!r} in {tuple(shape)}")
+    return tuple(int(d) for d in shape)
+
+
 def _first_tensor(kv_caches: Mapping[str, Layer], layout: str) -> torch.Tensor:
     if not kv_caches:
         raise LayoutError("kv_caches: no layers given")
@@ -454,5 +494,8 @@ def _host_tensor(member: Member, physical: str | None, num_blocks: int) -> torch
             raise LayoutError(f"host layout {physical!r} must use the letters of the caches' axes ({layout.axes!r})")
     sizes = dict(zip(layout.axes, layout.shape))
     sizes["B"] = num_blocks
-    memory = torch.empty([sizes[a] for a in order], dtype=member.tensor.dtype)
+    try:
+        memory = torch.empty([sizes[a] for a in order], dtype=member.tensor.dtype)
+    except RuntimeError as err:  # too large to count or to allocate
+        raise LayoutError(f"host buffers of {num_blocks} blocks cannot be made: {err}") from None
     return memory.permute([order.index(a) for a in layout.axes])

@@ -83,7 +83,7 @@ class EngineSpec:
         """Why this spec cannot describe an engine, or None."""
         if self.kind not in KINDS:
             return f"kind: {self.kind!r} is not one of {KINDS}"
-        if self.dtype not in DTYPE_SIZES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             return f"dtype: {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}"
         for name, most in (
             ("layers", MAX_LAYERS),
