@@ -20,16 +20,19 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_nixl import needs_nixl
 
 from kvhost.caches import CacheSet
+from kvhost.errors import RequestError
+from kvhost.nixl import TransferError
 from kvhost.testing import raw
 from kvhost_tools.demo.cli import main
 from kvhost_tools.demo.config import EXIT_FAILED, EngineShape, Model, Workload
-from kvhost_tools.demo.pull import Rank, Request
+from kvhost_tools.demo.pull import Engine, Rank, Request, Settings, Steps, pull
 from kvhost_tools.demo.report import Outcome, ProgressBar, prefill_pid
 from kvhost_tools.demo.values import SENTINEL_BYTE, token_values, write_tokens
 from kvhost_tools.demo.verify import verify
@@ -531,3 +534,51 @@ def test_an_offer_without_a_pid_is_reported_as_pid_0():
     assert prefill_pid(offer(Fields({"pid": 4321}, "offer"))) == 4321
     assert prefill_pid(offer(Fields({"want": "all"}, "offer"))) == 0
     assert prefill_pid(offer(None)) == 0
+
+
+class StubReader:
+    """A decode rank's reader whose read posts a stub transfer, or raises ``error``."""
+
+    def __init__(self, error=None):
+        self.error, self.posted = error, []
+
+    def read(self, local_ids, remote_ids):
+        if self.error is not None:
+            raise self.error
+        transfer = StubTransfer()
+        self.posted.append(transfer)
+        return [transfer]
+
+
+class StubTransfer:
+    nbytes, released = 0, False
+
+    def poll(self):
+        return False  # never lands: only the failures below end the requests
+
+    def release(self):
+        self.released = True
+
+
+@pytest.mark.parametrize(
+    ("error", "engine_lost"),
+    [(TransferError("rank 1's post failed"), True), (RequestError("remote_ids: block id 3 appears twice"), False)],
+    ids=["link", "request"],
+)
+def test_a_request_one_rank_cannot_post_holds_no_transfer_and_fails_alone_unless_the_link_did(error, engine_lost):
+    """With two decode ranks, the first rank's read is posted before the second's fails:
+    the first is released (never left writing, unreleased, into memory freed at close). A
+    link's failure ends its engine's other requests unstarted; a request's own (a remote
+    id twice) ends that request alone."""
+    first, second = StubReader(), StubReader(error)
+    engine = Engine(0, SimpleNamespace(address="127.0.0.1:1"), readers=[first, second])
+    requests = [Request(f"req-{i}", i, 16, engine, [i], local_ids=[i]) for i in range(2)]
+    settings = Settings(inflight=2, timeout=5.0, step=0.0, axes="KBNHC", backend=None, progress=None)
+    pull(settings, requests, [], Outcome(), Steps(), staging=False)
+    assert first.posted and all(t.released for t in first.posted)
+    assert requests[0].failure == str(error) and requests[0].transfers == []
+    assert (engine.lost is not None) is engine_lost
+    if engine_lost:
+        assert len(first.posted) == 1 and requests[1].failure.startswith("not started: prefill 0")
+    else:
+        assert len(first.posted) == 2 and requests[1].failure == str(error)

@@ -33,6 +33,7 @@ from kvhost.nixl.agent import (
     _peer_name,
     layer_by_layer,
     merge_domains,
+    post_all,
     post_rows,
     release_all,
 )
@@ -129,6 +130,62 @@ def test_the_cuda_driver_probe_answers_what_loading_it_does(monkeypatch):
     monkeypatch.setattr(ctypes, "CDLL", refuse)
     assert _cuda_driver_loads() is False
     _cuda_driver_loads.cache_clear()
+
+
+FROZEN_SENDER = """
+import os, sys, time
+sys.path.insert(0, "tests")
+from test_nixl import caches_for
+from kvhost.nixl import Agent
+from kvhost.nixl.framing import encode
+agent = Agent("frozen-sender")
+table = agent.register(caches_for("KBNHC", "KBHNC", dict(K=2, H=2, C=8), 16, int(sys.argv[2]), seed=5), "KBNHC")
+with open(sys.argv[1] + ".part", "wb") as out:
+    out.write(encode("table", {"table": table.to_dict()}, agent.metadata()))
+os.rename(sys.argv[1] + ".part", sys.argv[1])
+time.sleep(120)
+"""
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp_path):
+    """A read from a frozen peer (SIGSTOP: it cannot serve the bytes) is still in flight when
+    its agent closes, never released by the caller: close cancels it before it deregisters
+    the memory and lets go of the tensors, which the transfer would otherwise write into
+    once the peer runs again (that crashed a process here)."""
+    import signal
+    import subprocess
+    import sys
+
+    from kvhost.nixl import RegionTable
+    from kvhost.nixl.framing import decode
+
+    blocks, frame = 4096, tmp_path / "sender.frame"
+    sender = subprocess.Popen([sys.executable, "-c", FROZEN_SENDER, str(frame), str(blocks)], cwd=os.getcwd())
+    try:
+        deadline = time.monotonic() + 60
+        while not frame.exists() and sender.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        message = decode(frame.read_bytes())
+        remote = RegionTable.from_dict(message.header["table"], "table", message.arrays)
+        agent = Agent("closing-under-a-transfer")
+        caches = caches_for("KBNHC", "KBNHC", SIZES, 16, blocks, seed=6)
+        local = agent.register(caches, "KBNHC")
+        alive = [weakref.ref(t) for t in caches.values()]
+        del caches
+        reader = agent.reader(plan_transfer(local, remote), agent.add_peer(message.blob))
+        os.kill(sender.pid, signal.SIGSTOP)
+        transfer = reader.read(range(blocks), range(blocks))
+        assert transfer.poll() is False and agent.posted == {transfer}, "the read landed: nothing is in flight"
+        agent.close()
+        assert transfer.released and agent.posted == set() and agent.uncancelled == []
+        assert not nixl_accepts(agent, MINE, extent_rows(local)), "the memory is still registered"
+        gc.collect()
+        assert all(ref() is None for ref in alive)
+    finally:
+        sender.kill()  # never resumed: a transfer a regression left behind must not write here
+        sender.wait()
 
 
 @needs_nixl
@@ -414,7 +471,7 @@ class Handle:
 def posted(*script, handle=None):
     nixl = ScriptedNixl(*script)
     handle = handle or Handle()
-    link = Link(SimpleNamespace(nixl=nixl, uncancelled=[]), "prefill")  # type: ignore[arg-type]
+    link = Link(SimpleNamespace(nixl=nixl, uncancelled=[], posted=set()), "prefill")  # type: ignore[arg-type]
     return Transfer.post(link, handle, 4096, "READ", descriptors=3), nixl, handle
 
 
@@ -528,6 +585,40 @@ def test_a_layer_that_does_not_land_is_named_with_its_place(l1_script, message, 
     assert raised.value.timed_out is timed_out
     assert yielded == ["l0"] and asked == ["l0", "l1"]
     assert landed_handle.released == 1 and stuck_handle.released == 1 and stuck.released
+
+
+def test_an_agent_knows_each_transfer_from_its_post_to_its_release():
+    transfer, _, _ = posted("PROC")
+    agent = transfer.link.agent
+    assert agent.posted == {transfer}
+    transfer.release()
+    assert agent.posted == set()
+    stuck, _, _ = posted("PROC", "PROC", handle=Handle(fails=True))
+    with pytest.raises(TransferError, match="could not be cancelled"):
+        stuck.release()
+    assert stuck.link.agent.posted == {stuck} and stuck.link.agent.uncancelled == [stuck]
+    with pytest.raises(TransferError, match="transport state 'ERR'"):
+        posted("ERR")  # refused when posted: released there, never the caller's
+    failed_post, _, _ = posted("PROC")
+    failed_post.link.agent.posted.clear()
+    with pytest.raises(TransferError):
+        Transfer.post(failed_post.link, Handle(), 1, "READ", descriptors=1)  # the script has run out: NIXL raises
+    assert failed_post.link.agent.posted == set()
+
+
+def test_post_all_gives_every_transfer_or_releases_those_posted():
+    first, _, _ = posted("PROC")
+    second, _, _ = posted("PROC")
+    assert post_all([lambda: [first], lambda: [second]]) == [first, second]
+    third, _, third_handle = posted("PROC")
+
+    def refused():
+        raise TransferError("the second rank's post failed")
+
+    with pytest.raises(TransferError, match="the second rank's post failed"):
+        post_all([lambda: [third], refused])
+    assert third.released and third_handle.released == 1
+    assert not first.released and not second.released
 
 
 def test_release_all_releases_every_transfer_and_names_those_left():

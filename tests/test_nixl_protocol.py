@@ -269,6 +269,10 @@ FIELD_CASES = {
         set_item([R, "block_ids"], 1, 12),
         r"block_ids\[1\]: expected an integer in \[0, 11\], got 12",
     ),
+    "request-block-twice": (
+        set_item([R, "block_ids"], 2, 3),
+        r"offer\.requests\.block_ids: request 'req-000' names block 3 twice",
+    ),
     "request-too-few-blocks": (
         set_path([R, "block_ids"], u32(3, 1, 7)),
         r"block_ids: 3 block ids, but the requests' tokens need 4 blocks of 4",
@@ -284,6 +288,13 @@ FIELD_CASES = {
         r"requests\.number\[1\]: expected an integer in \[0, 2147483648\]",
     ),
 }
+
+
+def test_two_requests_may_read_one_remote_block():
+    """A prefix the prefill shares between requests: the same block in two requests is
+    read twice, into each one's own blocks (only one request naming it twice is refused)."""
+    offer = parse(mutated(set_item([R, "block_ids"], 3, 3)))
+    assert [r.remote_ids.tolist() for r in offer.requests] == [[3, 1, 7], [3]]
 
 
 def test_the_bounds_of_a_pid_and_a_request_number_are_taken():

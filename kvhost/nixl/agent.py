@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from types import ModuleType
@@ -124,6 +124,8 @@ class Agent:
         self._registered: list[tuple[Any, list[torch.Tensor]]] = []
         self._peers: dict[str, bytes] = {}  # each peer's metadata as last loaded
         self._readers: list[Reader] = []
+        # Posted and not yet released: close cancels them before it lets go of their memory.
+        self.posted: set[Transfer] = set()
         self.uncancelled: list[Transfer] = []  # released but not cancelled: they may still write
         self.huge_pages = HugePages()  # what asking for huge pages did, over every registration
         self.closed = False
@@ -219,14 +221,16 @@ class Agent:
         """Close readers, drop peers, deregister memory (and let go of its tensors). Safe to
         call twice: the second finds nothing left to undo.
 
-        A transfer NIXL could not cancel may still write into registered memory: while one
-        is left (each is released once more first), the memory stays registered and its
-        tensors alive, and a TransferError says so once the rest is done."""
+        Every transfer posted and not yet released is released (cancelled) first: one still
+        in flight would write into memory about to be freed. A transfer NIXL could not cancel
+        may still write into registered memory: while one is left (each is released once
+        more first), the memory stays registered and its tensors alive, and a TransferError
+        says so once the rest is done."""
         self.closed = True
         for reader in self._readers:
             reader.close()
-        for transfer in list(self.uncancelled):
-            with contextlib.suppress(TransferError):
+        for transfer in dict.fromkeys([*self.posted, *self.uncancelled]):
+            with contextlib.suppress(TransferError):  # one left uncancelled is counted below
                 transfer.release()
         for peer in list(self._peers):
             self.remove_peer(peer)
@@ -476,6 +480,19 @@ def layer_by_layer(post: Callable[[str], list[Transfer]], names: Sequence[str], 
         release_all(in_flight)
 
 
+def post_all(posts: Iterable[Callable[[], Sequence[Transfer]]]) -> list[Transfer]:
+    """The transfers of every ``post``, in order, or none: where one cannot be posted, those
+    posted before it are released (cancelled), so that a caller never holds part of a set."""
+    transfers: list[Transfer] = []
+    try:
+        for post in posts:
+            transfers.extend(post())
+    except BaseException:
+        release_all(transfers)
+        raise
+    return transfers
+
+
 def release_all(transfers: Sequence[Transfer]) -> None:
     """Release every transfer; one TransferError names those that could not be cancelled."""
     errors = []
@@ -542,6 +559,7 @@ class Transfer:
         except Exception as err:
             transfer.release()
             raise TransferError(f"{op} from {link.peer!r}: posting the transfer failed: {err}") from None
+        link.agent.posted.add(transfer)
         try:
             transfer._note(state)
         except TransferError:
@@ -600,6 +618,7 @@ class Transfer:
                     "into its local blocks, which must not be reused until it is released"
                 ) from None
         self.released = True
+        self.link.agent.posted.discard(self)
         if self in self.link.agent.uncancelled:
             self.link.agent.uncancelled.remove(self)
 

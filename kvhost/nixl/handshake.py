@@ -55,6 +55,19 @@ def request_columns(requests: Sequence[RemoteRequest], table: RegionTable) -> di
     }
 
 
+def _check_distinct(ids: np.ndarray, ends: np.ndarray, names: list[str], where: str) -> None:
+    """Refuse a request that names one remote block twice (its tokens at two places): the
+    reader would refuse it too, after the offer was taken."""
+    owner = np.repeat(np.arange(ends.size), np.diff(ends, prepend=0))
+    order = np.lexsort((ids, owner))  # by request, then block id
+    twice = np.flatnonzero((ids[order][1:] == ids[order][:-1]) & (owner[order][1:] == owner[order][:-1]))
+    if twice.size:
+        request = int(owner[order][twice[0]])
+        raise ProtocolError(
+            f"{where}.block_ids: request {names[request]!r} names block {int(ids[order][twice[0]])} twice"
+        )
+
+
 def parse_requests(columns: Fields, block_size: int, num_blocks: int) -> list[RemoteRequest]:
     """Requests sent as ``request_columns``, every field checked: each request's block ids (a
     view of the frame's bytes) must be as many as its tokens fill blocks of ``block_size``,
@@ -74,6 +87,7 @@ def parse_requests(columns: Fields, block_size: int, num_blocks: int) -> list[Re
             f"{where}.block_ids: {ids.size} block ids, but the requests' tokens need {needed} blocks of {block_size}"
         )
     starts = [0, *ends[:-1].tolist()]
+    _check_distinct(ids, ends, names, where)
     return [
         RemoteRequest(name, number, count, ids[start:end])
         for name, number, count, start, end in zip(names, numbers.tolist(), tokens.tolist(), starts, ends.tolist())

@@ -25,6 +25,7 @@ the tables' sizes first and held to ``MAX_STREAMS`` streams a side, as an offer'
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ from kvhost.nixl.agent import (
     check_registered,
     layer_by_layer,
     merge_domains,
+    post_all,
     post_rows,
-    release_all,
 )
 from kvhost.nixl.fields import check_seconds
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch, checked_request_ids, plan_transfer
@@ -531,13 +532,9 @@ class RankReader:
     def _post(self, rows: Mapping[int, Rows]) -> list[Transfer]:
         """One transfer per source rank of ``rows``; where one cannot be posted, those posted
         before it are released."""
-        transfers: list[Transfer] = []
-        try:
-            for rank, (local_rows, remote_rows) in rows.items():
-                self.descriptors += local_rows.shape[0]
-                memory = (self.plan.local.memory, self.plan.remotes[rank].memory)
-                transfers.append(post_rows(self.agent, self.peers[rank], "READ", local_rows, remote_rows, memory))
-        except BaseException:
-            release_all(transfers)
-            raise
-        return transfers
+        return post_all(functools.partial(self._post_rank, rank, *rank_rows) for rank, rank_rows in rows.items())
+
+    def _post_rank(self, rank: int, local_rows: np.ndarray, remote_rows: np.ndarray) -> list[Transfer]:
+        self.descriptors += local_rows.shape[0]
+        memory = (self.plan.local.memory, self.plan.remotes[rank].memory)
+        return [post_rows(self.agent, self.peers[rank], "READ", local_rows, remote_rows, memory)]

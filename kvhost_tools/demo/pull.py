@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TextIO
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 
 import kvhost
 from kvhost.nixl import RankPlan, RankReader, Session, Transfer, TransferError
-from kvhost.nixl.agent import release_all
+from kvhost.nixl.agent import post_all, release_all
 from kvhost_tools.demo.report import Outcome, ProgressBar
 
 
@@ -161,11 +162,14 @@ def pull(
             if engine.lost is not None:
                 request.failure = f"not started: {engine.name} had failed"
                 continue
-            try:
-                ids = request.staging_ids if staging else request.local_ids
-                request.transfers = [t for reader in engine.readers for t in reader.read(ids, request.remote_ids)]
-            except TransferError as err:
+            ids = request.staging_ids if staging else request.local_ids
+            try:  # every decode rank's part, or none in flight
+                request.transfers = post_all(partial(reader.read, ids, request.remote_ids) for reader in engine.readers)
+            except TransferError as err:  # the link: the engine's other requests are not started
                 request.failure = engine.lost = str(err)
+                continue
+            except kvhost.KVHostError as err:  # the request as the peer offered it: this one fails
+                request.failure = str(err)
                 continue
             request.deadline = time.monotonic() + settings.timeout
             inflight.append(request)
