@@ -39,6 +39,9 @@ class Member:
     layout: Layout
     address: int = field(init=False)
     data_ptr: int = field(init=False, repr=False)  # as torch reports it, to see it change
+    # The storage itself, held: memory a re-pointed tensor (``set_``) let go of stays ours,
+    # so no other storage can come to lie at its address; its size shows a resize in place.
+    storage: torch.UntypedStorage = field(init=False, repr=False)
     storage_bytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +49,7 @@ class Member:
         pointer = self.tensor.data_ptr()
         object.__setattr__(self, "data_ptr", pointer)
         object.__setattr__(self, "address", pointer if _host_memory(storage) else 0)
+        object.__setattr__(self, "storage", storage)
         object.__setattr__(self, "storage_bytes", storage.nbytes())
 
     @property
@@ -63,16 +67,20 @@ class Member:
             )
 
     def is_current(self) -> bool:
-        """Whether the tensor is still where, and what, it was when read: same memory, shape, strides.
+        """Whether the tensor is still where, and what, it was when read: same memory, shape,
+        strides, and a storage of the same size.
 
         ``set_``, a growing ``resize_`` and a freed storage all move the data address; a
-        shrinking ``resize_`` or ``as_strided_`` changes the shape or strides.
+        shrinking ``resize_`` or ``as_strided_`` changes the shape or strides; a storage
+        freed and made again smaller at the same address (``resize_(0)``, then a smaller
+        size) changes only its size.
         """
         tensor = self.tensor
         return (
             tensor.data_ptr() == self.data_ptr
             and tensor.shape == self.layout.shape
             and tensor.stride() == self.layout.strides
+            and self.storage.nbytes() == self.storage_bytes
         )
 
 
@@ -161,6 +169,8 @@ class CacheSet:
         self._data_ptrs = tuple(m.data_ptr for m in self.members)
         self._shapes = tuple(m.layout.shape for m in self.members)
         self._strides = tuple(m.layout.strides for m in self.members)
+        self._storages = tuple(m.storage for m in self.members)
+        self._storage_bytes = tuple(m.storage_bytes for m in self.members)
         # The layer objects as given, to know them again by identity; not when a layer is a
         # list, whose tensors could be swapped while the list stays the same object.
         values = tuple(caches.values())
@@ -189,8 +199,9 @@ class CacheSet:
         """Raise unless every tensor is still where, and what, it was when the set was read.
 
         A registered cache that was re-pointed (``set_``), grown (``resize_``) or freed
-        would otherwise be written at its old address. Three passes at C speed (about
-        0.2 us per tensor each here); the slow path only words the error.
+        would otherwise be written at its old address, and one freed and made again smaller
+        at the same address past its end. Four passes at C speed (about 0.2 us per tensor
+        each here); the slow path only words the error.
         """
         if self._unchanged():
             return
@@ -200,17 +211,18 @@ class CacheSet:
                 raise LayoutError(
                     f"{self.role}: {member.name} changed since it was registered (address "
                     f"{member.data_ptr:#x} -> {tensor.data_ptr():#x}, shape {member.layout.shape} -> "
-                    f"{tuple(tensor.shape)}, strides {member.layout.strides} -> {tuple(tensor.stride())}): "
-                    "register the caches again"
+                    f"{tuple(tensor.shape)}, strides {member.layout.strides} -> {tuple(tensor.stride())}, "
+                    f"storage bytes {member.storage_bytes} -> {member.storage.nbytes()}): register the caches again"
                 )
 
     def _unchanged(self) -> bool:
-        """Every tensor where, and what, it was: three passes at C speed."""
+        """Every tensor where, and what, it was: four passes at C speed."""
         tensors = self._tensors
         return (
             tuple(map(torch.Tensor.data_ptr, tensors)) == self._data_ptrs
             and tuple(map(_shape, tensors)) == self._shapes
             and tuple(map(torch.Tensor.stride, tensors)) == self._strides
+            and tuple(map(torch.UntypedStorage.nbytes, self._storages)) == self._storage_bytes
         )
 
     @property

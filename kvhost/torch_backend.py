@@ -400,10 +400,15 @@ class _RunIds:
 
 
 class _StreamCompletion(Completion):
-    """Done when the device passes an event recorded after the copy on the stream it queued on."""
+    """Done when the device passes an event recorded after the copy on the stream it queued on.
 
-    def __init__(self, event: torch.Event) -> None:
+    ``job`` is kept until then: its members hold the caller's tensors and their storages,
+    which a host buffer pinned outside torch (one registered with NIXL) needs, since torch
+    records no event for such memory."""
+
+    def __init__(self, event: torch.Event, job: CopyJob) -> None:
         self.event = event
+        self.job = job
 
     def done(self) -> bool:
         return bool(self.event.query())
@@ -427,7 +432,7 @@ def _completion(job: CopyJob) -> Completion:
         with contextlib.suppress(RuntimeError, AttributeError):
             torch.accelerator.synchronize(device)
         return Completion()
-    return _StreamCompletion(event)
+    return _StreamCompletion(event, job)
 
 
 def _event_on_stream_of(device: torch.device) -> torch.Event | None:

@@ -362,6 +362,11 @@ def test_copies_queue_behind_the_callers_stream_and_finish_through_an_event_on_t
     assert log.index(("wait", "side", "caller")) < work[0]  # sees what the caller queued before the call
     assert log.index(("record", "side")) > work[-1]  # the event follows every step
     assert not result.done()  # the device has not passed the event
+    # Until then every tensor's member (its tensor and storage) is kept: a source re-pointed
+    # (``set_``) meanwhile lets go of its old storage, which the side stream still reads.
+    kept = {id(k) for k in result.completion.keep}
+    assert all(id(member) in kept for pair in result.job.pairs for member in pair)
+    assert all(member.storage.data_ptr() == member.data_ptr for pair in result.job.pairs for member in pair)
     backend.runtime.events[-1].fired = True
     assert result.done()
 
@@ -538,7 +543,7 @@ class WayRecorder(CpuStandIn):
         ("cuda:0", "cuda:1", "between devices"),
     ],
 )
-def test_a_copy_goes_the_way_its_devices_say_and_keeps_the_callers_tensors(src, dst, way):
+def test_a_copy_goes_the_way_its_devices_say_and_keeps_the_callers_tensors_and_storages(src, dst, way):
     source, dest = caches("KBNHC", "KBNHC", 6, 1), caches("KBNHC", "KBNHC", 6, 2)
     job = host_job(source, dest, "KBNHC", "KBNHC", [1, 2], [4, 0], non_blocking=True)
     job = dataclasses.replace(job, src_device=torch.device(src), dst_device=torch.device(dst))
@@ -547,8 +552,8 @@ def test_a_copy_goes_the_way_its_devices_say_and_keeps_the_callers_tensors(src, 
     assert backend.ways == [way]
     if way == "between devices":
         return  # torch's peer copies, complete on return
-    kept = {id(t) for t in completion.keep}
-    assert all(id(member.tensor) in kept for pair in job.pairs for member in pair)  # until the device is done
+    kept = {id(k) for k in completion.keep}  # each tensor's member: the tensor and its storage
+    assert all(id(member) in kept for pair in job.pairs for member in pair)  # until the device is done
     assert backend.finished == 0
     completion.wait()
     assert completion.keep == [] and backend.finished == (1 if way == "device to host" else 0)

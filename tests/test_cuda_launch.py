@@ -168,6 +168,23 @@ def test_head_major_16_to_token_major_64_stays_in_registers():
     assert launch.items == 32 * 2 * 100 * 4 and launch.programs == 528
 
 
+def test_a_unit_too_large_to_index_in_32_bits_is_refused():
+    """The kernels place a word within its unit in 32 bits: a 64 GiB block (a million tokens
+    of 256 heads) would wrap to offsets before the block. One of 15 GiB (2^31 - 2^27 words
+    of 8 bytes) still fits."""
+
+    def block(tokens, heads):
+        cache = make_cache("KBNHC", "KBNHC", dict(K=2, B=2, N=tokens, H=heads, C=128), device="meta")
+        return plan_receive(Layout.of(cache, "KBNHC"), "HNC", tokens)
+
+    with pytest.raises(BackendError, match=r"is 8589934592 words of 8 bytes: .*\(at most 2147483647 words\)"):
+        plan_receive_launch(block(1 << 20, 256), members=1, outer=2, units=1, alignment=256, limits=H200)
+    fits = plan_receive_launch(
+        block((1 << 20) - (1 << 16), 64), members=1, outer=2, units=1, alignment=256, limits=H200
+    )
+    assert fits.piece_words * fits.pieces == (1 << 31) - (1 << 27)
+
+
 def test_grouped_receive_uses_a_bounded_scratch():
     """Remote block 64 -> local 16 (g = 4): one 128 KB piece spans four blocks; scratch stays in cache.
 

@@ -193,6 +193,38 @@ def test_a_registered_cache_that_changed_is_refused(how):
         assert torch.equal(raw(peer["b"][:, 2]), raw(caches["b"][:, 1]))
 
 
+def test_a_registered_cache_freed_and_made_again_smaller_at_its_address_is_refused():
+    """Same address, shape and strides, a storage 4 KiB short: only its size tells. A receive
+    would have written the last block into whatever the allocator put in the freed tail."""
+    for _ in range(50):  # until the allocator hands the freed memory's start back (first try here)
+        cache = torch.zeros(2, 8, 16, 2, 64, dtype=torch.bfloat16)  # 64 KiB; K=1's block 7 is its last 4 KiB
+        host = kvhost.KVHost({"a": cache}, axes="KBNHC")
+        address, storage = cache.data_ptr(), cache.untyped_storage()
+        storage.resize_(0)
+        storage.resize_(60 << 10)
+        if cache.data_ptr() == address:
+            break
+    assert cache.data_ptr() == address, "the allocator never gave the same address back"
+    peer = {"a": torch.zeros(2, 8, 16, 2, 64, dtype=torch.bfloat16)}
+    for call in (
+        lambda: host.receive({"r": [7]}, remote_order="HNC", remote_block_size=16),
+        lambda: host.copy_to(peer, [7], [7]),
+        lambda: host.copy_from(peer, [7], [7]),
+    ):
+        with pytest.raises(kvhost.LayoutError, match=r"changed since .* storage bytes 65536 -> 61440"):
+            call()
+    with pytest.raises(kvhost.LayoutError, match="its storage holds 61440 bytes but the tensor spans 65536"):
+        kvhost.KVHost({"a": cache}, axes="KBNHC")
+    # A peer remembered across calls is read again once its storage changed size.
+    remembered = {"a": torch.zeros(2, 8, 16, 2, 64, dtype=torch.bfloat16)}
+    other = kvhost.KVHost({"a": torch.zeros(2, 8, 16, 2, 64, dtype=torch.bfloat16)}, axes="KBNHC")
+    other.copy_to(remembered, [1], [1])
+    remembered["a"].untyped_storage().resize_(0)
+    remembered["a"].untyped_storage().resize_(60 << 10)
+    with pytest.raises(kvhost.LayoutError, match=r"dst: layer 'a'\[0\]: its storage holds 61440 bytes"):
+        other.copy_to(remembered, [7], [7])
+
+
 def test_a_registered_cache_cut_to_fewer_blocks_in_place_is_refused():
     # Same address, same strides, half the blocks: only the shape tells it changed.
     caches = {"a": cache(), "b": cache()}

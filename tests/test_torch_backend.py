@@ -70,10 +70,12 @@ def meta_copy_job(src: torch.device, dst: torch.device, non_blocking: bool = Tru
 )
 def test_a_non_blocking_copy_is_tracked_on_the_stream_of_its_device(recorded, src, dst, tracked):
     streams, events = recorded
-    completion = kvhost.torch_backend._completion(meta_copy_job(torch.device(src), torch.device(dst)))
+    job = meta_copy_job(torch.device(src), torch.device(dst))
+    completion = kvhost.torch_backend._completion(job)
     assert streams.asked == [torch.device(tracked)]  # the index kept, not the current device's
     assert len(events) == 1 and events[0] is streams.streams[torch.device(tracked)]
     assert isinstance(completion.event, torch.Event)
+    assert completion.job is job  # its tensors and storages, until the event (host memory pinned outside torch)
 
 
 def test_torch_backend_copies_record_their_event_on_the_caches_stream(recorded):

@@ -277,9 +277,10 @@ class AcceleratorBackend(Backend):
             else:
                 finish = self.copy_host(job, to_device=dst_device == device, keep=keep)
             event = runtime.record(side)
-        # The caller's tensors stay referenced until the copy is done (record_stream would
-        # fail on memory the caching allocator did not hand out, such as imported buffers).
-        keep += [t for pair in job.pairs for t in (pair[0].tensor, pair[1].tensor)]
+        # The caller's tensors and their storages (a tensor re-pointed meanwhile would let go
+        # of its old one) stay referenced until the copy is done (record_stream would fail
+        # on memory the caching allocator did not hand out, such as imported buffers).
+        keep += [m for pair in job.pairs for m in pair]
         completion = EventCompletion(event, keep, finish)
         if not job.non_blocking:
             completion.wait()

@@ -52,6 +52,7 @@ from kvhost.layout import contiguous_strides
 from kvhost.transform import MAX_LOOP_DIMS, CopyPlan, Rearrangement
 
 WORD_TYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+MAX_UNIT_WORDS = (1 << 31) - 1  # a word's place in its unit is an int32 in the kernels
 
 
 def widest_word(*quantities: int, most: int = 8) -> int:
@@ -363,6 +364,11 @@ def _pieces(plan: Rearrangement, alignment: int, limits: Limits) -> _Pieces:
     keeps_run = plan.perm[-1] == len(shape) - 1  # the last dim is contiguous on both sides
     run_bytes = shape[-1] * plan.itemsize if keeps_run else plan.itemsize
     word = widest_word(alignment, run_bytes, plan.region_bytes)
+    if plan.unit_bytes // word > MAX_UNIT_WORDS:
+        raise BackendError(
+            f"a receive unit of {plan.unit_bytes} bytes is {plan.unit_bytes // word} words of {word} bytes: "
+            f"the kernels index within a unit in 32 bits (at most {MAX_UNIT_WORDS} words)"
+        )
     if keeps_run:
         shape[-1] = run_bytes // word
     common = 0
