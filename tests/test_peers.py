@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import select
 import socket
@@ -30,7 +31,15 @@ import torch
 from test_peer_limits import _closed_by_listener
 
 from kvhost.errors import ArgumentError, KVHostError
-from kvhost.nixl import EngineSpec, IncompatibleEngineError, ProtocolError, RemoteRequest, region_table
+from kvhost.nixl import (
+    EngineSpec,
+    IncompatibleEngineError,
+    PeerClosedError,
+    ProtocolError,
+    RemoteRequest,
+    TransferError,
+    region_table,
+)
 from kvhost.nixl import peers as peers_module
 from kvhost.nixl import server as server_module
 from kvhost.nixl.engine import refusal, table_refusal
@@ -39,6 +48,7 @@ from kvhost.nixl.framing import decode, encode, receive, send
 from kvhost.nixl.peers import (
     BEAT,
     CHALLENGE,
+    DONE,
     ENGINE,
     KNOCK,
     OFFER,
@@ -524,6 +534,52 @@ def test_past_its_bound_of_connections_the_server_closes_the_oldest_unproven_one
     assert running.finish() == [] and running.server.dropped == MAX_CONNECTIONS + 1
 
 
+def test_a_challenged_decode_outlasts_strays_that_never_knock():
+    """A decode between its challenge and its engine message is unproven too; strays that
+    connect and say nothing are dropped before it, however many come."""
+    running = Running(peers=1, idle=5.0, auth_timeout=30.0, peer_timeout=5.0)
+    decode_sock, nonces = _knocked(running.port)
+    strays = [socket.create_connection(("127.0.0.1", running.port)) for _ in range(MAX_CONNECTIONS + 8)]
+    try:
+        assert any(_closed_by_listener(stray, within=2.0) for stray in strays[:9])
+        assert not _closed_by_listener(decode_sock, within=0.2)
+        send(decode_sock, ENGINE, {"proof": proof(SECRET, "decode", nonces), "engine": DECODE.to_dict()}, timeout=5)
+        assert receive(decode_sock, timeout=5).kind == "offer"
+        send(decode_sock, DONE, {"ok": True}, timeout=5)
+    finally:
+        decode_sock.close()
+        for stray in strays:
+            stray.close()
+    assert [r.outcome for r in running.finish()] == ["done"]
+
+
+def test_a_decode_turned_away_before_its_challenge_connects_again(monkeypatch):
+    """A server full of proven peers closes a newcomer at once; ``connect`` tries again
+    within its timeout, and is served once a hold ends."""
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 1)
+    running = Running(peers=2, peer_timeout=5.0)
+    first = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    ending = threading.Timer(0.6, lambda: first.done(ok=True, timeout=5))
+    ending.start()
+    try:
+        started = time.monotonic()
+        second = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+        assert time.monotonic() - started >= 0.5 and running.server.dropped >= 1
+        with contextlib.closing(second):
+            second.done(ok=True, timeout=5)
+    finally:
+        ending.join()
+        first.close()
+    assert [r.outcome for r in running.finish()] == ["done", "done"]
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 0)  # no room ever: turned away until the timeout
+    full = Running(peers=None, idle=3.0)
+    started = time.monotonic()
+    with pytest.raises(PeerClosedError, match="closed the connection before its challenge"):
+        connect(("127.0.0.1", full.port), SECRET, DECODE, timeout=1.0)
+    assert 0.8 <= time.monotonic() - started < 3
+    full.finish()
+
+
 def test_a_server_full_of_proven_peers_closes_a_new_connection_at_once(monkeypatch):
     monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 2)
     running = Running(peers=2, peer_timeout=5.0)
@@ -584,6 +640,80 @@ def test_a_connection_closed_as_the_oldest_while_its_bytes_wait_is_not_read(monk
         oldest.close()
         newcomer.close()
     assert running.finish() == [] and running.server.dropped == 2
+
+
+def test_a_stray_that_never_proves_the_secret_does_not_keep_an_idle_server_serving():
+    running = Running(peers=None, idle=1.0, auth_timeout=30.0)
+    with socket.create_connection(("127.0.0.1", running.port)) as stray:
+        started = time.monotonic()
+        running.finish(within=5)
+        assert time.monotonic() - started < 3
+        assert _closed_by_listener(stray, within=1.0)
+    assert any("no decode engine for 1 s" in line for line in running.lines)
+
+
+def test_an_offer_that_fails_refuses_that_peer_and_the_others_are_served():
+    """The application's offer (or release) raising anything is that peer's end, not every
+    peer's: the decode hears why, and the server goes on."""
+    errors = [TransferError("registering the cache failed"), None]
+    released = []
+
+    def offer(peer):
+        error = errors.pop(0)
+        if error is not None:
+            raise error
+        return Offer(PREFILL, [t for _, t in keep], [b"meta0", b"meta1"], [RemoteRequest("r", 0, 4, [1])])
+
+    def release(record):
+        released.append(record)
+        raise RuntimeError("the pool is gone")
+
+    keep = [rank_table(PREFILL) for _ in range(PREFILL.tp_size)]
+    listener = socket.create_server(("127.0.0.1", 0))
+    lines = []
+    server = Server(listener, SECRET, PREFILL, offer, release=release, log=lines.append, peer_timeout=5.0)
+    thread = threading.Thread(target=server.serve, kwargs=dict(peers=1, idle_timeout=10))
+    thread.start()
+    try:
+        address = ("127.0.0.1", listener.getsockname()[1])
+        with pytest.raises(IncompatibleEngineError, match="refused: the offer failed: TransferError: registering"):
+            connect(address, SECRET, DECODE, timeout=10)
+        session = connect(address, SECRET, DECODE, timeout=10)
+        with contextlib.closing(session):
+            session.done(ok=True, timeout=5)
+    finally:
+        thread.join(10)
+        listener.close()
+    assert not thread.is_alive()
+    assert [r.outcome for r in server.records] == ["refused", "done"] and len(released) == 1
+    assert any("release for decode at" in line and "RuntimeError: the pool is gone" in line for line in lines)
+
+
+class OutOfDescriptors(socket.socket):
+    """A listener whose accept fails as a process out of file descriptors does."""
+
+    accepts = 0
+
+    def accept(self):
+        type(self).accepts += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_a_server_out_of_file_descriptors_pauses_accepting_instead_of_spinning():
+    listener = OutOfDescriptors(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    waiting = socket.create_connection(listener.getsockname())  # stays queued: the listener stays readable
+    lines = []
+    server = Server(listener, SECRET, PREFILL, lambda peer: None, log=lines.append)  # type: ignore[arg-type,return-value]
+    stop_at = time.monotonic() + 1.0
+    try:
+        server.serve(peers=None, idle_timeout=5, stop=lambda: time.monotonic() > stop_at)
+    finally:
+        waiting.close()
+        listener.close()
+    assert 5 <= OutOfDescriptors.accepts <= 12  # one try per pause (0.1 s) in a second, not thousands
+    assert lines[0] == "cannot accept a connection (Too many open files): pausing accepts for 0.1 s"
 
 
 def test_the_idle_clock_starts_when_the_last_connection_ends():

@@ -173,8 +173,8 @@ def send(sock: socket.socket, kind: str, header: Mapping[str, Any], blob: bytes 
         sock.sendall(frame)
     except TimeoutError:
         raise ProtocolError(f"could not send {kind!r} within {seconds:g} s: the peer does not read") from None
-    except OSError as err:
-        raise ProtocolError(f"could not send {kind!r}: {err}") from None
+    except OSError as err:  # reset or broken: the peer closed it
+        raise PeerClosedError(f"could not send {kind!r}: {err}") from None
 
 
 def receive(sock: socket.socket, *, timeout: float, expect: str | None = None, limit: int | None = None) -> Message:
@@ -247,9 +247,9 @@ def _read(sock: socket.socket, count: int, deadline: float, what: str) -> bytear
         except TimeoutError:
             continue  # the deadline check above reports it
         except OSError as err:
-            raise ProtocolError(f"connection failed while reading the {what}: {err}") from None
+            raise PeerClosedError(f"connection failed while reading the {what}: {err}") from None
         if not n:
-            raise ProtocolError(f"truncated message: connection closed after {got} of {count} {what} bytes")
+            raise PeerClosedError(f"truncated message: connection closed after {got} of {count} {what} bytes")
         got += n
     return buffer
 

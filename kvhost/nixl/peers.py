@@ -45,7 +45,7 @@ import numpy as np
 
 from kvhost.errors import ArgumentError
 from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, check_compatible, table_refusal
-from kvhost.nixl.errors import ProtocolError
+from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
 from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, receive, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, RemoteRequest, parse_requests, request_columns
@@ -55,6 +55,7 @@ KNOCK, CHALLENGE, ENGINE, OFFER, REFUSE, BEAT, DONE = "knock", "challenge", "eng
 NONCE_BYTES = 16
 SECRET_BYTES = 32  # at least; a secret file holds it as hex
 MAX_SECRET_DIGITS = 4096  # hex digits a secret may have: a longer one is refused, not cut
+RETRY_SECONDS = 0.2  # between tries to connect, or to shake hands again
 ENGINE_FRAME_BYTES = 64 << 10  # an engine message: a spec and the application's few fields
 # How often decode must beat, as the prefill tells it: between these.
 MIN_BEAT_SECONDS, MAX_BEAT_SECONDS = 0.05, 60.0
@@ -259,7 +260,9 @@ def connect(
     """Connect to a prefill engine, prove the secret both ways, and take its offer.
 
     Connecting is retried until ``timeout`` seconds have passed (the prefill may still be
-    starting); every later step has what is left of them. A prefill that cannot prove the
+    starting), and so is the handshake where the prefill closes the connection before it
+    challenged this one (a prefill holding as many connections as it may drops one that
+    has not been challenged for a new one); every later step has what is left of them. A prefill that cannot prove the
     secret, or says something malformed, is a ProtocolError; one whose engine cannot be
     served is an IncompatibleEngineError (it refused, or decode does, naming the field).
     """
@@ -267,11 +270,35 @@ def connect(
     check_secret(secret)
     deadline = time.monotonic() + seconds
     name = f"prefill at {address[0]}:{address[1]}"
-    sock = _connect(address, deadline, name)
+    while True:
+        try:
+            return _handshake(_connect(address, deadline, name), secret, spec, deadline, name, address, extra)
+        except _Unchallenged as err:
+            if time.monotonic() + RETRY_SECONDS > deadline:
+                raise PeerClosedError(f"{name} closed the connection before its challenge: {err}") from None
+        time.sleep(RETRY_SECONDS)
+
+
+class _Unchallenged(PeerClosedError):
+    """The prefill closed the connection before it challenged us: nothing was said yet."""
+
+
+def _handshake(
+    sock: socket.socket,
+    secret: bytes,
+    spec: EngineSpec,
+    deadline: float,
+    name: str,
+    address: tuple[str, int],
+    extra: Mapping[str, Any] | None,
+) -> Session:
     try:
         mine = os.urandom(NONCE_BYTES)
-        send(sock, KNOCK, {"nonce": mine.hex()}, timeout=_left(deadline))
-        challenge = receive(sock, timeout=_left(deadline), expect=CHALLENGE, limit=AUTH_FRAME_BYTES)
+        try:
+            send(sock, KNOCK, {"nonce": mine.hex()}, timeout=_left(deadline))
+            challenge = receive(sock, timeout=_left(deadline), expect=CHALLENGE, limit=AUTH_FRAME_BYTES)
+        except PeerClosedError as err:
+            raise _Unchallenged(str(err)) from None
         fields = challenge.fields()
         nonces = (mine, nonce_of(fields))
         if not proves(secret, "prefill", nonces, fields.text("proof", max_length=64)):
@@ -309,6 +336,6 @@ def _connect(address: tuple[str, int], deadline: float, name: str) -> socket.soc
             return sock
         except OSError as err:
             last = err.strerror or str(err)
-        if time.monotonic() + 0.2 > deadline:
+        if time.monotonic() + RETRY_SECONDS > deadline:
             raise ProtocolError(f"could not connect to {name} before the connect timeout: {last}")
-        time.sleep(0.2)
+        time.sleep(RETRY_SECONDS)

@@ -9,16 +9,20 @@ called at once, so the application lets go of what it held for that peer.
 
 Nothing a peer does is trusted: before it proves the secret a connection may send one
 frame of at most ``AUTH_FRAME_BYTES`` (its engine message at most ``ENGINE_FRAME_BYTES``)
-within ``auth_timeout`` seconds; at most ``MAX_CONNECTIONS`` connections are held, the
-oldest unproven one dropped for a new one; frames are read only up to their end, and a
-held peer may send only small frames. Everything runs on the calling thread and nothing
-blocks it: an offer (megabytes of agent metadata) goes out as its peer reads it, within
-``send_timeout``, while the others are served.
+within ``auth_timeout`` seconds; at most ``MAX_CONNECTIONS`` connections are held, an
+unproven one dropped for a new one (the oldest not yet challenged, which ``connect``
+tries again, else the oldest); frames are read only up to their
+end, and a held peer may send only small frames. Only proven peers keep the server from
+its idle stop, and a peer the application's ``offer`` fails for is refused alone.
+Everything runs on the calling thread and nothing blocks it: an offer (megabytes of agent
+metadata) goes out as its peer reads it, within ``send_timeout``, while the others are
+served; a process out of file descriptors pauses accepting instead of spinning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import selectors
 import socket
@@ -50,6 +54,7 @@ from kvhost.nixl.peers import (
 )
 
 MAX_CONNECTIONS = 64  # proven or not, held at once
+ACCEPT_PAUSE = 0.1  # seconds the listener waits when the process is out of file descriptors
 MAX_RECORDS = 1024  # the latest proven peers' records kept (a server may run for months); counts keep all
 
 
@@ -99,8 +104,10 @@ class Server:
     """Serves ``spec``'s blocks to decode engines that prove ``secret``.
 
     ``offer(peer)`` says what a peer that proved itself and can be served gets (it may
-    raise ProtocolError to refuse it, with its message); ``release(record)`` is called when
-    a hold ends, however it ends. ``log`` receives one line per event worth telling.
+    raise ProtocolError to refuse it, with its message; any other exception refuses that
+    peer too, naming the exception); ``release(record)`` is called when a hold ends, however
+    it ends (what it raises is logged: the other peers are still served). ``log`` receives
+    one line per event worth telling.
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class Server:
         self.done_ok = 0  # peers that said done, and that all went well
         self.dropped = 0  # connections that never proved the secret
         self._connections: dict[socket.socket, _Connection] = {}
+        self._accept_paused_until = 0.0  # out of file descriptors: the listener waits until then
 
     @property
     def served(self) -> int:
@@ -156,11 +164,14 @@ class Server:
                     if (peers is not None and self.served >= peers and not self._holding()) or (stop and stop()):
                         return
                     now = time.monotonic()
-                    if self._connections:
-                        quiet_since = now
+                    if any(c.record is not None for c in self._connections.values()):
+                        quiet_since = now  # strays that never prove the secret do not keep the cache served
                     elif now - quiet_since > idle:
                         self.log(f"no decode engine for {idle:g} s: stopping")
                         return
+                    if self._accept_paused_until and now >= self._accept_paused_until:
+                        self._accept_paused_until = 0.0
+                        selector.register(self.listener, selectors.EVENT_READ)
                     for key, events in selector.select(timeout=0.05):
                         if key.fileobj is self.listener:
                             self._accept(selector)
@@ -193,15 +204,23 @@ class Server:
                 sock, address = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # the peer gave up between the listen queue and accept
-                return
+            except OSError as err:
+                if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # The connection stays queued and the listener readable: accepting again at
+                    # once would spin. Served peers go on; the listener waits a while.
+                    self.log(f"cannot accept a connection ({err.strerror}): pausing accepts for {ACCEPT_PAUSE:g} s")
+                    selector.unregister(self.listener)
+                    self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
+                return  # otherwise the peer gave up between the listen queue and accept
             if len(self._connections) >= MAX_CONNECTIONS:
                 unproven = [c for c in self._connections.values() if c.record is None]
                 if not unproven:
                     sock.close()
                     self.dropped += 1
                     continue
-                self._end(selector, unproven[0], "", "")  # the oldest unproven one
+                # The oldest not yet challenged (``connect`` tries again), else the oldest: a
+                # decode that was challenged goes last.
+                self._end(selector, min(unproven, key=lambda c: c.stage != KNOCK), "", "")
             sock.setblocking(False)
             conn = _Connection(sock, f"{address[0]}:{address[1]}", time.monotonic() + self.auth_timeout)
             self._connections[sock] = conn
@@ -256,10 +275,11 @@ class Server:
             check_compatible(spec, self.spec, local_name="decode", remote_name="prefill")  # a ProtocolError
             offer = self.offer(PeerHello(conn.address, spec, fields))
             conn.offered = True
-        except ProtocolError as err:
+        except Exception as err:  # the application's offer failed for this peer: refused, the others served
+            reason = str(err) if isinstance(err, ProtocolError) else f"the offer failed: {type(err).__name__}: {err}"
             with contextlib.suppress(ProtocolError):
-                _send(conn.sock, REFUSE, {"reason": str(err)[:400]}, self.send_timeout)
-            self._end(selector, conn, "refused", str(err))
+                _send(conn.sock, REFUSE, {"reason": reason[:400]}, self.send_timeout)
+            self._end(selector, conn, "refused", reason)
             return
         record.requests = len(offer.requests)
         offer = Offer(offer.spec, offer.tables, offer.metadata, offer.requests, self.beat_seconds, offer.extra)
@@ -299,7 +319,10 @@ class Server:
         self.done_ok += outcome == "done" and conn.record.ok is True
         self.log(f"decode at {conn.address}: {conn.record.outcome}" + (f": {detail}" if detail else ""))
         if self.release is not None and conn.offered:
-            self.release(conn.record)
+            try:
+                self.release(conn.record)
+            except Exception as err:  # logged: the other peers, and the connections still to close, come first
+                self.log(f"release for decode at {conn.address} failed: {type(err).__name__}: {err}")
 
 
 def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: float, *, blob: bytes = b"") -> None:
