@@ -967,6 +967,46 @@ def test_a_secret_on_standard_input_is_read_whole_and_a_longer_one_refused(monke
                 assert read_secret_file("-", timeout=5) == expected
 
 
+def test_a_secret_on_standard_input_is_one_line_within_the_timeout(monkeypatch):
+    """A writer that sends digits and never ends the line is refused at the deadline (not
+    waited for); what follows a line end is not read as part of it."""
+    import sys
+
+    read, write = os.pipe()
+    os.write(write, b"ab" * 32)  # no line end, and the pipe stays open
+    try:
+        with os.fdopen(read) as stdin:
+            monkeypatch.setattr(sys, "stdin", stdin)
+            started = time.monotonic()
+            with pytest.raises(ProtocolError, match=r"standard input: no line within 0.5 s"):
+                read_secret_file("-", timeout=0.5)
+            assert time.monotonic() - started < 2
+    finally:
+        os.close(write)
+    read, write = os.pipe()
+    os.write(write, b"ab" * 32 + b"\nnot part of the secret\n")
+    try:
+        with os.fdopen(read) as stdin:
+            monkeypatch.setattr(sys, "stdin", stdin)
+            assert read_secret_file("-", timeout=5) == b"\xab" * 32
+    finally:
+        os.close(write)
+
+
+def test_a_secret_file_that_is_no_regular_file_or_no_text_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "fifo.secret"
+    os.mkfifo(fifo, 0o600)  # no writer: opening it for reading would wait for one
+    started = time.monotonic()
+    with pytest.raises(ProtocolError, match=f"secret file {fifo}: not a regular file"):
+        read_secret_file(str(fifo))
+    assert time.monotonic() - started < 1
+    garbled = tmp_path / "garbled.secret"
+    garbled.write_bytes(b"\xff" * 64)
+    garbled.chmod(0o600)
+    with pytest.raises(ProtocolError, match=f"secret file {garbled}: expected hex digits, got bytes that are not"):
+        read_secret_file(str(garbled))
+
+
 def test_a_proof_binds_the_secret_the_role_and_both_nonces():
     """HMAC-SHA256 of role and both nonces: a proof for one pair of nonces proves nothing
     for another (a recorded proof cannot be replayed against a fresh challenge)."""
@@ -1191,6 +1231,18 @@ def test_addresses_that_parse(text, address):
 def test_addresses_that_do_not(text):
     with pytest.raises(ArgumentError, match=r"is not HOST:PORT with a port in \[0, 65535\]"):
         parse_address(text)
+
+
+@pytest.mark.parametrize("host", ["a..b", "x" * 64 + ".example"])
+def test_host_names_no_resolver_takes_are_refused_at_once(host):
+    """An empty label or one of more than 63 characters: refused as the address is read, and
+    by ``connect`` at once (not retried until its timeout) when given as a pair."""
+    with pytest.raises(ArgumentError, match=f"'{host}:7600': '{host}' is not a host name"):
+        parse_address(f"{host}:7600")
+    started = time.monotonic()
+    with pytest.raises(ProtocolError, match=f"cannot connect to prefill at {host}:7600: not a host name"):
+        connect((host, 7600), SECRET, DECODE, timeout=5)
+    assert time.monotonic() - started < 1
 
 
 # --- the beats of a session ----------------------------------------------------------------

@@ -34,6 +34,7 @@ import hmac
 import os
 import select
 import socket
+import stat
 import sys
 import threading
 import time
@@ -95,23 +96,35 @@ def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
 
     ``-`` reads one line from standard input, within ``timeout`` seconds (not argv, not the
     environment: any local user can read a process's command line). A file others may
-    read is refused: the secret is what keeps strangers from reading the cache.
+    read is refused: the secret is what keeps strangers from reading the cache; so is
+    anything but a regular file (a FIFO with no writer would block its open forever).
     """
+    most = MAX_SECRET_DIGITS + 2  # and a line end
     if path == "-":
-        ready, _, _ = select.select([sys.stdin], [], [], check_seconds(timeout, "secret timeout"))
-        text = sys.stdin.readline(MAX_SECRET_DIGITS + 2) if ready else ""  # and a line end
         where = "standard input"
+        data = _read_line(sys.stdin.fileno(), check_seconds(timeout, "secret timeout"), most, where)
+        data = data.split(b"\n", 1)[0]  # what followed the line is not ours
     else:
         where = f"secret file {path}"
         try:
-            mode = os.stat(path).st_mode
-            if mode & 0o077:
-                raise ProtocolError(f"{where}: readable by others (mode {mode & 0o777:o}); chmod 600 it")
-            with open(path) as source:
-                text = source.read(MAX_SECRET_DIGITS + 2)
+            descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
         except OSError as err:
             raise ProtocolError(f"{where}: {err.strerror}") from None
-    digits = text.strip()
+        try:
+            mode = os.fstat(descriptor).st_mode
+            if not stat.S_ISREG(mode):
+                raise ProtocolError(f"{where}: not a regular file")
+            if mode & 0o077:
+                raise ProtocolError(f"{where}: readable by others (mode {mode & 0o777:o}); chmod 600 it")
+            data = os.read(descriptor, most)
+        except OSError as err:
+            raise ProtocolError(f"{where}: {err.strerror}") from None
+        finally:
+            os.close(descriptor)
+    try:
+        digits = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{where}: expected hex digits, got bytes that are not ASCII") from None
     if len(digits) > MAX_SECRET_DIGITS:
         raise ProtocolError(f"{where}: more than {MAX_SECRET_DIGITS} hex digits")
     try:
@@ -121,6 +134,22 @@ def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
     if len(secret) < SECRET_BYTES:
         raise ProtocolError(f"{where}: expected a secret of at least {SECRET_BYTES} bytes as hex digits")
     return secret
+
+
+def _read_line(descriptor: int, seconds: float, most: int, where: str) -> bytes:
+    """The bytes of ``descriptor`` up to a line end or its end, at most ``most``, within
+    ``seconds``: a writer that never ends its line is a ProtocolError at the deadline."""
+    deadline = time.monotonic() + seconds
+    data = bytearray()
+    while b"\n" not in data and len(data) < most:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([descriptor], [], [], left)[0]:
+            raise ProtocolError(f"{where}: no line within {seconds:g} s")
+        chunk = os.read(descriptor, most - len(data))
+        if not chunk:  # its end: what came is the line
+            break
+        data += chunk
+    return bytes(data)
 
 
 def write_secret_file(path: str) -> bytes:
@@ -246,6 +275,10 @@ def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]
     host = host.strip("[]") or default_host
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ArgumentError(f"{text!r} is not HOST:PORT with a port in [0, 65535]")
+    try:
+        host.encode("idna")  # what the resolver is given: an empty label (a..b) or one too long fails
+    except UnicodeError as err:
+        raise ArgumentError(f"{text!r}: {host!r} is not a host name ({err})") from None
     return host, int(port)
 
 
@@ -262,9 +295,10 @@ def connect(
     Connecting is retried until ``timeout`` seconds have passed (the prefill may still be
     starting), and so is the handshake where the prefill closes the connection before it
     challenged this one (a prefill holding as many connections as it may drops one that
-    has not been challenged for a new one); every later step has what is left of them. A prefill that cannot prove the
-    secret, or says something malformed, is a ProtocolError; one whose engine cannot be
-    served is an IncompatibleEngineError (it refused, or decode does, naming the field).
+    has not been challenged for a new one); every later step has what is left of them. A
+    prefill that cannot prove the secret, or says something malformed, is a ProtocolError;
+    one whose engine cannot be served is an IncompatibleEngineError (it refused, or decode
+    does, naming the field). A host name no resolver could take is a ProtocolError at once.
     """
     seconds = check_seconds(timeout, "connect timeout")
     check_secret(secret)
@@ -336,6 +370,8 @@ def _connect(address: tuple[str, int], deadline: float, name: str) -> socket.soc
             return sock
         except OSError as err:
             last = err.strerror or str(err)
+        except UnicodeError as err:  # the host name itself: trying again changes nothing
+            raise ProtocolError(f"cannot connect to {name}: not a host name ({err})") from None
         if time.monotonic() + RETRY_SECONDS > deadline:
             raise ProtocolError(f"could not connect to {name} before the connect timeout: {last}")
         time.sleep(RETRY_SECONDS)
