@@ -560,6 +560,16 @@ def test_tables_and_plans_reject_mismatches():
         region_table({"l": make_cache("KBNHC", "KBNHC", dict(small, N=4, B=2), device="meta")}, "KBNHC")
 
 
+def test_token_runs_are_held_to_the_streams_a_table_may_have():
+    """A head-major table cut into runs of tokens has a stream per head: a peer's table of
+    2^15 heads in two streams would make 65,538 (one Python object each)."""
+    cache = make_cache("KBNHC", "KBHNC", dict(K=2, B=2, N=4, H=1 << 15, C=4))  # 4 MiB
+    table = region_table({"l": cache}, "KBNHC")
+    with pytest.raises(LayoutError, match=r"token runs of 2 streams cut at 'H' .* are 65538 streams, more than"):
+        replace(table, sizes=dict(table.sizes, H=(1 << 15) + 1)).token_runs()
+    assert len(table.token_runs().streams) == 1 << 16
+
+
 def test_table_round_trip_and_strict_parsing():
     caches = caches_for("KBNHC", "KBHNC", dict(K=2, H=2, C=4), 4, 8, seed=0)
     table = region_table(caches, "KBNHC")

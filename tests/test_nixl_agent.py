@@ -190,6 +190,22 @@ def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp
 
 @needs_nixl
 @pytest.mark.timeout(60)
+def test_an_agent_keeps_no_reader_closed_or_dropped():
+    """A long-lived agent making readers (one per peer or plan) holds none it was given back."""
+    with Agent("keeps-no-readers-sender") as sender, Agent("keeps-no-readers") as receiver:
+        remote = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=2), "KBNHC")
+        local = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=3), "KBNHC")
+        peer = receiver.add_peer(sender.metadata())
+        closed, dropped, kept = (receiver.reader(plan_transfer(local, remote), peer) for _ in range(3))
+        closed.close()
+        del dropped
+        gc.collect()
+        assert set(receiver._readers) == {kept}
+    assert kept.closed  # closed with its agent
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
 def test_close_lets_go_of_readers_peers_memory_and_tensors():
     """An agent keeps what it registered alive until it closes (NIXL reads that memory); closing
     (here by leaving ``with``) closes its readers, drops its peers from NIXL and deregisters."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -123,7 +124,9 @@ class Agent:
         self.name = name
         self._registered: list[tuple[Any, list[torch.Tensor]]] = []
         self._peers: dict[str, bytes] = {}  # each peer's metadata as last loaded
-        self._readers: list[Reader] = []
+        # Its readers while anyone holds them, to close them with it: a long-lived agent
+        # that makes a reader per peer or plan keeps none it was given back.
+        self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
         # Posted and not yet released: close cancels them before it lets go of their memory.
         self.posted: set[Transfer] = set()
         self.uncancelled: list[Transfer] = []  # released but not cancelled: they may still write
@@ -214,7 +217,7 @@ class Agent:
         if peer not in self._peers:
             raise TransferError(f"agent {self.name!r} has no peer {peer!r}: add_peer its metadata first")
         reader = Reader(self, plan, peer, max_descriptor_bytes=max_descriptor_bytes)
-        self._readers.append(reader)
+        self._readers.add(reader)
         return reader
 
     def close(self) -> None:
@@ -227,7 +230,7 @@ class Agent:
         more first), the memory stays registered and its tensors alive, and a TransferError
         says so once the rest is done."""
         self.closed = True
-        for reader in self._readers:
+        for reader in list(self._readers):
             reader.close()
         for transfer in dict.fromkeys([*self.posted, *self.uncancelled]):
             with contextlib.suppress(TransferError):  # one left uncancelled is counted below
@@ -367,6 +370,7 @@ class Reader:
 
     def close(self) -> None:
         self.closed = True
+        self.agent._readers.discard(self)
 
     def _check_open(self) -> None:
         if self.closed:

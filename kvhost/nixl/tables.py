@@ -120,6 +120,12 @@ class RegionTable:
         cut = self.order[: self.order.index("N")]
         if not cut or self.split:
             return self
+        count = len(self.streams) * prod(self.sizes[a] for a in cut)
+        if count > MAX_STREAMS:  # each a Python object: a peer's table may say 2^16 heads
+            raise LayoutError(
+                f"token runs of {len(self.streams)} streams cut at {cut!r} ({self.sizes}) are {count} streams, "
+                f"more than the {MAX_STREAMS} a table may hold"
+            )
         streams = []
         for stream in self.streams:
             for index in itertools.product(*(range(self.sizes[a]) for a in cut)):
