@@ -415,6 +415,28 @@ def partition(labels):
     return {frozenset(g) for g in groups.values()}, {s for s, label in enumerate(labels.tolist()) if label == -1}
 
 
+class RefusingNixl:
+    """NIXL's ``prep_xfer_dlist`` for memory registered block by block: every list refused."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def prep_xfer_dlist(self, owner, rows, memory):
+        self.calls += 1
+        raise RuntimeError("NIXL_ERR_NOT_FOUND")
+
+
+def test_merge_domains_stops_probing_after_a_bounded_number_of_refusals():
+    """Each refused probe costs NIXL an error line: 100 layers registered block by block are
+    given up on after MAX_REFUSED_PROBES refusals, every stream left to merge nothing."""
+    from kvhost.nixl.agent import MAX_REFUSED_PROBES
+
+    table = region_table(caches_for("KBNHC", "KBNHC", SIZES, 4, 2, seed=12, layers=100), "KBNHC")
+    nixl = RefusingNixl()
+    assert (merge_domains(nixl, MINE, table) == -1).all() and len(table.streams) == 200
+    assert nixl.calls == 1 + MAX_REFUSED_PROBES == 65
+
+
 @needs_nixl
 @pytest.mark.timeout(60)
 def test_merge_domains_groups_streams_by_the_region_that_holds_them(monkeypatch):

@@ -45,6 +45,7 @@ MAX_THREADS = 64
 # reaches every message about the peer, so its length is bounded (a FQDN and more).
 NIXL_LOCAL_AGENT = "NIXL_INIT_AGENT"
 MAX_PEER_NAME = 1024
+MAX_REFUSED_PROBES = 64  # NIXL calls merge_domains may see refused (each logs an error line)
 
 
 def _peer_name(loaded: object) -> str:
@@ -392,7 +393,10 @@ def merge_domains(nixl: Any, owner: str, table: RegionTable) -> np.ndarray:
 
     Streams whose extents meet are tried together first (one descriptor covering them
     all), then, where that is refused, each stream on its own: one NIXL call when every
-    cluster is registered whole, one per cluster and stream where it is not.
+    cluster is registered whole, one per cluster and stream where it is not. Each refusal
+    costs NIXL an error line in its log and some 20 us, so after ``MAX_REFUSED_PROBES`` the
+    streams left are labelled -1 (a peer that registered its memory block by block would
+    otherwise cost one of each per stream, up to 65,536): they only merge less.
     """
     extents = stream_extents(table)
     count = extents.shape[0]
@@ -410,13 +414,23 @@ def merge_domains(nixl: Any, owner: str, table: RegionTable) -> np.ndarray:
     if _registered(nixl, owner, spans, table.memory):
         labels[order] = cluster_of
         return labels
+    refused = 0
+
+    def registered(rows: np.ndarray) -> bool:
+        nonlocal refused
+        if refused >= MAX_REFUSED_PROBES:
+            return False
+        accepted = _registered(nixl, owner, rows, table.memory)
+        refused += not accepted
+        return accepted
+
     for cluster in range(clusters):
         members = order[cluster_of == cluster]
-        if members.size > 1 and _registered(nixl, owner, spans[cluster : cluster + 1], table.memory):
+        if members.size > 1 and registered(spans[cluster : cluster + 1]):
             labels[members] = cluster
             continue
         for stream in members.tolist():
-            if _registered(nixl, owner, extents[stream : stream + 1], table.memory):
+            if registered(extents[stream : stream + 1]):
                 labels[stream] = clusters + stream
     return labels
 
