@@ -614,7 +614,7 @@ def test_secrets_come_from_stdin_or_a_private_file_within_a_deadline(monkeypatch
     with os.fdopen(read, "r") as stream, os.fdopen(write, "w"):
         monkeypatch.setattr(sys, "stdin", stream)
         started = time.monotonic()
-        with pytest.raises(ProtocolError, match="standard input: no line within 0.2 s"):
+        with pytest.raises(ProtocolError, match=r"standard input: no line within 0\.2 s"):
             read_secret_file("-", timeout=0.2)  # nothing written: the deadline ends the wait
         assert time.monotonic() - started < 2
 

@@ -49,6 +49,12 @@ def test_named_backend_must_serve_the_device():
         kvhost.get_backend("meta", name="cpu")
 
 
+@pytest.mark.parametrize("name", [["cpu"], 5, b"cpu"])
+def test_a_backend_name_that_is_not_a_string_is_refused(name):
+    with pytest.raises(kvhost.BackendError, match=f"a backend's name must be a string, got {re.escape(repr(name))}"):
+        kvhost.get_backend("cpu", name=name)
+
+
 def test_entry_points_list_every_in_tree_backend():
     names = {row.name for row in registry.info()}
     assert {"cpu", "torch", "cuda", "xpu", "tpu"} <= names
