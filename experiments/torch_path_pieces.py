@@ -34,6 +34,7 @@ import numpy as np
 
 import kvhost
 from kvhost.batch import plan_copy_batch
+from kvhost.caches import CacheSet
 from kvhost.torch_backend import TorchBackend, _pair_views
 from kvhost_tools.bench.machine import Device, block_ranges
 from kvhost_tools.bench.methods import Workspace
@@ -64,7 +65,7 @@ def main() -> None:
     numba_host = kvhost.KVHost(cache, axes=geometry.axes, backend="cpu")
     backend = torch_host.backend
     assert isinstance(backend, TorchBackend)
-    peer = torch_host._peer(buffer, geometry.axes, "dst")
+    peer = CacheSet(buffer, geometry.axes, role="dst")
     job = plan_copy_batch(torch_host.caches, peer, src_ids, dst_ids, False).jobs[0]
     views = _pair_views(job)
     made = [(dest.narrow(b, 0, blocks), source.narrow(b, blocks, blocks)) for source, dest, b, *_ in views]

@@ -111,7 +111,8 @@ class KVHost:
             return stats
 
     def _layers(self, layers: Sequence[str]) -> tuple[tuple[str, ...], CacheSet]:
-        """The registered layers ``layers`` names, as a set of their own (made once), and its key."""
+        """The registered layers ``layers`` names, as a set of their own, and its key: a set
+        kept from an earlier receive, or one made now (kept by the caller once planned)."""
         if isinstance(layers, str) or not isinstance(layers, (list, tuple)):
             raise ArgumentError(f"layers must be a list or tuple of layer names, got {layers!r}")
         key = tuple(layers)
@@ -169,8 +170,8 @@ class KVHost:
         backend = self._peer_backend(peer, axes, role)
         with backend.exclusive():
             self.caches.check_current()
-            if not isinstance(axes, str):  # not a key to look up; the set says what is wrong
-                CacheSet(peer, axes, role=role)
+            if not isinstance(axes, str):  # not a key to look up
+                raise LayoutError(f"{role}: axes must be a string of axis letters, got {axes!r}")
             key = (id(peer), axes, role)
             known = self._peers.get(key)
             peer_set = known if known is not None and known.describes(peer) else CacheSet(peer, axes, role=role)

@@ -402,9 +402,10 @@ class _RunIds:
 class _StreamCompletion(Completion):
     """Done when the device passes an event recorded after the copy on the stream it queued on.
 
-    ``job`` is kept until then: its members hold the caller's tensors and their storages,
-    which a host buffer pinned outside torch (one registered with NIXL) needs, since torch
-    records no event for such memory."""
+    ``job`` is kept with it: its members hold the caller's tensors and their storages while
+    the result is held, which a host buffer pinned outside torch (one registered with NIXL)
+    needs, since torch records no event for such memory. (Unlike the accelerator backend's
+    completion, a result dropped early does not wait for its copy.)"""
 
     def __init__(self, event: torch.Event, job: CopyJob) -> None:
         self.event = event

@@ -366,7 +366,6 @@ def test_copies_queue_behind_the_callers_stream_and_finish_through_an_event_on_t
     # (``set_``) meanwhile lets go of its old storage, which the side stream still reads.
     kept = {id(k) for k in result.completion.keep}
     assert all(id(member) in kept for pair in result.job.pairs for member in pair)
-    assert all(member.storage.data_ptr() == member.data_ptr for pair in result.job.pairs for member in pair)
     backend.runtime.events[-1].fired = True
     assert result.done()
 

@@ -170,8 +170,8 @@ def test_head_major_16_to_token_major_64_stays_in_registers():
 
 def test_a_unit_too_large_to_index_in_32_bits_is_refused():
     """The kernels place a word within its unit in 32 bits: a 64 GiB block (a million tokens
-    of 256 heads) would wrap to offsets before the block. One of 15 GiB (2^31 - 2^27 words
-    of 8 bytes) still fits."""
+    of 256 heads) would wrap to offsets before the block; so would one of 2^31 words, the
+    least that is too many. One of 15 GiB (2^31 - 2^27 words of 8 bytes) still fits."""
 
     def block(tokens, heads):
         cache = make_cache("KBNHC", "KBNHC", dict(K=2, B=2, N=tokens, H=heads, C=128), device="meta")
@@ -179,6 +179,8 @@ def test_a_unit_too_large_to_index_in_32_bits_is_refused():
 
     with pytest.raises(BackendError, match=r"is 8589934592 words of 8 bytes: .*\(at most 2147483647 words\)"):
         plan_receive_launch(block(1 << 20, 256), members=1, outer=2, units=1, alignment=256, limits=H200)
+    with pytest.raises(BackendError, match=r"is 2147483648 words of 8 bytes"):
+        plan_receive_launch(block(1 << 20, 64), members=1, outer=2, units=1, alignment=256, limits=H200)
     fits = plan_receive_launch(
         block((1 << 20) - (1 << 16), 64), members=1, outer=2, units=1, alignment=256, limits=H200
     )

@@ -635,8 +635,10 @@ def test_an_agent_knows_each_transfer_from_its_post_to_its_release():
     with pytest.raises(TransferError, match="could not be cancelled"):
         stuck.release()
     assert stuck.link.agent.posted == {stuck} and stuck.link.agent.uncancelled == [stuck]
+    link = Link(SimpleNamespace(nixl=ScriptedNixl("ERR"), uncancelled=[], posted=set()), "prefill")  # type: ignore[arg-type]
     with pytest.raises(TransferError, match="transport state 'ERR'"):
-        posted("ERR")  # refused when posted: released there, never the caller's
+        Transfer.post(link, Handle(), 1, "READ", descriptors=1)  # refused when posted: released there
+    assert link.agent.posted == set()
     failed_post, _, _ = posted("PROC")
     failed_post.link.agent.posted.clear()
     with pytest.raises(TransferError):

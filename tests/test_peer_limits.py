@@ -198,9 +198,9 @@ def test_json_costs_a_bounded_amount_whatever_it_holds(shape):
         )
 
 
-def big_offer(block_ids: int, streams: int) -> tuple[bytes, EngineSpec, int]:
+def big_offer(id_bytes: int, streams: int) -> tuple[bytes, EngineSpec, int]:
     """An offer at the caps: one rank's table of ``streams`` streams (layers x K/V) of 2^32
-    declared blocks of one token, and ``block_ids`` bytes of block ids (4 bytes each) in 4
+    declared blocks of one token, and ``id_bytes`` bytes of block ids (4 bytes each) in 4
     requests; and the engine it says it is."""
     layers = streams // 2
     spec = EngineSpec("mha", layers, 1, 1, "uint8", 1, "HNC", 1)
@@ -221,12 +221,12 @@ def big_offer(block_ids: int, streams: int) -> tuple[bytes, EngineSpec, int]:
             "stride": np.full(streams, 64, dtype=np.uint64),
         },
     }
-    tokens = np.full(4, block_ids // 16, dtype=np.uint32)
+    tokens = np.full(4, id_bytes // 16, dtype=np.uint32)
     requests = {
         "name": ["a", "b", "c", "d"],
         "number": np.arange(4, dtype=np.uint32),
         "tokens": tokens,
-        "block_ids": np.tile(np.arange(block_ids // 16, dtype=np.uint32), 4),  # distinct in each request
+        "block_ids": np.tile(np.arange(id_bytes // 16, dtype=np.uint32), 4),  # distinct in each request
     }
     header = {
         "engine": spec.to_dict(),

@@ -414,9 +414,9 @@ def _block_count(buffers: Mapping[str, Layer], axes: str) -> int | None:
     """The fewest blocks any of ``buffers``' tensors holds, read as ``axes`` (a tuple
     layer's tensors without ``K``); None where no tensor has that many dims, whose
     description kvhost's copy then refuses itself."""
-    counts: list[int] = []
     if not isinstance(axes, str):
         return None
+    counts: list[int] = []
     for layer in buffers.values() if isinstance(buffers, Mapping) else ():
         tensors = layer if isinstance(layer, tuple) else (layer,)
         letters = axes.replace("K", "") if isinstance(layer, tuple) else axes

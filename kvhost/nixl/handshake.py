@@ -85,9 +85,10 @@ def parse_requests(columns: Fields, block_size: int, num_blocks: int) -> list[Re
         raise ProtocolError(
             f"{where}.block_ids: {ids.size} block ids, but the requests' tokens need {needed} blocks of {block_size}"
         )
-    starts = [0, *ends[:-1].tolist()]
-    _check_distinct(ids, starts, ends.tolist(), names, where)
+    stops = ends.tolist()
+    starts = [0, *stops[:-1]]
+    _check_distinct(ids, starts, stops, names, where)
     return [
         RemoteRequest(name, number, count, ids[start:end])
-        for name, number, count, start, end in zip(names, numbers.tolist(), tokens.tolist(), starts, ends.tolist())
+        for name, number, count, start, end in zip(names, numbers.tolist(), tokens.tolist(), starts, stops)
     ]

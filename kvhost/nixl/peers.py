@@ -138,14 +138,19 @@ def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
 
 def _read_line(descriptor: int, seconds: float, most: int, where: str) -> bytes:
     """The bytes of ``descriptor`` up to a line end or its end, at most ``most``, within
-    ``seconds``: a writer that never ends its line is a ProtocolError at the deadline."""
+    ``seconds``: a writer that never ends its line is a ProtocolError at the deadline.
+    Read from the descriptor itself (``sys.stdin``'s buffer is bypassed): what follows the
+    line in the same read is not left for another reader."""
     deadline = time.monotonic() + seconds
     data = bytearray()
     while b"\n" not in data and len(data) < most:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([descriptor], [], [], left)[0]:
             raise ProtocolError(f"{where}: no line within {seconds:g} s")
-        chunk = os.read(descriptor, most - len(data))
+        try:
+            chunk = os.read(descriptor, most - len(data))
+        except OSError as err:
+            raise ProtocolError(f"{where}: {err.strerror}") from None
         if not chunk:  # its end: what came is the line
             break
         data += chunk

@@ -25,10 +25,10 @@ the tables' sizes first and held to ``MAX_STREAMS`` streams a side, as an offer'
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from math import prod
 from typing import Literal, TypeVar
 
@@ -532,9 +532,10 @@ class RankReader:
     def _post(self, rows: Mapping[int, Rows]) -> list[Transfer]:
         """One transfer per source rank of ``rows``; where one cannot be posted, those posted
         before it are released."""
-        return post_all(functools.partial(self._post_rank, rank, *rank_rows) for rank, rank_rows in rows.items())
+        return post_all(partial(self._post_rank, rank, *rank_rows) for rank, rank_rows in rows.items())
 
     def _post_rank(self, rank: int, local_rows: np.ndarray, remote_rows: np.ndarray) -> list[Transfer]:
+        """One transfer from source ``rank``, its descriptors counted."""
         self.descriptors += local_rows.shape[0]
         memory = (self.plan.local.memory, self.plan.remotes[rank].memory)
         return [post_rows(self.agent, self.peers[rank], "READ", local_rows, remote_rows, memory)]

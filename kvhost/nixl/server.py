@@ -139,6 +139,7 @@ class Server:
         self.dropped = 0  # connections that never proved the secret
         self._connections: dict[socket.socket, _Connection] = {}
         self._accept_paused_until = 0.0  # out of file descriptors: the listener waits until then
+        self._short_of_descriptors = False  # told once an episode, not every pause
 
     @property
     def served(self) -> int:
@@ -152,10 +153,11 @@ class Server:
 
     def serve(self, *, peers: int | None, idle_timeout: float, stop: Callable[[], bool] | None = None) -> None:
         """Serve until ``peers`` holds have ended (None: until ``stop`` says so), or until no
-        connection has been held for ``idle_timeout`` seconds. Every connection still open
+        proven peer has been held for ``idle_timeout`` seconds. Every connection still open
         when it returns is closed (and a hold released)."""
         idle = check_seconds(idle_timeout, "idle timeout", positive=True)
         self.listener.setblocking(False)
+        self._accept_paused_until = 0.0  # a pause of an earlier serve ended with its selector
         quiet_since = time.monotonic()
         with selectors.DefaultSelector() as selector:
             selector.register(self.listener, selectors.EVENT_READ)
@@ -208,10 +210,13 @@ class Server:
                 if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     # The connection stays queued and the listener readable: accepting again at
                     # once would spin. Served peers go on; the listener waits a while.
-                    self.log(f"cannot accept a connection ({err.strerror}): pausing accepts for {ACCEPT_PAUSE:g} s")
+                    if not self._short_of_descriptors:
+                        self.log(f"cannot accept a connection ({err.strerror}): pausing {ACCEPT_PAUSE:g} s at a time")
+                    self._short_of_descriptors = True
                     selector.unregister(self.listener)
                     self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
                 return  # otherwise the peer gave up between the listen queue and accept
+            self._short_of_descriptors = False
             if len(self._connections) >= MAX_CONNECTIONS:
                 unproven = [c for c in self._connections.values() if c.record is None]
                 if not unproven:
@@ -275,15 +280,15 @@ class Server:
             check_compatible(spec, self.spec, local_name="decode", remote_name="prefill")  # a ProtocolError
             offer = self.offer(PeerHello(conn.address, spec, fields))
             conn.offered = True
-        except Exception as err:  # the application's offer failed for this peer: refused, the others served
+            record.requests = len(offer.requests)
+            offer = Offer(offer.spec, offer.tables, offer.metadata, offer.requests, self.beat_seconds, offer.extra)
+            conn.outbox = memoryview(encode(OFFER, offer.header(), b"".join(offer.metadata)))
+        except Exception as err:  # the application's offer failed for this peer, or is not one: refused alone
             reason = str(err) if isinstance(err, ProtocolError) else f"the offer failed: {type(err).__name__}: {err}"
             with contextlib.suppress(ProtocolError):
                 _send(conn.sock, REFUSE, {"reason": reason[:400]}, self.send_timeout)
             self._end(selector, conn, "refused", reason)
             return
-        record.requests = len(offer.requests)
-        offer = Offer(offer.spec, offer.tables, offer.metadata, offer.requests, self.beat_seconds, offer.extra)
-        conn.outbox = memoryview(encode(OFFER, offer.header(), b"".join(offer.metadata)))
         conn.stage, conn.deadline = OFFER, time.monotonic() + self.send_timeout
         selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
 
