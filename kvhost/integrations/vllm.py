@@ -103,8 +103,9 @@ def remote_order(axes: str, physical: str, remote_layout: str) -> str:
     """
     check_letters(axes, what="axes")
     check_letters(physical, what="physical order")
-    if "B" not in axes or sorted(physical) != sorted(axes):
-        raise LayoutError(f"physical order {physical!r} must be the letters of axes {axes!r}, B among them")
+    if "B" not in physical or set(axes) - set(physical) - {"K"} or set(physical) - set(axes):
+        # A tuple layer's tensors lack K (the tuple's index stands for it): their order may too.
+        raise LayoutError(f"physical order {physical!r} must be the letters of axes {axes!r} (K may be left out)")
     _check_name(remote_layout, "remote layout", RequestError)
     region = physical[physical.index("B") + 1 :]
     if remote_layout in TOKEN_HEAD_ORDERS:
