@@ -16,13 +16,15 @@ backend is first used, so that importing kvhost stays light.
 from __future__ import annotations
 
 import importlib
+import threading
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -42,6 +44,64 @@ class Completion:
 
     def wait(self) -> None:
         return None
+
+
+class Event(Protocol):
+    """What a completion asks of a device event (``torch.Event`` and the device modules' own)."""
+
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+class EventCompletion(Completion):
+    """Done once the device has passed ``event`` and ``finish`` (host work after it) has run.
+
+    ``keep`` holds the buffers the device still reads or writes until then: the caller's
+    tensors, staging and bounce buffers, id tables. A handle dropped before it was seen
+    done completes itself first (waits for the event, runs ``finish``) and warns with a
+    ``ResourceWarning``: nothing it keeps is released while a stream still uses it, and a
+    staged save still lands.
+    """
+
+    def __init__(self, event: Event, keep: Sequence[Any] = (), finish: Callable[[], None] | None = None) -> None:
+        self.event = event
+        self.keep = list(keep)
+        self.finish = finish
+        self._finished = False
+        self._lock = threading.Lock()
+
+    def __del__(self) -> None:
+        if getattr(self, "_finished", True):
+            return
+        warnings.warn(
+            "a non-blocking kvhost copy was dropped before done() or wait() saw it complete; waiting for it now "
+            "(keep the CopyResult until then)",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        self.wait()
+
+    def done(self) -> bool:
+        if self._finished:
+            return True
+        if not self.event.query():
+            return False
+        self._complete()
+        return True
+
+    def wait(self) -> None:
+        if not self._finished:
+            self.event.synchronize()
+            self._complete()
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            if self.finish is not None:
+                self.finish()
+            self.keep = []
+            self._finished = True
 
 
 class Backend(ABC):

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvhost.backend import Backend, Completion, next_power_of_two
+from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.ids import find_runs_list
 from kvhost.layout import Layout, contiguous_strides
@@ -399,25 +399,6 @@ class _RunIds:
         return self._tensors[n]
 
 
-class _StreamCompletion(Completion):
-    """Done when the device passes an event recorded after the copy on the stream it queued on.
-
-    ``job`` is kept with it: its members hold the caller's tensors and their storages while
-    the result is held, which a host buffer pinned outside torch (one registered with NIXL)
-    needs, since torch records no event for such memory. (Unlike the accelerator backend's
-    completion, a result dropped early does not wait for its copy.)"""
-
-    def __init__(self, event: torch.Event, job: CopyJob) -> None:
-        self.event = event
-        self.job = job
-
-    def done(self) -> bool:
-        return bool(self.event.query())
-
-    def wait(self) -> None:
-        self.event.synchronize()
-
-
 def _completion(job: CopyJob) -> Completion:
     """A non-blocking copy on an accelerator finishes later: track it with a device event."""
     if not job.non_blocking:
@@ -433,7 +414,10 @@ def _completion(job: CopyJob) -> Completion:
         with contextlib.suppress(RuntimeError, AttributeError):
             torch.accelerator.synchronize(device)
         return Completion()
-    return _StreamCompletion(event, job)
+    # The job kept until the event: its members hold the caller's tensors and storages, which a
+    # host buffer pinned outside torch (one registered with NIXL) needs: torch records no event
+    # for such memory. A result dropped early waits for its copy first.
+    return EventCompletion(event, [job])
 
 
 def _event_on_stream_of(device: torch.device) -> torch.Event | None:

@@ -16,6 +16,7 @@ import torch
 
 import kvhost
 import kvhost.torch_backend
+from kvhost.backend import EventCompletion
 from kvhost.batch import plan_copy_batch
 from kvhost.caches import CacheSet
 from kvhost.testing import fill_random, make_cache
@@ -75,7 +76,9 @@ def test_a_non_blocking_copy_is_tracked_on_the_stream_of_its_device(recorded, sr
     assert streams.asked == [torch.device(tracked)]  # the index kept, not the current device's
     assert len(events) == 1 and events[0] is streams.streams[torch.device(tracked)]
     assert isinstance(completion.event, torch.Event)
-    assert completion.job is job  # its tensors and storages, until the event (host memory pinned outside torch)
+    # Its tensors and storages kept until the event (host memory pinned outside torch), and a
+    # result dropped earlier waits for it: the accelerator backend's completion, shared.
+    assert isinstance(completion, EventCompletion) and completion.keep == [job]
 
 
 def test_torch_backend_copies_record_their_event_on_the_caches_stream(recorded):

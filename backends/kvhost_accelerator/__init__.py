@@ -5,6 +5,7 @@ Triton kernels with their launch plans, and the interpreter stand-in that tests 
 neither depends on the other. Importing this package imports neither triton nor a device.
 """
 
-from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion
+from kvhost.backend import EventCompletion
+from kvhost_accelerator.backend import AcceleratorBackend
 
 __all__ = ["AcceleratorBackend", "EventCompletion"]

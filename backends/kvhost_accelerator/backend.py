@@ -29,8 +29,9 @@ Streams and lifetimes, the contract:
   ``non_blocking=True``, until the result's ``done()`` is True or ``wait()`` returns, no
   stream may write the source blocks or touch the destination blocks, and the bytes of a
   staged save reach the host only then.
-- The result (``EventCompletion``) keeps every buffer the copy uses alive until the copy
-  is complete: the caller's tensors, staging and bounce buffers, id tables. A result
+- The result (``kvhost.backend.EventCompletion``, shared with the torch path) keeps every
+  buffer the copy uses alive until the copy is complete: the caller's tensors, staging and
+  bounce buffers, id tables. A result
   dropped earlier completes itself first (waits for its event, runs the host step) and
   warns: no buffer is released while a stream still uses it, and no save is lost.
 - The torch path's reused id buffers are per thread and stream (``IndexBuffers``): one
@@ -40,9 +41,7 @@ Streams and lifetimes, the contract:
 from __future__ import annotations
 
 import itertools
-import threading
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
 from types import ModuleType
@@ -51,7 +50,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 
-from kvhost.backend import Backend, Completion, next_power_of_two
+from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.caches import CopyGroup, Member
 from kvhost.ids import find_runs
@@ -60,7 +59,7 @@ from kvhost.memory import byte_extent
 from kvhost.torch_backend import TorchBackend
 from kvhost.transform import plan_copy
 from kvhost_accelerator.launch import Limits, plan_copy_launch, plan_receive_launch
-from kvhost_accelerator.runtime import DeviceRuntime, Event
+from kvhost_accelerator.runtime import DeviceRuntime
 
 
 def load_kernels() -> ModuleType | None:
@@ -70,57 +69,6 @@ def load_kernels() -> ModuleType | None:
     except ImportError:
         return None
     return kernels
-
-
-class EventCompletion(Completion):
-    """Done once the device has passed ``event`` and ``finish`` (host work after it) has run.
-
-    ``keep`` holds the buffers the device still reads or writes until then: the caller's
-    tensors, staging and bounce buffers, id tables. A handle dropped before it was seen
-    done completes itself first (waits for the event, runs ``finish``) and warns with a
-    ``ResourceWarning``: nothing it keeps is released while a stream still uses it, and a
-    staged save still lands.
-    """
-
-    def __init__(self, event: Event, keep: Sequence[Any] = (), finish: Callable[[], None] | None = None) -> None:
-        self.event = event
-        self.keep = list(keep)
-        self.finish = finish
-        self._finished = False
-        self._lock = threading.Lock()
-
-    def __del__(self) -> None:
-        if getattr(self, "_finished", True):
-            return
-        warnings.warn(
-            "a non-blocking kvhost copy was dropped before done() or wait() saw it complete; waiting for it now "
-            "(keep the CopyResult until then)",
-            ResourceWarning,
-            stacklevel=2,
-        )
-        self.wait()
-
-    def done(self) -> bool:
-        if self._finished:
-            return True
-        if not self.event.query():
-            return False
-        self._complete()
-        return True
-
-    def wait(self) -> None:
-        if not self._finished:
-            self.event.synchronize()
-            self._complete()
-
-    def _complete(self) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            if self.finish is not None:
-                self.finish()
-            self.keep = []
-            self._finished = True
 
 
 class AcceleratorBackend(Backend):

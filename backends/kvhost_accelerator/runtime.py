@@ -16,14 +16,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-
-class Event(Protocol):
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
+from kvhost.backend import Event
 
 
 class DeviceRuntime:
