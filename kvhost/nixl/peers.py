@@ -309,12 +309,20 @@ def connect(
     check_secret(secret)
     deadline = time.monotonic() + seconds
     name = f"prefill at {address[0]}:{address[1]}"
-    while True:
+    while True:  # a try that may be made again: until one more could not end before the deadline
         try:
-            return _handshake(_connect(address, deadline, name), secret, spec, deadline, name, address, extra)
-        except _Unchallenged as err:
-            if time.monotonic() + RETRY_SECONDS > deadline:
-                raise PeerClosedError(f"{name} closed the connection before its challenge: {err}") from None
+            sock = _connect(address, deadline, name)
+        except OSError as err:
+            failed: ProtocolError = ProtocolError(
+                f"could not connect to {name} before the connect timeout: {err.strerror or err}"
+            )
+        else:
+            try:
+                return _handshake(sock, secret, spec, deadline, name, address, extra)
+            except _Unchallenged as err:
+                failed = PeerClosedError(f"{name} closed the connection before its challenge: {err}")
+        if time.monotonic() + RETRY_SECONDS > deadline:
+            raise failed
         time.sleep(RETRY_SECONDS)
 
 
@@ -367,16 +375,11 @@ def _left(deadline: float) -> float:
 
 
 def _connect(address: tuple[str, int], deadline: float, name: str) -> socket.socket:
-    last = ""
-    while True:
-        try:
-            sock = socket.create_connection(address, timeout=_left(deadline))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
-        except OSError as err:
-            last = err.strerror or str(err)
-        except UnicodeError as err:  # the host name itself: trying again changes nothing
-            raise ProtocolError(f"cannot connect to {name}: not a host name ({err})") from None
-        if time.monotonic() + RETRY_SECONDS > deadline:
-            raise ProtocolError(f"could not connect to {name} before the connect timeout: {last}")
-        time.sleep(RETRY_SECONDS)
+    """One try to connect (an OSError may be tried again); a host name no resolver takes is
+    a ProtocolError: trying again changes nothing."""
+    try:
+        sock = socket.create_connection(address, timeout=_left(deadline))
+    except UnicodeError as err:
+        raise ProtocolError(f"cannot connect to {name}: not a host name ({err})") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
