@@ -170,10 +170,8 @@ class KVHost:
         backend = self._peer_backend(peer, axes, role)
         with backend.exclusive():
             self.caches.check_current()
-            if not isinstance(axes, str):  # not a key to look up
-                raise LayoutError(f"{role}: axes must be a string of axis letters, got {axes!r}")
             key = (id(peer), axes, role)
-            known = self._peers.get(key)
+            known = self._peers.get(key) if isinstance(axes, str) else None  # other axes: the set words them
             peer_set = known if known is not None and known.describes(peer) else CacheSet(peer, axes, role=role)
             source, dest = (self.caches, peer_set) if role == "dst" else (peer_set, self.caches)
             result = _copy(source, dest, src_ids, dst_ids, non_blocking, backend)

@@ -190,8 +190,6 @@ class VllmCaches:
         if (layout is None) == (axes is None):
             raise LayoutError("give exactly one of layout (a vLLM name) and axes (kvhost letters)")
         _check_mapping(kv_caches, "kv_caches")
-        if layout is not None:
-            _check_name(layout, "layout", LayoutError)
         self.layer_names: tuple[str, ...] | None = None  # set when the layers are seen as their group
         if layout is not None:
             first = _first_tensor(kv_caches, layout)
