@@ -1210,14 +1210,14 @@ def test_connecting_is_retried_until_prefill_listens_and_no_longer():
         port = probe.getsockname()[1]  # nobody listens there once it is closed
     started = time.monotonic()
     tries = []
-    real = socket.create_connection
+    real = peers_module._resolve
 
     def counted(*args, **kwargs):
         tries.append(None)
         return real(*args, **kwargs)
 
     with (
-        patch.object(peers_module.socket, "create_connection", counted),
+        patch.object(peers_module, "_resolve", counted),
         pytest.raises(ProtocolError, match=r"could not connect to prefill at .* before the connect timeout: \w"),
     ):
         connect(("127.0.0.1", port), SECRET, DECODE, timeout=0.6)
@@ -1274,6 +1274,80 @@ def test_host_names_no_resolver_takes_are_refused_at_once(host):
     with pytest.raises(ProtocolError, match=f"cannot connect to prefill at {host}:7600: not a host name"):
         connect((host, 7600), SECRET, DECODE, timeout=5)
     assert time.monotonic() - started < 1
+
+
+def _resolver(answers):
+    """A stand-in for ``getaddrinfo``: numbers as the real one takes them, a name as ``answers``
+    says (a list of addresses, or a function that blocks)."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, flags=0, **kwargs):
+        if flags & socket.AI_NUMERICHOST:
+            return real(host, port, *args, flags=flags, **kwargs)
+        return answers() if callable(answers) else answers
+
+    return patch.object(peers_module.socket, "getaddrinfo", getaddrinfo)
+
+
+@pytest.mark.timeout(20)
+def test_a_resolver_that_does_not_answer_runs_out_the_connect_timeout_and_no_more():
+    """``getaddrinfo`` has no timeout of its own; connect's deadline holds over the lookup, and
+    lookups left running are bounded in number."""
+    answer = threading.Event()
+    with _resolver(lambda: answer.wait(30) and []):
+        started = time.monotonic()
+        late = r"lookup of host name 'stuck\.test' did not finish before the connect timeout"
+        with pytest.raises(ProtocolError, match=late):
+            connect(("stuck.test", 7600), SECRET, DECODE, timeout=0.5)
+        assert time.monotonic() - started < 1.0
+        for _ in range(peers_module.MAX_LOOKUPS - 1):
+            with pytest.raises(ProtocolError):
+                connect(("stuck.test", 7600), SECRET, DECODE, timeout=0.01)
+        resolving = [t for t in threading.enumerate() if t.name.startswith("kvhost-resolve-")]
+        assert len(resolving) == peers_module.MAX_LOOKUPS
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match=f"{peers_module.MAX_LOOKUPS} host name lookups were still running"):
+            connect(("stuck.test", 7600), SECRET, DECODE, timeout=0.3)
+        assert time.monotonic() - started < 0.8
+        still = [t for t in threading.enumerate() if t.name.startswith("kvhost-resolve-")]
+        assert len(still) == peers_module.MAX_LOOKUPS
+        answer.set()
+        for thread in resolving:
+            thread.join(5)
+        assert peers_module._lookups.acquire(blocking=False)  # every slot was given back
+        peers_module._lookups.release()
+
+
+@pytest.mark.timeout(20)
+def test_a_name_is_connected_at_its_first_address_that_answers():
+    header, _keep = offer_header()
+    prefill = FakePrefill("offer", header, b"meta0meta1")
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        closed = probe.getsockname()  # nobody listens there once it is closed
+    addresses = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", where) for where in (closed, prefill.address)]
+    try:
+        with _resolver(addresses):
+            session = connect(("two-homes.test", prefill.address[1]), SECRET, DECODE, timeout=5)
+    finally:
+        prefill.close()
+    with contextlib.closing(session):
+        assert session.offer.metadata == [b"meta0", b"meta1"]
+        assert session.sock.getpeername() == prefill.address
+        assert session.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    with _resolver([]), pytest.raises(ProtocolError, match=r"'nowhere\.test' resolved to no address"):
+        connect(("nowhere.test", 7600), SECRET, DECODE, timeout=0.1)
+
+
+@pytest.mark.timeout(20)
+def test_a_name_the_real_resolver_knows_is_connected():
+    header, _keep = offer_header()
+    prefill = FakePrefill("offer", header, b"meta0meta1")
+    try:
+        session = connect(("localhost", prefill.address[1]), SECRET, DECODE, timeout=5)
+    finally:
+        prefill.close()
+    with contextlib.closing(session):
+        assert session.offer.metadata == [b"meta0", b"meta1"]
 
 
 # --- the beats of a session ----------------------------------------------------------------

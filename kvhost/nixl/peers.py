@@ -378,8 +378,59 @@ def _connect(address: tuple[str, int], deadline: float, name: str) -> socket.soc
     """One try to connect (an OSError may be tried again); a host name no resolver takes is
     a ProtocolError: trying again changes nothing."""
     try:
-        sock = socket.create_connection(address, timeout=_left(deadline))
+        candidates = _resolve(address, deadline)
     except UnicodeError as err:
         raise ProtocolError(f"cannot connect to {name}: not a host name ({err})") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    failed: OSError = OSError(f"{address[0]!r} resolved to no address")
+    for family, kind, protocol, _, sockaddr in candidates:  # each address the name has, in the resolver's order
+        sock = socket.socket(family, kind, protocol)
+        try:
+            sock.settimeout(_left(deadline))
+            sock.connect(sockaddr)
+        except OSError as err:
+            sock.close()
+            failed = err
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    raise failed
+
+
+MAX_LOOKUPS = 8  # host names being resolved at once, across all connects of this process
+_lookups = threading.BoundedSemaphore(MAX_LOOKUPS)
+_AddressInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]
+
+
+def _resolve(address: tuple[str, int], deadline: float) -> Sequence[_AddressInfo]:
+    """The addresses of ``address``'s host, by its deadline. An address written as numbers
+    needs no resolver; a name is looked up on a thread of its own, because ``getaddrinfo``
+    has no timeout (a resolver that does not answer holds it for tens of seconds). A lookup
+    still running at the deadline is left to finish on its thread, and no more than
+    ``MAX_LOOKUPS`` run at once: a connect retried against a dead resolver cannot pile up
+    threads."""
+    host, port = address
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass  # a name, not numbers
+    if not _lookups.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        raise TimeoutError(f"{MAX_LOOKUPS} host name lookups were still running at the connect timeout")
+    answer: list[Sequence[_AddressInfo] | BaseException] = []
+    finished = threading.Event()
+
+    def look_up() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except BaseException as err:  # handed to the caller, which raises it
+            answer.append(err)
+        finally:
+            _lookups.release()
+            finished.set()
+
+    threading.Thread(target=look_up, name=f"kvhost-resolve-{host:.40}", daemon=True).start()
+    if not finished.wait(max(deadline - time.monotonic(), 0.0)):
+        raise TimeoutError(f"the lookup of host name {host!r:.80} did not finish before the connect timeout")
+    result = answer[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
