@@ -203,6 +203,8 @@ def _receive(
 ) -> ReceiveStats:
     start = time.perf_counter()
     batch = plan_receive_batch(caches, requests, remote_order, remote_block_size)
+    for job in batch.jobs:  # all of them before any byte moves
+        backend.check_receive(job)
     if registered and (batch.jobs or batch.zero_jobs):  # bytes will move: the caches must still be where they were
         caches.check_current()
     for job in batch.jobs:

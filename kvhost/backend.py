@@ -129,6 +129,12 @@ class Backend(ABC):
     def receive(self, job: ReceiveJob) -> None:
         """Rearrange, in place, every unit of ``job`` in every member tensor."""
 
+    def check_receive(self, job: ReceiveJob) -> None:
+        """Refuse (a BackendError) a job this backend cannot do. Called for every job of a
+        batch before any runs, so that a batch is done whole or not at all; by default
+        every job can be done."""
+        return None
+
     @abstractmethod
     def copy(self, job: CopyJob) -> Completion:
         """Copy every block pair of ``job``; complete on return unless ``job.non_blocking``."""

@@ -228,3 +228,42 @@ def test_a_call_reports_the_seconds_it_took():
     caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
     stats = kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
     assert 0 < stats.seconds < 60
+
+
+class RefusesTheLastGroup(Recorder):
+    """Can do every job but the batch's last: as a backend whose device cannot index it."""
+
+    name = "refuses-the-last-group"
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.checked = 0
+
+    def check_receive(self, job):  # type: ignore[no-untyped-def]
+        self.checked += 1
+        if self.checked == self.groups:
+            raise kvhost.BackendError(f"cannot do group {self.checked}")
+
+
+def test_a_job_the_backend_refuses_stops_the_batch_before_any_job_runs(target):
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(SIZES, B=12), device=target.device)}
+    case = ReceiveCase(caches, "KBNHC", seed=6)
+    case.send("a", [1, 2], "HNC", 8)
+    case.send("b", [5], "CNH", 8)
+    case.send("c", [7, 9], "HNC", 4)
+    wire = case.snapshot()
+    requests = {
+        "a": kvhost.Incoming([1, 2], "HNC", 8),
+        "b": kvhost.Incoming([5], "CNH", 8),
+        "c": kvhost.Incoming([7, 9], "HNC", 4),
+    }
+    backend = RefusesTheLastGroup(groups=3)
+    with pytest.raises(kvhost.BackendError, match="cannot do group 3"):
+        kvhost.receive(caches, requests, axes="KBNHC", backend=backend)
+    assert backend.checked == 3 and backend.jobs == []
+    assert case.same_as(wire)
+    backend = RefusesTheLastGroup(groups=4)  # checks pass: the same batch is done whole
+    assert kvhost.receive(caches, requests, axes="KBNHC", backend=backend).groups == 3
+    assert backend.checked == 3 and len(backend.jobs) == 3
+    case.check()

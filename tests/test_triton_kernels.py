@@ -256,3 +256,41 @@ def test_split_receive_of_units_cut_into_pieces(guarded_scratch, receive_launche
     read from and written back at its own offset in the unit."""
     receive_conformance(tiny_target(SPLIT), layout, "g", 2, order)
     assert [(launch.mode, launch.pieces) for launch, _ in receive_launches] == [("split", 2)]
+
+
+def test_a_batch_whose_later_group_the_kernels_cannot_index_changes_nothing(monkeypatch):
+    """Each group's launch is planned before any runs: a unit too large for the kernels'
+    32-bit offsets in the second group leaves the first group's blocks as they were.
+    (The bound is lowered so that a unit of one local block passes it and one of three
+    does not.)"""
+    from kvhost_accelerator import launch
+
+    monkeypatch.setattr(launch, "MAX_UNIT_WORDS", 100)
+    launch._pieces.cache_clear()  # planned under the real bound
+    try:
+        sizes = [10, 6, 3, 12]  # B N H C, local blocks of 6 tokens, physical BHNC
+        caches = {"l": torch.empty([sizes[0], sizes[2], sizes[1], sizes[3]], dtype=torch.float16).permute(0, 2, 1, 3)}
+        backend = TritonInterpretBackend()
+
+        def send(seed, requests):
+            case = ReceiveCase(caches, "BNHC", seed=seed)
+            for name, (ids, size) in requests.items():
+                case.send(name, ids, "HNC", size)
+            return case, {name: kvhost.Incoming(ids, remote_block_size=size) for name, (ids, size) in requests.items()}
+
+        def receive(incoming):
+            return kvhost.receive(caches, incoming, axes="BNHC", remote_order="HNC", backend=backend)
+
+        case, incoming = send(1, {"fits": ([4], 2)})
+        receive(incoming)  # alone it fits
+        case.check()
+        _, incoming = send(2, {"too large": ([0, 1, 2], 18)})
+        with pytest.raises(kvhost.BackendError, match=r"a receive unit of 1296 bytes is \d+ words"):
+            receive(incoming)
+        case, incoming = send(3, {"fits": ([4], 2), "too large": ([0, 1, 2], 18)})
+        wire = case.snapshot()  # the bytes as they landed
+        with pytest.raises(kvhost.BackendError, match="a receive unit of 1296 bytes"):
+            receive(incoming)
+        assert case.same_as(wire)
+    finally:
+        launch._pieces.cache_clear()

@@ -58,7 +58,7 @@ from kvhost.layout import Layout
 from kvhost.memory import byte_extent
 from kvhost.torch_backend import TorchBackend
 from kvhost.transform import plan_copy
-from kvhost_accelerator.launch import Limits, plan_copy_launch, plan_receive_launch
+from kvhost_accelerator.launch import Limits, ReceiveLaunch, plan_copy_launch, plan_receive_launch
 from kvhost_accelerator.runtime import DeviceRuntime
 
 
@@ -161,23 +161,34 @@ class AcceleratorBackend(Backend):
 
     # --- receive -------------------------------------------------------------------------
 
-    def receive(self, job: ReceiveJob) -> None:
-        kernels = self.kernels
-        if kernels is None:
-            return self.torch_path.receive(job)
+    def check_receive(self, job: ReceiveJob) -> None:
+        if self.kernels is not None:
+            self._receive_launch(job)  # what the kernels cannot index is refused here (its costly part is cached)
+
+    def _receive_launch(self, job: ReceiveJob) -> tuple[ReceiveLaunch, np.ndarray]:
+        """The launch that receives ``job``, and its members' base addresses."""
         layout = job.layout
         bases = np.array([m.tensor.data_ptr() for m in job.members], dtype=np.int64)
         outer = layout.outer_offsets_bytes
-        units = int(job.unit_ids.shape[0])
         alignment = int(np.bitwise_or.reduce(np.concatenate([bases, outer]))) | layout.block_stride_bytes
         launch = plan_receive_launch(
             job.rearrangement,
             members=bases.size,
             outer=outer.size,
-            units=units,
+            units=int(job.unit_ids.shape[0]),
             alignment=alignment,
             limits=self.limits_for(job.device),
         )
+        return launch, bases
+
+    def receive(self, job: ReceiveJob) -> None:
+        kernels = self.kernels
+        if kernels is None:
+            return self.torch_path.receive(job)
+        layout = job.layout
+        outer = layout.outer_offsets_bytes
+        units = int(job.unit_ids.shape[0])
+        launch, bases = self._receive_launch(job)
         with self.runtime.guard(job.device):
             # Dropping these after the launch is safe. The tables and the scratch are made
             # on the current stream, the one the kernel runs on: a device block freed without
