@@ -43,7 +43,7 @@ from kvhost.registry import registry
 from kvhost.stats import CopyResult
 from kvhost.testing import CopyCase, fill_random, make_cache, raw
 from kvhost.torch_backend import IndexBuffers
-from kvhost.transform import plan_copy
+from kvhost.transform import plan_copy, plan_receive
 
 CUDA = torch.cuda.is_available()
 XPU = hasattr(torch, "xpu") and torch.xpu.is_available()
@@ -690,6 +690,30 @@ def test_receive_on_the_torch_path_matches_the_sender():
                            backend=CpuStandIn(use_triton=False))  # fmt: skip
     case.check()
     assert stats.backend == "accelerator-on-cpu"
+
+
+def test_the_kernels_bounds_do_not_refuse_what_the_torch_path_does(monkeypatch):
+    """Without kernels a unit past their 32-bit offsets is the torch path's, which has no such
+    bound: the check before a batch refuses nothing then (the bound is lowered here so
+    that a unit of a few blocks passes it)."""
+    from kvhost_accelerator import launch
+
+    from kvhost.testing import ReceiveCase
+
+    monkeypatch.setattr(launch, "MAX_UNIT_WORDS", 100)
+    launch._pieces.cache_clear()
+    try:
+        cache = caches("KBNHC", "KBNHC", 12, 9)
+        plan = plan_receive(Layout.of(cache["l0"], "KBNHC"), "HNC", 16)
+        with pytest.raises(kvhost.BackendError, match="the kernels index within a unit in 32 bits"):
+            launch.plan_receive_launch(plan, members=2, outer=2, units=2, alignment=256, limits=Limits())
+        case = ReceiveCase(cache, "KBNHC", seed=5)
+        case.send("r", [4, 5, 6, 7], "HNC", 16)
+        kvhost.receive(cache, {"r": [4, 5, 6, 7]}, axes="KBNHC", remote_order="HNC", remote_block_size=16,
+                       backend=CpuStandIn(use_triton=False))  # fmt: skip
+        case.check()
+    finally:
+        launch._pieces.cache_clear()
 
 
 def test_gpu_check_measures_every_workload(capsys):
