@@ -1338,6 +1338,23 @@ def test_a_name_no_resolver_knows_is_retried_until_the_connect_timeout():
     assert asked == ["nowhere.test"] * len(asked) and 2 <= len(asked) <= 3
 
 
+@pytest.mark.timeout(20)
+def test_a_lookup_that_cannot_start_its_thread_gives_its_slot_back():
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    with (
+        _resolver([]),
+        patch.object(peers_module.threading.Thread, "start", no_thread),
+        pytest.raises(ProtocolError, match=r"could not start a thread to look up host name 'busy\.test'"),
+    ):
+        connect(("busy.test", 7600), SECRET, DECODE, timeout=0.5)  # tried again and again until the timeout
+    taken = [peers_module._lookups.acquire(blocking=False) for _ in range(peers_module.MAX_LOOKUPS)]
+    for _ in range(sum(taken)):
+        peers_module._lookups.release()
+    assert all(taken)  # every slot still free
+
+
 _MADE: list[socket.socket] = []
 
 

@@ -427,7 +427,11 @@ def _resolve(address: tuple[str, int], deadline: float) -> Sequence[_AddressInfo
             _lookups.release()
             finished.set()
 
-    threading.Thread(target=look_up, name=f"kvhost-resolve-{host:.40}", daemon=True).start()
+    try:
+        threading.Thread(target=look_up, name=f"kvhost-resolve-{host:.40}", daemon=True).start()
+    except RuntimeError as err:  # no thread to be had (a process at its limit): the slot is not taken
+        _lookups.release()
+        raise OSError(f"could not start a thread to look up host name {host!r:.80}: {err}") from None
     if not finished.wait(max(deadline - time.monotonic(), 0.0)):
         raise TimeoutError(f"the lookup of host name {host!r:.80} did not finish before the connect timeout")
     result = answer[0]
