@@ -187,6 +187,37 @@ def test_a_unit_too_large_to_index_in_32_bits_is_refused():
     assert fits.piece_words * fits.pieces == (1 << 31) - (1 << 27)
 
 
+def test_a_unit_of_exactly_the_most_words_the_kernels_index_is_taken(monkeypatch):
+    """The bound is inclusive: a unit of ``MAX_UNIT_WORDS`` words is indexed, one more is not
+    (the bound lowered to a small unit's words, which stand for 2^31 - 1)."""
+    from kvhost_accelerator import launch
+
+    cache = make_cache("KBNHC", "KBNHC", dict(K=2, B=2, N=16, H=2, C=128), device="meta")
+    plan = plan_receive(Layout.of(cache, "KBNHC"), "HNC", 16)
+    fits = plan_receive_launch(plan, members=1, outer=2, units=1, alignment=256, limits=H200)
+    words = plan.unit_bytes // fits.word_bytes
+    try:
+        monkeypatch.setattr(launch, "MAX_UNIT_WORDS", words)
+        launch._pieces.cache_clear()
+        assert plan_receive_launch(plan, members=1, outer=2, units=1, alignment=256, limits=H200) == fits
+        monkeypatch.setattr(launch, "MAX_UNIT_WORDS", words - 1)
+        launch._pieces.cache_clear()
+        with pytest.raises(BackendError, match=f"is {words} words of {fits.word_bytes} bytes"):
+            plan_receive_launch(plan, members=1, outer=2, units=1, alignment=256, limits=H200)
+    finally:
+        launch._pieces.cache_clear()
+
+
+def test_rows_of_more_dims_than_the_kernels_loop_over_are_refused():
+    dims = list(range(2, MAX_LOOP_DIMS + 3))
+    strides = [1] * len(dims)
+    with pytest.raises(BackendError, match=f"at most {MAX_LOOP_DIMS} row dims"):
+        _rows(dims, strides, strides, 1)
+    assert _rows(dims[:MAX_LOOP_DIMS], strides[:MAX_LOOP_DIMS], strides[:MAX_LOOP_DIMS], 1).dims == tuple(
+        dims[:MAX_LOOP_DIMS]
+    )
+
+
 def test_grouped_receive_uses_a_bounded_scratch():
     """Remote block 64 -> local 16 (g = 4): one 128 KB piece spans four blocks; scratch stays in cache.
 
