@@ -203,10 +203,10 @@ def _receive(
 ) -> ReceiveStats:
     start = time.perf_counter()
     batch = plan_receive_batch(caches, requests, remote_order, remote_block_size)
-    for job in batch.jobs:  # all of them before any byte moves
-        backend.check_receive(job)
     if registered and (batch.jobs or batch.zero_jobs):  # bytes will move: the caches must still be where they were
         caches.check_current()
+    for job in batch.jobs:  # all of them before any byte moves
+        backend.check_receive(job)
     for job in batch.jobs:
         backend.receive(job)
     for zero in batch.zero_jobs:  # after the rearrangement: a block partly received is rearranged, then cut

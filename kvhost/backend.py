@@ -131,8 +131,8 @@ class Backend(ABC):
 
     def check_receive(self, job: ReceiveJob) -> None:
         """Refuse (a BackendError) a job this backend cannot do. Called for every job of a
-        batch before any runs, so that a batch is done whole or not at all; by default
-        every job can be done."""
+        batch before any runs, so that a refusal known in advance leaves nothing written;
+        by default every job can be done."""
         return None
 
     @abstractmethod

@@ -267,3 +267,17 @@ def test_a_job_the_backend_refuses_stops_the_batch_before_any_job_runs(target):
     assert kvhost.receive(caches, requests, axes="KBNHC", backend=backend).groups == 3
     assert backend.checked == 3 and len(backend.jobs) == 3
     case.check()
+
+
+def test_caches_that_moved_are_told_before_any_backend_refusal(target):
+    """Memory first: a registered cache re-pointed since registration is the error a call
+    gets, whatever its backend would have said of the batch."""
+    if target.device == "xla":
+        pytest.skip("XLA tensors have no address to re-point")
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(SIZES, B=12), device=target.device)}
+    backend = RefusesTheLastGroup(groups=1)
+    host = kvhost.KVHost(caches, axes="KBNHC", backend=backend)
+    caches["l"].set_(caches["l"].clone())
+    with pytest.raises(kvhost.LayoutError, match="changed since it was registered"):
+        host.receive({"a": [1, 2]}, remote_order="HNC", remote_block_size=8)
+    assert backend.checked == 0

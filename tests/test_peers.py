@@ -1299,7 +1299,8 @@ def test_a_resolver_that_does_not_answer_runs_out_the_connect_timeout_and_no_mor
     """``getaddrinfo`` has no timeout of its own; connect's deadline holds over the lookup, and
     lookups left running are bounded in number (and do not hold the process open)."""
     answer = threading.Event()
-    with _resolver(lambda: answer.wait(30) and []):
+    with _resolver(lambda: answer.wait(30) and []), contextlib.ExitStack() as finally_:
+        finally_.callback(answer.set)  # whatever fails below, the lookups end and give their slots back
         started = time.monotonic()
         late = r"lookup of host name 'stuck\.test' did not finish before the connect timeout"
         with pytest.raises(ProtocolError, match=late):
@@ -1392,16 +1393,16 @@ def test_a_name_is_connected_at_its_first_address_that_answers():
         connect(("nowhere.test", 7600), SECRET, DECODE, timeout=0.1)
 
 
-@pytest.mark.timeout(20)
-def test_a_prefill_whose_listener_drops_the_connection_runs_out_the_connect_timeout():
-    """A full accept queue drops our SYN and says nothing (as a firewall that drops, or a host
-    gone): the connection itself waits no longer than the timeout."""
+@contextlib.contextmanager
+def _dropping_listener():
+    """A listener whose accept queue is full: it drops a new connection's SYN and says nothing
+    (as a firewall that drops, or a host gone). Yields its address."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(0)
         queued = []
         try:
-            while len(queued) < 64:  # until one is not taken: the queue is full
+            for _ in range(64):  # until one is not taken: the queue is full
                 filler = socket.socket()
                 filler.settimeout(0.2)
                 queued.append(filler)
@@ -1409,13 +1410,72 @@ def test_a_prefill_whose_listener_drops_the_connection_runs_out_the_connect_time
                     filler.connect(listener.getsockname())
                 except TimeoutError:
                     break
-            started = time.monotonic()
-            with pytest.raises(ProtocolError, match="timed out"):
-                connect(listener.getsockname(), SECRET, DECODE, timeout=1.0)
-            assert 0.9 < time.monotonic() - started < 2.5
+            else:
+                pytest.fail("the listener's accept queue never filled")
+            yield listener.getsockname()
         finally:
             for filler in queued:
                 filler.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_prefill_whose_listener_drops_the_connection_runs_out_the_connect_timeout():
+    """The connection itself (not only the handshake after it) waits no longer than the timeout."""
+    with _dropping_listener() as address:
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match=r"could not connect to prefill .*: timed out"):
+            connect(address, SECRET, DECODE, timeout=1.0)
+        assert 0.9 < time.monotonic() - started < 2.5
+
+
+class _NoIPv6(socket.socket):
+    """A host booted without IPv6: such sockets cannot be made."""
+
+    def __init__(self, family=-1, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        super().__init__(family, *args, **kwargs)
+
+
+@pytest.mark.timeout(20)
+def test_an_address_that_cannot_be_used_or_does_not_answer_leaves_time_for_the_next():
+    """A name's IPv6 address on a host without IPv6, and one that drops what we send, before
+    the prefill's: the first is passed over, the second given its share of the timeout."""
+    header, _keep = offer_header()
+    prefill = FakePrefill("offer", header, b"meta0meta1")
+    try:
+        with _dropping_listener() as dropping:
+            addresses = [
+                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", prefill.address[1], 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", dropping),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", prefill.address),
+            ]
+            started = time.monotonic()
+            with _resolver(addresses), patch.object(peers_module.socket, "socket", _NoIPv6):
+                session = connect(("three-homes.test", prefill.address[1]), SECRET, DECODE, timeout=3.0)
+            took = time.monotonic() - started
+    finally:
+        prefill.close()
+    with contextlib.closing(session):
+        assert session.sock.getpeername() == prefill.address
+    assert 1.0 < took < 2.2  # half of what was left went to the address that dropped
+
+
+def test_a_forked_child_has_every_lookup_slot():
+    """A child does not inherit the lookup threads that would give their slots back."""
+    for _ in range(peers_module.MAX_LOOKUPS):
+        assert peers_module._lookups.acquire(blocking=False)
+    try:
+        child = os.fork()
+        if child == 0:  # the child: every slot free, then out without pytest's teardown
+            free = [peers_module._lookups.acquire(blocking=False) for _ in range(peers_module.MAX_LOOKUPS)]
+            os._exit(0 if all(free) else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not peers_module._lookups.acquire(blocking=False)  # the parent's are still taken
+    finally:
+        for _ in range(peers_module.MAX_LOOKUPS):
+            peers_module._lookups.release()
 
 
 @pytest.mark.timeout(20)

@@ -382,13 +382,16 @@ def _connect(address: tuple[str, int], deadline: float, name: str) -> socket.soc
     except UnicodeError as err:
         raise ProtocolError(f"cannot connect to {name}: not a host name ({err})") from None
     failed: OSError = OSError(f"{address[0]!r} resolved to no address")
-    for family, kind, protocol, _, sockaddr in candidates:  # each address the name has, in the resolver's order
-        sock = socket.socket(family, kind, protocol)
+    for position, (family, kind, protocol, _, sockaddr) in enumerate(candidates):  # in the resolver's order
+        sock = None
         try:
-            sock.settimeout(_left(deadline))
+            sock = socket.socket(family, kind, protocol)  # a family this host has not (IPv6 off): the next
+            # An address that drops what we send must leave time for the others.
+            sock.settimeout(max(_left(deadline) / (len(candidates) - position), 0.1))
             sock.connect(sockaddr)
         except OSError as err:
-            sock.close()
+            if sock is not None:
+                sock.close()
             failed = err
             continue
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -398,6 +401,17 @@ def _connect(address: tuple[str, int], deadline: float, name: str) -> socket.soc
 
 MAX_LOOKUPS = 8  # host names being resolved at once, across all connects of this process
 _lookups = threading.BoundedSemaphore(MAX_LOOKUPS)
+
+
+def _free_lookups() -> None:
+    """In a forked child: the lookups running in the parent are not running here (their
+    threads were not copied), so none holds a slot."""
+    global _lookups
+    _lookups = threading.BoundedSemaphore(MAX_LOOKUPS)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_free_lookups)
 _AddressInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]
 
 
