@@ -1479,6 +1479,22 @@ def test_a_forked_child_has_every_lookup_slot():
 
 
 @pytest.mark.timeout(20)
+def test_a_lookup_that_takes_a_while_is_waited_for():
+    header, _keep = offer_header()
+    prefill = FakePrefill("offer", header, b"meta0meta1")
+    addresses = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", prefill.address)]
+    asked = []
+    try:
+        with _resolver(lambda: time.sleep(0.3) or addresses, asked):
+            session = connect(("slow-dns.test", prefill.address[1]), SECRET, DECODE, timeout=5)
+    finally:
+        prefill.close()
+    with contextlib.closing(session):
+        assert session.sock.getpeername() == prefill.address
+    assert asked == ["slow-dns.test"]  # one lookup, waited for
+
+
+@pytest.mark.timeout(20)
 def test_a_name_the_real_resolver_knows_is_connected():
     header, _keep = offer_header()
     prefill = FakePrefill("offer", header, b"meta0meta1")
