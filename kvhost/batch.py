@@ -61,12 +61,15 @@ class ReceiveJob:
     """One transform group for one layout: what a backend runs in a single call.
 
     ``unit_ids[u]`` are the local blocks of unit ``u`` (``rearrangement.parts`` of them);
-    every outer index of every member tensor is rearranged for every unit.
+    every outer index of every member tensor is rearranged for every unit. ``derived`` is
+    where a backend keeps what it works out for this call alone (in ``check_receive``, for
+    its ``receive``); it goes with the job.
     """
 
     group: ReceiveGroup
     unit_ids: np.ndarray
     device: torch.device
+    derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def members(self) -> MemberList:

@@ -294,3 +294,31 @@ def test_a_batch_whose_later_group_the_kernels_cannot_index_changes_nothing(monk
         assert case.same_as(wire)
     finally:
         launch._pieces.cache_clear()
+
+
+def test_a_receive_plans_each_launch_once(monkeypatch):
+    """The plan its check made is the one that launches: a receive of two groups plans two
+    launches, and a job received without its check plans its own."""
+    planned = []
+
+    def plan_and_record(*args, **kwargs):
+        planned.append(plan_receive_launch(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(accelerator_backend, "plan_receive_launch", plan_and_record)
+    sizes = [10, 6, 3, 12]  # B N H C, local blocks of 6 tokens, physical BHNC
+    caches = {"l": torch.empty([sizes[0], sizes[2], sizes[1], sizes[3]], dtype=torch.float16).permute(0, 2, 1, 3)}
+    case = ReceiveCase(caches, "BNHC", seed=7)
+    case.send("a", [4], "HNC", 2)
+    case.send("b", [0, 1, 2], "HNC", 18)
+    requests = {"a": kvhost.Incoming([4], remote_block_size=2), "b": kvhost.Incoming([0, 1, 2], remote_block_size=18)}
+    backend = TritonInterpretBackend()
+    stats = kvhost.receive(caches, requests, axes="BNHC", remote_order="HNC", backend=backend)
+    case.check()
+    assert stats.groups == 2 and len(planned) == 2
+    case = ReceiveCase(caches, "BNHC", seed=8)
+    case.send("a", [4], "HNC", 2)
+    batch = plan_receive_batch(CacheSet(caches, "BNHC"), {"a": [4]}, "HNC", 2)
+    backend.receive(batch.jobs[0])
+    case.check()
+    assert len(planned) == 3

@@ -162,11 +162,10 @@ class AcceleratorBackend(Backend):
     # --- receive -------------------------------------------------------------------------
 
     def check_receive(self, job: ReceiveJob) -> None:
-        if self.kernels is not None:
-            self._receive_launch(job)  # what the kernels cannot index is refused here (its costly part is cached)
+        if self.kernels is not None:  # what the kernels cannot index is refused here; the plan kept for receive
+            job.derived["accelerator"] = self._plan_receive(job)
 
-    def _receive_launch(self, job: ReceiveJob) -> tuple[ReceiveLaunch, np.ndarray]:
-        """The launch that receives ``job``, and its members' base addresses."""
+    def _plan_receive(self, job: ReceiveJob) -> _PlannedReceive:
         layout = job.layout
         bases = np.array([m.tensor.data_ptr() for m in job.members], dtype=np.int64)
         outer = layout.outer_offsets_bytes
@@ -179,16 +178,19 @@ class AcceleratorBackend(Backend):
             alignment=alignment,
             limits=self.limits_for(job.device),
         )
-        return launch, bases
+        return _PlannedReceive(launch, bases)
 
     def receive(self, job: ReceiveJob) -> None:
         kernels = self.kernels
         if kernels is None:
             return self.torch_path.receive(job)
+        planned = job.derived.get("accelerator")
+        if not isinstance(planned, _PlannedReceive):  # a receive its check did not precede (called directly)
+            planned = self._plan_receive(job)
+        launch, bases = planned
         layout = job.layout
         outer = layout.outer_offsets_bytes
         units = int(job.unit_ids.shape[0])
-        launch, bases = self._receive_launch(job)
         with self.runtime.guard(job.device):
             # Dropping these after the launch is safe. The tables and the scratch are made
             # on the current stream, the one the kernel runs on: a device block freed without
@@ -452,6 +454,13 @@ class _HostSides(NamedTuple):
         if to_device:
             return cls(sources, dests, job.src_ids, job.dst_ids, job.dst_device, True)
         return cls(dests, sources, job.dst_ids, job.src_ids, job.src_device, False)
+
+
+class _PlannedReceive(NamedTuple):
+    """A receive job's launch and its members' base addresses, planned once per call."""
+
+    launch: ReceiveLaunch
+    bases: np.ndarray
 
 
 def _job(pairs: list[tuple[Member, Member]], src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyJob:
