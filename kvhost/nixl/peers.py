@@ -412,6 +412,7 @@ def _free_lookups() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_free_lookups)
+
 _AddressInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]
 
 
