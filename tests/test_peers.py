@@ -1356,6 +1356,56 @@ def test_a_lookup_that_cannot_start_its_thread_gives_its_slot_back():
     assert all(taken)  # every slot still free
 
 
+def _free_lookup_slots() -> int:
+    taken = 0
+    while peers_module._lookups.acquire(blocking=False):
+        taken += 1
+    for _ in range(taken):
+        peers_module._lookups.release()
+    return taken
+
+
+@pytest.mark.timeout(20)
+def test_an_interrupt_before_the_lookup_thread_starts_gives_its_slot_back():
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    with (
+        _resolver([]),
+        patch.object(peers_module.threading.Thread, "start", interrupted),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        connect(("busy.test", 7600), SECRET, DECODE, timeout=0.5)
+    assert _free_lookup_slots() == peers_module.MAX_LOOKUPS
+
+
+@pytest.mark.timeout(20)
+def test_an_interrupt_after_the_lookup_thread_started_gives_its_slot_back_once():
+    """Ctrl-C inside ``Thread.start`` after the thread began: the call gives the slot back at
+    once, and the thread, ending later, does not give it back a second time."""
+    answer, failures = threading.Event(), []
+    start = threading.Thread.start
+
+    def started_then_interrupted(self):
+        start(self)
+        raise KeyboardInterrupt
+
+    with (
+        _resolver(lambda: answer.wait(10) and []),
+        patch.object(peers_module.threading.Thread, "start", started_then_interrupted),
+        patch.object(threading, "excepthook", failures.append),
+    ):
+        with pytest.raises(KeyboardInterrupt):
+            connect(("busy.test", 7600), SECRET, DECODE, timeout=5)
+        assert _free_lookup_slots() == peers_module.MAX_LOOKUPS  # given back while the lookup runs
+        resolving = [t for t in threading.enumerate() if t.name == "kvhost-resolve-busy.test"]
+        assert len(resolving) == 1
+        answer.set()
+        resolving[0].join(5)
+    assert not failures  # a second release would have raised in the thread
+    assert _free_lookup_slots() == peers_module.MAX_LOOKUPS
+
+
 _MADE: list[socket.socket] = []
 
 

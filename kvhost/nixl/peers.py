@@ -428,10 +428,16 @@ def _resolve(address: tuple[str, int], deadline: float) -> Sequence[_AddressInfo
         return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass  # a name, not numbers
-    if not _lookups.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-        raise TimeoutError(f"{MAX_LOOKUPS} host name lookups were still running at the connect timeout")
     answer: list[Sequence[_AddressInfo] | BaseException] = []
     finished = threading.Event()
+    held = [True]  # the slot, given back once by whichever of the thread and this call gets there first
+    holding = threading.Lock()
+
+    def give_back() -> None:
+        with holding:
+            if held:
+                held.clear()
+                _lookups.release()
 
     def look_up() -> None:
         try:
@@ -439,14 +445,21 @@ def _resolve(address: tuple[str, int], deadline: float) -> Sequence[_AddressInfo
         except BaseException as err:  # handed to the caller, which raises it
             answer.append(err)
         finally:
-            _lookups.release()
+            give_back()
             finished.set()
 
-    try:
+    if not _lookups.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        raise TimeoutError(f"{MAX_LOOKUPS} host name lookups were still running at the connect timeout")
+    try:  # straight after the acquire: an interrupt between the two would lose the slot
         threading.Thread(target=look_up, name=f"kvhost-resolve-{host:.40}", daemon=True).start()
-    except RuntimeError as err:  # no thread to be had (a process at its limit): the slot is not taken
-        _lookups.release()
-        raise OSError(f"could not start a thread to look up host name {host!r:.80}: {err}") from None
+    except BaseException as err:
+        # No thread to be had (a process at its limit), or an interrupt (Ctrl-C) inside
+        # start(): the slot is given back now, not lost. Had the thread started after all,
+        # one lookup runs beyond the bound until it ends, and its own give_back does nothing.
+        give_back()
+        if isinstance(err, RuntimeError):
+            raise OSError(f"could not start a thread to look up host name {host!r:.80}: {err}") from None
+        raise
     if not finished.wait(max(deadline - time.monotonic(), 0.0)):
         raise TimeoutError(f"the lookup of host name {host!r:.80} did not finish before the connect timeout")
     result = answer[0]
