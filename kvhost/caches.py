@@ -252,13 +252,24 @@ class CacheSet:
         groups = self._receive_groups.get(key)
         if groups is None:
             planned = (
-                (layout, members, plan_receive(layout, remote_order or layout.region, remote_block_size))
+                (layout, members, self._plan_receive(layout, members, remote_order, remote_block_size))
                 for layout, members in self.by_layout()
             )
             groups = self._receive_groups.put(
                 key, tuple(ReceiveGroup(members, layout, plan) for layout, members, plan in planned if plan)
             )
         return groups
+
+    def _plan_receive(
+        self, layout: Layout, members: MemberList, remote_order: str | None, remote_block_size: int
+    ) -> Rearrangement | None:
+        try:
+            return plan_receive(layout, remote_order or layout.region, remote_block_size)
+        except KVHostError as err:
+            if len(self.by_layout()) == 1:
+                raise  # every layer alike: the message needs no layer's name
+            others = f" and {len(members) - 1} more of its strides" if len(members) > 1 else ""
+            raise type(err)(f"{members[0].name}{others}: {err}") from None
 
     def copy_groups(self, dst: CacheSet) -> CopyGroups:
         """Every member paired with its counterpart in ``dst``, grouped by the copy plan.

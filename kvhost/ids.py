@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -40,20 +40,24 @@ class IdBatch:
             if type(ids) is range:
                 self._check_range(subject, ids)
         elif isinstance(ids, (np.ndarray, torch.Tensor)):
+            if isinstance(ids, torch.Tensor) and (ids.is_nested or ids.layout != torch.strided):
+                # before the shape: a nested tensor says strided, and has no sizes to show
+                kind = "nested" if ids.is_nested else ids.layout
+                raise RequestError(f"{subject}: block ids must be a dense tensor, got a {kind} tensor")
             if ids.ndim != 1:
                 raise RequestError(f"{subject}: block ids must be a flat sequence, got shape {tuple(ids.shape)}")
             if not _integer_dtype(ids.dtype):
                 raise RequestError(f"{subject}: block ids must be integers, got an array of {ids.dtype}")
             if isinstance(ids, torch.Tensor) and ids.device.type == "meta":
                 raise RequestError(f"{subject}: block ids on the meta device have no values")
-            if isinstance(ids, torch.Tensor) and ids.layout != torch.strided:
-                raise RequestError(f"{subject}: block ids must be a dense tensor, got a {ids.layout} tensor")
             ids = ids.tolist()
         elif not isinstance(ids, (list, tuple, range)):
             raise RequestError(f"{subject}: block ids must be a {ID_KINDS}, got {type(ids).__name__} {_short(ids)}")
+        flat = self.flat
+        before = len(flat)
+        flat.extend(ids)
         self.subjects.append(subject)
-        self.lengths.append(len(ids))
-        self.flat.extend(ids)
+        self.lengths.append(len(flat) - before)  # what was taken, whatever a subclass's len() says
 
     def _check_range(self, subject: str, ids: range) -> None:
         """A range's ids are distinct and run one way: all lie in ``[0, limit)`` if both ends
@@ -154,7 +158,13 @@ _INT = {int}
 
 
 def _integer_type(kind: type) -> bool:
-    return issubclass(kind, (int, np.integer)) and not issubclass(kind, bool)
+    # numpy's timedelta64 is one of its signed integers, and Python's bool one of its ints.
+    return issubclass(kind, (int, np.integer)) and not issubclass(kind, (bool, np.timedelta64))
+
+
+def is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:
+    """An integer as given, never coerced: Python's or numpy's; not a bool, a float or a timedelta."""
+    return _integer_type(type(value))
 
 
 def _integer_dtype(dtype: np.dtype[Any] | torch.dtype) -> bool:

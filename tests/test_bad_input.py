@@ -69,6 +69,12 @@ def quantized(values: torch.Tensor) -> torch.Tensor:
         return torch.quantize_per_tensor(values, 0.1, 0, torch.quint8)
 
 
+def nested(*rows: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # a prototype API, says torch
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor(list(rows))
+
+
 def gen() -> Any:
     return (i for i in [3, 4])
 
@@ -89,6 +95,18 @@ ROWS: dict[str, Row] = {
     "ids numpy bool": (receive(GOOD | {"bad": [np.bool_(True)]}), kvhost.RequestError, "got np.True_ at position 0"),
     "ids floats": (receive(GOOD | {"bad": [3.0]}), kvhost.RequestError, "got 3.0 at position 0"),
     "ids None inside": (receive(GOOD | {"bad": [3, None]}), kvhost.RequestError, "got None at position 1"),
+    # numpy counts a timedelta64 among its signed integers; it is not a block id.
+    "ids timedelta": (
+        receive(GOOD | {"bad": [3, np.timedelta64(4)]}),
+        kvhost.RequestError,
+        "got np.timedelta64(4) at position 1",
+    ),
+    "copy dst ids timedelta": (copy([1], [np.timedelta64(2, "s")]), kvhost.RequestError, "dst_ids: block ids must be"),
+    "ids nested tensor": (
+        receive(GOOD | {"bad": nested(torch.tensor([3, 4]))}),
+        kvhost.RequestError,
+        "request 'bad': block ids must be a dense tensor, got a nested tensor",
+    ),
     "ids bool array": (receive(GOOD | {"bad": np.array([True])}), kvhost.RequestError, "array of bool"),
     "ids float array": (receive(GOOD | {"bad": np.array([3.0])}), kvhost.RequestError, "array of float64"),
     "ids float tensor": (receive(GOOD | {"bad": torch.tensor([3.0])}), kvhost.RequestError, "torch.float32"),
@@ -215,6 +233,16 @@ ROWS: dict[str, Row] = {
     "block size whole float": (receive(GOOD, remote_block_size=4.0), kvhost.RequestError, "got 4.0"),
     "block size True": (receive(GOOD, remote_block_size=True), kvhost.RequestError, "got True"),
     "block size string": (receive(GOOD, remote_block_size="4"), kvhost.RequestError, "got '4'"),
+    "block size timedelta": (
+        receive(GOOD, remote_block_size=np.timedelta64(4)),
+        kvhost.RequestError,
+        "remote_block_size must be a positive integer, got np.timedelta64(4)",
+    ),
+    "Incoming tokens timedelta": (
+        receive(GOOD | {"bad": kvhost.Incoming([3], "HNC", 4, tokens=np.timedelta64(3))}),
+        kvhost.RequestError,
+        "request 'bad': tokens must be a positive integer, got np.timedelta64(3)",
+    ),
     "block size does not divide": (receive(GOOD, remote_block_size=3), kvhost.ArgumentError, "remote_block_size 3: "),
     "Incoming size 0": (
         receive(GOOD | {"bad": kvhost.Incoming([3], "HNC", 0)}),
@@ -423,6 +451,33 @@ def test_numpy_integers_are_block_sizes_and_numpy_bools_are_not() -> None:
     with pytest.raises(kvhost.RequestError, match=r"remote_block_size must be a positive integer, got np\.True_"):
         kvhost.receive(caches, {"a": [1, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=np.bool_(True))
     assert case.same_as(before)
+
+
+def test_a_plan_refused_for_one_layout_of_several_names_its_layer() -> None:
+    """Layers may differ in strides; a sender's order that fits one layout and not another
+    is refused naming a layer of the one it does not fit."""
+    caches = {"a": make_cache("KBNHC", "KBNHC", SIZES), "b": make_cache("KBNHC", "BKNHC", SIZES)}
+    for seed, tensor in enumerate(caches.values()):
+        fill_random(tensor, seed)
+    before = [raw(t).clone() for t in caches.values()]
+    with pytest.raises(kvhost.RequestError, match=r"request 'r': layer 'b'\[0\]: remote order 'HNC' does not match"):
+        kvhost.receive(caches, {"r": kvhost.Incoming([1, 2], "HNC", 4)}, axes="KBNHC")
+    assert all(torch.equal(raw(t), saved) for t, saved in zip(caches.values(), before))
+
+
+class _LyingLength(list):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 1
+
+
+def test_ids_are_counted_as_taken_not_as_their_len_says() -> None:
+    """A list whose len() understates its ids: the request's count is what was read, so the
+    duplicate past the claimed length is refused naming its request."""
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    with pytest.raises(kvhost.RequestError, match=r"block id 2 is claimed by request 'a' and request 'b'$"):
+        kvhost.receive(
+            caches, {"a": _LyingLength([1, 2]), "b": [2]}, axes="KBNHC", remote_order="HNC", remote_block_size=4
+        )
 
 
 def test_requests_in_any_mapping_are_received() -> None:

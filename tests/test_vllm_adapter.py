@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,7 @@ def test_kv_cache_axes(layout, shape, axes):
         ("flash_attn", (2.9, 8, 8, 2, 4), r"a cache's shape must be a sequence of integers, got 2.9 in \(2.9, 8"),
         ("flash_attn", ("2", 8, 8, 2, 4), "a cache's shape must be a sequence of integers, got '2'"),
         ("flash_attn", (True, 8, 8, 2, 4), "a cache's shape must be a sequence of integers, got True"),
+        ("flash_attn", (np.timedelta64(2), 8, 8, 2, 4), r"integers, got np\.timedelta64\(2\)"),
         ("flash_attn", "KBNHC", "a cache's shape must be a sequence of integers, got 'KBNHC'"),
         (["flash_attn"], (2, 8, 8, 2, 4), r"layout must be a name \(a str\), got \['flash_attn'\]"),
         ({}, (2, 8, 8, 2, 4), r"layout must be a name \(a str\), got \{\}"),

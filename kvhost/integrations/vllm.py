@@ -38,7 +38,7 @@ from kvhost.backend import Backend
 from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
 from kvhost.errors import ArgumentError, KVHostError, LayoutError, RequestError
-from kvhost.ids import IdBatch
+from kvhost.ids import IdBatch, is_integer
 from kvhost.layout import Layout, check_letters
 from kvhost.stats import CopyResult, ReceiveStats
 
@@ -467,7 +467,7 @@ def _dims(shape: object) -> tuple[int, ...]:
     if not isinstance(shape, Sequence) or isinstance(shape, str):
         raise LayoutError(f"a cache's shape must be a sequence of integers, got {shape!r}")
     for dim in shape:
-        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+        if not is_integer(dim):
             raise LayoutError(f"a cache's shape must be a sequence of integers, got {dim!r} in {tuple(shape)}")
     return tuple(int(d) for d in shape)
 
