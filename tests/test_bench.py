@@ -294,3 +294,21 @@ def test_data_eviction_flushes_ranges_or_falls_back():
     assert buffer.sum().item() == 1 << 16  # eviction writes back, never loses bytes
     assert device.cache in ("data", "all")
     assert machine.Device("cpu", "warm").cache == "warm" and not machine.Device("cpu", "warm").cold
+
+
+def test_a_ratio_spread_comes_only_from_enough_rounds_both_calls_count_in():
+    """Quartiles of ``top / bottom`` over the rounds where both calls count, and none at all
+    from fewer than MIN_PAIRED_ROUNDS: one shared round printed as a spread beside a median
+    it did not contain."""
+
+    def measured(used_top: list[bool]) -> timing.Measured:
+        top = timing.Sample([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [0.0] * 6)
+        bottom = timing.Sample([2.0] * 6, [0.0] * 6)
+        return timing.Measured({"top": top, "bottom": bottom}, {"top": used_top, "bottom": [True] * 5 + [False]})
+
+    spread = timing.per_round(measured([True] * 6), "top", "bottom")  # rounds 1-5 shared: 0.5, 1, 1.5, 2, 2.5
+    assert spread == [1.0, 2.0]
+    assert timing.MIN_PAIRED_ROUNDS == 4
+    four = measured([True, False, True, True, True, True])  # 0.5, 1.5, 2, 2.5
+    assert timing.per_round(four, "top", "bottom") == [1.25, 2.125]
+    assert timing.per_round(measured([False, False, True, True, True, True]), "top", "bottom") == []  # 3 shared

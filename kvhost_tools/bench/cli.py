@@ -52,8 +52,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         help="what to evict before each timed call: the bytes the methods touch (default), everything, or nothing",
     )
     parser.add_argument("--no-sweeps", action="store_true", help="only the target scenarios")
-    parser.add_argument("--json", type=Path, help="where to write the results (default docs/bench.json)")
-    parser.add_argument("--png", type=Path, help="where to write the plot (default docs/bench.png)")
+    quick = "with --quick bench-results/bench-quick"
+    parser.add_argument("--json", type=Path, help=f"where to write the results (default docs/bench.json; {quick}.json)")
+    parser.add_argument("--png", type=Path, help=f"where to write the plot (default docs/bench.png; {quick}.png)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     parser.add_argument(
         "--xla-scaling", action="store_true", help="also run kvhost_tpu.scaling.measure_scaling() where present"

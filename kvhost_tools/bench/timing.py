@@ -138,14 +138,20 @@ def run_queue_wait() -> float:
     return total / 1e9
 
 
+MIN_PAIRED_ROUNDS = 4  # fewer rounds where both calls count give no spread worth printing
+
+
 def per_round(measured: Measured, top: str, bottom: str) -> list[float]:
     """``top / bottom`` in each round where both calls count: the spread of a ratio (its
-    quartiles over rounds)."""
+    quartiles over rounds); none from fewer than ``MIN_PAIRED_ROUNDS`` such rounds (on a
+    busy machine one round can be all that two calls share, and its ratio is no spread)."""
     pairs = zip(
         measured.samples[top].seconds, measured.samples[bottom].seconds, measured.used[top], measured.used[bottom]
     )
     ratios = [t / b for t, b, keep_t, keep_b in pairs if keep_t and keep_b]
-    return [float(np.quantile(ratios, q)) for q in (0.25, 0.75)] if ratios else []
+    if len(ratios) < MIN_PAIRED_ROUNDS:
+        return []
+    return [float(np.quantile(ratios, q)) for q in (0.25, 0.75)]
 
 
 def sample_entry(measured: Measured, name: str, sample: Sample) -> dict[str, Any]:
