@@ -582,3 +582,24 @@ def test_a_request_one_rank_cannot_post_holds_no_transfer_and_fails_alone_unless
         assert len(first.posted) == 1 and requests[1].failure.startswith("not started: prefill 0")
     else:
         assert len(first.posted) == 2 and requests[1].failure == str(error)
+
+
+def test_prefill_goes_on_unheard_once_its_stdout_reader_is_gone(monkeypatch):
+    """`kvhost prefill ... | grep -m1 listening`: grep exits, and the next line prefill says
+    must not end it (a BrokenPipeError); later lines go nowhere."""
+    from kvhost_tools.demo.prefill import say
+
+    read_end, write_end = os.pipe()
+    stdout = io.TextIOWrapper(os.fdopen(write_end, "wb"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    try:
+        say("listening")
+        assert os.read(read_end, 100) == b"prefill: listening\n"
+        os.close(read_end)  # the reader goes away
+        say("offered 2 requests")  # EPIPE: not raised
+        say("decode at 127.0.0.1:1: done")
+        assert os.readlink(f"/proc/self/fd/{stdout.fileno()}") == os.devnull
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):
+            stdout.close()

@@ -668,12 +668,11 @@ def test_decode_exits_with_a_clear_error_on_a_malformed_offer(capsys, tmp_path):
         thread = threading.Thread(target=prefill, daemon=True)
         thread.start()
         argv = ["--requests", "2", "--layers", "2", "--heads", "2", "--head-dim", "4", "--block-size", "4"]
-        code = demo_decode.main(
-            [*argv, "--prefill", f"127.0.0.1:{listener.getsockname()[1]}", "--secret-file", secret_file]
-        )
+        port = listener.getsockname()[1]
+        code = demo_decode.main([*argv, "--prefill", f"127.0.0.1:{port}", "--secret-file", secret_file])
     out = capsys.readouterr().out
     assert code == demo_config.EXIT_ERROR
-    assert "ProtocolError: offer.tables[0].order: 'HNX' must be distinct letters" in out
+    assert f"ProtocolError: prefill at 127.0.0.1:{port}, at its offer: offer.tables[0].order: 'HNX' must be" in out
     assert "FAILED: the hand-off did not run" in out
     assert issubclass(ProtocolError, KVHostError)
 

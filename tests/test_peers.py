@@ -82,7 +82,17 @@ class Running:
     tables of ``table_spec`` (``spec`` unless told), or refuses every peer with ``refuse``."""
 
     def __init__(
-        self, spec=PREFILL, peers=1, idle=20.0, stop=None, table_spec=None, refuse=None, metadata=None, **options
+        self,
+        spec=PREFILL,
+        peers=1,
+        idle=20.0,
+        stop=None,
+        table_spec=None,
+        refuse=None,
+        metadata=None,
+        delays=(),
+        log=None,
+        **options,
     ):
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -93,6 +103,8 @@ class Running:
 
         def offer(peer: PeerHello) -> Offer:
             self.asked.append(peer)
+            if len(self.asked) <= len(delays):
+                time.sleep(delays[len(self.asked) - 1])  # an application's offer that takes long
             if refuse is not None:
                 raise ProtocolError(refuse)
             requests = [RemoteRequest("req-0", 0, 40, [1, 4, 2]), RemoteRequest("req-1", 1, 5, [7])]
@@ -100,7 +112,7 @@ class Running:
             return Offer(spec, [t for _, t in self.keep], metas, requests)
 
         self.server = Server(
-            self.listener, SECRET, spec, offer, release=self.released.append, log=self.lines.append, **options
+            self.listener, SECRET, spec, offer, release=self.released.append, log=log or self.lines.append, **options
         )
         self.thread = threading.Thread(target=self.server.serve, kwargs=dict(peers=peers, idle_timeout=idle, stop=stop))
         self.thread.start()
@@ -1721,3 +1733,114 @@ def test_a_repeated_name_is_found_in_one_pass():
     with pytest.raises(ProtocolError, match=r"^x\.name\[65000\]: 'r0' appears twice$"):
         Fields({"name": names}, "x").texts("name", max_items=1 << 17, distinct=True)
     assert time.monotonic() - started < 2.0
+
+
+def test_a_log_that_fails_ends_no_serving_and_every_held_peer_is_released():
+    """A prefill whose stdout's reader went away: its log raises on every line. Peers are
+    still served, and when the serve ends every held one is released."""
+    told = []
+
+    def broken_log(line):
+        told.append(line)
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    stopping = threading.Event()
+    running = Running(peers=None, stop=stopping.is_set, log=broken_log, peer_timeout=5.0)
+    sessions = [connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10) for _ in range(3)]
+    try:
+        for session in sessions:
+            session.start_beats()
+        sessions[0].done(ok=True, timeout=5)  # a hold that ends while serving: logged (and failing), released
+        time.sleep(0.3)
+        stopping.set()
+        records = running.finish()
+    finally:
+        for session in sessions:
+            session.close()
+    assert [r.outcome for r in records] == ["done", "closed", "closed"]
+    assert running.released == records  # every hold released, the two the server's stop ended included
+    assert told.count(f"offered 2 requests to decode at {records[2].address}") == 1  # the log was still asked
+
+
+def test_a_long_offer_does_not_end_peers_whose_beats_arrived_meanwhile():
+    """The application's offer for a second peer takes longer than the peer timeout; the
+    first peer beat all along and must still be held once the offer returns."""
+    running = Running(peers=2, delays=(0.0, 1.6), peer_timeout=1.0)
+    address = ("127.0.0.1", running.port)
+    first = connect(address, SECRET, DECODE, timeout=10)
+    try:
+        first.start_beats()
+        second = connect(address, SECRET, DECODE, timeout=10)  # its offer holds the server's loop for 1.6 s
+        with contextlib.closing(second):
+            second.start_beats()
+            time.sleep(0.3)
+            first.done(ok=True, timeout=5)
+            second.done(ok=True, timeout=5)
+    finally:
+        first.close()
+    records = running.finish()
+    assert [(r.outcome, r.detail) for r in records] == [("done", ""), ("done", "")]
+
+
+@pytest.mark.parametrize("value", [0.05, 0.19])
+def test_a_server_refuses_a_peer_timeout_no_decode_can_beat_within(value):
+    with (
+        socket.create_server(("127.0.0.1", 0)) as listener,
+        pytest.raises(KVHostError, match=r"peer timeout .*: at least 0\.2 s, four of the shortest beats \(0\.05 s\)"),
+    ):
+        Server(listener, SECRET, PREFILL, lambda peer: None, peer_timeout=value)  # type: ignore[arg-type,return-value]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        assert Server(listener, SECRET, PREFILL, lambda peer: None, peer_timeout=0.2).beat_seconds == 0.05  # type: ignore[arg-type,return-value]
+
+
+def test_a_handshake_that_fails_names_the_prefill_and_the_step():
+    """A decode of several prefill engines must tell which failed, and waiting for what."""
+    running = Running(peers=None, idle=3.0, delays=(3.0,))  # proves the secret, then offers late
+    name = f"prefill at 127.0.0.1:{running.port}"
+    with pytest.raises(ProtocolError, match=rf"^{name}, at its offer: timed out waiting for the header"):
+        connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=1.0)
+    running.finish()
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a service that is not a prefill at all
+        port = listener.getsockname()[1]
+
+        def answer_http():
+            sock, _ = listener.accept()
+            with sock:
+                sock.recv(4096)
+                sock.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(64))
+
+        thread = threading.Thread(target=answer_http)
+        thread.start()
+        with pytest.raises(ProtocolError, match=rf"^prefill at 127\.0\.0\.1:{port}, at its challenge: "):
+            connect(("127.0.0.1", port), SECRET, DECODE, timeout=1.0)
+        thread.join(5)
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        (("127.0.0.1", 65536 + 7600), r"the port must be an int in \[0, 65535\]"),  # the resolver would take 7600
+        (("127.0.0.1", -1), "the port must be an int"),
+        (("127.0.0.1", True), "the port must be an int"),
+        (("127.0.0.1", 7600.0), "the port must be an int"),
+        (("127.0.0.1", "7600"), "the port must be an int"),
+        (("127.0.0.1\x00.evil.example", 7600), r"'127\.0\.0\.1\\x00\.evil\.example' is not a host name"),
+        (("", 7600), "'' is not a host name"),
+        (("a b", 7600), "'a b' is not a host name"),
+        ((b"127.0.0.1", 7600), "is not a host name"),
+        (["127.0.0.1", 7600], "an address must be a \\(host, port\\) pair"),
+        (("127.0.0.1", 7600, 0), "an address must be a \\(host, port\\) pair"),
+    ],
+)
+def test_connect_takes_an_address_as_given_and_never_coerces_it(address, message):
+    started = time.monotonic()
+    with pytest.raises(ArgumentError, match=message):
+        connect(address, SECRET, DECODE, timeout=5)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 0.5  # refused, not tried until the timeout
+
+
+@pytest.mark.parametrize("text", ["host\x00name:7600", "host\tname:7600", "[::1\n]:7600", "h:\u0663"])
+def test_parse_address_refuses_control_characters_and_digits_that_are_not_ascii(text):
+    with pytest.raises(ArgumentError):
+        parse_address(text)

@@ -38,7 +38,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,13 +278,30 @@ def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]
     if not sep:
         host, port = default_host, text
     host = host.strip("[]") or default_host
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not port.isascii() or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ArgumentError(f"{text!r} is not HOST:PORT with a port in [0, 65535]")
+    _check_host(host, repr(text))
     try:
         host.encode("idna")  # what the resolver is given: an empty label (a..b) or one too long fails
     except UnicodeError as err:
         raise ArgumentError(f"{text!r}: {host!r} is not a host name ({err})") from None
     return host, int(port)
+
+
+def _check_address(address: object) -> None:
+    """A (host, port) pair as given, never coerced: the resolver would take port 65536 + p as
+    p, and a host name up to a NUL as the part before it."""
+    if not isinstance(address, tuple) or len(address) != 2:
+        raise ArgumentError(f"an address must be a (host, port) pair, got {address!r:.80}")
+    host, port = address
+    if type(port) is not int or not 0 <= port <= 65535:
+        raise ArgumentError(f"{address!r:.80}: the port must be an int in [0, 65535]")
+    _check_host(host, repr(address))
+
+
+def _check_host(host: object, what: str) -> None:
+    if not isinstance(host, str) or not host or not host.isprintable() or " " in host:
+        raise ArgumentError(f"{what:.80}: {host!r:.80} is not a host name or address")
 
 
 def connect(
@@ -307,6 +324,7 @@ def connect(
     """
     seconds = check_seconds(timeout, "connect timeout")
     check_secret(secret)
+    _check_address(address)
     deadline = time.monotonic() + seconds
     name = f"prefill at {address[0]}:{address[1]}"
     while True:  # a try that may be made again: until one more could not end before the deadline
@@ -341,25 +359,29 @@ def _handshake(
 ) -> Session:
     try:
         mine = os.urandom(NONCE_BYTES)
-        try:
-            send(sock, KNOCK, {"nonce": mine.hex()}, timeout=_left(deadline))
-            challenge = receive(sock, timeout=_left(deadline), expect=CHALLENGE, limit=AUTH_FRAME_BYTES)
-        except PeerClosedError as err:
-            raise _Unchallenged(str(err)) from None
-        fields = challenge.fields()
-        nonces = (mine, nonce_of(fields))
-        if not proves(secret, "prefill", nonces, fields.text("proof", max_length=64)):
+        with _naming(name, "its challenge"):
+            try:
+                send(sock, KNOCK, {"nonce": mine.hex()}, timeout=_left(deadline))
+                challenge = receive(sock, timeout=_left(deadline), expect=CHALLENGE, limit=AUTH_FRAME_BYTES)
+            except PeerClosedError as err:
+                raise _Unchallenged(str(err)) from None
+            fields = challenge.fields()
+            nonces = (mine, nonce_of(fields))
+            claimed = fields.text("proof", max_length=64)
+        if not proves(secret, "prefill", nonces, claimed):
             raise ProtocolError(f"{name} did not prove the shared secret")
         header = {**(extra or {}), "proof": proof(secret, "decode", nonces), "engine": spec.to_dict()}
-        send(sock, ENGINE, header, timeout=_left(deadline))
-        answer = receive(sock, timeout=_left(deadline))
-        if answer.kind == REFUSE:
-            why = answer.fields().text("reason", max_length=400)
+        with _naming(name, "its offer"):
+            send(sock, ENGINE, header, timeout=_left(deadline))
+            answer = receive(sock, timeout=_left(deadline))
+            why = answer.fields().text("reason", max_length=400) if answer.kind == REFUSE else None
+        if why is not None:
             raise IncompatibleEngineError(f"{name} refused: {why}")
         if answer.kind != OFFER:
             raise ProtocolError(f"{name}: expected an offer, got {answer.kind!r:.40}")
         try:
-            offer = parse_offer(answer, spec)
+            with _naming(name, "its offer"):
+                offer = parse_offer(answer, spec)
         except IncompatibleEngineError as err:
             with contextlib.suppress(ProtocolError):
                 send(sock, REFUSE, {"reason": str(err)[:400]}, timeout=1.0)
@@ -368,6 +390,19 @@ def _handshake(
     except BaseException:
         sock.close()
         raise
+
+
+@contextlib.contextmanager
+def _naming(name: str, step: str) -> Iterator[None]:
+    """A protocol error in ``step`` of the handshake names the prefill and the step: a decode
+    of several prefill engines must say which failed, and at what (a timeout waiting for an
+    offer is not one waiting to connect)."""
+    try:
+        yield
+    except (_Unchallenged, IncompatibleEngineError):
+        raise  # named by the caller, or not a fault of the protocol
+    except ProtocolError as err:
+        raise type(err)(f"{name}, at {step}: {err}") from None
 
 
 def _left(deadline: float) -> float:

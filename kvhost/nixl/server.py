@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhost.nixl.engine import EngineSpec, check_compatible
-from kvhost.nixl.errors import PeerClosedError, ProtocolError
+from kvhost.nixl.errors import InvalidTimeoutError, PeerClosedError, ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
 from kvhost.nixl.framing import Message, encode, read_arrived, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, AUTH_SECONDS
@@ -55,6 +55,7 @@ from kvhost.nixl.peers import (
 
 MAX_CONNECTIONS = 64  # proven or not, held at once
 ACCEPT_PAUSE = 0.1  # seconds the listener waits when the process is out of file descriptors
+MIN_BEAT_SECONDS = 0.05  # the shortest beat a decode is told to send: a quarter of the shortest peer timeout
 MAX_RECORDS = 1024  # the latest proven peers' records kept (a server may run for months); counts keep all
 
 
@@ -129,9 +130,14 @@ class Server:
         self.offer = offer
         self.release = release
         self.peer_timeout = check_seconds(peer_timeout, "peer timeout", positive=True)
+        if self.peer_timeout < 4 * MIN_BEAT_SECONDS:
+            raise InvalidTimeoutError(
+                f"peer timeout {peer_timeout!r}: at least {4 * MIN_BEAT_SECONDS:g} s, four of the shortest beats "
+                f"({MIN_BEAT_SECONDS:g} s) a decode is told to send"
+            )
         self.auth_timeout = check_seconds(auth_timeout, "auth timeout", positive=True)
         self.send_timeout = check_seconds(send_timeout, "send timeout", positive=True)
-        self.log = log or (lambda line: None)
+        self._log = log
         self.records: deque[PeerRecord] = deque(maxlen=MAX_RECORDS)  # the latest, held ones included
         self.proven = 0  # connections that proved the secret: peers
         self.ended: Counter[str] = Counter()  # peers whose holds ended, by outcome
@@ -149,7 +155,7 @@ class Server:
     @property
     def beat_seconds(self) -> float:
         """How often peers are told to beat: four beats fit in ``peer_timeout``."""
-        return min(max(self.peer_timeout / 4, 0.05), 60.0)
+        return min(max(self.peer_timeout / 4, MIN_BEAT_SECONDS), 60.0)
 
     def serve(self, *, peers: int | None, idle_timeout: float, stop: Callable[[], bool] | None = None) -> None:
         """Serve until ``peers`` holds have ended (None: until ``stop`` says so), or until no
@@ -169,7 +175,7 @@ class Server:
                     if any(c.record is not None for c in self._connections.values()):
                         quiet_since = now  # strays that never prove the secret do not keep the cache served
                     elif now - quiet_since > idle:
-                        self.log(f"no decode engine for {idle:g} s: stopping")
+                        self._tell(f"no decode engine for {idle:g} s: stopping")
                         return
                     if self._accept_paused_until and now >= self._accept_paused_until:
                         self._accept_paused_until = 0.0
@@ -187,13 +193,33 @@ class Server:
                     self._expire(selector, time.monotonic())
             finally:
                 for conn in list(self._connections.values()):
-                    self._end(selector, conn, "closed", "the server stopped")
+                    try:
+                        self._end(selector, conn, "closed", "the server stopped")
+                    except Exception as err:  # the others are still closed and released
+                        self._tell(f"closing decode at {conn.address} failed: {type(err).__name__}: {err}")
+
+    def _tell(self, line: str) -> None:
+        """``log``'s line; a log that fails (stdout's reader gone) must not end the serving."""
+        if self._log is not None:
+            with contextlib.suppress(Exception):
+                self._log(line)
 
     def _holding(self) -> bool:
         return any(c.offered for c in self._connections.values())
 
     def _expire(self, selector: selectors.BaseSelector, now: float) -> None:
         for conn in [c for c in self._connections.values() if now > c.deadline]:
+            if conn.sock not in self._connections:
+                continue  # ended by an earlier one's step
+            # What arrived while a long step held this loop (an application's offer, a release)
+            # is read, and what the peer now takes is sent, before its deadline is judged: the
+            # select batch that step ran in was taken before it.
+            if conn.stage == OFFER:
+                self._write(selector, conn)
+            else:
+                self._read(selector, conn)
+            if conn.sock not in self._connections or time.monotonic() <= conn.deadline:
+                continue
             if conn.stage == OFFER:
                 detail = f"could not send 'offer' within {self.send_timeout:g} s: the peer does not read"
                 self._end(selector, conn, "failed", detail)
@@ -211,7 +237,7 @@ class Server:
                     # The connection stays queued and the listener readable: accepting again at
                     # once would spin. Served peers go on; the listener waits a while.
                     if not self._short_of_descriptors:
-                        self.log(f"cannot accept a connection ({err.strerror}): pausing {ACCEPT_PAUSE:g} s at a time")
+                        self._tell(f"cannot accept a connection ({err.strerror}): pausing {ACCEPT_PAUSE:g} s at a time")
                     self._short_of_descriptors = True
                     selector.unregister(self.listener)
                     self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
@@ -307,7 +333,7 @@ class Server:
         selector.modify(conn.sock, selectors.EVENT_READ)
         conn.stage, conn.deadline = BEAT, time.monotonic() + self.peer_timeout
         assert conn.record is not None
-        self.log(f"offered {conn.record.requests} requests to decode at {conn.address}")
+        self._tell(f"offered {conn.record.requests} requests to decode at {conn.address}")
 
     def _end(self, selector: selectors.BaseSelector, conn: _Connection, outcome: str, detail: str) -> None:
         """Close a connection; a proven one's record says how it ended (``outcome``, ``detail``),
@@ -322,12 +348,15 @@ class Server:
         conn.record.held_seconds = time.monotonic() - conn.held_since
         self.ended[outcome] += 1
         self.done_ok += outcome == "done" and conn.record.ok is True
-        self.log(f"decode at {conn.address}: {conn.record.outcome}" + (f": {detail}" if detail else ""))
+        failed = None
         if self.release is not None and conn.offered:
             try:
                 self.release(conn.record)
             except Exception as err:  # logged: the other peers, and the connections still to close, come first
-                self.log(f"release for decode at {conn.address} failed: {type(err).__name__}: {err}")
+                failed = f"release for decode at {conn.address} failed: {type(err).__name__}: {err}"
+        self._tell(f"decode at {conn.address}: {conn.record.outcome}" + (f": {detail}" if detail else ""))
+        if failed:
+            self._tell(failed)
 
 
 def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: float, *, blob: bytes = b"") -> None:

@@ -20,6 +20,7 @@ else.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import socket
@@ -59,7 +60,11 @@ def parser() -> Parser:
 
 
 def say(line: str) -> None:
-    print(f"prefill: {line}", flush=True)
+    try:
+        print(f"prefill: {line}", flush=True)
+    except OSError:  # stdout's reader is gone (a `grep -m1` that saw its line): serving goes on, unheard
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
