@@ -126,10 +126,14 @@ def plan_receive(layout: Layout, remote_order: str, remote_block_size: int) -> R
     """The rearrangement from the sender's bytes to ``layout``; None when nothing changes."""
     region = layout.region
     check_letters(remote_order, what="remote order")
-    if sorted(remote_order) != sorted(region):
+    # A letter of size 1 here (one head per rank, say) may lie inside the sender's region and
+    # outside ours, or the other way round: its place moves no byte. N never: block sizes differ.
+    single = {a for a in layout.axes if a not in "BN" and layout.size(a) == 1}
+    if set(remote_order) - single != set(region) - single:  # each letter once: just checked
         raise RequestError(
             f"remote order {remote_order!r} does not match the local block region "
             f"{region!r} (local physical order {layout.physical!r}): it must use the same letters"
+            + (f" (those of size 1, {''.join(sorted(single))}, may be left out)" if single else "")
         )
     local_size = layout.block_size
     if remote_block_size <= 0:
@@ -143,7 +147,7 @@ def plan_receive(layout: Layout, remote_order: str, remote_block_size: int) -> R
         raise RequestError(
             f"remote block size {remote_block_size} and local block size {local_size} do not divide one another"
         )
-    sizes = {a: layout.size(a) for a in region if a != "N"} | {PART: split, TOKENS: tokens}
+    sizes = {a: layout.size(a) for a in {*region, *remote_order} if a != "N"} | {PART: split, TOKENS: tokens}
 
     def with_tokens(order: str, token_axes: list[str]) -> list[str]:
         return [x for a in order for x in (token_axes if a == "N" else [a])]

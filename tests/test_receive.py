@@ -79,6 +79,40 @@ def test_receive_matches_sender(target, layout, kind, k, order):
         assert stats.skipped_blocks == stats.blocks and stats.groups == 0
 
 
+# One head per rank whose stride lies outside the blocks: H is an outer letter of size 1.
+ONE_HEAD_OUTSIDE = ("KBNHC", "HBNKC", dict(K=2, B=12, N=8, H=1, C=4))
+
+
+@pytest.mark.parametrize(("kind", "k"), RATIOS)
+@pytest.mark.parametrize("order", ["NKC", "KNC", "HKNC", "KHNC", "NKHC", "KNHC"])
+def test_a_letter_of_size_one_may_lie_anywhere_in_the_senders_order(target, order, kind, k):
+    """The sender may name H inside its region (its blocks hold one head too) or leave it
+    out: a letter of size 1 moves no byte wherever it lies, so every such order is taken,
+    and the bytes are the wire model's."""
+    axes, physical, sizes = ONE_HEAD_OUTSIDE
+    if target.device == "xla":
+        pytest.skip("XLA tensors have no strides: their memory order is their shape order")
+    caches = {f"layer{i}": make_cache(axes, physical, sizes, torch.bfloat16, target.device) for i in range(2)}
+    remote_size = sizes["N"] // k if kind == "r" else sizes["N"] * k
+    case = ReceiveCase(caches, axes, seed=k)
+    for name, ids in request_ids(k if kind == "g" else 1).items():
+        case.send(name, ids, order, remote_size)
+    requests = {name: wired.block_ids for name, wired in case.requests.items()}
+    kvhost.receive(
+        caches, requests, axes=axes, remote_order=order, remote_block_size=remote_size, backend=target.backend
+    )
+    case.check()
+
+
+def test_a_letter_of_size_one_does_not_excuse_a_missing_one():
+    caches = {"l": make_cache(*ONE_HEAD_OUTSIDE)}
+    for order in ("NC", "HNC", "LKNC"):  # K (2) left out; L named, which these caches have not
+        with pytest.raises(
+            kvhost.ArgumentError, match=r"must use the same letters \(those of size 1, H, may be left out\)"
+        ):
+            kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order=order, remote_block_size=8)
+
+
 DTYPES = [
     torch.float16,
     torch.bfloat16,

@@ -78,7 +78,12 @@ def wire_stream(truth: torch.Tensor, letters: str, remote_order: str, remote_blo
     tokens = truth.shape[0]
     blocks = truth.reshape(tokens // remote_block_size, remote_block_size, *truth.shape[1:])
     named = "BN" + letters
-    order = [named.index(a) for a in "B" + remote_order]
+    # A letter of size 1 has no place that moves a byte: the sender may name one this region
+    # has not (selected out as an outer letter), or leave one out.
+    given = [a for a in remote_order if a in named]
+    missing = [a for a in letters if a not in given]
+    assert all(blocks.shape[named.index(a)] == 1 for a in missing), (remote_order, letters)
+    order = [named.index(a) for a in ["B", *given, *missing]]
     return blocks.permute(order).contiguous().reshape(-1).view(torch.uint8)
 
 
