@@ -175,6 +175,7 @@ class CacheSet:
         # list, whose tensors could be swapped while the list stays the same object.
         values = tuple(caches.values())
         self._values = values if all(isinstance(v, (torch.Tensor, tuple)) for v in values) else None
+        self._names = tuple(caches)  # with the values: the same objects under other names are other caches
 
     def describes(self, caches: Mapping[str, Layer]) -> bool:
         """True while ``caches`` holds the very tensors this set was built from, unchanged."""
@@ -183,8 +184,13 @@ class CacheSet:
         if caches.keys() != self.layers.keys():
             return False
         known, values = self._values, tuple(caches.values())
-        if known is not None and len(values) == len(known) and all(map(is_, values, known)):
-            # The very layer objects (tensors, tuples) as given: only whether they moved.
+        if (
+            known is not None
+            and len(values) == len(known)
+            and all(map(is_, values, known))
+            and tuple(caches) == self._names
+        ):
+            # The very layer objects (tensors, tuples) as given, each under its name: only whether they moved.
             return self._unchanged()
         for name, layer in caches.items():
             members = self.layers[name]

@@ -153,6 +153,20 @@ def test_a_peer_is_read_once_while_it_holds_the_same_tensors():
     assert host._peers.get((id(pairs), "KBNHC", "dst")) is first_pairs  # refused: kept as it was
 
 
+def test_a_peer_whose_tensors_changed_names_gets_each_layer_under_its_new_name():
+    """The same dict, re-keyed: its tensors in the same order, each under the other's name.
+    The set read before no longer describes it, and layer 'a' lands in what 'a' names now."""
+    host = kvhost.KVHost({"a": cache(), "b": cache(2)}, axes="KBNHC")
+    first, second = empty(), empty()
+    peer = {"a": first, "b": second}
+    host.copy_to(peer, [1], [1])
+    peer.clear()
+    peer["b"], peer["a"] = first, second  # the values' order kept, their names swapped
+    host.copy_to(peer, [2], [2])
+    assert torch.equal(raw(second[:, 2]), raw(host.caches.layers["a"][0].tensor[:, 2]))
+    assert torch.equal(raw(first[:, 2]), raw(host.caches.layers["b"][0].tensor[:, 2]))
+
+
 def test_a_peer_that_lost_a_layer_is_refused():
     caches = {"a": cache(), "b": cache(2)}
     host = kvhost.KVHost(caches, axes="KBNHC")

@@ -599,6 +599,24 @@ def test_copies_on_the_device_are_direct_up_to_max_run_copies():
         assert taken == ([job] if direct else ["torch path"])
 
 
+def test_the_torch_path_on_the_device_copies_in_order_on_its_stream():
+    """Without kernels, a non-blocking copy on the device is the torch path's in the caller's
+    stream order: the caller's completion covers it, and a completion of its own (an event
+    on a side stream) would be dropped unwaited, and then waited for at once."""
+    src, dst = caches("KBNHC", "KBNHC", 12, 46), caches("KBNHC", "KBNHC", 12, 47)
+    job = host_job(src, dst, "KBNHC", "KBNHC", [0, 5, 9], [2, 8, 4], non_blocking=True)
+    backend = CpuStandIn(use_triton=False)
+    backend.max_run_copies = 0
+    asked = []
+    copy = backend.torch_path.copy
+    backend.torch_path.copy = lambda job: asked.append(job) or copy(job)  # type: ignore[method-assign]
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
+    backend.copy_on_device(job, [])
+    assert [j.non_blocking for j in asked] == [False]
+    assert asked[0].src_ids is job.src_ids and asked[0].group is job.group
+    case.check([0, 5, 9], [2, 8, 4])
+
+
 def test_host_copies_are_separate_calls_when_few_or_each_large():
     backend = CpuStandIn(use_triton=False)
     most, span = backend.max_host_copies, backend.direct_span_bytes

@@ -22,7 +22,7 @@ import pytest
 import torch
 from test_nixl import caches_for, needs_nixl
 
-from kvhost.errors import ArgumentError
+from kvhost.errors import ArgumentError, LayoutError
 from kvhost.nixl import Agent, NixlUnavailableError, ProtocolError, TransferError, plan_transfer, region_table
 from kvhost.nixl.agent import (
     DEFAULT_THREADS,
@@ -202,6 +202,40 @@ def test_an_agent_keeps_no_reader_closed_or_dropped():
         gc.collect()
         assert set(receiver._readers) == {kept}
     assert kept.closed  # closed with its agent
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", ["set_", "resize_"])
+def test_registered_memory_that_moved_is_refused_before_any_read_or_offer(change):
+    """NIXL moves bytes at the addresses registered: a tensor re-pointed (``set_``) or grown
+    (``resize_``, which frees its old memory) since would have a peer's bytes land in
+    whatever lies there now. Every read, batch, layered read and the metadata a peer is
+    offered are refused first, naming the layer; the memory a re-pointed tensor let go of
+    stays held until the agent closes."""
+    with Agent("moved-sender") as sender, Agent("moved-receiver") as receiver:
+        remote_table = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=2), "KBNHC")
+        local = caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=3)
+        plan = plan_transfer(receiver.register(local, "KBNHC"), remote_table)
+        reader = receiver.reader(plan, receiver.add_peer(sender.metadata()))
+        moved = next(iter(local.values()))
+        held = weakref.ref(moved.untyped_storage())
+        if change == "set_":
+            moved.set_(torch.zeros_like(moved))
+        else:
+            moved.untyped_storage().resize_(moved.untyped_storage().nbytes() * 2)
+        gc.collect()
+        assert held() is not None or change == "resize_", "the memory NIXL may still move bytes at was freed"
+        refused = r"agent 'moved-receiver': registered memory changed: .*layer 'l0'\[0\] changed since"
+        for call in (
+            lambda: reader.read([0], [0, 1, 2, 3]),
+            lambda: reader.read_batch([([0], [0, 1, 2, 3])]),
+            lambda: reader.read_layers([([0], [0, 1, 2, 3])], timeout=1),
+            receiver.metadata,
+        ):
+            with pytest.raises(LayoutError, match=refused):
+                call()
+        assert not receiver.posted  # nothing was posted
 
 
 @needs_nixl

@@ -254,7 +254,9 @@ class AcceleratorBackend(Backend):
             return
         kernels = self.kernels
         if kernels is None:
-            self.torch_path.copy(job)
+            # On this stream, in order: the caller's completion (an event on it) covers the copy,
+            # and a side stream's completion of its own would be dropped here, waited for at once.
+            self.torch_path.copy(replace(job, non_blocking=False))
             return
         device = job.src_device
         src_bases = np.array([s.tensor.data_ptr() for s, _ in job.pairs], dtype=np.int64)

@@ -22,10 +22,9 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvhost.caches import CacheSet, Layer
-from kvhost.errors import ArgumentError
+from kvhost.errors import ArgumentError, LayoutError
 from kvhost.ids import Ids
 from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
 from kvhost.nixl.fields import check_seconds, check_text, show
@@ -123,7 +122,7 @@ class Agent:
             plugins = ", ".join(self._nixl.get_plugin_list())
             raise NixlUnavailableError(f"NIXL backend(s) {missing} unavailable (plugins: {plugins})")
         self.name = name
-        self._registered: list[tuple[Any, list[torch.Tensor]]] = []
+        self._registered: list[tuple[Any, CacheSet]] = []
         self._peers: dict[str, bytes] = {}  # each peer's metadata as last loaded
         # Its readers while anyone holds them, to close them with it: a long-lived agent
         # that makes a reader per peer or plan keeps none it was given back.
@@ -162,12 +161,27 @@ class Agent:
             descs = self._nixl.register_memory(rows, table.memory)
         except Exception as err:
             raise TransferError(f"agent {self.name!r}: registering {len(rows)} memory spans failed: {err}") from None
-        self._registered.append((descs, tensors))
+        # The set, not only its tensors: its members hold the storages, so memory a tensor
+        # re-pointed (set_) lets go of stays ours while NIXL may still move bytes there.
+        self._registered.append((descs, cache_set))
         return table
+
+    def check_memory(self) -> None:
+        """Raise unless every registered tensor is still where, and what, it was when it was
+        registered. NIXL moves bytes at the registered addresses: a tensor grown since
+        (``resize_``, which frees its old memory) would have a peer write into whatever
+        lies there now. Readers check before every read they post; a side whose memory
+        peers read checks before it offers it (``metadata``)."""
+        for _, cache_set in self._registered:
+            try:
+                cache_set.check_current()
+            except LayoutError as err:
+                raise LayoutError(f"agent {self.name!r}: registered memory changed: {err}") from None
 
     def metadata(self) -> bytes:
         """This agent's metadata (connection info and registered memory) for its peers."""
         self._check_open()
+        self.check_memory()
         return bytes(self._nixl.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
@@ -307,6 +321,7 @@ class Reader:
         one NIXL request, its descriptors worked out for the whole batch at once
         (``TransferPlan.merged_batch``); a step's requests from one peer go together."""
         self._check_open()
+        self.agent.check_memory()
         return self._post("READ", self.batch_descriptors(requests), notify)
 
     def read_layers(self, requests: Sequence[tuple[Ids, Ids]], *, timeout: float) -> Iterator[str]:
@@ -325,11 +340,13 @@ class Reader:
         """
         seconds = check_seconds(timeout, "Reader.read_layers timeout")
         self._check_open()
+        self.agent.check_memory()  # once: a layer's post must not wait for a look at every tensor
         layers = self.layer_descriptors(requests)
         return layer_by_layer(lambda name: [self._post("READ", layers[name], b"")], list(layers), seconds)
 
     def _start(self, op: str, local_ids: Ids, remote_ids: Ids, notify: bytes) -> Transfer:
         self._check_open()
+        self.agent.check_memory()
         return self._post(op, self.descriptors(local_ids, remote_ids), notify)
 
     def _post(self, op: str, rows: tuple[np.ndarray, np.ndarray], notify: bytes) -> Transfer:

@@ -505,6 +505,7 @@ class RankReader:
         """Start pulling several requests (``(local_ids, remote_ids)`` each): one transfer per
         source for the whole batch, planned at once (``RankPlan.batch_rows``) before any is
         posted."""
+        self.agent.check_memory()
         return self._post(self._planned(self.plan.batch_rows, requests))
 
     def read_layers(self, requests: Sequence[tuple[Ids, Ids]], *, timeout: float) -> Iterator[str]:
@@ -515,6 +516,7 @@ class RankReader:
         checked, before the first is posted; leaving the loop early releases (cancels) the
         transfers in flight."""
         seconds = check_seconds(timeout, "RankReader.read_layers timeout")
+        self.agent.check_memory()
         rows = self._planned(self.plan.layer_rows, requests)
         names = list(next(iter(rows.values())))  # every source moves every layer
         return layer_by_layer(lambda name: self._post({rank: rows[rank][name] for rank in rows}), names, seconds)

@@ -174,6 +174,8 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
         metadata = [agent.metadata() for agent in agents]
 
         def offer(peer: PeerHello) -> Offer:
+            for agent in agents:
+                agent.check_memory()  # what the peer will read is still where the tables say
             wanted = peer.fields.fields("share")
             index = wanted.integer("index", maximum=1 << 14)
             count = wanted.integer("count", minimum=index + 1, maximum=1 << 14)
