@@ -1820,7 +1820,9 @@ def test_a_handshake_that_fails_names_the_prefill_and_the_step():
 @pytest.mark.parametrize(
     ("address", "message"),
     [
-        (("127.0.0.1", 65536 + 7600), r"the port must be an int in \[0, 65535\]"),  # the resolver would take 7600
+        (("127.0.0.1", 65536 + 7600), r"the port must be an int in \[1, 65535\]"),  # the resolver would take 7600
+        (("127.0.0.1", 65536), "the port must be an int"),
+        (("127.0.0.1", 0), "the port must be an int"),
         (("127.0.0.1", -1), "the port must be an int"),
         (("127.0.0.1", True), "the port must be an int"),
         (("127.0.0.1", 7600.0), "the port must be an int"),
@@ -1838,6 +1840,12 @@ def test_connect_takes_an_address_as_given_and_never_coerces_it(address, message
     with pytest.raises(ArgumentError, match=message):
         connect(address, SECRET, DECODE, timeout=5)  # type: ignore[arg-type]
     assert time.monotonic() - started < 0.5  # refused, not tried until the timeout
+
+
+@pytest.mark.parametrize("port", [1, 65535])
+def test_connect_takes_the_first_and_last_port_as_addresses(port):
+    with pytest.raises(ProtocolError, match=rf"could not connect to prefill at 127\.0\.0\.1:{port} "):
+        connect(("127.0.0.1", port), SECRET, DECODE, timeout=0.3)  # nothing listens there: refused, tried again
 
 
 @pytest.mark.parametrize("text", ["host\x00name:7600", "host\tname:7600", "[::1\n]:7600", "h:\u0663"])

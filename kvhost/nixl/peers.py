@@ -294,8 +294,8 @@ def _check_address(address: object) -> None:
     if not isinstance(address, tuple) or len(address) != 2:
         raise ArgumentError(f"an address must be a (host, port) pair, got {address!r:.80}")
     host, port = address
-    if type(port) is not int or not 0 <= port <= 65535:
-        raise ArgumentError(f"{address!r:.80}: the port must be an int in [0, 65535]")
+    if type(port) is not int or not 1 <= port <= 65535:  # 0 is a listener's "any", no one's address
+        raise ArgumentError(f"{address!r:.80}: the port must be an int in [1, 65535]")
     _check_host(host, repr(address))
 
 
