@@ -840,8 +840,15 @@ def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
 
     _, worker, _ = copying_worker
-    senders = {"good": ("LBHNC", 128), "odd": ("LBHNC", 96), "tp": ("LBHNC", 128), "late": ("LBHNC", 256)}
+    senders = {
+        "good": ("LBHNC", 128),
+        "odd": ("LBHNC", 96),
+        "tp": ("LBHNC", 128),
+        "late": ("LBHNC", 256),
+        "unknown": ("LBHNC", 32),
+    }
     _, payloads = sender_workers(vllm_env, senders)
+    payloads["unknown"].kv_cache_layout = "LBHNC_v2"  # vLLM is shown ours: only kvhost can refuse it
     worker.add_remote_agent(payloads["good"], 0, 1)
     noted = (dict(worker.remote_engines), dict(worker.larger_remote_blocks))
     assert set(noted[0]) == set(noted[1]) == {"good"}
@@ -849,6 +856,10 @@ def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_
         worker.add_remote_agent(payloads["odd"], 0, 1)
     with pytest.raises(LayoutError, match=r"engine 'tp': .* \(128 > 64 tokens\) with a different tensor-parallel size"):
         worker.add_remote_agent(payloads["tp"], 0, 2)
+    with pytest.raises(
+        LayoutError, match=r"engine 'unknown': its 'LBHNC_v2' blocks of 32 tokens cannot be post-processed here: "
+    ):
+        worker.add_remote_agent(payloads["unknown"], 0, 1)
     with (
         patch.object(NixlConnectorWorker, "add_remote_agent", side_effect=RuntimeError("vLLM says no")),
         pytest.raises(RuntimeError, match="vLLM says no"),
@@ -961,8 +972,9 @@ def test_vllms_own_handshake_checks_still_run(vllm_env, copying, host_buffer):
 
 
 def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copying_worker):
-    """Decode context parallelism on either side is refused for a sender of larger blocks,
-    naming it; the same sender without it is accepted."""
+    """Decode context parallelism on either side, or a cache vLLM clips to a sliding window,
+    is refused for a sender of larger blocks, naming it; the same sender without them is
+    accepted."""
     _, worker, _ = copying_worker
     _, payloads = sender_workers(vllm_env, {"big": ("LBHNC", 128)})
     dcp = r"engine 'big': remote blocks larger than ours \(128 > 64 tokens\) with decode context parallelism"
@@ -973,6 +985,12 @@ def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copyi
         worker.add_remote_agent(payloads["big"], 0, 1, 1)
     assert not worker.remote_engines and not worker.larger_remote_blocks
     worker.dcp_size = 1
+    # A sliding-window model: vLLM sends each side's last blocks of the window, lists that
+    # start at other tokens on the two sides.
+    worker._is_hma_required = True
+    with pytest.raises(LayoutError, match=r"engine 'big': .* with a cache vLLM clips to a window"):
+        worker.add_remote_agent(payloads["big"], 0, 1, 1)
+    worker._is_hma_required = False
     worker.add_remote_agent(payloads["big"], 0, 1, 1)
     assert worker.larger_remote_blocks["big"].g == 2
 

@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPullConnectorWorker,
 )
 
-from kvhost.errors import LayoutError
+from kvhost.errors import KVHostError, LayoutError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
 from kvhost.nixl import RegionTable, Stream, TransferPlan, plan_transfer
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
@@ -201,9 +201,10 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         engine = nixl_agent_meta.engine_id
         if (0, remote_tp_rank) in self._remote_agents.get(engine, {}):
             return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
-        larger = None
-        if nixl_agent_meta.block_size > self.block_size:  # refused here, before anything is noted
+        larger = None  # refused here, before anything is noted
+        if nixl_agent_meta.block_size > self.block_size:
             larger = self._plan_larger_remote_blocks(nixl_agent_meta, remote_tp_size, remote_dcp_size)
+        self._check_post_process(nixl_agent_meta)
         noted = (self.remote_engines.get(engine), self.larger_remote_blocks.get(engine))
         _note(self.remote_engines, engine, RemoteEngine(nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size))
         _note(self.larger_remote_blocks, engine, larger)
@@ -245,6 +246,21 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         finally:
             nixl_agent_meta.kv_cache_layout = theirs
             self._handshake_checks.running = False
+
+    def _check_post_process(self, meta: Any) -> None:
+        """Refuse a sender whose bytes kvhost could not post-process (a layout name it does
+        not know, letters or a block size no plan serves): vLLM is shown our layout, so its
+        own refusal never sees the sender's, and a sender taken here would fail, at each step,
+        every request finished beside one of its own."""
+        assert self.kvhost is not None
+        try:
+            order = self.kvhost.remote_order(meta.kv_cache_layout)
+            self.kvhost.caches.receive_groups(order, meta.block_size)
+        except KVHostError as err:
+            raise LayoutError(
+                f"engine {meta.engine_id!r}: its {meta.kv_cache_layout!r} blocks of {meta.block_size!r} tokens "
+                f"cannot be post-processed here: {err}"
+            ) from None
 
     def _check_head_split(self, meta: Any, remote_tp_size: int) -> None:
         """Refuse a sender of another tensor-parallel size whose block regions hold their
@@ -304,6 +320,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             "decode context parallelism": self.dcp_size > 1 or remote_dcp_size > 1,
             "mamba state": self._has_mamba,
             "layer-name routing (pipeline parallelism)": bool(self._transfer_layer_region_indices),
+            # vLLM then sends each side's last blocks of the window only, lists that start at
+            # other tokens on the two sides; the units are placed from token 0.
+            "a cache vLLM clips to a window (a group that is not full attention)": self._is_hma_required,
         }
         for what, present in unsupported.items():
             if present:
