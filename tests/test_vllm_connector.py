@@ -1500,6 +1500,25 @@ def test_engines_vllm_drops_are_forgotten_once_no_request_needs_them(vllm_env, c
     assert set(worker.remote_engines) == set(worker.larger_remote_blocks) == {"back"}
     assert not worker._dropped_engines
 
+    # Dropped while a request names it, shaking hands again meanwhile, and that handshake
+    # fails: its old notes, put back, go once no request needs them and the handshake is done.
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
+
+    worker._receiving = {"q": SimpleNamespace(remote=SimpleNamespace(engine_id="back"))}
+    worker._cleanup_remote_engine("back")
+    worker._handshake_futures["back"] = object()  # in flight: looked at again once done
+    worker._receiving = {}
+    worker._forget_dropped_engines()
+    assert "back" in worker.remote_engines and worker._dropped_engines == {"back"}
+    with (
+        patch.object(NixlConnectorWorker, "add_remote_agent", side_effect=RuntimeError("unreachable")),
+        pytest.raises(RuntimeError),
+    ):
+        worker.add_remote_agent(dataclasses.replace(payloads["old"], engine_id="back"), 0, 1)
+    del worker._handshake_futures["back"]
+    worker._forget_dropped_engines()
+    assert worker.remote_engines == {} and worker.larger_remote_blocks == {} and not worker._dropped_engines
+
 
 def documented_sender_layouts() -> dict[str, tuple[set[str], bool]]:
     """docs/integrations.md's table of sender layouts: decoder -> (senders, of our block size only)."""

@@ -421,7 +421,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _forget_dropped_engines(self) -> None:
         """Forget the notes of engines vLLM dropped that no receiving request names, unless
-        the engine shook hands again or is shaking hands (its notes are the new ones)."""
+        the engine shook hands again (its notes are the new ones). One shaking hands again
+        is looked at once it is done: a handshake that fails puts the old notes back, which
+        would otherwise stay for good."""
         if not self._dropped_engines:
             return
         needed = {
@@ -432,9 +434,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         }
         with self._handshake_lock:  # a handshake thread notes an engine before vLLM records its agents
             for engine in list(self._dropped_engines):
-                if engine in self._remote_agents or engine in self._handshake_futures:
+                if engine in self._remote_agents:
                     self._dropped_engines.discard(engine)  # known again: noted anew
-                elif engine not in needed:
+                elif engine not in needed and engine not in self._handshake_futures:
                     self.remote_engines.pop(engine, None)
                     self.larger_remote_blocks.pop(engine, None)
                     self._dropped_engines.discard(engine)
