@@ -463,6 +463,9 @@ def test_a_plan_refused_for_one_layout_of_several_names_its_layer() -> None:
     with pytest.raises(kvhost.RequestError, match=r"request 'r': layer 'b'\[0\]: remote order 'HNC' does not match"):
         kvhost.receive(caches, {"r": kvhost.Incoming([1, 2], "HNC", 4)}, axes="KBNHC")
     assert all(torch.equal(raw(t), saved) for t, saved in zip(caches.values(), before))
+    caches["c"] = fill_random(make_cache("KBNHC", "BKNHC", SIZES), 2)  # a second layer of b's strides
+    with pytest.raises(kvhost.RequestError, match=r"'r': layer 'b'\[0\] and 1 more of its strides: remote order 'HNC'"):
+        kvhost.receive(caches, {"r": kvhost.Incoming([1, 2], "HNC", 4)}, axes="KBNHC")
 
 
 class _LyingLength(list):  # type: ignore[type-arg]
