@@ -104,6 +104,12 @@ def test_a_letter_of_size_one_may_lie_anywhere_in_the_senders_order(target, orde
     case.check()
 
 
+def test_without_letters_of_size_one_a_refused_order_excuses_none():
+    caches = {"l": make_cache("KBNHC", "KBHNC", dict(K=2, B=8, N=8, H=2, C=4))}
+    with pytest.raises(kvhost.ArgumentError, match=r"\(local physical order 'KBHNC'\): it must use the same letters$"):
+        kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="NC", remote_block_size=8)
+
+
 def test_a_letter_of_size_one_does_not_excuse_a_missing_one():
     caches = {"l": make_cache(*ONE_HEAD_OUTSIDE)}
     for order in ("NC", "HNC", "LKNC"):  # K (2) left out; L named, which these caches have not
