@@ -229,7 +229,7 @@ def _copy(
     if not isinstance(non_blocking, bool):
         raise RequestError(f"non_blocking must be True or False, got {non_blocking!r}")
     batch = plan_copy_batch(source, dest, src_ids, dst_ids, non_blocking)
-    completions = [backend.copy(job) for job in batch.jobs]
+    completions = [_completion(backend, backend.copy(job)) for job in batch.jobs]
     return CopyResult(
         blocks=batch.blocks,
         bytes_moved=batch.bytes_moved,
@@ -237,6 +237,17 @@ def _copy(
         completion=completions[0] if len(completions) == 1 else _AllOf(completions),
         job=batch.jobs[0] if batch.jobs else None,
     )
+
+
+def _completion(backend: Backend, completion: object) -> Completion:
+    """A backend's copy must say when it is done; anything else (a plugin's copy that
+    returns None) is refused now, not found out at the caller's ``wait()``."""
+    if not isinstance(completion, Completion):
+        raise BackendError(
+            f"backend {backend.name!r}: copy returned {type(completion).__name__}, not a kvhost Completion "
+            "(the copy was issued: its bytes may have moved)"
+        )
+    return completion
 
 
 class _AllOf(Completion):

@@ -67,8 +67,10 @@ class Registry:
                     try:
                         cls = point.load()
                         problem = _class_problem(point, cls)
-                    except Exception as err:
-                        problem = f"failed to load: {type(err).__name__}: {err}"
+                    except KeyboardInterrupt:
+                        raise
+                    except BaseException as err:  # a plugin that calls sys.exit on import ends no one's program
+                        problem = f"failed to load: {_failure(err)}"
                     if problem is None and cls.name in kept_by:
                         holder = kept_by[cls.name]
                         problem = (
@@ -94,7 +96,7 @@ class Registry:
                 _device_types(cls),
                 cls.priority,
                 self._sources[name],
-                _reason(cls) or self._start_failures.get(name),
+                _reason(cls) if _reason(cls) is not None else self._start_failures.get(name),
             )
             for name, cls in self.classes().items()
         ]
@@ -102,6 +104,9 @@ class Registry:
         return sorted(rows, key=lambda r: (r.device_types, -r.priority, r.name))
 
     def instance(self, name: str) -> Backend:
+        started = self._instances.get(name)
+        if started is not None:  # usable when it started: no lock, no plugin code on every call
+            return started
         with self._lock:
             classes = self.classes()
             if name not in classes:
@@ -121,6 +126,9 @@ class Registry:
         device_type = _device_type(device)
         override = os.environ.get(ENV_OVERRIDE) or None
         key = (device_type, override)
+        chosen = self._chosen.get(key)
+        if chosen is not None:  # a lookup once chosen waits for no other thread's first one
+            return chosen
         with self._lock:
             if key not in self._chosen:
                 self._chosen[key] = self._choose(device_type, override)
@@ -135,8 +143,10 @@ class Registry:
         if name not in self._instances and name not in self._start_failures:
             try:
                 self._instances[name] = self.classes()[name]()
-            except Exception as err:  # an abstract class, or a device runtime that will not start
-                self._start_failures[name] = f"failed to start: {type(err).__name__}: {err}"
+            except KeyboardInterrupt:
+                raise
+            except BaseException as err:  # an abstract class, or a device runtime that will not start
+                self._start_failures[name] = f"failed to start: {_failure(err)}"
         if name in self._instances:
             return self._instances[name]
         return self._start_failures[name]
@@ -145,13 +155,15 @@ class Registry:
         classes = self.classes()
         if override is not None:
             if override not in classes:
+                why = self._load_errors.get(override)  # an entry point of that name that did not load
                 raise BackendError(
                     f"{ENV_OVERRIDE}={override!r} names no registered backend ({', '.join(sorted(classes))})"
+                    + (f": entry point {override!r} {why[1]}" if why else "")
                 )
-            if classes[override].serves(device_type):
+            if _serves(classes[override], device_type):
                 return self.instance(override)
         candidates = sorted(
-            (cls for cls in classes.values() if cls.serves(device_type)),
+            (cls for cls in classes.values() if _serves(cls, device_type)),
             key=lambda cls: (-cls.priority, "*" in cls.device_types, cls.name),
         )
         reasons = []
@@ -219,10 +231,44 @@ def _device_type(device: torch.device | str) -> str:
 
 
 def _reason(cls: type[Backend]) -> str | None:
+    """Why ``cls`` cannot run here, None when it can: a plugin's answer, held to the contract."""
     try:
-        return cls.unavailable_reason()
-    except Exception as err:
-        return f"availability check failed: {type(err).__name__}: {err}"
+        reason = cls.unavailable_reason()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:
+        return f"availability check failed: {_failure(err)}"
+    if reason is None or (isinstance(reason, str) and reason):
+        return reason
+    return f"availability check returned {_short(reason)}, not None (usable) or a reason (a non-empty str)"
+
+
+def _serves(cls: type[Backend], device_type: str) -> bool:
+    """``cls.serves(device_type)``; a plugin's override that raises serves nothing, and
+    breaks no other backend's lookup."""
+    try:
+        return bool(cls.serves(device_type))
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        return False
+
+
+def _failure(err: BaseException) -> str:
+    """``Type: message`` of a plugin's exception, even one whose message cannot be made."""
+    try:
+        text = str(err)
+    except Exception:
+        text = "(its message could not be read)"
+    return f"{type(err).__name__}: {text}"
+
+
+def _short(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 registry = Registry()
@@ -237,7 +283,7 @@ def get_backend(device: torch.device | str | torch.Tensor, name: str | None = No
             raise BackendError(f"a backend's name must be a string, got {name!r}")
         device_type = _device_type(device)
         backend = registry.instance(name)
-        if not backend.serves(device_type):
+        if not _serves(type(backend), device_type):
             raise BackendError(f"backend {name!r} does not serve device type {device_type!r}")
         return backend
     return registry.for_device(device)

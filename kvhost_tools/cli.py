@@ -45,10 +45,14 @@ def info(args: argparse.Namespace) -> int:
     for device in visible_devices():
         try:
             backend = registry.for_device(device)
-            detail = backend.describe()
-            print(f"  {device:<10} -> {backend.name}" + (f" ({detail})" if detail else ""))
         except KVHostError as err:
             print(f"  {device:<10} -> none: {err}")
+            continue
+        try:  # a plugin's own words: one that fails or says no text must not end the listing
+            detail = backend.describe()
+        except Exception as err:
+            detail = f"describe() failed: {type(err).__name__}: {err}"
+        print(f"  {device:<10} -> {backend.name}" + (f" ({detail})" if detail else ""))
     return 0
 
 

@@ -524,3 +524,166 @@ def test_hand_made_entry_points_load_and_device_types_keep_their_own_order(probe
     assert rows["probe-ordered"].device_types == ("meta", "cpu")
     assert rows["probe-unordered"].device_types == ("cpu", "meta")
     assert rows["probe-ordered"].available and rows["probe-unordered"].available
+
+
+HOSTILE_MODULE = """
+import sys
+
+from kvhost.torch_backend import TorchBackend
+
+
+class Unreadable(Exception):
+    def __str__(self):
+        raise ValueError("no words")
+
+
+class ExitingCheck(TorchBackend):
+    name, device_types, priority = "probe-exit-check", ("cpu",), 90
+
+    @classmethod
+    def unavailable_reason(cls):
+        sys.exit(3)
+
+
+class UnreadableCheck(TorchBackend):
+    name, device_types, priority = "probe-unreadable-check", ("cpu",), 85
+
+    @classmethod
+    def unavailable_reason(cls):
+        raise Unreadable()
+
+
+class FalseCheck(TorchBackend):  # a bool, as is_available() would give: not the contract
+    name, device_types, priority = "probe-false-check", ("cpu",), 80
+
+    @classmethod
+    def unavailable_reason(cls):
+        return False
+
+
+class EmptyCheck(TorchBackend):
+    name, device_types, priority = "probe-empty-check", ("cpu",), 78
+
+    @classmethod
+    def unavailable_reason(cls):
+        return ""
+
+
+class ExitStart(TorchBackend):
+    name, device_types, priority = "probe-exit-start", ("cpu",), 75
+
+    def __init__(self):
+        raise SystemExit(4)
+
+
+class ServesRaise(TorchBackend):
+    name, device_types, priority = "probe-serves-raise", ("cpu",), 70
+
+    @classmethod
+    def serves(cls, device_type):
+        raise RuntimeError("serves broke")
+
+
+class Fine(TorchBackend):
+    name, device_types, priority = "probe-fine", ("cpu",), 1
+
+
+class NoCompletion(TorchBackend):
+    name, device_types, priority = "probe-no-completion", ("cpu",), 0
+
+    def copy(self, job):
+        super().copy(job)
+        return None
+"""
+
+HOSTILE_ENTRY_POINTS = """
+[kvhost.probe-hostile]
+exits-on-import = kvhost_registry_exits:Nothing
+exit-check = kvhost_registry_hostile:ExitingCheck
+unreadable-check = kvhost_registry_hostile:UnreadableCheck
+false-check = kvhost_registry_hostile:FalseCheck
+empty-check = kvhost_registry_hostile:EmptyCheck
+exit-start = kvhost_registry_hostile:ExitStart
+serves-raise = kvhost_registry_hostile:ServesRaise
+fine = kvhost_registry_hostile:Fine
+no-completion = kvhost_registry_hostile:NoCompletion
+"""
+
+
+def test_a_hostile_plugin_is_passed_over_and_named_and_ends_no_program(install, monkeypatch):
+    """A plugin that exits on import or in its checks, answers its availability with a bool
+    or an empty str, raises from ``serves`` or an exception with no readable message: each
+    is listed with what is wrong, and the backend that works is chosen."""
+    from kvhost.registry import Registry
+
+    install("kvhost_registry_exits", "import sys\nsys.exit(3)\n", "")
+    install("kvhost_registry_hostile", HOSTILE_MODULE, HOSTILE_ENTRY_POINTS)
+    probe = Registry("kvhost.probe-hostile")
+    assert probe.for_device("cpu").name == "probe-fine"
+    why = {row.name: row.unavailable for row in probe.info()}
+    assert why["exits-on-import"] == "failed to load: SystemExit: 3"
+    assert why["probe-exit-check"] == "availability check failed: SystemExit: 3"
+    assert why["probe-unreadable-check"] == "availability check failed: Unreadable: (its message could not be read)"
+    assert why["probe-false-check"] == (
+        "availability check returned False, not None (usable) or a reason (a non-empty str)"
+    )
+    assert why["probe-empty-check"] == "availability check returned '', not None (usable) or a reason (a non-empty str)"
+    assert why["probe-exit-start"] == "failed to start: SystemExit: 4"
+    assert why["probe-fine"] is None
+    monkeypatch.setenv("KVHOST_BACKEND", "exits-on-import")
+    with pytest.raises(
+        kvhost.BackendError, match=r"names no registered backend .*: entry point 'exits-on-import' failed"
+    ):
+        probe.for_device("cpu")
+    with pytest.raises(kvhost.BackendError, match=r"'probe-false-check' cannot run here: availability check returned"):
+        probe.instance("probe-false-check")
+    with pytest.raises(kvhost.BackendError, match=r"'probe-exit-start' .* failed to start: SystemExit: 4"):
+        probe.instance("probe-exit-start")
+
+
+def test_a_started_backend_is_had_without_waiting_for_another_threads_first_lookup(probes, monkeypatch):
+    """A plugin whose availability check takes a second, on one thread's first lookup, holds
+    no other thread's lookup of a backend already chosen or started."""
+    import threading
+    import time
+
+    from kvhost.registry import Registry
+
+    probe = Registry("kvhost.probe-backends")
+    chosen, named = probe.for_device("cpu"), probe.instance("probe-any")
+    entered = threading.Event()
+
+    def slow(cls):
+        entered.set()
+        time.sleep(1.0)
+        return "slow"
+
+    monkeypatch.setattr(probes.Absent, "unavailable_reason", classmethod(slow))
+    first = threading.Thread(target=lambda: probe.for_device("meta"))  # holds the registry's lock for 1 s
+    first.start()
+    assert entered.wait(5)
+    started = time.monotonic()
+    assert probe.for_device("cpu") is chosen and probe.instance("probe-any") is named
+    assert time.monotonic() - started < 0.5
+    first.join(5)
+
+
+def test_a_copy_that_returns_no_completion_is_refused_naming_the_backend(install):
+    from kvhost.registry import Registry
+
+    install("kvhost_registry_hostile", HOSTILE_MODULE, HOSTILE_ENTRY_POINTS)
+    backend = Registry("kvhost.probe-hostile").instance("probe-no-completion")
+    src, dst = {"l": torch.ones(2, 4, 8, 2, 4)}, {"l": torch.zeros(2, 4, 8, 2, 4)}
+    with pytest.raises(kvhost.BackendError, match=r"backend 'probe-no-completion': copy returned NoneType, not a"):
+        kvhost.copy_blocks(src, dst, [1], [2], axes="KBNHC", backend=backend)
+
+
+def test_kvhost_info_lists_every_device_when_a_backend_cannot_describe_itself(monkeypatch, capsys):
+    from kvhost_tools import cli
+
+    def broken(self):
+        raise RuntimeError("no words")
+
+    monkeypatch.setattr(type(registry.for_device("cpu")), "describe", broken)
+    assert cli.main(["info"]) == 0
+    assert "  cpu        -> cpu (describe() failed: RuntimeError: no words)" in capsys.readouterr().out
