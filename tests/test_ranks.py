@@ -663,3 +663,14 @@ def test_a_rank_reader_checks_its_peers_memory_and_bound_and_lets_go_on_a_failur
         with pytest.raises(TransferError, match="injected"):
             merged.read(local_ids, remote_ids)
         assert len(posted) == 1 and posted[0].released
+
+        # A registered local tensor re-pointed since: every read is refused before it posts.
+        posted.clear()
+        moved = next(iter(local.values()))
+        moved.set_(torch.zeros_like(moved))
+        refused = r"agent 'guard-decode': registered memory changed"
+        with pytest.raises(LayoutError, match=refused):
+            merged.read_batch([(local_ids, remote_ids)])
+        with pytest.raises(LayoutError, match=refused):
+            next(merged.read_layers([(local_ids, remote_ids)], timeout=5))
+        assert not posted
