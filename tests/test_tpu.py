@@ -161,6 +161,52 @@ def test_padding_never_writes_a_block_outside_the_request(device, dtype, ids, g)
     case.check()  # the request reads back as sent; every other block kept its sentinel
 
 
+@pytest.mark.parametrize(("g", "units", "uploaded"), [(8, 1, 16), (32, 1, 32), (32, 2, 64), (2, 3, 16), (2, 9, 32)])
+def test_units_of_a_larger_sender_pad_to_a_floor_counted_in_blocks(device, monkeypatch, g, units, uploaded):
+    """A sender's block of g of ours is a unit of g blocks: one unit pads to 16 blocks or to
+    its own g, not to 16 units of g (a peer's block size would set what a small request
+    gathers); the bytes are the wire model's."""
+    from kvhost_tpu import backend as tpu_backend
+
+    sizes = dict(K=2, B=64, N=4, H=2, C=16)
+    caches = {"l": make_cache("KBNHC", "KBNHC", sizes, torch.bfloat16, device)}
+    case = ReceiveCase(caches, "KBNHC", seed=g)
+    ids = list(range(64 - units * g, 64))
+    case.send("r", ids, "HNC", 4 * g)
+    lengths = []
+    upload = tpu_backend._upload
+    monkeypatch.setattr(tpu_backend, "_upload", lambda ids, dev: lengths.append(ids.size) or upload(ids, dev))
+    kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=4 * g, backend="tpu")
+    case.check()
+    assert lengths == [uploaded]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_unsigned_caches_are_received_and_copied_byte_for_byte(device, dtype):
+    sizes = dict(K=2, B=16, N=8, H=2, C=16)
+    caches = {"l": make_cache("KBNHC", "KBNHC", sizes, dtype, device)}
+    case = ReceiveCase(caches, "KBNHC", seed=5)
+    case.send("r", [3, 7], "HNC", 4)
+    kvhost.receive(caches, {"r": [3, 7]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend="tpu")
+    case.check()
+    host = {"l": random_bytes([2, 16, 8, 2, 16], dtype, 6)}
+    kvhost.copy_blocks(host, caches, [1, 2], [9, 10], axes="KBNHC", backend="tpu")
+    assert torch.equal(device_bytes(caches["l"])[:, 9:11], host_bytes(host["l"])[:, 1:3])
+
+
+def test_a_complex_cache_is_refused_before_any_byte_moves(device):
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=4), torch.complex64, device)}
+    before = caches["l"].cpu().clone()  # XLA has no bitcast of complex: its values, compared as such
+    refused = r"layer 'l'\[0\]: torch.complex64 has no XLA bitcast to integers"
+    with pytest.raises(kvhost.LayoutError, match=refused):
+        kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend="tpu")
+    with pytest.raises(kvhost.LayoutError, match=refused):
+        kvhost.copy_blocks(
+            {"l": torch.zeros(2, 2, 8, 2, 4, dtype=torch.complex64)}, caches, [0], [3], axes="KBNHC", backend="tpu"
+        )
+    assert torch.equal(caches["l"].cpu(), before)
+
+
 @pytest.mark.parametrize("dst_ids", [[0], [63], [17, 63, 0]])
 def test_padded_copies_write_only_their_destinations(device, dst_ids):
     cache = kv_cache(64, torch.float16, 1, device)

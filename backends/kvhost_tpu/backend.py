@@ -36,7 +36,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvhost.backend import Backend, Completion
+from kvhost.backend import Backend, Completion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob, ZeroJob
 from kvhost.caches import Member
 from kvhost.errors import LayoutError
@@ -71,6 +71,9 @@ class TpuBackend(Backend):
     def exclusive(self) -> threading.RLock:
         return _GRAPH_LOCK
 
+    def check_receive(self, job: ReceiveJob) -> None:
+        _check_dtypes(job.members)
+
     def receive(self, job: ReceiveJob) -> None:
         with _GRAPH_LOCK:
             self._receive(job)
@@ -80,6 +83,7 @@ class TpuBackend(Backend):
         loses are graph data, padded like every other index list (an ``index_fill_`` per
         cut token would compile a graph for nearly every prompt length). Whole blocks cut
         at token 0; padding repeats the last (block, cut), so it writes the same bytes twice."""
+        _check_dtypes(job.members)
         with _GRAPH_LOCK:
             cuts = np.stack(
                 [
@@ -103,12 +107,16 @@ class TpuBackend(Backend):
         tensor.copy_(values.contiguous().view(tensor.dtype).to(tensor.device))
 
     def copy(self, job: CopyJob) -> Completion:
+        _check_dtypes([member for pair in job.pairs for member in pair])
         with _GRAPH_LOCK:
             return self._copy(job)
 
     def _receive(self, job: ReceiveJob) -> None:
         units = job.unit_ids
-        padded = pad_rows(units, bucket_size(units.shape[0], self.min_bucket)).reshape(-1)
+        # The floor counted in blocks: a unit of g blocks (a sender's block g times ours) is
+        # g of them, so one small request from such a sender gathers no 16 x g blocks.
+        floor = next_power_of_two(-(-self.min_bucket // units.shape[1]))
+        padded = pad_rows(units, bucket_size(units.shape[0], floor)).reshape(-1)
         ids = _upload(padded, job.device)
         for member in job.members:
             _rearrange(member.tensor, block_dim(member.layout), job.rearrangement, ids)
@@ -226,3 +234,9 @@ def _as_integers(picked: torch.Tensor) -> torch.Tensor:
 def _upload(ids: np.ndarray, device: torch.device) -> torch.Tensor:
     """Index tensor on ``device``: device data, a graph parameter, not a constant baked into it."""
     return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
+
+
+def _check_dtypes(members: list[Member]) -> None:
+    for member in members:
+        if member.tensor.device.type == "xla":  # a host side is copied by torch, byte for byte
+            xla.check_dtype(member.tensor.dtype, member.name)

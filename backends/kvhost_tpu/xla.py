@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvhost.errors import LayoutError
 from kvhost.raw import raw_dtype as raw_dtype  # kvhost_tpu callers use xla.raw_dtype
 
 INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool})
@@ -40,6 +41,9 @@ DEFAULT_NATIVE_WRITES = INTEGER_DTYPES | {torch.float32}
 _XLA_TYPE_NAMES = {
     torch.bool: "pred",
     torch.uint8: "u8",
+    torch.uint16: "u16",
+    torch.uint32: "u32",
+    torch.uint64: "u64",
     torch.int8: "s8",
     torch.int16: "s16",
     torch.int32: "s32",
@@ -127,6 +131,14 @@ def _bitcast_op() -> Any:
     import torch_xla.core.xla_op_registry as registry
 
     return registry.register("kvhost_bitcast", lambda x, to_type: x.bitcast(to_type))
+
+
+def check_dtype(dtype: torch.dtype, what: str) -> None:
+    """Refuse an element type XLA cannot bitcast to and from integers (complex: a pair of
+    floats to XLA), before any byte moves."""
+    if dtype not in _XLA_TYPE_NAMES:
+        known = ", ".join(sorted(str(d).removeprefix("torch.") for d in _XLA_TYPE_NAMES))
+        raise LayoutError(f"{what}: {dtype} has no XLA bitcast to integers; the TPU backend moves {known}")
 
 
 def bitcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
