@@ -1804,17 +1804,29 @@ def test_a_handshake_that_fails_names_the_prefill_and_the_step():
     with socket.create_server(("127.0.0.1", 0)) as listener:  # a service that is not a prefill at all
         port = listener.getsockname()[1]
 
+        closed = []
+
         def answer_http():
             sock, _ = listener.accept()
             with sock:
                 sock.recv(4096)
                 sock.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(64))
+                sock.settimeout(5)
+                try:
+                    closed.append(sock.recv(1) == b"")  # the decode closed its end: EOF
+                except ConnectionResetError:  # closed with our bytes unread: a reset
+                    closed.append(True)
+                except TimeoutError:
+                    closed.append(False)
 
         thread = threading.Thread(target=answer_http)
         thread.start()
-        with pytest.raises(ProtocolError, match=rf"^prefill at 127\.0\.0\.1:{port}, at its challenge: "):
+        with pytest.raises(ProtocolError, match=rf"^prefill at 127\.0\.0\.1:{port}, at its challenge: ") as failed:
             connect(("127.0.0.1", port), SECRET, DECODE, timeout=1.0)
-        thread.join(5)
+            # (the traceback ``failed`` keeps holds the failed call's frames: the socket is closed by
+            # the handshake itself, not by the garbage collector)
+        thread.join(10)
+        assert closed == [True] and failed.value is not None
 
 
 @pytest.mark.parametrize(

@@ -137,7 +137,7 @@ class Server:
             )
         self.auth_timeout = check_seconds(auth_timeout, "auth timeout", positive=True)
         self.send_timeout = check_seconds(send_timeout, "send timeout", positive=True)
-        self._log = log
+        self._log = log or _say_nothing
         self.records: deque[PeerRecord] = deque(maxlen=MAX_RECORDS)  # the latest, held ones included
         self.proven = 0  # connections that proved the secret: peers
         self.ended: Counter[str] = Counter()  # peers whose holds ended, by outcome
@@ -200,26 +200,22 @@ class Server:
 
     def _tell(self, line: str) -> None:
         """``log``'s line; a log that fails (stdout's reader gone) must not end the serving."""
-        if self._log is not None:
-            with contextlib.suppress(Exception):
-                self._log(line)
+        with contextlib.suppress(Exception):
+            self._log(line)
 
     def _holding(self) -> bool:
         return any(c.offered for c in self._connections.values())
 
     def _expire(self, selector: selectors.BaseSelector, now: float) -> None:
         for conn in [c for c in self._connections.values() if now > c.deadline]:
-            if conn.sock not in self._connections:
-                continue  # ended by an earlier one's step
-            # What arrived while a long step held this loop (an application's offer, a release)
-            # is read, and what the peer now takes is sent, before its deadline is judged: the
-            # select batch that step ran in was taken before it.
-            if conn.stage == OFFER:
-                self._write(selector, conn)
-            else:
+            if conn.stage != OFFER:
+                # What arrived while a long step held this loop (an application's offer, a
+                # release) is read before its deadline is judged: the select batch that step
+                # ran in was taken before it. (An offer still being sent has the whole send
+                # timeout, 10 s by default, for a step to take.)
                 self._read(selector, conn)
-            if conn.sock not in self._connections or time.monotonic() <= conn.deadline:
-                continue
+                if conn.sock not in self._connections or time.monotonic() <= conn.deadline:
+                    continue  # it ended (done, closed), or beat meanwhile
             if conn.stage == OFFER:
                 detail = f"could not send 'offer' within {self.send_timeout:g} s: the peer does not read"
                 self._end(selector, conn, "failed", detail)
@@ -357,6 +353,10 @@ class Server:
         self._tell(f"decode at {conn.address}: {conn.record.outcome}" + (f": {detail}" if detail else ""))
         if failed:
             self._tell(failed)
+
+
+def _say_nothing(line: str) -> None:
+    pass
 
 
 def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: float, *, blob: bytes = b"") -> None:
