@@ -588,6 +588,29 @@ class Fine(TorchBackend):
     name, device_types, priority = "probe-fine", ("cpu",), 1
 
 
+class InterruptCheck(TorchBackend):
+    name, device_types = "probe-interrupt-check", ("cpu",)
+
+    @classmethod
+    def unavailable_reason(cls):
+        raise KeyboardInterrupt
+
+
+class InterruptStart(TorchBackend):
+    name, device_types = "probe-interrupt-start", ("cpu",)
+
+    def __init__(self):
+        raise KeyboardInterrupt
+
+
+class InterruptServes(TorchBackend):
+    name, device_types = "probe-interrupt-serves", ("cpu",)
+
+    @classmethod
+    def serves(cls, device_type):
+        raise KeyboardInterrupt
+
+
 class NoCompletion(TorchBackend):
     name, device_types, priority = "probe-no-completion", ("cpu",), 0
 
@@ -607,7 +630,31 @@ exit-start = kvhost_registry_hostile:ExitStart
 serves-raise = kvhost_registry_hostile:ServesRaise
 fine = kvhost_registry_hostile:Fine
 no-completion = kvhost_registry_hostile:NoCompletion
+
+[kvhost.probe-interrupt-import]
+interrupts = kvhost_registry_interrupts:Nothing
+
+[kvhost.probe-interrupt-check]
+check = kvhost_registry_hostile:InterruptCheck
+
+[kvhost.probe-interrupt-start]
+start = kvhost_registry_hostile:InterruptStart
+
+[kvhost.probe-interrupt-serves]
+serves = kvhost_registry_hostile:InterruptServes
 """
+
+
+def test_ctrl_c_inside_a_plugin_is_not_taken_for_its_failure(install):
+    """Only KeyboardInterrupt goes through a plugin's code to the caller: an operator's
+    Ctrl-C during a slow import or check must stop the program, not pass the backend over."""
+    from kvhost.registry import Registry
+
+    install("kvhost_registry_interrupts", "raise KeyboardInterrupt\n", "")
+    install("kvhost_registry_hostile", HOSTILE_MODULE, HOSTILE_ENTRY_POINTS)
+    for group in ("import", "check", "start", "serves"):
+        with pytest.raises(KeyboardInterrupt):
+            Registry(f"kvhost.probe-interrupt-{group}").for_device("cpu")
 
 
 def test_a_hostile_plugin_is_passed_over_and_named_and_ends_no_program(install, monkeypatch):
@@ -666,6 +713,7 @@ def test_a_started_backend_is_had_without_waiting_for_another_threads_first_look
     assert probe.for_device("cpu") is chosen and probe.instance("probe-any") is named
     assert time.monotonic() - started < 0.5
     first.join(5)
+    assert probe.for_device("meta") is named  # chosen after it was asked for by name: the one instance
 
 
 def test_a_copy_that_returns_no_completion_is_refused_naming_the_backend(install):
