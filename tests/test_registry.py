@@ -569,6 +569,22 @@ class EmptyCheck(TorchBackend):
         return ""
 
 
+class LongCheck(TorchBackend):  # an answer whose repr is long: cut for the listing
+    name, device_types, priority = "probe-long-check", ("cpu",), 77
+
+    @classmethod
+    def unavailable_reason(cls):
+        return list(range(40))
+
+
+class SixtyCheck(TorchBackend):  # a repr of exactly 60 characters: kept whole
+    name, device_types, priority = "probe-sixty-check", ("cpu",), 76
+
+    @classmethod
+    def unavailable_reason(cls):
+        return b"x" * 57
+
+
 class ExitStart(TorchBackend):
     name, device_types, priority = "probe-exit-start", ("cpu",), 75
 
@@ -626,6 +642,8 @@ exit-check = kvhost_registry_hostile:ExitingCheck
 unreadable-check = kvhost_registry_hostile:UnreadableCheck
 false-check = kvhost_registry_hostile:FalseCheck
 empty-check = kvhost_registry_hostile:EmptyCheck
+long-check = kvhost_registry_hostile:LongCheck
+sixty-check = kvhost_registry_hostile:SixtyCheck
 exit-start = kvhost_registry_hostile:ExitStart
 serves-raise = kvhost_registry_hostile:ServesRaise
 fine = kvhost_registry_hostile:Fine
@@ -665,6 +683,8 @@ def test_a_hostile_plugin_is_passed_over_and_named_and_ends_no_program(install, 
 
     install("kvhost_registry_exits", "import sys\nsys.exit(3)\n", "")
     install("kvhost_registry_hostile", HOSTILE_MODULE, HOSTILE_ENTRY_POINTS)
+    import kvhost_registry_hostile as hostile
+
     probe = Registry("kvhost.probe-hostile")
     assert probe.for_device("cpu").name == "probe-fine"
     why = {row.name: row.unavailable for row in probe.info()}
@@ -676,6 +696,20 @@ def test_a_hostile_plugin_is_passed_over_and_named_and_ends_no_program(install, 
     )
     assert why["probe-empty-check"] == "availability check returned '', not None (usable) or a reason (a non-empty str)"
     assert why["probe-exit-start"] == "failed to start: SystemExit: 4"
+    long = repr(list(range(40)))[:57] + "..."
+    assert (
+        why["probe-long-check"]
+        == f"availability check returned {long}, not None (usable) or a reason (a non-empty str)"
+    )
+    sixty = repr(b"x" * 57)
+    assert len(sixty) == 60
+    assert (
+        why["probe-sixty-check"]
+        == f"availability check returned {sixty}, not None (usable) or a reason (a non-empty str)"
+    )
+    from kvhost.registry import _serves
+
+    assert _serves(hostile.ServesRaise, "cpu") is False and _serves(hostile.Fine, "cpu") is True
     assert why["probe-fine"] is None
     monkeypatch.setenv("KVHOST_BACKEND", "exits-on-import")
     with pytest.raises(
