@@ -846,9 +846,11 @@ def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_
         "tp": ("LBHNC", 128),
         "late": ("LBHNC", 256),
         "unknown": ("LBHNC", 32),
+        "uneven": ("LBHNC", 32),
     }
     _, payloads = sender_workers(vllm_env, senders)
     payloads["unknown"].kv_cache_layout = "LBHNC_v2"  # vLLM is shown ours: only kvhost can refuse it
+    payloads["uneven"].block_size = 48  # smaller than ours, but no whole number of them fills one
     worker.add_remote_agent(payloads["good"], 0, 1)
     noted = (dict(worker.remote_engines), dict(worker.larger_remote_blocks))
     assert set(noted[0]) == set(noted[1]) == {"good"}
@@ -860,6 +862,10 @@ def test_senders_the_connector_cannot_serve_are_refused_and_change_nothing(vllm_
         LayoutError, match=r"engine 'unknown': its 'LBHNC_v2' blocks of 32 tokens cannot be post-processed here: "
     ):
         worker.add_remote_agent(payloads["unknown"], 0, 1)
+    with pytest.raises(
+        LayoutError, match=r"engine 'uneven': its 'LBHNC' blocks of 48 tokens .* do not divide one another"
+    ):
+        worker.add_remote_agent(payloads["uneven"], 0, 1)
     with (
         patch.object(NixlConnectorWorker, "add_remote_agent", side_effect=RuntimeError("vLLM says no")),
         pytest.raises(RuntimeError, match="vLLM says no"),
