@@ -585,6 +585,14 @@ class SixtyCheck(TorchBackend):  # a repr of exactly 60 characters: kept whole
         return b"x" * 57
 
 
+class SixtyOneCheck(TorchBackend):  # one character more: cut
+    name, device_types, priority = "probe-sixty-one-check", ("cpu",), 76
+
+    @classmethod
+    def unavailable_reason(cls):
+        return b"x" * 58
+
+
 class ExitStart(TorchBackend):
     name, device_types, priority = "probe-exit-start", ("cpu",), 75
 
@@ -644,6 +652,7 @@ false-check = kvhost_registry_hostile:FalseCheck
 empty-check = kvhost_registry_hostile:EmptyCheck
 long-check = kvhost_registry_hostile:LongCheck
 sixty-check = kvhost_registry_hostile:SixtyCheck
+sixty-one-check = kvhost_registry_hostile:SixtyOneCheck
 exit-start = kvhost_registry_hostile:ExitStart
 serves-raise = kvhost_registry_hostile:ServesRaise
 fine = kvhost_registry_hostile:Fine
@@ -707,6 +716,8 @@ def test_a_hostile_plugin_is_passed_over_and_named_and_ends_no_program(install, 
         why["probe-sixty-check"]
         == f"availability check returned {sixty}, not None (usable) or a reason (a non-empty str)"
     )
+    reason = "not None (usable) or a reason (a non-empty str)"
+    assert why["probe-sixty-one-check"] == f"availability check returned {repr(b'x' * 58)[:57]}..., {reason}"
     from kvhost.registry import _serves
 
     assert _serves(hostile.ServesRaise, "cpu") is False and _serves(hostile.Fine, "cpu") is True
