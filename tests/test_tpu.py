@@ -204,6 +204,15 @@ def test_a_complex_cache_is_refused_before_any_byte_moves(device):
         kvhost.copy_blocks(
             {"l": torch.zeros(2, 2, 8, 2, 4, dtype=torch.complex64)}, caches, [0], [3], axes="KBNHC", backend="tpu"
         )
+    with pytest.raises(kvhost.LayoutError, match=refused):  # the identity with a prompt cut short: zeroing alone
+        kvhost.receive(
+            caches,
+            {"r": kvhost.Incoming([1, 2], tokens=9)},
+            axes="KBNHC",
+            remote_order="NHC",
+            remote_block_size=8,
+            backend="tpu",
+        )
     assert torch.equal(caches["l"].cpu(), before)
 
 
