@@ -7,6 +7,16 @@ memory was touched.
 from __future__ import annotations
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """``value`` for a message: its repr, cut to ``limit`` characters (what a peer, a plugin
+    or a caller hands over may be huge, or have a repr that raises)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class KVHostError(Exception):
     """Base class of every error kvhost raises on purpose."""
 

@@ -19,7 +19,7 @@ from typing import Any, TypeGuard
 import numpy as np
 import torch
 
-from kvhost.errors import RequestError
+from kvhost.errors import RequestError, shown
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 ID_KINDS = "list, tuple, range, 1-D numpy array or 1-D tensor of integers"
@@ -52,7 +52,7 @@ class IdBatch:
                 raise RequestError(f"{subject}: block ids on the meta device have no values")
             ids = ids.tolist()
         elif not isinstance(ids, (list, tuple, range)):
-            raise RequestError(f"{subject}: block ids must be a {ID_KINDS}, got {type(ids).__name__} {_short(ids)}")
+            raise RequestError(f"{subject}: block ids must be a {ID_KINDS}, got {type(ids).__name__} {shown(ids, 40)}")
         flat = self.flat
         before = len(flat)
         flat.extend(ids)
@@ -171,8 +171,3 @@ def _integer_dtype(dtype: np.dtype[Any] | torch.dtype) -> bool:
     if isinstance(dtype, torch.dtype):
         return dtype in _TORCH_INTEGERS
     return dtype.kind in "iu"
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -17,7 +17,7 @@ from importlib.metadata import EntryPoint, entry_points
 import torch
 
 from kvhost.backend import Backend
-from kvhost.errors import BackendError
+from kvhost.errors import BackendError, shown
 
 ENTRY_POINT_GROUP = "kvhost.backends"
 ENV_OVERRIDE = "KVHOST_BACKEND"
@@ -90,16 +90,11 @@ class Registry:
             return self._classes
 
     def info(self) -> list[BackendInfo]:
-        rows = [
-            BackendInfo(
-                name,
-                _device_types(cls),
-                cls.priority,
-                self._sources[name],
-                _reason(cls) if _reason(cls) is not None else self._start_failures.get(name),
-            )
-            for name, cls in self.classes().items()
-        ]
+        rows = []
+        for name, cls in self.classes().items():
+            reason = _reason(cls)  # a plugin's check, run once a row: it may be slow
+            why = reason if reason is not None else self._start_failures.get(name)
+            rows.append(BackendInfo(name, _device_types(cls), cls.priority, self._sources[name], why))
         rows += [BackendInfo(name, (), 0, source, why) for name, (source, why) in self._load_errors.items()]
         return sorted(rows, key=lambda r: (r.device_types, -r.priority, r.name))
 
@@ -240,7 +235,7 @@ def _reason(cls: type[Backend]) -> str | None:
         return f"availability check failed: {_failure(err)}"
     if reason is None or (isinstance(reason, str) and reason):
         return reason
-    return f"availability check returned {_short(reason)}, not None (usable) or a reason (a non-empty str)"
+    return f"availability check returned {shown(reason)}, not None (usable) or a reason (a non-empty str)"
 
 
 def _serves(cls: type[Backend], device_type: str) -> bool:
@@ -261,14 +256,6 @@ def _failure(err: BaseException) -> str:
     except Exception:
         text = "(its message could not be read)"
     return f"{type(err).__name__}: {text}"
-
-
-def _short(value: object) -> str:
-    try:
-        text = repr(value)
-    except Exception:
-        text = f"a {type(value).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 registry = Registry()

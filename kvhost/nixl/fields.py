@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvhost.errors import shown
 from kvhost.nixl.errors import InvalidTimeoutError, ProtocolError
 
 U64_MAX = (1 << 64) - 1
@@ -180,7 +181,6 @@ def check_array(
 
 def show(value: Any) -> str:
     """A value for a message: its repr (``nan``, ``inf`` as written), cut to 60 characters."""
-    text = repr(value)
     if isinstance(value, float) and not math.isfinite(value):
-        text = str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+        return str(value)
+    return shown(value)
