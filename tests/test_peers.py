@@ -1306,6 +1306,15 @@ def _resolver(answers, asked=None):
     return patch.object(peers_module.socket, "getaddrinfo", getaddrinfo)
 
 
+def _free_lookup_slots() -> int:
+    taken = 0
+    while peers_module._lookups.acquire(blocking=False):
+        taken += 1
+    for _ in range(taken):
+        peers_module._lookups.release()
+    return taken
+
+
 @pytest.mark.timeout(20)
 def test_a_resolver_that_does_not_answer_runs_out_the_connect_timeout_and_no_more():
     """``getaddrinfo`` has no timeout of its own; connect's deadline holds over the lookup, and
@@ -1333,8 +1342,7 @@ def test_a_resolver_that_does_not_answer_runs_out_the_connect_timeout_and_no_mor
         answer.set()
         for thread in resolving:
             thread.join(5)
-        assert peers_module._lookups.acquire(blocking=False)  # every slot was given back
-        peers_module._lookups.release()
+        assert _free_lookup_slots() == peers_module.MAX_LOOKUPS  # every slot was given back
 
 
 @pytest.mark.timeout(20)
@@ -1362,19 +1370,7 @@ def test_a_lookup_that_cannot_start_its_thread_gives_its_slot_back():
         pytest.raises(ProtocolError, match=r"could not start a thread to look up host name 'busy\.test'"),
     ):
         connect(("busy.test", 7600), SECRET, DECODE, timeout=0.5)  # tried again and again until the timeout
-    taken = [peers_module._lookups.acquire(blocking=False) for _ in range(peers_module.MAX_LOOKUPS)]
-    for _ in range(sum(taken)):
-        peers_module._lookups.release()
-    assert all(taken)  # every slot still free
-
-
-def _free_lookup_slots() -> int:
-    taken = 0
-    while peers_module._lookups.acquire(blocking=False):
-        taken += 1
-    for _ in range(taken):
-        peers_module._lookups.release()
-    return taken
+    assert _free_lookup_slots() == peers_module.MAX_LOOKUPS  # every slot still free
 
 
 @pytest.mark.timeout(20)
