@@ -1697,6 +1697,29 @@ def test_an_offer_its_peer_does_not_read_stalls_no_other_peer():
     ]
 
 
+def test_an_offer_being_sent_is_not_charged_for_another_peer_s_long_offer_step():
+    """The loop writes an offer only between steps: while the application's offer for a second
+    peer takes longer than the send timeout, the first peer's offer waits unwritten, and that
+    time is the server's, not the peer's."""
+    running = Running(peers=2, idle=10.0, send_timeout=1.0, metadata=BIG, delays=(0.0, 3.0))
+    with _proven_and_silent(running.port) as first:
+        deadline = time.monotonic() + 10
+        while not running.asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second, nonces = _knocked(running.port)
+        with second:
+            send(second, ENGINE, {"proof": proof(SECRET, "decode", nonces), "engine": DECODE.to_dict()}, timeout=5)
+            while len(running.asked) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # The loop is in the second's offer step: the first reads what its socket buffered,
+            # then the rest once the loop is back, past its own send timeout by then.
+            for sock in (first, second):
+                assert len(receive(sock, timeout=10, expect=OFFER).blob) == 2 * len(BIG[0])
+                send(sock, DONE, {"ok": True}, timeout=5)
+            records = running.finish(within=10)
+    assert [(r.outcome, r.ok) for r in records] == [("done", True), ("done", True)]
+
+
 def _offer_message(spec=PREFILL):
     keep = [rank_table(spec) for _ in range(spec.tp_size)]
     offer = Offer(spec, [t for _, t in keep], [b"m"] * spec.tp_size, [RemoteRequest("req-0", 0, 5, [1])])

@@ -15,8 +15,9 @@ tries again, else the oldest); frames are read only up to their
 end, and a held peer may send only small frames. Only proven peers keep the server from
 its idle stop, and a peer the application's ``offer`` fails for is refused alone.
 Everything runs on the calling thread and nothing blocks it: an offer (megabytes of agent
-metadata) goes out as its peer reads it, within ``send_timeout``, while the others are
-served; a process out of file descriptors pauses accepting instead of spinning.
+metadata) goes out as its peer reads it, within ``send_timeout`` (the time the loop spends
+in the application's steps not counted), while the others are served; a process out of file
+descriptors pauses accepting instead of spinning.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import selectors
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvhost.nixl.engine import EngineSpec, check_compatible
@@ -99,6 +100,7 @@ class _Connection:
     record: PeerRecord | None = None  # set once it proves the secret; an unproven one is only closed
     held_since: float = 0.0
     offered: bool = False  # the application's ``offer`` returned: it holds something until ``release``
+    away_at_offer: float = 0.0  # the server's ``away`` when its offer began to go out
 
 
 class Server:
@@ -146,6 +148,9 @@ class Server:
         self._connections: dict[socket.socket, _Connection] = {}
         self._accept_paused_until = 0.0  # out of file descriptors: the listener waits until then
         self._short_of_descriptors = False  # told once an episode, not every pause
+        # Seconds this loop spent in the application's steps (an offer, a release, a log line):
+        # an offer being sent meanwhile was not written, and its send deadline does not count them.
+        self._away = 0.0
 
     @property
     def served(self) -> int:
@@ -200,26 +205,37 @@ class Server:
 
     def _tell(self, line: str) -> None:
         """``log``'s line; a log that fails (stdout's reader gone) must not end the serving."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), self._application_step():
             self._log(line)
+
+    @contextlib.contextmanager
+    def _application_step(self) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._away += time.monotonic() - started
 
     def _holding(self) -> bool:
         return any(c.offered for c in self._connections.values())
 
     def _expire(self, selector: selectors.BaseSelector, now: float) -> None:
         for conn in [c for c in self._connections.values() if now > c.deadline]:
-            if conn.stage != OFFER:
-                # What arrived while a long step held this loop (an application's offer, a
-                # release) is read before its deadline is judged: the select batch that step
-                # ran in was taken before it. (An offer still being sent has the whole send
-                # timeout, 10 s by default, for a step to take.)
-                self._read(selector, conn)
-                if conn.sock not in self._connections or time.monotonic() <= conn.deadline:
-                    continue  # it ended (done, closed), or beat meanwhile
             if conn.stage == OFFER:
+                # Its offer is written only while this loop waits in select: the time the loop
+                # spent in the application's steps meanwhile (another peer's offer) is not the
+                # peer's to answer for.
+                if time.monotonic() <= conn.deadline + (self._away - conn.away_at_offer):
+                    continue
                 detail = f"could not send 'offer' within {self.send_timeout:g} s: the peer does not read"
                 self._end(selector, conn, "failed", detail)
-            else:  # a held peer that stopped beating, or one that did not prove the secret in time
+                continue
+            # What arrived while a long step held this loop (an application's offer, a release)
+            # is read before its deadline is judged: the select batch that step ran in was taken
+            # before it.
+            self._read(selector, conn)
+            if conn.sock in self._connections and time.monotonic() > conn.deadline:
+                # a held peer that stopped beating, or one that did not prove the secret in time
                 self._end(selector, conn, "silent", f"no beat for {self.peer_timeout:g} s")
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
@@ -300,18 +316,19 @@ class Server:
         try:
             spec = EngineSpec.from_dict(fields.fields("engine").data, "engine.engine")
             check_compatible(spec, self.spec, local_name="decode", remote_name="prefill")  # a ProtocolError
-            offer = self.offer(PeerHello(conn.address, spec, fields))
-            conn.offered = True
-            record.requests = len(offer.requests)
-            offer = Offer(offer.spec, offer.tables, offer.metadata, offer.requests, self.beat_seconds, offer.extra)
-            conn.outbox = memoryview(encode(OFFER, offer.header(), b"".join(offer.metadata)))
+            with self._application_step():
+                offer = self.offer(PeerHello(conn.address, spec, fields))
+                conn.offered = True
+                record.requests = len(offer.requests)
+                offer = Offer(offer.spec, offer.tables, offer.metadata, offer.requests, self.beat_seconds, offer.extra)
+                conn.outbox = memoryview(encode(OFFER, offer.header(), b"".join(offer.metadata)))
         except Exception as err:  # the application's offer failed for this peer, or is not one: refused alone
             reason = str(err) if isinstance(err, ProtocolError) else f"the offer failed: {type(err).__name__}: {err}"
             with contextlib.suppress(ProtocolError):
                 _send(conn.sock, REFUSE, {"reason": reason[:400]}, self.send_timeout)
             self._end(selector, conn, "refused", reason)
             return
-        conn.stage, conn.deadline = OFFER, time.monotonic() + self.send_timeout
+        conn.stage, conn.deadline, conn.away_at_offer = OFFER, time.monotonic() + self.send_timeout, self._away
         selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
 
     def _write(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
@@ -347,7 +364,8 @@ class Server:
         failed = None
         if self.release is not None and conn.offered:
             try:
-                self.release(conn.record)
+                with self._application_step():
+                    self.release(conn.record)
             except Exception as err:  # logged: the other peers, and the connections still to close, come first
                 failed = f"release for decode at {conn.address} failed: {type(err).__name__}: {err}"
         self._tell(f"decode at {conn.address}: {conn.record.outcome}" + (f": {detail}" if detail else ""))
