@@ -120,13 +120,21 @@ class Layout:
     def physical(self) -> str:
         """Letters in memory order, largest stride first.
 
-        A size-1 dim has no meaningful stride; on a tie it goes inside its partner.
+        A size-1 dim has no meaningful stride; on a tie it goes inside its partner. Tokens
+        and channels must lie in the block region: one of size 1 whose stride puts it before
+        ``B`` (a permuted or ``as_strided`` view) goes just inside ``B`` instead.
         """
         order = sorted(
             range(len(self.axes)),
             key=lambda i: (-self.strides[i], self.shape[i] == 1, i),
         )
-        return "".join(self.axes[i] for i in order)
+        letters = "".join(self.axes[i] for i in order)
+        b = letters.index("B")
+        stray = "".join(a for a in letters[:b] if a in "NC" and self.size(a) == 1)
+        if not stray:
+            return letters
+        outer = "".join(a for a in letters[:b] if a not in stray)
+        return outer + "B" + stray + letters[b + 1 :]
 
     @cached_property
     def outer(self) -> str:

@@ -114,6 +114,24 @@ def test_size_1_axes_in_the_region_may_have_any_stride():
     case.check()
 
 
+@pytest.mark.parametrize(("letter", "sizes"), [("N", dict(N=1, H=2, C=4)), ("C", dict(N=4, H=2, C=1))])
+def test_tokens_or_channels_of_size_1_stored_before_b_lie_just_inside_it(letter, sizes):
+    """A size-1 letter steps nowhere: a permuted view may give it a stride larger than B's,
+    and a letter that must lie in the block region is taken as lying just inside B."""
+    stored = torch.zeros(1, 6, *(sizes[a] for a in "NHC" if a != letter))  # the size-1 letter first
+    t = stored.movedim(0, 1 + "NHC".index(letter))  # shape order B N H C, the letter's stride largest
+    assert t.stride(1 + "NHC".index(letter)) > t.stride(0)
+    layout = Layout.of(t, "BNHC")
+    assert layout.physical == "B" + letter + "NHC".replace(letter, "") and layout.outer == ""
+    assert layout.region_bytes == 8 * 4 and layout.block_stride_bytes == 8 * 4
+    case = ReceiveCase({"l": t}, "BNHC", seed=3)
+    case.send("r", [1, 4], "CHN", 1 if letter == "N" else 4)
+    kvhost.receive(
+        {"l": t}, {"r": [1, 4]}, axes="BNHC", remote_order="CHN", remote_block_size=1 if letter == "N" else 4
+    )
+    case.check()
+
+
 # --- lanes and overlaps --------------------------------------------------------------------
 
 
