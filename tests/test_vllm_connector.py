@@ -425,6 +425,52 @@ def test_a_step_of_several_senders_partial_blocks_and_a_failed_request(vllm_env,
         assert not got[:, arrived:].any(), req  # the rest of the request's blocks: zero, as vLLM leaves them
 
 
+def test_a_request_kvhost_refuses_fails_alone_and_the_step_s_others_are_post_processed(vllm_env):
+    """A refusal comes before any byte moves, so the step's requests are tried one by one:
+    an engine whose block size kvhost cannot take fails its own request, two requests that
+    name one block both fail untried (alone, each would rearrange it), the others land."""
+    connector, worker, caches = make_worker(vllm_env, "LBNHC", block_size=DECODE_BLOCK)
+    senders = {"hnd-32": ("LBHNC", 32), "broken": ("LBHNC", 32)}
+    sender_caches_by_engine, payloads = {}, {}
+    for seed, (engine, (layout, size)) in enumerate(senders.items()):
+        _, sender_worker, sender = make_worker(vllm_env, layout, block_size=size)
+        for i, view in enumerate(sender.values()):
+            fill_random(view, seed * 10 + i + 1)
+        sender_caches_by_engine[engine] = sender
+        payloads[engine] = handshake_payload(sender_worker, engine)
+
+    def fake_handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        name = worker.add_remote_agent(payloads[expected_engine_id], 0, remote_tp_size)
+        if expected_engine_id == "broken":  # as if it had said 48 tokens a block: 48 does not divide 64
+            worker.remote_engines["broken"] = dataclasses.replace(worker.remote_engines["broken"], block_size=48)
+        return {(0, 0): name}, 0.0
+
+    worker._nixl_handshake = fake_handshake
+    plan = {
+        "a": ([3, 9], [0, 5, 2, 7], "hnd-32"),
+        "b": ([4], [6, 1], "hnd-32"),
+        "c": ([20], [8, 4], "broken"),
+        "d1": ([14], [3, 9], "hnd-32"),
+        "d2": ([15, 14], [10, 11, 12, 13], "hnd-32"),
+    }
+    for local_ids, remote_ids, engine in plan.values():
+        group = {"g": cross_layer_view(caches)}
+        nixl_read(
+            {"g": cross_layer_view(sender_caches_by_engine[engine])}, "LBHNC", remote_ids, group, "LBHNC", local_ids
+        )
+    with patch.object(worker, "_log_failure", wraps=worker._log_failure) as logged:
+        finished, failed, processed = run_step(connector, worker, plan)
+    assert finished == set(plan) and failed == {"c", "d1", "d2"}
+    assert sorted(c.kwargs["req_id"] for c in logged.call_args_list) == ["c", "d1", "d2"]
+    [stats] = processed  # the step's calls, added up
+    assert (stats.requests, stats.blocks) == (2, 3)
+    for req in ("a", "b"):
+        local_ids, remote_ids, engine = plan[req]
+        got = tokens_of(caches, local_ids, DECODE_BLOCK)
+        assert torch.equal(got, tokens_of(sender_caches_by_engine[engine], remote_ids, 32)), req
+    assert worker.get_block_ids_with_load_errors() == {20, 14, 15}
+
+
 # --- the bytes moved by the descriptor plans themselves ------------------------------------
 
 
@@ -1645,5 +1691,5 @@ def test_cpu_attentions_repack_runs_after_kvhosts_post_process(vllm_env, copying
                     ("repack", [4, 11]),
                 ]  # one repack per request and layer, after the one post-process
             if which == "failing":  # failed requests' blocks are not repacked
-                assert order == [("post_process", None)]
+                assert order == [("post_process", None)] * 3  # the batch, then each request alone
     assert all(torch.equal(received["vllm"][name], received["kvhost"][name]) for name in received["vllm"])

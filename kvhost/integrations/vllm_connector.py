@@ -525,7 +525,11 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 received, engines, tokens, named = self._post_process_batch(pending)
                 if received:
                     self.last_post_process = self.kvhost.post_process(received, engines, tokens=tokens)
-            except Exception as err:
+            except KVHostError as err:
+                # Refused before any byte moved: the requests are tried one by one, so that one
+                # kvhost refuses fails alone, as on vLLM's own path.
+                failed |= self._post_process_alone(pending, named, err)
+            except Exception as err:  # bytes may have moved: none can be tried again
                 failed |= self._fail_receives(named, "post_process_failed", err)
             stale = {b for r in failed if r in self._receiving for b in self._receiving[r].local_physical_block_ids[0]}
             for block_ids in self._packs:
@@ -536,6 +540,32 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self._receiving = {}
             self._forget_dropped_engines()
         return results
+
+    def _post_process_alone(self, pending: Mapping[str, Any], named: set[str], refusal: KVHostError) -> set[str]:
+        """Post-process each of ``named`` on its own, after the batch was refused; returns
+        those that failed. A block two of them name fails both untried: the batch refuses
+        it, and two calls alone would rearrange it twice."""
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for req_id in named:
+            ids = set(pending[req_id].local_physical_block_ids[0])
+            shared |= seen & ids
+            seen |= ids
+        assert self.kvhost is not None  # the batch was tried
+        failed: set[str] = set()
+        done: list[ReceiveStats] = []
+        for req_id in sorted(named):
+            if not shared.isdisjoint(pending[req_id].local_physical_block_ids[0]):
+                failed |= self._fail_receives({req_id}, "post_process_failed", refusal)
+                continue
+            try:
+                received, engines, tokens, _ = self._post_process_batch({req_id: pending[req_id]})
+                if received:
+                    done.append(self.kvhost.post_process(received, engines, tokens=tokens))
+            except Exception as err:
+                failed |= self._fail_receives({req_id}, "post_process_failed", err)
+        self.last_post_process = _summed(done)
+        return failed
 
     def _fail_receives(self, requests: set[str], failure_type: str, error: Exception) -> set[str]:
         """Log each request as failed, and mark its blocks invalid as vLLM does for a failed
@@ -589,6 +619,14 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
         return received, engines, tokens, named
+
+
+def _summed(stats: Sequence[ReceiveStats]) -> ReceiveStats | None:
+    """Several post-process calls of one step as one (their counts and seconds added)."""
+    if not stats:
+        return None
+    added = [f.name for f in dataclasses.fields(ReceiveStats) if f.name != "backend"]
+    return ReceiveStats(backend=stats[0].backend, **{name: sum(getattr(one, name) for one in stats) for name in added})
 
 
 def _unused(name: str, taken: set[str]) -> str:
