@@ -492,6 +492,18 @@ def test_bad_options_are_refused(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_prefill_refuses_a_peer_timeout_no_decode_can_beat_within_before_it_listens(capsys):
+    """Refused as a bad option (exit 2), not after its cache is filled and its listening line."""
+    from kvhost_tools.demo.prefill import main as prefill_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        prefill_main(["--peer-timeout", "0.1", "--listen", "127.0.0.1:0", "--secret-file", "-"])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert "--peer-timeout must be at least 0.2 s (four of the shortest beats, 0.05 s), got 0.1" in err
+    assert "listening" not in out
+
+
 SPY_ON_PARKING = """
 import os, sys
 import kvhost_tools.demo.netenv as netenv

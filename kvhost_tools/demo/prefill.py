@@ -78,6 +78,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = model_refusal(model, workload, [("", shape)])
     if problem is None and args.serve < 0:
         problem = f"--serve must be at least 0, got {args.serve}"
+    from kvhost.nixl.server import MIN_BEAT_SECONDS
+
+    if problem is None and args.peer_timeout < 4 * MIN_BEAT_SECONDS:  # before a cache is filled and registered
+        problem = (
+            f"--peer-timeout must be at least {4 * MIN_BEAT_SECONDS:g} s (four of the shortest beats, "
+            f"{MIN_BEAT_SECONDS:g} s), got {args.peer_timeout:g}"
+        )
     if problem is None and (args.cache == "mla") != (default_layout(args.cache, args.layout, "HND") == "MLA"):
         problem = "--layout MLA goes with --cache mla"
     try:
