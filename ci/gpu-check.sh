@@ -44,6 +44,7 @@ mkdir -p "$out"
 summary="$out/summary.txt"
 : >"$summary"
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=0
+unset TRITON_INTERPRET # inherited, it would make every "triton" figure the torch path's
 started=$SECONDS
 status=0
 
@@ -128,6 +129,11 @@ for package in ("triton", "numpy", "numba", "pytest", "xdist", "pytest_timeout",
     if importlib.util.find_spec(package) is not None:
         versions[package] = getattr(__import__(package), "__version__", "present")
 print(", ".join(f"{name} {version}" for name, version in versions.items()))
+import os, shutil, sysconfig
+
+compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or shutil.which("cc")
+header = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+print(f"C compiler {compiler or 'MISSING'}, Python.h {'present' if header else 'MISSING'} (Triton builds its launcher with them)")
 from kvhost.nixl.agent import NIXL_MODULES  # where kvhost looks for NIXL, in its order
 
 nixl = [name for name in NIXL_MODULES if importlib.util.find_spec(name.split(".")[0]) is not None]

@@ -15,6 +15,7 @@ import itertools
 import json
 import subprocess
 import sys
+import types
 import warnings
 import weakref
 from functools import cached_property
@@ -576,8 +577,13 @@ def test_a_copy_between_two_devices_of_its_type_is_done_on_return():
     case = CopyCase(src, dst, "KBNHC", "KBNHC")
     job = host_job(src, dst, "KBNHC", "KBNHC", [7, 0, 3], [5, 1, 2], non_blocking=True)
     job = dataclasses.replace(job, src_device=torch.device("cpu", 0), dst_device=torch.device("cpu", 1))
-    completion = CpuStandIn(use_triton=False).copy(job)
+    backend = CpuStandIn(use_triton=False)
+    given = []
+    torch_copy = backend.torch_path.copy
+    backend.torch_path.copy = lambda job: given.append(job.non_blocking) or torch_copy(job)  # type: ignore[method-assign]
+    completion = backend.copy(job)
     assert type(completion) is Completion and completion.done()
+    assert given == [False]  # a device's non-blocking completion dropped here would warn and wait
     case.check([7, 0, 3], [5, 1, 2])
 
 
@@ -884,6 +890,9 @@ def test_a_copy_without_id_tables_passes_a_table_of_the_same_type():
 def test_runtime_keeps_one_side_stream_per_device_and_reads_an_explicit_index():
     runtime = DeviceRuntime("cpu")
     assert runtime.index(torch.device("cpu", 3)) == 3  # an explicit index: no question to the accelerator
+    runtime.module = types.SimpleNamespace(current_device=lambda: 2)  # cuda's and xpu's name, in every torch
+    assert runtime.index(torch.device("cpu")) == 2
+    runtime.module = torch.cpu
     first = runtime.side_stream(torch.device("cpu", 0))
     assert runtime.side_stream(torch.device("cpu", 0)) is first
     assert runtime.side_stream(torch.device("cpu", 1)) is not first

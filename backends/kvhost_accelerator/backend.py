@@ -417,7 +417,7 @@ class AcceleratorBackend(Backend):
 
     def _copy_between_devices(self, job: CopyJob) -> Completion:
         """Two devices of this type: torch's peer copies, complete on return."""
-        self.torch_path.copy(job)
+        self.torch_path.copy(replace(job, non_blocking=False))  # its completion is ours: nothing to drop
         for device in {job.src_device, job.dst_device}:
             self.runtime.record(self.runtime.current_stream(device)).synchronize()
         return Completion()

@@ -77,9 +77,7 @@ class DeviceRuntime:
     def index(self, device: torch.device) -> int:
         if device.index is not None:
             return device.index
-        if self.generic:
-            return int(torch.accelerator.current_device_index())
-        return int(self.module.current_device())
+        return int(self.module.current_device())  # torch.accelerator's name for it changed in 2.7
 
     def guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """Make ``device`` the current one, so that Triton launches there."""

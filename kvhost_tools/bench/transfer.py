@@ -282,9 +282,14 @@ def same_landing(local: Mapping[str, torch.Tensor], ways: Sequence[Callable[[], 
 
 
 def fill_sentinel(local: Mapping[str, torch.Tensor]) -> None:
-    """Every byte of the receiver's caches set to ``SENTINEL``, before a way lands its bytes."""
+    """Every byte of the receiver's caches set to ``SENTINEL``, before a way lands its bytes.
+
+    On a device the fill is waited for: NIXL's writes run on UCX's own streams, which do
+    not wait for torch's, and a fill still running would overwrite what landed."""
     for tensor in local.values():
         raw(tensor).view(torch.uint8).fill_(SENTINEL)
+    for device in {tensor.device for tensor in local.values() if tensor.device.type != "cpu"}:
+        torch.accelerator.synchronize(device)
 
 
 def check_tokens(batch: Batch, local_set: CacheSet, truth: CacheSet) -> None:
