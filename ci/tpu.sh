@@ -11,7 +11,7 @@ TORCH_VERSION=2.9.0
 TORCH_XLA_VERSION=2.9.0
 source ci/cached-venv.sh
 cached_venv tpu "tpu-torch$TORCH_VERSION-xla$TORCH_XLA_VERSION" \
-    "torch $TORCH_VERSION, torch_xla $TORCH_XLA_VERSION; a few GB" \
+    "torch $TORCH_VERSION, torch_xla $TORCH_XLA_VERSION; about 8 GB" \
     "torch==$TORCH_VERSION" "torch_xla==$TORCH_XLA_VERSION" \
     -- numpy "numba>=0.59" "pytest>=7" "pytest-timeout>=2" "hypothesis>=6"
 

@@ -10,7 +10,7 @@ VLLM_VERSION=0.33.0
 # vLLM picks its platform at import: without a GPU it must be told it runs on the CPU.
 export VLLM_TARGET_DEVICE=cpu
 source ci/cached-venv.sh
-cached_venv vllm "vllm$VLLM_VERSION" "vLLM $VLLM_VERSION and the torch it pins; about 9 GB" \
+cached_venv vllm "vllm$VLLM_VERSION" "vLLM $VLLM_VERSION and the torch it pins; about 9.5 GB" \
     "vllm==$VLLM_VERSION" -- "numba>=0.59" "pytest>=7" "pytest-timeout>=2" "hypothesis>=6"
 
 "$venv/bin/python" - <<'PY'

@@ -6,7 +6,7 @@ The commands set ``UCX_NET_DEVICES`` to the interface of the address an engine w
 (``UCX_LOG_LEVEL=error``, ``NIXL_LOG_LEVEL=ERROR``), each only where the user has not
 set it. ``UCX_TLS`` is the user's: on a real network UCX picks the best transport
 itself; two network namespaces of one machine look to UCX like one host, so it reads
-through shared memory unless told ``UCX_TLS=tcp,self`` (the namespace test does).
+through shared memory unless told ``UCX_TLS=tcp`` (the namespace test does).
 
 The engines also park idle OpenMP workers (``OMP_WAIT_POLICY=PASSIVE``, ``park_workers``)
 unless the user chose a policy. An OpenMP runtime reads it once, when it loads (torch's
