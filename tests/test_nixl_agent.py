@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import threading
 import time
 import weakref
 from types import SimpleNamespace
@@ -84,6 +85,52 @@ def test_a_closed_agent_refuses_every_call_and_closes_twice():
     ):
         with pytest.raises(TransferError, match="agent 'closing' is closed"):
             call()
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_close_waits_for_a_post_under_way_on_another_thread_and_refuses_later_ones(monkeypatch):
+    """A post that passed the open check before another thread's close began is waited for:
+    close deregistering the memory, or dropping the peer, under it crashed NIXL's post."""
+    import kvhost.nixl.agent as agent_module
+
+    agent = Agent("closing-under-a-post")
+    table = agent.register(caches_for("KBNHC", "KBNHC", SIZES, 4, 4, seed=12), "KBNHC")
+    rows = extent_rows(table)[:1]
+    entered, go_on, order = threading.Event(), threading.Event(), []
+    real = agent.nixl.initialize_xfer
+
+    def held(*args):
+        entered.set()
+        go_on.wait(30)
+        order.append("post")
+        return real(*args)  # no such peer: NIXL refuses, and the post ends
+
+    monkeypatch.setattr(agent.nixl, "initialize_xfer", held)
+    deregister = agent.nixl.deregister_memory
+    monkeypatch.setattr(agent.nixl, "deregister_memory", lambda *a: order.append("deregister") or deregister(*a))
+    failures = []
+
+    def post():
+        try:
+            post_rows(agent, "x", "READ", rows, rows, ("DRAM", "DRAM"))
+        except TransferError as err:
+            failures.append(str(err))
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    assert entered.wait(10)
+    monkeypatch.setattr(agent_module, "CLOSE_WAIT_SECONDS", 0.2)
+    with pytest.raises(TransferError, match=r"'closing-under-a-post': 1 post\(s\) still under way after 0.2 s"):
+        agent.close()
+    assert nixl_accepts(agent, MINE, extent_rows(table)), "the memory was deregistered under a post"
+    monkeypatch.setattr(agent_module, "CLOSE_WAIT_SECONDS", 30.0)
+    threading.Timer(0.3, go_on.set).start()
+    agent.close()  # waits for the post
+    poster.join(10)
+    assert order == ["post", "deregister"] and "creating the transfer failed" in failures[0]
+    with pytest.raises(TransferError, match="agent 'closing-under-a-post' is closed"):
+        post_rows(agent, "x", "READ", rows, rows, ("DRAM", "DRAM"))
 
 
 @needs_nixl
@@ -545,6 +592,39 @@ def posted(*script, handle=None):
     handle = handle or Handle()
     link = Link(SimpleNamespace(nixl=nixl, uncancelled=[], posted=set()), "prefill")  # type: ignore[arg-type]
     return Transfer.post(link, handle, 4096, "READ", descriptors=3), nixl, handle
+
+
+def test_a_transfer_is_known_to_its_agent_before_nixl_posts_it():
+    """An interrupt once NIXL has posted it (a KeyboardInterrupt lands as the call returns)
+    leaves a transfer close still cancels."""
+    agent = SimpleNamespace(uncancelled=[], posted=set())
+
+    class Interrupted(ScriptedNixl):
+        def transfer(self, handle):
+            self.known = set(agent.posted)
+            raise KeyboardInterrupt
+
+    agent.nixl = nixl = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        Transfer.post(Link(agent, "prefill"), Handle(), 4096, "READ", descriptors=1)  # type: ignore[arg-type]
+    assert len(nixl.known) == 1 and agent.posted == nixl.known
+
+
+def test_a_transfer_released_on_two_threads_at_once_is_released_once():
+    """close on one thread, a worker's release on another: NIXL frees a handle released twice twice."""
+
+    class SlowHandle(Handle):
+        def release(self):
+            time.sleep(0.1)  # both threads past the released check, but for the lock
+            super().release()
+
+    transfer, _, handle = posted("PROC", handle=SlowHandle())
+    threads = [threading.Thread(target=transfer.release) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert handle.released == 1 and transfer.released
 
 
 def test_a_transfer_is_done_only_when_nixl_says_done():

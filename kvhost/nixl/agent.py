@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,6 +40,7 @@ NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 # keeps the NIC resources each thread takes (UARs on Mellanox NICs) few.
 DEFAULT_THREADS = 4
 MAX_THREADS = 64
+CLOSE_WAIT_SECONDS = 30.0  # what close waits for posts under way on other threads
 # A peer names its own agent: the name must be text that names only it. NIXL reads this
 # one as the local agent where a transfer's side is named (prep_xfer_dlist), and a name
 # reaches every message about the peer, so its length is bounded (a FQDN and more).
@@ -132,6 +134,11 @@ class Agent:
         self.uncancelled: list[Transfer] = []  # released but not cancelled: they may still write
         self.huge_pages = HugePages()  # what asking for huge pages did, over every registration
         self.closed = False
+        # Closing against everything else: registering, peers, readers, and posts (counted in
+        # ``_posts``; close waits for them), so that a thread's read never meets memory that
+        # another thread's close has deregistered, nor posts a transfer close cannot know of.
+        self._lock = threading.Condition(threading.RLock())
+        self._posts = 0
 
     @property
     def nixl(self) -> Any:
@@ -149,21 +156,23 @@ class Agent:
         memcpy speed (see ``kvhost.nixl.hugepages``); what the kernel did adds to
         ``self.huge_pages``. Advice only: it never fails a registration.
         """
-        self._check_open()
         cache_set = as_cache_set(caches, axes)
         table = region_table(cache_set)
         tensors = [m.tensor for m in cache_set.members]
-        if huge_pages:
-            self.huge_pages += back_host_tensors_with_huge_pages(tensors)
-        spans = memory_spans(tensors)
-        rows = [(start, length, table.device_id, "") for start, length in spans]
-        try:
-            descs = self._nixl.register_memory(rows, table.memory)
-        except Exception as err:
-            raise TransferError(f"agent {self.name!r}: registering {len(rows)} memory spans failed: {err}") from None
-        # The set, not only its tensors: its members hold the storages, so memory a tensor
-        # re-pointed (set_) lets go of stays ours while NIXL may still move bytes there.
-        self._registered.append((descs, cache_set))
+        with self._lock:
+            self._check_open()
+            if huge_pages:
+                self.huge_pages += back_host_tensors_with_huge_pages(tensors)
+            spans = memory_spans(tensors)
+            rows = [(start, length, table.device_id, "") for start, length in spans]
+            try:
+                descs = self._nixl.register_memory(rows, table.memory)
+            except Exception as err:
+                failed = f"agent {self.name!r}: registering {len(rows)} memory spans failed: {err}"
+                raise TransferError(failed) from None
+            # The set, not only its tensors: its members hold the storages, so memory a tensor
+            # re-pointed (set_) lets go of stays ours while NIXL may still move bytes there.
+            self._registered.append((descs, cache_set))
         return table
 
     def check_memory(self) -> None:
@@ -180,9 +189,10 @@ class Agent:
 
     def metadata(self) -> bytes:
         """This agent's metadata (connection info and registered memory) for its peers."""
-        self._check_open()
-        self.check_memory()
-        return bytes(self._nixl.get_agent_metadata())
+        with self._lock:
+            self._check_open()
+            self.check_memory()
+            return bytes(self._nixl.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns its agent name. Bad metadata is a ProtocolError.
@@ -194,16 +204,17 @@ class Agent:
         made before must be made again, and its transfers must have finished. The same
         metadata loaded again changes nothing.
         """
-        self._check_open()
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise ProtocolError(f"peer agent metadata must be bytes, got {type(metadata).__name__}")
         metadata = bytes(metadata)
-        peer = self._load_peer(metadata)
-        if self._peers.get(peer, metadata) != metadata:
-            self.remove_peer(peer)
+        with self._lock:
+            self._check_open()
             peer = self._load_peer(metadata)
-        self._peers[peer] = metadata
-        return peer
+            if self._peers.get(peer, metadata) != metadata:
+                self.remove_peer(peer)
+                peer = self._load_peer(metadata)
+            self._peers[peer] = metadata
+            return peer
 
     def _load_peer(self, metadata: bytes) -> str:
         try:
@@ -218,22 +229,38 @@ class Agent:
             raise
 
     def remove_peer(self, peer: str) -> None:
-        if peer in self._peers:
-            del self._peers[peer]
-            with contextlib.suppress(Exception):  # a peer that died may already be gone
-                self._nixl.remove_remote_agent(peer)
+        with self._lock:
+            if peer in self._peers:
+                del self._peers[peer]
+                with contextlib.suppress(Exception):  # a peer that died may already be gone
+                    self._nixl.remove_remote_agent(peer)
 
     def reader(
         self, plan: TransferPlan, peer: str, *, max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES
     ) -> Reader:
         """A reader of ``plan`` towards ``peer``, to read (or write) requests; see ``Reader``
         for ``max_descriptor_bytes``."""
-        self._check_open()
-        if peer not in self._peers:
-            raise TransferError(f"agent {self.name!r} has no peer {peer!r}: add_peer its metadata first")
-        reader = Reader(self, plan, peer, max_descriptor_bytes=max_descriptor_bytes)
-        self._readers.add(reader)
-        return reader
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise TransferError(f"agent {self.name!r} has no peer {peer!r}: add_peer its metadata first")
+            reader = Reader(self, plan, peer, max_descriptor_bytes=max_descriptor_bytes)
+            self._readers.add(reader)
+            return reader
+
+    @contextlib.contextmanager
+    def posting(self) -> Iterator[None]:
+        """A post under way (``post_rows``): refused once the agent is closed, and waited for
+        by ``close``, so that every transfer close may cancel is known to it by then."""
+        with self._lock:
+            self._check_open()
+            self._posts += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._posts -= 1
+                self._lock.notify_all()
 
     def close(self) -> None:
         """Close readers, drop peers, deregister memory (and let go of its tensors). Safe to
@@ -243,8 +270,20 @@ class Agent:
         in flight would write into memory about to be freed. A transfer NIXL could not cancel
         may still write into registered memory: while one is left (each is released once
         more first), the memory stays registered and its tensors alive, and a TransferError
-        says so once the rest is done."""
-        self.closed = True
+        says so once the rest is done.
+
+        Posts other threads have under way are waited for (each is a few NIXL calls), at
+        most ``CLOSE_WAIT_SECONDS``; past that nothing is undone and a TransferError says so."""
+        with self._lock:
+            self.closed = True
+            if not self._lock.wait_for(lambda: self._posts == 0, timeout=CLOSE_WAIT_SECONDS):
+                raise TransferError(
+                    f"agent {self.name!r}: {self._posts} post(s) still under way after {CLOSE_WAIT_SECONDS:g} s: "
+                    "its memory stays registered"
+                )
+            self._close()
+
+    def _close(self) -> None:
         for reader in list(self._readers):
             reader.close()
         for transfer in dict.fromkeys([*self.posted, *self.uncancelled]):
@@ -561,13 +600,15 @@ def post_rows(
     """Post one transfer of descriptor rows (a ``Reader``'s, or ``kvhost.nixl.ranks``'): local
     rows ``memory[0]``, the peer's ``memory[1]``."""
     nixl = agent.nixl
-    try:
-        local = nixl.get_xfer_descs(local_rows, memory[0])
-        remote = nixl.get_xfer_descs(remote_rows, memory[1])
-        handle = nixl.initialize_xfer(op, local, remote, peer, notify)
-    except Exception as err:
-        raise TransferError(f"{op} from {peer!r}: creating the transfer failed: {err}") from None
-    return Transfer.post(Link(agent, peer), handle, int(local_rows[:, 1].sum()), op, descriptors=local_rows.shape[0])
+    with agent.posting():
+        try:
+            local = nixl.get_xfer_descs(local_rows, memory[0])
+            remote = nixl.get_xfer_descs(remote_rows, memory[1])
+            handle = nixl.initialize_xfer(op, local, remote, peer, notify)
+        except Exception as err:
+            raise TransferError(f"{op} from {peer!r}: creating the transfer failed: {err}") from None
+        nbytes, count = int(local_rows[:, 1].sum()), local_rows.shape[0]
+        return Transfer.post(Link(agent, peer), handle, nbytes, op, descriptors=count)
 
 
 @dataclass(eq=False)
@@ -582,6 +623,9 @@ class Transfer:
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
     released: bool = False
+    # One release at a time (close on one thread, a worker's release on another): NIXL frees
+    # a handle released twice twice.
+    _releasing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def post(cls, link: Link, handle: Any, nbytes: int, op: str, *, descriptors: int) -> Transfer:
@@ -589,12 +633,12 @@ class Transfer:
         fails (NIXL raises, or answers with an error state) the handle is released here: the
         caller never gets a transfer to release."""
         transfer = cls(link, handle, nbytes, op, descriptors)
+        link.agent.posted.add(transfer)  # first: an interrupt once NIXL has posted it leaves one close cancels
         try:
             state = link.agent.nixl.transfer(handle)
         except Exception as err:
             transfer.release()
             raise TransferError(f"{op} from {link.peer!r}: posting the transfer failed: {err}") from None
-        link.agent.posted.add(transfer)
         try:
             transfer._note(state)
         except TransferError:
@@ -640,22 +684,23 @@ class Transfer:
         (``Agent.uncancelled``). One that had failed on the wire writes nothing more: it
         counts as released, whatever NIXL said.
         """
-        if self.released:
-            return
-        try:
-            self.handle.release()
-        except Exception as err:
-            if self._may_still_write():
-                if self not in self.link.agent.uncancelled:
-                    self.link.agent.uncancelled.append(self)
-                raise TransferError(
-                    f"{self.op} from {self.link.peer!r} could not be cancelled ({err}): it may still write "
-                    "into its local blocks, which must not be reused until it is released"
-                ) from None
-        self.released = True
-        self.link.agent.posted.discard(self)
-        if self in self.link.agent.uncancelled:
-            self.link.agent.uncancelled.remove(self)
+        with self._releasing:
+            if self.released:
+                return
+            try:
+                self.handle.release()
+            except Exception as err:
+                if self._may_still_write():
+                    if self not in self.link.agent.uncancelled:
+                        self.link.agent.uncancelled.append(self)
+                    raise TransferError(
+                        f"{self.op} from {self.link.peer!r} could not be cancelled ({err}): it may still write "
+                        "into its local blocks, which must not be reused until it is released"
+                    ) from None
+            self.released = True
+            self.link.agent.posted.discard(self)
+            if self in self.link.agent.uncancelled:
+                self.link.agent.uncancelled.remove(self)
 
     def _may_still_write(self) -> bool:
         """After NIXL refused to release the handle: False where the transport says the
