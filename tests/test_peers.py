@@ -1720,6 +1720,31 @@ def test_an_offer_being_sent_is_not_charged_for_another_peer_s_long_offer_step()
     assert [(r.outcome, r.ok) for r in records] == [("done", True), ("done", True)]
 
 
+@pytest.mark.parametrize("silent_first", [True, False])
+def test_an_offer_not_read_is_given_the_send_timeout_plus_the_steps_taken_while_it_was_sent(silent_first):
+    """A peer that never reads fails once the send timeout has passed beyond the time the
+    loop spent in steps while its offer was out (another peer's offer of 1 s), and only
+    that: steps taken before its offer began are not its."""
+    running = Running(peers=2, idle=10.0, send_timeout=0.5, metadata=BIG, delays=(0.0, 1.0) if silent_first else (1.0,))
+    started = time.monotonic()
+    silent = _proven_and_silent(running.port) if silent_first else None
+    deadline = time.monotonic() + 10
+    while silent and not running.asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    healthy = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)  # its offer takes 1 s
+    with contextlib.closing(healthy):
+        healthy.done(ok=True, timeout=5)
+    with silent or _proven_and_silent(running.port):
+        records = running.finish(within=10)
+    [failed] = [r for r in records if r.outcome == "failed"]
+    assert failed.detail == "could not send 'offer' within 0.5 s: the peer does not read"
+    if silent_first:  # its offer was out during the other's 1 s step: 0.5 + 1 s
+        assert 1.3 < failed.held_seconds < 4.0
+    else:  # the 1 s step came before its offer
+        assert failed.held_seconds < 1.2
+    assert time.monotonic() - started < 10
+
+
 def _offer_message(spec=PREFILL):
     keep = [rank_table(spec) for _ in range(spec.tp_size)]
     offer = Offer(spec, [t for _, t in keep], [b"m"] * spec.tp_size, [RemoteRequest("req-0", 0, 5, [1])])
