@@ -471,6 +471,26 @@ def test_the_cpu_backend_runs_its_kernels_on_host_memory():
     assert torch.equal(raw(other["l"][:, 2]), raw(caches["l"][:, 1]))
 
 
+def test_a_cpu_copy_runs_on_a_thread_already_inside_a_launch():
+    """A device copy's handle dropped inside a launch (the collector runs at any allocation)
+    finishes a bounced save with a CPU copy on that thread: it must not wait on itself."""
+    import kvhost_cpu.backend as cpu
+
+    source = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    buffer = {"l": torch.zeros_like(source["l"])}
+    host = kvhost.KVHost(source, axes="KBNHC", backend=cpu.CpuBackend())
+    done = threading.Event()
+
+    def nested() -> None:
+        with cpu._launch:
+            host.copy_to(buffer, [1, 4], [0, 2]).wait()
+        done.set()
+
+    threading.Thread(target=nested, daemon=True).start()
+    assert done.wait(30), "a copy inside a launch waited on its own thread"
+    assert torch.equal(raw(buffer["l"])[:, [0, 2]], raw(source["l"])[:, [1, 4]])
+
+
 def test_the_cpu_backend_works_out_a_group_s_launch_once(monkeypatch):
     # What the kernels need from a group (parameters, addresses) is kept with the group:
     # a connector's later calls work none of it out again, and still move exactly their blocks.

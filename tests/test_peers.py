@@ -1603,6 +1603,36 @@ def test_beats_come_from_one_daemon_thread_until_done_and_none_after():
 
 
 @pytest.mark.timeout(20)
+def test_a_beat_that_waited_for_the_lock_while_done_went_out_is_not_sent():
+    """A beat whose interval ended just before ``done`` set the stop, and that got the socket
+    only after done went out, is dropped: prefill reads nothing after done."""
+    session, theirs = _session(beat_seconds=0.05)
+    done_sent = threading.Event()
+    real = threading.Lock()
+
+    class DoneFirst:  # the beat thread gets the lock only once done has gone out
+        def __enter__(self):
+            if threading.current_thread().name.startswith("beats to"):
+                done_sent.wait(5)
+            real.acquire()
+
+        def __exit__(self, *exc):
+            real.release()
+
+    session._lock = DoneFirst()
+    with theirs:
+        session.start_beats()
+        time.sleep(0.2)  # the beat thread is past its first interval, waiting for the lock
+        session.done(ok=True, timeout=2)
+        done_sent.set()
+        assert receive(theirs, timeout=2).kind == "done"
+        theirs.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            theirs.recv(1)
+        session.close()
+
+
+@pytest.mark.timeout(20)
 def test_close_ends_the_beats_at_once():
     session, theirs = _session(beat_seconds=1.0)
     with theirs:

@@ -22,7 +22,9 @@ from kvhost.transform import CopyPlan, Rearrangement
 MAX_ITEM_BYTES = 1 << 21  # copies are split into items of at most this much, to share cores
 # One kernel launch at a time: each launch already uses every core, and numba's fallback
 # threading layer (workqueue, where no OpenMP or TBB is found) aborts on concurrent launches.
-_launch = threading.Lock()
+# Re-entrant: a device copy's handle dropped while this thread holds it (the collector runs
+# at any allocation, the scratch's included) finishes a bounced save with a copy here.
+_launch = threading.RLock()
 KERNELS = OptionalKernels("kvhost_cpu.kernels")
 
 

@@ -243,15 +243,18 @@ class Session:
         self._thread: threading.Thread | None = None
 
     def start_beats(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._beat, name=f"beats to {self.address}", daemon=True)
-            self._thread.start()
+        with self._lock:  # one beat thread, whoever calls
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name=f"beats to {self.address}", daemon=True)
+                self._thread.start()
 
     def _beat(self) -> None:
         interval = self.offer.beat_seconds
         while not self._stop.wait(interval):
             try:
                 with self._lock:
+                    if self._stop.is_set():  # done was sent while this beat waited for the lock
+                        return
                     send(self.sock, BEAT, {}, timeout=interval)
             except ProtocolError as err:
                 self.beat_error = str(err)
