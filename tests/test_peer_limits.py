@@ -37,6 +37,7 @@ from kvhost.errors import KVHostError
 from kvhost.nixl import (
     MAX_STREAMS,
     EngineSpec,
+    IncompatibleEngineError,
     InvalidTimeoutError,
     ProtocolError,
     RegionTable,
@@ -259,6 +260,60 @@ def test_bulk_integers_are_not_accepted_as_json():
     message.header["requests"]["block_ids"] = [0] * 64
     with pytest.raises(ProtocolError, match=r"offer\.requests\.block_ids: expected an integer array"):
         parse_offer(message, spec)
+
+
+def test_refusing_a_value_out_of_range_or_a_repeated_id_costs_a_byte_a_value():
+    """The first value out of range, and the first repeated id, are found with masks: an index
+    of every bad value (8 bytes each) made a 64 MiB frame of one-byte ids cost 576 MiB to refuse."""
+    from kvhost.nixl.fields import check_array
+    from kvhost.nixl.handshake import _check_distinct
+
+    count = 16 * MiB
+    arrays = bytes([255]) * count
+    value = {"array": "u1", "offset": 0, "count": count}
+    with pytest.raises(ProtocolError, match=r"^ids\[0\]: expected an integer in \[0, 5\], got 255$"):
+        check_array(value, "ids", arrays, maximum=5)
+    assert peak_bytes(lambda: check_array(value, "ids", arrays, maximum=5)) <= 1.5 * count
+    ids = np.zeros(count, dtype=np.uint8)
+    with pytest.raises(ProtocolError, match=r"^offer\.block_ids: request 'a' names block 0 twice$"):
+        _check_distinct(ids, [0], [count], ["a"], "offer")
+    assert peak_bytes(lambda: _check_distinct(ids, [0], [count], ["a"], "offer")) <= 2.5 * count
+
+
+def test_a_table_is_held_to_its_engine_s_sizes_before_its_streams_are_read():
+    """A table whose sizes the engine refutes (a head count of 2^24, which would let 2^16
+    streams each carry a coordinate of its own) is refused before a stream is read."""
+    frame, spec, _ = big_offer(64, 4)
+    message = decode(frame)
+    table = message.header["tables"][0]
+    table["sizes"]["H"] = 1 << 24
+    table["streams"] = {"not": "read"}
+    with pytest.raises(IncompatibleEngineError, match=r"^prefill rank 0 table: H is 16777216, the engine says "):
+        parse_offer(message, spec)
+    table["sizes"]["H"] = spec.heads_per_rank
+    table["sizes"]["K"] = 3
+    with pytest.raises(IncompatibleEngineError, match=r"^prefill rank 0 table: K is 3, an mha cache has K and V: 2$"):
+        parse_offer(message, spec)
+
+
+@pytest.mark.parametrize(("past", "refused"), [(0, True), (1, False)])
+def test_a_stream_must_end_below_two_to_the_64(past, refused):
+    """An end of exactly 2^64 would wrap to 0 where ends are kept as uint64."""
+    run, blocks, stride = 8, 4, 64
+    base = (1 << 64) - (blocks - 1) * stride - run - past
+    table = {
+        "memory": "DRAM", "device_id": 0, "order": "NC", "split": "", "sizes": {"N": 1, "C": 8},
+        "itemsize": 1, "num_blocks": blocks, "layers": ["l0"], "coords": "",
+        "streams": {
+            "layer": np.zeros(1, dtype=np.uint32), "coords": np.zeros(0, dtype=np.uint32),
+            "address": np.array([base], dtype=np.uint64), "stride": np.array([stride], dtype=np.uint64),
+        },
+    }  # fmt: skip
+    if refused:
+        with pytest.raises(ProtocolError, match=r"^table\.streams\[0\]: blocks run past the end of the address"):
+            RegionTable.from_dict(table)
+    else:
+        assert RegionTable.from_dict(table).streams[0].address == base
 
 
 def test_stream_objects_are_small():

@@ -198,14 +198,14 @@ SPEC_PROBLEMS = [
     (dict(layout="HC"), "layout: 'HC' lacks N or C"),
     (
         dict(kind="mla", kv_heads=1, layout="HNC"),
-        "an mla cache has one latent per token (kv_heads 1, no K or H), got 1",
+        "kind: an mla cache has one latent per token (kv_heads 1, no K or H), got 1",
     ),
     (
         dict(kind="mla", kv_heads=1, layout="KNC"),
-        "an mla cache has one latent per token (kv_heads 1, no K or H), got 1",
+        "kind: an mla cache has one latent per token (kv_heads 1, no K or H), got 1",
     ),
-    (dict(kind="mla", kv_heads=2, layout="NC", tp_size=1), "an mla cache has one latent per token (kv_heads 1, no"),
-    (dict(kv_heads=4, tp_size=3), "kv_heads 4 cannot be shared evenly by tp_size 3 ranks"),
+    (dict(kind="mla", kv_heads=2, layout="NC", tp_size=1), "kind: an mla cache has one latent per token (kv_heads 1"),
+    (dict(kv_heads=4, tp_size=3), "kv_heads: 4 cannot be shared evenly by tp_size 3 ranks"),
 ]
 
 

@@ -101,9 +101,11 @@ class EngineSpec:
         if "N" not in layout or "C" not in layout:
             return f"layout: {layout!r} lacks N or C"
         if self.kind == "mla" and (set(layout) & set("KH") or self.kv_heads != 1):
-            return f"an mla cache has one latent per token (kv_heads 1, no K or H), got {self.kv_heads}, {layout!r}"
+            return (
+                f"kind: an mla cache has one latent per token (kv_heads 1, no K or H), got {self.kv_heads}, {layout!r}"
+            )
         if self.kind == "mha" and self.kv_heads % self.tp_size:
-            return f"kv_heads {self.kv_heads} cannot be shared evenly by tp_size {self.tp_size} ranks"
+            return f"kv_heads: {self.kv_heads} cannot be shared evenly by tp_size {self.tp_size} ranks"
         return None
 
     def describe(self) -> str:
@@ -172,6 +174,20 @@ def check_compatible(local: EngineSpec, remote: EngineSpec, *, local_name: str, 
 
 def table_refusal(spec: EngineSpec, rank: int, table: RegionTable) -> str | None:
     """Why rank ``rank``'s table is not what ``spec`` says (one line naming the field), or None."""
+    problem = table_shape_refusal(spec, rank, table)
+    if problem is not None:
+        return problem
+    # Layer names, each with the layers an L axis holds (a cross-layer tensor is one name).
+    layers = len({s.layer for s in table.streams}) * table.sizes.get("L", 1)
+    if layers != spec.layers:
+        return f"rank {rank} table: {layers} layers, the engine says {spec.layers}"
+    return None
+
+
+def table_shape_refusal(spec: EngineSpec, rank: int, table: RegionTable) -> str | None:
+    """``table_refusal``'s checks of what a table holds per block (sizes, item size, order),
+    which need none of its streams: a peer's table is held to them before its streams are
+    read, so that its sizes bound their coordinates."""
     where = f"rank {rank} table"
     want: Mapping[str, int] = {"N": spec.block_size, "C": spec.head_dim}
     if spec.kind == "mha":
@@ -182,12 +198,11 @@ def table_refusal(spec: EngineSpec, rank: int, table: RegionTable) -> str | None
             return f"{where}: {letter} is {got}, the engine says {size}"
     if spec.kind == "mla" and table.sizes.get("H", 1) != 1:
         return f"{where}: an mla cache has no heads, the table has H {table.sizes['H']}"
+    if "K" in table.sizes and table.sizes["K"] != (2 if spec.kind == "mha" else 1):
+        keys = "K and V: 2" if spec.kind == "mha" else "one latent: no K"
+        return f"{where}: K is {table.sizes['K']}, an {spec.kind} cache has {keys}"
     if table.itemsize != spec.itemsize:
         return f"{where}: item size {table.itemsize}, the engine's {spec.dtype} has {spec.itemsize}"
     if table.order != spec.layout:
         return f"{where}: region order {table.order!r}, the engine says {spec.layout!r}"
-    # Layer names, each with the layers an L axis holds (a cross-layer tensor is one name).
-    layers = len({s.layer for s in table.streams}) * table.sizes.get("L", 1)
-    if layers != spec.layers:
-        return f"{where}: {layers} layers, the engine says {spec.layers}"
     return None

@@ -172,7 +172,9 @@ def check_array(
     if array.size:
         low, high = int(array.min()), int(array.max())
         if low < minimum or high > maximum:
-            bad = int(np.flatnonzero(array == (low if low < minimum else high))[0])
+            # The first value out of range: a mask of a byte a value, never an index of each
+            # (8 bytes a value: a 64 MiB frame of one-byte ids would cost half a GiB to refuse).
+            bad = int(np.argmax(array < minimum if low < minimum else array > maximum))
             raise ProtocolError(f"{where}[{bad}]: expected an integer in [{minimum}, {maximum}], got {int(array[bad])}")
     view = array.view()
     view.flags.writeable = False

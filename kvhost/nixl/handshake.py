@@ -62,9 +62,10 @@ def _check_distinct(ids: np.ndarray, starts: list[int], ends: list[int], names: 
     for name, start, end in zip(names, starts, ends):
         if end - start > 1:
             ordered = np.sort(ids[start:end])
-            twice = np.flatnonzero(ordered[1:] == ordered[:-1])
-            if twice.size:
-                raise ProtocolError(f"{where}.block_ids: request {name!r} names block {int(ordered[twice[0]])} twice")
+            repeated = ordered[1:] == ordered[:-1]  # a byte an id: not an index of every repeat
+            if repeated.any():
+                first = int(ordered[int(np.argmax(repeated))])
+                raise ProtocolError(f"{where}.block_ids: request {name!r} names block {first} twice")
 
 
 def parse_requests(columns: Fields, block_size: int, num_blocks: int) -> list[RemoteRequest]:

@@ -45,7 +45,13 @@ from typing import Any
 import numpy as np
 
 from kvhost.errors import ArgumentError
-from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, check_compatible, table_refusal
+from kvhost.nixl.engine import (
+    EngineSpec,
+    IncompatibleEngineError,
+    check_compatible,
+    table_refusal,
+    table_shape_refusal,
+)
 from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
 from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, receive, send
@@ -194,6 +200,11 @@ class Offer:
         }
 
 
+def _refuse_table(problem: str | None) -> None:
+    if problem is not None:
+        raise IncompatibleEngineError(f"prefill {problem}")
+
+
 def parse_offer(message: Message, local: EngineSpec) -> Offer:
     """A prefill's offer, every field checked; its engine against ``local`` (a refusal is an
     IncompatibleEngineError naming the field and both values) and each table against its spec."""
@@ -206,11 +217,14 @@ def parse_offer(message: Message, local: EngineSpec) -> Offer:
     tables: list[RegionTable] = []
     streams_left = MAX_STREAMS  # for the whole offer, not each table: their arrays may share bytes
     for rank, data in enumerate(items):
-        table = RegionTable.from_dict(data, f"offer.tables[{rank}]", message.arrays, max_streams=streams_left)
+
+        def shape(shell: RegionTable, rank: int = rank) -> None:  # before its streams: its sizes bound them
+            _refuse_table(table_shape_refusal(spec, rank, shell))
+
+        where = f"offer.tables[{rank}]"
+        table = RegionTable.from_dict(data, where, message.arrays, max_streams=streams_left, check=shape)
         streams_left -= len(table.streams)
-        problem = table_refusal(spec, rank, table)
-        if problem is not None:
-            raise IncompatibleEngineError(f"prefill {problem}")
+        _refuse_table(table_refusal(spec, rank, table))
         tables.append(table)
     lengths = fields.array("metadata_bytes", minimum=1, maximum=MAX_BLOB_BYTES, max_length=spec.tp_size)
     if lengths.size != spec.tp_size or int(lengths.sum()) != len(message.blob):

@@ -15,7 +15,7 @@ parallelism) narrows the sender's table first (``RegionTable.heads``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
@@ -198,11 +198,13 @@ class RegionTable:
         arrays: bytes | bytearray | memoryview = b"",
         *,
         max_streams: int = MAX_STREAMS,
+        check: Callable[[RegionTable], None] | None = None,
     ) -> RegionTable:
         """A table sent by a peer (``arrays``: the frame's array bytes); anything malformed is
         a ProtocolError naming the field. What it costs is bounded by what it holds: at most
         ``max_streams`` streams (a message of several tables shares one budget: their arrays
-        may all point at the same bytes), and nothing per declared block."""
+        may all point at the same bytes), and nothing per declared block. ``check`` is given
+        the table without its streams, before they are read (it raises to refuse it)."""
         fields = Fields(data, where, arrays)
         memory = fields.text("memory")
         if memory not in MEMORY_OF_DEVICE.values():
@@ -226,6 +228,8 @@ class RegionTable:
         num_blocks = fields.integer("num_blocks", minimum=1, maximum=1 << 32)
         device_id = fields.integer("device_id", maximum=1 << 16)
         shell = cls(memory, device_id, order, split, sizes, itemsize, num_blocks, ())
+        if check is not None:
+            check(shell)
         layers = fields.texts("layers", max_items=MAX_STREAMS, distinct=True)
         letters = _coord_letters(fields, shell)
         streams = _streams(fields.fields("streams"), shell, layers, letters, max_streams)
@@ -294,13 +298,16 @@ def _streams(
     for name, values in (("address", address), ("stride", stride)):
         if values.size != count:
             raise ProtocolError(f"{where}.{name}: {values.size} values for {count} streams")
+    last_block, run = table.num_blocks - 1, table.run_bytes  # once: run_bytes is worked out on each read
     streams: list[Stream] = []
     seen: set[tuple[str, tuple[tuple[str, int], ...]]] = set()
     shared: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}
     for i, (number, index, base, step) in enumerate(
         zip(layer.tolist(), columns.tolist(), address.tolist(), stride.tolist())
     ):
-        if base + (table.num_blocks - 1) * step + table.run_bytes > 1 << 64:
+        # Python ints: nothing overflows. An end of exactly 2**64 would wrap to 0 where
+        # ends are kept as uint64 (merge domains).
+        if base + last_block * step + run >= 1 << 64:
             raise ProtocolError(f"{where}[{i}]: blocks run past the end of the address space")
         pairs = tuple(zip(letters, index))
         coords_key = shared.setdefault(pairs, pairs)  # one tuple per distinct coordinate
