@@ -114,6 +114,15 @@ def test_size_1_axes_in_the_region_may_have_any_stride():
     case.check()
 
 
+def test_a_size_1_letter_on_the_stride_of_its_neighbour_goes_inside_it():
+    """One head, stored inside B but named before it: B and H share a stride, and H, which
+    steps nowhere, is taken as inside B (no outer letter, one region per block)."""
+    t = torch.zeros(4, 1, 8, 2).permute(1, 0, 2, 3)  # shape order H B N C, H's stride equal to B's
+    assert t.stride(0) == t.stride(1)
+    layout = Layout.of(t, "HBNC")
+    assert (layout.physical, layout.outer, layout.region) == ("BHNC", "", "HNC")
+
+
 @pytest.mark.parametrize(("letter", "sizes"), [("N", dict(N=1, H=2, C=4)), ("C", dict(N=4, H=2, C=1))])
 def test_tokens_or_channels_of_size_1_stored_before_b_lie_just_inside_it(letter, sizes):
     """A size-1 letter steps nowhere: a permuted view may give it a stride larger than B's,
