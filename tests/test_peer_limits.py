@@ -18,8 +18,10 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -780,6 +782,79 @@ def test_an_engine_without_a_secret_exits_2(role):
         assert out.stderr.strip() == f"prefill: {line}"
     else:
         assert f"  error     {line}" in out.stdout and "result    FAILED: the hand-off did not run" in out.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_engine_says_so_in_one_line_and_exits_128_plus_the_signal(stop, tmp_path):
+    """A supervisor's SIGTERM ends an engine as Ctrl-C does: its cleanup runs (decode's JSON
+    is written), one line says what stopped it, no traceback, 128 + the signal's number."""
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    command = [sys.executable, "-m", "kvhost_tools.demo"]
+    small = ["--layers", "2", "--requests", "2", "--secret-file", str(secret)]
+    prefill = subprocess.Popen(
+        [*command, "prefill", *small, "--listen", "127.0.0.1:0", "--serve", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert prefill.stdout is not None and "listening" in prefill.stdout.readline()
+    prefill.send_signal(stop)
+    out, err = prefill.communicate(timeout=30)
+    assert (prefill.returncode, err) == (128 + stop, f"prefill: stopped by {stop.name}\n"), out
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, and never answers the knock
+        report = tmp_path / "decode.json"
+        decode = subprocess.Popen(
+            [*command, "decode", *small, "--prefill", f"127.0.0.1:{silent.getsockname()[1]}", "--json", str(report)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        silent.settimeout(60)
+        knocked, _ = silent.accept()  # decode is in its handshake
+        with knocked:
+            decode.send_signal(stop)
+            out, err = decode.communicate(timeout=30)
+    assert decode.returncode == 128 + stop and "Traceback" not in out + err, (out, err)
+    assert f"error     stopped by {stop.name}" in out
+    data = json.loads(report.read_text())
+    assert data["ok"] is False and data["error"] == f"stopped by {stop.name}"
+
+
+def _state_and_parent(pid):
+    """A process's state letter and parent (from /proc), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return None
+    return state, int(parent)
+
+
+def _children(pid):
+    """Live processes whose parent is ``pid``."""
+    found = [(int(e), _state_and_parent(e)) for e in os.listdir("/proc") if e.isdigit()]
+    return [child for child, known in found if known and known[1] == pid and known[0] != "Z"]
+
+
+def _alive(pid):
+    known = _state_and_parent(pid)
+    return known is not None and known[0] != "Z"
+
+
+@pytest.mark.timeout(120)
+def test_a_demo_stopped_by_sigterm_stops_its_engines_first():
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvhost_tools.cli", "demo", "--layers", "2", "--requests", "4", "--no-progress",
+         "--freeze-prefill-after", "1", "--timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(engines := _children(demo.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(engines) >= 2, "the demo did not start its engines"
+    demo.send_signal(signal.SIGTERM)
+    _, err = demo.communicate(timeout=60)
+    assert demo.returncode == 128 + signal.SIGTERM and err.endswith("kvhost demo: stopped by SIGTERM\n"), err
+    assert not [pid for pid in engines if _alive(pid)], "an engine outlived the demo"
 
 
 ALLOCATION_FAILURES = {

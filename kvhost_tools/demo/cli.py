@@ -69,6 +69,7 @@ from kvhost_tools.demo.options import (
     workload_of,
 )
 from kvhost_tools.demo.processes import Engine
+from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
 
 # What the engines of the demo pass on unchanged.
 SHARED = (
@@ -189,7 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         p.error(problem)
     try:
-        return run(args, prefills, decode)
+        with stop_on_sigterm():
+            return run(args, prefills, decode)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: the engines were stopped on the way out
+        name, status = stopped_by(err)
+        print(f"kvhost demo: stopped by {name}", file=sys.stderr)
+        return status
     except Exception:  # a bug: say where, but never exit 1, which means only that requests failed
         traceback.print_exc()
         return EXIT_ERROR

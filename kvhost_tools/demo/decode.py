@@ -71,6 +71,7 @@ from kvhost_tools.demo.options import (
 )
 from kvhost_tools.demo.pull import Engine, Rank, Request, Settings, Steps, pull
 from kvhost_tools.demo.report import Outcome, describe_decode, memcpy_gbps, prefill_pid, print_report, write_json
+from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
 from kvhost_tools.demo.values import SENTINEL_BYTE
 from kvhost_tools.demo.verify import verify
 
@@ -123,8 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress = os.fdopen(args.progress_fd, "w")
     elif not args.no_progress and sys.stderr.isatty():
         progress = sys.stderr
+    stopped = 0
     try:
-        run(args, model, workload, shape, addresses, outcome, progress)
+        with stop_on_sigterm():
+            run(args, model, workload, shape, addresses, outcome, progress)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: the sessions were closed on the way out
+        name, stopped = stopped_by(err)
+        outcome.error = f"stopped by {name}"
     except KVHostError as err:
         outcome.error = f"{type(err).__name__}: {err}"
     except DemoError as err:
@@ -138,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(outcome, sys.stdout)
     if args.json:
         write_json(args.json, outcome)
+    if stopped:
+        return stopped
     if outcome.error:
         return EXIT_ERROR
     return EXIT_OK if outcome.ok else EXIT_FAILED

@@ -43,6 +43,7 @@ from kvhost_tools.demo.options import (
     shape_of,
     workload_of,
 )
+from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
 
 
 def parser() -> Parser:
@@ -98,7 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(problem)
     netenv.set_defaults(os.environ, [args.advertise or host])
     try:
-        return serve(args, host, port)
+        with stop_on_sigterm():
+            return serve(args, host, port)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: serve's own cleanup has run
+        name, status = stopped_by(err)
+        print(f"prefill: stopped by {name}", file=sys.stderr)
+        return status
     except DemoError as err:
         print(f"prefill: {err}", file=sys.stderr)
     except MemoryError:
