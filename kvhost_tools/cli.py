@@ -41,19 +41,23 @@ def info(args: argparse.Namespace) -> int:
     for row in rows:
         status = "available" if row.available else f"unavailable: {row.unavailable}"
         print(f"  {row.name:<10} {','.join(row.device_types) or '-':<12} {row.priority:>8}  {status}")
-    print("chosen per visible device:")
+    override = os.environ.get("KVHOST_BACKEND")
+    where = f" (KVHOST_BACKEND={override!r}, for the device types that backend serves)" if override else ""
+    print(f"chosen per visible device{where}:")
+    unserved = 0
     for device in visible_devices():
         try:
             backend = registry.for_device(device)
         except KVHostError as err:
             print(f"  {device:<10} -> none: {err}")
+            unserved += 1
             continue
         try:  # a plugin's own words: one that fails or says no text must not end the listing
             detail = backend.describe()
         except Exception as err:
             detail = f"describe() failed: {type(err).__name__}: {err}"
         print(f"  {device:<10} -> {backend.name}" + (f" ({detail})" if detail else ""))
-    return 0
+    return 1 if unserved else 0  # a device no backend serves (a per-backend CI job's check)
 
 
 # Subcommands that own their options live in their own modules, loaded only when run.

@@ -102,6 +102,8 @@ def test_bench_without_matplotlib_still_writes_its_figures(tmp_path, monkeypatch
         (["--only", "nope"], "--only 'nope' matches no scenario"),
         (["--device", "nodev"], "--device 'nodev'"),
         (["--rounds", "0"], "--rounds 0"),
+        (["--transfer", "--seconds", "nan"], "argument --seconds: expected a number of seconds in (0, "),
+        *[(["--device", "cuda"], "--device 'cuda': torch sees no cuda device here")][: not torch.cuda.is_available()],
     ],
 )
 def test_bad_options_are_named(argv, message, capsys):

@@ -504,6 +504,47 @@ def test_prefill_refuses_a_peer_timeout_no_decode_can_beat_within_before_it_list
     assert "listening" not in out
 
 
+@pytest.mark.parametrize(
+    ("role", "argv", "message"),
+    [
+        ("prefill", [], "--layers 2000 x --heads 8 x --head-dim 64 x --dtype bfloat16, --requests 40 of"),
+        ("decode", [], "for the caches, more than the 1.1 GB of memory available"),
+        ("decode", ["--fault-after", "2"], "--fault-after and --fault-command go together"),
+        ("prefill", ["--requests", "2", "--share", "3/4"], "--share 3/4 holds none of --requests 2"),
+        ("decode", ["--json", "/"], "argument --json: '/' is not a file name"),
+        ("decode", ["--json", "/no/such/folder/x.json"], "argument --json: '/no/such/folder/x.json': no folder"),
+        ("decode", ["--prefill", "127.0.0.1:0"], "--prefill: '127.0.0.1:0': port 0 is no prefill engine's"),
+    ],
+)
+def test_an_engine_refuses_what_it_cannot_do_before_it_allocates(role, argv, message, monkeypatch, capsys):
+    """Refused as bad options (exit 2), before a cache is allocated: an engine whose options
+    need more memory than is left says so, rather than being ended by the kernel."""
+    from kvhost_tools.demo import config
+    from kvhost_tools.demo.decode import main as decode_main
+    from kvhost_tools.demo.prefill import main as prefill_main
+
+    monkeypatch.setattr(config, "memory_available", lambda: 1_100_000_000)
+    big = ["--layers", "2000"] if not argv else ["--layers", "2"]
+    where = ["--listen", "127.0.0.1:0"] if role == "prefill" else ["--prefill", "127.0.0.1:1"]
+    with pytest.raises(SystemExit) as exit_info:
+        (prefill_main if role == "prefill" else decode_main)([*big, *where, "--secret-file", "-", *argv])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert message in err and err.count("\n") == 1 and not out, err
+
+
+def test_prefill_says_its_port_is_taken_in_one_line_and_leaves_no_secret_file(tmp_path, capsys):
+    from kvhost_tools.demo.prefill import main as prefill_main
+
+    secret = tmp_path / "new.secret"
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = prefill_main(["--layers", "2", "--listen", f"127.0.0.1:{port}", "--secret-file", str(secret)])
+    out, err = capsys.readouterr()
+    assert code == 2 and err == f"prefill: --listen 127.0.0.1:{port}: Address already in use\n", (out, err)
+    assert not secret.exists()
+
+
 SPY_ON_PARKING = """
 import os, sys
 import kvhost_tools.demo.netenv as netenv

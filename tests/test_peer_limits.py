@@ -854,7 +854,44 @@ def test_a_demo_stopped_by_sigterm_stops_its_engines_first():
     demo.send_signal(signal.SIGTERM)
     _, err = demo.communicate(timeout=60)
     assert demo.returncode == 128 + signal.SIGTERM and err.endswith("kvhost demo: stopped by SIGTERM\n"), err
+    deadline = time.monotonic() + 15  # an engine the demo was starting when it stopped ends with it, by itself
+    while [pid for pid in engines if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not [pid for pid in engines if _alive(pid)], "an engine outlived the demo"
+
+
+STARTER = """
+import os, subprocess, sys, time
+env = {**os.environ, "KVHOST_DEMO_PARENT": str(os.getpid())}
+child = subprocess.Popen([sys.executable, "-m", "kvhost_tools.demo", "prefill", *sys.argv[1:]], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+print(child.pid, flush=True)
+for line in child.stdout:
+    if "listening" in line:
+        print(line, end="", flush=True)
+        break
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_whose_demo_is_killed_stops_too(tmp_path):
+    """An engine the demo could not stop (the demo killed, or stopped while starting it) is
+    told by the kernel (Linux) that its parent is gone, and stops."""
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    argv = ["--layers", "2", "--requests", "2", "--secret-file", str(secret), "--listen", "127.0.0.1:0"]
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, *argv], stdout=subprocess.PIPE, text=True)
+    assert starter.stdout is not None
+    engine = int(starter.stdout.readline())
+    assert "listening" in starter.stdout.readline()
+    starter.kill()
+    starter.wait()
+    deadline = time.monotonic() + 20
+    while _alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(engine), "the engine outlived its demo"
 
 
 ALLOCATION_FAILURES = {

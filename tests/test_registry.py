@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -769,6 +770,22 @@ def test_a_copy_that_returns_no_completion_is_refused_naming_the_backend(install
     src, dst = {"l": torch.ones(2, 4, 8, 2, 4)}, {"l": torch.zeros(2, 4, 8, 2, 4)}
     with pytest.raises(kvhost.BackendError, match=r"backend 'probe-no-completion': copy returned NoneType, not a"):
         kvhost.copy_blocks(src, dst, [1], [2], axes="KBNHC", backend=backend)
+
+
+@pytest.mark.parametrize(("override", "code"), [("bogus", 1), ("torch", 0)])
+def test_kvhost_info_names_the_override_and_fails_when_a_device_has_no_backend(override, code):
+    """A per-backend CI job that runs ``KVHOST_BACKEND=name kvhost info`` learns from the exit
+    status that the name serves nothing here."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvhost_tools.cli", "info"],
+        capture_output=True, text=True, env={**os.environ, "KVHOST_BACKEND": override},
+    )  # fmt: skip
+    assert out.returncode == code, out.stdout + out.stderr
+    assert (
+        f"chosen per visible device (KVHOST_BACKEND={override!r}, for the device types that backend serves):"
+        in out.stdout
+    )
+    assert ("cpu        -> none: KVHOST_BACKEND='bogus' names no registered backend" in out.stdout) == (code == 1)
 
 
 def test_kvhost_info_lists_every_device_when_a_backend_cannot_describe_itself(monkeypatch, capsys):

@@ -337,7 +337,9 @@ def connect(
     has not been challenged for a new one); every later step has what is left of them. A
     prefill that cannot prove the secret, or says something malformed, is a ProtocolError;
     one whose engine cannot be served is an IncompatibleEngineError (it refused, or decode
-    does, naming the field). A host name no resolver could take is a ProtocolError at once.
+    does, naming the field). A host name no resolver could take (an empty label, one too
+    long) is a ProtocolError at once; one that does not resolve is tried again until the
+    timeout, as a name whose record is still on its way may.
     """
     seconds = check_seconds(timeout, "connect timeout")
     check_secret(secret)

@@ -35,6 +35,7 @@ from kvhost_tools.bench.timing import measure, summarise
 from kvhost_tools.bench.ways import BOUNDS, SWEEP
 from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
+from kvhost_tools.demo.options import seconds
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -98,7 +99,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         default=",".join(str(b) for b in SWEEP),
         help="descriptor sizes of the transport sweep, bytes, comma-separated (0: one per layer; empty: none)",
     )
-    transfer.add_argument("--seconds", type=float, default=30.0, help="seconds of rounds to aim for")
+    transfer.add_argument("--seconds", type=seconds, default=30.0, help="seconds of rounds to aim for (default 30)")
     parser.add_argument("--in-process", action="store_true", help="measure in this process (see module docstring)")
     args = parser.parse_args(argv)
     if args.requests is not None:
@@ -112,9 +113,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
     try:
-        torch.device(args.device)
+        device = torch.device(args.device)
     except RuntimeError:
         parser.error(f"--device {args.device!r} is not a torch device")
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if module is not None and hasattr(module, "is_available") and not module.is_available():
+        parser.error(f"--device {args.device!r}: torch sees no {device.type} device here")
     names = sorted(s.name for s in scenarios(PRESETS["full"], (1,)))
     for prefix in args.only:
         if not any(name.startswith(prefix) for name in names):

@@ -51,8 +51,8 @@ from kvhost_tools.demo.config import (
     EXIT_OK,
     LAYOUTS,
     EngineShape,
-    memory_available,
     memory_needed,
+    memory_refusal,
     model_refusal,
 )
 from kvhost_tools.demo.options import (
@@ -167,15 +167,7 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
     if len(prefills) > 16:
         return f"at most 16 prefill engines, got {len(prefills)}"
     needed = sum(memory_needed(model, workload, shape, decode, staging=args.via_host) for shape in prefills)
-    available = memory_available()
-    if available is not None and needed > available:
-        return (
-            f"--layers {model.layers} x --heads {model.heads} x --head-dim {model.head_dim} x --dtype "
-            f"{model.dtype_name}, --requests {workload.requests} of --min-tokens {workload.min_tokens} to "
-            f"--max-tokens {workload.max_tokens} need {needed / 1e9:,.1f} GB for the caches, more than the "
-            f"{available / 1e9:,.1f} GB of memory available"
-        )
-    return None
+    return memory_refusal(needed, model, workload)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

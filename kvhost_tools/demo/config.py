@@ -284,17 +284,46 @@ def model_refusal(model: Model, workload: Workload, shapes: Sequence[tuple[str, 
 
 def memory_needed(model: Model, workload: Workload, prefill: EngineShape, decode: EngineShape, *, staging: bool) -> int:
     """Bytes the engines of one host allocate for one prefill and one decode engine, estimated
-    before anything is: prefill's cache, decode's (twice with a host buffer shaped like it),
-    and working memory for the largest request (its values as 32-bit words, a few times over)."""
-    per_token = model.token_bytes()
-    prefill_blocks = [blocks_for(t, prefill.block_size) for t in workload.lengths()]
-    decode_blocks = [local_blocks_for(n, prefill.block_size, decode.block_size) for n in prefill_blocks]
-    caches = per_token * (
-        pool_for(prefill_blocks) * prefill.block_size
-        + pool_for(decode_blocks) * decode.block_size * (2 if staging else 1)
+    before anything is (``prefill_memory`` and ``decode_memory``)."""
+    return prefill_memory(model, workload, prefill) + decode_memory(
+        model, workload, prefill.block_size, decode, staging=staging
     )
-    working = max(prefill_blocks) * prefill.block_size * model.kv * model.heads * model.head_dim * 4 * 8
-    return int(caches + working)
+
+
+def prefill_memory(model: Model, workload: Workload, prefill: EngineShape) -> int:
+    """Bytes a prefill engine allocates: its cache, and working memory for the largest request."""
+    blocks = [blocks_for(t, prefill.block_size) for t in workload.lengths()]
+    return model.token_bytes() * pool_for(blocks) * prefill.block_size + _working(model, blocks, prefill.block_size)
+
+
+def decode_memory(
+    model: Model, workload: Workload, prefill_block_size: int, decode: EngineShape, *, staging: bool
+) -> int:
+    """Bytes a decode engine allocates: its cache (twice with a host buffer shaped like it),
+    and working memory for the largest request, read from a prefill of ``prefill_block_size``."""
+    prefill_blocks = [blocks_for(t, prefill_block_size) for t in workload.lengths()]
+    blocks = [local_blocks_for(n, prefill_block_size, decode.block_size) for n in prefill_blocks]
+    cache = model.token_bytes() * pool_for(blocks) * decode.block_size * (2 if staging else 1)
+    return cache + _working(model, prefill_blocks, prefill_block_size)
+
+
+def _working(model: Model, blocks: list[int], block_size: int) -> int:
+    """Working memory for the largest request: its values as 32-bit words, a few times over."""
+    return max(blocks) * block_size * model.kv * model.heads * model.head_dim * 4 * 8
+
+
+def memory_refusal(needed: int, model: Model, workload: Workload) -> str | None:
+    """Why the options need more memory than this machine has left (one line naming the
+    options that size it), or None: said before anything is allocated."""
+    available = memory_available()
+    if available is None or needed <= available:
+        return None
+    return (
+        f"--layers {model.layers} x --heads {model.heads} x --head-dim {model.head_dim} x --dtype "
+        f"{model.dtype_name}, --requests {workload.requests} of --min-tokens {workload.min_tokens} to "
+        f"--max-tokens {workload.max_tokens} need {needed / 1e9:,.1f} GB for the caches, more than the "
+        f"{available / 1e9:,.1f} GB of memory available"
+    )
 
 
 def memory_available() -> int | None:

@@ -51,7 +51,9 @@ from kvhost_tools.demo.config import (
     Share,
     Workload,
     allocate_blocks,
+    decode_memory,
     local_blocks_for,
+    memory_refusal,
     model_refusal,
     pool_for,
 )
@@ -108,12 +110,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--inflight must be in [1, 16384], got {args.inflight}"
     if problem is None and args.fault_after is not None and not 0 <= args.fault_after <= 1 << 14:
         problem = f"--fault-after must be in [0, 16384], got {args.fault_after}"
+    if problem is None and (args.fault_after is None) != (args.fault_command is None):
+        problem = "--fault-after and --fault-command go together"
+    if problem is None:  # before the cache is allocated: the prefill's blocks taken as ours, the least it may be
+        needed = decode_memory(model, workload, shape.block_size, shape, staging=args.via_host)
+        problem = memory_refusal(needed, model, workload)
     addresses: list[tuple[str, int]] = []
     for text in args.prefill.split(","):
         try:
             addresses.append(parse_address(text))
         except ValueError as err:
             problem = problem or f"--prefill: {err}"
+    if problem is None and any(port == 0 for _, port in addresses):
+        problem = f"--prefill: {args.prefill!r}: port 0 is no prefill engine's"
     if problem:
         p.error(problem)
     own = args.advertise or netenv.route_source(*addresses[0]) or addresses[0][0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -19,7 +20,13 @@ DEFAULT_PORT = 7600
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every option's default."""
+    """The module docstring as written, and every option's default (where it has one, and
+    its help does not already say it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,7 +86,9 @@ def add_workload(p: argparse.ArgumentParser) -> None:
 
 def add_engine(p: argparse.ArgumentParser, layout: str, block_size: int) -> None:
     group = p.add_argument_group("this engine's cache")
-    group.add_argument("--layout", choices=sorted(LAYOUTS), default=None, help=f"cache layout (default {layout}; MLA)")
+    group.add_argument(
+        "--layout", choices=sorted(LAYOUTS), default=None, help=f"cache layout (default {layout}; MLA with --cache mla)"
+    )
     group.add_argument("--block-size", type=int, default=block_size, metavar="N", help="tokens per block")
     group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel ranks, each its own NIXL agent")
     group.add_argument(
@@ -101,11 +110,27 @@ def add_network(p: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="the address whose interface NIXL/UCX uses (sets UCX_NET_DEVICES unless it is set)",
     )
-    group.add_argument("--connect-timeout", type=seconds, default=60.0, help="seconds for the engines to connect")
+    group.add_argument(
+        "--connect-timeout",
+        type=seconds,
+        default=60.0,
+        help="seconds to connect to a prefill engine (decode), and to read --secret-file - (both)",
+    )
+
+
+def json_path(text: str) -> str:
+    """A file the outcome can be written to, checked before the run: not a folder, in a
+    folder that exists and may be written."""
+    folder = os.path.dirname(text) or "."
+    if not text or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: no folder {folder!r} to write it in")
+    return text
 
 
 def add_output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", help="also write the outcome as JSON")
+    p.add_argument("--json", type=json_path, metavar="PATH", help="also write the outcome as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
 
 

@@ -29,7 +29,17 @@ import time
 from collections.abc import Sequence
 
 from kvhost_tools.demo import netenv
-from kvhost_tools.demo.config import EXIT_ERROR, EXIT_FAILED, EXIT_OK, DemoError, allocate_blocks, blocks_for, pool_for
+from kvhost_tools.demo.config import (
+    EXIT_ERROR,
+    EXIT_FAILED,
+    EXIT_OK,
+    DemoError,
+    allocate_blocks,
+    blocks_for,
+    memory_refusal,
+    pool_for,
+    prefill_memory,
+)
 from kvhost_tools.demo.options import (
     DEFAULT_PORT,
     HelpFormatter,
@@ -79,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = model_refusal(model, workload, [("", shape)])
     if problem is None and args.serve < 0:
         problem = f"--serve must be at least 0, got {args.serve}"
+    if problem is None and not workload.numbers(args.share):  # every decode engine would be refused
+        problem = f"--share {args.share} holds none of --requests {args.requests}"
+    if problem is None:  # before the cache is allocated and filled: an OOM kill says nothing
+        problem = memory_refusal(prefill_memory(model, workload, shape), model, workload)
     from kvhost.nixl.server import MIN_BEAT_SECONDS
 
     if problem is None and args.peer_timeout < 4 * MIN_BEAT_SECONDS:  # before a cache is filled and registered
@@ -141,16 +155,23 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
     model, workload = model_of(args), workload_of(args)
     shape, share = shape_of(args, "HND"), args.share
     spec = model.spec(shape)
-    if args.secret_file != "-" and not os.path.exists(args.secret_file):
-        secret = write_secret_file(args.secret_file)
-        say(f"wrote a new secret to {args.secret_file} (mode 600): copy it to the decode hosts")
-    else:
-        secret = read_secret_file(args.secret_file, timeout=args.connect_timeout)
     if args.listen_fd is not None:
         listener = socket.socket(fileno=args.listen_fd)
-    else:
-        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    else:  # bound first: a port in use leaves no new secret file behind
+        try:
+            listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except OSError as err:
+            raise DemoError(f"--listen {args.listen}: {os.strerror(err.errno) if err.errno else err}") from None
     host, port = listener.getsockname()[:2]
+    try:
+        if args.secret_file != "-" and not os.path.exists(args.secret_file):
+            secret = write_secret_file(args.secret_file)
+            say(f"wrote a new secret to {args.secret_file} (mode 600): copy it to the decode hosts")
+        else:
+            secret = read_secret_file(args.secret_file, timeout=args.connect_timeout)
+    except BaseException:
+        listener.close()
+        raise
 
     started = time.perf_counter()
     lengths = workload.lengths()

@@ -11,12 +11,15 @@ kvhost or torch.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvhost_tools.demo.stopping import PARENT_ENV
 
 # Lines of the transports' own logs: UCX's (``[1712345678.123456] [host:123:0] sock.c:355  UCX  ERROR ...``,
 # on stdout or stderr), NIXL's C++ (``E1130 16:25:44.574383  29594 nixl_agent.cpp:1198] ...``) and
@@ -66,18 +69,22 @@ class Engine:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             pass_fds=tuple(pass_fds),
-            env=env,
+            env={**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())},  # it ends with us
         )
-        assert self.process.stdin is not None
-        with contextlib.suppress(OSError):  # it died at once: its exit status says so
-            self.process.stdin.write(secret_hex.encode() + b"\n")  # 65 bytes: a pipe never blocks on them
-            self.process.stdin.close()
-        self._threads = [
-            threading.Thread(target=self._read_stdout, daemon=True),
-            threading.Thread(target=self._read_stderr, daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        try:
+            assert self.process.stdin is not None
+            with contextlib.suppress(OSError):  # it died at once: its exit status says so
+                self.process.stdin.write(secret_hex.encode() + b"\n")  # 65 bytes: a pipe never blocks on them
+                self.process.stdin.close()
+            self._threads = [
+                threading.Thread(target=self._read_stdout, daemon=True),
+                threading.Thread(target=self._read_stderr, daemon=True),
+            ]
+            for thread in self._threads:
+                thread.start()
+        except BaseException:  # a stop (Ctrl-C, SIGTERM) before the caller holds this engine
+            self.process.kill()
+            raise
 
     @property
     def pid(self) -> int:

@@ -189,8 +189,10 @@ def write_json(path: str, outcome: Outcome) -> None:
         "failed": outcome.failed,
         "mismatched": outcome.mismatched,
     }
-    with open(path, "w") as out:
+    partial = f"{path}.partial"  # whole or not at all: a reader never finds half an outcome
+    with open(partial, "w") as out:
         json.dump(data, out, indent=1)
+    os.replace(partial, path)
 
 
 def _names(names: list[str]) -> str:

@@ -6,9 +6,16 @@ exits 128 + the signal's number, as a shell reports it."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import signal
 import threading
 from collections.abc import Iterator
+
+# Set by ``kvhost demo`` for its engines: the demo's pid. An engine whose demo is gone (killed,
+# or stopped while it was starting this one) is stopped too, never left running alone.
+PARENT_ENV = "KVHOST_DEMO_PARENT"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Stopped(KeyboardInterrupt):
@@ -28,9 +35,22 @@ def stop_on_sigterm() -> Iterator[None]:
         return
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
+        _stop_with_parent()
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_with_parent() -> None:
+    """Where ``PARENT_ENV`` names the parent: SIGTERM once it ends (Linux), and at once if it
+    already has."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the demo stops its engines itself
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if str(os.getppid()) != parent:
+        raise Stopped
 
 
 def stopped_by(err: KeyboardInterrupt) -> tuple[str, int]:
