@@ -425,7 +425,8 @@ def test_a_step_of_several_senders_partial_blocks_and_a_failed_request(vllm_env,
         assert not got[:, arrived:].any(), req  # the rest of the request's blocks: zero, as vLLM leaves them
 
 
-def test_a_request_kvhost_refuses_fails_alone_and_the_step_s_others_are_post_processed(vllm_env):
+@pytest.mark.parametrize("good", [("a", "b"), ("a",)])
+def test_a_request_kvhost_refuses_fails_alone_and_the_step_s_others_are_post_processed(vllm_env, good):
     """A refusal comes before any byte moves, so the step's requests are tried one by one:
     an engine whose block size kvhost cannot take fails its own request, two requests that
     name one block both fail untried (alone, each would rearrange it), the others land."""
@@ -453,6 +454,7 @@ def test_a_request_kvhost_refuses_fails_alone_and_the_step_s_others_are_post_pro
         "d1": ([14], [3, 9], "hnd-32"),
         "d2": ([15, 14], [10, 11, 12, 13], "hnd-32"),
     }
+    plan = {req: request for req, request in plan.items() if req in good or req not in ("a", "b")}
     for local_ids, remote_ids, engine in plan.values():
         group = {"g": cross_layer_view(caches)}
         nixl_read(
@@ -463,12 +465,32 @@ def test_a_request_kvhost_refuses_fails_alone_and_the_step_s_others_are_post_pro
     assert finished == set(plan) and failed == {"c", "d1", "d2"}
     assert sorted(c.kwargs["req_id"] for c in logged.call_args_list) == ["c", "d1", "d2"]
     [stats] = processed  # the step's calls, added up
-    assert (stats.requests, stats.blocks) == (2, 3)
-    for req in ("a", "b"):
+    assert (stats.requests, stats.blocks, stats.backend) == (len(good), 3 if "b" in good else 2, "cpu")
+    for req in good:
         local_ids, remote_ids, engine = plan[req]
         got = tokens_of(caches, local_ids, DECODE_BLOCK)
         assert torch.equal(got, tokens_of(sender_caches_by_engine[engine], remote_ids, 32)), req
     assert worker.get_block_ids_with_load_errors() == {20, 14, 15}
+
+
+def test_a_post_process_that_fails_once_bytes_may_have_moved_fails_every_request_untried(vllm_env, copying):
+    """Only a refusal (a KVHostError) promises nothing moved: after any other error no request
+    is tried again (a block rearranged twice is garbage), and every one of the call fails."""
+    senders = {"s": ("LBHNC", 32)}
+    _, payloads = sender_workers(vllm_env, senders)
+    connector, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    fake_handshakes(worker, payloads)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("the device failed half-way")
+
+    worker.kvhost.post_process = broken
+    requests = {"a": ([30, 9], [0, 5, 2, 7], "s"), "b": ([40], [6, 1], "s")}
+    steps = drive(connector, worker, requests)
+    failed = set().union(*(f for _, f, _ in steps))
+    assert failed == {"a", "b"} and len(calls) == 1 and worker.last_post_process is None
 
 
 # --- the bytes moved by the descriptor plans themselves ------------------------------------
