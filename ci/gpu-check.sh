@@ -170,6 +170,12 @@ fi
 if [[ $steps != *" handoff "* ]]; then
     note "handoff: not asked for (GPU_CHECK_STEPS)"
 elif "$PYTHON" -c "from kvhost.nixl.agent import load_nixl; load_nixl()" 2>/dev/null; then
+    # NIXL's wheel is built for one CUDA major (nixl-cu12, nixl-cu13): another than torch's
+    # imports, but UCX's CUDA transports may not load (the figures then say so, slowly).
+    cuda=$("$PYTHON" -c "import torch; print((torch.version.cuda or '').split('.')[0])" 2>/dev/null)
+    if compgen -G ".whl/nixl*cu*.whl" >/dev/null && ! compgen -G ".whl/nixl*cu${cuda:-none}*.whl" >/dev/null; then
+        note "handoff: torch is built for CUDA ${cuda:-?}, the carried NIXL wheel for another: $(cd .whl && echo nixl*.whl)"
+    fi
     step handoff 150 "$PYTHON" -m kvhost_cuda.handoff --device cuda --demo= --demo=--cross-layer || status=1
 else
     note "handoff: skipped, NIXL does not import here (carry nixl-cu13's wheel in .whl/)"
