@@ -13,6 +13,7 @@ import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import TypeVar
 
 import torch
 
@@ -22,6 +23,7 @@ from kvhost.errors import BackendError, shown
 ENTRY_POINT_GROUP = "kvhost.backends"
 ENV_OVERRIDE = "KVHOST_BACKEND"
 DISTRIBUTION = "kvhost"  # the distribution whose entry points are kvhost's own backends
+_Key = TypeVar("_Key")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,12 @@ class BackendInfo:
 class Registry:
     def __init__(self, group: str = ENTRY_POINT_GROUP) -> None:
         self._group = group
+        # Loading the entry points, and the tables below. A plugin's first check and
+        # constructor run under a lock of their device type's first choice, or of their
+        # backend's name, not this one: a slow plugin delays only lookups that wait for it.
         self._lock = threading.RLock()
+        self._choosing: dict[tuple[str, str | None], threading.RLock] = {}
+        self._starting: dict[str, threading.RLock] = {}
         self._classes: dict[str, type[Backend]] | None = None
         self._load_errors: dict[str, tuple[str, str]] = {}  # entry point name -> (its value, why)
         self._sources: dict[str, str] = {}  # backend name -> the value of the entry point kept
@@ -102,19 +109,18 @@ class Registry:
         started = self._instances.get(name)
         if started is not None:  # usable when it started: no lock, no plugin code on every call
             return started
-        with self._lock:
-            classes = self.classes()
-            if name not in classes:
-                known = ", ".join(sorted(classes)) or "none"
-                why = self._load_errors.get(name, ("", "is not registered"))[1]
-                raise BackendError(f"backend {name!r} {why} (registered: {known})")
-            reason = _reason(classes[name])
-            if reason is not None:
-                raise BackendError(f"backend {name!r} cannot run here: {reason}")
-            backend = self._start(name)
-            if isinstance(backend, str):
-                raise BackendError(f"backend {name!r} ({self._sources[name]}) {backend}")
-            return backend
+        classes = self.classes()
+        if name not in classes:
+            known = ", ".join(sorted(classes)) or "none"
+            why = self._load_errors.get(name, ("", "is not registered"))[1]
+            raise BackendError(f"backend {name!r} {why} (registered: {known})")
+        reason = _reason(classes[name])
+        if reason is not None:
+            raise BackendError(f"backend {name!r} cannot run here: {reason}")
+        backend = self._start(name)
+        if isinstance(backend, str):
+            raise BackendError(f"backend {name!r} ({self._sources[name]}) {backend}")
+        return backend
 
     def for_device(self, device: torch.device | str) -> Backend:
         """The backend for ``device``: ``KVHOST_BACKEND`` if it serves it, else the best usable."""
@@ -124,10 +130,14 @@ class Registry:
         chosen = self._chosen.get(key)
         if chosen is not None:  # a lookup once chosen waits for no other thread's first one
             return chosen
-        with self._lock:
+        with self._lock_of(self._choosing, key):
             if key not in self._chosen:
                 self._chosen[key] = self._choose(device_type, override)
             return self._chosen[key]
+
+    def _lock_of(self, locks: dict[_Key, threading.RLock], key: _Key) -> threading.RLock:
+        with self._lock:
+            return locks.setdefault(key, threading.RLock())
 
     def _start(self, name: str) -> Backend | str:
         """The one instance of backend ``name``, made on first use, or why making it failed.
@@ -135,16 +145,17 @@ class Registry:
         A failure is kept (shown by ``info()``) until ``clear()``: a constructor that raised
         once is not run again on every lookup.
         """
-        if name not in self._instances and name not in self._start_failures:
-            try:
-                self._instances[name] = self.classes()[name]()
-            except KeyboardInterrupt:
-                raise
-            except BaseException as err:  # an abstract class, or a device runtime that will not start
-                self._start_failures[name] = f"failed to start: {_failure(err)}"
-        if name in self._instances:
-            return self._instances[name]
-        return self._start_failures[name]
+        with self._lock_of(self._starting, name):  # made once, whichever thread asks first
+            if name not in self._instances and name not in self._start_failures:
+                try:
+                    self._instances[name] = self.classes()[name]()
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as err:  # an abstract class, or a device runtime that will not start
+                    self._start_failures[name] = f"failed to start: {_failure(err)}"
+            if name in self._instances:
+                return self._instances[name]
+            return self._start_failures[name]
 
     def _choose(self, device_type: str, override: str | None) -> Backend:
         classes = self.classes()

@@ -762,6 +762,34 @@ def test_a_started_backend_is_had_without_waiting_for_another_threads_first_look
     assert probe.for_device("meta") is named  # chosen after it was asked for by name: the one instance
 
 
+def test_a_first_lookup_waits_only_for_the_plugins_it_asks(probes, monkeypatch):
+    """A plugin whose availability check takes a second, on one thread's first lookup of its
+    device type, holds no other thread's first lookup of another type, nor a backend asked
+    for by a name it does not check."""
+    import threading
+    import time
+
+    from kvhost.registry import Registry
+
+    probe = Registry("kvhost.probe-backends")
+    entered = threading.Event()
+
+    def slow(cls):
+        entered.set()
+        time.sleep(1.0)
+        return "slow"
+
+    monkeypatch.setattr(probes.Absent, "unavailable_reason", classmethod(slow))
+    first = threading.Thread(target=lambda: probe.for_device("meta"))
+    first.start()
+    assert entered.wait(5)
+    started = time.monotonic()
+    assert probe.for_device("hpu").name == "probe-any" and probe.instance("probe-plain").name == "probe-plain"
+    assert time.monotonic() - started < 0.5
+    first.join(5)
+    assert probe.for_device("meta").name == "probe-any" and probe.for_device("meta") is probe.for_device("hpu")
+
+
 def test_a_copy_that_returns_no_completion_is_refused_naming_the_backend(install):
     from kvhost.registry import Registry
 
