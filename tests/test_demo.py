@@ -545,6 +545,25 @@ def test_prefill_says_its_port_is_taken_in_one_line_and_leaves_no_secret_file(tm
     assert not secret.exists()
 
 
+def test_the_outcome_is_written_through_a_link_and_to_a_device(tmp_path):
+    """Whole or not at all where it is a file (a link's file, the link kept); as it is where it
+    is not (``/dev/stdout``, a pipe)."""
+    from kvhost_tools.demo.options import json_path
+    from kvhost_tools.demo.report import Outcome, write_json
+
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    link.symlink_to(target)
+    write_json(json_path(str(link)), Outcome(error="x"))
+    assert link.is_symlink() and json.loads(target.read_text())["error"] == "x"
+    assert not list(tmp_path.glob("*.partial"))
+    read, write = os.pipe()
+    with os.fdopen(read) as reader:
+        pipe = f"/proc/self/fd/{write}"
+        write_json(json_path(pipe), Outcome(error="y"))
+        os.close(write)
+        assert json.loads(reader.read())["error"] == "y"
+
+
 SPY_ON_PARKING = """
 import os, sys
 import kvhost_tools.demo.netenv as netenv

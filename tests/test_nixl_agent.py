@@ -629,6 +629,25 @@ def test_a_transfer_released_on_two_threads_at_once_is_released_once():
     assert handle.released == 1 and transfer.released
 
 
+def test_a_transfer_polled_while_another_thread_releases_it_asks_nixl_nothing():
+    """A poll waits for a release under way (a close on another thread), then finds the
+    transfer released: NIXL is never asked about a handle it has freed."""
+
+    class SlowHandle(Handle):
+        def release(self):
+            time.sleep(0.2)
+            super().release()
+
+    transfer, nixl, handle = posted("PROC", "PROC", handle=SlowHandle())
+    releasing = threading.Thread(target=transfer.release)
+    releasing.start()
+    time.sleep(0.05)  # the release holds the transfer's lock
+    with pytest.raises(TransferError, match="was released before it finished"):
+        transfer.poll()
+    releasing.join(10)
+    assert nixl.calls == 1 and handle.released == 1
+
+
 def test_a_transfer_is_done_only_when_nixl_says_done():
     transfer, nixl, handle = posted("PROC", "PROC", "DONE")
     assert transfer.finished is None and transfer.descriptors == 3 and transfer.nbytes == 4096

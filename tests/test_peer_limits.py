@@ -784,6 +784,12 @@ def test_an_engine_without_a_secret_exits_2(role):
         assert f"  error     {line}" in out.stdout and "result    FAILED: the hand-off did not run" in out.stdout
 
 
+WITH_SIGINT = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = ['kvhost_tools.demo', *sys.argv[1:]]; runpy.run_module('kvhost_tools.demo', run_name='__main__')"
+)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_engine_says_so_in_one_line_and_exits_128_plus_the_signal(stop, tmp_path):
@@ -792,27 +798,38 @@ def test_a_stopped_engine_says_so_in_one_line_and_exits_128_plus_the_signal(stop
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
-    command = [sys.executable, "-m", "kvhost_tools.demo"]
+    # A shell's background job (CI's) starts with SIGINT ignored, and Python then never turns
+    # it into KeyboardInterrupt: the engines get it back, as a terminal's would.
+    command = [sys.executable, "-c", WITH_SIGINT]
     small = ["--layers", "2", "--requests", "2", "--secret-file", str(secret)]
-    prefill = subprocess.Popen(
-        [*command, "prefill", *small, "--listen", "127.0.0.1:0", "--serve", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert prefill.stdout is not None and "listening" in prefill.stdout.readline()
-    prefill.send_signal(stop)
-    out, err = prefill.communicate(timeout=30)
-    assert (prefill.returncode, err) == (128 + stop, f"prefill: stopped by {stop.name}\n"), out
-    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, and never answers the knock
-        report = tmp_path / "decode.json"
-        decode = subprocess.Popen(
-            [*command, "decode", *small, "--prefill", f"127.0.0.1:{silent.getsockname()[1]}", "--json", str(report)],
+    engines = []
+    try:
+        prefill = subprocess.Popen(
+            [*command, "prefill", *small, "--listen", "127.0.0.1:0", "--serve", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        silent.settimeout(60)
-        knocked, _ = silent.accept()  # decode is in its handshake
-        with knocked:
-            decode.send_signal(stop)
-            out, err = decode.communicate(timeout=30)
+        engines.append(prefill)
+        assert prefill.stdout is not None and "listening" in prefill.stdout.readline()
+        prefill.send_signal(stop)
+        out, err = prefill.communicate(timeout=30)
+        assert (prefill.returncode, err) == (128 + stop, f"prefill: stopped by {stop.name}\n"), out
+        with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, and never answers the knock
+            report = tmp_path / "decode.json"
+            address = f"127.0.0.1:{silent.getsockname()[1]}"
+            decode = subprocess.Popen(
+                [*command, "decode", *small, "--prefill", address, "--json", str(report)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            engines.append(decode)
+            silent.settimeout(60)
+            knocked, _ = silent.accept()  # decode is in its handshake
+            with knocked:
+                decode.send_signal(stop)
+                out, err = decode.communicate(timeout=30)
+    finally:
+        for engine in engines:
+            engine.kill()
+            engine.wait()
     assert decode.returncode == 128 + stop and "Traceback" not in out + err, (out, err)
     assert f"error     stopped by {stop.name}" in out
     data = json.loads(report.read_text())
@@ -847,17 +864,25 @@ def test_a_demo_stopped_by_sigterm_stops_its_engines_first():
          "--freeze-prefill-after", "1", "--timeout", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while len(engines := _children(demo.pid)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(engines) >= 2, "the demo did not start its engines"
-    demo.send_signal(signal.SIGTERM)
-    _, err = demo.communicate(timeout=60)
-    assert demo.returncode == 128 + signal.SIGTERM and err.endswith("kvhost demo: stopped by SIGTERM\n"), err
-    deadline = time.monotonic() + 15  # an engine the demo was starting when it stopped ends with it, by itself
-    while [pid for pid in engines if _alive(pid)] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in engines if _alive(pid)], "an engine outlived the demo"
+    engines = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(engines := _children(demo.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(engines) >= 2, "the demo did not start its engines"
+        demo.send_signal(signal.SIGTERM)
+        _, err = demo.communicate(timeout=60)
+        assert demo.returncode == 128 + signal.SIGTERM and err.endswith("kvhost demo: stopped by SIGTERM\n"), err
+        deadline = time.monotonic() + 15  # an engine the demo was starting when it stopped ends with it, by itself
+        while [pid for pid in engines if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in engines if _alive(pid)], "an engine outlived the demo"
+    finally:  # nothing left running whatever failed
+        demo.kill()
+        demo.wait()
+        for pid in engines:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 STARTER = """
@@ -885,13 +910,19 @@ def test_an_engine_whose_demo_is_killed_stops_too(tmp_path):
     starter = subprocess.Popen([sys.executable, "-c", STARTER, *argv], stdout=subprocess.PIPE, text=True)
     assert starter.stdout is not None
     engine = int(starter.stdout.readline())
-    assert "listening" in starter.stdout.readline()
-    starter.kill()
-    starter.wait()
-    deadline = time.monotonic() + 20
-    while _alive(engine) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(engine), "the engine outlived its demo"
+    try:
+        assert "listening" in starter.stdout.readline()
+        starter.kill()
+        starter.wait()
+        deadline = time.monotonic() + 20
+        while _alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(engine), "the engine outlived its demo"
+    finally:
+        starter.kill()
+        starter.wait()
+        with contextlib.suppress(OSError):
+            os.kill(engine, signal.SIGKILL)
 
 
 ALLOCATION_FAILURES = {

@@ -216,6 +216,21 @@ def test_a_complex_cache_is_refused_before_any_byte_moves(device):
     assert torch.equal(caches["l"].cpu(), before)
 
 
+def test_a_size_1_block_region_letter_named_before_b_is_refused_on_xla(device):
+    """An XLA tensor's memory is its shape order: tokens of size 1 named before B (which a
+    strided tensor may have) are refused there, naming them, before any byte moves."""
+    caches = {"l": make_cache("NBHC", "NBHC", dict(N=1, B=6, H=2, C=8), torch.bfloat16, device)}
+    before = caches["l"].cpu().view(torch.int16).clone()
+    refused = r"XLA tensor with axes 'NBHC': N \(of size 1\) is named before B"
+    with pytest.raises(kvhost.LayoutError, match=refused):
+        kvhost.receive(caches, {"r": [1, 2]}, axes="NBHC", remote_order="CHN", remote_block_size=1, backend="tpu")
+    with pytest.raises(kvhost.LayoutError, match=refused):
+        kvhost.copy_blocks(
+            {"l": torch.zeros(1, 6, 2, 8, dtype=torch.bfloat16)}, caches, [0], [3], axes="NBHC", backend="tpu"
+        )
+    assert torch.equal(caches["l"].cpu().view(torch.int16), before)
+
+
 @pytest.mark.parametrize("dst_ids", [[0], [63], [17, 63, 0]])
 def test_padded_copies_write_only_their_destinations(device, dst_ids):
     cache = kv_cache(64, torch.float16, 1, device)

@@ -72,7 +72,7 @@ class TpuBackend(Backend):
         return _GRAPH_LOCK
 
     def check_receive(self, job: ReceiveJob) -> None:
-        _check_dtypes(job.members)
+        _check_members(job.members)
 
     def receive(self, job: ReceiveJob) -> None:
         with _GRAPH_LOCK:
@@ -83,7 +83,7 @@ class TpuBackend(Backend):
         loses are graph data, padded like every other index list (an ``index_fill_`` per
         cut token would compile a graph for nearly every prompt length). Whole blocks cut
         at token 0; padding repeats the last (block, cut), so it writes the same bytes twice."""
-        _check_dtypes(job.members)
+        _check_members(job.members)
         with _GRAPH_LOCK:
             cuts = np.stack(
                 [
@@ -107,7 +107,7 @@ class TpuBackend(Backend):
         tensor.copy_(values.contiguous().view(tensor.dtype).to(tensor.device))
 
     def copy(self, job: CopyJob) -> Completion:
-        _check_dtypes([member for pair in job.pairs for member in pair])
+        _check_members([member for pair in job.pairs for member in pair])
         with _GRAPH_LOCK:
             return self._copy(job)
 
@@ -148,8 +148,12 @@ class TpuBackend(Backend):
 
 def block_dim(layout: Layout) -> int:
     """Where ``B`` is in an XLA tensor's shape, which is also its memory order."""
-    if layout.physical != layout.axes:  # Layout.of reads XLA tensors in shape order: cannot happen
-        raise LayoutError(f"XLA tensor with axes {layout.axes!r} has physical order {layout.physical!r}")
+    if layout.physical != layout.axes:  # only a size-1 N or C named before B (Layout.physical)
+        before = "".join(a for a in layout.axes[: layout.axes.index("B")] if a in layout.region)
+        raise LayoutError(
+            f"XLA tensor with axes {layout.axes!r}: {before} (of size 1) is named before B; an XLA tensor's "
+            "memory is its shape order, where the block region must follow B"
+        )
     return layout.axes.index("B")
 
 
@@ -236,7 +240,10 @@ def _upload(ids: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
 
 
-def _check_dtypes(members: list[Member]) -> None:
+def _check_members(members: list[Member]) -> None:
+    """What the device refuses, before any of a job runs: a dtype it has no bits for, a block
+    region that does not follow ``B`` in the shape."""
     for member in members:
         if member.tensor.device.type == "xla":  # a host side is copied by torch, byte for byte
             xla.check_dtype(member.tensor.dtype, member.name)
+            block_dim(member.layout)

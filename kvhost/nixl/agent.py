@@ -252,15 +252,18 @@ class Agent:
     def posting(self) -> Iterator[None]:
         """A post under way (``post_rows``): refused once the agent is closed, and waited for
         by ``close``, so that every transfer close may cancel is known to it by then."""
-        with self._lock:
-            self._check_open()
-            self._posts += 1
+        counted = False
         try:
+            with self._lock:
+                self._check_open()
+                self._posts += 1
+                counted = True  # no call between: an interrupt cannot land after the count and before this
             yield
         finally:
-            with self._lock:
-                self._posts -= 1
-                self._lock.notify_all()
+            if counted:
+                with self._lock:
+                    self._posts -= 1
+                    self._lock.notify_all()
 
     def close(self) -> None:
         """Close readers, drop peers, deregister memory (and let go of its tensors). Safe to
@@ -650,12 +653,13 @@ class Transfer:
         """True once every byte has landed; raises TransferError when the transport failed."""
         if self.finished is not None:
             return True
-        if self.released:
-            raise TransferError(f"{self.op} from {self.link.peer!r} was released before it finished")
-        try:
-            state = self.link.agent.nixl.check_xfer_state(self.handle)
-        except Exception as err:
-            raise TransferError(f"{self.op} from {self.link.peer!r} failed: {err}") from None
+        with self._releasing:  # a release on another thread (a close) frees the handle asked here
+            if self.released:
+                raise TransferError(f"{self.op} from {self.link.peer!r} was released before it finished")
+            try:
+                state = self.link.agent.nixl.check_xfer_state(self.handle)
+            except Exception as err:
+                raise TransferError(f"{self.op} from {self.link.peer!r} failed: {err}") from None
         return self._note(state)
 
     def wait(self, timeout: float, *, interval: float = 1e-4) -> None:

@@ -289,7 +289,7 @@ def fill_sentinel(local: Mapping[str, torch.Tensor]) -> None:
     for tensor in local.values():
         raw(tensor).view(torch.uint8).fill_(SENTINEL)
     for device in {tensor.device for tensor in local.values() if tensor.device.type != "cpu"}:
-        torch.accelerator.synchronize(device)
+        torch.get_device_module(device).synchronize(device)
 
 
 def check_tokens(batch: Batch, local_set: CacheSet, truth: CacheSet) -> None:

@@ -284,32 +284,42 @@ def model_refusal(model: Model, workload: Workload, shapes: Sequence[tuple[str, 
 
 def memory_needed(model: Model, workload: Workload, prefill: EngineShape, decode: EngineShape, *, staging: bool) -> int:
     """Bytes the engines of one host allocate for one prefill and one decode engine, estimated
-    before anything is (``prefill_memory`` and ``decode_memory``)."""
-    return prefill_memory(model, workload, prefill) + decode_memory(
-        model, workload, prefill.block_size, decode, staging=staging
+    before anything is: prefill's cache, decode's (twice with a host buffer shaped like it),
+    and working memory for the largest request (its values as 32-bit words, a few times over)."""
+    lengths = workload.lengths()
+    return (
+        _prefill_cache(model, lengths, prefill.block_size)
+        + _decode_cache(model, lengths, prefill.block_size, decode.block_size, staging=staging)
+        + _working(model, lengths, prefill.block_size)
     )
 
 
-def prefill_memory(model: Model, workload: Workload, prefill: EngineShape) -> int:
-    """Bytes a prefill engine allocates: its cache, and working memory for the largest request."""
-    blocks = [blocks_for(t, prefill.block_size) for t in workload.lengths()]
-    return model.token_bytes() * pool_for(blocks) * prefill.block_size + _working(model, blocks, prefill.block_size)
+def prefill_memory(model: Model, workload: Workload, prefill: EngineShape, share: Share) -> int:
+    """``memory_needed``'s share for one prefill engine alone, holding the requests of ``share``."""
+    lengths = [workload.lengths()[n] for n in workload.numbers(share)] or [0]
+    return _prefill_cache(model, lengths, prefill.block_size) + _working(model, lengths, prefill.block_size)
 
 
-def decode_memory(
-    model: Model, workload: Workload, prefill_block_size: int, decode: EngineShape, *, staging: bool
-) -> int:
-    """Bytes a decode engine allocates: its cache (twice with a host buffer shaped like it),
-    and working memory for the largest request, read from a prefill of ``prefill_block_size``."""
-    prefill_blocks = [blocks_for(t, prefill_block_size) for t in workload.lengths()]
-    blocks = [local_blocks_for(n, prefill_block_size, decode.block_size) for n in prefill_blocks]
-    cache = model.token_bytes() * pool_for(blocks) * decode.block_size * (2 if staging else 1)
-    return cache + _working(model, prefill_blocks, prefill_block_size)
+def decode_memory(model: Model, workload: Workload, decode: EngineShape, share: Share, *, staging: bool) -> int:
+    """``memory_needed``'s share for one decode engine alone, reading the requests of ``share``
+    (from prefill blocks of its own size: the least its cache can be)."""
+    lengths = [workload.lengths()[n] for n in workload.numbers(share)] or [0]
+    cache = _decode_cache(model, lengths, decode.block_size, decode.block_size, staging=staging)
+    return cache + _working(model, lengths, decode.block_size)
 
 
-def _working(model: Model, blocks: list[int], block_size: int) -> int:
+def _prefill_cache(model: Model, lengths: list[int], block_size: int) -> int:
+    return model.token_bytes() * pool_for([blocks_for(t, block_size) for t in lengths]) * block_size
+
+
+def _decode_cache(model: Model, lengths: list[int], prefill_block_size: int, block_size: int, *, staging: bool) -> int:
+    blocks = [local_blocks_for(blocks_for(t, prefill_block_size), prefill_block_size, block_size) for t in lengths]
+    return model.token_bytes() * pool_for(blocks) * block_size * (2 if staging else 1)
+
+
+def _working(model: Model, lengths: list[int], block_size: int) -> int:
     """Working memory for the largest request: its values as 32-bit words, a few times over."""
-    return max(blocks) * block_size * model.kv * model.heads * model.head_dim * 4 * 8
+    return blocks_for(max(lengths), block_size) * block_size * model.kv * model.heads * model.head_dim * 4 * 8
 
 
 def memory_refusal(needed: int, model: Model, workload: Workload) -> str | None:

@@ -112,8 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--fault-after must be in [0, 16384], got {args.fault_after}"
     if problem is None and (args.fault_after is None) != (args.fault_command is None):
         problem = "--fault-after and --fault-command go together"
-    if problem is None:  # before the cache is allocated: the prefill's blocks taken as ours, the least it may be
-        needed = decode_memory(model, workload, shape.block_size, shape, staging=args.via_host)
+    if problem is None:  # before the cache is allocated
+        needed = decode_memory(model, workload, shape, args.share, staging=args.via_host)
         problem = memory_refusal(needed, model, workload)
     addresses: list[tuple[str, int]] = []
     for text in args.prefill.split(","):

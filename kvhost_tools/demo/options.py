@@ -24,7 +24,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     its help does not already say it)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -119,11 +119,15 @@ def add_network(p: argparse.ArgumentParser) -> None:
 
 
 def json_path(text: str) -> str:
-    """A file the outcome can be written to, checked before the run: not a folder, in a
-    folder that exists and may be written."""
-    folder = os.path.dirname(text) or "."
+    """A file the outcome can be written to, checked before the run: one that may be written
+    (``/dev/stdout`` too), or a new one in a folder that may be written."""
     if not text or os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a file name")
+    if os.path.exists(text):
+        if not os.access(text, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} may not be written")
+        return text
+    folder = os.path.dirname(os.path.realpath(text))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: no folder {folder!r} to write it in")
     return text

@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is None and not workload.numbers(args.share):  # every decode engine would be refused
         problem = f"--share {args.share} holds none of --requests {args.requests}"
     if problem is None:  # before the cache is allocated and filled: an OOM kill says nothing
-        problem = memory_refusal(prefill_memory(model, workload, shape), model, workload)
+        problem = memory_refusal(prefill_memory(model, workload, shape, args.share), model, workload)
     from kvhost.nixl.server import MIN_BEAT_SECONDS
 
     if problem is None and args.peer_timeout < 4 * MIN_BEAT_SECONDS:  # before a cache is filled and registered

@@ -189,10 +189,15 @@ def write_json(path: str, outcome: Outcome) -> None:
         "failed": outcome.failed,
         "mismatched": outcome.mismatched,
     }
-    partial = f"{path}.partial"  # whole or not at all: a reader never finds half an outcome
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/stdout, a pipe: as it is
+        with open(path, "w") as out:
+            json.dump(data, out, indent=1)
+        return
+    target = os.path.realpath(path)  # a link's file is written, and the link kept
+    partial = f"{target}.partial"  # whole or not at all: a reader never finds half an outcome
     with open(partial, "w") as out:
         json.dump(data, out, indent=1)
-    os.replace(partial, path)
+    os.replace(partial, target)
 
 
 def _names(names: list[str]) -> str:

@@ -44,7 +44,7 @@ def stop_on_sigterm() -> Iterator[None]:
 def _stop_with_parent() -> None:
     """Where ``PARENT_ENV`` names the parent: SIGTERM once it ends (Linux), and at once if it
     already has."""
-    parent = os.environ.get(PARENT_ENV)
+    parent = os.environ.pop(PARENT_ENV, None)  # not handed on to what this engine runs (a fault command)
     if not parent:
         return
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the demo stops its engines itself
