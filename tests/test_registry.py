@@ -790,6 +790,16 @@ def test_a_first_lookup_waits_only_for_the_plugins_it_asks(probes, monkeypatch):
     assert probe.for_device("meta").name == "probe-any" and probe.for_device("meta") is probe.for_device("hpu")
 
 
+def test_a_started_backend_is_had_without_running_its_plugin_code_again(probes, monkeypatch):
+    from kvhost.registry import Registry
+
+    probe = Registry("kvhost.probe-backends")
+    asked = []
+    monkeypatch.setattr(probes.Plain, "unavailable_reason", classmethod(lambda cls: asked.append(cls) or None))
+    first = probe.instance("probe-plain")
+    assert all(probe.instance("probe-plain") is first for _ in range(3)) and len(asked) == 1
+
+
 def test_a_copy_that_returns_no_completion_is_refused_naming_the_backend(install):
     from kvhost.registry import Registry
 
