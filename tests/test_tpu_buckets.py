@@ -165,3 +165,5 @@ def test_block_dim_is_the_shape_position_of_b_and_refuses_a_strided_order():
     assert block_dim(Layout.of(cache.permute(1, 0, 2, 3, 4).contiguous(), "BKNHC")) == 0
     with pytest.raises(LayoutError, match="physical order 'KBNHC'"):
         block_dim(Layout.of(cache.permute(1, 0, 2, 3, 4), "BKNHC", name="view"))
+    with pytest.raises(LayoutError, match=r"axes 'NBHC': N \(of size 1\) is named before B; an XLA tensor's memory"):
+        block_dim(Layout.of(torch.zeros(1, 6, 2, 8), "NBHC"))  # dense, as XLA reports it: N steps over B

@@ -148,12 +148,14 @@ class TpuBackend(Backend):
 
 def block_dim(layout: Layout) -> int:
     """Where ``B`` is in an XLA tensor's shape, which is also its memory order."""
-    if layout.physical != layout.axes:  # only a size-1 N or C named before B (Layout.physical)
+    if layout.physical != layout.axes:
         before = "".join(a for a in layout.axes[: layout.axes.index("B")] if a in layout.region)
-        raise LayoutError(
-            f"XLA tensor with axes {layout.axes!r}: {before} (of size 1) is named before B; an XLA tensor's "
-            "memory is its shape order, where the block region must follow B"
-        )
+        if before:  # a size-1 N or C named before B (Layout.physical): the one way an XLA tensor gets here
+            raise LayoutError(
+                f"XLA tensor with axes {layout.axes!r}: {before} (of size 1) is named before B; an XLA tensor's "
+                "memory is its shape order, where the block region must follow B"
+            )
+        raise LayoutError(f"XLA tensor with axes {layout.axes!r} has physical order {layout.physical!r}")
     return layout.axes.index("B")
 
 
