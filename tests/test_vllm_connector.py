@@ -366,19 +366,26 @@ def run_step(connector, worker, requests):
 DECODE_BLOCK = 64  # decode blocks of 64; senders of 32 (r = 2) and 64, as CPU_ATTN allows
 
 
+def filled_senders(model, senders):
+    """Sender workers of ``senders`` (engine -> layout, block size), their caches filled with
+    values of their own: each engine's caches and handshake payload."""
+    caches, payloads = {}, {}
+    for seed, (engine, (layout, size)) in enumerate(senders.items()):
+        _, sender_worker, sender = make_worker(model, layout, block_size=size)
+        for i, view in enumerate(sender.values()):
+            fill_random(view, seed * 10 + i + 1)
+        caches[engine] = sender
+        payloads[engine] = handshake_payload(sender_worker, engine)
+    return caches, payloads
+
+
 @pytest.mark.parametrize("local", ["LBNHC"])  # a packed (BHLNC) decoder: vLLM's handshake refuses other senders
 def test_a_step_of_several_senders_partial_blocks_and_a_failed_request(vllm_env, local):
     """Three engines of different layouts and block sizes in one step, two partial prompts,
     and one engine whose handshake fails: its request skips the post-process."""
     connector, worker, caches = make_worker(vllm_env, local, block_size=DECODE_BLOCK)
     senders = {"hnd-32": ("LBHNC", 32), "nhd-32": ("LBNHC", 32), "same-64": (local, DECODE_BLOCK)}
-    sender_caches_by_engine, payloads = {}, {}
-    for seed, (engine, (layout, size)) in enumerate(senders.items()):
-        _, sender_worker, sender = make_worker(vllm_env, layout, block_size=size)
-        for i, view in enumerate(sender.values()):
-            fill_random(view, seed * 10 + i + 1)
-        sender_caches_by_engine[engine] = sender
-        payloads[engine] = handshake_payload(sender_worker, engine)
+    sender_caches_by_engine, payloads = filled_senders(vllm_env, senders)
 
     def fake_handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
         if expected_engine_id == "down":
@@ -432,13 +439,7 @@ def test_a_request_kvhost_refuses_fails_alone_and_the_step_s_others_are_post_pro
     name one block both fail untried (alone, each would rearrange it), the others land."""
     connector, worker, caches = make_worker(vllm_env, "LBNHC", block_size=DECODE_BLOCK)
     senders = {"hnd-32": ("LBHNC", 32), "broken": ("LBHNC", 32)}
-    sender_caches_by_engine, payloads = {}, {}
-    for seed, (engine, (layout, size)) in enumerate(senders.items()):
-        _, sender_worker, sender = make_worker(vllm_env, layout, block_size=size)
-        for i, view in enumerate(sender.values()):
-            fill_random(view, seed * 10 + i + 1)
-        sender_caches_by_engine[engine] = sender
-        payloads[engine] = handshake_payload(sender_worker, engine)
+    sender_caches_by_engine, payloads = filled_senders(vllm_env, senders)
 
     def fake_handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
         name = worker.add_remote_agent(payloads[expected_engine_id], 0, remote_tp_size)
