@@ -512,6 +512,8 @@ def test_prefill_refuses_a_peer_timeout_no_decode_can_beat_within_before_it_list
         ("decode", ["--fault-after", "2"], "--fault-after and --fault-command go together"),
         ("prefill", ["--requests", "2", "--share", "3/4"], "--share 3/4 holds none of --requests 2"),
         ("decode", ["--json", "/"], "argument --json: '/' is not a file name"),
+        ("prefill", ["--advertise", "203.0.113.9"], "--advertise 203.0.113.9: no interface of this host has that"),
+        ("decode", ["--advertise", ""], "--advertise '': not an IP address"),
         ("decode", ["--json", "/no/such/folder/x.json"], "argument --json: '/no/such/folder/x.json': no folder"),
         ("decode", ["--prefill", "127.0.0.1:0"], "--prefill: '127.0.0.1:0': port 0 is no prefill engine's"),
     ],

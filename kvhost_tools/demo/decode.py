@@ -110,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--inflight must be in [1, 16384], got {args.inflight}"
     if problem is None and args.fault_after is not None and not 0 <= args.fault_after <= 1 << 14:
         problem = f"--fault-after must be in [0, 16384], got {args.fault_after}"
+    problem = problem or netenv.advertise_refusal(args.advertise)
     if problem is None and (args.fault_after is None) != (args.fault_command is None):
         problem = "--fault-after and --fault-command go together"
     if problem is None:  # before the cache is allocated

@@ -51,6 +51,20 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def advertise_refusal(address: str | None) -> str | None:
+    """Why ``--advertise`` cannot name this host's interface (one line), or None: an IPv4
+    address no interface here holds would leave UCX on every interface, unsaid."""
+    if address is None:
+        return None
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return f"--advertise {address!r}: not an IP address"
+    if parsed.version == 4 and not parsed.is_unspecified and interface_of(address) is None:
+        return f"--advertise {address}: no interface of this host has that address"
+    return None
+
+
 def route_source(host: str, port: int) -> str | None:
     """The local address this host would reach ``host`` from (no packet is sent), or None."""
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

@@ -89,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = model_refusal(model, workload, [("", shape)])
     if problem is None and args.serve < 0:
         problem = f"--serve must be at least 0, got {args.serve}"
+    problem = problem or netenv.advertise_refusal(args.advertise)
     if problem is None and not workload.numbers(args.share):  # every decode engine would be refused
         problem = f"--share {args.share} holds none of --requests {args.requests}"
     if problem is None:  # before the cache is allocated and filled: an OOM kill says nothing
