@@ -296,14 +296,16 @@ def memory_needed(model: Model, workload: Workload, prefill: EngineShape, decode
 
 def prefill_memory(model: Model, workload: Workload, prefill: EngineShape, share: Share) -> int:
     """``memory_needed``'s share for one prefill engine alone, holding the requests of ``share``."""
-    lengths = [workload.lengths()[n] for n in workload.numbers(share)] or [0]
+    every = workload.lengths()
+    lengths = [every[n] for n in workload.numbers(share)] or [0]
     return _prefill_cache(model, lengths, prefill.block_size) + _working(model, lengths, prefill.block_size)
 
 
 def decode_memory(model: Model, workload: Workload, decode: EngineShape, share: Share, *, staging: bool) -> int:
     """``memory_needed``'s share for one decode engine alone, reading the requests of ``share``
     (from prefill blocks of its own size: the least its cache can be)."""
-    lengths = [workload.lengths()[n] for n in workload.numbers(share)] or [0]
+    every = workload.lengths()
+    lengths = [every[n] for n in workload.numbers(share)] or [0]
     cache = _decode_cache(model, lengths, decode.block_size, decode.block_size, staging=staging)
     return cache + _working(model, lengths, decode.block_size)
 
