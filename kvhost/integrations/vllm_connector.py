@@ -545,17 +545,17 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         """Post-process each of ``named`` on its own, after the batch was refused; returns
         those that failed. A block two of them name fails both untried: the batch refuses
         it, and two calls alone would rearrange it twice."""
+        blocks = {req_id: set(pending[req_id].local_physical_block_ids[0]) for req_id in named}
         seen: set[int] = set()
         shared: set[int] = set()
-        for req_id in named:
-            ids = set(pending[req_id].local_physical_block_ids[0])
+        for ids in blocks.values():
             shared |= seen & ids
             seen |= ids
         assert self.kvhost is not None  # the batch was tried
         failed: set[str] = set()
         done: list[ReceiveStats] = []
         for req_id in sorted(named):
-            if not shared.isdisjoint(pending[req_id].local_physical_block_ids[0]):
+            if not shared.isdisjoint(blocks[req_id]):
                 failed |= self._fail_receives({req_id}, "post_process_failed", refusal)
                 continue
             try:

@@ -194,6 +194,11 @@ class Workload:
     def numbers(self, share: Share) -> list[int]:
         return [n for n in range(self.requests) if share.holds(n)]
 
+    def lengths_of(self, share: Share) -> list[int]:
+        """Token counts of the requests ``share`` holds (the lengths drawn once)."""
+        every = self.lengths()
+        return [every[n] for n in self.numbers(share)]
+
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
@@ -296,16 +301,14 @@ def memory_needed(model: Model, workload: Workload, prefill: EngineShape, decode
 
 def prefill_memory(model: Model, workload: Workload, prefill: EngineShape, share: Share) -> int:
     """``memory_needed``'s share for one prefill engine alone, holding the requests of ``share``."""
-    every = workload.lengths()
-    lengths = [every[n] for n in workload.numbers(share)] or [0]
+    lengths = workload.lengths_of(share) or [0]
     return _prefill_cache(model, lengths, prefill.block_size) + _working(model, lengths, prefill.block_size)
 
 
 def decode_memory(model: Model, workload: Workload, decode: EngineShape, share: Share, *, staging: bool) -> int:
     """``memory_needed``'s share for one decode engine alone, reading the requests of ``share``
     (from prefill blocks of its own size: the least its cache can be)."""
-    every = workload.lengths()
-    lengths = [every[n] for n in workload.numbers(share)] or [0]
+    lengths = workload.lengths_of(share) or [0]
     cache = _decode_cache(model, lengths, decode.block_size, decode.block_size, staging=staging)
     return cache + _working(model, lengths, decode.block_size)
 

@@ -189,15 +189,13 @@ def write_json(path: str, outcome: Outcome) -> None:
         "failed": outcome.failed,
         "mismatched": outcome.mismatched,
     }
-    if os.path.exists(path) and not os.path.isfile(path):  # /dev/stdout, a pipe: as it is
-        with open(path, "w") as out:
-            json.dump(data, out, indent=1)
-        return
+    as_it_is = os.path.exists(path) and not os.path.isfile(path)  # /dev/stdout, a pipe
     target = os.path.realpath(path)  # a link's file is written, and the link kept
-    partial = f"{target}.partial"  # whole or not at all: a reader never finds half an outcome
-    with open(partial, "w") as out:
+    written = path if as_it_is else f"{target}.partial"  # else whole or not at all: never half an outcome
+    with open(written, "w") as out:
         json.dump(data, out, indent=1)
-    os.replace(partial, target)
+    if not as_it_is:
+        os.replace(written, target)
 
 
 def _names(names: list[str]) -> str:
