@@ -316,6 +316,12 @@ def test_a_table_that_is_not_what_the_engine_says_is_refused_by_decode():
     assert table_refusal(PREFILL, 1, table) == "rank 1 table: N is 32, the engine says 16"
     _, table = rank_table(EngineSpec("mha", 2, 4, 8, "bfloat16", 16, "NHC", 2))
     assert table_refusal(PREFILL, 0, table) == "rank 0 table: region order 'NHC', the engine says 'HNC'"
+    # One head per rank: where H sits moves no byte, so either order names either memory.
+    sizes = dict(K=2, B=8, N=16, H=1, C=8)
+    for memory in ("KBHNC", "KBNHC"):
+        single = region_table({"layer0": make_cache("KBNHC", memory, sizes, torch.bfloat16)}, "KBNHC")
+        for layout in ("HNC", "NHC"):
+            assert table_refusal(EngineSpec("mha", 1, 2, 8, "bfloat16", 16, layout, 2), 0, single) is None
     _, table = rank_table(EngineSpec("mha", 3, 4, 8, "bfloat16", 16, "HNC", 2))
     assert table_refusal(PREFILL, 0, table) == "rank 0 table: 3 layers, the engine says 2"
     # One tensor holding every layer (vLLM's cross-layer layout): its L axis counts the layers.

@@ -203,6 +203,12 @@ def table_shape_refusal(spec: EngineSpec, rank: int, table: RegionTable) -> str 
         return f"{where}: K is {table.sizes['K']}, an {spec.kind} cache has {keys}"
     if table.itemsize != spec.itemsize:
         return f"{where}: item size {table.itemsize}, the engine's {spec.dtype} has {spec.itemsize}"
-    if table.order != spec.layout:
+
+    # A letter of size 1 moves no byte wherever it sits (one head per rank, blocks of one
+    # token): a permuted view may place it apart from what the engine names.
+    def placed(order: str) -> str:
+        return "".join(a for a in order if table.sizes.get(a) != 1)
+
+    if placed(table.order) != placed(spec.layout):
         return f"{where}: region order {table.order!r}, the engine says {spec.layout!r}"
     return None
