@@ -1184,6 +1184,30 @@ def test_an_offer_decode_cannot_serve_is_refused_back_to_prefill():
     )
 
 
+def test_an_offer_whose_rank_tables_differ_is_refused_back_to_prefill():
+    """Each table matches the spec (one head per rank: H may sit either side of N), but a
+    decode reads every rank with one plan: tables that differ are refused at the offer."""
+    spec = EngineSpec("mha", 2, 2, 8, "bfloat16", 16, "HNC", 2)
+    sizes = dict(K=2, B=8, N=16, H=1, C=8)
+    keep = [
+        {f"layer{i}": make_cache("KBNHC", memory, sizes, torch.bfloat16) for i in range(2)}
+        for memory in ("KBHNC", "KBNHC")
+    ]
+    tables = [region_table(caches, "KBNHC") for caches in keep]
+    header = Offer(spec, tables, [b"meta0", b"meta1"], [RemoteRequest("req-0", 0, 40, [1, 4, 2])]).header()
+    fake = FakePrefill("offer", header, b"meta0meta1")
+    try:
+        with pytest.raises(
+            IncompatibleEngineError,
+            match=r"prefill rank 1 table: region order 'NHC' and sizes .* differ from rank 0's 'HNC'",
+        ):
+            connect(fake.address, SECRET, EngineSpec("mha", 2, 2, 8, "bfloat16", 64, "NHC", 1), timeout=5)
+    finally:
+        fake.close()
+    [refusal_sent] = fake.heard
+    assert refusal_sent.kind == "refuse" and "rank 1 table" in refusal_sent.fields().text("reason", max_length=400)
+
+
 def test_block_ids_must_fit_every_rank_table():
     """Ranks may hold tables of different sizes; a request's ids must be blocks of each."""
     keep = [rank_table(PREFILL, blocks=8), rank_table(PREFILL, blocks=12)]

@@ -225,6 +225,11 @@ def parse_offer(message: Message, local: EngineSpec) -> Offer:
         table = RegionTable.from_dict(data, where, message.arrays, max_streams=streams_left, check=shape)
         streams_left -= len(table.streams)
         _refuse_table(table_refusal(spec, rank, table))
+        if tables and (table.order, table.sizes) != (tables[0].order, tables[0].sizes):  # what plan_ranks reads
+            _refuse_table(
+                f"rank {rank} table: region order {table.order!r} and sizes {table.sizes} differ from rank 0's "
+                f"{tables[0].order!r} and {tables[0].sizes}"
+            )
         tables.append(table)
     lengths = fields.array("metadata_bytes", minimum=1, maximum=MAX_BLOB_BYTES, max_length=spec.tp_size)
     if lengths.size != spec.tp_size or int(lengths.sum()) != len(message.blob):
