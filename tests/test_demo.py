@@ -677,3 +677,17 @@ def test_prefill_goes_on_unheard_once_its_stdout_reader_is_gone(monkeypatch):
         monkeypatch.undo()
         with contextlib.suppress(OSError):
             stdout.close()
+
+
+def test_the_demo_shows_a_decode_engines_error_once(capsys):
+    """Decode says its error on stderr too (for an operator running it alone); under the demo
+    its report holds it already, so that line is not shown a second time."""
+    from kvhost_tools.demo.cli import report
+    from kvhost_tools.demo.processes import Output
+
+    output = Output(
+        "decode-0", stdout=["  error     KVHostError: x"], shown=["decode: KVHostError: x", "decode: other"]
+    )
+    engine = SimpleNamespace(name="decode-0", pid=7, output=output)
+    report(SimpleNamespace(json=None), [], [engine], [2], [], [{"error": "KVHostError: x"}])
+    assert capsys.readouterr().out == "  error     KVHostError: x\n  decode-0: decode: other\n"

@@ -830,8 +830,8 @@ def test_a_stopped_engine_says_so_in_one_line_and_exits_128_plus_the_signal(stop
         for engine in engines:
             engine.kill()
             engine.wait()
-    assert decode.returncode == 128 + stop and "Traceback" not in out + err, (out, err)
-    assert f"error     stopped by {stop.name}" in out
+    assert decode.returncode == 128 + stop and err == f"decode: stopped by {stop.name}\n", (out, err)
+    assert f"error     stopped by {stop.name}" in out and "Traceback" not in out
     data = json.loads(report.read_text())
     assert data["ok"] is False and data["error"] == f"stopped by {stop.name}"
 

@@ -308,13 +308,15 @@ def report(
 ) -> None:
     """Each decode engine's report as it printed it, what the prefill engines said, the noise summed up."""
     out = sys.stdout
-    for engine, code in zip(decodes, codes):
+    for engine, code, outcome in zip(decodes, codes, outcomes):
         if len(decodes) > 1:
             out.write(f"--- {engine.name} (pid {engine.pid}, exit {code})\n")
         for line in engine.output.stdout:
             out.write(line + "\n")
+        said = f"decode: {outcome['error']}" if outcome and outcome.get("error") else None
         for line in engine.output.shown:
-            out.write(f"  {engine.name}: {line}\n")
+            if line != said:  # its report above has the error already
+                out.write(f"  {engine.name}: {line}\n")
     for engine, code in zip(prefills, prefill_codes):
         for line in engine.output.stdout[1:]:  # the first says where it listens
             out.write(f"  {engine.name}: {line.removeprefix('prefill: ')}\n")

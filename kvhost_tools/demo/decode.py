@@ -152,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         outcome.error = f"out of memory: {str(err).splitlines()[0]}"
     print_report(outcome, sys.stdout)
+    if outcome.error:  # where an operator looks first, as prefill says its own
+        print(f"decode: {outcome.error}", file=sys.stderr, flush=True)
     if args.json:
         write_json(args.json, outcome)
     if stopped:
