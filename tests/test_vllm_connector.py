@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import re
+import threading
 import time
 import uuid
 from typing import ClassVar
@@ -1154,9 +1155,18 @@ def received_request(local, remote=None, engine="hnd", **extra):
     return ReqMeta(([*local],), ([*local],), 1, remote=sender, **extra)
 
 
+def read_posted(worker, finished):
+    """Note each of ``finished``'s reads as ``_read_blocks`` does when vLLM posts it."""
+    for req_id, meta in finished.items():
+        if meta.remote is not None:
+            worker._note_read(req_id, meta.remote.engine_id)
+    return finished
+
+
 def post_process(worker, finished):
-    """What ``get_transfer_results`` post-processes for ``finished``: None when kvhost has nothing to do."""
-    received, engines, tokens, named = worker._post_process_batch(finished)
+    """What ``get_transfer_results`` post-processes for ``finished`` (read from the senders
+    noted now): None when kvhost has nothing to do."""
+    received, engines, tokens, named = worker._post_process_batch(read_posted(worker, finished))
     assert named <= set(finished)
     return worker.kvhost.post_process(received, engines, tokens=tokens) if received else None
 
@@ -1199,7 +1209,7 @@ def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_e
         "b/2": request([7], [3], "big/1"),
         "c": request([11], [8], "big"),  # the part of another request: the same part sender
     }
-    received, engines, _, named = worker._post_process_batch(step)
+    received, engines, _, named = worker._post_process_batch(read_posted(worker, step))
     assert received == {"big": {"b": [9, 4]}, "big/1'": {"b/2'": [6], "c/0": [11]}, "big/1": {"b/2": [7]}}
     assert {name: (e.kv_cache_layout, e.block_size) for name, e in engines.items()} == {
         "big": ("LBHNC", 128),
@@ -1506,11 +1516,11 @@ def test_a_step_whose_kvhost_work_fails_reports_its_requests_failed(vllm_env, co
     assert not set().union(*(f for _, f, _ in steps))
 
 
-def test_engines_vllm_drops_are_forgotten_once_no_request_needs_them(vllm_env, copying):
+def test_engines_vllm_drops_are_forgotten_and_their_requests_keep_their_senders(vllm_env, copying):
     """vLLM drops an engine (TTL, a replaced or invalid peer): its notes go with it, so that
-    a decoder meeting a new engine id at every prefill restart does not grow; an engine
-    dropped in the very step that finishes its last request (a replaced peer) keeps them
-    until that request is post-processed from them, and reads its sender's tokens."""
+    a decoder meeting a new engine id at every prefill restart does not grow; a request read
+    from an engine dropped in the very step that finishes it (a replaced peer) is
+    post-processed as its read was posted, and reads its sender's tokens."""
     connector, worker, caches = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
     senders = {"old": ("LBHNC", 128)}
     prefill, payloads = sender_workers(vllm_env, senders)
@@ -1560,39 +1570,31 @@ def test_engines_vllm_drops_are_forgotten_once_no_request_needs_them(vllm_env, c
     assert worker.remote_engines == {} and worker.larger_remote_blocks == {}
     check_tokens(caches, 64, requests, {}, senders, prefill, before, set())
 
-    # Dropped while a request still names it, then back (a handshake) before that request
-    # ends: its notes are the new handshake's and stay; nothing is left listed as dropped.
-    from types import SimpleNamespace
-
-    name = worker.add_remote_agent(dataclasses.replace(payloads["old"], engine_id="back"), 0, 1)
-    worker._remote_agents["back"] = {(0, 0): name}
-    worker._receiving = {"q": SimpleNamespace(remote=SimpleNamespace(engine_id="back"))}
-    worker._cleanup_remote_engine("back")
-    assert "back" in worker.remote_engines and worker._dropped_engines == {"back"}
-    worker._remote_agents["back"] = {(0, 0): name}  # shook hands again
-    worker._receiving = {}
-    worker._forget_dropped_engines()
-    assert set(worker.remote_engines) == set(worker.larger_remote_blocks) == {"back"}
-    assert not worker._dropped_engines
-
-    # Dropped while a request names it, shaking hands again meanwhile, and that handshake
-    # fails: its old notes, put back, go once no request needs them and the handshake is done.
+    # Dropped while it shakes hands again: its notes wait for that handshake. One that
+    # succeeds notes the engine anew, and its notes stay; one that fails leaves none.
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
 
-    worker._receiving = {"q": SimpleNamespace(remote=SimpleNamespace(engine_id="back"))}
-    worker._cleanup_remote_engine("back")
-    worker._handshake_futures["back"] = object()  # in flight: looked at again once done
-    worker._receiving = {}
-    worker._forget_dropped_engines()
-    assert "back" in worker.remote_engines and worker._dropped_engines == {"back"}
-    with (
-        patch.object(NixlConnectorWorker, "add_remote_agent", side_effect=RuntimeError("unreachable")),
-        pytest.raises(RuntimeError),
-    ):
-        worker.add_remote_agent(dataclasses.replace(payloads["old"], engine_id="back"), 0, 1)
-    del worker._handshake_futures["back"]
-    worker._forget_dropped_engines()
-    assert worker.remote_engines == {} and worker.larger_remote_blocks == {} and not worker._dropped_engines
+    for succeeds in (True, False):
+        name = worker.add_remote_agent(dataclasses.replace(payloads["old"], engine_id="back"), 0, 1)
+        worker._remote_agents["back"] = {(0, 0): name}
+        worker._handshake_futures["back"] = object()  # shaking hands again (a replaced peer)...
+        worker._cleanup_remote_engine("back")  # ...as vLLM drops it
+        assert "back" in worker.remote_engines and worker._dropped_engines == {"back"}
+        meta = dataclasses.replace(payloads["old"], engine_id="back")
+        if succeeds:
+            worker.add_remote_agent(meta, 0, 1)
+            worker._remote_agents["back"] = {(0, 0): name}  # vLLM's done callback, with the next line
+        else:
+            refusing = patch.object(NixlConnectorWorker, "add_remote_agent", side_effect=RuntimeError("unreachable"))
+            with refusing, pytest.raises(RuntimeError):
+                worker.add_remote_agent(meta, 0, 1)
+        del worker._handshake_futures["back"]
+        worker._forget_dropped_engines()
+        assert set(worker.remote_engines) == set(worker.larger_remote_blocks) == ({"back"} if succeeds else set())
+        assert not worker._dropped_engines
+        if succeeds:
+            worker._cleanup_remote_engine("back")  # no handshake under way: forgotten at once
+        assert worker.remote_engines == {} and not worker._dropped_engines
 
 
 def documented_sender_layouts() -> dict[str, tuple[set[str], bool]]:
@@ -1716,3 +1718,100 @@ def test_cpu_attentions_repack_runs_after_kvhosts_post_process(vllm_env, copying
             if which == "failing":  # failed requests' blocks are not repacked
                 assert order == [("post_process", None)] * 3  # the batch, then each request alone
     assert all(torch.equal(received["vllm"][name], received["kvhost"][name]) for name in received["vllm"])
+
+
+class HoldingNixlWrapper(CopyingNixlWrapper):
+    """The copying agent, but a transfer posted while ``holding`` stays in flight (its bytes
+    landed) until its handle leaves ``held``."""
+
+    holding: ClassVar[bool] = False
+    held: ClassVar[set[int]] = set()
+
+    def transfer(self, handle, *args, **kwargs):
+        if self.holding:
+            self.held.add(handle)
+        return super().transfer(handle, *args, **kwargs)
+
+    def check_xfer_state(self, handle):
+        return "PROC" if handle in self.held else super().check_xfer_state(handle)
+
+
+@pytest.mark.parametrize("vllm_accepts", [True, False], ids=["accepted", "refused"])
+def test_a_read_in_flight_across_its_engines_new_handshake_is_post_processed_as_it_was_read(
+    vllm_env, copying, vllm_accepts
+):
+    """An engine registers its cache again (a bumped registration generation: vLLM drops it
+    and shakes hands anew) with another layout while a read of its old blocks is in flight.
+    That read lands the old layout's bytes and is post-processed as the old layout, whether
+    vLLM takes the new registration or its checks, on the handshake thread, refuse it while
+    the read ends on the main thread (a step never sees a layout vLLM has not accepted)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    HoldingNixlWrapper.held.clear()
+    HoldingNixlWrapper.holding = True
+    connector, worker, caches = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=HoldingNixlWrapper)
+    prefill, payloads = sender_workers(vllm_env, {"p": ("LBHNC", 64), "again": ("LBNHC", 64)})
+    registrations = [payloads["p"], handshake_payload(prefill["again"][0], "p")]  # one engine id, two layouts
+
+    def handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        return {(0, 0): worker.add_remote_agent(registrations[0], 0, remote_tp_size)}, 0.0
+
+    def step(requests=None, generation=0):
+        metadata = NixlConnectorMetadata()
+        for req_id, (local_ids, remote_ids) in (requests or {}).items():
+            sender = {"remote_block_ids": (remote_ids,), "remote_engine_id": "p", "remote_request_id": req_id}
+            sender |= {"remote_host": "localhost", "remote_port": 1, "remote_tp_size": 1}
+            sender["remote_registration_generation"] = generation
+            metadata.add_new_req_to_recv(req_id, (local_ids,), sender, awaiting_kvs=True)
+        connector.bind_connector_metadata(metadata)
+        connector.start_load_kv(None)
+        results = worker.get_transfer_results()
+        connector.clear_connector_metadata()
+        return results
+
+    worker._nixl_handshake = handshake
+    try:
+        step({"r1": ([3], [5])})
+        for _ in range(200):
+            if worker._recving_transfers.get("r1"):  # posted: its head-major bytes landed, still in flight
+                break
+            time.sleep(0.02)
+            step()
+        HoldingNixlWrapper.holding = False
+        registrations.pop(0)
+        if vllm_accepts:
+            done = set()
+            for _ in range(200):
+                done |= step({"r2": ([7], [6])} if not done else None, generation=1).finished_recving
+                if "r2" in done:
+                    break
+                time.sleep(0.02)
+            assert worker.remote_engines["p"].kv_cache_layout == "LBNHC"  # the new registration's
+            HoldingNixlWrapper.held.clear()
+            results = step()
+        else:
+            checking, refuse = threading.Event(), threading.Event()
+
+            def checks_then_refuses(self, meta, *args, **kwargs):  # vLLM's checks, slow, then a refusal
+                checking.set()
+                refuse.wait(30)
+                raise AssertionError("Number of KV layers must match between prefill and decode")
+
+            with patch.object(NixlBaseConnectorWorker, "_validate_remote_agent_handshake", checks_then_refuses):
+                step({"r2": ([7], [6])}, generation=1)
+                assert checking.wait(30)
+                HoldingNixlWrapper.held.clear()  # r1 ends while the new registration is being checked
+                results = step()
+                refuse.set()
+                for _ in range(200):
+                    if not worker._handshake_futures:
+                        break
+                    time.sleep(0.02)
+            assert "p" not in worker._remote_agents
+    finally:
+        HoldingNixlWrapper.holding = False
+        HoldingNixlWrapper.held.clear()
+    assert "r1" in results.finished_recving and "r1" not in results.failed_recving
+    assert torch.equal(tokens_of(caches, [3], 64), tokens_of(prefill["p"][1], [5], 64))
+    assert worker.last_post_process is not None and worker.last_post_process.bytes_moved > 0

@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPullConnectorWorker,
 )
 
-from kvhost.errors import KVHostError, LayoutError
+from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
 from kvhost.nixl import RegionTable, Stream, TransferPlan, plan_transfer
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
@@ -139,17 +139,22 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Before vLLM's __init__, which sets use_host_buffer (a property here).
-        self._handshake_checks = threading.local()  # .running: this thread is in vLLM's handshake checks
+        # .running: this thread is in vLLM's handshake checks; .larger: the larger sender's
+        # plan of the handshake this thread makes, until vLLM accepts it.
+        self._handshake_checks = threading.local()
         self._use_host_buffer = False
         give_ucx_defaults()  # before vLLM's __init__ starts its NIXL agent (and UCX reads them)
         super().__init__(*args, **kwargs)
         self.kvhost: VllmCaches | None = None  # the device caches, once registered
         self.kvhost_host: VllmCaches | None = None  # the host buffers, in host-buffer mode
-        # engine -> (its KVCacheLayout, its block size), from its handshake: vLLM may drop an
-        # engine's transfer info in the very step that finishes its last request.
+        # engine -> (its KVCacheLayout, its block size), from its last handshake vLLM accepted.
         self.remote_engines: dict[str, RemoteEngine] = {}
         # engine -> how its blocks are read, for senders whose blocks hold g > 1 of ours.
         self.larger_remote_blocks: dict[str, LargerRemoteBlocks] = {}
+        # request -> its sender as the request's read was posted (``_note_read``): an engine
+        # that registers again (vLLM shakes hands anew) may bring another layout while reads
+        # posted under the old one are still in flight; each is post-processed as it was read.
+        self._read_from: dict[str, tuple[RemoteEngine, LargerRemoteBlocks | None]] = {}
         self.last_post_process: ReceiveStats | None = None
         self.kvhost_huge_pages = HugePages()  # what asking for huge pages under registered host memory did
         self._loads: dict[str, list[int]] = {}
@@ -205,17 +210,19 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         if nixl_agent_meta.block_size > self.block_size:
             larger = self._plan_larger_remote_blocks(nixl_agent_meta, remote_tp_size, remote_dcp_size)
         self._check_post_process(nixl_agent_meta)
-        noted = (self.remote_engines.get(engine), self.larger_remote_blocks.get(engine))
-        _note(self.remote_engines, engine, RemoteEngine(nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size))
-        _note(self.larger_remote_blocks, engine, larger)
+        remote = RemoteEngine(nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size)
         if larger is not None:
             nixl_agent_meta = _in_units(nixl_agent_meta, larger, self.block_size)
+        # Noted once vLLM accepts it: a step on another thread never meets a layout that
+        # vLLM may yet refuse. Only this thread's _build_fa_remote reads the plan meanwhile.
+        self._handshake_checks.larger = larger
         try:
-            return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
-        except BaseException:  # vLLM refused it: what was noted before stands again
-            _note(self.remote_engines, engine, noted[0])
-            _note(self.larger_remote_blocks, engine, noted[1])
-            raise
+            name = str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
+        finally:
+            self._handshake_checks.larger = None
+        self.remote_engines[engine] = remote
+        _note(self.larger_remote_blocks, engine, larger)
+        return name
 
     @property
     def use_host_buffer(self) -> bool:
@@ -393,7 +400,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         """vLLM's remote descriptors, but a larger sender's are its units: per region and
         block, ``units`` descriptors of ``unit_bytes`` in memory order (one strided row per
         region when its blocks are dense, one per block when they are padded)."""
-        larger = self.larger_remote_blocks.get(nixl_agent_meta.engine_id)
+        larger = getattr(self._handshake_checks, "larger", None)  # add_remote_agent's, on this thread
         if larger is None:
             return super()._build_fa_remote(plan, nixl_agent_meta, block_size_ratio)
         remote = larger.plan.remote
@@ -420,23 +427,16 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._forget_dropped_engines()
 
     def _forget_dropped_engines(self) -> None:
-        """Forget the notes of engines vLLM dropped that no receiving request names, unless
-        the engine shook hands again (its notes are the new ones). One shaking hands again
-        is looked at once it is done: a handshake that fails puts the old notes back, which
-        would otherwise stay for good."""
+        """Forget the notes of engines vLLM dropped, unless the engine shook hands again (its
+        notes are the new ones); requests read from one keep their own (``_read_from``). One
+        shaking hands again is looked at once it is done: its notes may be the old ones."""
         if not self._dropped_engines:
             return
-        needed = {
-            meta.remote.engine_id
-            for requests in (self._recving_metadata, self._receiving)
-            for meta in requests.values()
-            if meta.remote is not None
-        }
         with self._handshake_lock:  # a handshake thread notes an engine before vLLM records its agents
             for engine in list(self._dropped_engines):
                 if engine in self._remote_agents:
                     self._dropped_engines.discard(engine)  # known again: noted anew
-                elif engine not in needed and engine not in self._handshake_futures:
+                elif engine not in self._handshake_futures:
                     self.remote_engines.pop(engine, None)
                     self.larger_remote_blocks.pop(engine, None)
                     self._dropped_engines.discard(engine)
@@ -444,9 +444,12 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     # --- reads ---------------------------------------------------------------------------
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> bool:
-        """vLLM's read; from a larger sender, the units that land in our blocks as the wire
-        model says (vLLM would pair the last ``len(ours)`` of them)."""
-        larger = self.larger_remote_blocks.get(dst_engine_id)
+        """vLLM's read, its sender noted for the post-process; from a larger sender, the units
+        that land in our blocks as the wire model says (vLLM would pair the last
+        ``len(ours)`` of them)."""
+        if dst_engine_id not in self.remote_engines:  # vLLM reads only after a handshake here
+            return self._read_failed(request_id, dst_engine_id, "no handshake with its engine is noted here")
+        larger = self._note_read(request_id, dst_engine_id)
         if larger is not None and any(read_spec.local_block_ids) and not read_spec.block_ids_by_region:
             meta = self._recving_metadata.get(request_id)
             start = self._first_position(meta)
@@ -455,18 +458,28 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 sender_blocks = [unit // larger.units for unit in unit_ids[:: larger.units]]
                 ids = larger.unit_ids(sender_blocks, start, len(local_ids))
                 if ids is None:
-                    self._log_failure(
-                        failure_type="transfer_setup_failed",
-                        req_id=request_id,
-                        msg=f"{len(sender_blocks)} remote blocks do not reach our {len(local_ids)} blocks "
+                    return self._read_failed(
+                        request_id,
+                        dst_engine_id,
+                        f"{len(sender_blocks)} remote blocks do not reach our {len(local_ids)} blocks "
                         f"from position {start}",
-                        dst_engine_id=dst_engine_id,
                     )
-                    self._handle_failed_transfer(request_id, None, self._recv_failures, record_failed_transfer=False)
-                    return False
                 remote.append(ids)
             read_spec = dataclasses.replace(read_spec, remote_block_ids=remote)
         return bool(super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs))
+
+    def _note_read(self, request_id: str, engine: str) -> LargerRemoteBlocks | None:
+        """Note the sender a request is read from, as its accepted handshake says; returns
+        how a larger sender's blocks are read (None: not larger)."""
+        larger = self.larger_remote_blocks.get(engine)
+        self._read_from[request_id] = (self.remote_engines[engine], larger)
+        return larger
+
+    def _read_failed(self, request_id: str, engine: str, why: str) -> bool:
+        """A read that cannot be posted fails its request as vLLM fails one: logged, recorded."""
+        self._log_failure(failure_type="transfer_setup_failed", req_id=request_id, msg=why, dst_engine_id=engine)
+        self._handle_failed_transfer(request_id, None, self._recv_failures, record_failed_transfer=False)
+        return False
 
     def _first_position(self, meta: Any) -> int:
         """Where a request's blocks start in its token order: after its prefix-cache hit."""
@@ -539,6 +552,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         finally:
             self._receiving = {}
             self._forget_dropped_engines()
+            # Reads of requests vLLM no longer receives (finished, failed, or a full local hit
+            # that only notified) are done with.
+            self._read_from = {r: read for r, read in self._read_from.items() if r in self._recving_metadata}
         return results
 
     def _post_process_alone(self, pending: Mapping[str, Any], named: set[str], refusal: KVHostError) -> set[str]:
@@ -594,13 +610,14 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if meta.region_blocks_to_zero is not None or meta.remote is None:
                 continue  # vLLM zeroed its read plan's padding itself
             engine = meta.remote.engine_id
-            remote_engine = self.remote_engines[engine]
-            layout, remote_size = remote_engine.kv_cache_layout, remote_engine.block_size
             (local_ids,) = meta.local_physical_block_ids  # one transfer group (register_kv_caches)
             if not local_ids:
                 continue
             named.add(req_id)
-            larger = self.larger_remote_blocks.get(engine)
+            if req_id not in self._read_from:  # vLLM posts every read through _read_blocks
+                raise RequestError(f"request {req_id!r}: received from {engine!r}, but no read of it was posted here")
+            remote_engine, larger = self._read_from[req_id]
+            layout, remote_size = remote_engine.kv_cache_layout, remote_engine.block_size
             if larger is not None:
                 # Each of our blocks got whole bytes; a sender block read in part reads as a
                 # sender whose blocks hold that part: engine/parts, request/offset.
