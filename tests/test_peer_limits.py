@@ -962,6 +962,25 @@ def test_a_bug_exits_2_not_1(monkeypatch, capsys):
 # --- where the agents listen -------------------------------------------------------------------
 
 
+@pytest.mark.timeout(120)
+def test_prefill_listening_on_a_host_name_keeps_ucx_on_its_addresss_interface(tmp_path):
+    """``--listen localhost:0``: the name resolves to loopback, and UCX is kept there (it
+    was left on every interface: only an address was looked up)."""
+    secret = tmp_path / "secret"
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    command = [sys.executable, "-m", "kvhost_tools.demo", "prefill", "--layers", "2", "--requests", "2"]
+    command += ["--secret-file", str(secret), "--listen", "localhost:0", "--serve", "0", "--idle-timeout", "1"]
+    prefill = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert prefill.stdout is not None
+        lines = [prefill.stdout.readline(), prefill.stdout.readline()]  # the secret written, then listening
+    finally:
+        prefill.kill()
+        prefill.communicate()
+    listening = [line for line in lines if line.startswith("prefill: listening")]
+    assert listening and "listening 127.0.0.1:" in listening[0] and " (127.0.0.1)" in listening[0], lines  # lo
+
+
 def test_ucx_is_kept_on_loopback_and_quiet_unless_the_user_says_otherwise():
     env = {}
     assert netenv.set_defaults(env, ["127.0.0.1"]) == env

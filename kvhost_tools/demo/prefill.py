@@ -112,7 +112,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         host, port = "", 0
     if problem:
         p.error(problem)
-    netenv.set_defaults(os.environ, [args.advertise or host])
     try:
         with stop_on_sigterm():
             return serve(args, host, port)
@@ -164,6 +163,9 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
         except OSError as err:
             raise DemoError(f"--listen {args.listen}: {os.strerror(err.errno) if err.errno else err}") from None
     host, port = listener.getsockname()[:2]
+    # UCX kept on the interface of the address bound (a host name given is resolved by now),
+    # before any NIXL agent starts.
+    netenv.set_defaults(os.environ, [args.advertise or host])
     try:
         if args.secret_file != "-" and not os.path.exists(args.secret_file):
             secret = write_secret_file(args.secret_file)
