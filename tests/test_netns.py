@@ -376,6 +376,34 @@ def test_packets_dropped_at_random_only_slow_the_transfers(pair, tmp_path):
     )
 
 
+@needs_nixl
+@pytest.mark.timeout(START_SECONDS + 120)
+def test_the_transfer_bench_runs_its_sender_across_the_link_over_tcp(pair, tmp_path):
+    """``kvhost bench --transfer --peer-netns`` in decode's namespace: UCX is kept on each end
+    of the veth over TCP, found from the namespaces (on loopback the sender could not be
+    reached), and the measured bytes crossed the veth."""
+    results = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    command = [*pair.command("decode", "bench", ["--transfer", "--peer-netns", pair.prefill_ns])]
+    command += ["--seconds", "0.5", "--demo=--requests 4 --layers 2", "--sweep", "0", "--bounds", ""]
+    before = pair.counter("decode", "rx_bytes")
+    done = subprocess.run(
+        [*command, "--json", str(results)], capture_output=True, text=True, env=env, timeout=START_SECONDS
+    )
+    assert done.returncode in (0, 1), done.stdout + done.stderr  # 1: a target missed, as measured
+    section = next(iter(json.loads(results.read_text())["transfer"].values()))
+    assert section["ucx"] == {"UCX_NET_DEVICES": pair.decode_if, "UCX_TLS": "tcp"}
+    assert section["peer_env"] == [f"UCX_NET_DEVICES={pair.prefill_if}", "UCX_TLS=tcp"]
+    assert pair.counter("decode", "rx_bytes") - before > 4 * 2 * 2**20  # rounds of the batch's bytes
+    refused = subprocess.run(
+        [*pair.command("decode", "bench", ["--transfer", "--peer-netns", f"{pair.prefill_ns}x"])],
+        capture_output=True,
+        text=True,
+        timeout=START_SECONDS,
+    )
+    assert refused.returncode == 2 and f"--peer-netns {pair.prefill_ns}x: " in refused.stderr, refused.stderr
+
+
 @pytest.mark.timeout(2 * START_SECONDS + 120)
 def test_one_prefill_engine_serves_two_decode_hosts_through_a_switch(star, tmp_path):
     """xPyD across hosts: prefill listens on every interface and names with ``--advertise``

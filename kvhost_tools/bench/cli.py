@@ -35,6 +35,7 @@ from kvhost_tools.bench.timing import measure, summarise
 from kvhost_tools.bench.ways import BOUNDS, SWEEP
 from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
+from kvhost_tools.demo import netenv
 from kvhost_tools.demo.options import seconds
 
 
@@ -135,6 +136,18 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--bounds and --inflight must be at least 1, --sweep sizes at least 0")
     if any("=" not in item for item in args.peer_env):
         parser.error(f"--peer-env {args.peer_env!r}: give KEY=VALUE")
+    args.ucx = {"UCX_NET_DEVICES": "lo"}  # where the transfer runs, as the demo: on loopback
+    if args.peer_netns:
+        # Over TCP on the link between the namespaces: they are one host to UCX, whose shared
+        # memory would reach across; the sender gets its end of the link, unless told otherwise.
+        try:
+            ours, theirs = netenv.namespace_link(args.peer_netns)
+        except ValueError as err:
+            parser.error(f"--peer-netns {args.peer_netns}: {err}")
+        args.ucx = {"UCX_NET_DEVICES": ours, "UCX_TLS": "tcp"}
+        given = {item.split("=", 1)[0] for item in args.peer_env}
+        sender = {"UCX_NET_DEVICES": theirs, "UCX_TLS": os.environ.get("UCX_TLS", "tcp")}
+        args.peer_env = [*args.peer_env, *(f"{key}={value}" for key, value in sender.items() if key not in given)]
     if args.demo is None:
         args.demo = QUICK_DEMO if args.quick else ""
     args.argv = [a for a in argv if a != "--in-process"]
@@ -278,7 +291,7 @@ def run_transfer(args: argparse.Namespace) -> int:
     under ``"transfer"``, one entry per setting, beside what the other scenarios measured."""
     from kvhost_tools.bench import transfer, transfer_report
 
-    with _loopback_ucx():
+    with _ucx_defaults(args.ucx):
         section = transfer.run(args)
     print(transfer_report.table(section))
     previous = _previous(args.json)
@@ -300,16 +313,15 @@ def _previous(path: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _loopback_ucx() -> Iterator[None]:
-    """UCX on loopback, as the demo runs it, unless the caller chose its devices."""
-    added = "UCX_NET_DEVICES" not in os.environ
-    if added:
-        os.environ["UCX_NET_DEVICES"] = "lo"
+def _ucx_defaults(settings: dict[str, str]) -> Iterator[None]:
+    """UCX's ``settings`` (``--peer-netns``'s, or loopback's), each where the caller chose none."""
+    added = {key: value for key, value in settings.items() if key not in os.environ}
+    os.environ.update(added)
     try:
         yield
     finally:
-        if added:
-            os.environ.pop("UCX_NET_DEVICES", None)
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _progress(row: dict[str, Any]) -> str:

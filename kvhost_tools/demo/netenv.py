@@ -25,6 +25,7 @@ import ipaddress
 import os
 import socket
 import struct
+import subprocess
 from collections.abc import Iterable, MutableMapping
 
 QUIET = {"UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "ERROR"}
@@ -71,6 +72,30 @@ def route_source(host: str, port: int) -> str | None:
         probe.connect((host, port))
         return str(probe.getsockname()[0])
     return None
+
+
+def namespace_link(netns: str) -> tuple[str, str]:
+    """``(ours, theirs)``: the interface here and the one in network namespace ``netns``
+    between which this host reaches that namespace's first IPv4 address (a veth pair, say).
+    A ValueError says why there is none, in one line."""
+    try:
+        listed = subprocess.run(
+            ["ip", "-n", netns, "-o", "-4", "addr", "show", "scope", "global"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ValueError(f"cannot list its addresses: {err}") from None
+    if listed.returncode:
+        raise ValueError(listed.stderr.strip().splitlines()[-1] if listed.stderr.strip() else "ip failed")
+    for line in listed.stdout.splitlines():  # "3: kvB    inet 10.9.0.2/24 brd ... scope global kvB"
+        fields = line.split()
+        theirs, address = fields[1], fields[3].split("/")[0]
+        ours = interface_of(route_source(address, 9) or "")
+        if ours not in (None, "lo"):
+            return ours, theirs
+    raise ValueError("no IPv4 address there that this host reaches through an interface of its own")
 
 
 def ucx_devices(addresses: Iterable[str]) -> str | None:
