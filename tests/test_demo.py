@@ -535,6 +535,45 @@ def test_an_engine_refuses_what_it_cannot_do_before_it_allocates(role, argv, mes
     assert message in err and err.count("\n") == 1 and not out, err
 
 
+@pytest.mark.parametrize("role", ["demo", "prefill", "decode"])
+def test_without_nixl_each_tool_says_so_at_once_and_starts_nothing(role, tmp_path, monkeypatch, capsys):
+    """Every engine needs NIXL: without it the demo says so in one line before it starts
+    any (it waited for decode's whole connect timeout, then blamed the connection), prefill
+    before it binds or writes a secret, decode before it knocks on a prefill engine."""
+    from kvhost.nixl import agent
+    from kvhost_tools.demo.cli import main as demo_main
+    from kvhost_tools.demo.decode import main as decode_main
+    from kvhost_tools.demo.prefill import main as prefill_main
+
+    monkeypatch.setattr(agent, "NIXL_MODULES", ("kvhost_no_such_nixl._api",))
+    agent.load_nixl.cache_clear()
+    secret = tmp_path / "secret"
+    begun = time.monotonic()
+    try:
+        if role == "demo":
+            code = demo_main(["--requests", "2", "--layers", "2"])
+        elif role == "prefill":
+            code = prefill_main(["--layers", "2", "--listen", "127.0.0.1:0", "--secret-file", str(secret)])
+        else:
+            with socket.create_server(("127.0.0.1", 0)) as never_knocked:
+                port = never_knocked.getsockname()[1]
+                code = decode_main(["--layers", "2", "--prefill", f"127.0.0.1:{port}", "--secret-file", str(secret)])
+                never_knocked.settimeout(0.1)
+                with pytest.raises(TimeoutError):
+                    never_knocked.accept()
+    finally:
+        agent.load_nixl.cache_clear()
+    out, err = capsys.readouterr()
+    said = {
+        "demo": "kvhost demo: ",
+        "prefill": "prefill: NixlUnavailableError: ",
+        "decode": "decode: NixlUnavailableError: ",
+    }
+    assert code == 2 and err.startswith(said[role] + "NIXL is not installed") and err.count("\n") == 1, err
+    assert "pip install 'kvhost[nixl]'" in err and time.monotonic() - begun < 20
+    assert not secret.exists() and ("listening" not in out)
+
+
 def test_prefill_says_its_port_is_taken_in_one_line_and_leaves_no_secret_file(tmp_path, capsys):
     from kvhost_tools.demo.prefill import main as prefill_main
 

@@ -181,6 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = refusal(args, prefills, decode)
     if problem:
         p.error(problem)
+    from kvhost.nixl.agent import load_nixl
+    from kvhost.nixl.errors import NixlUnavailableError
+
+    try:
+        load_nixl()  # every engine needs it: said once, before any starts
+    except NixlUnavailableError as err:
+        print(f"kvhost demo: {err}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         with stop_on_sigterm():
             return run(args, prefills, decode)

@@ -37,7 +37,7 @@ import torch
 
 import kvhost
 from kvhost.errors import KVHostError
-from kvhost.nixl import Agent, ProtocolError, RankReader, Session, connect, plan_ranks
+from kvhost.nixl import Agent, ProtocolError, RankReader, Session, connect, load_nixl, plan_ranks
 from kvhost.nixl.peers import parse_address, read_secret_file
 from kvhost.testing import raw
 from kvhost_tools.demo import netenv
@@ -173,6 +173,7 @@ def run(
     progress: TextIO | None,
 ) -> None:
     """Connect, plan, allocate, pull, post-process, verify: one decode engine's batch."""
+    load_nixl()  # before a prefill engine is asked to hold memory for us
     begun = time.perf_counter()
     figures = outcome.figures
     figures.update(network=netenv.describe_network(), decode_pid=os.getpid())

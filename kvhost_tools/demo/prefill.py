@@ -148,6 +148,9 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
     """Fill, register, serve, let go; the exit status."""
     from kvhost.caches import CacheSet
     from kvhost.nixl import Agent, HugePages, Offer, PeerHello, PeerRecord, ProtocolError, RemoteRequest, Server
+    from kvhost.nixl.agent import load_nixl
+
+    load_nixl()  # before anything is bound, filled or written: without NIXL nothing can be served
     from kvhost.nixl.peers import read_secret_file, write_secret_file
     from kvhost.testing import raw
     from kvhost_tools.demo.values import layer_views, token_values, write_tokens
