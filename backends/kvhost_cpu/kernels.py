@@ -15,6 +15,7 @@ for small batches.
 
 from __future__ import annotations
 
+import platform
 from functools import cache
 
 import numba
@@ -35,6 +36,10 @@ SHORT_RUN = 1024  # runs up to this many bytes are copied inline
 # caches held beforehand.
 STREAM_BYTES = 1 << 20
 STREAM_RUN = 256
+# Measured on x86 only: elsewhere (aarch64, arm64 macOS) copies use cached stores, and the
+# fence after a streamed copy is LLVM's own, not x86's sfence, which no other target has
+# (LLVM aborts the process compiling it there).
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 SERIAL_BYTES = 1 << 20  # jobs below this run on the calling thread
 SKEW = 2048  # scratch and region differ by this modulo 4 KiB: no false store-to-load aliasing
 
@@ -81,13 +86,22 @@ def _stream32(typingctx, dst, src):
     return sig, codegen
 
 
-@intrinsic
-def _store_fence(typingctx):
-    """``sfence``: streamed stores are visible to every core before what follows."""
-
-    def codegen(context, builder, signature, args):
+def emit_store_fence(builder: ir.IRBuilder, x86: bool) -> None:
+    """Streamed stores are visible to every core before what follows: ``sfence`` on x86 (the
+    lightest fence that orders them there), LLVM's sequentially consistent fence elsewhere."""
+    if x86:
         fence = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
         builder.call(fence, [])
+    else:
+        builder.fence("seq_cst")
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """The fence after streamed stores (``emit_store_fence``) for this machine."""
+
+    def codegen(context, builder, signature, args):
+        emit_store_fence(builder, X86)
 
     return types.void(), codegen
 
@@ -375,8 +389,9 @@ def copy_params(
     src_block: int, dst_block: int, merge: bool, most_blocks: int, loops: Loops, stream: bool
 ) -> np.ndarray:
     """The int64 parameters of ``copy_runs``: ``most_blocks`` caps one work item; ``stream``
-    writes long runs with stores that bypass the caches."""
-    return np.array([src_block, dst_block, int(merge), loops.run_bytes, most_blocks, int(stream), *_padded(loops)])
+    writes long runs with stores that bypass the caches (on x86 only)."""
+    streamed = int(stream and X86)
+    return np.array([src_block, dst_block, int(merge), loops.run_bytes, most_blocks, streamed, *_padded(loops)])
 
 
 def _padded(loops: Loops) -> list[int]:
