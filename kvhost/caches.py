@@ -16,7 +16,7 @@ from operator import attrgetter, is_
 import numpy as np
 import torch
 
-from kvhost.errors import KVHostError, LayoutError
+from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.layout import Layout
 from kvhost.lru import LRU
 from kvhost.memory import find_overlap
@@ -270,6 +270,13 @@ class CacheSet:
         self, layout: Layout, members: MemberList, remote_order: str | None, remote_block_size: int
     ) -> Rearrangement | None:
         try:
+            if remote_order is None and layout.block_size == 1 != remote_block_size and _holds_more(layout):
+                # Where a token axis of size 1 sits here is its stride's accident (two
+                # contiguous tensors of one shape may differ in it); the sender's is not.
+                raise RequestError(
+                    f"blocks of one token here ({layout.region!r} by their strides) do not say where the "
+                    f"sender's tokens sit in its blocks of {remote_block_size}: give its remote_order"
+                )
             return plan_receive(layout, remote_order or layout.region, remote_block_size)
         except KVHostError as err:
             if len(self.by_layout()) == 1:
@@ -335,6 +342,11 @@ class CopyGroups:
 
     groups: list[CopyGroup]
     meeting: list[tuple[Member, Member]]
+
+
+def _holds_more(layout: Layout) -> bool:
+    """Whether a block region holds a letter of more than one index besides its tokens."""
+    return any(layout.size(a) > 1 for a in layout.region if a != "N")
 
 
 def _meeting_pairs(sources: list[Member], destinations: list[Member]) -> list[tuple[Member, Member]]:

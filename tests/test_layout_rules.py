@@ -141,6 +141,28 @@ def test_tokens_or_channels_of_size_1_stored_before_b_lie_just_inside_it(letter,
     case.check()
 
 
+def test_blocks_of_one_token_need_the_senders_order_named_when_its_blocks_are_larger():
+    """Where N of size 1 sits in a region is its stride's accident: two contiguous tensors of
+    one shape read NHC and HNC. With the sender's order left to default, the same landed
+    bytes would be rearranged two ways; it must be named, and then both agree with the wire."""
+    dense = torch.zeros(4, 1, 2, 3)  # B N H C: N shares B's stride
+    transposed = torch.zeros(4, 2, 1, 3).transpose(1, 2)  # the same shape and bytes: N shares H's
+    assert dense.is_contiguous() and transposed.is_contiguous()
+    assert (Layout.of(dense, "BNHC").region, Layout.of(transposed, "BNHC").region) == ("NHC", "HNC")
+    caches = {"dense": dense, "transposed": transposed}
+    with pytest.raises(kvhost.KVHostError, match=r"blocks of one token here \('NHC' by their strides\) do not say"):
+        kvhost.receive(caches, {"r": [0, 1, 2, 3]}, axes="BNHC", remote_block_size=4)
+    with pytest.raises(kvhost.KVHostError, match=r"request 'r': .*'HNC' by their strides\) do not say where"):
+        kvhost.receive({"t": transposed}, {"r": kvhost.Incoming([0, 1, 2, 3], remote_block_size=4)}, axes="BNHC")
+    assert not dense.any() and not transposed.any()
+    for order in ("NHC", "HNC"):
+        case = ReceiveCase(caches, "BNHC", seed=5)
+        case.send("r", [0, 1, 2, 3], order, 4)
+        kvhost.receive(caches, {"r": [0, 1, 2, 3]}, axes="BNHC", remote_order=order, remote_block_size=4)
+        case.check()
+    kvhost.receive(caches, {"r": [2]}, axes="BNHC")  # blocks of one token on both sides: nothing to name
+
+
 # --- lanes and overlaps --------------------------------------------------------------------
 
 
