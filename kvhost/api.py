@@ -228,6 +228,10 @@ def _copy(
 ) -> CopyResult:
     if not isinstance(non_blocking, bool):
         raise RequestError(f"non_blocking must be True or False, got {non_blocking!r}")
+    if source.device.type == "meta" != dest.device.type:  # meta to meta moves nothing, as it should
+        raise LayoutError(
+            f"src layer {next(iter(source.layers))!r} is on meta: it has no bytes to copy to {dest.device.type}"
+        )
     batch = plan_copy_batch(source, dest, src_ids, dst_ids, non_blocking)
     completions = [_completion(backend, backend.copy(job)) for job in batch.jobs]
     return CopyResult(

@@ -213,6 +213,11 @@ ROWS: dict[str, Row] = {
         kvhost.LayoutError,
         "is on meta but layer 'x' is on cpu",
     ),
+    "copy out of meta": (
+        lambda w: kvhost.copy_blocks({n: t.to("meta") for n, t in w.caches.items()}, w.host, [0], [1], axes="KBNHC"),
+        kvhost.LayoutError,
+        "src layer 'layer0' is on meta: it has no bytes to copy to cpu",
+    ),
     "layer name not a string": (
         lambda w: kvhost.receive(w.caches | {0: w.caches["layer0"].clone()}, GOOD, axes="KBNHC"),
         kvhost.LayoutError,
