@@ -39,7 +39,7 @@ def receive(
     before any byte moves (a batch where none would move is only counted); requests
     sharing a transform are done in one backend call.
     """
-    chosen = _backend(backend, _device_of(caches, axes, "caches"))
+    chosen = _backend(backend, _device_of(caches, axes, "caches"), (caches, axes, "caches"))
     with chosen.exclusive():  # from the first read of a tensor's facts (XLA cannot read them mid-update)
         return _receive(CacheSet(caches, axes), requests, remote_order, remote_block_size, chosen)
 
@@ -61,7 +61,8 @@ def copy_blocks(
     way); devices may differ (host staging, either way).
     """
     dst_axes = axes if dst_axes is None else dst_axes
-    chosen = _backend(backend, _copy_device(_device_of(src, axes, "src"), _device_of(dst, dst_axes, "dst")))
+    device = _copy_device(_device_of(src, axes, "src"), _device_of(dst, dst_axes, "dst"))
+    chosen = _backend(backend, device, (src, axes, "src"), (dst, dst_axes, "dst"))
     with chosen.exclusive():
         source = CacheSet(src, axes, role="src")
         dest = CacheSet(dst, dst_axes, role="dst")
@@ -76,7 +77,7 @@ class KVHost:
     """
 
     def __init__(self, caches: Mapping[str, Layer], *, axes: str, backend: str | Backend | None = None) -> None:
-        self.backend = _backend(backend, _device_of(caches, axes, "caches"))
+        self.backend = _backend(backend, _device_of(caches, axes, "caches"), (caches, axes, "caches"))
         with self.backend.exclusive():
             self.caches = CacheSet(caches, axes)
         # The layers as given (a list's tensors as a tuple), to make sets of some of them.
@@ -294,10 +295,18 @@ def _copy_device(src: torch.device, dst: torch.device) -> torch.device:
     raise LayoutError(f"cannot copy between {src} and {dst}: stage through host memory")
 
 
-def _backend(backend: str | Backend | None, device: torch.device) -> Backend:
-    """The backend asked for: an instance (used as given), a name, or None (chosen by device)."""
+def _backend(
+    backend: str | Backend | None, device: torch.device, *sets: tuple[Mapping[str, Layer], str, str]
+) -> Backend:
+    """The backend asked for: an instance (used as given), a name, or None (chosen by
+    device, that of the first tensor of ``sets``)."""
     if isinstance(backend, Backend):
         return backend
     if backend is not None and not isinstance(backend, str):
         raise BackendError(f"backend must be a name, a kvhost.Backend or None, got {backend!r}")
-    return get_backend(device, backend)
+    try:
+        return get_backend(device, backend)
+    except BackendError:
+        for caches, axes, role in sets:  # layers on several devices: what to name, before the backend
+            CacheSet(caches, axes, role=role)
+        raise

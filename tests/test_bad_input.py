@@ -213,6 +213,11 @@ ROWS: dict[str, Row] = {
         kvhost.LayoutError,
         "is on meta but layer 'x' is on cpu",
     ),
+    "layers on two devices, a backend named": (
+        lambda w: kvhost.receive({"zz": w.caches["layer0"].to("meta")} | w.caches, GOOD, axes="KBNHC", backend="cpu"),
+        kvhost.LayoutError,
+        "caches: layer 'layer0' is on cpu but layer 'zz' is on meta; one call serves one device",
+    ),
     "copy out of meta": (
         lambda w: kvhost.copy_blocks({n: t.to("meta") for n, t in w.caches.items()}, w.host, [0], [1], axes="KBNHC"),
         kvhost.LayoutError,
