@@ -135,9 +135,7 @@ def test_every_call_reads_the_tensors_inside_the_lock_of_the_backend_that_does_t
     meta_peer = {"l0": make_cache("KBNHC", "KBNHC", sizes, device="meta")}
     locking(kvhost.get_backend("meta"), "meta")
     host.copy_to(meta_peer, [1], [2]).wait()
-    with pytest.raises(
-        NotImplementedError, match="meta"
-    ):  # a meta tensor has no bytes to give; the read is what counts
+    with pytest.raises(kvhost.LayoutError, match="is on meta: it has no bytes to copy"):  # the read is what counts
         host.copy_from(meta_peer, [2], [1])
     host.copy_to(other, [1], [2]).wait()
     assert reads == [("caches", ("registered",)), ("dst", ("meta",)), ("src", ("meta",)), ("dst", ("registered",))]
