@@ -70,6 +70,22 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
     assert "[  1/" in err  # progress while it runs
 
 
+@pytest.mark.parametrize(("order", "moves"), [("NHC", False), ("HNC", True)])
+def test_the_identity_points_bytes_are_what_its_call_moved(order, moves):
+    """The identity target holds a point to moving nothing: its bytes are what the call said
+    it moved (a sender of another layout moves them), not a constant that always passes."""
+    from dataclasses import replace
+
+    from kvhost_tools.bench.methods import Workspace, prepare
+
+    point = next(
+        p for s in workloads.scenarios(workloads.PRESETS["quick"], (2,)) for p in s.points if p.kind == "identity"
+    )
+    point = replace(point, remote_order=order, remote_block_size=point.geometry.block_size)
+    prepared = prepare(point, Workspace(machine.Device("cpu")), (), point.blocks + 4, seed=1)
+    assert (prepared.nbytes > 0) is moves
+
+
 def test_bench_reports_a_baseline_that_disagrees(tmp_path, monkeypatch, capfd):
     """The bench's own check can fail: a baseline that leaves the wire bytes is caught."""
     monkeypatch.setattr(PerRequestReceiver, "receive", lambda self, requests, **kw: 0)

@@ -124,6 +124,8 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
     host = kvhost.KVHost(caches, axes=geometry.axes)
     touched = block_ranges(caches, geometry.axes, ids)
     if point.kind == "identity":
+        # What a call moves, as it says (the target's "nothing moved" check must be able to fail).
+        moved = host.receive(requests, remote_order=order, remote_block_size=size).bytes_moved
         return Prepared(
             {
                 "empty": lambda: host.receive({}, remote_order=order, remote_block_size=size),
@@ -134,7 +136,7 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
                     caches, requests, axes=geometry.axes, remote_order=order, remote_block_size=size
                 ),
             },
-            nbytes=0,
+            nbytes=moved,
             touched=touched,
         )
     if point.kind == "frontend":
