@@ -180,6 +180,17 @@ def test_worst_check_is_the_one_with_least_headroom():
     assert targets.worst(checks[2:])["point"] == "4"
 
 
+def test_a_parts_median_is_over_the_calls_its_wholes_median_uses():
+    """A method timing its parts records one per call, warm-up calls first: only the rounds
+    its own median uses count (the hand-off's transfer + receive then add up to it)."""
+    sample = timing.Sample([1.0, 2.0, 3.0, 4.0], [0.0, 0.5, 0.0, 0.0])
+    measured = timing.Measured({"m": sample}, {"m": [True, False, True, True]})
+    parts = [90.0, 91.0, 10.0, 20.0, 30.0, 40.0]  # two warm-up calls, then the four rounds
+    assert measured.used_parts("m", parts) == [10.0, 30.0, 40.0]
+    with pytest.raises(ValueError):  # a part not timed on every round is a bug, not a median
+        measured.used_parts("m", [10.0, 20.0, 30.0])
+
+
 def test_calls_that_waited_for_a_core_are_marked_and_left_out():
     # b waited 4 ms for a core in round 2 (a scheduler time slice); its usual wake-up wait is 0.2 ms.
     a = timing.Sample([1e-3, 1.1e-3, 1e-3, 1e-3], [0.0, 1e-4, 0.0, 0.0])

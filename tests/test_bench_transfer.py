@@ -88,7 +88,8 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
                 methods[ROOFLINE]["median_s"] / entry["median_s"], rel=ROUNDING_TOLERANCE
             )
             assert entry["gbps"] == pytest.approx(section["bytes"] / entry["median_s"] / 1e9, rel=ROUNDING_TOLERANCE)
-    assert section["baseline_best"] in (ways.PER_PIECE, ways.UNMERGED)
+    engines = (ways.PER_PIECE, ways.UNMERGED, ways.PREPPED)  # what engines post, vLLM's way among them
+    assert section["baseline_best"] == min(engines, key=lambda name: methods[name]["median_s"])
     best = methods[section["baseline_best"]]["median_s"]
     assert methods[ways.KVHOST]["speedup"] == pytest.approx(
         best / methods[ways.KVHOST]["median_s"], rel=ROUNDING_TOLERANCE
@@ -100,10 +101,10 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     # One transfer per layer: each layer's pieces merge as in the batch (no stream spans two layers).
     assert layered["descriptors"] == merged
     checks = section["targets"]["checks"]
-    names = ["kvhost-batch / per-piece (best)", "kvhost-batch / memcpy", "hand-off / memcpy"]
+    names = ["kvhost-batch / fastest engine way", "kvhost-batch / memcpy", "hand-off / memcpy"]
     assert [c["what"] for c in checks] == names
     assert section["targets"]["passed"] == all(c["passed"] for c in checks)
-    assert "transfer (same host): 8 requests" in out and "x per-piece" in out
+    assert "transfer (same host): 8 requests" in out and "x engines" in out
     assert "hand-off = transfer" in out and "last layer landed" in out and "hand-off-packed = pack" in out
 
 

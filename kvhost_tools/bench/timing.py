@@ -7,7 +7,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +37,12 @@ class Measured:
 
     samples: dict[str, Sample]
     used: dict[str, list[bool]]  # per method and round: undisturbed (or every round, when too few were)
+
+    def used_parts(self, name: str, parts: Sequence[float]) -> list[float]:
+        """Timings of a part of ``name``'s calls, one per call in the order made (its warm-up
+        calls first): those of the rounds its median uses."""
+        rounds = len(self.samples[name].seconds)
+        return [t for t, keep in zip(parts[len(parts) - rounds :], self.used[name], strict=True) if keep]
 
     def used_samples(self) -> dict[str, Sample]:
         return {
