@@ -234,6 +234,8 @@ def _copy(
             f"src layer {next(iter(source.layers))!r} is on meta: it has no bytes to copy to {dest.device.type}"
         )
     batch = plan_copy_batch(source, dest, src_ids, dst_ids, non_blocking)
+    for job in batch.jobs:  # every refusal known in advance, before any job writes
+        backend.check_copy(job)
     completions = [_completion(backend, backend.copy(job)) for job in batch.jobs]
     return CopyResult(
         blocks=batch.blocks,

@@ -139,6 +139,12 @@ class Backend(ABC):
     def copy(self, job: CopyJob) -> Completion:
         """Copy every block pair of ``job``; complete on return unless ``job.non_blocking``."""
 
+    def check_copy(self, job: CopyJob) -> None:
+        """Refuse (a KVHostError) a copy job this backend cannot do: ``check_receive``'s
+        counterpart, called for every job of a copy before any runs; by default every job
+        can be done."""
+        return None
+
     def zero(self, job: ZeroJob) -> None:
         """Zero, in place, the tokens ``job`` names in every member tensor; runs after the
         batch's ``receive`` jobs.

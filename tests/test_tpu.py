@@ -383,6 +383,58 @@ def test_views_of_one_xla_buffer_are_refused_before_a_byte_moves(device):
     assert torch.equal(device_bytes(cache), before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2, torch.float16])
+def test_an_xla_view_of_a_larger_buffer_is_not_written_and_keeps_every_byte(device, dtype):
+    """torch_xla writes a view back through its base in the base's element type: the whole
+    buffer rewritten (NaN payloads of bf16 and fp8 changed, blocks not named too), and not
+    in place. A receive into a slice, or a copy into K taken off a K dim, is refused before a
+    byte moves, naming the layer; reading such a view (a copy from it) is taken."""
+    big = kv_cache(32, dtype, 24, device)
+    before = device_bytes(big)
+    refused = r"layer 'l'(\[0\])?: an XLA view of a larger buffer .* cannot be written in place"
+    with pytest.raises(kvhost.LayoutError, match=refused):
+        kvhost.receive({"l": big[:, 8:24]}, {"r": [5, 6]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    pair = tuple(random_bytes([16, 8, 2, 16], dtype, 25 + k) for k in range(2))
+    with pytest.raises(kvhost.LayoutError, match=refused):  # K and V apart on the host, a K dim on the device
+        kvhost.copy_blocks({"l": pair}, {"l": big}, [1, 2], [5, 31], axes="KBNHC", backend="tpu")
+    assert torch.equal(device_bytes(big), before)
+    out = tuple(torch.zeros(16, 8, 2, 16, dtype=dtype) for _ in range(2))
+    kvhost.copy_blocks({"l": big}, {"l": out}, [5, 31], [0, 15], axes="KBNHC", backend="tpu")
+    for k in range(2):
+        assert torch.equal(host_bytes(out[k])[[0, 15]], before[k, [5, 31]])
+
+
+def test_a_cache_that_requires_grad_is_received_and_copied_into_as_one_that_does_not(device):
+    """The other backends write such a cache's bytes (detached); on XLA an in-place op on it
+    raised mid-job, after the layers before it were queued. Its bytes now end as a plain
+    cache's do, and it keeps requiring grad."""
+    plain = kv_cache(8, torch.float32, 26, device)
+    grad = kv_cache(8, torch.float32, 26, device).requires_grad_(True)
+    for caches in ({"a": plain}, {"a": grad}):
+        kvhost.receive(caches, {"r": [3, 4]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+        source = {"a": random_bytes([2, 2, 8, 2, 16], torch.float32, 27)}
+        kvhost.copy_blocks(source, caches, [0, 1], [6, 0], axes="KBNHC", backend="tpu")
+    assert torch.equal(device_bytes(grad.detach()), device_bytes(plain)) and grad.requires_grad
+
+
+def test_a_copy_refused_by_a_later_job_has_written_nothing(device):
+    """Host layers of two layouts are two jobs; the second's refusal (complex64, which XLA
+    has no bits for, beside float64 of its size) comes before the first writes: every job
+    of a copy is checked first."""
+    sizes = dict(K=2, B=8, N=8, H=2, C=4)
+    dest = {
+        "a": torch.zeros(2, 8, 8, 2, 4, dtype=torch.float64).to(device),
+        "b": torch.zeros(2, 8, 8, 2, 4, dtype=torch.complex64).to(device),
+    }
+    source = {
+        "a": torch.ones(2, 8, 8, 2, 4, dtype=torch.float64),  # token-major memory
+        "b": make_cache("KBNHC", "KBHNC", sizes, torch.complex64).fill_(1),  # head-major: another job
+    }
+    with pytest.raises(kvhost.LayoutError, match=r"layer 'b'\[0\]: torch.complex64 has no XLA bitcast"):
+        kvhost.copy_blocks(source, dest, [1], [3], axes="KBNHC", backend="tpu")
+    assert not dest["a"].cpu().any()
+
+
 TWO_DEVICES = """
 import sys
 import torch, torch_xla

@@ -72,7 +72,11 @@ class TpuBackend(Backend):
         return _GRAPH_LOCK
 
     def check_receive(self, job: ReceiveJob) -> None:
-        _check_members(job.members)
+        _check_members(job.members, written=True)
+
+    def check_copy(self, job: CopyJob) -> None:
+        _check_members([src for src, _ in job.pairs], written=False)
+        _check_members([dst for _, dst in job.pairs], written=True)
 
     def receive(self, job: ReceiveJob) -> None:
         with _GRAPH_LOCK:
@@ -83,7 +87,7 @@ class TpuBackend(Backend):
         loses are graph data, padded like every other index list (an ``index_fill_`` per
         cut token would compile a graph for nearly every prompt length). Whole blocks cut
         at token 0; padding repeats the last (block, cut), so it writes the same bytes twice."""
-        _check_members(job.members)
+        _check_members(job.members, written=True)
         with _GRAPH_LOCK:
             cuts = np.stack(
                 [
@@ -95,7 +99,7 @@ class TpuBackend(Backend):
             cuts = pad_rows(cuts, bucket_size(cuts.shape[0], self.min_bucket))
             ids, first_zeroed = _upload(cuts[:, 0], job.device), _upload(cuts[:, 1], job.device)
             for member in job.members:
-                _zero_tails(member.tensor, job.layout, ids, first_zeroed)
+                _zero_tails(_writable(member.tensor), job.layout, ids, first_zeroed)
             xla.sync()
 
     def raw(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -107,7 +111,7 @@ class TpuBackend(Backend):
         tensor.copy_(values.contiguous().view(tensor.dtype).to(tensor.device))
 
     def copy(self, job: CopyJob) -> Completion:
-        _check_members([member for pair in job.pairs for member in pair])
+        self.check_copy(job)
         with _GRAPH_LOCK:
             return self._copy(job)
 
@@ -119,7 +123,7 @@ class TpuBackend(Backend):
         padded = pad_rows(units, bucket_size(units.shape[0], floor)).reshape(-1)
         ids = _upload(padded, job.device)
         for member in job.members:
-            _rearrange(member.tensor, block_dim(member.layout), job.rearrangement, ids)
+            _rearrange(_writable(member.tensor), block_dim(member.layout), job.rearrangement, ids)
         xla.sync()
 
     def _copy(self, job: CopyJob) -> Completion:
@@ -134,7 +138,8 @@ class TpuBackend(Backend):
             if dst.tensor.device.type == "xla":
                 # The padded rows repeat the last real pair, byte for byte.
                 dst_index = _upload(dst_ids, dst.tensor.device) if dst_index is None else dst_index
-                _write_rows(dst.tensor, block_dim(dst.layout), dst_index, _moved_to(picked, dst.tensor))
+                cache = _writable(dst.tensor)
+                _write_rows(cache, block_dim(dst.layout), dst_index, _moved_to(picked, cache))
             else:
                 to_host.append((dst, _as_integers(picked)))
         xla.sync()  # everything above is one graph: gathers, permutes, writes
@@ -242,10 +247,29 @@ def _upload(ids: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
 
 
-def _check_members(members: list[Member]) -> None:
+def _writable(cache: torch.Tensor) -> torch.Tensor:
+    """The cache to write in place: itself, or where it requires grad (an in-place op on it
+    would raise mid-job), an alias of its buffer (``detach``), as the other backends write."""
+    return cache.detach() if cache.requires_grad else cache
+
+
+def _check_members(members: list[Member], *, written: bool) -> None:
     """What the device refuses, before any of a job runs: a dtype it has no bits for, a block
-    region that does not follow ``B`` in the shape."""
+    region that does not follow ``B`` in the shape, and (for what is ``written``) a view of
+    a larger buffer."""
     for member in members:
-        if member.tensor.device.type == "xla":  # a host side is copied by torch, byte for byte
-            xla.check_dtype(member.tensor.dtype, member.name)
-            block_dim(member.layout)
+        tensor = member.tensor
+        if tensor.device.type != "xla":  # a host side is copied by torch, byte for byte
+            continue
+        xla.check_dtype(tensor.dtype, member.name)
+        block_dim(member.layout)
+        base = tensor._base
+        if written and base is not None and base.nbytes != tensor.nbytes:  # a view of all of it writes as itself
+            # torch_xla writes a view back through its base in the base's element type: the
+            # whole buffer is rewritten (NaN payloads of bf16/fp8 changed, blocks not named
+            # too) and not in place.
+            raise LayoutError(
+                f"{member.name}: an XLA view of a larger buffer (a slice, or K taken off a K dim) cannot be "
+                "written in place; give the whole tensor (in a copy, K as a dim on both sides, or K and V as "
+                "tuples on both)"
+            )
