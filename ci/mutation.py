@@ -107,7 +107,10 @@ MODULES = [
     Module("kvhost/layout.py", ("tests/test_layout.py", "tests/test_layout_rules.py", *CHECKS, *CONFORMANCE)),
     Module("kvhost/memory.py", ("tests/test_layout_rules.py", *CHECKS, "tests/test_cache_sets.py")),
     Module("kvhost/transform.py", ("tests/test_layout.py", "tests/test_plans.py", *CONFORMANCE, *CHECKS)),
-    Module("kvhost/caches.py", (*CHECKS, "tests/test_cache_sets.py", "tests/test_front_end.py", *CONFORMANCE)),
+    Module(
+        "kvhost/caches.py",
+        (*CHECKS, "tests/test_cache_sets.py", "tests/test_front_end.py", "tests/test_layout_rules.py", *CONFORMANCE),
+    ),
     Module("kvhost/ids.py", ("tests/test_ids.py", "tests/test_errors.py", "tests/test_bad_input.py", *CONFORMANCE)),
     Module("kvhost/batch.py", ("tests/test_front_end.py", "tests/test_partial_blocks.py", *CHECKS, *CONFORMANCE)),
     Module(
