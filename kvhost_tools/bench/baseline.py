@@ -121,7 +121,8 @@ def _receive_member(member: Member, ids: Ids, remote_order: str | None, remote_b
 
 
 class PerRequestStager:
-    """Staging copies one request, one layer, one K/V half at a time: index, then assign.
+    """Staging copies one request and one layer at a time, K and V together where K is a dim:
+    index, then assign, as vLLM's host-buffer path does (``dst[:, ids] = src[:, ids]``).
 
     ``src`` and ``dst`` are layer dicts with the same names (the device cache and a host
     buffer, either way); ``dst_axes`` names dst's dims when its layout differs.
@@ -148,17 +149,11 @@ class PerRequestStager:
 
 
 def _stage_member(src: Member, dst: Member, src_ids: Ids, dst_ids: Ids) -> int:
-    # Both sides seen in one logical order: B, then the letters in dst's memory order.
-    letters = [a for a in dst.layout.physical if a != "B"]
-    source = as_raw(src.tensor).permute([src.layout.axes.index(a) for a in ["B", *letters]])
-    dest = as_raw(dst.tensor).permute([dst.layout.axes.index(a) for a in ["B", *letters]])
+    # Both sides seen in src's shape order; one index-and-assign along B takes every other
+    # letter with it (K and V together, where K is a dim).
+    dest = as_raw(dst.tensor).permute([dst.layout.axes.index(a) for a in src.layout.axes])
     src_index = torch.tensor(list(src_ids), dtype=torch.int64, device=src.tensor.device)
     dst_index = torch.tensor(list(dst_ids), dtype=torch.int64, device=dst.tensor.device)
-    outer = src.layout.outer
-    positions = [1 + letters.index(a) for a in outer]
-    for outer_index in itertools.product(*[range(src.layout.size(a)) for a in outer]):
-        s, d = source, dest
-        for position, i in sorted(zip(positions, outer_index), reverse=True):
-            s, d = s.select(position, i), d.select(position, i)
-        d[dst_index] = s[src_index].to(d.device)
+    b = src.layout.axes.index("B")
+    dest[(slice(None),) * b + (dst_index,)] = as_raw(src.tensor)[(slice(None),) * b + (src_index,)].to(dest.device)
     return len(src_ids) * src.layout.region_numel * src.layout.outer_count * src.layout.itemsize

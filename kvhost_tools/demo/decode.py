@@ -72,7 +72,7 @@ from kvhost_tools.demo.options import (
     workload_of,
 )
 from kvhost_tools.demo.pull import Engine, Rank, Request, Settings, Steps, pull
-from kvhost_tools.demo.report import Outcome, describe_decode, memcpy_gbps, prefill_pid, print_report, write_json
+from kvhost_tools.demo.report import Outcome, Yardstick, describe_decode, prefill_pid, print_report, write_json
 from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
 from kvhost_tools.demo.values import SENTINEL_BYTE
 from kvhost_tools.demo.verify import verify
@@ -250,6 +250,10 @@ def run(
             args.fault_label,
         )
         warm_up(settings, model, shape, engines, outcome, staging=args.via_host)
+        yardstick = Yardstick(
+            figures["tokens"] * model.layers * model.kv * model.heads * model.head_dim * model.itemsize
+        )
+        yardstick.time()
         steps = Steps()
         pull(settings, [r for r in requests if r.engine is not None], ranks, outcome, steps, staging=args.via_host)
         for engine in engines:  # prefill may let go of its memory now
@@ -270,7 +274,8 @@ def run(
             backend=steps.backend,
             post_what=what + (f", on each of {len(ranks)} ranks" if len(ranks) > 1 else ""),
         )
-        figures["memcpy_gbps"] = memcpy_gbps(figures.get("transfer_bytes", 0))
+        yardstick.time()
+        figures["memcpy_gbps"] = yardstick.gbps()
         verify(model, axes, workload.seed, ranks, arrived, spare, outcome, progress=progress)
     finally:
         for session in sessions:
