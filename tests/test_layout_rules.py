@@ -161,6 +161,9 @@ def test_blocks_of_one_token_need_the_senders_order_named_when_its_blocks_are_la
         kvhost.receive(caches, {"r": [0, 1, 2, 3]}, axes="BNHC", remote_order=order, remote_block_size=4)
         case.check()
     kvhost.receive(caches, {"r": [2]}, axes="BNHC")  # blocks of one token on both sides: nothing to name
+    lone = torch.arange(4.0).reshape(4, 1, 1, 1)  # a block holds one value: every order is its bytes
+    kvhost.receive({"t": lone}, {"r": [0, 1, 2, 3]}, axes="BNHC", remote_block_size=4)
+    assert lone.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 # --- lanes and overlaps --------------------------------------------------------------------
