@@ -1815,3 +1815,16 @@ def test_a_read_in_flight_across_its_engines_new_handshake_is_post_processed_as_
     assert "r1" in results.finished_recving and "r1" not in results.failed_recving
     assert torch.equal(tokens_of(caches, [3], 64), tokens_of(prefill["p"][1], [5], 64))
     assert worker.last_post_process is not None and worker.last_post_process.bytes_moved > 0
+
+
+def test_a_read_from_an_engine_with_no_handshake_noted_fails_its_request(vllm_env, copying):
+    """vLLM posts a read only after a handshake kvhost noted; one that came without fails its
+    request as vLLM fails a read it cannot set up, noting nothing and posting nothing."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import ReadSpec
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=64, wrapper=copying)
+    posted = dict(CopyingNixlWrapper.posted)
+    read = ReadSpec(remote_rank=0, local_block_ids=[[3]], remote_block_ids=[[5]])
+    assert worker._read_blocks(read, "never-met", "r") is False
+    assert "r" in worker._recv_failures and "r" not in worker._read_from
+    assert CopyingNixlWrapper.posted == posted
