@@ -1736,15 +1736,14 @@ class HoldingNixlWrapper(CopyingNixlWrapper):
         return "PROC" if handle in self.held else super().check_xfer_state(handle)
 
 
-@pytest.mark.parametrize("vllm_accepts", [True, False], ids=["accepted", "refused"])
-def test_a_read_in_flight_across_its_engines_new_handshake_is_post_processed_as_it_was_read(
-    vllm_env, copying, vllm_accepts
-):
+@pytest.mark.parametrize("case", ["accepted", "accepted, both ending in one step", "refused"])
+def test_a_read_in_flight_across_its_engines_new_handshake_is_post_processed_as_it_was_read(vllm_env, copying, case):
     """An engine registers its cache again (a bumped registration generation: vLLM drops it
     and shakes hands anew) with another layout while a read of its old blocks is in flight.
     That read lands the old layout's bytes and is post-processed as the old layout, whether
-    vLLM takes the new registration or its checks, on the handshake thread, refuse it while
-    the read ends on the main thread (a step never sees a layout vLLM has not accepted)."""
+    vLLM takes the new registration (and a read of it ends in a later step, or in the same
+    one) or its checks, on the handshake thread, refuse it while the read ends on the main
+    thread (a step never sees a layout vLLM has not accepted)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 
@@ -1770,17 +1769,21 @@ def test_a_read_in_flight_across_its_engines_new_handshake_is_post_processed_as_
         connector.clear_connector_metadata()
         return results
 
+    def posted(req_id):  # its bytes landed, and it is held in flight
+        for _ in range(200):
+            if worker._recving_transfers.get(req_id):
+                return
+            time.sleep(0.02)
+            step()
+        raise AssertionError(f"{req_id} was never posted")
+
     worker._nixl_handshake = handshake
     try:
         step({"r1": ([3], [5])})
-        for _ in range(200):
-            if worker._recving_transfers.get("r1"):  # posted: its head-major bytes landed, still in flight
-                break
-            time.sleep(0.02)
-            step()
-        HoldingNixlWrapper.holding = False
+        posted("r1")
         registrations.pop(0)
-        if vllm_accepts:
+        if case == "accepted":
+            HoldingNixlWrapper.holding = False
             done = set()
             for _ in range(200):
                 done |= step({"r2": ([7], [6])} if not done else None, generation=1).finished_recving
@@ -1790,7 +1793,16 @@ def test_a_read_in_flight_across_its_engines_new_handshake_is_post_processed_as_
             assert worker.remote_engines["p"].kv_cache_layout == "LBNHC"  # the new registration's
             HoldingNixlWrapper.held.clear()
             results = step()
+        elif case == "accepted, both ending in one step":
+            step({"r2": ([7], [6])}, generation=1)
+            posted("r2")
+            HoldingNixlWrapper.holding = False
+            HoldingNixlWrapper.held.clear()
+            results = step()
+            assert {"r1", "r2"} <= set(results.finished_recving) and not results.failed_recving
+            assert torch.equal(tokens_of(caches, [7], 64), tokens_of(prefill["again"][1], [6], 64))
         else:
+            HoldingNixlWrapper.holding = False
             checking, refuse = threading.Event(), threading.Event()
 
             def checks_then_refuses(self, meta, *args, **kwargs):  # vLLM's checks, slow, then a refusal

@@ -599,13 +599,21 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         """``post_process``'s arguments for the finished requests whose bytes kvhost finishes,
         and those requests' ids. A sender block read in part is a request of its own, from
         a sender of its own, under names no engine or request of the step has (ids are
-        anyone's strings: a peer names its engine, a client its request)."""
+        anyone's strings: a peer names its engine, a client its request); so is an engine
+        read under two registrations (two layouts) by requests finishing in one step."""
         received: dict[str, dict[str, list[int]]] = {}
         engines: dict[str, RemoteEngine] = {}
         tokens: dict[str, int] = {}
         named: set[str] = set()
         taken = set(finished) | {meta.remote.engine_id for meta in finished.values() if meta.remote is not None}
         local_size = self.block_size
+
+        def sender(name: str, remote: RemoteEngine) -> str:
+            """``name``, or a name of its own for another layout already under it this step."""
+            while engines.setdefault(name, remote) != remote:
+                name = _unused(name + "'", taken)
+            return name
+
         for req_id, meta in finished.items():
             if meta.region_blocks_to_zero is not None or meta.remote is None:
                 continue  # vLLM zeroed its read plan's padding itself
@@ -626,12 +634,12 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                         name, request = engine, req_id
                     else:
                         name, request = _unused(f"{engine}/{parts}", taken), _unused(f"{req_id}/{offset}", taken)
-                    engines[name] = RemoteEngine(layout, parts * local_size)
+                    name = sender(name, RemoteEngine(layout, parts * local_size))
                     received.setdefault(name, {})[request] = list(local_ids[offset : offset + length])
                 continue
-            engines[engine] = remote_engine
+            name = sender(engine, remote_engine)
             (remote_ids,) = meta.remote.block_ids
-            received.setdefault(engine, {})[req_id] = list(local_ids)
+            received.setdefault(name, {})[req_id] = list(local_ids)
             arrived = min(len(local_ids) * local_size, len(remote_ids) * remote_size)
             if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
