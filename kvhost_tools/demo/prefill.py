@@ -112,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         host, port = "", 0
     if problem:
         p.error(problem)
+    netenv.set_defaults(
+        os.environ, []
+    )  # quiet before NIXL loads (it reads its log level then); UCX's devices once bound
     try:
         with stop_on_sigterm():
             return serve(args, host, port)
