@@ -323,8 +323,15 @@ def _decode_cache(model: Model, lengths: list[int], prefill_block_size: int, blo
 
 
 def _working(model: Model, lengths: list[int], block_size: int) -> int:
-    """Working memory for the largest request: its values as 32-bit words, a few times over."""
-    return blocks_for(max(lengths), block_size) * block_size * model.kv * model.heads * model.head_dim * 4 * 8
+    """Working memory for the largest request: its values as 32-bit words, a few times over;
+    and decode's memcpy yardstick (two buffers)."""
+    largest = blocks_for(max(lengths), block_size) * block_size * model.kv * model.heads * model.head_dim * 4 * 8
+    return largest + 2 * yardstick_bytes(sum(lengths) * model.token_bytes())
+
+
+def yardstick_bytes(batch_bytes: int) -> int:
+    """The size of decode's memcpy yardstick for a batch of ``batch_bytes``: 1 to 64 MiB."""
+    return min(max(batch_bytes, 1 << 20), 64 << 20)
 
 
 def memory_refusal(needed: int, model: Model, workload: Workload) -> str | None:

@@ -250,9 +250,7 @@ def run(
             args.fault_label,
         )
         warm_up(settings, model, shape, engines, outcome, staging=args.via_host)
-        yardstick = Yardstick(
-            figures["tokens"] * model.layers * model.kv * model.heads * model.head_dim * model.itemsize
-        )
+        yardstick = Yardstick(figures["tokens"] * model.token_bytes())  # the batch's size
         yardstick.time()
         steps = Steps()
         pull(settings, [r for r in requests if r.engine is not None], ranks, outcome, steps, staging=args.via_host)

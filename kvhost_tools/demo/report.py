@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 import torch
 
-from kvhost_tools.demo.config import EngineShape, Model
+from kvhost_tools.demo.config import EngineShape, Model, yardstick_bytes
 
 if TYPE_CHECKING:
     from kvhost.nixl.peers import Offer
@@ -80,7 +80,7 @@ class Yardstick:
     def __init__(self, nbytes: int) -> None:
         from kvhost_tools.bench.machine import line_evictor
 
-        self.size = min(max(nbytes, 1 << 20), 64 << 20)
+        self.size = yardstick_bytes(nbytes)
         self.source = torch.ones(self.size, dtype=torch.uint8)
         self.target = torch.empty(self.size, dtype=torch.uint8)
         self.touched = np.array([[t.data_ptr(), self.size] for t in (self.source, self.target)], dtype=np.int64)
