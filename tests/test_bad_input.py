@@ -317,7 +317,11 @@ ROWS: dict[str, Row] = {
         "conjugated",
     ),
     # Backends.
-    "backend not a name": (receive(GOOD, backend=5), kvhost.BackendError, "got 5"),
+    "backend not a name": (
+        receive(GOOD, backend=5),
+        kvhost.BackendError,
+        "backend must be a name, a kvhost.Backend or None, got 5",
+    ),
     "backend unknown": (receive(GOOD, backend="nonesuch"), kvhost.BackendError, "'nonesuch'"),
     "get_backend name a list": (
         lambda w: kvhost.get_backend("cpu", ["cpu"]),  # type: ignore[arg-type]

@@ -304,6 +304,9 @@ def test_a_table_is_checked_against_its_engines_heads_and_kind():
     assert table_refusal(latent, 1, region_table(caches, "BNC")) is None
     _, headed = rank_table(EngineSpec("mha", 2, 2, 8, "bfloat16", 16, "HNC", 1))
     assert table_refusal(latent, 0, headed) == "rank 0 table: an mla cache has no heads, the table has H 2"
+    for k, said in ((1, None), (2, "rank 0 table: K is 2, an mla cache has one latent: no K")):
+        keyed = {f"layer{i}": make_cache("KBNC", "KBNC", dict(K=k, B=8, N=16, C=8), torch.bfloat16) for i in range(2)}
+        assert table_refusal(latent, 0, region_table(keyed, "KBNC")) == said
     sizes = dict(K=2, B=8, N=16, H=2, C=8)
     wide = {f"layer{i}": make_cache("KBNHC", "KBHNC", sizes, torch.float32) for i in range(2)}
     assert table_refusal(PREFILL, 0, region_table(wide, "KBNHC")) == (

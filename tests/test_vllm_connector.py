@@ -1589,7 +1589,10 @@ def test_engines_vllm_drops_are_forgotten_and_their_requests_keep_their_senders(
             with refusing, pytest.raises(RuntimeError):
                 worker.add_remote_agent(meta, 0, 1)
         del worker._handshake_futures["back"]
-        worker._forget_dropped_engines()
+        if succeeds:
+            worker._forget_dropped_engines()
+        else:
+            worker.get_transfer_results()  # each step looks again, once the handshake is done
         assert set(worker.remote_engines) == set(worker.larger_remote_blocks) == ({"back"} if succeeds else set())
         assert not worker._dropped_engines
         if succeeds:
@@ -1827,6 +1830,17 @@ def test_a_read_in_flight_across_its_engines_new_handshake_is_post_processed_as_
     assert "r1" in results.finished_recving and "r1" not in results.failed_recving
     assert torch.equal(tokens_of(caches, [3], 64), tokens_of(prefill["p"][1], [5], 64))
     assert worker.last_post_process is not None and worker.last_post_process.bytes_moved > 0
+    assert worker._read_from == {}  # a request's sender is kept while vLLM receives it, no longer
+
+
+def test_a_request_received_without_a_read_posted_here_is_refused_by_name(vllm_env, copying_worker):
+    """Every read is posted through _read_blocks, which notes its sender; a finished request
+    without one is a KVHostError naming it (then tried alone, failing alone), not a KeyError."""
+    _, worker, _ = copying_worker
+    _, payloads = sender_workers(vllm_env, {"hnd": ("LBHNC", 64)})
+    worker.add_remote_agent(payloads["hnd"], 0, 1)
+    with pytest.raises(RequestError, match=r"request 'x': received from 'hnd', but no read of it was posted here"):
+        worker._post_process_batch({"x": received_request([3], [5])})
 
 
 def test_a_read_from_an_engine_with_no_handshake_noted_fails_its_request(vllm_env, copying):
