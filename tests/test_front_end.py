@@ -269,6 +269,22 @@ def test_a_job_the_backend_refuses_stops_the_batch_before_any_job_runs(target):
     case.check()
 
 
+class RefusesTheLastCopyJob(RefusesTheLastGroup):
+    def check_copy(self, job):  # type: ignore[no-untyped-def]
+        self.check_receive(job)
+
+
+def test_a_copy_job_the_backend_refuses_stops_the_copy_before_any_job_runs():
+    """Host layers of two layouts are two copy jobs: the second refused, the first never ran."""
+    src = {"a": make_cache("KBNHC", "KBNHC", SIZES), "b": make_cache("KBNHC", "KBHNC", SIZES)}
+    dst = {name: torch.zeros(tuple(t.shape), dtype=t.dtype) for name, t in src.items()}
+    backend = RefusesTheLastCopyJob(groups=2)
+    with pytest.raises(kvhost.BackendError, match="cannot do group 2"):
+        kvhost.copy_blocks(src, dst, [0, 1], [2, 3], axes="KBNHC", backend=backend)
+    assert backend.checked == 2 and backend.jobs == []
+    assert not any(t.any() for t in dst.values())
+
+
 def test_caches_that_moved_are_told_before_any_backend_refusal(target):
     """Memory first: a registered cache re-pointed since registration is the error a call
     gets, whatever its backend would have said of the batch."""

@@ -145,8 +145,8 @@ def test_blocks_of_one_token_need_the_senders_order_named_when_its_blocks_are_la
     """Where N of size 1 sits in a region is its stride's accident: two contiguous tensors of
     one shape read NHC and HNC. With the sender's order left to default, the same landed
     bytes would be rearranged two ways; it must be named, and then both agree with the wire."""
-    dense = torch.zeros(4, 1, 2, 3)  # B N H C: N shares B's stride
-    transposed = torch.zeros(4, 2, 1, 3).transpose(1, 2)  # the same shape and bytes: N shares H's
+    dense = torch.zeros(4, 1, 2, 2)  # B N H C: N shares B's stride
+    transposed = torch.zeros(4, 2, 1, 2).transpose(1, 2)  # the same shape and bytes: N shares H's
     assert dense.is_contiguous() and transposed.is_contiguous()
     assert (Layout.of(dense, "BNHC").region, Layout.of(transposed, "BNHC").region) == ("NHC", "HNC")
     caches = {"dense": dense, "transposed": transposed}
