@@ -204,6 +204,10 @@ def test_a_complex_cache_is_refused_before_any_byte_moves(device):
         kvhost.copy_blocks(
             {"l": torch.zeros(2, 2, 8, 2, 4, dtype=torch.complex64)}, caches, [0], [3], axes="KBNHC", backend="tpu"
         )
+    with pytest.raises(kvhost.LayoutError, match=refused):  # read from the device: its bits are asked for too
+        kvhost.copy_blocks(
+            caches, {"l": torch.zeros(2, 2, 8, 2, 4, dtype=torch.complex64)}, [3], [0], axes="KBNHC", backend="tpu"
+        )
     with pytest.raises(kvhost.LayoutError, match=refused):  # the identity with a prompt cut short: zeroing alone
         kvhost.receive(
             caches,
