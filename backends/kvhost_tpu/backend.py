@@ -247,9 +247,9 @@ def _upload(ids: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _writable(cache: torch.Tensor) -> torch.Tensor:
-    """The cache to write in place: itself, or where it requires grad (an in-place op on it
-    would raise mid-job), an alias of its buffer (``detach``), as the other backends write."""
-    return cache.detach() if cache.requires_grad else cache
+    """The cache to write in place: an alias of its buffer outside autograd (``detach``), as
+    the other backends write (an in-place op on a cache that requires grad raises)."""
+    return cache.detach()
 
 
 def _check_members(members: list[Member], *, written: bool) -> None:
