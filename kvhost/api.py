@@ -10,7 +10,7 @@ import torch
 
 from kvhost.backend import Backend, Completion
 from kvhost.batch import Ids, Incoming, plan_copy_batch, plan_receive_batch
-from kvhost.caches import CacheSet, Layer
+from kvhost.caches import CacheSet, Layer, check_one_device
 from kvhost.errors import ArgumentError, BackendError, LayoutError, RequestError
 from kvhost.lru import LRU
 from kvhost.registry import get_backend
@@ -309,6 +309,6 @@ def _backend(
     try:
         return get_backend(device, backend)
     except BackendError:
-        for caches, axes, role in sets:  # layers on several devices: what to name, before the backend
-            CacheSet(caches, axes, role=role)
+        for caches, _, role in sets:  # layers on several devices: what to name, before the backend
+            check_one_device(caches, role)
         raise

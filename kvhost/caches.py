@@ -154,10 +154,7 @@ class CacheSet:
                     f"{first.layer!r} has {first.tensor.dtype}; item sizes must match"
                 )
             if member.tensor.device != first_device:
-                raise LayoutError(
-                    f"{role}: layer {member.layer!r} is on {member.tensor.device} but layer "
-                    f"{first.layer!r} is on {first_device}; one call serves one device"
-                )
+                raise _devices_differ(role, member.layer, member.tensor.device, first.layer, first_device)
         self.device: torch.device = first_device
         self.member_axes = first.layout.axes
         self.layout = first.layout
@@ -342,6 +339,27 @@ class CopyGroups:
 
     groups: list[CopyGroup]
     meeting: list[tuple[Member, Member]]
+
+
+def check_one_device(caches: Mapping[str, object], role: str) -> None:
+    """Refuse layers on several devices, reading each tensor's device alone (none of its
+    memory facts, which torch_xla cannot give while another thread updates the tensor).
+    Anything that is no tensor is left for ``CacheSet`` to name."""
+    first: tuple[str, torch.device] | None = None
+    for name, layer in caches.items():
+        for tensor in layer if isinstance(layer, (tuple, list)) else (layer,):
+            if not isinstance(tensor, torch.Tensor):
+                return
+            if first is None:
+                first = (name, tensor.device)
+            elif tensor.device != first[1]:
+                raise _devices_differ(role, name, tensor.device, *first)
+
+
+def _devices_differ(role: str, layer: str, device: torch.device, first: str, first_device: torch.device) -> LayoutError:
+    return LayoutError(
+        f"{role}: layer {layer!r} is on {device} but layer {first!r} is on {first_device}; one call serves one device"
+    )
 
 
 def _holds_more(layout: Layout) -> bool:

@@ -140,3 +140,26 @@ def test_every_call_reads_the_tensors_inside_the_lock_of_the_backend_that_does_t
     host.copy_to(other, [1], [2]).wait()
     assert reads == [("caches", ("registered",)), ("dst", ("meta",)), ("src", ("meta",)), ("dst", ("registered",))]
     assert held == []
+
+
+def test_layers_on_two_devices_are_named_without_reading_a_tensor_outside_a_lock(monkeypatch):
+    """A named backend that does not serve the first layer's device: the refusal names layers
+    on two devices from each tensor's device alone, reading no tensor's memory facts (which
+    torch_xla cannot give while another thread updates the tensor) outside a backend's lock."""
+    import kvhost.api
+
+    built: list[str] = []
+
+    class Recorded(kvhost.api.CacheSet):  # type: ignore[misc,name-defined]
+        def __init__(self, caches, axes, *, role="caches"):  # type: ignore[no-untyped-def]
+            built.append(role)
+            super().__init__(caches, axes, role=role)
+
+    monkeypatch.setattr(kvhost.api, "CacheSet", Recorded)
+    sizes = dict(K=2, B=8, N=8, H=2, C=4)
+    caches = {"zz": make_cache("KBNHC", "KBNHC", sizes, device="meta"), "l0": make_cache("KBNHC", "KBNHC", sizes)}
+    with pytest.raises(kvhost.LayoutError, match=r"caches: layer 'l0' is on cpu but layer 'zz' is on meta"):
+        kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend="cpu")
+    with pytest.raises(kvhost.LayoutError, match=r"dst: layer 'l0' is on cpu but layer 'zz' is on meta"):
+        kvhost.copy_blocks({"l0": caches["l0"]}, caches, [0], [1], axes="KBNHC", backend="cpu")
+    assert built == []
