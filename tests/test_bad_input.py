@@ -218,6 +218,29 @@ ROWS: dict[str, Row] = {
         kvhost.LayoutError,
         "caches: layer 'layer0' is on cpu but layer 'zz' is on meta; one call serves one device",
     ),
+    "tuple layers on two devices, a backend named": (
+        lambda w: kvhost.receive(
+            {"zz": tuple(w.caches["layer0"].to("meta").unbind(0))}
+            | {n: tuple(t.unbind(0)) for n, t in w.caches.items()},
+            GOOD,
+            axes="KBNHC",
+            backend="cpu",
+        ),
+        kvhost.LayoutError,
+        "caches: layer 'layer0' is on cpu but layer 'zz' is on meta",
+    ),
+    "a scalar beside layers on another device, a backend named": (
+        lambda w: kvhost.receive(
+            {"zz": w.caches["layer0"].to("meta"), "x": torch.tensor(1.0)}, GOOD, axes="KBNHC", backend="cpu"
+        ),
+        kvhost.LayoutError,
+        "caches: layer 'x' is on cpu but layer 'zz' is on meta",
+    ),
+    "no tensor beside layers on a device the named backend refuses": (
+        lambda w: kvhost.receive({"zz": w.caches["layer0"].to("meta"), "x": "text"}, GOOD, axes="KBNHC", backend="cpu"),
+        kvhost.BackendError,
+        "backend 'cpu' does not serve device type 'meta'",
+    ),
     "copy out of meta": (
         lambda w: kvhost.copy_blocks({n: t.to("meta") for n, t in w.caches.items()}, w.host, [0], [1], axes="KBNHC"),
         kvhost.LayoutError,
