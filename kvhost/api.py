@@ -39,7 +39,7 @@ def receive(
     before any byte moves (a batch where none would move is only counted); requests
     sharing a transform are done in one backend call.
     """
-    chosen = _backend(backend, _device_of(caches, axes, "caches"), (caches, axes, "caches"))
+    chosen = _backend(backend, _device_of(caches, axes, "caches"), (caches, "caches"))
     with chosen.exclusive():  # from the first read of a tensor's facts (XLA cannot read them mid-update)
         return _receive(CacheSet(caches, axes), requests, remote_order, remote_block_size, chosen)
 
@@ -62,7 +62,7 @@ def copy_blocks(
     """
     dst_axes = axes if dst_axes is None else dst_axes
     device = _copy_device(_device_of(src, axes, "src"), _device_of(dst, dst_axes, "dst"))
-    chosen = _backend(backend, device, (src, axes, "src"), (dst, dst_axes, "dst"))
+    chosen = _backend(backend, device, (src, "src"), (dst, "dst"))
     with chosen.exclusive():
         source = CacheSet(src, axes, role="src")
         dest = CacheSet(dst, dst_axes, role="dst")
@@ -77,7 +77,7 @@ class KVHost:
     """
 
     def __init__(self, caches: Mapping[str, Layer], *, axes: str, backend: str | Backend | None = None) -> None:
-        self.backend = _backend(backend, _device_of(caches, axes, "caches"), (caches, axes, "caches"))
+        self.backend = _backend(backend, _device_of(caches, axes, "caches"), (caches, "caches"))
         with self.backend.exclusive():
             self.caches = CacheSet(caches, axes)
         # The layers as given (a list's tensors as a tuple), to make sets of some of them.
@@ -297,11 +297,9 @@ def _copy_device(src: torch.device, dst: torch.device) -> torch.device:
     raise LayoutError(f"cannot copy between {src} and {dst}: stage through host memory")
 
 
-def _backend(
-    backend: str | Backend | None, device: torch.device, *sets: tuple[Mapping[str, Layer], str, str]
-) -> Backend:
+def _backend(backend: str | Backend | None, device: torch.device, *sets: tuple[Mapping[str, Layer], str]) -> Backend:
     """The backend asked for: an instance (used as given), a name, or None (chosen by
-    device, that of the first tensor of ``sets``)."""
+    device, that of the first tensor of ``sets``: each a layer dict and its role)."""
     if isinstance(backend, Backend):
         return backend
     if backend is not None and not isinstance(backend, str):
@@ -309,6 +307,6 @@ def _backend(
     try:
         return get_backend(device, backend)
     except BackendError:
-        for caches, _, role in sets:  # layers on several devices: what to name, before the backend
+        for caches, role in sets:  # layers on several devices: what to name, before the backend
             check_one_device(caches, role)
         raise
