@@ -289,12 +289,14 @@ def model_refusal(model: Model, workload: Workload, shapes: Sequence[tuple[str, 
 
 def memory_needed(model: Model, workload: Workload, prefill: EngineShape, decode: EngineShape, *, staging: bool) -> int:
     """Bytes the engines of one host allocate for one prefill and one decode engine, estimated
-    before anything is: prefill's cache, decode's (twice with a host buffer shaped like it),
-    and working memory for the largest request (its values as 32-bit words, a few times over)."""
+    before anything is: prefill's cache, decode's (twice with a host buffer shaped like it)
+    and its memcpy yardstick, and working memory for the largest request (its values as
+    32-bit words, a few times over)."""
     lengths = workload.lengths()
     return (
         _prefill_cache(model, lengths, prefill.block_size)
         + _decode_cache(model, lengths, prefill.block_size, decode.block_size, staging=staging)
+        + _yardstick(model, lengths)
         + _working(model, lengths, prefill.block_size)
     )
 
@@ -310,7 +312,7 @@ def decode_memory(model: Model, workload: Workload, decode: EngineShape, share: 
     (from prefill blocks of its own size: the least its cache can be)."""
     lengths = workload.lengths_of(share) or [0]
     cache = _decode_cache(model, lengths, decode.block_size, decode.block_size, staging=staging)
-    return cache + _working(model, lengths, decode.block_size)
+    return cache + _yardstick(model, lengths) + _working(model, lengths, decode.block_size)
 
 
 def _prefill_cache(model: Model, lengths: list[int], block_size: int) -> int:
@@ -323,10 +325,13 @@ def _decode_cache(model: Model, lengths: list[int], prefill_block_size: int, blo
 
 
 def _working(model: Model, lengths: list[int], block_size: int) -> int:
-    """Working memory for the largest request: its values as 32-bit words, a few times over;
-    and decode's memcpy yardstick (two buffers)."""
-    largest = blocks_for(max(lengths), block_size) * block_size * model.kv * model.heads * model.head_dim * 4 * 8
-    return largest + 2 * yardstick_bytes(sum(lengths) * model.token_bytes())
+    """Working memory for the largest request: its values as 32-bit words, a few times over."""
+    return blocks_for(max(lengths), block_size) * block_size * model.kv * model.heads * model.head_dim * 4 * 8
+
+
+def _yardstick(model: Model, lengths: list[int]) -> int:
+    """Decode's memcpy yardstick for these requests: its two buffers."""
+    return 2 * yardstick_bytes(sum(lengths) * model.token_bytes())
 
 
 def yardstick_bytes(batch_bytes: int) -> int:

@@ -112,9 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         host, port = "", 0
     if problem:
         p.error(problem)
-    netenv.set_defaults(
-        os.environ, []
-    )  # quiet before NIXL loads (it reads its log level then); UCX's devices once bound
+    # Quiet before NIXL loads (it reads its log level then); UCX's devices once bound (serve).
+    netenv.set_defaults(os.environ, [])
     try:
         with stop_on_sigterm():
             return serve(args, host, port)
