@@ -325,6 +325,19 @@ def test_data_eviction_flushes_ranges_or_falls_back():
     assert machine.Device("cpu", "warm").cache == "warm" and not machine.Device("cpu", "warm").cold
 
 
+def test_the_line_evictor_is_compiled_once_per_machine_not_per_process():
+    """Decode times a memcpy yardstick with it: compiled as a closure it cost every decode
+    process a quarter of a second; a module-level function numba caches on disk does not."""
+    evictor = machine.line_evictor()
+    if evictor is None:
+        pytest.skip("no x86 clflush here")
+    from numba.core.caching import NullCache
+
+    from kvhost_tools.bench.evict import evict_lines
+
+    assert evictor is evict_lines and not isinstance(evict_lines._cache, NullCache)
+
+
 def test_a_ratio_spread_comes_only_from_enough_rounds_both_calls_count_in():
     """Quartiles of ``top / bottom`` over the rounds where both calls count, and none at all
     from fewer than MIN_PAIRED_ROUNDS: one shared round printed as a spread beside a median

@@ -120,44 +120,14 @@ def line_evictor() -> Callable[[np.ndarray], None] | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     try:
-        from llvmlite import ir
-        from numba import njit, types
-        from numba.extending import intrinsic
+        from kvhost_tools.bench.evict import evict_lines
     except ImportError:
         return None
-
-    @intrinsic
-    def clflush(typingctx, address):  # type: ignore[no-untyped-def]
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            byte_ptr = ir.IntType(8).as_pointer()
-            flush = builder.module.declare_intrinsic(
-                "llvm.x86.sse2.clflush", fnty=ir.FunctionType(ir.VoidType(), [byte_ptr])
-            )
-            builder.call(flush, [builder.inttoptr(args[0], byte_ptr)])
-
-        return types.void(types.int64), codegen
-
-    @intrinsic
-    def fence(typingctx):  # type: ignore[no-untyped-def]
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            mfence = builder.module.declare_intrinsic("llvm.x86.sse2.mfence", fnty=ir.FunctionType(ir.VoidType(), []))
-            builder.call(mfence, [])
-
-        return types.void(), codegen
-
-    @njit(nogil=True)
-    def evict(ranges):  # type: ignore[no-untyped-def]
-        for row in range(ranges.shape[0]):
-            first = ranges[row, 0] - ranges[row, 0] % 64
-            for line in range(first, ranges[row, 0] + ranges[row, 1], 64):
-                clflush(line)  # type: ignore[call-arg]
-        fence()  # type: ignore[call-arg]
-
     try:
-        evict(np.zeros((0, 2), dtype=np.int64))
+        evict_lines(np.zeros((0, 2), dtype=np.int64))
     except Exception:  # an LLVM without the x86 intrinsics
         return None
-    result: Callable[[np.ndarray], None] = evict
+    result: Callable[[np.ndarray], None] = evict_lines
     return result
 
 
