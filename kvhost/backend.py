@@ -100,7 +100,9 @@ class EventCompletion(Completion):
                 return
             if self.finish is not None:
                 self.finish()
-            self.keep = []
+            # ``finish`` may hold buffers too (a pinned bounce buffer the size of the batch):
+            # a result kept after its copy completed must not keep them.
+            self.keep, self.finish = [], None
             self._finished = True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -231,6 +232,22 @@ class ManualEvent:
     def synchronize(self) -> None:
         self.waits += 1
         self.fired = True
+
+
+def test_a_completed_result_holds_nothing_its_host_step_held():
+    """A bounced load's host step holds the pinned bounce buffer (the whole batch's size):
+    a CopyResult kept after the copy completed must let it go, as it lets ``keep`` go."""
+    import weakref
+
+    event, bounce = ManualEvent(), torch.empty(1 << 20, dtype=torch.uint8)
+    landed = torch.empty_like(bounce)
+    completion = EventCompletion(event, keep=[landed], finish=functools.partial(landed.copy_, bounce))
+    held = weakref.ref(bounce)
+    del bounce
+    assert held() is not None  # the host step still needs it
+    event.fired = True
+    completion.wait()
+    assert held() is None and completion.keep == [] and completion.done()
 
 
 def test_completion_is_done_only_after_the_event_and_the_host_step():
