@@ -237,8 +237,6 @@ class ManualEvent:
 def test_a_completed_result_holds_nothing_its_host_step_held():
     """A bounced load's host step holds the pinned bounce buffer (the whole batch's size):
     a CopyResult kept after the copy completed must let it go, as it lets ``keep`` go."""
-    import weakref
-
     event, bounce = ManualEvent(), torch.empty(1 << 20, dtype=torch.uint8)
     landed = torch.empty_like(bounce)
     completion = EventCompletion(event, keep=[landed], finish=functools.partial(landed.copy_, bounce))
@@ -386,6 +384,32 @@ def test_copies_queue_behind_the_callers_stream_and_finish_through_an_event_on_t
     assert all(id(member) in kept for pair in result.job.pairs for member in pair)
     backend.runtime.events[-1].fired = True
     assert result.done()
+
+
+def test_a_bounced_load_reads_the_host_blocks_only_after_the_callers_queued_work():
+    """The CPU reads a bounced load's host blocks at once, outside stream order: it first
+    waits for the side stream to pass the caller's work (a non-blocking save into those
+    blocks, say), which the direct and host-span ways read after on the stream."""
+    host, device = caches("KBNHC", "KBNHC", 64, 3), caches("KBNHC", "KBNHC", 64, 70)
+    src_ids, dst_ids = list(range(0, 64, 2)), list(range(32))  # 32 host spans: bounced
+    job = host_job(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=True)
+    backend = OrderedStandIn(use_triton=False)
+    backend.max_host_copies = 4
+    runtime = backend.runtime
+    host_copy = backend.host.copy
+
+    def read_on_the_host(job):
+        runtime.log.append(("host",))
+        return host_copy(job)
+
+    backend.host.copy = read_on_the_host  # type: ignore[method-assign]
+    runtime.wait(runtime.side, runtime.caller)  # as ``copy`` does before
+    with runtime.using(runtime.side):
+        assert backend.copy_host(job, to_device=True, keep=[]) is None
+    log = runtime.log
+    read = log.index(("host",))
+    records = [entry for entry in log[:read] if entry[0] == "record"]
+    assert records == [("record", "side")] and runtime.events[0].waits == 1
 
 
 def test_index_buffers_belong_to_one_stream():

@@ -8,7 +8,7 @@ and the Triton compiler that targets it. Everything device-specific goes through
   the group at once), or the torch path's gather -> permute -> scatter where Triton is
   not usable here. No host round trip: addresses and ids go up in one non-blocking copy
   from pinned memory.
-- Copies run on a dedicated side stream that first waits for the caller's stream, and
+- Copies run on a side stream that first waits for the caller's stream, and
   complete through an event. Contiguous runs with the same block bytes on both sides are
   one ``copy_(non_blocking=True)`` each (the *direct* way). Otherwise a host <-> device
   copy is *staged*: the device side is gathered or scattered on the device into a compact
@@ -351,6 +351,10 @@ class AcceleratorBackend(Backend):
         keep += [bounce, staged]
         cpu = self.host
         if sides.to_device:
+            # The CPU reads the host blocks now, not in stream order: first let this stream
+            # (waiting for the caller's) pass what was queued before the call, such as a
+            # non-blocking save into these very blocks, as the other ways read them.
+            self.runtime.record(self.runtime.current_stream(device)).synchronize()
             cpu.copy(_job(list(zip(host, bounce_members)), sides.host_ids, positions)).wait()
             staged[:count].copy_(bounce[:count], non_blocking=True)
             self.copy_on_device(_job(list(zip(staged_members, device_side)), positions, sides.device_ids), keep)

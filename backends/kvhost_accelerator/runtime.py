@@ -42,7 +42,9 @@ class DeviceRuntime:
         return self.module.current_stream(device)
 
     def side_stream(self, device: torch.device) -> Any:
-        """The dedicated copy stream of ``device``, made on first use and kept."""
+        """The copy stream of ``device``, made on first use and kept. torch hands out streams
+        round-robin from a pool (32 per device), so another component's may be the same
+        one: ordering holds either way (waiting for itself is nothing), overlap may not."""
         index = self.index(device)
         with self._lock:
             if index not in self._side:
