@@ -77,6 +77,19 @@ RUNS = {
     "kill": [*SMALL, "--requests", "12", "--inflight", "3", "--kill-prefill-after", "3", "--backend", "torch"],
     # Prefill frozen (SIGSTOP) once 2 arrived; over TCP alone its memory cannot be read, so transfers hang.
     "freeze": [*SMALL, "--requests", "10", "--inflight", "2", "--freeze-prefill-after", "2", "--timeout", "2"],
+    # Decode frozen (SIGSTOP) past the prefill's peer timeout once 2 arrived: prefill lets go
+    # of the blocks, and decode, with no word that they were held, trusts none it read.
+    "freeze-decode": [
+        *SMALL,
+        "--requests",
+        "10",
+        "--inflight",
+        "2",
+        "--freeze-decode-after",
+        "2",
+        "--peer-timeout",
+        "0.5",
+    ],
 }
 ENV = {"freeze": {"UCX_TLS": "tcp,self"}}
 RUN_SECONDS = 420
@@ -291,11 +304,14 @@ def check_partial(code, outcome, text):
 
 @needs_nixl
 @pytest.mark.timeout(RUN_SECONDS + 30)
-def test_killed_prefill_fails_the_rest_and_verifies_what_arrived(runs):
+def test_killed_prefill_fails_every_request_it_could_not_confirm(runs):
+    """What arrived before the kill cannot be told from what a prefill that had let go
+    (and reused the blocks) sent: with no ``held`` at done, none of it is marked received."""
     code, outcome, text = runs["kill"].result()
     _, received = check_partial(code, outcome, text)
-    assert outcome["figures"]["fault_after"] == 3
-    assert 3 <= len(received) <= 6  # those that arrived, and at most the 3 then in flight
+    assert outcome["figures"]["fault_after"] == 3 and received == set()
+    unconfirmed = [n for n, why in outcome["failed"].items() if "did not confirm it held the blocks" in why]
+    assert 3 <= len(unconfirmed) <= 6  # those that arrived, and at most the 3 then in flight
     assert "killed prefill 0" in text
     assert any("REMOTE_DISCONNECT" in why or "failed" in why for why in outcome["failed"].values())
     assert any(why.startswith("not started: prefill 0 (127.0.0.1:") for why in outcome["failed"].values())
@@ -303,10 +319,22 @@ def test_killed_prefill_fails_the_rest_and_verifies_what_arrived(runs):
 
 @needs_nixl
 @pytest.mark.timeout(RUN_SECONDS + 30)
+def test_decode_frozen_past_the_peer_timeout_trusts_nothing_it_read(runs):
+    code, outcome, text = runs["freeze-decode"].result()
+    _, received = check_partial(code, outcome, text)
+    assert received == set() and outcome["figures"]["fault_after"] == 2
+    assert "froze (SIGSTOP) decode 0 for 1.5 s" in text and "silent: no beat for 0.5 s" in text
+    unconfirmed = [n for n, why in outcome["failed"].items() if "did not confirm it held the blocks" in why]
+    assert len(unconfirmed) >= 2  # those that had arrived before the freeze, at least
+
+
+@needs_nixl
+@pytest.mark.timeout(RUN_SECONDS + 30)
 def test_frozen_prefill_times_out_instead_of_hanging(runs):
     code, outcome, text = runs["freeze"].result()
     _, received = check_partial(code, outcome, text)
-    assert len(received) >= 2
+    unconfirmed = [n for n, why in outcome["failed"].items() if "did not confirm it held the blocks" in why]
+    assert received == set() and len(unconfirmed) >= 2  # no ``held`` from a frozen prefill either
     assert any("no completion within 2 s" in why for why in outcome["failed"].values())
     # Decode gave up on the hung transfers after the timeout: a bounded run, not a hang.
     assert outcome["figures"]["transfer_seconds"] < 2 + 10

@@ -34,6 +34,7 @@ from test_peer_limits import _closed_by_listener
 from kvhost.errors import ArgumentError, KVHostError
 from kvhost.nixl import (
     EngineSpec,
+    HoldLostError,
     IncompatibleEngineError,
     PeerClosedError,
     ProtocolError,
@@ -51,10 +52,12 @@ from kvhost.nixl.peers import (
     CHALLENGE,
     DONE,
     ENGINE,
+    HELD,
     KNOCK,
     OFFER,
     REFUSE,
     Offer,
+    Session,
     connect,
     parse_address,
     parse_offer,
@@ -359,6 +362,42 @@ def test_a_peer_that_stops_beating_is_let_go_within_the_peer_timeout():
         assert running.released == [record]
     finally:
         session.close()
+
+
+def test_a_decode_let_go_while_it_was_frozen_is_told_so_at_done():
+    """Frozen past the peer timeout (SIGSTOP, a long pause), decode sent no beat: prefill let
+    go and may have given the blocks to others while they were read. ``done`` is answered
+    only by a prefill that still held them; without that word nothing read is trusted."""
+    running = Running(peer_timeout=1.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    try:
+        [record] = running.finish(within=10)
+        assert record.outcome == "silent" and running.released == [record]
+        with pytest.raises(HoldLostError, match=r"did not confirm it held the blocks until 'done'.* may have been"):
+            session.done(ok=True, timeout=2)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("answer", [None, BEAT, "nothing"])
+def test_done_without_prefills_word_that_it_held_the_blocks_is_a_lost_hold(answer):
+    """A prefill that does not answer ``done`` in time (frozen), or answers anything but
+    ``held``, has not said it held the blocks while they were read."""
+    mine, theirs = socket.socketpair()
+    session = Session(mine, "prefill-x", offer=None)  # type: ignore[arg-type]
+    with theirs, contextlib.closing(session):
+        if answer is None:
+            send(theirs, HELD, {}, timeout=1)
+            session.done(ok=False, timeout=1)  # ``ok``: what decode tells, not what it hears
+        else:
+            if answer != "nothing":
+                send(theirs, answer, {}, timeout=1)
+            started = time.monotonic()
+            with pytest.raises(HoldLostError, match="prefill at prefill-x did not confirm"):
+                session.done(ok=True, timeout=0.3)
+            assert time.monotonic() - started < 2.0
+        said = receive(theirs, timeout=1, expect=DONE)
+        assert said.fields().data == {"ok": answer is not None}
 
 
 def test_decode_sends_its_small_frames_at_once():
@@ -1620,6 +1659,7 @@ def test_beats_come_from_one_daemon_thread_until_done_and_none_after():
         threads = _beat_threads()
         assert len(threads) == 1 and threads[0].daemon
         assert [receive(theirs, timeout=2).kind for _ in range(3)] == ["beat"] * 3
+        send(theirs, HELD, {}, timeout=1)  # prefill's answer, waiting for done to read it
         session.done(ok=True, timeout=2)
         kinds = []
         while True:  # the beats already on the way, then done, then nothing
@@ -1656,6 +1696,7 @@ def test_a_beat_that_waited_for_the_lock_while_done_went_out_is_not_sent():
     with theirs:
         session.start_beats()
         time.sleep(0.2)  # the beat thread is past its first interval, waiting for the lock
+        send(theirs, HELD, {}, timeout=1)
         session.done(ok=True, timeout=2)
         done_sent.set()
         assert receive(theirs, timeout=2).kind == "done"

@@ -18,14 +18,22 @@ descriptors so that the bytes land as the wire model (docs/design.md) says, and
     handshake.py  RemoteRequest: the requests an offer names, as columns; the bounds on unproven peers
     framing.py    the framed, checksummed control messages (encode, decode, send, receive)
     fields.py     strict checks of what a peer sends (Fields) and of every timeout
-    errors.py     NixlUnavailableError, TransferError, ProtocolError (PeerClosedError), InvalidTimeoutError
+    errors.py     NixlUnavailableError, TransferError, ProtocolError (PeerClosedError, HoldLostError),
+                  InvalidTimeoutError
 
 Importing this package imports no NIXL: ``Agent`` loads it when one is made.
 """
 
 from kvhost.nixl.agent import NIXL_MODULES, Agent, Reader, Transfer, load_nixl, merge_domains
 from kvhost.nixl.engine import EngineSpec, IncompatibleEngineError, refusal
-from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, PeerClosedError, ProtocolError, TransferError
+from kvhost.nixl.errors import (
+    HoldLostError,
+    InvalidTimeoutError,
+    NixlUnavailableError,
+    PeerClosedError,
+    ProtocolError,
+    TransferError,
+)
 from kvhost.nixl.fields import MAX_WAIT_SECONDS, Fields, check_seconds
 from kvhost.nixl.framing import Message, decode, encode, receive, send
 from kvhost.nixl.handshake import RemoteRequest
@@ -55,6 +63,7 @@ __all__ = [
     "EngineSpec",
     "Fields",
     "HeadShare",
+    "HoldLostError",
     "HugePages",
     "IncompatibleEngineError",
     "InvalidTimeoutError",

@@ -28,5 +28,11 @@ class PeerClosedError(ProtocolError):
     """The peer's socket closed, or failed, before a whole frame arrived."""
 
 
+class HoldLostError(ProtocolError):
+    """Prefill did not confirm that it held a decode's blocks until ``done``: it had let go of
+    them (its peer timeout passed without a beat, or it stopped), or could not say so in time.
+    Blocks read from it may have been reused meanwhile: their bytes are not to be trusted."""
+
+
 class InvalidTimeoutError(KVHostError, ValueError):
     """A timeout that is not a finite number of seconds in range (NaN, infinite, negative, a bool)."""

@@ -18,7 +18,9 @@ frame (``kvhost.nixl.framing``):
 5. ``beat`` (decode), every ``beat_seconds`` while it reads: a prefill that hears nothing
    for a few beats knows decode is gone (a host down, a link cut: no socket ever closes)
    and lets go of what it held for it.
-6. ``done`` (decode): every block read; prefill may let go.
+6. ``done`` (decode): every block read; prefill may let go. ``held`` (prefill): it held
+   them until then. A decode that gets no ``held`` (prefill heard no beat for its peer
+   timeout while decode was frozen, and gave the blocks to others) cannot trust what it read.
 
 Fresh nonces on both sides make a recorded handshake useless; proofs are compared in
 constant time. The channel authenticates the peers, not the bytes after (nor does UCX
@@ -52,13 +54,14 @@ from kvhost.nixl.engine import (
     table_refusal,
     table_shape_refusal,
 )
-from kvhost.nixl.errors import PeerClosedError, ProtocolError
+from kvhost.nixl.errors import HoldLostError, PeerClosedError, ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
 from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, receive, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, RemoteRequest, parse_requests, request_columns
 from kvhost.nixl.tables import MAX_STREAMS, RegionTable
 
 KNOCK, CHALLENGE, ENGINE, OFFER, REFUSE, BEAT, DONE = "knock", "challenge", "engine", "offer", "refuse", "beat", "done"
+HELD = "held"
 NONCE_BYTES = 16
 SECRET_BYTES = 32  # at least; a secret file holds it as hex
 MAX_SECRET_DIGITS = 4096  # hex digits a secret may have: a longer one is refused, not cut
@@ -280,10 +283,24 @@ class Session:
                 return
 
     def done(self, *, ok: bool, timeout: float) -> None:
-        """Tell prefill every block has been read (``ok``: and all was well); ends the beats."""
+        """Tell prefill every block has been read (``ok``: and all was well) and wait, up to
+        ``timeout`` seconds, for its word that it held them until then; ends the beats.
+
+        A HoldLostError where that word does not come: prefill let go first (no beat reached
+        it for its peer timeout, while this process was frozen or the link down) and may have
+        reused the blocks, so what was read from it is not to be trusted.
+        """
         self._stop.set()
         with self._lock:
-            send(self.sock, DONE, {"ok": ok}, timeout=timeout)
+            try:
+                send(self.sock, DONE, {"ok": ok}, timeout=timeout)
+                receive(self.sock, timeout=timeout, expect=HELD, limit=AUTH_FRAME_BYTES)
+            except ProtocolError as err:
+                lost = f" (a beat had failed: {self.beat_error})" if self.beat_error else ""
+                raise HoldLostError(
+                    f"prefill at {self.address} did not confirm it held the blocks until 'done'{lost}: {err}; "
+                    "what was read from it may have been reused"
+                ) from None
 
     def close(self) -> None:
         self._stop.set()

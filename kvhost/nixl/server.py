@@ -43,6 +43,7 @@ from kvhost.nixl.peers import (
     DONE,
     ENGINE,
     ENGINE_FRAME_BYTES,
+    HELD,
     KNOCK,
     NONCE_BYTES,
     OFFER,
@@ -291,6 +292,10 @@ class Server:
             elif conn.stage == BEAT and message.kind == DONE:
                 assert conn.record is not None
                 conn.record.ok = message.fields().data.get("ok") is True
+                # It read everything while held: say so before letting go (a decode that
+                # hears nothing cannot trust its bytes). A peer gone meanwhile changes nothing.
+                with contextlib.suppress(ProtocolError):
+                    _send(conn.sock, HELD, {}, 1.0)
                 self._end(selector, conn, "done", "")
             elif conn.stage == BEAT and message.kind == REFUSE:
                 self._end(selector, conn, "refused", message.fields().text("reason", max_length=400))

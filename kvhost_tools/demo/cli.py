@@ -18,11 +18,15 @@ may be the larger); an MLA cache (``--cache mla``) is read once per rank, whole.
 ``--via-host`` lands the bytes in a registered host buffer shaped like the decode cache
 (the same descriptors); ``kvhost.copy_blocks`` loads them, ``kvhost.receive`` rearranges
 them. ``--kill-prefill-after N`` kills the first prefill engine once N requests have
-arrived at the first decode engine: decode reports the requests that failed,
-post-processes and verifies only those that arrived, and exits 1.
+arrived at the first decode engine: decode reports the requests that failed and exits 1
+(a request read from a prefill engine counts as arrived only once that engine confirms,
+at decode's ``done``, that it held the blocks until then: a killed one cannot).
 ``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the transport needs the
 peer to answer (UCX over TCP alone), transfers hang and the per-request ``--timeout``
-ends them.
+ends them. ``--freeze-decode-after N`` stops the first decode engine for a second longer
+than the prefill engines' ``--peer-timeout``: they hear no beat, let go of its blocks
+(they could reuse them), and, as they cannot confirm they held them, decode fails every
+request it read from them, however its bytes look.
 
 The demo waits for its decode engines ``--run-timeout`` seconds at most (then kills
 them); prefill engines are stopped once the decode engines are done.
@@ -65,6 +69,7 @@ from kvhost_tools.demo.options import (
     default_layout,
     listed,
     model_of,
+    peer_timeout_refusal,
     seconds,
     workload_of,
 )
@@ -113,6 +118,12 @@ def parser() -> Parser:
     faults = p.add_mutually_exclusive_group()
     faults.add_argument("--kill-prefill-after", type=int, metavar="N", help="kill prefill 0 after N requests arrived")
     faults.add_argument("--freeze-prefill-after", type=int, metavar="N", help="stop prefill 0 after N arrived")
+    faults.add_argument(
+        "--freeze-decode-after", type=int, metavar="N", help="stop decode 0 past --peer-timeout after N arrived"
+    )
+    p.add_argument(
+        "--peer-timeout", type=seconds, default=5.0, help="seconds without a beat before a prefill lets a decode go"
+    )
     p.add_argument("--connect-timeout", type=seconds, default=60.0, help="seconds for the engines to start and connect")
     p.add_argument(
         "--run-timeout", type=seconds, default=3600.0, help="seconds the decode engines may take in all: then killed"
@@ -160,10 +171,14 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
         ("--inflight", args.inflight, 1 << 14),
         ("--kill-prefill-after", args.kill_prefill_after, 1 << 14),
         ("--freeze-prefill-after", args.freeze_prefill_after, 1 << 14),
+        ("--freeze-decode-after", args.freeze_decode_after, 1 << 14),
     ):
         least = 0 if "after" in name else 1
         if value is not None and not least <= value <= most:
             return f"{name} must be in [{least}, {most}], got {value}"
+    problem = peer_timeout_refusal(args.peer_timeout)
+    if problem:
+        return problem
     if len(prefills) > 16:
         return f"at most 16 prefill engines, got {len(prefills)}"
     needed = sum(memory_needed(model, workload, shape, decode, staging=args.via_host) for shape in prefills)
@@ -232,6 +247,7 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
                         *["--share", f"{index}/{len(prefills)}", "--serve", str(args.decodes)],
                         *["--listen", f"127.0.0.1:{port}", "--listen-fd", str(listener.fileno())],
                         *["--secret-file", "-", "--idle-timeout", str(args.connect_timeout + 60)],
+                        *["--peer-timeout", str(args.peer_timeout)],
                     ]
                     prefill_engines.append(
                         Engine(f"prefill {index}", "prefill", argv, secret, pass_fds=[listener.fileno()], env=env)
@@ -291,6 +307,14 @@ def fault_options(args: argparse.Namespace, prefill: Engine) -> list[str]:
         status = f"/proc/{pid}/status"
         wait = f'while [ -r {status} ] && ! grep -qs "^State:.T" {status}; do sleep 0.01; done'
         after, command, label = args.freeze_prefill_after, f"kill -STOP {pid} && {wait}", "froze (SIGSTOP)"
+    elif args.freeze_decode_after is not None:
+        # Decode (the shell's parent) stops itself; a child the stop does not reach wakes it.
+        resume = args.peer_timeout + 1
+        after, command = args.freeze_decode_after, f"(sleep {resume:g}; kill -CONT $PPID) & kill -STOP $PPID"
+        return [
+            *["--fault-after", str(after), "--fault-command", command],
+            *["--fault-label", f"froze (SIGSTOP) decode 0 for {resume:g} s"],
+        ]
     else:
         return []
     return [

@@ -24,7 +24,6 @@ requests failed (did not arrive, or did not verify), 2 for anything else.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import socket
@@ -254,9 +253,13 @@ def run(
         yardstick.time()
         steps = Steps()
         pull(settings, [r for r in requests if r.engine is not None], ranks, outcome, steps, staging=args.via_host)
-        for engine in engines:  # prefill may let go of its memory now
-            with contextlib.suppress(ProtocolError):
+        for engine in engines:  # prefill may let go of its memory now, once it says it held it until here
+            try:
                 engine.session.done(ok=engine.lost is None, timeout=min(args.timeout, 5.0))
+            except ProtocolError as err:  # it may have given the blocks to others while they were read
+                for request in requests:
+                    if request.engine is engine and request.arrived:
+                        request.arrived, request.failure = False, str(err)
         figures["descriptors"] = sum(reader.descriptors for e in engines for reader in e.readers)
         arrived = [r for r in requests if r.arrived]
         outcome.failed = {r.name: r.failure or "did not arrive" for r in requests if not r.arrived}

@@ -46,6 +46,19 @@ def seconds(text: str) -> float:
     return value
 
 
+def peer_timeout_refusal(seconds: float) -> str | None:
+    """Why prefill's ``--peer-timeout`` cannot be kept (four of the shortest beats a decode
+    is told to send must fit in it), or None."""
+    from kvhost.nixl.server import MIN_BEAT_SECONDS
+
+    if seconds >= 4 * MIN_BEAT_SECONDS:
+        return None
+    return (
+        f"--peer-timeout must be at least {4 * MIN_BEAT_SECONDS:g} s (four of the shortest beats, "
+        f"{MIN_BEAT_SECONDS:g} s), got {seconds:g}"
+    )
+
+
 def share(text: str) -> Share:
     """``I/N``: the requests whose number is I mod N."""
     index, _, count = text.partition("/")

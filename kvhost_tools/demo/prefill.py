@@ -49,6 +49,7 @@ from kvhost_tools.demo.options import (
     add_network,
     add_workload,
     model_of,
+    peer_timeout_refusal,
     seconds,
     shape_of,
     workload_of,
@@ -94,13 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--share {args.share} holds none of --requests {args.requests}"
     if problem is None:  # before the cache is allocated and filled: an OOM kill says nothing
         problem = memory_refusal(prefill_memory(model, workload, shape, args.share), model, workload)
-    from kvhost.nixl.server import MIN_BEAT_SECONDS
-
-    if problem is None and args.peer_timeout < 4 * MIN_BEAT_SECONDS:  # before a cache is filled and registered
-        problem = (
-            f"--peer-timeout must be at least {4 * MIN_BEAT_SECONDS:g} s (four of the shortest beats, "
-            f"{MIN_BEAT_SECONDS:g} s), got {args.peer_timeout:g}"
-        )
+    problem = problem or peer_timeout_refusal(args.peer_timeout)  # before a cache is filled and registered
     if problem is None and (args.cache == "mla") != (default_layout(args.cache, args.layout, "HND") == "MLA"):
         problem = "--layout MLA goes with --cache mla"
     try:
