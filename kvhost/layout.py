@@ -266,13 +266,28 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _not_plain(tensor: torch.Tensor) -> str | None:
     """Why ``tensor``'s blocks cannot be found by strides and moved as bytes, or None."""
+    if tensor.is_nested:  # its layout says strided, its shape is refused by torch
+        return "a nested tensor has no one shape and strides to address blocks by"
     if tensor.layout != torch.strided:
         return f"a {tensor.layout} tensor has no strides to address blocks by"
     if tensor.is_quantized:  # torch's own ops on its views crash the process
         return f"a quantized tensor ({tensor.dtype}) keeps its scale apart from its bytes"
     if tensor.is_conj() or tensor.is_neg():
         return "a lazily conjugated or negated view's bytes are not its values"
+    if tensor.device.type in _ADDRESSED_DEVICES and tensor.numel() and not _address_of(tensor):
+        # A fake, functional or wrapper subclass tensor: the kernels would work at address 0.
+        return f"a {type(tensor).__name__} with no memory of its own has no address to move its blocks at"
     return None
+
+
+_ADDRESSED_DEVICES = frozenset({"cpu", "cuda", "xpu"})  # whose backends' kernels take data addresses
+
+
+def _address_of(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return 0
 
 
 def _key(tensor: torch.Tensor, axes: str) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:

@@ -63,6 +63,31 @@ def copy(src_ids: Any, dst_ids: Any, **kwargs: Any) -> Callable[[World], object]
     return lambda w: kvhost.copy_blocks(w.caches, w.host, src_ids, dst_ids, **call)
 
 
+class Wrapped(torch.Tensor):
+    """A wrapper subclass with no storage of its own, as torchao's float8 tensors or DTensor."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapped:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=inner.device
+        )
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        unwrap = lambda x: x.inner if isinstance(x, Wrapped) else x  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def fake_caches() -> dict[str, torch.Tensor]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return {"w": torch.ones(2, 8, 8, 2, 4)}
+
+
 def quantized(values: torch.Tensor) -> torch.Tensor:
     with warnings.catch_warnings():  # torch deprecates making them, not having them
         warnings.simplefilter("ignore")
@@ -400,6 +425,31 @@ ROWS: dict[str, Row] = {
         registered_receive(GOOD, layers=[["layer0"]]),
         kvhost.ArgumentError,
         "layers[0]: ['layer0'] is not a registered layer",
+    ),
+    "nested tensor cache": (
+        lambda w: kvhost.receive(
+            {"n": torch.nested.nested_tensor([torch.zeros(8, 8, 2, 4), torch.zeros(8, 8, 2, 4)])}, GOOD, axes="KBNHC"
+        ),
+        kvhost.LayoutError,
+        "a nested tensor has no one shape and strides",
+    ),
+    # Tensors with no memory behind them on the CPU: the kernels would write at address 0.
+    "functional wrapper cache": (
+        lambda w: kvhost.receive({"f": torch._to_functional_tensor(torch.zeros(2, 8, 8, 2, 4))}, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "a Tensor with no memory of its own has no address",
+    ),
+    "wrapper subclass copy destination": (
+        lambda w: kvhost.copy_blocks(
+            {"w": torch.ones(2, 8, 8, 2, 4)}, {"w": Wrapped(torch.zeros(2, 8, 8, 2, 4))}, [0, 1], [2, 3], axes="KBNHC"
+        ),
+        kvhost.LayoutError,
+        "dst layer 'w'[0]: a Wrapped with no memory of its own has no address",
+    ),
+    "fake tensor copy source": (
+        lambda w: kvhost.copy_blocks(fake_caches(), {"w": torch.ones(2, 8, 8, 2, 4)}, [0, 1], [2, 3], axes="KBNHC"),
+        kvhost.LayoutError,
+        "a FakeTensor with no memory of its own has no address",
     ),
     "quantized cache": (
         lambda w: kvhost.receive(
