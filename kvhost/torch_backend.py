@@ -211,8 +211,9 @@ class TorchBackend(Backend):
                 for s0, d0, count in runs:
                     if arrays is not None and count * block_bytes < thread_bytes:
                         np.copyto(arrays[1][_span(b, d0, count)], arrays[0][_span(b, s0, count)])
-                    else:
-                        dest.narrow(b, d0, count).copy_(source.narrow(b, s0, count), non_blocking=job.non_blocking)
+                        continue
+                    into, out_of = dest.narrow(b, d0, count), source.narrow(b, s0, count)
+                    into.copy_(out_of, non_blocking=job.non_blocking and _no_host_temporary(job, into, out_of))
                 continue
             if indices is None:
                 indices = (
@@ -220,9 +221,10 @@ class TorchBackend(Backend):
                     torch.from_numpy(job.dst_ids).to(job.dst_device),
                 )
             src_index, dst_index = indices
-            # Into host memory the scatter reads the gathered bytes on this thread at once:
-            # a non-blocking copy there would still be landing (into pinned memory torch made).
-            landing = job.non_blocking and job.dst_device.type != "cpu"
+            # Into host memory the scatter reads the gathered bytes on this thread at once: a
+            # non-blocking copy there would still be landing (into pinned memory torch made).
+            # Out of it, the gathered bytes are a temporary freed on return (_no_host_temporary).
+            landing = job.non_blocking and "cpu" not in (job.src_device.type, job.dst_device.type)
             gathered = source.index_select(b, src_index).to(job.dst_device, non_blocking=landing)
             dest.index_copy_(b, dst_index, gathered)
         return _completion(job)
@@ -397,6 +399,19 @@ class _RunIds:
                 index = index.to(self.device)
             self._tensors = [index[at : at + count] for at, _, count in self.runs]
         return self._tensors[n]
+
+
+def _no_host_temporary(job: CopyJob, into: torch.Tensor, out_of: torch.Tensor) -> bool:
+    """Whether torch copies ``out_of`` into ``into`` without a host temporary of its own.
+
+    Between host and device, torch first makes a non-contiguous side contiguous in pageable
+    host memory it frees on return. CUDA finishes a copy with pageable memory before it
+    returns; XPU's queue need not, and would read or write that memory after it is freed:
+    such a copy is made blocking (on CUDA it was blocking in effect already).
+    """
+    if "cpu" not in (job.src_device.type, job.dst_device.type):
+        return True
+    return into.is_contiguous() and out_of.is_contiguous() and into.dtype == out_of.dtype
 
 
 def _completion(job: CopyJob) -> Completion:

@@ -98,6 +98,42 @@ def test_a_blocking_copy_or_one_on_the_host_needs_no_event(recorded):
     assert streams.asked == [] and events == []
 
 
+@pytest.mark.parametrize(
+    ("axes", "src_ids", "dst_ids", "asynchronous"),
+    [
+        ("BKNHC", [1, 2], [3, 4], True),  # one run, each side a contiguous span: torch copies it as is
+        ("KBNHC", [1, 2], [3, 4], False),  # a run of B inside K: torch makes each side contiguous first
+        ("BKNHC", [1, 6, 3], [7, 0, 4], False),  # more runs than it copies one by one: gathered on the host
+    ],
+)
+def test_between_host_and_device_only_copies_through_no_host_temporary_are_non_blocking(
+    recorded, monkeypatch, axes, src_ids, dst_ids, asynchronous
+):
+    """torch bounces a non-contiguous side through pageable host memory it frees at once:
+    CUDA finishes such a copy before returning, XPU's queue need not. Only a copy with no
+    such temporary is left non-blocking (the caller's memory is kept until the event)."""
+    asked: list[bool] = []
+    copy_, to = torch.Tensor.copy_, torch.Tensor.to
+
+    def copy_told(self, other, non_blocking=False):
+        if self.device != other.device:
+            asked.append(non_blocking)
+        return copy_(self, other, non_blocking=non_blocking)
+
+    def to_told(self, *args, **kwargs):
+        if args and args[0] != self.device:
+            asked.append(kwargs.get("non_blocking", False))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_told)
+    monkeypatch.setattr(torch.Tensor, "to", to_told)
+    src = {"l": make_cache(axes, axes, SIZES)}
+    dst = {"l": make_cache(axes, axes, SIZES, device=META)}
+    backend = kvhost.torch_backend.TorchBackend(max_run_copies=2)
+    kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=axes, non_blocking=True, backend=backend)
+    assert asked and set(asked) == {asynchronous}
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_a_copy_on_the_second_gpu_is_done_only_when_that_gpu_is_done():
     """cuda:0 current and idle, cuda:1 busy: the copy on cuda:1 queues behind the busy work,
