@@ -559,7 +559,7 @@ def test_block_ids_go_as_the_narrowest_integers_the_table_needs(num_blocks, id_t
     id comes back whole."""
     table = dataclasses.replace(TABLE, num_blocks=num_blocks)
     ids = [0, num_blocks - 1]
-    columns = request_columns([RemoteRequest("r", 0, 2 * table.block_size, ids)], table)
+    columns = request_columns([RemoteRequest("r", 0, 2 * table.block_size, ids)], table, table.block_size)
     assert columns["block_ids"].dtype == id_type
     message = decode(encode(OFFER, {"requests": columns}))
     back = parse_requests(message.fields().fields("requests"), table.block_size, num_blocks)
@@ -567,10 +567,68 @@ def test_block_ids_go_as_the_narrowest_integers_the_table_needs(num_blocks, id_t
 
 
 def test_no_requests_go_as_empty_columns():
-    columns = request_columns([], TABLE)
+    columns = request_columns([], TABLE, TABLE.block_size)
     assert columns["name"] == [] and columns["block_ids"].size == 0 and columns["block_ids"].dtype == np.uint32
     message = decode(encode(OFFER, {"requests": columns}))
     assert parse_requests(message.fields().fields("requests"), TABLE.block_size, TABLE.num_blocks) == []
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (RemoteRequest("r", 0, 5.9, [0, 1]), r"request 'r': tokens must be an integer in \[1, 16777216\], got 5.9"),
+        (RemoteRequest("r", 0, True, [0]), r"request 'r': tokens must be an integer .*got True"),
+        (RemoteRequest("r", 0, 0, []), r"request 'r': tokens must be an integer in \[1, 16777216\], got 0"),
+        (RemoteRequest("r", 1 << 32, 5, [0, 1]), r"request 'r': number must be an integer in \[0, 2147483648\]"),
+        (RemoteRequest("r", -1, 5, [0, 1]), r"request 'r': number must be an integer in \[0, 2147483648\], got -1"),
+        (RemoteRequest("r", 0, 5, [0.7, 1.2]), r"request 'r': remote_ids: block ids must be integers, got 0.7"),
+        (RemoteRequest("r", 0, 5, [0, 1, 2]), r"request 'r': 3 block ids, but 5 tokens fill 2 blocks of 4"),
+        (RemoteRequest("r", 0, 5, [0, 12]), r"request 'r': remote_ids: block id 12 at position 1 is out of range"),
+        (RemoteRequest("r", 0, 5, [3, 3]), r"request 'r': remote_ids: .*3"),
+        (RemoteRequest("x" * 65, 0, 5, [0, 1]), r"requests\[1\].name: expected a string of 1 to 64 characters"),
+        (RemoteRequest("a\nb", 0, 5, [0, 1]), r"requests\[1\].name: expected printable text"),
+    ],
+)
+def test_a_request_prefill_could_not_offer_is_refused_where_it_is_given(request_, message):
+    """What ``parse_requests`` would refuse on arrival is refused as the offer is made, and
+    nothing is coerced on the way (a float of tokens was cut to an integer, unsaid)."""
+    with pytest.raises(KVHostError, match=message):
+        Offer(SPEC, [TABLE], [METADATA], [RemoteRequest("ok", 0, 4, [5]), request_]).header()
+
+
+def test_the_same_request_offered_twice_is_refused_where_it_is_given():
+    with pytest.raises(KVHostError, match=r"requests\[1\]: 'r' is offered twice"):
+        Offer(SPEC, [TABLE], [METADATA], [RemoteRequest("r", 0, 4, [5]), RemoteRequest("r", 1, 4, [6])]).header()
+
+
+@pytest.mark.parametrize("key", ["engine", "tables", "metadata_bytes", "requests", "beat_seconds", 7])
+def test_an_offers_extra_fields_may_not_overwrite_the_protocols_own(key):
+    with pytest.raises(KVHostError, match="extra field"):
+        Offer(SPEC, [TABLE], [METADATA], REQUESTS, extra={key: "mine"}).header()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"proof": "mine"}, "the engine message's extra field 'proof' is the protocol's own"),
+        ({"engine": {}}, "the engine message's extra field 'engine' is the protocol's own"),
+        (
+            {"pad": "x" * (64 << 10)},
+            r"the engine message with these extra fields is \d+ bytes; prefill reads at most 65536",
+        ),
+        ({"bad": {1, 2}}, "cannot be sent as JSON"),
+    ],
+)
+def test_decodes_extra_fields_are_checked_before_it_connects(extra, message):
+    """Refused before a connection is made: prefill would drop an engine message over its
+    bound unread (this side heard only that the connection was reset), and a field named
+    like the protocol's own would be overwritten, unsaid."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.2)
+        with pytest.raises(KVHostError, match=message):
+            connect(listener.getsockname(), b"s" * 32, SPEC, timeout=5, extra=extra)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nobody called
 
 
 @pytest.mark.timeout(20)

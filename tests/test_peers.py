@@ -492,9 +492,21 @@ def test_an_engine_message_of_64_kib_is_heard_and_one_byte_more_is_not(over):
     base = len(encode(ENGINE, {"pad": "", "proof": "0" * 64, "engine": DECODE.to_dict()}))
     pad = "x" * ((64 << 10) - base + over)
     running = Running(peers=1, idle=3.0, peer_timeout=1.0)
-    if over:  # prefill closes the connection on the header's lengths, before reading the body
-        with pytest.raises(ProtocolError, match=r"connection closed|failed while reading"):
+    if over:
+        # Refused here, before connecting: prefill would close the connection unread and this
+        # side hear only that it was reset.
+        with pytest.raises(ArgumentError, match=r"is 65537 bytes; prefill reads at most 65536"):
             connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=5, extra={"pad": pad})
+        # Sent all the same, prefill closes the connection on the header's lengths, before the body.
+        with socket.create_connection(("127.0.0.1", running.port)) as sock:
+            mine = os.urandom(16)
+            send(sock, KNOCK, {"nonce": mine.hex()}, timeout=5)
+            challenge = receive(sock, timeout=5, expect=CHALLENGE)
+            nonces = (mine, bytes.fromhex(challenge.fields().text("nonce", max_length=64)))
+            header = {"pad": pad, "proof": proof(SECRET, "decode", nonces), "engine": DECODE.to_dict()}
+            with contextlib.suppress(OSError):
+                sock.sendall(encode(ENGINE, header))
+            assert _closed_by_listener(sock, within=3.0)
         assert running.finish() == []  # no peer: it never got as far as an offer
     else:
         session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=5, extra={"pad": pad})
@@ -593,6 +605,35 @@ def test_past_its_bound_of_connections_the_server_closes_the_oldest_unproven_one
         for sock in held:
             sock.close()
     assert running.finish() == [] and running.server.dropped == MAX_CONNECTIONS + 1
+
+
+@pytest.mark.timeout(30)
+def test_a_knock_read_late_is_not_judged_by_the_time_the_server_spent_elsewhere():
+    """The server spends longer than the auth timeout in one peer's application offer; a
+    decode accepted before it knocks meanwhile and answers its challenge at once: it is
+    served, not dropped for a deadline that ran out while the server could not read it."""
+    running = Running(peers=2, idle=10.0, delays=(2.0,), auth_timeout=1.0)
+    outcome: dict[str, str] = {}
+
+    def first():
+        time.sleep(0.2)
+        session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=8)
+        with contextlib.closing(session):
+            session.done(ok=True, timeout=5)
+
+    thread = threading.Thread(target=first)
+    with socket.create_connection(("127.0.0.1", running.port)) as sock:  # accepted while the server is idle
+        thread.start()
+        time.sleep(0.6)  # knocks while the server is in the first peer's offer (0.2 .. 2.2 s)
+        mine = os.urandom(16)
+        send(sock, KNOCK, {"nonce": mine.hex()}, timeout=5)
+        challenge = receive(sock, timeout=8, expect=CHALLENGE)
+        nonces = (mine, bytes.fromhex(challenge.fields().text("nonce", max_length=64)))
+        send(sock, ENGINE, {"proof": proof(SECRET, "decode", nonces), "engine": DECODE.to_dict()}, timeout=5)
+        outcome["second"] = receive(sock, timeout=8).kind
+    thread.join(20)
+    records = running.finish(20)
+    assert outcome["second"] == OFFER and running.server.dropped == 0 and len(records) == 2
 
 
 def test_a_challenged_decode_outlasts_strays_that_never_knock():
@@ -1253,8 +1294,11 @@ def test_an_offer_whose_rank_tables_differ_is_refused_back_to_prefill():
 def test_block_ids_must_fit_every_rank_table():
     """Ranks may hold tables of different sizes; a request's ids must be blocks of each."""
     keep = [rank_table(PREFILL, blocks=8), rank_table(PREFILL, blocks=12)]
-    requests = [RemoteRequest("req-0", 0, 40, [1, 4, 10])]
-    header = Offer(PREFILL, [t for _, t in keep], [b"meta0", b"meta1"], requests).header()
+    tables = [t for _, t in keep]
+    with pytest.raises(KVHostError, match=r"request 'req-0': remote_ids: block id 10 at position 2 is out of range"):
+        Offer(PREFILL, tables, [b"meta0", b"meta1"], [RemoteRequest("req-0", 0, 40, [1, 4, 10])]).header()
+    header = Offer(PREFILL, tables, [b"meta0", b"meta1"], [RemoteRequest("req-0", 0, 40, [1, 4, 7])]).header()
+    header["requests"]["block_ids"] = np.array([1, 4, 10], dtype=np.uint32)  # a peer that sends it all the same
     with pytest.raises(ProtocolError, match=r"block_ids\[2\]: expected an integer in \[0, 7\], got 10"):
         read_offer(header)
 
@@ -1335,11 +1379,29 @@ def test_connecting_is_retried_until_prefill_listens_and_no_longer():
         ("10.0.0.2:0", ("10.0.0.2", 0)),
         ("host:65535", ("host", 65535)),
         ("[::1]:80", ("::1", 80)),
+        ("[fe80::1%eth0]:7600", ("fe80::1%eth0", 7600)),
         (":81", ("127.0.0.1", 81)),
     ],
 )
 def test_addresses_that_parse(text, address):
     assert parse_address(text) == address
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("::1", "an IPv6 address goes in brackets"),  # was (":", 1)
+        ("2001:db8::7000", "an IPv6 address goes in brackets"),  # was ("2001:db8:", 7000)
+        ("a]:80", "an IPv6 address goes in brackets"),
+        ("[host:80", "is not \\[ADDRESS\\]:PORT"),
+        ("[::1]", "is not \\[ADDRESS\\]:PORT"),
+        ("[a]b]:80", "is not \\[ADDRESS\\]:PORT"),
+    ],
+)
+def test_an_ipv6_address_outside_brackets_or_half_bracketed_is_refused(text, message):
+    """Split at its last colon, an IPv6 address lost a part and named another host."""
+    with pytest.raises(ArgumentError, match=message):
+        parse_address(text)
 
 
 @pytest.mark.parametrize("text", ["host:65536", "host:", "host:-1", "host:http", "", "99999"])

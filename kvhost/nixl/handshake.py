@@ -20,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from kvhost.errors import ArgumentError
+from kvhost.ids import checked_ids, is_integer
 from kvhost.nixl.errors import ProtocolError
-from kvhost.nixl.fields import MAX_ARRAY_BYTES, Fields
+from kvhost.nixl.fields import MAX_ARRAY_BYTES, Fields, check_text
 from kvhost.nixl.tables import RegionTable
 
 MAX_REQUESTS = 1 << 14  # requests one offer may name
@@ -42,11 +44,40 @@ class RemoteRequest:
     remote_ids: Sequence[int] | np.ndarray
 
 
-def request_columns(requests: Sequence[RemoteRequest], table: RegionTable) -> dict[str, Any]:
+def request_columns(requests: Sequence[RemoteRequest], table: RegionTable, block_size: int) -> dict[str, Any]:
     """Requests whose blocks ``table`` holds, as columns: names (JSON); numbers, token counts
-    and the block ids of all of them back to back (arrays)."""
+    and the block ids of all of them back to back (arrays); ``block_size``: the engine's.
+
+    Each request is checked here as ``parse_requests`` checks it on arrival, and nothing is
+    coerced (a float of tokens, or of a block id, is not cut to an integer): a mistake is
+    the application's, named here, not a refusal by the peer after the offer went out.
+    """
+    if len(requests) > MAX_REQUESTS:
+        raise ArgumentError(f"an offer names at most {MAX_REQUESTS} requests, got {len(requests)}")
     id_type = np.uint32 if table.num_blocks <= 1 << 32 else np.uint64
-    block_ids = [np.asarray(r.remote_ids, dtype=id_type) for r in requests]
+    names: set[str] = set()
+    block_ids = []
+    for index, request in enumerate(requests):
+        name = check_text(request.name, f"requests[{index}].name", max_length=64)
+        if name in names:
+            raise ArgumentError(f"requests[{index}]: {name!r} is offered twice")
+        names.add(name)
+        for what, value, least, most in (
+            ("number", request.number, 0, 1 << 31),
+            ("tokens", request.tokens, 1, MAX_TOKENS),
+        ):
+            if not is_integer(value) or not least <= value <= most:
+                raise ArgumentError(
+                    f"request {name!r}: {what} must be an integer in [{least}, {most}], got {value!r:.40}"
+                )
+        ids = checked_ids(request.remote_ids, f"request {name!r}: remote_ids", table.num_blocks)
+        needed = -(-int(request.tokens) // block_size)
+        if ids.size != needed:
+            raise ArgumentError(
+                f"request {name!r}: {ids.size} block ids, but {request.tokens} tokens fill {needed} blocks of "
+                f"{block_size}"
+            )
+        block_ids.append(ids.astype(id_type))
     return {
         "name": [r.name for r in requests],
         "number": np.array([r.number for r in requests], dtype=np.uint32),

@@ -56,7 +56,7 @@ from kvhost.nixl.engine import (
 )
 from kvhost.nixl.errors import HoldLostError, PeerClosedError, ProtocolError
 from kvhost.nixl.fields import Fields, check_seconds
-from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, receive, send
+from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, encode, receive, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, RemoteRequest, parse_requests, request_columns
 from kvhost.nixl.tables import MAX_STREAMS, RegionTable
 
@@ -193,14 +193,29 @@ class Offer:
 
     def header(self) -> dict[str, Any]:
         """The offer's JSON (bulk integers as arrays); its metadata travels as the blob."""
+        _check_extra(self.extra, ("engine", "tables", "metadata_bytes", "requests", "beat_seconds"), "offer")
         return {
             **self.extra,
             "engine": self.spec.to_dict(),
             "tables": [table.to_dict() for table in self.tables],
             "metadata_bytes": np.array([len(m) for m in self.metadata], dtype=np.uint32),
-            "requests": request_columns(self.requests, min(self.tables, key=lambda t: t.num_blocks)),
+            "requests": request_columns(
+                self.requests, min(self.tables, key=lambda t: t.num_blocks), self.spec.block_size
+            ),
             "beat_seconds": self.beat_seconds,
         }
+
+
+def _check_extra(extra: Mapping[str, Any], reserved: Sequence[str], what: str) -> None:
+    """The application's own fields of a message: named by strings, none of the protocol's
+    own (which would overwrite them, unsaid)."""
+    if not isinstance(extra, Mapping):
+        raise ArgumentError(f"{what}'s extra fields must be a mapping, got {type(extra).__name__}")
+    for key in extra:
+        if not isinstance(key, str):
+            raise ArgumentError(f"{what}'s extra fields must be named by strings, got {key!r:.40}")
+        if key in reserved:
+            raise ArgumentError(f"{what}'s extra field {key!r} is the protocol's own: name it otherwise")
 
 
 def _refuse_table(problem: str | None) -> None:
@@ -313,10 +328,17 @@ class Session:
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     """``HOST:PORT`` (``[V6]:PORT``, or ``PORT`` alone on ``default_host``) as a pair; a bad one
     is an ArgumentError (a ValueError, as argparse expects of a type)."""
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        host, port = default_host, text
-    host = host.strip("[]") or default_host
+    if text.startswith("["):  # [V6]:PORT
+        host, sep, port = text[1:].partition("]:")
+        if not sep or "[" in host or "]" in host:
+            raise ArgumentError(f"{text!r} is not [ADDRESS]:PORT")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            host, port = default_host, text
+        elif ":" in host or "[" in host or "]" in host:  # split at its last colon, an IPv6 address loses a part
+            raise ArgumentError(f"{text!r}: an IPv6 address goes in brackets, as [ADDRESS]:PORT")
+        host = host or default_host
     if not port.isascii() or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ArgumentError(f"{text!r} is not HOST:PORT with a port in [0, 65535]")
     _check_host(host, repr(text))
@@ -366,6 +388,14 @@ def connect(
     seconds = check_seconds(timeout, "connect timeout")
     check_secret(secret)
     _check_address(address)
+    _check_extra(extra or {}, ("proof", "engine"), "the engine message")
+    # Its size as sent (the proof is 64 hex digits whatever the nonces): prefill would drop a
+    # larger one unread, and this side would hear only that the connection was reset.
+    size = len(encode(ENGINE, {**(extra or {}), "proof": "0" * 64, "engine": spec.to_dict()}))
+    if size > ENGINE_FRAME_BYTES:
+        raise ArgumentError(
+            f"the engine message with these extra fields is {size} bytes; prefill reads at most {ENGINE_FRAME_BYTES}"
+        )
     deadline = time.monotonic() + seconds
     name = f"prefill at {address[0]}:{address[1]}"
     while True:  # a try that may be made again: until one more could not end before the deadline

@@ -102,6 +102,7 @@ class _Connection:
     held_since: float = 0.0
     offered: bool = False  # the application's ``offer`` returned: it holds something until ``release``
     away_at_offer: float = 0.0  # the server's ``away`` when its offer began to go out
+    away_at_accept: float = 0.0  # the server's ``away`` when it was accepted
 
 
 class Server:
@@ -235,7 +236,10 @@ class Server:
             # is read before its deadline is judged: the select batch that step ran in was taken
             # before it.
             self._read(selector, conn)
-            if conn.sock in self._connections and time.monotonic() > conn.deadline:
+            # One still proving the secret is not charged for the application's steps either:
+            # a knock read late was challenged just now, and its answer cannot be in yet.
+            grace = self._away - conn.away_at_accept if conn.record is None else 0.0
+            if conn.sock in self._connections and time.monotonic() > conn.deadline + grace:
                 # a held peer that stopped beating, or one that did not prove the secret in time
                 self._end(selector, conn, "silent", f"no beat for {self.peer_timeout:g} s")
 
@@ -267,6 +271,7 @@ class Server:
                 self._end(selector, min(unproven, key=lambda c: c.stage != KNOCK), "", "")
             sock.setblocking(False)
             conn = _Connection(sock, f"{address[0]}:{address[1]}", time.monotonic() + self.auth_timeout)
+            conn.away_at_accept = self._away
             self._connections[sock] = conn
             selector.register(sock, selectors.EVENT_READ)
 
