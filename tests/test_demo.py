@@ -594,12 +594,23 @@ def test_without_nixl_each_tool_says_so_at_once_and_starts_nothing(role, tmp_pat
     out, err = capsys.readouterr()
     said = {
         "demo": "kvhost demo: ",
-        "prefill": "prefill: NixlUnavailableError: ",
-        "decode": "decode: NixlUnavailableError: ",
+        "prefill": "prefill: ",
+        "decode": "decode: ",
     }
     assert code == 2 and err.startswith(said[role] + "NIXL is not installed") and err.count("\n") == 1, err
     assert "pip install 'kvhost[nixl]'" in err and time.monotonic() - begun < 20
     assert not secret.exists() and ("listening" not in out)
+
+
+def test_prefill_says_in_the_resolvers_words_that_its_listen_host_does_not_resolve(tmp_path, capsys):
+    from kvhost_tools.demo.prefill import main as prefill_main
+
+    secret = tmp_path / "new.secret"
+    code = prefill_main(["--layers", "2", "--listen", "nosuchhost.invalid:7600", "--secret-file", str(secret)])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.startswith("prefill: --listen nosuchhost.invalid:7600: ") and err.count("\n") == 1
+    assert "Unknown error" not in err and "while attempting" not in err, err  # was "Unknown error -2"
+    assert not secret.exists()
 
 
 def test_prefill_says_its_port_is_taken_in_one_line_and_leaves_no_secret_file(tmp_path, capsys):

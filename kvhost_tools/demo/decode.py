@@ -140,10 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: the sessions were closed on the way out
         name, stopped = stopped_by(err)
         outcome.error = f"stopped by {name}"
-    except KVHostError as err:
-        outcome.error = f"{type(err).__name__}: {err}"
-    except DemoError as err:
-        outcome.error = f"DemoError: {err}"
+    except (KVHostError, DemoError) as err:  # each says what is wrong: the class name adds nothing
+        outcome.error = str(err)
     except MemoryError:
         outcome.error = "out of memory for the caches"
     except RuntimeError as err:

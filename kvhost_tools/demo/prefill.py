@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's allocator
             print(f"prefill: out of memory: {memory_options(args)}: {str(err).splitlines()[0]}", file=sys.stderr)
         elif isinstance(err, (KVHostError, OSError)):
-            print(f"prefill: {type(err).__name__}: {err}", file=sys.stderr)
+            print(f"prefill: {err}", file=sys.stderr)
         else:
             raise
     return EXIT_ERROR
@@ -159,7 +159,10 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
         listener = socket.socket(fileno=args.listen_fd)
     else:  # bound first: a port in use leaves no new secret file behind
         try:
+            socket.getaddrinfo(host, port)  # a name that does not resolve, in the resolver's words
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except socket.gaierror as err:
+            raise DemoError(f"--listen {args.listen}: {err.strerror}") from None
         except OSError as err:
             raise DemoError(f"--listen {args.listen}: {os.strerror(err.errno) if err.errno else err}") from None
     host, port = listener.getsockname()[:2]
