@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +17,7 @@ import torch
 
 import kvhost
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
-from kvhost_tools.bench import cli, machine, output, targets, timing, workloads
+from kvhost_tools.bench import cli, footprint, machine, output, targets, timing, workloads
 from kvhost_tools.bench.baseline import PerRequestReceiver, PerRequestStager, wire_view
 from kvhost_tools.bench.methods import BASELINE, KVHOST, KVHOST_FN, ROOFLINE
 from kvhost_tools.bench.output import ROUNDING_TOLERANCE
@@ -127,6 +133,179 @@ def test_bad_options_are_named(argv, message, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line ``kvhost bench argv`` is refused with, before anything runs (status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvhost bench: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "Error(" not in err and "Error:" not in err.removeprefix("kvhost bench: error:")
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--backend", "nosuch"], "--backend 'nosuch': backend 'nosuch' is not registered (registered: "),
+        (["--device", "meta"], "--device 'meta': torch's meta device holds shapes, not bytes"),
+        (["--seed", "-5"], "--seed -5: give a seed of 0 or more"),
+        (["--transfer", "--demo", "--layers 0"], "--demo '--layers 0': --layers must be in [1, "),
+        (["--demo", "--bogus x"], "--demo '--bogus x': unrecognized arguments: --bogus x"),
+        (["--transfer", "--demo", "--prefill-block-size 24"], "--decode-block-size 64 must divide one another"),
+        (["--png", "plot"], "--png plot: the plot is a PNG file: give a name ending in .png, such as plot.png"),
+        *[(["--backend", "cuda"], "--backend 'cuda': backend 'cuda' cannot run here")][: not torch.cuda.is_available()],
+    ],
+)
+def test_options_the_run_could_not_carry_out_are_refused_up_front(argv, message, capsys):
+    """Each of these once measured (or started to) and ended with a traceback and status 1,
+    the status ``--check`` gives a failed target."""
+    assert message in _refusal(argv, capsys)
+
+
+@pytest.mark.parametrize("option", ["--json", "--png"])
+def test_an_output_path_that_is_a_folder_is_refused_before_the_run(option, tmp_path, capsys):
+    """``--png /tmp`` once wrote ``/tmp.png`` (matplotlib adds the suffix) and ``--json /tmp``
+    failed after the whole run."""
+    name = "bench.json" if option == "--json" else "bench.png"
+    assert f"{option} {tmp_path} is a folder: give a file name, such as {tmp_path / name}" in _refusal(
+        [option, str(tmp_path)], capsys
+    )
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert f"{blocked} is a file, not a folder" in _refusal([option, str(blocked / "sub" / name)], capsys)
+
+
+def test_a_batch_larger_than_the_memory_left_is_refused(monkeypatch, capsys):
+    """Said before anything is allocated, with what it would take, not by the allocator partway."""
+    monkeypatch.setattr(footprint, "memory_available", lambda: 16 * 10**9)
+    err = _refusal(["--quick", "--requests", "1000000"], capsys)
+    assert "this run needs about 1," in err and "more than the 16.0 GB available here" in err
+    assert "receive-r4 at 1000000 requests x 4 blocks" in err and "--requests" in err
+    # What the defaults take fits such a machine: the estimate does not refuse them.
+    assert cli.parse(["--quick"]).footprint.host < cli.parse([]).footprint.host < 16 * 10**9
+
+
+def test_the_estimate_holds_what_the_largest_point_allocates():
+    quick = workloads.PRESETS["quick"]
+    chosen = [s for s in workloads.scenarios(quick, (1000,)) if s.name == "receive-r4"]
+    cache = 4000 * quick.geometry.block_bytes  # 1000 requests of 4 blocks
+    estimate = footprint.scenarios_footprint(chosen, torch.device("cpu"), "warm")
+    assert (
+        cache + footprint.VERIFY_COPIES * cache
+        < estimate.host
+        < 1.5 * (1 + footprint.VERIFY_COPIES) * cache + (2 << 30)
+    )
+    assert estimate.device == 0 and "receive-r4 at 1000 requests x 4 blocks" in estimate.largest
+
+
+def test_transfer_without_nixl_says_so_and_how_to_install_it(monkeypatch, capsys):
+    """It once ended with a closed connection (the sender died without NIXL) and a traceback."""
+    from kvhost.nixl import agent as nixl_agent
+
+    monkeypatch.setattr(nixl_agent, "NIXL_MODULES", ("no_such_nixl._api",))
+    nixl_agent.load_nixl.cache_clear()
+    try:
+        err = _refusal(["--transfer"], capsys)
+    finally:
+        nixl_agent.load_nixl.cache_clear()
+    assert "--transfer reads the batch over NIXL: NIXL is not installed" in err
+    assert "pip install 'kvhost[nixl]'" in err
+
+
+def test_a_file_written_whole_is_never_left_half_written(tmp_path):
+    """A run stopped while it writes leaves the results file as it was, and no partial file."""
+    path = tmp_path / "bench.json"
+    path.write_text("before")
+
+    def stopped(partial: Path) -> None:
+        partial.write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        output.write_whole(path, stopped)
+    assert path.read_text() == "before" and sorted(tmp_path.iterdir()) == [path]
+    output.write_text_whole(path, "after")
+    assert path.read_text() == "after" and sorted(tmp_path.iterdir()) == [path]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def stop_bench_while_it_runs(
+    argv: list[str], number: int, started: str | None, processes: int = 1
+) -> tuple[int, str, list[int]]:
+    """Start ``kvhost bench argv``, wait for ``started`` on its stderr (where given) and for
+    ``processes`` processes below it, send it signal ``number``; its status, the rest of its
+    stderr, and the processes that were below it."""
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)  # the bench measures in a child process
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "kvhost_tools.bench", *argv],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell may have it ignored
+    )
+    try:
+        assert bench.stderr is not None
+        for line in bench.stderr if started else ():
+            if started in line:
+                break
+        below = descendants(bench.pid)
+        while len(below) < processes and bench.poll() is None:
+            time.sleep(0.1)
+            below = descendants(bench.pid)
+        bench.send_signal(number)
+        _, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            for pid in descendants(bench.pid):
+                os.kill(pid, signal.SIGKILL)
+            bench.kill()
+    return bench.returncode, err, below
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="processes are found in /proc")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("number", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_stopped_bench_stops_its_measuring_child_and_writes_nothing(tmp_path, number, status):
+    """SIGTERM once left the measuring child running to the end (and writing the results);
+    Ctrl-C printed a traceback from each process."""
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    # Rounds enough to run for many minutes: it is still measuring when stopped.
+    argv = ["--quick", "--only", "receive-r4", "--requests", "1", "--rounds", "1000000"]
+    argv += ["--json", str(out_json), "--png", str(out_png)]
+    code, err, below = stop_bench_while_it_runs(argv, number, "points, device")
+    assert code == status, err
+    assert err.strip() == f"kvhost bench: stopped by {signal.Signals(number).name}; nothing was written to {out_json}"
+    assert below and not [pid for pid in below if running(pid)]
+    assert not out_json.exists() and not out_png.exists() and not list(tmp_path.iterdir())
 
 
 def _rows(fraction: float, speedup: float) -> list[dict]:

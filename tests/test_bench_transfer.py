@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import signal
 import time
 
 import numpy as np
 import pytest
+from test_bench import running, stop_bench_while_it_runs
 from test_nixl import needs_nixl
 
 from kvhost.errors import KVHostError
@@ -164,6 +166,19 @@ def test_a_sender_started_without_pack_says_so_at_once():
     finally:
         peer.close()
     assert peer.process.returncode != 0
+
+
+@needs_nixl
+@pytest.mark.timeout(240)
+def test_a_stopped_transfer_stops_the_sender_too(tmp_path):
+    """SIGTERM once left the measuring child and its sender running on, re-parented."""
+    out_json = tmp_path / "bench.json"
+    argv = ["--quick", "--transfer", "--rounds", "1000000", "--bounds", "", "--sweep", "0", "--json", str(out_json)]
+    code, err, below = stop_bench_while_it_runs(argv, signal.SIGTERM, None, processes=2)  # the child, its sender
+    assert code == 143, err
+    assert f"kvhost bench: stopped by SIGTERM; nothing was written to {out_json}" in err and "Traceback" not in err
+    assert len(below) == 2 and not [pid for pid in below if running(pid)]
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_transfer_section_is_kept_under_its_setting():

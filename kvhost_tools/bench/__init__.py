@@ -25,6 +25,7 @@ The modules, in the order a run uses them:
 
 - ``workloads``: geometries, points, the scenario table and its targets, presets;
 - ``machine``: cache sizes, the machine's description, eviction of touched bytes;
+- ``footprint``: what a run allocates, estimated before it starts (too much is refused);
 - ``baseline``: the per-request path the bench compares against;
 - ``methods``: the methods at one point, on caches allocated once per geometry;
 - ``verify``: the baseline and kvhost leave the same bytes;

@@ -4,6 +4,12 @@ The measuring runs in a child process with ``OMP_WAIT_POLICY=PASSIVE`` unless th
 variable is set: torch and numba each bring an OpenMP runtime whose idle workers spin,
 and on a shared two-core machine a spinning worker turns every parallel region into a
 wait for a scheduler time slice (8-16 ms per call measured here under load).
+
+Options the run could not carry out are refused before it starts (status 2, one line):
+a backend that cannot run here, a device without memory to time, a batch larger than
+the memory left, a results path that is a folder. SIGTERM or Ctrl-C stops a run (status
+143 or 130, one line): the measuring child and its sender stop with it, and the results
+file is left as it was.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import gc
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
@@ -25,22 +33,33 @@ from typing import Any
 import torch
 
 import kvhost
-from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS
+from kvhost.errors import BackendError
+from kvhost.nixl.agent import DEFAULT_THREADS, MAX_THREADS, load_nixl
+from kvhost.nixl.errors import NixlUnavailableError
+from kvhost_tools.bench.footprint import device_refusal, host_refusal, scenarios_footprint, transfer_bytes
 from kvhost_tools.bench.machine import Device, machine
 from kvhost_tools.bench.methods import KVHOST, METHODS, ROOFLINE, Workspace, prepare
-from kvhost_tools.bench.output import other_tables, plot, table, target_table, to_json
-from kvhost_tools.bench.sender import HUGE_PAGES, PROGRESS, QUICK_DEMO
+from kvhost_tools.bench.output import other_tables, plot, table, target_table, to_json, write_text_whole
+from kvhost_tools.bench.sender import HUGE_PAGES, PROGRESS, QUICK_DEMO, Setting
 from kvhost_tools.bench.targets import evaluate, front_end_share
 from kvhost_tools.bench.timing import measure, summarise
 from kvhost_tools.bench.ways import BOUNDS, SWEEP
-from kvhost_tools.bench.workloads import PRESETS, Geometry, Scenario, scenarios
+from kvhost_tools.bench.workloads import PRESETS, Geometry, Preset, Scenario, scenarios
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
 from kvhost_tools.demo import netenv
-from kvhost_tools.demo.options import seconds
+from kvhost_tools.demo.config import memory_refusal
+from kvhost_tools.demo.options import Parser, seconds
+from kvhost_tools.demo.stopping import PARENT_ENV, stop_on_sigterm, stopped_by
+
+# Device types whose tensors hold no bytes: nothing there to copy, evict or time.
+NO_MEMORY = {"meta": "torch's meta device holds shapes, not bytes"}
+BACKENDS_HINT = "`kvhost info` lists the backends and whether each can run here"
+# What stops a run: the measuring child is sent SIGTERM, and the bench exits 128 + the signal.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvhost bench", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvhost bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few rounds, for CI (a few seconds)")
     parser.add_argument("--device", default="cpu", help="torch device of the caches (default cpu)")
     parser.add_argument("--requests", help="batch sizes to sweep, comma-separated (default 1..256 doubling)")
@@ -113,6 +132,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--requests {given!r}: batch sizes must be at least 1")
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
+    if args.seed < 0:  # numpy's generators take none below 0
+        parser.error(f"--seed {args.seed}: give a seed of 0 or more")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -120,6 +141,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     module = getattr(torch, device.type, None) if device.type != "cpu" else None
     if module is not None and hasattr(module, "is_available") and not module.is_available():
         parser.error(f"--device {args.device!r}: torch sees no {device.type} device here")
+    if device.type in NO_MEMORY:
+        why = NO_MEMORY[device.type]
+        parser.error(f"--device {args.device!r}: {why}, so there is nothing to time: give cpu or an accelerator")
+    problem = backend_refusal(device, args.backend)
+    if problem:
+        parser.error(problem)
     names = sorted(s.name for s in scenarios(PRESETS["full"], (1,)))
     for prefix in args.only:
         if not any(name.startswith(prefix) for name in names):
@@ -148,6 +175,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         given = {item.split("=", 1)[0] for item in args.peer_env}
         sender = {"UCX_NET_DEVICES": theirs, "UCX_TLS": os.environ.get("UCX_TLS", "tcp")}
         args.peer_env = [*args.peer_env, *(f"{key}={value}" for key, value in sender.items() if key not in given)]
+    demo_given = args.demo is not None
     if args.demo is None:
         args.demo = QUICK_DEMO if args.quick else ""
     args.argv = [a for a in argv if a != "--in-process"]
@@ -155,7 +183,92 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     stem = "bench-quick" if args.quick else "bench"
     args.json = args.json or default_dir / f"{stem}.json"
     args.png = args.png or default_dir / f"{stem}.png"
+    problem = file_refusal("--json", args.json, "bench.json")
+    if problem:
+        parser.error(problem)
+    if args.transfer or demo_given:
+        problem = demo_refusal(args.demo)
+        if problem:
+            parser.error(problem)
+    if args.transfer:
+        try:
+            load_nixl()  # the sender and this process both need it: said here, not as a closed connection later
+        except NixlUnavailableError as err:
+            parser.error(f"--transfer reads the batch over NIXL: {err}")
+        return args
+    problem = file_refusal("--png", args.png, "bench.png")
+    if problem:
+        parser.error(problem)
+    if args.png.suffix.lower() != ".png":  # matplotlib would add ".png": the plot would land elsewhere
+        example = args.png.with_name(args.png.name + ".png")
+        parser.error(f"--png {args.png}: the plot is a PNG file: give a name ending in .png, such as {example}")
+    args.footprint = scenarios_footprint(chosen_scenarios(args)[1], device, args.cache)
+    problem = host_refusal(args.footprint, memory_remedy(args))
+    if problem:
+        parser.error(problem)
     return args
+
+
+def backend_refusal(device: torch.device, names: Sequence[str]) -> str | None:
+    """Why kvhost cannot run on ``device``, or with one of the backends ``names`` (one line), or None."""
+    try:
+        kvhost.get_backend(device)
+    except BackendError as err:
+        return f"--device {str(device)!r}: {err}; {BACKENDS_HINT}"
+    for name in names:
+        try:
+            kvhost.get_backend(device, name)
+        except BackendError as err:
+            return f"--backend {name!r}: {err}; {BACKENDS_HINT}"
+    return None
+
+
+def file_refusal(option: str, path: Path, example: str) -> str | None:
+    """Why ``path`` cannot be written as a file at the end of the run (one line), or None: said
+    before the run, not after it. Folders that do not exist yet are made then."""
+    if path.is_dir():
+        return f"{option} {path} is a folder: give a file name, such as {path / example}"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else f"{option} {path}: no permission to write it"
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{option} {path}: {folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{option} {path}: no permission to create files in {folder}"
+    return None
+
+
+def demo_refusal(text: str) -> str | None:
+    """Why the demo would refuse ``--demo``'s options, or this machine cannot hold their batch
+    in both processes (one line naming the option), or None."""
+    try:
+        setting = Setting.read(text)
+    except ValueError as err:
+        return f"--demo {text!r}: {err}"
+    problem = setting.refusal()
+    if problem:
+        return f"--demo {text!r}: {problem}"
+    problem = memory_refusal(transfer_bytes(setting), setting.model, setting.workload)
+    if problem:
+        return f"--demo {text!r}: {problem}: ask for fewer or shorter requests, or a smaller model"
+    return None
+
+
+def memory_remedy(args: argparse.Namespace) -> str:
+    quick = "" if args.quick else ", or the quick shapes (--quick)"
+    return f"ask for smaller batches (--requests) or fewer scenarios (--only){quick}"
+
+
+def chosen_scenarios(args: argparse.Namespace) -> tuple[Preset, list[Scenario]]:
+    """The preset and the scenarios the options choose, in the order they are reported."""
+    preset = PRESETS["quick" if args.quick else "full"]
+    if args.no_sweeps:
+        preset = replace(preset, sweeps=False)
+    requests = args.requests or preset.requests
+    chosen = [s for s in scenarios(preset, requests) if not args.only or any(s.name.startswith(o) for o in args.only)]
+    return preset, chosen
 
 
 def allocation_order(chosen: list[Scenario]) -> list[Scenario]:
@@ -172,18 +285,91 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.in_process and "OMP_WAIT_POLICY" not in os.environ:
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
         command = [sys.executable, "-m", "kvhost_tools.bench", *argv, "--in-process"]
-        return subprocess.run(command, env=env, check=False).returncode
-    return run(args, argv)
+        return measure_in_child(command, env, args.json)
+    parent_reports = PARENT_ENV in os.environ  # a bench that started this one says how it stopped
+    before = file_state(args.json)
+    try:
+        with stop_on_sigterm():  # also stops this process where the bench that started it is gone
+            return run(args, argv)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: the sender (--transfer) was stopped on the way out
+        name, status = stopped_by(err)
+        if not parent_reports:
+            print(stop_line(name, args.json, before), file=sys.stderr)
+        return status
+
+
+def measure_in_child(command: list[str], env: dict[str, str], results: Path) -> int:
+    """Run ``command`` (the bench, ``--in-process``) and wait for it; its exit status.
+
+    SIGTERM or SIGINT here stops it: the child is sent SIGTERM, stops its sender and writes
+    nothing, and this process says so in one line and exits 128 + the signal. A second
+    signal kills the child and what it started at once. The child has a session of its own,
+    so a terminal's Ctrl-C reaches this process alone, and the child is stopped once, by it.
+    """
+    before = file_state(results)
+    received: list[int] = []
+    child: subprocess.Popen[bytes] | None = None
+
+    def stop_child(signum: int, frame: object) -> None:
+        received.append(signum)
+        if child is None:
+            return  # not started yet: stopped as soon as it is
+        if len(received) == 1:
+            child.send_signal(signal.SIGTERM)
+        else:
+            kill_session(child.pid)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # handlers can be set there only
+        for number in STOP_SIGNALS:
+            if signal.getsignal(number) is not signal.SIG_IGN:  # a signal ignored (nohup, &) stays so
+                previous[number] = signal.signal(number, stop_child)
+    try:
+        # Where this process dies without stopping it (SIGKILL), the child stops itself (stopping.py).
+        child = subprocess.Popen(command, env={**env, PARENT_ENV: str(os.getpid())}, start_new_session=True)
+        if received:
+            child.send_signal(signal.SIGTERM)
+        returncode = child.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if not received:
+        return returncode
+    kill_session(child.pid)  # what the child started and could not stop (its sender) goes too
+    print(stop_line(signal.Signals(received[0]).name, results, before), file=sys.stderr)
+    return 128 + received[0]
+
+
+def kill_session(leader: int) -> None:
+    """SIGKILL to every process left in the process group ``leader`` leads (none left: nothing happens)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGKILL)
+
+
+def file_state(path: Path) -> tuple[int, int, int] | None:
+    """What tells whether ``path`` was written since: its inode, modification time and size (None: absent)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def stop_line(signal_name: str, results: Path, before: tuple[int, int, int] | None) -> str:
+    """The one line a stopped run ends with: what stopped it, and whether the results were written."""
+    if file_state(results) == before:
+        return f"kvhost bench: stopped by {signal_name}; nothing was written to {results}"
+    return f"kvhost bench: stopped by {signal_name}, after writing {results}"
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.transfer:
         return run_transfer(args)
-    preset = PRESETS["quick" if args.quick else "full"]
-    if args.no_sweeps:
-        preset = replace(preset, sweeps=False)
-    requests = args.requests or preset.requests
-    chosen = [s for s in scenarios(preset, requests) if not args.only or any(s.name.startswith(o) for o in args.only)]
+    preset, chosen = chosen_scenarios(args)
+    problem = device_refusal(args.footprint, torch.device(args.device), memory_remedy(args))
+    if problem:  # said by the device's runtime, which only the measuring process starts
+        print(f"kvhost bench: error: {problem}", file=sys.stderr)
+        return 2
     device = Device(args.device, args.cache)
     space = Workspace(device)
     rng = random.Random(args.seed)
@@ -247,8 +433,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "table": table(rows, [f"kvhost[{b}]" for b in args.backend]),
     }
     result["transfer"] = _previous(args.json).get("transfer", {})  # measured by --transfer runs
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(to_json(result) + "\n")
+    write_text_whole(args.json, to_json(result) + "\n")
     try:
         plot(result, args.png)
         wrote = f"{args.json} and {args.png}"
@@ -297,8 +482,7 @@ def run_transfer(args: argparse.Namespace) -> int:
     previous = _previous(args.json)
     key = transfer_key(section)
     previous["transfer"] = {**previous.get("transfer", {}), key: section}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(to_json(previous) + "\n")
+    write_text_whole(args.json, to_json(previous) + "\n")
     print(f"\nwrote the transfer section {key!r} into {args.json}", file=sys.stderr)
     return 1 if args.check and not section["targets"]["passed"] else 0
 

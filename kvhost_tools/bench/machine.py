@@ -15,6 +15,7 @@ import torch
 from kvhost.caches import CacheSet
 
 MiB = 1 << 20
+DEVICE_FLUSH_BYTES = 256 * MiB  # read on an accelerator to evict its caches (``Device``)
 
 
 def last_level_cache_bytes() -> int:
@@ -28,6 +29,11 @@ def last_level_cache_bytes() -> int:
         units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return max(sizes, default=32 * MiB)
+
+
+def host_flush_bytes() -> int:
+    """What ``Device`` reads on the host to evict the last call's bytes: three times the largest cache."""
+    return max(3 * last_level_cache_bytes(), 64 * MiB)
 
 
 def machine() -> dict[str, Any]:
@@ -85,10 +91,9 @@ class Device:
         self._flush: list[torch.Tensor] = []
         if self.cache in ("all", "data"):
             # Reading three times the largest cache evicts what the last call left there.
-            flush_bytes = max(3 * last_level_cache_bytes(), 64 * MiB)
-            self._flush = [torch.ones(flush_bytes // 8, dtype=torch.int64)]
+            self._flush = [torch.ones(host_flush_bytes() // 8, dtype=torch.int64)]
             if self.device.type != "cpu":
-                self._flush.append(torch.ones(256 * MiB // 8, dtype=torch.int64, device=self.device))
+                self._flush.append(torch.ones(DEVICE_FLUSH_BYTES // 8, dtype=torch.int64, device=self.device))
         self._self_evicting = 4 * last_level_cache_bytes()
 
     @property

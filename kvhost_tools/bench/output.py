@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -181,9 +182,30 @@ def plot(result: dict[str, Any], path: Path) -> None:
         fontsize=10,
     )
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    # The format named: matplotlib would add ".png" to a name without it (parse() asks for one).
+    write_whole(path, lambda partial: figure.savefig(partial, dpi=110, format="png"))
     plt.close(figure)
+
+
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(partial)`` next to ``path``, then the partial file renamed to it: a run stopped
+    while writing leaves ``path`` as it was (or absent), never half written. What is not a
+    plain file (``/dev/stdout``) is written as it is; a symbolic link keeps pointing where it did."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        write(path)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    write_whole(path, lambda partial: partial.write_text(text))
 
 
 SIGNIFICANT_DIGITS = 5

@@ -30,7 +30,7 @@ import kvhost
 from kvhost.errors import KVHostError
 from kvhost.nixl import Agent, RegionTable
 from kvhost.nixl.agent import DEFAULT_THREADS
-from kvhost.nixl.errors import ProtocolError
+from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.framing import receive, send
 from kvhost.testing import fill_random
 from kvhost_tools.bench.machine import Device, block_ranges
@@ -42,9 +42,11 @@ from kvhost_tools.demo.config import (
     allocate_blocks,
     blocks_for,
     local_blocks_for,
+    model_refusal,
     pool_for,
 )
 from kvhost_tools.demo.options import add_model, add_workload, default_layout, model_of, workload_of
+from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
 
 QUICK_DEMO = "--layers 2 --heads 2 --head-dim 16 --requests 8 --min-tokens 5 --max-tokens 150"
 TIMEOUT_S = 120.0  # any one control message, and any one transfer
@@ -61,7 +63,7 @@ SEED = 1000  # the sender's layer i holds fill_random(seed SEED + i)
 
 class _DemoParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise SystemExit(f"kvhost bench --demo: {message}")
+        raise ValueError(message)  # the caller names the option: ``kvhost bench`` refuses it with status 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,15 @@ class Setting:
 
     @classmethod
     def parse(cls, text: str) -> Setting:
+        """The setting of ``text``; options it cannot read end the program, naming them."""
+        try:
+            return cls.read(text)
+        except ValueError as err:
+            raise SystemExit(f"kvhost bench --demo: {err}") from None
+
+    @classmethod
+    def read(cls, text: str) -> Setting:
+        """The setting of ``text``, or a ValueError saying which option it cannot read."""
         p = _DemoParser(prog="kvhost bench --demo", add_help=False)
         add_model(p)
         add_workload(p)
@@ -94,6 +105,17 @@ class Setting:
     @property
     def axes(self) -> str:
         return self.model.axes_for(self.prefill)  # both sides cross-layer, or neither
+
+    def refusal(self) -> str | None:
+        """Why the demo itself would refuse this batch (one line naming the option), or None."""
+        problem = model_refusal(self.model, self.workload, [("prefill-", self.prefill), ("decode-", self.decode)])
+        if problem:
+            return problem
+        big, small = sorted((self.prefill.block_size, self.decode.block_size), reverse=True)
+        if big % small:
+            sizes = f"--prefill-block-size {self.prefill.block_size} and --decode-block-size {self.decode.block_size}"
+            return f"{sizes} must divide one another"
+        return None
 
 
 @dataclass(frozen=True)
@@ -144,6 +166,18 @@ class Batch:
             pairs.append((local_ids, list(range(at, at + len(remote_ids)))))
             at += len(remote_ids)
         return pairs
+
+
+def main(argv: Sequence[str]) -> int:
+    """``peer_main``, ended quietly where the bench stopped it (SIGTERM, or Ctrl-C on a terminal
+    both share) or is gone (its end of the socket closed): the bench says what happened."""
+    try:
+        with stop_on_sigterm():
+            return peer_main(argv)
+    except KeyboardInterrupt as err:
+        return stopped_by(err)[1]
+    except PeerClosedError:  # nobody is left to read from this sender
+        return 1
 
 
 def peer_main(argv: Sequence[str]) -> int:
@@ -232,14 +266,22 @@ class Peer:
         self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=dict(os.environ, **env))
         theirs.close()
         self.sock = ours
-        hello = receive(ours, timeout=TIMEOUT_S, expect="hello")
-        fields = hello.fields()
-        self.table = RegionTable.from_dict(fields.data["table"], "hello.table", hello.arrays)
-        packed = fields.data.get("pack_table")
-        self.pack_table = None if packed is None else RegionTable.from_dict(packed, "hello.pack_table", hello.arrays)
-        self.metadata = hello.blob
-        self.pid = fields.integer("pid")
-        self.huge_pages = str(fields.data["huge_pages"])
+        try:
+            hello = receive(ours, timeout=TIMEOUT_S, expect="hello")
+            fields = hello.fields()
+            self.table = RegionTable.from_dict(fields.data["table"], "hello.table", hello.arrays)
+            packed = fields.data.get("pack_table")
+            self.pack_table = (
+                None if packed is None else RegionTable.from_dict(packed, "hello.pack_table", hello.arrays)
+            )
+            self.metadata = hello.blob
+            self.pid = fields.integer("pid")
+            self.huge_pages = str(fields.data["huge_pages"])
+        except BaseException:  # it failed to start, or the bench was stopped meanwhile: it must not outlive us
+            self.sock.close()
+            self.process.terminate()
+            self._wait()
+            raise
 
     def evict(self) -> None:
         send(self.sock, "evict", {}, timeout=TIMEOUT_S)
@@ -254,6 +296,10 @@ class Peer:
         with contextlib.suppress(OSError, ProtocolError):  # a sender that has already exited
             send(self.sock, "quit", {}, timeout=5.0)
         self.sock.close()
+        self._wait()
+
+    def _wait(self) -> None:
+        """Wait for the sender to exit: 30 s, then it is killed."""
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -262,4 +308,4 @@ class Peer:
 
 
 if __name__ == "__main__":
-    raise SystemExit(peer_main(sys.argv[1:]))
+    raise SystemExit(main(sys.argv[1:]))

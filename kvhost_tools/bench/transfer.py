@@ -60,6 +60,7 @@ hold the sender's tokens bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import time
@@ -129,6 +130,10 @@ class Setup:
     plan: TransferPlan
     readers: dict[str, Any] = field(default_factory=dict)  # name -> Reader, Batched or Prepared
     handles: list[Any] = field(default_factory=list)  # NIXL requests made once, released at the end
+
+    def close_readers(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
 
     def transfer(self, name: str, inflight: int) -> Callable[[], None]:
         reader, batch = self.readers[name], self.batch
@@ -233,23 +238,30 @@ def connect(args: argparse.Namespace) -> Setup:
     setting = Setting.parse(args.demo)
     batch = Batch.of(setting)
     env = dict(item.split("=", 1) for item in args.peer_env)
-    peer = Peer(args, env, pack=True)
-    agent = Agent(f"bench-decode-{os.getpid()}", progress_thread=args.progress == "thread", threads=args.threads)
-    local = setting.model.caches(setting.decode, batch.local_pool)
-    local_table = agent.register(local, setting.axes, huge_pages=args.huge_pages == "on")
-    plan = plan_transfer(local_table, peer.table)
-    name = agent.add_peer(peer.metadata)
-    setup = Setup(batch, agent, peer, local, plan)
-    setup.readers[PER_PIECE] = agent.reader(plan, name, max_descriptor_bytes=None)
-    setup.readers[PREPPED] = Prepared(agent, plan, name)
-    setup.readers[UNMERGED] = Prepared(agent, plan, name, nixl_merges=False)
-    setup.readers[KVHOST] = agent.reader(plan, name)
-    setup.readers[BATCH] = Batched(setup.readers[KVHOST], batch.pairs())
-    assert peer.pack_table is not None
-    packed = agent.reader(plan_transfer(local_table, peer.pack_table), name)
-    setup.readers[PACKED] = Batched(packed, batch.packed_pairs(), first=peer.pack)
-    for bound in args.bounds:
-        setup.readers[bound_name(bound)] = agent.reader(plan, name, max_descriptor_bytes=bound)
+    # Until the setup is handed over, a failure or a stop (SIGTERM, Ctrl-C) on the way closes
+    # what was opened, the sender process first among them: it must not outlive this one.
+    with contextlib.ExitStack() as opened:
+        peer = Peer(args, env, pack=True)
+        opened.callback(peer.close)
+        agent = Agent(f"bench-decode-{os.getpid()}", progress_thread=args.progress == "thread", threads=args.threads)
+        opened.callback(agent.close)
+        local = setting.model.caches(setting.decode, batch.local_pool)
+        local_table = agent.register(local, setting.axes, huge_pages=args.huge_pages == "on")
+        plan = plan_transfer(local_table, peer.table)
+        name = agent.add_peer(peer.metadata)
+        setup = Setup(batch, agent, peer, local, plan)
+        opened.callback(setup.close_readers)
+        setup.readers[PER_PIECE] = agent.reader(plan, name, max_descriptor_bytes=None)
+        setup.readers[PREPPED] = Prepared(agent, plan, name)
+        setup.readers[UNMERGED] = Prepared(agent, plan, name, nixl_merges=False)
+        setup.readers[KVHOST] = agent.reader(plan, name)
+        setup.readers[BATCH] = Batched(setup.readers[KVHOST], batch.pairs())
+        assert peer.pack_table is not None
+        packed = agent.reader(plan_transfer(local_table, peer.pack_table), name)
+        setup.readers[PACKED] = Batched(packed, batch.packed_pairs(), first=peer.pack)
+        for bound in args.bounds:
+            setup.readers[bound_name(bound)] = agent.reader(plan, name, max_descriptor_bytes=bound)
+        opened.pop_all()  # run() closes them from here on
     return setup
 
 
@@ -410,7 +422,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for handle in setup.handles:
             handle.release()
-        for reader in setup.readers.values():
-            reader.close()
+        setup.close_readers()
         setup.agent.close()
         setup.peer.close()
