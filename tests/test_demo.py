@@ -78,7 +78,7 @@ RUNS = {
     # Prefill frozen (SIGSTOP) once 2 arrived; over TCP alone its memory cannot be read, so transfers hang.
     "freeze": [*SMALL, "--requests", "10", "--inflight", "2", "--freeze-prefill-after", "2", "--timeout", "2"],
     # Decode frozen (SIGSTOP) past the prefill's peer timeout once 2 arrived: prefill lets go
-    # of the blocks, and decode, with no word that they were held, trusts none it read.
+    # of the blocks, and decode trusts none it read that prefill did not confirm before.
     "freeze-decode": [
         *SMALL,
         "--requests",
@@ -304,28 +304,30 @@ def check_partial(code, outcome, text):
 
 @needs_nixl
 @pytest.mark.timeout(RUN_SECONDS + 30)
-def test_killed_prefill_fails_every_request_it_could_not_confirm(runs):
-    """What arrived before the kill cannot be told from what a prefill that had let go
-    (and reused the blocks) sent: with no ``held`` at done, none of it is marked received."""
+def test_killed_prefill_fails_the_rest_and_verifies_what_it_confirmed(runs):
+    """What arrived counts once prefill answered a beat sent after it with ``held``; one
+    that arrived as it was killed, unconfirmed, fails (it cannot be told from blocks a
+    prefill that had let go gave to others)."""
     code, outcome, text = runs["kill"].result()
     _, received = check_partial(code, outcome, text)
-    assert outcome["figures"]["fault_after"] == 3 and received == set()
+    assert outcome["figures"]["fault_after"] == 3
     unconfirmed = [n for n, why in outcome["failed"].items() if "did not confirm it held the blocks" in why]
-    assert 3 <= len(unconfirmed) <= 6  # those that arrived, and at most the 3 then in flight
-    assert "killed prefill 0" in text
+    assert 3 <= len(received) + len(unconfirmed) <= 6  # those that arrived, and at most the 3 then in flight
     assert any("REMOTE_DISCONNECT" in why or "failed" in why for why in outcome["failed"].values())
     assert any(why.startswith("not started: prefill 0 (127.0.0.1:") for why in outcome["failed"].values())
 
 
 @needs_nixl
 @pytest.mark.timeout(RUN_SECONDS + 30)
-def test_decode_frozen_past_the_peer_timeout_trusts_nothing_it_read(runs):
+def test_decode_frozen_past_the_peer_timeout_trusts_only_what_was_confirmed_before(runs):
     code, outcome, text = runs["freeze-decode"].result()
     _, received = check_partial(code, outcome, text)
-    assert received == set() and outcome["figures"]["fault_after"] == 2
+    assert len(received) <= 2 and outcome["figures"]["fault_after"] == 2  # confirmed before the freeze, at most
     assert "froze (SIGSTOP) decode 0 for 1.5 s" in text and "silent: no beat for 0.5 s" in text
-    unconfirmed = [n for n, why in outcome["failed"].items() if "did not confirm it held the blocks" in why]
-    assert len(unconfirmed) >= 2  # those that had arrived before the freeze, at least
+    # What landed after the freeze (prefill had let go) is confirmed by nothing: it fails, as
+    # every read that prefill's end (it lets go, then exits) cut short does.
+    kinds = ("did not confirm it held the blocks", "NIXL_ERR", "not started: prefill 0", "no completion within")
+    assert all(any(kind in why for kind in kinds) for why in outcome["failed"].values()), outcome["failed"]
 
 
 @needs_nixl
@@ -334,7 +336,8 @@ def test_frozen_prefill_times_out_instead_of_hanging(runs):
     code, outcome, text = runs["freeze"].result()
     _, received = check_partial(code, outcome, text)
     unconfirmed = [n for n, why in outcome["failed"].items() if "did not confirm it held the blocks" in why]
-    assert received == set() and len(unconfirmed) >= 2  # no ``held`` from a frozen prefill either
+    # Arrived: confirmed, or (frozen before its answer came) failed for want of it.
+    assert len(received) + len(unconfirmed) >= 2
     assert any("no completion within 2 s" in why for why in outcome["failed"].values())
     # Decode gave up on the hung transfers after the timeout: a bounded run, not a hang.
     assert outcome["figures"]["transfer_seconds"] < 2 + 10
@@ -511,6 +514,12 @@ def test_progress_bar_draws_on_a_terminal_only():
         (["--decodes", "0"], "--decodes must be in [1, 64], got 0"),
         (["--max-run", "0"], "--max-run must be in [1, 1048576], got 0"),
         (["--block-ids", "random"], "invalid choice"),
+        # Refused before an engine starts: an idle prefill exits, and decode retried it for minutes.
+        (["--prefill-layout", "HND,NHD", "--requests", "1"], "--requests 1 leaves some of the 2 prefill engines"),
+        (["--decodes", "3", "--requests", "2"], "--requests 2 leaves some of the 3 decode engines (--decodes)"),
+        (["--backend", "nosuch"], "--backend 'nosuch': backend 'nosuch' is not registered"),
+        (["--peer-timeout", "0.1"], "--peer-timeout must be at least 0.2 s"),
+        (["--freeze-decode-after", "1", "--kill-prefill-after", "1"], "not allowed with argument"),
     ],
 )
 def test_bad_options_are_refused(argv, message, capsys):
@@ -544,6 +553,10 @@ def test_prefill_refuses_a_peer_timeout_no_decode_can_beat_within_before_it_list
         ("decode", ["--advertise", ""], "--advertise '': not an IP address"),
         ("decode", ["--json", "/no/such/folder/x.json"], "argument --json: '/no/such/folder/x.json': no folder"),
         ("decode", ["--prefill", "127.0.0.1:0"], "--prefill: '127.0.0.1:0': port 0 is no prefill engine's"),
+        ("decode", ["--requests", "2", "--share", "3/4"], "--share 3/4 holds none of --requests 2"),
+        ("decode", ["--backend", "nosuch"], "--backend 'nosuch': backend 'nosuch' is not registered"),
+        ("decode", ["--json", "/proc/version"], "argument --json: '/proc/version': cannot write in '/proc'"),
+        ("decode", ["--progress-fd", "99"], "--progress-fd 99: Bad file descriptor"),
     ],
 )
 def test_an_engine_refuses_what_it_cannot_do_before_it_allocates(role, argv, message, monkeypatch, capsys):

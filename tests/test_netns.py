@@ -287,8 +287,8 @@ def test_prefill_and_decode_in_two_namespaces_verify_every_byte_over_the_veth(pa
 def test_a_link_set_down_mid_transfer_ends_every_request_within_the_deadline(pair, tmp_path):
     """Decode takes its veth down once 3 requests arrived: NIXL/UCX say nothing for minutes,
     so decode's --timeout fails the transfers in flight, the rest fail at once naming the
-    prefill engine; prefill hears no beat and lets go within --peer-timeout, so it answers
-    no ``done`` and what arrived is not trusted either; UCX's noise stays out of the output."""
+    prefill engine; prefill hears no beat and lets go within --peer-timeout, so what arrived
+    counts only where prefill confirmed it before; UCX's noise stays out of the output."""
     timeout, peer_timeout = 8.0, 5.0
     workload = ["--requests", "24", "--max-tokens", "2048"]
     out = hand_off(
@@ -307,10 +307,10 @@ def test_a_link_set_down_mid_transfer_ends_every_request_within_the_deadline(pai
     assert sorted([*data["received"], *data["failed"]]) == names  # every request ended one way
     assert not set(data["received"]) & set(data["failed"])  # a failed one is never marked received
     assert data["verified"] == data["received"] and data["mismatched"] == {}
-    assert data["received"] == []
-    reasons = set(data["failed"].values())
     unconfirmed = [n for n, why in data["failed"].items() if "did not confirm it held the blocks" in why]
-    assert f"no completion within {timeout:g} s" in reasons and len(unconfirmed) >= 3
+    assert 3 <= len(data["received"]) + len(unconfirmed) < 24
+    reasons = set(data["failed"].values())
+    assert f"no completion within {timeout:g} s" in reasons
     assert all(
         why == f"no completion within {timeout:g} s"
         or why.startswith(f"not started: prefill 0 ({pair.prefill_ip}")
@@ -329,6 +329,7 @@ def test_a_link_set_down_mid_transfer_ends_every_request_within_the_deadline(pai
     assert len(transport_lines) < 5, transport_lines[:5]
     show(
         "link down",
+        arrived=len(data["received"]),
         arrived_unconfirmed=len(unconfirmed),
         failed=len(data["failed"]),
         decode_exit_after_fault_s=round(decode_after, 1),

@@ -15,12 +15,13 @@ frame (``kvhost.nixl.framing``):
    ``refuse``: one line naming the field the engines disagree on and both values
    (``kvhost.nixl.engine.refusal``). Decode checks the offer the same way, and every
    table against the spec, before it reads a byte.
-5. ``beat`` (decode), every ``beat_seconds`` while it reads: a prefill that hears nothing
-   for a few beats knows decode is gone (a host down, a link cut: no socket ever closes)
-   and lets go of what it held for it.
+5. ``beat`` (decode), every ``beat_seconds`` while it reads, and at once when a read has
+   ended: a prefill that hears nothing for a few beats knows decode is gone (a host down,
+   a link cut: no socket ever closes) and lets go of what it held for it. ``held``
+   (prefill) answers each beat it hears while it still holds the blocks.
 6. ``done`` (decode): every block read; prefill may let go. ``held`` (prefill): it held
-   them until then. A decode that gets no ``held`` (prefill heard no beat for its peer
-   timeout while decode was frozen, and gave the blocks to others) cannot trust what it read.
+   them until then. A read that no ``held`` followed (prefill heard no beat for its peer
+   timeout while decode was frozen, and may have given the blocks to others) is not trusted.
 
 Fresh nonces on both sides make a recorded handshake useless; proofs are compared in
 constant time. The channel authenticates the peers, not the bytes after (nor does UCX
@@ -55,8 +56,8 @@ from kvhost.nixl.engine import (
     table_shape_refusal,
 )
 from kvhost.nixl.errors import HoldLostError, PeerClosedError, ProtocolError
-from kvhost.nixl.fields import Fields, check_seconds
-from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, encode, receive, send
+from kvhost.nixl.fields import Fields, check_seconds, show
+from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, encode, read_arrived, receive, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, RemoteRequest, parse_requests, request_columns
 from kvhost.nixl.tables import MAX_STREAMS, RegionTable
 
@@ -267,7 +268,14 @@ class Session:
     """One decode engine's connection to one prefill engine: its offer, the beats, ``done``.
 
     ``start_beats`` sends a beat every ``offer.beat_seconds`` from a thread until ``done``
-    or ``close``; a send that fails ends the beats (``beat_error`` says why).
+    or ``close``, and one at once whenever ``ask`` is called; a send that fails ends the
+    beats (``beat_error`` says why). Prefill answers each beat with ``held`` while it still
+    holds the blocks, and ``done`` the same way.
+
+    A read is good only if prefill held its blocks until it ended: a prefill that heard no
+    beat for its peer timeout (this process frozen, the link down) lets go and may give
+    them to others. So: ``mark = ask()`` once a read has ended; the read is confirmed once
+    ``confirmed(mark)`` (prefill answered a beat sent after it), or once ``done`` returns.
     """
 
     def __init__(self, sock: socket.socket, address: str, offer: Offer) -> None:
@@ -275,9 +283,15 @@ class Session:
         self.address = address
         self.offer = offer
         self.beat_error: str | None = None
-        self._lock = threading.Lock()
+        self.held_through = 0  # the last beat prefill answered with ``held``
+        self._held_at_done = False
+        self._sent = 0  # beats sent
+        self._answers = bytearray()  # what has arrived of prefill's next answer
+        self._lock = threading.Lock()  # the socket: one thread sends or reads at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wake, self._waker = socket.socketpair()  # ``ask`` wakes the beat thread
+        self._waker.setblocking(False)
 
     def start_beats(self) -> None:
         with self._lock:  # one beat thread, whoever calls
@@ -285,17 +299,56 @@ class Session:
                 self._thread = threading.Thread(target=self._beat, name=f"beats to {self.address}", daemon=True)
                 self._thread.start()
 
+    def ask(self) -> int:
+        """The beat whose ``held`` answer confirms every read ended by now; the beat thread
+        sends one at once."""
+        mark = self._sent + 1  # sent after this line, whatever the beat thread is doing
+        with contextlib.suppress(OSError):  # full or closed: woken already, or gone
+            self._waker.send(b"!")
+        return mark
+
+    def confirmed(self, mark: int) -> bool:
+        """Whether prefill held the blocks past beat ``mark`` (``ask``'s), or until ``done``."""
+        return self._held_at_done or self.held_through >= mark
+
     def _beat(self) -> None:
         interval = self.offer.beat_seconds
-        while not self._stop.wait(interval):
+        due = time.monotonic() + interval
+        while not self._stop.is_set():
             try:
-                with self._lock:
-                    if self._stop.is_set():  # done was sent while this beat waited for the lock
-                        return
-                    send(self.sock, BEAT, {}, timeout=interval)
-            except ProtocolError as err:
-                self.beat_error = str(err)
+                ready = select.select([self.sock, self._wake], [], [], max(0.0, due - time.monotonic()))[0]
+            except (OSError, ValueError):  # closed under it
                 return
+            with self._lock:
+                if self._stop.is_set():  # done was sent while this beat waited for the lock
+                    return
+                try:
+                    if self.sock in ready:
+                        self._take_answers()
+                    asked = self._wake in ready
+                    if asked:
+                        with contextlib.suppress(OSError):
+                            self._wake.recv(4096)  # every ask so far: one beat answers them all
+                    if asked or time.monotonic() >= due:
+                        self._sent += 1
+                        send(self.sock, BEAT, {"n": self._sent}, timeout=interval)
+                        due = time.monotonic() + interval
+                except ProtocolError as err:
+                    self.beat_error = str(err)
+                    return
+
+    def _take_answers(self) -> None:
+        """Read prefill's answers that have arrived, without waiting for more."""
+        self.sock.setblocking(False)  # ``send`` and ``receive`` set their own timeouts
+        while (message := read_arrived(self.sock, self._answers, AUTH_FRAME_BYTES)) is not None:
+            if message.kind != HELD:
+                raise ProtocolError(f"prefill sent {show(message.kind)} while it held the blocks")
+            fields = message.fields()
+            if fields.data.get("done") is True:
+                self._held_at_done = True
+                return  # its last word: the connection's end follows
+            else:
+                self.held_through = max(self.held_through, fields.integer("n", maximum=self._sent))
 
     def done(self, *, ok: bool, timeout: float) -> None:
         """Tell prefill every block has been read (``ok``: and all was well) and wait, up to
@@ -303,13 +356,21 @@ class Session:
 
         A HoldLostError where that word does not come: prefill let go first (no beat reached
         it for its peer timeout, while this process was frozen or the link down) and may have
-        reused the blocks, so what was read from it is not to be trusted.
+        reused the blocks, so what was read from it is not to be trusted, but for reads
+        ``confirmed`` before.
         """
+        seconds = check_seconds(timeout, "done timeout")
         self._stop.set()
         with self._lock:
             try:
-                send(self.sock, DONE, {"ok": ok}, timeout=timeout)
-                receive(self.sock, timeout=timeout, expect=HELD, limit=AUTH_FRAME_BYTES)
+                send(self.sock, DONE, {"ok": ok}, timeout=seconds)
+                deadline = time.monotonic() + seconds
+                while not self._held_at_done:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ProtocolError(f"no answer to 'done' within {seconds:g} s")
+                    if select.select([self.sock], [], [], left)[0]:
+                        self._take_answers()
             except ProtocolError as err:
                 lost = f" (a beat had failed: {self.beat_error})" if self.beat_error else ""
                 raise HoldLostError(
@@ -319,10 +380,13 @@ class Session:
 
     def close(self) -> None:
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._waker.send(b"!")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)  # a beat blocked on a dead link ends within its own timeout
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        for sock in (self.sock, self._wake, self._waker):
+            with contextlib.suppress(OSError):
+                sock.close()
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:

@@ -294,20 +294,35 @@ class Server:
                 self._answer(selector, conn, message)
             elif conn.stage == BEAT and message.kind == BEAT:
                 conn.deadline = time.monotonic() + self.peer_timeout
+                # Held still: say so, so that decode may trust the reads it ended before this beat.
+                self._say_held(selector, conn, {"n": message.fields().integer("n", maximum=1 << 62)})
             elif conn.stage == BEAT and message.kind == DONE:
                 assert conn.record is not None
                 conn.record.ok = message.fields().data.get("ok") is True
                 # It read everything while held: say so before letting go (a decode that
                 # hears nothing cannot trust its bytes). A peer gone meanwhile changes nothing.
-                with contextlib.suppress(ProtocolError):
-                    _send(conn.sock, HELD, {}, 1.0)
-                self._end(selector, conn, "done", "")
+                self._say_held(selector, conn, {"done": True})
+                if conn.sock in self._connections:
+                    self._end(selector, conn, "done", "")
             elif conn.stage == BEAT and message.kind == REFUSE:
                 self._end(selector, conn, "refused", message.fields().text("reason", max_length=400))
             else:
                 raise ProtocolError(f"unexpected {message.kind!r:.40} message")
         except ProtocolError as err:
             self._end(selector, conn, "failed", str(err))
+
+    def _say_held(self, selector: selectors.BaseSelector, conn: _Connection, header: dict[str, object]) -> None:
+        """``held``, sent whole at once or not at all: a peer that does not read these few
+        bytes (the socket's buffer full of them) is ended, never waited for."""
+        frame = encode(HELD, header)
+        try:
+            sent = conn.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # gone: its socket's own end says so next
+            return
+        if sent != len(frame):
+            self._end(selector, conn, "failed", "it does not read prefill's answers to its beats")
 
     def _challenge(self, conn: _Connection, message: Message) -> None:
         mine = os.urandom(NONCE_BYTES)

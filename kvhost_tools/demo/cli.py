@@ -18,15 +18,16 @@ may be the larger); an MLA cache (``--cache mla``) is read once per rank, whole.
 ``--via-host`` lands the bytes in a registered host buffer shaped like the decode cache
 (the same descriptors); ``kvhost.copy_blocks`` loads them, ``kvhost.receive`` rearranges
 them. ``--kill-prefill-after N`` kills the first prefill engine once N requests have
-arrived at the first decode engine: decode reports the requests that failed and exits 1
-(a request read from a prefill engine counts as arrived only once that engine confirms,
-at decode's ``done``, that it held the blocks until then: a killed one cannot).
+arrived at the first decode engine: decode reports the requests that failed,
+post-processes and verifies those that arrived, and exits 1 (a request counts as arrived
+once its prefill engine confirms it held the blocks until it landed: the answer to a beat
+decode sends as each lands).
 ``--freeze-prefill-after N`` stops it (SIGSTOP) instead: where the transport needs the
 peer to answer (UCX over TCP alone), transfers hang and the per-request ``--timeout``
 ends them. ``--freeze-decode-after N`` stops the first decode engine for a second longer
 than the prefill engines' ``--peer-timeout``: they hear no beat, let go of its blocks
-(they could reuse them), and, as they cannot confirm they held them, decode fails every
-request it read from them, however its bytes look.
+(they could reuse them), and decode fails every request they had not confirmed before,
+however its bytes look.
 
 The demo waits for its decode engines ``--run-timeout`` seconds at most (then kills
 them); prefill engines are stopped once the decode engines are done.
@@ -181,6 +182,20 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
         return problem
     if len(prefills) > 16:
         return f"at most 16 prefill engines, got {len(prefills)}"
+    # Every engine must hold some of the requests: an idle prefill exits at once (its decodes
+    # would retry it until --connect-timeout), an idle decode has nothing to pull.
+    for engines, what in ((len(prefills), "prefill engines"), (args.decodes, "decode engines (--decodes)")):
+        if workload.requests < engines:
+            return f"--requests {workload.requests} leaves some of the {engines} {what} with none: ask for {engines}+"
+    if args.backend is not None:  # before any engine starts: decode would fail only after the handshake
+        import torch
+
+        import kvhost
+
+        try:
+            kvhost.get_backend(torch.device("cpu"), args.backend)
+        except kvhost.KVHostError as err:
+            return f"--backend {args.backend!r}: {err}"
     needed = sum(memory_needed(model, workload, shape, decode, staging=args.via_host) for shape in prefills)
     return memory_refusal(needed, model, workload)
 

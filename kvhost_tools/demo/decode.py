@@ -112,6 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = problem or netenv.advertise_refusal(args.advertise)
     if problem is None and (args.fault_after is None) != (args.fault_command is None):
         problem = "--fault-after and --fault-command go together"
+    if problem is None and not workload.numbers(args.share):  # nothing to pull: as prefill refuses it
+        problem = f"--share {args.share} holds none of --requests {args.requests}"
+    if problem is None and args.backend is not None:  # before any prefill is asked for its blocks
+        try:
+            kvhost.get_backend(torch.device("cpu"), args.backend)
+        except KVHostError as err:
+            problem = f"--backend {args.backend!r}: {err}"
     if problem is None:  # before the cache is allocated
         needed = decode_memory(model, workload, shape, args.share, staging=args.via_host)
         problem = memory_refusal(needed, model, workload)
@@ -130,7 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcome = Outcome()
     progress: TextIO | None = None
     if args.progress_fd is not None:
-        progress = os.fdopen(args.progress_fd, "w")
+        try:
+            progress = os.fdopen(args.progress_fd, "w")
+        except OSError as err:
+            p.error(f"--progress-fd {args.progress_fd}: {err.strerror or err}")
     elif not args.no_progress and sys.stderr.isatty():
         progress = sys.stderr
     stopped = 0
@@ -256,7 +266,8 @@ def run(
                 engine.session.done(ok=engine.lost is None, timeout=min(args.timeout, 5.0))
             except ProtocolError as err:  # it may have given the blocks to others while they were read
                 for request in requests:
-                    if request.engine is engine and request.arrived:
+                    held = request.asked is not None and engine.session.confirmed(request.asked)
+                    if request.engine is engine and request.arrived and not held:
                         request.arrived, request.failure = False, str(err)
         figures["descriptors"] = sum(reader.descriptors for e in engines for reader in e.readers)
         arrived = [r for r in requests if r.arrived]

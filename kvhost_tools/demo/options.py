@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -139,10 +140,18 @@ def json_path(text: str) -> str:
     if os.path.exists(text):
         if not os.access(text, os.W_OK):
             raise argparse.ArgumentTypeError(f"{text!r} may not be written")
-        return text
+        if not os.path.isfile(text):  # /dev/stdout, a pipe: written as it is
+            return text
     folder = os.path.dirname(os.path.realpath(text))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: no folder {folder!r} to write it in")
+    # A file is written beside itself, then renamed over (whole or not at all): its folder must
+    # take a new file, which only trying tells (root may write anywhere /proc aside).
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".kvhost-"):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {folder!r}: {err.strerror or err}") from None
     return text
 
 

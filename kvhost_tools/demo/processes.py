@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from kvhost_tools.demo.stopping import PARENT_ENV
 # Lines of the transports' own logs: UCX's (``[1712345678.123456] [host:123:0] sock.c:355  UCX  ERROR ...``,
 # on stdout or stderr), NIXL's C++ (``E1130 16:25:44.574383  29594 nixl_agent.cpp:1198] ...``) and
 # Python (``2026-11-30 16:20:47 NIXL INFO ...``) loggers.
+STOP_SECONDS = 3.0  # an engine asked to stop (SIGTERM) has this long to let go of what it holds
 TRANSPORT = re.compile(r"^\[\d+\.\d+\] \[|^[EWIF]\d{4} \d\d:\d\d:\d\d|^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d NIXL |^\s*$")
 UCX_LINE = re.compile(r"^\[\d+\.\d+\] \[[^]]*\] .* UCX ")
 
@@ -121,10 +123,18 @@ class Engine:
         return code
 
     def stop(self, patience: float) -> int:
-        """Let it exit on its own within ``patience`` seconds; kill it if it lingers (a stopped
-        process too)."""
+        """Let it exit on its own within ``patience`` seconds; then ask it to stop (SIGTERM, and
+        SIGCONT for a stopped process), so that it closes its agents and deregisters its memory
+        as it does on its own, and kill it if it lingers ``STOP_SECONDS`` after."""
         try:
             return self.wait(timeout=patience)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
+            os.kill(self.process.pid, signal.SIGCONT)
+        try:
+            return self.wait(timeout=STOP_SECONDS)
         except subprocess.TimeoutExpired:
             self.process.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: leave it

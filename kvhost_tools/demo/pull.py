@@ -63,6 +63,8 @@ class Request:
     deadline: float = 0.0
     arrived: bool = False
     failure: str | None = None
+    # The beat whose ``held`` answer says prefill still held the blocks when they had landed.
+    asked: int | None = None
 
 
 @dataclass(eq=False)
@@ -180,6 +182,7 @@ def pull(
             try:
                 if all([t.poll() for t in request.transfers]):  # a list: every part reports its failure
                     request.arrived, progressed = True, True
+                    request.asked = engine.session.ask()
                     arrived_bytes += sum(t.nbytes for t in request.transfers)
                     done += 1
                     waiting.append(request)
