@@ -150,6 +150,29 @@ def test_without_triton_the_torch_path_says_so(monkeypatch):
     assert "torch ops (triton is not installed)" in backend.describe()
 
 
+@pytest.mark.parametrize("missing", ["compiler", "headers"])
+def test_where_triton_cannot_build_its_launcher_the_torch_path_runs_and_says_why(monkeypatch, tmp_path, missing):
+    """Triton compiles a C launcher at the first launch: with no compiler, or no Python.h
+    (a Python without its development headers), every receive would fail there."""
+    import kvhost_accelerator.backend as accelerator
+
+    kernels = load_kernels()
+    if kernels is None or kernels.interpreted():
+        pytest.skip("needs compiled Triton kernels")
+    if missing == "compiler":
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setattr(accelerator.shutil, "which", lambda name: None)
+        said = "no C compiler (gcc, clang, or CC) for Triton to build its launcher with"
+    else:
+        monkeypatch.setattr(accelerator.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+        said = f"no Python.h in {tmp_path} (the Python development headers) for Triton's launcher"
+    backend = CudaBackend()
+    if not set(backend.triton_compilers()) & set(kernels.compiler_targets()):
+        pytest.skip("this Triton has no compiler for CUDA")
+    assert backend.kernels_missing == said and backend.kernels is None
+    assert f"torch ops ({said})" in backend.describe()
+
+
 def test_kernels_run_where_this_triton_compiles_for_the_device():
     kernels = load_kernels()
     if kernels is None or kernels.interpreted():
@@ -801,8 +824,13 @@ def test_gpu_check_measures_every_workload(capsys):
     assert {row.bytes for row in rows if row.workload == first.workload} == {first.bytes}
     assert len(table(rows).splitlines()) == len(rows) + 1
     if not CUDA:
-        assert gpucheck_main(["--device", "cuda"]) == 1
-        assert "the cuda backend cannot run here" in capsys.readouterr().err
+        for device in ("cuda", "cuda:0"):  # an index given too (it was a RuntimeError)
+            assert gpucheck_main(["--device", device]) == 1
+            assert "the cuda backend cannot run here" in capsys.readouterr().err
+    for device in ("cpu", "nosuch:0"):
+        with pytest.raises(SystemExit) as exit_info:
+            gpucheck_main(["--device", device])
+        assert exit_info.value.code == 2 and "--device must be cuda or xpu" in capsys.readouterr().err
 
 
 def test_gpu_check_agreement_is_against_the_torch_path():

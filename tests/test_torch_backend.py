@@ -134,6 +134,7 @@ def test_between_host_and_device_only_copies_through_no_host_temporary_are_non_b
     assert asked and set(asked) == {asynchronous}
 
 
+@pytest.mark.cuda  # what ci/cuda.sh and ci/gpu-check.sh select
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_a_copy_on_the_second_gpu_is_done_only_when_that_gpu_is_done():
     """cuda:0 current and idle, cuda:1 busy: the copy on cuda:1 queues behind the busy work,

@@ -41,6 +41,9 @@ Streams and lifetimes, the contract:
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import sysconfig
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
@@ -128,7 +131,7 @@ class AcceleratorBackend(Backend):
         compilers, wanted = kernels.compiler_targets(), self.triton_compilers()
         if not set(wanted) & set(compilers):
             return f"triton here compiles for {', '.join(compilers)}, not {' or '.join(wanted)}"
-        return ""
+        return launcher_build_missing() or ""
 
     def describe(self) -> str:
         path = "Triton kernels" if self.kernels is not None else f"torch ops ({self.kernels_missing})"
@@ -442,6 +445,18 @@ class AcceleratorBackend(Backend):
         table = host.to(device, non_blocking=True)
         keep += [host, table]
         return [table[start : start + array.size] for array, start in zip(arrays, starts)]
+
+
+def launcher_build_missing() -> str | None:
+    """What Triton lacks here to build its launcher (a C module it compiles at the first
+    launch), or None: without it every receive would fail at its first launch, where the
+    torch path runs."""
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):  # as Triton looks
+        return "no C compiler (gcc, clang, or CC) for Triton to build its launcher with"
+    headers = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(headers, "Python.h")):
+        return f"no Python.h in {headers} (the Python development headers) for Triton's launcher"
+    return None
 
 
 class _HostSides(NamedTuple):

@@ -494,9 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write machine.json and figures.jsonl here, each row as it is measured")
     parser.add_argument("--json", help="also write every row and the machine to this file at the end")
     args = parser.parse_args(argv)
-    device = torch.device(args.device, 0)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device must be cuda or xpu (cuda:1 for another one), not {args.device!r}")
     if device.type not in ("cuda", "xpu"):
-        parser.error(f"--device must be cuda or xpu, not {args.device!r}")
+        parser.error(f"--device must be cuda or xpu (cuda:1 for another one), not {args.device!r}")
+    device = torch.device(device.type, device.index or 0)
     chosen = kvhost.get_backend(device)
     if chosen.name != device.type:
         print(f"gpucheck: the {device.type} backend cannot run here (kvhost picked {chosen.name!r})", file=sys.stderr)
