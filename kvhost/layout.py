@@ -274,8 +274,9 @@ def _not_plain(tensor: torch.Tensor) -> str | None:
         return f"a quantized tensor ({tensor.dtype}) keeps its scale apart from its bytes"
     if tensor.is_conj() or tensor.is_neg():
         return "a lazily conjugated or negated view's bytes are not its values"
-    if tensor.device.type in _ADDRESSED_DEVICES and tensor.numel() and not _address_of(tensor):
+    if tensor.device.type in _ADDRESSED_DEVICES and tensor.numel() and not _address_of(tensor) and _claims(tensor):
         # A fake, functional or wrapper subclass tensor: the kernels would work at address 0.
+        # (A storage freed to no bytes is refused as such where a member's storage is checked.)
         return f"a {type(tensor).__name__} with no memory of its own has no address to move its blocks at"
     return None
 
@@ -288,6 +289,14 @@ def _address_of(tensor: torch.Tensor) -> int:
         return tensor.data_ptr()
     except RuntimeError:
         return 0
+
+
+def _claims(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's storage says it holds bytes (one with no address to them cannot)."""
+    try:
+        return tensor.untyped_storage().nbytes() > 0
+    except RuntimeError:
+        return True
 
 
 def _key(tensor: torch.Tensor, axes: str) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:

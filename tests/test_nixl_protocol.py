@@ -730,7 +730,7 @@ def test_decode_exits_with_a_clear_error_on_a_malformed_offer(capsys, tmp_path):
         code = demo_decode.main([*argv, "--prefill", f"127.0.0.1:{port}", "--secret-file", secret_file])
     out = capsys.readouterr().out
     assert code == demo_config.EXIT_ERROR
-    assert f"ProtocolError: prefill at 127.0.0.1:{port}, at its offer: offer.tables[0].order: 'HNX' must be" in out
+    assert f"  error     prefill at 127.0.0.1:{port}, at its offer: offer.tables[0].order: 'HNX' must be" in out
     assert "FAILED: the hand-off did not run" in out
     assert issubclass(ProtocolError, KVHostError)
 
