@@ -1763,6 +1763,36 @@ def _beat_threads():
 
 
 @pytest.mark.timeout(20)
+def test_beats_and_their_answers_work_on_a_descriptor_past_selects_1024():
+    """A serving process holds thousands of descriptors: select() refuses one past 1024
+    (the beat thread ended unsaid, and prefill let go of a decode that was reading)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2100:
+        pytest.skip("this process may not hold descriptors past 2100")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2100), hard))
+    try:
+        session, theirs = _session()
+        high = os.dup2(session.sock.fileno(), 2050)
+        session.sock.close()
+        session.sock = socket.socket(fileno=high)
+        with theirs, contextlib.closing(session):
+            session.start_beats()
+            mark = session.ask()
+            beat = receive(theirs, timeout=2, expect=BEAT)
+            send(theirs, HELD, {"n": beat.fields().integer("n")}, timeout=1)
+            deadline = time.monotonic() + 2
+            while not session.confirmed(mark) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert session.confirmed(mark) and session.beat_error is None
+            send(theirs, HELD, {"done": True}, timeout=1)
+            session.done(ok=True, timeout=2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(20)
 def test_beats_come_from_one_daemon_thread_until_done_and_none_after():
     session, theirs = _session()
     with theirs:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import math
 import os
 import select
 import socket
@@ -316,8 +317,10 @@ class Session:
         due = time.monotonic() + interval
         while not self._stop.is_set():
             try:
-                ready = select.select([self.sock, self._wake], [], [], max(0.0, due - time.monotonic()))[0]
-            except (OSError, ValueError):  # closed under it
+                ready = _readable([self.sock, self._wake], due - time.monotonic())
+            except (OSError, ValueError) as err:  # closed under it
+                if not self._stop.is_set():
+                    self.beat_error = f"the connection is closed: {err}"
                 return
             with self._lock:
                 if self._stop.is_set():  # done was sent while this beat waited for the lock
@@ -369,7 +372,7 @@ class Session:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ProtocolError(f"no answer to 'done' within {seconds:g} s")
-                    if select.select([self.sock], [], [], left)[0]:
+                    if _readable([self.sock], left):
                         self._take_answers()
             except ProtocolError as err:
                 lost = f" (a beat had failed: {self.beat_error})" if self.beat_error else ""
@@ -387,6 +390,16 @@ class Session:
         for sock in (self.sock, self._wake, self._waker):
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def _readable(socks: Sequence[socket.socket], seconds: float) -> list[socket.socket]:
+    """Those of ``socks`` with bytes, or their end, to read within ``seconds``. ``poll``, not
+    ``select``: a serving process's descriptors run past select's 1024."""
+    poller = select.poll()
+    for sock in socks:
+        poller.register(sock, select.POLLIN)
+    ready = {descriptor for descriptor, _ in poller.poll(math.ceil(max(seconds, 0.0) * 1000))}
+    return [sock for sock in socks if sock.fileno() in ready]
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
