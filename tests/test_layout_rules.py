@@ -297,3 +297,18 @@ def test_first_shared_names_a_block_both_read_and_written():
     found = first_shared(lane, reads, other, np.array([2, 8]))
     assert found is not None and (found.first_block, found.second_block) == (9, 8)
     assert first_shared(lane, reads, Lane(lane.end, 64, 4, 64, "z"), np.array([0, 1])) is None
+
+
+def test_a_batched_tensor_under_vmap_is_refused_as_having_no_memory_of_its_own():
+    """functorch's batched tensor: strided, on the CPU, with neither a data pointer nor a
+    storage to ask (both raise); the kernels would have been given address 0."""
+    refused: list[str] = []
+
+    def call(cache: torch.Tensor) -> torch.Tensor:
+        with pytest.raises(kvhost.LayoutError, match="a Tensor with no memory of its own has no address") as err:
+            kvhost.receive({"l": cache}, {"a": [0]}, axes="BNHC", remote_order="HNC", remote_block_size=4)
+        refused.append(str(err.value))
+        return cache
+
+    torch.func.vmap(call)(torch.zeros(2, 8, 8, 2, 4))
+    assert refused == ["caches layer 'l'[0]: a Tensor with no memory of its own has no address to move its blocks at"]

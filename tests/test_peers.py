@@ -393,11 +393,72 @@ def test_done_without_prefills_word_that_it_held_the_blocks_is_a_lost_hold(answe
             if answer != "nothing":
                 send(theirs, answer, {}, timeout=1)
             started = time.monotonic()
-            with pytest.raises(HoldLostError, match="prefill at prefill-x did not confirm"):
+            why = "no answer to 'done' within 0.3 s"
+            if answer == BEAT:
+                why = "prefill sent 'beat' while it held the blocks"
+            with pytest.raises(HoldLostError, match=f"prefill at prefill-x did not confirm .*: {why}"):
                 session.done(ok=True, timeout=0.3)
             assert time.monotonic() - started < 2.0
         said = receive(theirs, timeout=1, expect=DONE)
         assert said.fields().data == {"ok": answer is not None}
+
+
+@pytest.mark.timeout(20)
+def test_a_read_is_confirmed_only_by_an_answer_to_a_beat_sent_after_it():
+    """Before prefill answers, nothing is confirmed; an answer to an earlier beat confirms
+    only the reads asked for before that beat went out."""
+    session, theirs = _session(beat_seconds=5.0)
+    with theirs, contextlib.closing(session):
+        session.start_beats()
+        first = session.ask()
+        beat = receive(theirs, timeout=2, expect=BEAT).fields().integer("n")
+        assert beat == first and not session.confirmed(first)  # sent, not yet answered
+        second = session.ask()
+        assert second == first + 1 and receive(theirs, timeout=2, expect=BEAT).fields().integer("n") == second
+        send(theirs, HELD, {"n": first}, timeout=1)
+        deadline = time.monotonic() + 2
+        while not session.confirmed(first) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert session.confirmed(first) and not session.confirmed(second)
+
+
+@pytest.mark.timeout(20)
+def test_asking_never_blocks_even_where_no_beat_thread_reads_the_asks():
+    """``ask`` is called from decode's loop for every request that lands: with the beats not
+    started (or the thread gone), its wake-ups fill their socket, and it must not wait."""
+    session, theirs = _session()
+    with theirs, contextlib.closing(session):
+        session._waker.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        done = threading.Event()
+
+        def ask_many():
+            for _ in range(200_000):
+                session.ask()
+            done.set()
+
+        threading.Thread(target=ask_many, daemon=True).start()
+        assert done.wait(10), "ask blocked on a full wake-up socket"
+
+
+@pytest.mark.timeout(20)
+def test_a_session_closed_under_its_beat_thread_ends_the_beats_and_says_so():
+    session, theirs = _session(beat_seconds=0.05)
+    with theirs:
+        session.start_beats()
+        time.sleep(0.1)
+        session.sock.close()  # not through close(): the thread is not told to stop
+        deadline = time.monotonic() + 5
+        while _beat_threads() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _beat_threads()
+        assert session.beat_error == "could not send 'beat': [Errno 9] Bad file descriptor"
+        session.close()
+
+
+@pytest.mark.parametrize("extra", [["pid"], "pid=1"])
+def test_extra_fields_that_are_no_mapping_are_refused_before_connecting(extra):
+    with pytest.raises(ArgumentError, match="the engine message's extra fields must be a mapping"):
+        connect(("127.0.0.1", 1), SECRET, DECODE, timeout=1, extra=extra)
 
 
 def _asked_and_confirmed(session, within=2.0):

@@ -316,12 +316,8 @@ class Session:
         interval = self.offer.beat_seconds
         due = time.monotonic() + interval
         while not self._stop.is_set():
-            try:
-                ready = _readable([self.sock, self._wake], due - time.monotonic())
-            except (OSError, ValueError) as err:  # closed under it
-                if not self._stop.is_set():
-                    self.beat_error = f"the connection is closed: {err}"
-                return
+            # A socket closed under it (-1) is never ready: the beat's send then says so.
+            ready = _readable([self.sock, self._wake], due - time.monotonic())
             with self._lock:
                 if self._stop.is_set():  # done was sent while this beat waited for the lock
                     return
