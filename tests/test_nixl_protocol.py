@@ -52,7 +52,7 @@ from kvhost.nixl.framing import (
     parse_header,
     read_arrived,
 )
-from kvhost.nixl.handshake import parse_requests, request_columns
+from kvhost.nixl.handshake import MAX_REQUESTS, parse_requests, request_columns
 from kvhost.nixl.peers import CHALLENGE, ENGINE, KNOCK, OFFER, connect, nonce_of, parse_offer, proof
 from kvhost.testing import make_cache
 from kvhost_tools.demo import config as demo_config
@@ -594,6 +594,14 @@ def test_a_request_prefill_could_not_offer_is_refused_where_it_is_given(request_
     nothing is coerced on the way (a float of tokens was cut to an integer, unsaid)."""
     with pytest.raises(KVHostError, match=message):
         Offer(SPEC, [TABLE], [METADATA], [RemoteRequest("ok", 0, 4, [5]), request_]).header()
+
+
+def test_an_offer_of_the_most_requests_is_made_and_one_more_is_refused_where_it_is_given():
+    most = [RemoteRequest(f"r{i}", i, 1, [i % 12]) for i in range(MAX_REQUESTS)]
+    header = Offer(SPEC, [TABLE], [METADATA], most).header()
+    assert len(header["requests"]["name"]) == MAX_REQUESTS
+    with pytest.raises(KVHostError, match=f"an offer names at most {MAX_REQUESTS} requests, got {MAX_REQUESTS + 1}"):
+        Offer(SPEC, [TABLE], [METADATA], [*most, RemoteRequest("one more", 0, 1, [0])]).header()
 
 
 def test_the_same_request_offered_twice_is_refused_where_it_is_given():
