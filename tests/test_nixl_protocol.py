@@ -597,7 +597,8 @@ def test_a_request_prefill_could_not_offer_is_refused_where_it_is_given(request_
 
 
 def test_an_offer_of_the_most_requests_is_made_and_one_more_is_refused_where_it_is_given():
-    most = [RemoteRequest(f"r{i}", i, 1, [i % 12]) for i in range(MAX_REQUESTS)]
+    most = [RemoteRequest(f"r{i}", i, 1, [i % 12]) for i in range(MAX_REQUESTS - 1)]
+    most.append(RemoteRequest("the highest number", 1 << 31, 1, [0]))  # as parse_requests takes it
     header = Offer(SPEC, [TABLE], [METADATA], most).header()
     assert len(header["requests"]["name"]) == MAX_REQUESTS
     with pytest.raises(KVHostError, match=f"an offer names at most {MAX_REQUESTS} requests, got {MAX_REQUESTS + 1}"):
