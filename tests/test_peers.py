@@ -398,7 +398,7 @@ def test_done_without_prefills_word_that_it_held_the_blocks_is_a_lost_hold(answe
                 why = "prefill sent 'beat' while it held the blocks"
             with pytest.raises(HoldLostError, match=f"prefill at prefill-x did not confirm .*: {why}"):
                 session.done(ok=True, timeout=0.3)
-            assert time.monotonic() - started < 2.0
+            assert time.monotonic() - started < 1.0  # its timeout, not a second more
         said = receive(theirs, timeout=1, expect=DONE)
         assert said.fields().data == {"ok": answer is not None}
 
@@ -452,6 +452,8 @@ def test_a_session_closed_under_its_beat_thread_ends_the_beats_and_says_so():
             time.sleep(0.02)
         assert not _beat_threads()
         assert session.beat_error == "could not send 'beat': [Errno 9] Bad file descriptor"
+        with pytest.raises(HoldLostError, match=r"'done' \(a beat had failed: could not send 'beat': \[Errno 9\]"):
+            session.done(ok=True, timeout=0.3)  # why the hold may have been let go, said with it
         session.close()
 
 
