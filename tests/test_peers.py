@@ -396,9 +396,10 @@ def test_done_without_prefills_word_that_it_held_the_blocks_is_a_lost_hold(answe
             why = "no answer to 'done' within 0.3 s"
             if answer == BEAT:
                 why = "prefill sent 'beat' while it held the blocks"
-            with pytest.raises(HoldLostError, match=f"prefill at prefill-x did not confirm .*: {why}"):
+            with pytest.raises(HoldLostError, match=f"prefill at prefill-x did not confirm .*: {why}") as lost:
                 session.done(ok=True, timeout=0.3)
             assert time.monotonic() - started < 1.0  # its timeout, not a second more
+            assert "a beat had failed" not in str(lost.value)  # none was sent
         said = receive(theirs, timeout=1, expect=DONE)
         assert said.fields().data == {"ok": answer is not None}
 
