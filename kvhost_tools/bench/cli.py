@@ -48,7 +48,7 @@ from kvhost_tools.bench.workloads import PRESETS, Geometry, Preset, Scenario, sc
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
 from kvhost_tools.demo import netenv
 from kvhost_tools.demo.config import memory_refusal
-from kvhost_tools.demo.options import Parser, seconds
+from kvhost_tools.demo.options import Parser, backend_refusal, seconds
 from kvhost_tools.demo.stopping import PARENT_ENV, stop_on_sigterm, stopped_by
 
 # Device types whose tensors hold no bytes: nothing there to copy, evict or time.
@@ -144,7 +144,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if device.type in NO_MEMORY:
         why = NO_MEMORY[device.type]
         parser.error(f"--device {args.device!r}: {why}, so there is nothing to time: give cpu or an accelerator")
-    problem = backend_refusal(device, args.backend)
+    problem = backends_refusal(device, args.backend)
     if problem:
         parser.error(problem)
     names = sorted(s.name for s in scenarios(PRESETS["full"], (1,)))
@@ -209,17 +209,16 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def backend_refusal(device: torch.device, names: Sequence[str]) -> str | None:
+def backends_refusal(device: torch.device, names: Sequence[str]) -> str | None:
     """Why kvhost cannot run on ``device``, or with one of the backends ``names`` (one line), or None."""
     try:
         kvhost.get_backend(device)
     except BackendError as err:
         return f"--device {str(device)!r}: {err}; {BACKENDS_HINT}"
     for name in names:
-        try:
-            kvhost.get_backend(device, name)
-        except BackendError as err:
-            return f"--backend {name!r}: {err}; {BACKENDS_HINT}"
+        problem = backend_refusal(name, str(device))
+        if problem:
+            return f"{problem}; {BACKENDS_HINT}"
     return None
 
 

@@ -66,6 +66,7 @@ from kvhost_tools.demo.options import (
     add_model,
     add_output,
     add_workload,
+    backend_refusal,
     broadcast,
     default_layout,
     listed,
@@ -188,14 +189,9 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
         if workload.requests < engines:
             return f"--requests {workload.requests} leaves some of the {engines} {what} with none: ask for {engines}+"
     if args.backend is not None:  # before any engine starts: decode would fail only after the handshake
-        import torch
-
-        import kvhost
-
-        try:
-            kvhost.get_backend(torch.device("cpu"), args.backend)
-        except kvhost.KVHostError as err:
-            return f"--backend {args.backend!r}: {err}"
+        problem = backend_refusal(args.backend)
+        if problem:
+            return problem
     needed = sum(memory_needed(model, workload, shape, decode, staging=args.via_host) for shape in prefills)
     return memory_refusal(needed, model, workload)
 

@@ -65,9 +65,11 @@ from kvhost_tools.demo.options import (
     add_network,
     add_output,
     add_workload,
+    backend_refusal,
     model_of,
     seconds,
     shape_of,
+    share_refusal,
     workload_of,
 )
 from kvhost_tools.demo.pull import Engine, Rank, Request, Settings, Steps, pull
@@ -112,13 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = problem or netenv.advertise_refusal(args.advertise)
     if problem is None and (args.fault_after is None) != (args.fault_command is None):
         problem = "--fault-after and --fault-command go together"
-    if problem is None and not workload.numbers(args.share):  # nothing to pull: as prefill refuses it
-        problem = f"--share {args.share} holds none of --requests {args.requests}"
+    problem = problem or share_refusal(workload, args.share)  # nothing to pull: as prefill refuses it
     if problem is None and args.backend is not None:  # before any prefill is asked for its blocks
-        try:
-            kvhost.get_backend(torch.device("cpu"), args.backend)
-        except KVHostError as err:
-            problem = f"--backend {args.backend!r}: {err}"
+        problem = backend_refusal(args.backend)
     if problem is None:  # before the cache is allocated
         needed = decode_memory(model, workload, shape, args.share, staging=args.via_host)
         problem = memory_refusal(needed, model, workload)

@@ -60,6 +60,26 @@ def peer_timeout_refusal(seconds: float) -> str | None:
     )
 
 
+def backend_refusal(name: str, device: str = "cpu") -> str | None:
+    """Why ``--backend name`` cannot serve ``device`` here (unknown, or unable to run), or None."""
+    import torch
+
+    import kvhost
+
+    try:
+        kvhost.get_backend(torch.device(device), name)
+    except kvhost.KVHostError as err:
+        return f"--backend {name!r}: {err}"
+    return None
+
+
+def share_refusal(workload: Workload, share: Share) -> str | None:
+    """Why an engine with ``--share share`` would have nothing to do, or None."""
+    if workload.numbers(share):
+        return None
+    return f"--share {share} holds none of --requests {workload.requests}"
+
+
 def share(text: str) -> Share:
     """``I/N``: the requests whose number is I mod N."""
     index, _, count = text.partition("/")

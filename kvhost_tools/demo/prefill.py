@@ -52,6 +52,7 @@ from kvhost_tools.demo.options import (
     peer_timeout_refusal,
     seconds,
     shape_of,
+    share_refusal,
     workload_of,
 )
 from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
@@ -91,8 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is None and args.serve < 0:
         problem = f"--serve must be at least 0, got {args.serve}"
     problem = problem or netenv.advertise_refusal(args.advertise)
-    if problem is None and not workload.numbers(args.share):  # every decode engine would be refused
-        problem = f"--share {args.share} holds none of --requests {args.requests}"
+    problem = problem or share_refusal(workload, args.share)  # every decode engine would be refused
     if problem is None:  # before the cache is allocated and filled: an OOM kill says nothing
         problem = memory_refusal(prefill_memory(model, workload, shape, args.share), model, workload)
     problem = problem or peer_timeout_refusal(args.peer_timeout)  # before a cache is filled and registered
