@@ -27,6 +27,7 @@ from kvhost.nixl.fields import MAX_ARRAY_BYTES, Fields, check_text
 from kvhost.nixl.tables import RegionTable
 
 MAX_REQUESTS = 1 << 14  # requests one offer may name
+MAX_NUMBER = 1 << 31  # a request's number
 MAX_TOKENS = 1 << 24  # tokens of one request
 # A frame before the secret is proved (decode's engine message aside) or from a held peer
 # may be this many bytes; a connection has this many seconds to prove the secret.
@@ -63,7 +64,7 @@ def request_columns(requests: Sequence[RemoteRequest], table: RegionTable, block
             raise ArgumentError(f"requests[{index}]: {name!r} is offered twice")
         names.add(name)
         for what, value, least, most in (
-            ("number", request.number, 0, 1 << 31),
+            ("number", request.number, 0, MAX_NUMBER),
             ("tokens", request.tokens, 1, MAX_TOKENS),
         ):
             if not is_integer(value) or not least <= value <= most:
@@ -105,7 +106,7 @@ def parse_requests(columns: Fields, block_size: int, num_blocks: int) -> list[Re
     each below ``num_blocks``. Names are distinct."""
     where = columns.where
     names = columns.texts("name", max_items=MAX_REQUESTS, max_length=64, distinct=True)
-    numbers = columns.array("number", maximum=1 << 31, max_length=MAX_REQUESTS)
+    numbers = columns.array("number", maximum=MAX_NUMBER, max_length=MAX_REQUESTS)
     tokens = columns.array("tokens", minimum=1, maximum=MAX_TOKENS, max_length=MAX_REQUESTS)
     for name, values in (("number", numbers), ("tokens", tokens)):
         if values.size != len(names):

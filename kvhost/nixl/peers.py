@@ -346,8 +346,7 @@ class Session:
             if fields.data.get("done") is True:
                 self._held_at_done = True
                 return  # its last word: the connection's end follows
-            else:
-                self.held_through = max(self.held_through, fields.integer("n", maximum=self._sent))
+            self.held_through = max(self.held_through, fields.integer("n", maximum=self._sent))
 
     def done(self, *, ok: bool, timeout: float) -> None:
         """Tell prefill every block has been read (``ok``: and all was well) and wait, up to
