@@ -176,6 +176,8 @@ def test_an_output_path_that_is_a_folder_is_refused_before_the_run(option, tmp_p
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert f"{blocked} is a file, not a folder" in _refusal([option, str(blocked / "sub" / name)], capsys)
+    # A folder that takes no new file (root's access() says yes to /proc): tried, as the demo's --json is.
+    assert f"{option} /proc/{name}: cannot write in '/proc'" in _refusal([option, f"/proc/{name}"], capsys)
 
 
 def test_a_batch_larger_than_the_memory_left_is_refused(monkeypatch, capsys):

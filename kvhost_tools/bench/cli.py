@@ -48,7 +48,7 @@ from kvhost_tools.bench.workloads import PRESETS, Geometry, Preset, Scenario, sc
 from kvhost_tools.bench.xla_scaling import measure_xla_scaling, xla_table
 from kvhost_tools.demo import netenv
 from kvhost_tools.demo.config import memory_refusal
-from kvhost_tools.demo.options import Parser, backend_refusal, seconds
+from kvhost_tools.demo.options import Parser, backend_refusal, folder_refusal, seconds
 from kvhost_tools.demo.stopping import PARENT_ENV, stop_on_sigterm, stopped_by
 
 # Device types whose tensors hold no bytes: nothing there to copy, evict or time.
@@ -228,15 +228,17 @@ def file_refusal(option: str, path: Path, example: str) -> str | None:
     if path.is_dir():
         return f"{option} {path} is a folder: give a file name, such as {path / example}"
     if path.exists():
-        return None if os.access(path, os.W_OK) else f"{option} {path}: no permission to write it"
-    folder = path.absolute().parent
+        if not os.access(path, os.W_OK):
+            return f"{option} {path}: no permission to write it"
+        if not path.is_file():  # /dev/stdout: written as it is
+            return None
+    folder = Path(os.path.realpath(path)).parent  # where ``write_whole`` makes its partial file
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
         return f"{option} {path}: {folder} is a file, not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{option} {path}: no permission to create files in {folder}"
-    return None
+    problem = folder_refusal(str(folder))
+    return f"{option} {path}: {problem}" if problem else None
 
 
 def demo_refusal(text: str) -> str | None:

@@ -165,14 +165,22 @@ def json_path(text: str) -> str:
     folder = os.path.dirname(os.path.realpath(text))
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: no folder {folder!r} to write it in")
-    # A file is written beside itself, then renamed over (whole or not at all): its folder must
-    # take a new file, which only trying tells (root may write anywhere /proc aside).
+    problem = folder_refusal(folder)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
+
+
+def folder_refusal(folder: str) -> str | None:
+    """Why no new file can be made in ``folder``, or None. A file is written beside itself,
+    then renamed over (whole or not at all), so its folder must take one, which only trying
+    tells (root may write anywhere, /proc aside)."""
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".kvhost-"):
             pass
     except OSError as err:
-        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {folder!r}: {err.strerror or err}") from None
-    return text
+        return f"cannot write in {folder!r}: {err.strerror or err}"
+    return None
 
 
 def add_output(p: argparse.ArgumentParser) -> None:
