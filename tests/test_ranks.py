@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 
 import numpy as np
@@ -278,6 +279,27 @@ def test_ranks_and_tp_out_of_range_are_refused():
     assert [latent_source(rank, 2, 4) for rank in range(2)] == [0, 1]
 
 
+@pytest.mark.parametrize(
+    ("call", "name", "value"),
+    [
+        (lambda v: head_shares(v, 2, 1, 8), "local_rank", True),
+        (lambda v: head_shares(0, v, 1, 8), "local_tp", 2.0),
+        (lambda v: head_shares(0, 2, v, 8), "remote_tp", np.float32(1)),
+        (lambda v: head_shares(0, 2, 1, v), "kv_heads", "8"),
+        (lambda v: latent_source(v, 2, 1), "local_rank", False),
+        (lambda v: latent_source(0, v, 1), "local_tp", 2.5),
+        (lambda v: plan_ranks(decode_table("KBNHC", 4), v, 2, peer_tables("HNC", 8, 16, 1)), "local_rank", True),
+    ],
+    ids=["bool rank", "float TP", "numpy float TP", "heads as text", "latent bool rank", "latent float TP", "plan"],
+)
+def test_ranks_and_sizes_that_are_not_ints_are_refused_naming_them(call, name, value):
+    """``True`` is not rank 1 and ``2.0`` is no TP size: refused as what they are, never
+    counted nor left to a TypeError of Python's."""
+    with pytest.raises(LayoutError, match=re.escape(f"{name} must be an int, got {value!r} ({type(value).__name__})")):
+        call(value)
+    assert head_shares(np.int64(1), np.int32(2), 1, 8) == [HeadShare(0, 0, 4, 4)]  # numpy ints are ints
+
+
 @pytest.mark.parametrize("sizes_name", SIZES)
 def test_a_plan_knows_r_g_and_the_remote_order(sizes_name):
     remote_size, local_size, _ = SIZES[sizes_name]
@@ -467,6 +489,31 @@ def test_windows_are_counted_exactly_up_to_the_stream_budget(
     monkeypatch.setattr(ranks, "MAX_STREAMS", placements * 4 - 1)
     with pytest.raises(LayoutError, match=f"takes {counted} byte windows of 4 streams, {placements * 4} streams"):
         plan_ranks(local, 0, local_tp, remotes)
+
+
+def test_a_sender_of_one_head_per_rank_is_read_head_major_whatever_its_memory_order():
+    """vLLM's default token-major cache with one KV head per prefill rank (TP = KV heads)
+    holds the bytes of a head-major one: ``H`` of size 1 sits anywhere. Read as head-major,
+    each remote rank's share is one run per block, as from a head-major sender, not one
+    byte window per token (a peer's large blocks were refused past the stream budget); the
+    tokens land right (``test_every_local_rank_gets_its_heads_from_the_remote_ranks``,
+    P4D1 and P4D2 NHD->NHD)."""
+    local = decode_table("KBNHC", 8)
+    token_major, head_major = peer_tables("NHC", 1, 16, 8), peer_tables("HNC", 1, 16, 8)
+    plans = [plan_ranks(local, 0, 1, remotes) for remotes in (token_major, head_major)]
+    assert [plan.remote_order for plan in plans] == ["HNC", "HNC"]
+    for plan in plans:  # a block: one run of each of the 4 streams from each of the 8 ranks
+        assert window_streams(plan) == 8 * 4
+        assert sum(plan.rows(source, [3], [0])[0].shape[0] for source in plan.sources) == 8 * 4
+    # Equal TP shares nothing, and a token-major wire needs no post-process: left as it is.
+    assert plan_ranks(decode_table("KBNHC", 1), 0, 8, token_major).remote_order == "NHC"
+    # Blocks of 4096 tokens: a window per token would be 8 x 4096 x 4 streams, past the budget.
+    local = decode_table("KBNHC", 8, blocks=1024)
+    big = [plan_ranks(local, 0, 1, peer_tables(order, 1, 4096, 8)) for order in ("NHC", "HNC")]
+    assert window_streams(big[0]) == window_streams(big[1]) < ranks.MAX_STREAMS
+    for source, same in zip(big[0].sources, big[1].sources):  # the same rows, row by row
+        for rows, same_rows in zip(big[0].rows(source, range(256), [0]), big[1].rows(same, range(256), [0])):
+            assert np.array_equal(rows, same_rows)
 
 
 def test_windows_are_counted_over_the_side_with_more_streams(monkeypatch):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from math import prod
 from typing import Literal, TypeVar
@@ -70,6 +70,7 @@ class HeadShare:
 
 def head_shares(local_rank: int, local_tp: int, remote_tp: int, kv_heads: int) -> list[HeadShare]:
     """The remote ranks that hold some of this local rank's heads, and which, in head order."""
+    _check_counts(local_rank=local_rank, local_tp=local_tp, remote_tp=remote_tp, kv_heads=kv_heads)
     for name, tp in (("local", local_tp), ("remote", remote_tp)):
         if tp < 1 or kv_heads % tp:
             raise LayoutError(f"{kv_heads} KV heads cannot be shared evenly by {name} TP {tp}")
@@ -87,9 +88,17 @@ def head_shares(local_rank: int, local_tp: int, remote_tp: int, kv_heads: int) -
 def latent_source(local_rank: int, local_tp: int, remote_tp: int) -> int:
     """The remote rank a local rank reads an MLA latent from: each reads it once, the local
     ranks spread over the remote ones."""
+    _check_counts(local_rank=local_rank, local_tp=local_tp, remote_tp=remote_tp)
     if not 0 <= local_rank < local_tp or remote_tp < 1:
         raise LayoutError(f"local rank {local_rank} of {local_tp}, remote TP {remote_tp}")
     return local_rank % remote_tp
+
+
+def _check_counts(**counts: object) -> None:
+    """Ranks and sizes are ints (``True`` is not rank 1; a float is no rank at all)."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise LayoutError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -296,6 +305,8 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
             f"{remote_tp} are not the same KV heads"
         )
     shares = head_shares(local_rank, local_tp, remote_tp, kv_heads)
+    if local.sizes["H"] != first.sizes["H"]:
+        remotes = [_heads_leading(table) for table in remotes]
     ways = [_share_way(local, remotes[share.remote_rank], share) for share in shares]
     windowed = [(remotes[share.remote_rank], share) for share, way in zip(shares, ways) if way == "windows"]
     runs = dict(zip((share for _, share in windowed), _window_runs(local, windowed)))
@@ -304,6 +315,17 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
         for share, way in zip(shares, ways)
     )
     return RankPlan(local, tuple(remotes), sources)
+
+
+def _heads_leading(table: RegionTable) -> RegionTable:
+    """``table`` with a region of one head read as head-major: ``H`` of size 1 moves no byte
+    wherever it sits, so a token-major region (vLLM's default) holds the same bytes as a
+    head-major one. Read token-major, a rank's share would move as one window per token of
+    each block (16-64 times the descriptors, and past ``MAX_STREAMS`` refused); read
+    head-major, it is one run per block, and ``kvhost.receive`` puts the tokens in order."""
+    if table.sizes["H"] != 1 or "H" not in table.run_order or table.run_order.startswith("H"):
+        return table
+    return replace(table, order="H" + table.order.replace("H", ""))
 
 
 def _share_way(local: RegionTable, remote: RegionTable, share: HeadShare) -> ShareWay:
