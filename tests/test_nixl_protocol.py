@@ -34,6 +34,7 @@ from kvhost.nixl import (
     Fields,
     Offer,
     ProtocolError,
+    RegionTable,
     RemoteRequest,
     decode,
     encode,
@@ -246,7 +247,10 @@ FIELD_CASES = {
     ),
     "stream-layer-list": (set_path([*S, "layer"], [0, 0, 1, 1]), r"streams\.layer: expected an integer array"),
     "stream-coords-count": (set_path([*S, "coords"], u32(0, 1, 0)), r"streams\.coords: 3 values for 4 streams of 1"),
-    "stream-coord-range": (set_item([*S, "coords"], 2, 2), r"streams\.coords\[2\]: coordinate K: .* \[0, 1\], got 2"),
+    "stream-coord-range": (
+        set_item([*S, "coords"], 2, 2),
+        r"streams\.coords\[2\]: stream 2's coordinate K: .* \[0, 1\], got 2",
+    ),
     "stream-address-zero": (set_item([*S, "address"], 0, 0), r"streams\.address\[0\]: expected an integer in \[1,"),
     "stream-address-count": (set_path([*S, "address"], np.ones(3, np.uint64)), r"streams\.address: 3 values for 4"),
     "stream-stride-small": (set_item([*S, "stride"], 3, 8), r"streams\.stride\[3\]: expected an integer in \[64,"),
@@ -313,6 +317,17 @@ def test_malformed_fields_are_named(case):
     change, message = FIELD_CASES[case]
     with pytest.raises(ProtocolError, match=message):
         parse(mutated(change))
+
+
+def test_a_coordinate_out_of_range_is_named_by_its_place_in_the_array_and_its_stream():
+    """With two coordinates per stream (K and a head), the array's place and the stream differ."""
+    caches = {"l0": make_cache("KBNHC", "KHBNC", dict(K=2, B=4, N=4, H=2, C=8))}
+    table = region_table(caches, "KBNHC").to_dict()
+    assert table["coords"] == "KH"
+    table["streams"]["coords"][3] = 2  # stream 1's head: there are 2
+    named = r"^table\.streams\.coords\[3\]: stream 1's coordinate H: .*\[0, 1\], got 2$"
+    with pytest.raises(ProtocolError, match=named):
+        RegionTable.from_dict(table)
 
 
 def test_unsendable_headers_are_protocol_errors():

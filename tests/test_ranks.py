@@ -389,8 +389,13 @@ def test_tables_that_cannot_share_heads_are_refused_naming_why():
     local = table("KBNHC", 2, 8)
     with pytest.raises(LayoutError, match="no remote ranks"):
         plan_ranks(local, 0, 2, [])
-    with pytest.raises(LayoutError, match="remote rank 1's table differs from rank 0's"):
+    differs = re.escape("remote rank 1's table differs from rank 0's in sizes: {")
+    with pytest.raises(LayoutError, match=differs) as refused:
         plan_ranks(local, 0, 2, [table("KBHNC", 4, 8), table("KBHNC", 4, 16)])
+    assert "'N': 16" in str(refused.value) and "'N': 8" in str(refused.value)
+    head_major = table("KBHNC", 2, 8)
+    with pytest.raises(LayoutError, match="remote rank 2's table differs from rank 0's in order: 'NHC' against 'HNC'"):
+        plan_ranks(local, 0, 1, [head_major, head_major, table("KBNHC", 2, 8), head_major])
     # Shares of heads go through byte windows, where the tables' block sizes no longer show.
     for remote_memory in ("KBHNC", "KBNHC"):  # a head-major share is one run; a token-major one, byte windows
         with pytest.raises(LayoutError, match=r"block sizes 8 \(local\) and 12 \(remote\) do not divide"):

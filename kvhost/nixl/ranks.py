@@ -280,8 +280,12 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
         raise LayoutError("no remote ranks to read from")
     first = remotes[0]
     for rank, table in enumerate(remotes):
-        if (table.order, table.block_size, table.sizes) != (first.order, first.block_size, first.sizes):
-            raise LayoutError(f"remote rank {rank}'s table differs from rank 0's in order, block size or sizes")
+        for field in ("order", "sizes"):  # the sizes hold the block size (N)
+            if getattr(table, field) != getattr(first, field):
+                raise LayoutError(
+                    f"remote rank {rank}'s table differs from rank 0's in {field}: "
+                    f"{getattr(table, field)!r} against {getattr(first, field)!r}"
+                )
     big, small = max(local.block_size, first.block_size), min(local.block_size, first.block_size)
     if big % small:
         raise LayoutError(f"block sizes {local.block_size} (local) and {first.block_size} (remote) do not divide")

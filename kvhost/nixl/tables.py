@@ -292,7 +292,8 @@ def _streams(
             bad = int(np.argmax(column > limit))
             got = int(column[bad])
             expected = f"expected an integer in [0, {limit}]"
-            raise ProtocolError(f"{where}.coords[{bad}]: coordinate {letter}: {expected}, got {got}")
+            flat = bad * len(letters) + j  # the array is stream after stream, a value per letter
+            raise ProtocolError(f"{where}.coords[{flat}]: stream {bad}'s coordinate {letter}: {expected}, got {got}")
     address = fields.array("address", minimum=1, max_length=max_streams)
     stride = fields.array("stride", minimum=table.run_bytes, maximum=1 << 48, max_length=max_streams)
     for name, values in (("address", address), ("stride", stride)):
