@@ -173,6 +173,59 @@ def test_where_triton_cannot_build_its_launcher_the_torch_path_runs_and_says_why
     assert f"torch ops ({said})" in backend.describe()
 
 
+@pytest.mark.parametrize(
+    ("cc", "found", "headers", "missing"),
+    [
+        (None, (), True, "no C compiler (gcc, clang, or CC) for Triton to build its launcher with"),
+        ("", (), True, "no C compiler (gcc, clang, or CC) for Triton to build its launcher with"),  # CC set empty
+        ("my-cc", (), True, None),
+        (None, ("gcc",), True, None),
+        (None, ("clang",), True, None),
+        (None, ("gcc", "clang"), False, "no Python.h in {} (the Python development headers) for Triton's launcher"),
+    ],
+)
+def test_triton_s_launcher_needs_a_c_compiler_and_the_python_headers(
+    monkeypatch, tmp_path, cc, found, headers, missing
+):
+    """Any one compiler will do (CC, else gcc or clang on PATH, as Triton looks), and
+    Python.h where sysconfig says the headers are; no Triton needed to tell."""
+    import kvhost_accelerator.backend as accelerator
+
+    if cc is None:
+        monkeypatch.delenv("CC", raising=False)
+    else:
+        monkeypatch.setenv("CC", cc)
+    monkeypatch.setattr(accelerator.shutil, "which", lambda name: f"/usr/bin/{name}" if name in found else None)
+    if headers:
+        (tmp_path / "Python.h").write_text("")
+    monkeypatch.setattr(accelerator.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert accelerator.launcher_build_missing() == (None if missing is None else missing.format(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("targets", "launcher", "missing"),
+    [
+        (("nvidia", "amd"), None, ""),
+        (("nvidia", "amd"), "no C compiler", "no C compiler"),
+        (("intel",), None, "triton here compiles for intel, not nvidia"),
+        (("intel", "spirv"), None, "triton here compiles for intel, spirv, not nvidia"),
+    ],
+)
+def test_compiled_kernels_run_only_where_triton_targets_the_device_and_can_build_its_launcher(
+    monkeypatch, targets, launcher, missing
+):
+    """Told by a stand-in for the kernels module: no Triton (or a compiled one) needed."""
+    import kvhost_accelerator.backend as accelerator
+
+    kernels = types.SimpleNamespace(interpreted=lambda: False, too_old=lambda: None, compiler_targets=lambda: targets)
+    monkeypatch.setattr(accelerator, "load_kernels", lambda: kernels)
+    monkeypatch.setattr(accelerator, "launcher_build_missing", lambda: launcher)
+    monkeypatch.setattr(CudaBackend, "triton_compilers", lambda self: ("nvidia",))
+    backend = CudaBackend()
+    assert backend.kernels_missing == missing
+    assert backend.kernels is (None if missing else kernels)
+
+
 def test_kernels_run_where_this_triton_compiles_for_the_device():
     kernels = load_kernels()
     if kernels is None or kernels.interpreted():
@@ -477,6 +530,23 @@ def test_uploaded_tables_each_start_on_a_16_byte_boundary():
     assert all(t.dtype == torch.int64 for t in tables) and keep
 
 
+def test_uploaded_tables_go_up_in_one_non_blocking_copy(monkeypatch):
+    """The pinned staging of the tables goes up without blocking the calling thread: the
+    kernel that reads the tables queues behind the copy on the same stream."""
+    asked: list[tuple[torch.device, bool]] = []
+    to = torch.Tensor.to
+
+    def to_told(self, *args, **kwargs):
+        asked.append((args[0], kwargs.get("non_blocking", False)))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to_told)
+    tables = CpuStandIn()._upload([np.arange(3), np.arange(4) + 7], torch.device("cpu", 0), [])
+    monkeypatch.undo()
+    assert asked == [(torch.device("cpu", 0), True)]
+    assert [t.tolist() for t in tables] == [[0, 1, 2], [7, 8, 9, 10]]
+
+
 def caches(axes: str, physical: str, blocks: int, seed: int, layers: int = 2) -> dict[str, torch.Tensor]:
     sizes = dict(K=2, B=blocks, N=8, H=2, C=16)
     out = {f"l{i}": make_cache(axes, physical, {a: sizes[a] for a in axes}) for i in range(layers)}
@@ -520,6 +590,27 @@ def test_host_to_device_takes_runs_directly_or_stages(non_blocking):
     staged = [k for k in keep if isinstance(k, torch.Tensor) and k.dim() > 2]
     # Blocking: copy_ per run. Non-blocking from pageable memory: staged, so the call need not wait.
     assert len(staged) == (2 if non_blocking else 0)
+    case.check(src_ids, dst_ids)
+
+
+def test_direct_copies_are_one_non_blocking_copy_per_span(monkeypatch):
+    """Each span crosses in its own ``copy_(non_blocking=True)`` on the side stream: the
+    call returns before the bytes land, and the result's event says when they have."""
+    host, device = caches("KBNHC", "KBNHC", 12, 68), caches("KBNHC", "KBNHC", 10, 69)
+    case = CopyCase(host, device, "KBNHC", "KBNHC")
+    src_ids, dst_ids = [0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 0, 1]
+    job = host_job(host, device, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
+    asked: list[bool] = []
+    copy_ = torch.Tensor.copy_
+
+    def copy_told(self, other, non_blocking=False):
+        asked.append(non_blocking)
+        return copy_(self, other, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_told)
+    CpuStandIn(use_triton=False).copy_direct(job)
+    monkeypatch.undo()
+    assert asked == [True] * (2 * 2 * 2)  # layers x K x runs
     case.check(src_ids, dst_ids)
 
 
@@ -768,6 +859,90 @@ def test_staged_copies_stage_on_the_device_the_job_names(way, to_device):
     assert backend.runtime.pinned == (0 if way == "_copy_host_spans" else 1)  # the bounce buffer is pinned
 
 
+@pytest.mark.parametrize(("most", "way"), [(4, "host spans"), (3, "bounced")])
+def test_host_spans_count_one_copy_per_member_outer_index_and_span(most, way):
+    """Two layers, K outer, one run of host ids: 2 x 2 x 1 = 4 copies across the bus. Up to
+    ``max_host_copies`` the device side is staged in the host's order and crosses as spans;
+    one fewer allowed, it goes through the pinned bounce buffer."""
+    device, host = caches("KBNHC", "KBHNC", 12, 60), caches("KBNHC", "KBNHC", 8, 61)
+    device_ids, host_ids = [9, 2, 5], [1, 2, 3]
+    case = CopyCase(device, host, "KBNHC", "KBNHC")
+    job = host_job(device, host, "KBNHC", "KBNHC", device_ids, host_ids, non_blocking=False)
+    backend = StagingRecorder()
+    backend.max_host_copies = most
+    assert backend.direct_copies(job) > most  # the layouts differ: no direct way
+    finish = backend.copy_host(job, to_device=False, keep=[])
+    if finish is not None:
+        finish()
+    case.check(device_ids, host_ids)
+    assert backend.devices == ([torch.device("cpu")] if way == "host spans" else [None, torch.device("cpu")])
+
+
+class CrossingRecorder(CpuStandIn):
+    """Records each ``copy_on_device`` call (the source and destination tensors of its pairs)."""
+
+    def __init__(self) -> None:
+        super().__init__(use_triton=False)
+        self.on_device: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def copy_on_device(self, job, keep):
+        self.on_device.append(([s.tensor for s, _ in job.pairs], [d.tensor for _, d in job.pairs]))
+        return super().copy_on_device(job, keep)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("way", ["_copy_host_spans", "_copy_bounced"])
+@pytest.mark.parametrize("to_device", [True, False], ids=["load", "save"])
+def test_staged_copies_cross_the_bus_without_blocking_and_touch_the_device_once(monkeypatch, way, to_device):
+    """The staging buffer crosses to or from host memory (the host blocks, or the pinned
+    bounce buffer) in non-blocking copies on the side stream, and the device side is one
+    step: gathered into the staging buffer for a save, scattered out of it for a load."""
+    device, host = caches("KBNHC", "KBHNC", 12, 62), caches("KBNHC", "KBNHC", 8, 63)
+    device_ids, host_ids = [9, 2, 5, 11], [1, 2, 3, 6]
+    src, dst = (host, device) if to_device else (device, host)
+    src_ids, dst_ids = (host_ids, device_ids) if to_device else (device_ids, host_ids)
+    case = CopyCase(src, dst, "KBNHC", "KBNHC")
+    job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
+    crossings: list[tuple[int, int, bool]] = []
+    copy_ = torch.Tensor.copy_
+
+    def copy_told(self, other, non_blocking=False):
+        crossings.append((_storage(self), _storage(other), non_blocking))
+        return copy_(self, other, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_told)
+    backend, keep = CrossingRecorder(), []
+    finish = getattr(backend, way)(_HostSides.of(job, to_device), keep)
+    monkeypatch.undo()
+    if finish is not None:
+        finish()
+    case.check(src_ids, dst_ids)
+    staged = keep[-1] if way == "_copy_bounced" else keep[0]  # the device staging buffer
+    host_side = [_storage(keep[-2])] if way == "_copy_bounced" else [_storage(t) for t in host.values()]
+    ends = {_storage(staged)}, set(host_side)
+    bus = [blocking for into, out_of, blocking in crossings if {into, out_of} & ends[0] and {into, out_of} & ends[1]]
+    assert bus and all(bus)  # every crossing non-blocking
+    ((sources, dests),) = backend.on_device
+    staged_side, device_side = (sources, dests) if to_device else (dests, sources)
+    assert all(_storage(t) == _storage(staged) for t in staged_side)
+    assert [_storage(t) for t in device_side] == [_storage(t) for t in device.values()]
+
+
+def test_a_copy_between_two_devices_waits_for_both_before_returning():
+    """Peer copies queue on the devices' current streams: an event on each, waited for."""
+    src, dst = caches("KBNHC", "KBHNC", 8, 64), caches("KBNHC", "KBNHC", 6, 65)
+    job = host_job(src, dst, "KBNHC", "KBNHC", [7, 0, 3], [5, 1, 2], non_blocking=True)
+    job = dataclasses.replace(job, src_device=torch.device("cpu", 0), dst_device=torch.device("cpu", 1))
+    backend = OrderedStandIn(use_triton=False)
+    completion = backend.copy(job)
+    assert type(completion) is Completion and completion.done()
+    assert backend.runtime.log == [("record", "caller"), ("record", "caller")]  # one a device
+    assert [event.waits for event in backend.runtime.events] == [1, 1]
+
+
 def test_receive_on_the_torch_path_matches_the_sender():
     from kvhost.testing import ReceiveCase
 
@@ -951,6 +1126,34 @@ def test_a_copy_without_id_tables_passes_a_table_of_the_same_type():
         assert call.args[2] is ids and call.args[3] is ids
         assert call.constants["SRC_INDEXED"] is (src_ids is not None)
         assert call.constants["DST_INDEXED"] is (dst_ids is not None)
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids"),
+    [([4, 7, 1], [5, 3, 9]), ([0, 1, 2], [5, 3, 9]), ([4, 7, 1], [0, 1, 2]), ([0, 1, 2], [0, 1, 2])],
+)
+def test_a_kernel_copy_uploads_the_id_table_only_of_a_side_not_0_to_n_minus_1(src_ids, dst_ids):
+    """A staging buffer filled from its start is read or written without ids: its side's
+    table is neither uploaded nor handed to the kernel (kernels stood in for: the call's
+    arguments recorded)."""
+    src, dst = caches("KBNHC", "KBHNC", 12, 66), caches("KBNHC", "KBNHC", 12, 67)
+    job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
+    backend, launched, uploaded = CpuStandIn(), [], []
+    backend.__dict__["kernels"] = types.SimpleNamespace(
+        copy_call=lambda launch, **args: types.SimpleNamespace(launch=lambda: launched.append(args))
+    )
+    upload = backend._upload
+    backend._upload = lambda arrays, device, keep: uploaded.append(arrays) or upload(arrays, device, keep)  # type: ignore[method-assign]
+    assert backend.direct_copies(job) > backend.max_run_copies  # the layouts differ: the kernel's
+    backend.copy_on_device(job, [])
+    bases = [[t.data_ptr() for t in src.values()], [t.data_ptr() for t in dst.values()]]
+    indexed = [ids for ids in (src_ids, dst_ids) if ids != [0, 1, 2]]
+    (arrays,) = uploaded
+    assert [a.tolist() for a in arrays] == bases + indexed
+    (args,) = launched
+    for side, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        assert (args[side] is None) if ids == [0, 1, 2] else (args[side].tolist() == ids)
+    assert args["blocks"] == 3
 
 
 # --- the runtime's device-generic calls, on the CPU's device module ---------------------

@@ -10,13 +10,15 @@ for where noted); with two CUDA devices the real event is.
 from __future__ import annotations
 
 import dataclasses
+import types
 
+import numpy as np
 import pytest
 import torch
 
 import kvhost
 import kvhost.torch_backend
-from kvhost.backend import EventCompletion
+from kvhost.backend import Completion, EventCompletion
 from kvhost.batch import plan_copy_batch
 from kvhost.caches import CacheSet
 from kvhost.testing import fill_random, make_cache
@@ -149,3 +151,88 @@ def test_a_copy_on_the_second_gpu_is_done_only_when_that_gpu_is_done():
     assert not result.done()
     assert result.wait().done()
     assert torch.equal(dst["l"][:, 3:5], src["l"][:, 1:3])
+
+
+class Accelerator:
+    """Stands in for ``torch.accelerator``: the current accelerator's type, its streams."""
+
+    def __init__(self, current: str | None) -> None:
+        self.current = current
+
+    def current_accelerator(self) -> torch.device | None:
+        return None if self.current is None else torch.device(self.current)
+
+    def current_stream(self, device: torch.device) -> tuple[str, torch.device]:
+        return ("torch.accelerator", device)
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "asked_of"),
+    [
+        (Accelerator("meta"), "torch.accelerator"),  # the current accelerator's type: asked of torch.accelerator
+        (Accelerator("cuda"), "torch.meta"),  # another type's: of the device's module
+        (Accelerator(None), "torch.meta"),  # no accelerator
+        (None, "torch.meta"),  # a torch without torch.accelerator
+    ],
+)
+def test_current_stream_asks_torch_accelerator_only_for_its_own_device_type(monkeypatch, accelerator, asked_of):
+    monkeypatch.setattr(torch, "accelerator", accelerator)
+    monkeypatch.setattr(torch, "meta", types.SimpleNamespace(current_stream=lambda d: ("torch.meta", d)), raising=False)
+    device = torch.device("meta", 1)
+    assert kvhost.torch_backend.current_stream(device) == (asked_of, device)  # the index passed on
+    monkeypatch.delattr(torch, "meta")
+    expected = ("torch.accelerator", device) if asked_of == "torch.accelerator" else None  # no module: no stream
+    assert kvhost.torch_backend.current_stream(device) == expected
+
+
+def test_index_buffers_on_a_device_hold_the_ids_of_each_call(monkeypatch):
+    """A device's buffer is reused: each call's ids are copied into it (meta stood in for by
+    host memory, filled with -1, where torch makes a device tensor)."""
+    empty = torch.empty
+
+    def on_the_host(*args, device=None, **kwargs):
+        return empty(*args, **kwargs).fill_(-1) if device == META else empty(*args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", on_the_host)
+    buffers = kvhost.torch_backend.IndexBuffers(lambda device: "stream")
+    first = buffers(np.array([5, 3, 9]), META)
+    assert first.tolist() == [5, 3, 9]
+    second = buffers(np.array([7, 1]), META)
+    assert second.tolist() == [7, 1] and second._base is first._base  # refilled in place
+
+
+def test_a_copy_between_two_devices_is_left_non_blocking_however_its_runs_lie(recorded, monkeypatch):
+    """No host memory on either side: torch makes no host temporary, so every run's copy_
+    stays non-blocking, contiguous or not (``meta:0`` and ``meta:1`` standing in)."""
+    asked: list[tuple[bool, bool]] = []
+    copy_ = torch.Tensor.copy_
+
+    def copy_told(self, other, non_blocking=False):
+        asked.append((non_blocking, self.is_contiguous() and other.is_contiguous()))
+        return copy_(self, other, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_told)
+    job = meta_copy_job(torch.device("meta", 0), torch.device("meta", 1))  # KBNHC: a run of B inside K
+    completion = kvhost.torch_backend.TorchBackend().copy(job)
+    assert asked == [(True, False)]  # one run, one layer: non-contiguous and still non-blocking
+    assert isinstance(completion, EventCompletion)
+
+
+def test_without_an_event_for_the_device_the_copy_is_waited_for_before_returning(monkeypatch):
+    """A stream that is not a ``torch.Stream`` (a torch whose device module has its own): no
+    event is made on it; the device is synchronized instead, and the result is done."""
+    recorded: list[object] = []
+    synchronized: list[torch.device] = []
+
+    class RecordedEvent(torch.Event):
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    monkeypatch.setattr(kvhost.torch_backend, "current_stream", lambda device: "not a torch.Stream")
+    monkeypatch.setattr(torch, "Event", RecordedEvent)
+    monkeypatch.setattr(torch.accelerator, "synchronize", synchronized.append)
+    device = torch.device("meta", 1)
+    assert kvhost.torch_backend._event_on_stream_of(device) is None and recorded == []
+    completion = kvhost.torch_backend._completion(meta_copy_job(torch.device("cpu"), device))
+    assert type(completion) is Completion and completion.done()
+    assert synchronized == [device] and recorded == []
