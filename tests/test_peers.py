@@ -20,10 +20,12 @@ import dataclasses
 import errno
 import os
 import select
+import selectors
 import socket
 import struct
 import threading
 import time
+from typing import ClassVar
 from unittest.mock import patch
 
 import numpy as np
@@ -82,7 +84,8 @@ def rank_table(spec, blocks=8):
 
 class Running:
     """A server on a thread; ``records`` and ``released`` once it returns. Its offer holds
-    tables of ``table_spec`` (``spec`` unless told), or refuses every peer with ``refuse``."""
+    tables of ``table_spec`` (``spec`` unless told), or refuses every peer with ``refuse``.
+    It listens on ``listener`` if given (bound and listening)."""
 
     def __init__(
         self,
@@ -95,9 +98,10 @@ class Running:
         metadata=None,
         delays=(),
         log=None,
+        listener=None,
         **options,
     ):
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = listener or socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.keep = [rank_table(table_spec or spec) for _ in range(spec.tp_size)]  # the tables' memory stays alive
         self.released = []
@@ -748,6 +752,49 @@ def test_a_knock_read_late_is_not_judged_by_the_time_the_server_spent_elsewhere(
     assert outcome["second"] == OFFER and running.server.dropped == 0 and len(records) == 2
 
 
+@pytest.mark.timeout(30)
+def test_a_held_peer_that_stops_beating_gets_no_grace_for_the_servers_long_steps():
+    """Only a connection still proving the secret is given the time the loop spent in the
+    application's steps: a held peer whose beats stopped before another peer's offer step
+    (longer than its peer timeout) is ended as silent as soon as that step returns, before
+    the loop serves anything else (that other peer's offer is written next)."""
+    running = Running(peers=2, delays=(0.0, 3.5), peer_timeout=2.0)
+    address = ("127.0.0.1", running.port)
+    silent = connect(address, SECRET, DECODE, timeout=10)  # takes its offer and never beats
+    with contextlib.closing(silent):
+        second = connect(address, SECRET, DECODE, timeout=20)  # its offer step holds the loop 3.5 s
+        with contextlib.closing(second):
+            second.done(ok=True, timeout=5)
+        first, other = running.finish()
+    assert (first.outcome, first.detail, other.outcome) == ("silent", "no beat for 2 s", "done")
+    assert running.lines[:3] == [
+        f"offered 2 requests to decode at {first.address}",
+        f"decode at {first.address}: silent: no beat for 2 s",
+        f"offered 2 requests to decode at {other.address}",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_a_connection_accepted_after_long_steps_is_given_no_grace_for_them():
+    """The grace a connection still proving the secret gets is the time spent in steps since
+    it was accepted: steps that ended before it connected (a decode's offer of 3 s) are not
+    its, and it is closed at its own auth timeout."""
+    stopping = threading.Event()
+    running = Running(peers=None, idle=20.0, stop=stopping.is_set, delays=(3.0,), auth_timeout=1.0, peer_timeout=5.0)
+    try:
+        session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)  # 3 s in its offer step
+        with contextlib.closing(session):
+            session.done(ok=True, timeout=5)
+        assert running.server._away >= 3.0
+        with socket.create_connection(("127.0.0.1", running.port)) as stray:
+            started = time.monotonic()
+            assert _closed_by_listener(stray, within=2.5), "given the grace of steps taken before it connected"
+            assert time.monotonic() - started > 0.8
+    finally:
+        stopping.set()
+    assert [r.outcome for r in running.finish()] == ["done"] and running.server.dropped == 1
+
+
 def test_a_challenged_decode_outlasts_strays_that_never_knock():
     """A decode between its challenge and its engine message is unproven too; strays that
     connect and say nothing are dropped before it, however many come."""
@@ -939,6 +986,103 @@ def test_a_server_out_of_file_descriptors_pauses_accepting_instead_of_spinning()
     assert lines == ["cannot accept a connection (Too many open files): pausing 0.1 s at a time"]
 
 
+class ScriptedAccepts(socket.socket):
+    """A listener whose accepts fail with the errnos of ``script`` in turn (None: a real
+    accept), then are real."""
+
+    script: ClassVar[list[int | None]] = []
+
+    def accept(self):
+        code = self.script.pop(0) if self.script else None
+        if code is not None:
+            raise OSError(code, os.strerror(code))
+        return super().accept()
+
+
+def _serve_scripted(script, seconds, queued=1):
+    """A server on a ScriptedAccepts listener with ``queued`` connections waiting, for
+    ``seconds`` (serving on after the script ran out): the server and its log lines."""
+    ScriptedAccepts.script = list(script)
+    listener = ScriptedAccepts(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    waiting = [socket.create_connection(listener.getsockname()) for _ in range(queued)]
+    lines = []
+    server = Server(listener, SECRET, PREFILL, lambda peer: None, log=lines.append, auth_timeout=30.0)  # type: ignore[arg-type,return-value]
+    try:
+        stop_at = time.monotonic() + seconds
+        server.serve(peers=None, idle_timeout=30, stop=lambda: time.monotonic() > stop_at)
+    finally:
+        for sock in waiting:
+            sock.close()
+        listener.close()
+    assert not ScriptedAccepts.script, "the script did not run out"
+    return server, lines
+
+
+def test_a_connection_the_peer_gave_up_before_accept_is_skipped_without_a_pause():
+    """An accept that fails for the peer's sake (it reset the connection while it waited in the
+    listen queue) is no shortage of descriptors: nothing is told, the listener is not paused,
+    and the connection waiting behind it is taken."""
+    server, lines = _serve_scripted([errno.ECONNABORTED, None], seconds=1.0, queued=1)
+    assert lines == [] and server.dropped == 1  # the waiting connection taken, then closed as the serve ended
+    assert not server._short_of_descriptors
+
+
+def test_each_episode_out_of_file_descriptors_is_told_once():
+    """Two accepts fail, one succeeds, the next fails again: the second shortage is a new
+    episode, told again (a server that ran out once and recovered must not hide a later one).
+    After the last pause an accept succeeds, and the server serves on (its listener back in
+    its selector once, not at every loop)."""
+    emfile = errno.EMFILE
+    server, lines = _serve_scripted([emfile, emfile, None, emfile, None], seconds=2.0, queued=2)
+    told = "cannot accept a connection (Too many open files): pausing 0.1 s at a time"
+    assert lines == [told, told] and server.dropped == 2
+
+
+class CloseFails(socket.socket):
+    """A connection whose close fails (after closing, as a close interrupted may) while
+    ``failures`` are left."""
+
+    failures = 0
+
+    def close(self):
+        super().close()
+        if type(self).failures:
+            type(self).failures -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+class AcceptsCloseFails(socket.socket):
+    def accept(self):
+        sock, address = super().accept()
+        return CloseFails(fileno=sock.detach()), address
+
+
+def test_a_connection_whose_close_fails_is_told_and_its_hold_ends_and_is_released_all_the_same():
+    listener = AcceptsCloseFails(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    stopping = threading.Event()
+    running = Running(peers=None, stop=stopping.is_set, peer_timeout=5.0, listener=listener)
+    sessions = [connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10) for _ in range(2)]
+    try:
+        CloseFails.failures = 1
+        stopping.set()
+        first, second = running.finish()
+    finally:
+        CloseFails.failures = 0
+        for session in sessions:
+            session.close()
+    for record in (first, second):  # a close that reports an error still ends the hold, and says so
+        assert (record.outcome, record.detail) == ("closed", "the server stopped") and record in running.released
+    assert running.lines[-3:] == [
+        f"closing decode at {first.address} failed: OSError: [Errno 5] Input/output error",
+        f"decode at {first.address}: closed: the server stopped",
+        f"decode at {second.address}: closed: the server stopped",
+    ]
+
+
 def test_the_idle_clock_starts_when_the_last_connection_ends():
     running = Running(peers=None, idle=1.0, peer_timeout=5.0)
     session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
@@ -994,6 +1138,71 @@ def test_what_a_held_peer_sends_besides_beats_and_done_ends_its_hold_and_is_rele
         f"decode at {record.address}: {outcome}: {detail}",
         "no decode engine for 1 s: stopping",
     ]
+
+
+def test_a_beat_numbered_up_to_2_to_the_62_is_answered_and_one_past_it_ends_the_hold():
+    running = Running(peers=None, idle=1.0, peer_timeout=5.0)
+    with _proven_and_silent(running.port) as sock:
+        receive(sock, timeout=5, expect=OFFER)
+        send(sock, BEAT, {"n": 1 << 62}, timeout=5)
+        assert receive(sock, timeout=5, expect=HELD).header == {"n": 1 << 62}
+        send(sock, BEAT, {"n": (1 << 62) + 1}, timeout=5)
+        [record] = running.finish(within=5)
+    assert (record.outcome, record.detail) == (
+        "failed",
+        f"beat.n: expected an integer in [0, {1 << 62}], got {(1 << 62) + 1}",
+    )
+
+
+def test_a_held_peer_that_beats_but_never_reads_the_answers_is_ended_not_waited_for():
+    """Each beat is answered with ``held`` at once; a peer that beats on and reads none of the
+    answers fills its socket's buffers (made small here), and is ended then, its hold released."""
+    running = Running(peers=None, idle=1.0, peer_timeout=5.0)
+    running.listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # its connections' too
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window stays small
+    with sock:
+        sock.connect(("127.0.0.1", running.port))
+        mine = os.urandom(16)
+        send(sock, KNOCK, {"nonce": mine.hex()}, timeout=5)
+        nonces = (mine, bytes.fromhex(receive(sock, timeout=5, expect=CHALLENGE).fields().text("nonce")))
+        send(sock, ENGINE, {"proof": proof(SECRET, "decode", nonces), "engine": DECODE.to_dict()}, timeout=5)
+        receive(sock, timeout=5, expect=OFFER)
+        deadline = time.monotonic() + 10
+        n = 0
+        while not running.released and time.monotonic() < deadline:
+            n += 1
+            try:
+                send(sock, BEAT, {"n": n}, timeout=5)
+            except ProtocolError:  # ended: the socket was closed (or reset) under the beats
+                break
+        [record] = running.finish(within=5)
+    assert (record.outcome, record.detail) == ("failed", "it does not read prefill's answers to its beats")
+    assert running.released == [record]
+
+
+def test_a_done_that_cannot_be_answered_ends_the_hold_once_as_failed():
+    """``done`` arrives while the peer's socket is full of prefill's answers it never read: it
+    cannot be told ``held``, so its hold ends as failed (what it said kept), once, and the
+    loop goes on (ending it a second time would stop the serving). The server's loop step is
+    driven by hand here: through a real loop, when the buffer fills is the kernel's choice."""
+    released: list[server_module.PeerRecord] = []
+    writer, reader = _full_pair()  # prefill's end, whose peer reads nothing
+    with socket.create_server(("127.0.0.1", 0)) as listener, reader, selectors.DefaultSelector() as selector:
+        server = Server(listener, SECRET, PREFILL, lambda peer: None, release=released.append)  # type: ignore[arg-type,return-value]
+        conn = server_module._Connection(writer, "127.0.0.1:1", time.monotonic() + 5.0, stage=BEAT, offered=True)
+        conn.record = server_module.PeerRecord(conn.address)
+        server._connections[writer] = conn
+        selector.register(writer, selectors.EVENT_READ)
+        reader.sendall(encode(DONE, {"ok": True}))
+        server._read(selector, conn)
+        assert not server._connections and not selector.get_map()
+    assert (conn.record.outcome, conn.record.detail, conn.record.ok) == (
+        "failed",
+        "it does not read prefill's answers to its beats",
+        True,
+    )
+    assert released == [conn.record] and server.ended == {"failed": 1} and server.done_ok == 0
 
 
 def test_an_offer_decode_refuses_is_released_by_prefill():
@@ -1128,6 +1337,13 @@ def test_a_long_lived_server_keeps_the_latest_records_and_counts_every_peer(monk
         time.sleep(0.1)  # ended in this order
     assert [r.ok for r in running.finish()] == [False, True]
     assert (running.server.proven, running.server.ended, running.server.done_ok) == (3, {"done": 3}, 2)
+
+
+def test_a_server_keeps_the_records_of_its_latest_1024_peers():
+    """The bound the test above lowers: what a server keeps of peers long ended."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = Server(listener, SECRET, PREFILL, lambda peer: None)  # type: ignore[arg-type,return-value]
+    assert server.records.maxlen == server_module.MAX_RECORDS == 1024
 
 
 def test_secret_files_are_private_and_checked(tmp_path):

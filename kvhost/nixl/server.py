@@ -200,10 +200,7 @@ class Server:
                     self._expire(selector, time.monotonic())
             finally:
                 for conn in list(self._connections.values()):
-                    try:
-                        self._end(selector, conn, "closed", "the server stopped")
-                    except Exception as err:  # the others are still closed and released
-                        self._tell(f"closing decode at {conn.address} failed: {type(err).__name__}: {err}")
+                    self._end(selector, conn, "closed", "the server stopped")
 
     def _tell(self, line: str) -> None:
         """``log``'s line; a log that fails (stdout's reader gone) must not end the serving."""
@@ -378,7 +375,10 @@ class Server:
         and ``release`` is told if the application made it an offer, whoever ended the hold."""
         selector.unregister(conn.sock)
         del self._connections[conn.sock]
-        conn.sock.close()
+        try:
+            conn.sock.close()
+        except OSError as err:  # close(2) lets go of the descriptor even when it reports an error: the hold ends
+            self._tell(f"closing decode at {conn.address} failed: {type(err).__name__}: {err}")
         if conn.record is None:
             self.dropped += 1
             return
