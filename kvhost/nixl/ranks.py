@@ -35,7 +35,7 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from kvhost.errors import LayoutError
-from kvhost.ids import Ids
+from kvhost.ids import Ids, is_integer
 from kvhost.nixl.agent import (
     Agent,
     Transfer,
@@ -97,7 +97,7 @@ def latent_source(local_rank: int, local_tp: int, remote_tp: int) -> int:
 def _check_counts(**counts: object) -> None:
     """Ranks and sizes are ints (``True`` is not rank 1; a float is no rank at all)."""
     for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if not is_integer(value):
             raise LayoutError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
 
 
