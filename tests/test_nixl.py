@@ -504,6 +504,28 @@ def test_a_share_of_heads_needs_them_apart_and_in_range():
         plan_transfer(head_major, head_major.heads(0, 2))
 
 
+def test_a_region_of_one_head_lends_it_to_the_streams_and_no_other_does():
+    """``head_streams``: the same runs, at the same addresses, with ``H`` named by each
+    stream (index 0) instead of the region; only a region with one head may do so."""
+    sizes = dict(K=2, H=1, C=4, N=8, B=4)
+    for memory, order in (("KBNHC", "NHC"), ("KBHNC", "HNC")):
+        table = region_table({"l": make_cache("KBNHC", memory, sizes)}, "KBNHC")
+        assert table.order == order
+        streams = table.head_streams()
+        assert (streams.order, streams.split, streams.run_bytes) == ("NC", "", table.run_bytes)
+        assert [s.coords for s in streams.streams] == [(("K", 0), ("H", 0)), (("K", 1), ("H", 0))]
+        assert [(s.address, s.block_stride) for s in streams.streams] == [
+            (s.address, s.block_stride) for s in table.streams
+        ]
+    for table in (
+        region_table({"l": make_cache("KBNHC", "KBHNC", sizes | {"H": 2})}, "KBNHC"),  # two heads
+        region_table({"l": make_cache("KBNHC", "KHBNC", sizes)}, "KBNHC"),  # already a stream's
+        region_table({"l": make_cache("BNC", "BNC", dict(B=4, N=8, C=12))}, "BNC"),  # no heads
+    ):
+        with pytest.raises(LayoutError, match="only a region of one head lends it to the streams"):
+            table.head_streams()
+
+
 def test_k_as_tuple_pairs_with_k_as_axis():
     """A sender with one [2, B, H, N, C] tensor per layer, a receiver with (K, V) tensors per layer."""
     sizes = dict(H=2, C=4)

@@ -98,6 +98,24 @@ def test_six_heads_shared_unevenly_across_ranks(pair, sizes_name, tp):
     check_every_local_rank(pair, sizes_name, tp, None, 6)
 
 
+# Per-head streams on one side, one head per rank on the other (TP = KV heads): read head by head.
+ONE_HEAD_PAIRS = [
+    (pair, tp)
+    for other in ("NHD", "HND")
+    for pair, tps in (((other, "heads-outer"), [(4, 1), (4, 2), (4, 4)]), (("heads-outer", other), [(1, 4), (2, 4)]))
+    for tp in tps
+]
+
+
+@pytest.mark.parametrize("merge", [None, 1 << 40], ids=["per-piece", "merged"])
+@pytest.mark.parametrize("sizes_name", SIZES)
+@pytest.mark.parametrize(
+    ("pair", "tp"), ONE_HEAD_PAIRS, ids=[f"{'->'.join(p)}-P{tp[0]}D{tp[1]}" for p, tp in ONE_HEAD_PAIRS]
+)
+def test_per_head_streams_pair_with_ranks_of_one_head_whatever_their_order(pair, sizes_name, tp, merge):
+    check_every_local_rank(pair, sizes_name, tp, merge, HEADS)
+
+
 def check_every_local_rank(pair, sizes_name, tp, merge, heads):
     remote_name, local_name = pair
     axes, remote_memory = LAYOUTS[remote_name]
@@ -521,6 +539,31 @@ def test_a_sender_of_one_head_per_rank_is_read_head_major_whatever_its_memory_or
             assert np.array_equal(rows, same_rows)
 
 
+def test_per_head_streams_read_one_head_ranks_one_run_per_head_and_block():
+    """A decode cache whose heads lie outside its blocks (a stream per head) reads prefill
+    ranks of one head each, token-major or head-major, as one run per head and block, and
+    the other way round; the wire is then the local bytes (order ``NC``: no post-process).
+    Ranks of two heads inside their blocks still cannot be paired with per-head streams."""
+    per_head = decode_table("KHBNC", 8)
+    for order in ("NHC", "HNC"):
+        plan = plan_ranks(per_head, 0, 1, peer_tables(order, 1, 16, 8))
+        assert plan.remote_order == "NC"
+        assert [s.rank for s in plan.sources] == list(range(8))
+        # Each rank: its head's run in each of 2 layers x K/V, into that head's stream.
+        assert [plan.rows(source, [3], [0])[0].shape[0] for source in plan.sources] == [4] * 8
+        assert window_streams(plan) == 8 * 4
+    one_head = decode_table("KBNHC", 1)
+    for rank in (0, 5):  # the other way: a one-head decode rank picks its head's streams
+        plan = plan_ranks(one_head, rank, 8, [per_head])
+        assert plan.remote_order == "NC"
+        assert [s.share for s in plan.sources] == [HeadShare(0, 0, rank, 1)]
+        _, remote_rows = plan.rows(plan.sources[0], [3], [2])
+        picked = [s for s in per_head.streams if dict(s.coords)["H"] == rank]
+        assert sorted(remote_rows[:, 0].tolist()) == sorted(s.address + 2 * s.block_stride for s in picked)
+    with pytest.raises(LayoutError, match="heads are streams on one side only"):
+        plan_ranks(per_head, 0, 1, peer_tables("HNC", 2, 16, 4))
+
+
 def test_windows_are_counted_over_the_side_with_more_streams(monkeypatch):
     """Every window is made of every stream of both tables: a peer whose tables hold more
     streams than ours is counted by its own."""
@@ -552,18 +595,23 @@ def test_a_remote_block_larger_than_the_local_cache_is_refused():
 
 @needs_nixl
 @pytest.mark.timeout(120)
-def test_rank_readers_gather_over_nixl_from_several_agents():
-    """Four prefill ranks (four agents, head-major blocks of 16) into two decode ranks
-    (token-major blocks of 64): each decode rank's read posts one transfer per source."""
+@pytest.mark.parametrize(
+    ("remote_memory", "local_memory"),
+    [("KBHNC", "KBNHC"), ("KBNHC", "KHBNC")],
+    ids=["head-major into token-major", "token-major into per-head streams"],
+)
+def test_rank_readers_gather_over_nixl_from_several_agents(remote_memory, local_memory):
+    """Four prefill ranks (four agents, blocks of 16 of one head each) into two decode ranks
+    (blocks of 64): each decode rank's read posts one transfer per source."""
     from kvhost.nixl import Agent, RankReader
 
-    remote_caches = [engine_caches("KBNHC", "KBHNC", 1, 16, 16, seed=q) for q in range(4)]
+    remote_caches = [engine_caches("KBNHC", remote_memory, 1, 16, 16, seed=q) for q in range(4)]
     with contextlib.ExitStack() as stack:
         senders = [stack.enter_context(Agent(f"ranks-prefill-{q}")) for q in range(4)]
         tables = [agent.register(c, "KBNHC") for agent, c in zip(senders, remote_caches)]
         for rank in range(2):
             receiver = stack.enter_context(Agent(f"ranks-decode-{rank}"))
-            local = engine_caches("KBNHC", "KBNHC", 2, 64, 8, seed=90 + rank)
+            local = engine_caches("KBNHC", local_memory, 2, 64, 8, seed=90 + rank)
             plan = plan_ranks(receiver.register(local, "KBNHC"), rank, 2, tables)
             peers = {s.rank: receiver.add_peer(senders[s.rank].metadata()) for s in plan.sources}
             reader = RankReader(receiver, plan, peers)
@@ -578,7 +626,7 @@ def test_rank_readers_gather_over_nixl_from_several_agents():
             assert sum(t.nbytes for t in transfers) == plan.bytes_for(7)
             assert sum(t.nbytes for t in batch) == plan.bytes_for(7)
             requests = {"x": [5, 2], "y": [6], "z": [0, 1]}
-            kvhost.receive(local, requests, axes="KBNHC", remote_order="HNC", remote_block_size=16)
+            kvhost.receive(local, requests, axes="KBNHC", remote_order=plan.remote_order, remote_block_size=16)
             for local_ids, remote_ids in (([5, 2], REMOTE_IDS[:7]), ([6], REMOTE_IDS[7:]), ([0, 1], REMOTE_IDS[2:8])):
                 tokens = len(remote_ids) * 16
                 check_rank(

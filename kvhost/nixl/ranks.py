@@ -309,6 +309,7 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
             f"{remote_tp} are not the same KV heads"
         )
     shares = head_shares(local_rank, local_tp, remote_tp, kv_heads)
+    local, remotes = _heads_alike(local, remotes)
     if local.sizes["H"] != first.sizes["H"]:
         remotes = [_heads_leading(table) for table in remotes]
     ways = [_share_way(local, remotes[share.remote_rank], share) for share in shares]
@@ -319,6 +320,24 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
         for share, way in zip(shares, ways)
     )
     return RankPlan(local, tuple(remotes), sources)
+
+
+def _heads_are_streams(table: RegionTable) -> bool:
+    return "H" in dict(table.streams[0].coords)
+
+
+def _heads_alike(local: RegionTable, remotes: Sequence[RegionTable]) -> tuple[RegionTable, Sequence[RegionTable]]:
+    """The tables with heads as streams on both sides where one side has them so and the
+    other holds one head per block (``RegionTable.head_streams``): a decode cache of
+    per-head streams reads one-head prefill ranks (TP = KV heads) head by head, whatever
+    their memory order. Any other pair is left as it is (``_share_way`` judges it)."""
+    if _heads_are_streams(local) == _heads_are_streams(remotes[0]):
+        return local, remotes
+    if _heads_are_streams(local) and remotes[0].sizes["H"] == 1:
+        return local, [table.head_streams() for table in remotes]
+    if _heads_are_streams(remotes[0]) and local.sizes["H"] == 1:
+        return local.head_streams(), remotes
+    return local, remotes
 
 
 def _heads_leading(table: RegionTable) -> RegionTable:
@@ -338,8 +357,7 @@ def _share_way(local: RegionTable, remote: RegionTable, share: HeadShare) -> Sha
     region, or byte windows of the share's runs (``_window_parts``)."""
     if share.count == local.sizes["H"] == remote.sizes["H"]:
         return "whole regions"
-    local_coord = "H" in dict(local.streams[0].coords)
-    remote_coord = "H" in dict(remote.streams[0].coords)
+    local_coord, remote_coord = _heads_are_streams(local), _heads_are_streams(remote)
     if local_coord and remote_coord:
         return "head streams"
     if local_coord or remote_coord:

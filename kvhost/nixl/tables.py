@@ -166,6 +166,18 @@ class RegionTable:
             )
         return replace(self, sizes=self.sizes | {"H": count}, streams=streams)
 
+    def head_streams(self) -> RegionTable:
+        """The same memory with a region's one head (``H`` of size 1) named by the streams instead.
+
+        A head of size 1 moves no byte wherever it sits, so a rank's token-major or head-major
+        blocks of one head are the blocks of a cache whose heads lie outside them (one stream
+        per head): pairable with such a cache's table head by head.
+        """
+        if self.sizes.get("H") != 1 or "H" not in self.run_order:
+            raise LayoutError(f"only a region of one head lends it to the streams; this one is {self.sizes}")
+        streams = tuple(replace(s, coords=_canonical(dict(s.coords) | {"H": 0})) for s in self.streams)
+        return replace(self, order=self.order.replace("H", ""), streams=streams)
+
     def to_dict(self) -> dict[str, Any]:
         """The table as data for ``framing.encode`` (``from_dict`` reads it back,
         checking every field): the per-stream numbers are integer arrays, which travel as
