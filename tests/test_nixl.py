@@ -39,6 +39,7 @@ from kvhost.nixl import (
     plan_transfer,
     region_table,
     stream_extents,
+    tables,
 )
 from kvhost.nixl.tables import Stream
 from kvhost.testing import block_letters, fill_random, make_cache, raw, read_tokens, write_wire
@@ -504,26 +505,39 @@ def test_a_share_of_heads_needs_them_apart_and_in_range():
         plan_transfer(head_major, head_major.heads(0, 2))
 
 
-def test_a_region_of_one_head_lends_it_to_the_streams_and_no_other_does():
-    """``head_streams``: the same runs, at the same addresses, with ``H`` named by each
-    stream (index 0) instead of the region; only a region with one head may do so."""
+def test_heads_apart_makes_each_head_a_stream_where_its_bytes_are_one_run(monkeypatch):
+    """``heads_apart``: each stream becomes one per head, at the head's offset in the block,
+    with ``H`` named by the streams instead of the region; only head-major regions and
+    regions of one head can, a table whose heads are streams is itself, and the streams
+    made are held to ``MAX_STREAMS``."""
     sizes = dict(K=2, H=1, C=4, N=8, B=4)
-    for memory, order in (("KBNHC", "NHC"), ("KBHNC", "HNC")):
+    for memory, order in (("KBNHC", "NHC"), ("KBHNC", "HNC")):  # one head: anywhere
         table = region_table({"l": make_cache("KBNHC", memory, sizes)}, "KBNHC")
         assert table.order == order
-        streams = table.head_streams()
-        assert (streams.order, streams.split, streams.run_bytes) == ("NC", "", table.run_bytes)
-        assert [s.coords for s in streams.streams] == [(("K", 0), ("H", 0)), (("K", 1), ("H", 0))]
-        assert [(s.address, s.block_stride) for s in streams.streams] == [
+        apart = table.heads_apart()
+        assert (apart.order, apart.split, apart.run_bytes, apart.sizes) == ("NC", "", table.run_bytes, table.sizes)
+        assert [s.coords for s in apart.streams] == [(("K", 0), ("H", 0)), (("K", 1), ("H", 0))]
+        assert [(s.address, s.block_stride) for s in apart.streams] == [
             (s.address, s.block_stride) for s in table.streams
         ]
+    head_major = region_table({"l": make_cache("KBNHC", "KBHNC", sizes | {"H": 3})}, "KBNHC")
+    apart = head_major.heads_apart()
+    run = 8 * 4 * 2  # a head's tokens: N x C, 2 bytes
+    assert apart.run_bytes == run and apart.order == "NC"
+    assert [(s.coords, s.address - head_major.streams[0].address, s.block_stride) for s in apart.streams] == [
+        ((("K", k), ("H", h)), k * 3 * run * 4 + h * run, 3 * run) for k in range(2) for h in range(3)
+    ]
+    per_head = region_table({"l": make_cache("KBNHC", "KHBNC", sizes | {"H": 2})}, "KBNHC")
+    assert per_head.heads_apart() is per_head
     for table in (
-        region_table({"l": make_cache("KBNHC", "KBHNC", sizes | {"H": 2})}, "KBNHC"),  # two heads
-        region_table({"l": make_cache("KBNHC", "KHBNC", sizes)}, "KBNHC"),  # already a stream's
+        region_table({"l": make_cache("KBNHC", "KBNHC", sizes | {"H": 2})}, "KBNHC"),  # token-major, two heads
         region_table({"l": make_cache("BNC", "BNC", dict(B=4, N=8, C=12))}, "BNC"),  # no heads
     ):
-        with pytest.raises(LayoutError, match="only a region of one head lends it to the streams"):
-            table.head_streams()
+        with pytest.raises(LayoutError, match="are not runs of their own"):
+            table.heads_apart()
+    monkeypatch.setattr(tables, "MAX_STREAMS", 5)
+    with pytest.raises(LayoutError, match="2 streams of 3 heads are 6 streams head by head, more than the 5"):
+        head_major.heads_apart()
 
 
 def test_k_as_tuple_pairs_with_k_as_axis():

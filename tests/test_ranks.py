@@ -98,21 +98,21 @@ def test_six_heads_shared_unevenly_across_ranks(pair, sizes_name, tp):
     check_every_local_rank(pair, sizes_name, tp, None, 6)
 
 
-# Per-head streams on one side, one head per rank on the other (TP = KV heads): read head by head.
-ONE_HEAD_PAIRS = [
+# Per-head streams on one side, head-major blocks or blocks of one head on the other: read
+# head by head. Token-major blocks feed per-head streams only from ranks of one head (P4).
+HEAD_BY_HEAD = [
     (pair, tp)
-    for other in ("NHD", "HND")
-    for pair, tps in (((other, "heads-outer"), [(4, 1), (4, 2), (4, 4)]), (("heads-outer", other), [(1, 4), (2, 4)]))
-    for tp in tps
+    for pair in (("HND", "heads-outer"), ("heads-outer", "NHD"), ("heads-outer", "HND"), ("NHD", "heads-outer"))
+    for tp in ([*TPS, (4, 4)] if pair[0] != "NHD" else [(4, 1), (4, 2), (4, 4)])
 ]
 
 
 @pytest.mark.parametrize("merge", [None, 1 << 40], ids=["per-piece", "merged"])
 @pytest.mark.parametrize("sizes_name", SIZES)
 @pytest.mark.parametrize(
-    ("pair", "tp"), ONE_HEAD_PAIRS, ids=[f"{'->'.join(p)}-P{tp[0]}D{tp[1]}" for p, tp in ONE_HEAD_PAIRS]
+    ("pair", "tp"), HEAD_BY_HEAD, ids=[f"{'->'.join(p)}-P{tp[0]}D{tp[1]}" for p, tp in HEAD_BY_HEAD]
 )
-def test_per_head_streams_pair_with_ranks_of_one_head_whatever_their_order(pair, sizes_name, tp, merge):
+def test_per_head_streams_pair_with_head_major_blocks_and_blocks_of_one_head(pair, sizes_name, tp, merge):
     check_every_local_rank(pair, sizes_name, tp, merge, HEADS)
 
 
@@ -147,7 +147,7 @@ def check_every_local_rank(pair, sizes_name, tp, merge, heads):
         assert moved == plan.bytes_for(count) == tokens * (heads // local_tp) * CHANNELS * 2 * 2 * 2
         assert {s.rank for s in plan.sources} == {s.remote_rank for s in head_shares(rank, local_tp, remote_tp, heads)}
         kvhost.receive(
-            local, {"x": local_ids}, axes=axes, remote_order=plan.remote_order, remote_block_size=remote_size
+            local, {"x": local_ids}, axes=axes, remote_order=plan.remote_order, remote_block_size=plan.remote_block_size
         )
         check_rank(
             local,
@@ -418,8 +418,9 @@ def test_tables_that_cannot_share_heads_are_refused_naming_why():
     for remote_memory in ("KBHNC", "KBNHC"):  # a head-major share is one run; a token-major one, byte windows
         with pytest.raises(LayoutError, match=r"block sizes 8 \(local\) and 12 \(remote\) do not divide"):
             plan_ranks(local, 0, 2, [table(remote_memory, 4, 12)])
-    with pytest.raises(LayoutError, match="heads are streams on one side only"):
-        plan_ranks(local, 0, 2, [table("KHBNC", 4, 8)])
+    # Per-head streams against token-major blocks of several heads: a head is no run of its own.
+    with pytest.raises(LayoutError, match="heads are streams on one side only, and the other's 'NHC' blocks of 2"):
+        plan_ranks(table("KHBNC", 4, 8), 0, 1, [table("KBNHC", 2, 8)] * 2)
     with pytest.raises(LayoutError, match="differ beyond N and H"):
         plan_ranks(local, 0, 2, [table("KBNHC", 4, 8, channels=2 * CHANNELS)])
     with pytest.raises(LayoutError, match="hold different letters"):
@@ -543,11 +544,11 @@ def test_per_head_streams_read_one_head_ranks_one_run_per_head_and_block():
     """A decode cache whose heads lie outside its blocks (a stream per head) reads prefill
     ranks of one head each, token-major or head-major, as one run per head and block, and
     the other way round; the wire is then the local bytes (order ``NC``: no post-process).
-    Ranks of two heads inside their blocks still cannot be paired with per-head streams."""
+    Head-major ranks of two heads give a run per head; token-major ones cannot be paired."""
     per_head = decode_table("KHBNC", 8)
     for order in ("NHC", "HNC"):
         plan = plan_ranks(per_head, 0, 1, peer_tables(order, 1, 16, 8))
-        assert plan.remote_order == "NC"
+        assert (plan.remote_order, plan.remote_block_size) == ("NC", 16)
         assert [s.rank for s in plan.sources] == list(range(8))
         # Each rank: its head's run in each of 2 layers x K/V, into that head's stream.
         assert [plan.rows(source, [3], [0])[0].shape[0] for source in plan.sources] == [4] * 8
@@ -560,8 +561,31 @@ def test_per_head_streams_read_one_head_ranks_one_run_per_head_and_block():
         _, remote_rows = plan.rows(plan.sources[0], [3], [2])
         picked = [s for s in per_head.streams if dict(s.coords)["H"] == rank]
         assert sorted(remote_rows[:, 0].tolist()) == sorted(s.address + 2 * s.block_stride for s in picked)
-    with pytest.raises(LayoutError, match="heads are streams on one side only"):
-        plan_ranks(per_head, 0, 1, peer_tables("HNC", 2, 16, 4))
+    plan = plan_ranks(per_head, 0, 1, peer_tables("HNC", 2, 16, 4))
+    assert [plan.rows(source, [3], [0])[0].shape[0] for source in plan.sources] == [8] * 4
+    with pytest.raises(LayoutError, match="heads are streams on one side only, and the other's 'NHC' blocks of 2"):
+        plan_ranks(per_head, 0, 1, peer_tables("NHC", 2, 16, 4))
+
+
+@pytest.mark.parametrize(("memory", "landed"), [("KBNHC", "HNC"), ("KBHNC", "HNC")], ids=["token-major", "head-major"])
+def test_ranks_of_one_head_fill_larger_local_blocks_with_one_piece_per_run(memory, landed):
+    """Eight ranks of one head, blocks of 4, into local blocks of 16 (r = 4): each rank's
+    four blocks of a local block land one after another in that block's run of its head,
+    so a run of remote ids is one descriptor a stream, where a virtual sender of blocks of
+    4 puts them a region apart (four). The bytes land head-major of the local block size:
+    token-major blocks are received from ``HNC``, head-major ones need nothing."""
+    local = decode_table(memory, 8)
+    remotes = [dataclasses.replace(t, num_blocks=64) for t in peer_tables("NHC", 1, 4, 8)]
+    plan = plan_ranks(local, 0, 1, remotes)
+    assert (plan.remote_order, plan.remote_block_size, plan.r) == (landed, 16, 4)
+    assert local.order == ("HNC" if memory == "KBHNC" else "NHC")
+    for source in plan.sources:
+        per_piece = plan.rows(source, [3], [8, 9, 10, 11])[0]
+        merged, _ = plan.rows(source, [3], [8, 9, 10, 11], max_bytes=1 << 20)
+        assert (per_piece.shape[0], merged.shape[0]) == (16, 4)
+        assert sorted(merged[:, 1].tolist()) == [4 * 4 * 8 * 2] * 4  # four blocks of 4 tokens x 8 channels, bf16
+        scattered, _ = plan.rows(source, [3], [8, 20, 10, 30], max_bytes=1 << 20)
+        assert scattered.shape[0] == 16
 
 
 def test_windows_are_counted_over_the_side_with_more_streams(monkeypatch):
@@ -626,7 +650,8 @@ def test_rank_readers_gather_over_nixl_from_several_agents(remote_memory, local_
             assert sum(t.nbytes for t in transfers) == plan.bytes_for(7)
             assert sum(t.nbytes for t in batch) == plan.bytes_for(7)
             requests = {"x": [5, 2], "y": [6], "z": [0, 1]}
-            kvhost.receive(local, requests, axes="KBNHC", remote_order=plan.remote_order, remote_block_size=16)
+            order, size = plan.remote_order, plan.remote_block_size
+            kvhost.receive(local, requests, axes="KBNHC", remote_order=order, remote_block_size=size)
             for local_ids, remote_ids in (([5, 2], REMOTE_IDS[:7]), ([6], REMOTE_IDS[7:]), ([0, 1], REMOTE_IDS[2:8])):
                 tokens = len(remote_ids) * 16
                 check_rank(

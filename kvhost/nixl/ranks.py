@@ -10,8 +10,11 @@ each local rank reads it once, from one remote rank (``latent_source``).
 
 The bytes land as they would from one *virtual sender*: an engine with the remote ranks'
 region order and block size that holds exactly this rank's heads. So the wire model of
-docs/design.md holds unchanged and one ``kvhost.receive`` with the remote order and block
-size finishes the job, whatever the ranks. Each remote rank contributes byte runs of its
+docs/design.md holds unchanged and one ``kvhost.receive`` with the plan's ``remote_order``
+and ``remote_block_size`` finishes the job, whatever the ranks. Where heads move head by
+head (``_head_by_head``: per-head streams on one side, or ranks of one head into larger
+local blocks) the virtual sender is head-major with the local block size instead, so a
+rank's run of blocks lands as one piece. Each remote rank contributes byte runs of its
 region (one run when heads lead the region, one per token when tokens do) to runs of the
 virtual sender's region, which land in the local blocks as the wire model says: the
 virtual region ``k`` of a request is sub-block ``k mod r`` of local block ``k // r``, or
@@ -131,23 +134,23 @@ class RankPlan:
     local: RegionTable
     remotes: tuple[RegionTable, ...]  # every remote rank's table, by rank
     sources: tuple[Source, ...]
+    # What ``kvhost.receive`` must be told the bytes landed in: a virtual sender's region
+    # order and block size (the remote ranks' own, or head-major ones of the local size).
+    remote_order: str
+    remote_block_size: int
 
     @property
-    def remote_order(self) -> str:
-        """The order ``kvhost.receive`` must be told the wire bytes arrived in (every remote rank's)."""
-        return self.remotes[0].order
-
-    @property
-    def remote_block_size(self) -> int:
+    def sender_block_size(self) -> int:
+        """The remote ranks' block size: what their block ids count."""
         return self.remotes[0].block_size
 
     @property
     def r(self) -> int:
-        return max(self.local.block_size // self.remote_block_size, 1)
+        return max(self.local.block_size // self.sender_block_size, 1)
 
     @property
     def g(self) -> int:
-        return max(self.remote_block_size // self.local.block_size, 1)
+        return max(self.sender_block_size // self.local.block_size, 1)
 
     def local_blocks_for(self, remote_blocks: int) -> int:
         """Local blocks that hold ``remote_blocks`` sender blocks (whole groups when g > 1)."""
@@ -242,7 +245,7 @@ class RankPlan:
 
     def _checked(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
         return checked_request_ids(
-            local_ids, remote_ids, self.local, self.remote_block_count, self.remote_block_size, self.local_blocks_for
+            local_ids, remote_ids, self.local, self.remote_block_count, self.sender_block_size, self.local_blocks_for
         )
 
     def _chosen(self, part: Part, local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -299,7 +302,7 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
     if "H" not in local.sizes and "H" not in first.sizes:
         rank = latent_source(local_rank, local_tp, remote_tp)
         latent = Source(rank, None, (Part(plan_transfer(local, remotes[rank])),))
-        return RankPlan(local, tuple(remotes), (latent,))
+        return RankPlan(local, tuple(remotes), (latent,), first.order, first.block_size)
     if "H" not in local.sizes or "H" not in first.sizes:
         raise LayoutError("one side's tables have heads (H) and the other's do not")
     kv_heads = local.sizes["H"] * local_tp
@@ -309,35 +312,63 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
             f"{remote_tp} are not the same KV heads"
         )
     shares = head_shares(local_rank, local_tp, remote_tp, kv_heads)
-    local, remotes = _heads_alike(local, remotes)
-    if local.sizes["H"] != first.sizes["H"]:
-        remotes = [_heads_leading(table) for table in remotes]
-    ways = [_share_way(local, remotes[share.remote_rank], share) for share in shares]
-    windowed = [(remotes[share.remote_rank], share) for share, way in zip(shares, ways) if way == "windows"]
-    runs = dict(zip((share for _, share in windowed), _window_runs(local, windowed)))
+    views = _head_by_head(local, remotes)
+    if views is not None:
+        seen, seen_remotes, order, block_size = views
+    else:
+        seen = local
+        seen_remotes = [_heads_leading(t) for t in remotes] if local.sizes["H"] != first.sizes["H"] else list(remotes)
+        order, block_size = seen_remotes[0].order, first.block_size
+    ways = [_share_way(seen, seen_remotes[share.remote_rank], share) for share in shares]
+    windowed = [(seen_remotes[share.remote_rank], share) for share, way in zip(shares, ways) if way == "windows"]
+    runs = dict(zip((share for _, share in windowed), _window_runs(seen, windowed)))
     sources = tuple(
-        Source(share.remote_rank, share, _parts(local, remotes[share.remote_rank], share, way, runs.get(share, [])))
+        Source(share.remote_rank, share, _parts(seen, seen_remotes[share.remote_rank], share, way, runs.get(share, [])))
         for share, way in zip(shares, ways)
     )
-    return RankPlan(local, tuple(remotes), sources)
+    return RankPlan(local, tuple(remotes), sources, order, block_size)
 
 
 def _heads_are_streams(table: RegionTable) -> bool:
     return "H" in dict(table.streams[0].coords)
 
 
-def _heads_alike(local: RegionTable, remotes: Sequence[RegionTable]) -> tuple[RegionTable, Sequence[RegionTable]]:
-    """The tables with heads as streams on both sides where one side has them so and the
-    other holds one head per block (``RegionTable.head_streams``): a decode cache of
-    per-head streams reads one-head prefill ranks (TP = KV heads) head by head, whatever
-    their memory order. Any other pair is left as it is (``_share_way`` judges it)."""
-    if _heads_are_streams(local) == _heads_are_streams(remotes[0]):
-        return local, remotes
-    if _heads_are_streams(local) and remotes[0].sizes["H"] == 1:
-        return local, [table.head_streams() for table in remotes]
-    if _heads_are_streams(remotes[0]) and local.sizes["H"] == 1:
-        return local.head_streams(), remotes
-    return local, remotes
+HeadViews = tuple[RegionTable, list[RegionTable], str, int]  # local, remotes, the order and block size landed
+
+
+def _head_by_head(local: RegionTable, remotes: Sequence[RegionTable]) -> HeadViews | None:
+    """Both sides seen with each head a stream (``RegionTable.heads_apart``), and the order
+    and block size the bytes then land in, where heads are better moved head by head; None
+    where the ways of ``_share_way`` serve.
+
+    Head by head serves where one side's heads are streams and the other's are runs of its
+    blocks (head-major, or one head a block), and ranks of one head whose blocks are smaller
+    than the local ones: there a rank's run of blocks lands as one piece in each local
+    block's run of that head, where a virtual sender of the remote block size puts them a
+    region apart. A local region of several heads is then written as if head-major (``H``
+    first, of the local block size: one region per local block holds each head's tokens in
+    order when the remote regions hold their tokens first), which ``kvhost.receive`` puts in
+    the local order; head-major local blocks need nothing. A local region of one head, or a
+    local cache whose heads are streams, takes the remote regions as the wire model says.
+    """
+    remote = remotes[0]
+    local_streams, remote_streams = _heads_are_streams(local), _heads_are_streams(remote)
+    if (local_streams and remote_streams) or local.split or remote.split:
+        return None
+    one_head_into_larger = remote.sizes["H"] == 1 < local.sizes["H"] and local.block_size > remote.block_size
+    if not (local_streams or remote_streams or one_head_into_larger):
+        return None
+    if not (remote_streams or remote.sizes["H"] == 1 or remote.run_order.startswith("H")):
+        return None  # a share of token-major blocks of several heads: refused by _share_way
+    remote_views = [table.heads_apart() for table in remotes]
+    per_head = remote_views[0].order
+    if local_streams or local.sizes["H"] == 1:
+        return local.heads_apart(), remote_views, per_head, remote.block_size
+    if per_head[0] != "N" and local.block_size != remote.block_size:
+        return None  # sub-blocks of a head would not make one region of the local block size
+    if not local.run_order.startswith("H"):  # written head-major, received into the local order
+        local = replace(local, order="H" + local.order.replace("H", ""))
+    return local.heads_apart(), remote_views, "H" + per_head, local.block_size
 
 
 def _heads_leading(table: RegionTable) -> RegionTable:
@@ -361,7 +392,13 @@ def _share_way(local: RegionTable, remote: RegionTable, share: HeadShare) -> Sha
     if local_coord and remote_coord:
         return "head streams"
     if local_coord or remote_coord:
-        raise LayoutError("heads are streams on one side only: the tables cannot share heads")
+        region = remote if local_coord else local
+        raise LayoutError(
+            f"heads are streams on one side only, and the other's {region.run_order!r} blocks of "
+            f"{region.sizes['H']} heads cannot be read head by head here (blocks of {local.block_size} local, "
+            f"{remote.block_size} remote): token-major blocks of several heads scatter them, and sub-blocks "
+            "whose tokens do not lead make no region of the local size"
+        )
     if share.count == local.sizes["H"] and remote.run_order.startswith("H"):
         return "head run"
     return "windows"

@@ -166,16 +166,33 @@ class RegionTable:
             )
         return replace(self, sizes=self.sizes | {"H": count}, streams=streams)
 
-    def head_streams(self) -> RegionTable:
-        """The same memory with a region's one head (``H`` of size 1) named by the streams instead.
+    def heads_apart(self) -> RegionTable:
+        """The same memory with each head a stream of its own (``H`` named by the streams).
 
-        A head of size 1 moves no byte wherever it sits, so a rank's token-major or head-major
-        blocks of one head are the blocks of a cache whose heads lie outside them (one stream
-        per head): pairable with such a cache's table head by head.
+        Possible where a head's bytes are one run of the region: heads that lead the run
+        (head-major blocks) or a region of one head (a letter of size 1 moves no byte,
+        so a rank's token-major blocks of one head are head-major too). Each stream of the
+        table becomes one per head, at the head's offset; at most ``MAX_STREAMS`` of them.
         """
-        if self.sizes.get("H") != 1 or "H" not in self.run_order:
-            raise LayoutError(f"only a region of one head lends it to the streams; this one is {self.sizes}")
-        streams = tuple(replace(s, coords=_canonical(dict(s.coords) | {"H": 0})) for s in self.streams)
+        if "H" in dict(self.streams[0].coords):
+            return self
+        heads = self.sizes.get("H")
+        if heads is None or not (heads == 1 or self.run_order.startswith("H")):
+            raise LayoutError(
+                f"the heads of a {self.run_order!r} region are not runs of their own: "
+                "only head-major blocks or blocks of one head can be read head by head"
+            )
+        if len(self.streams) * heads > MAX_STREAMS:
+            raise LayoutError(
+                f"{len(self.streams)} streams of {heads} heads are {len(self.streams) * heads} streams "
+                f"head by head, more than the {MAX_STREAMS} a table may hold"
+            )
+        step = self.stride_bytes("H")
+        streams = tuple(
+            Stream(s.layer, _canonical(dict(s.coords) | {"H": h}), s.address + h * step, s.block_stride)
+            for s in self.streams
+            for h in range(heads)
+        )
         return replace(self, order=self.order.replace("H", ""), streams=streams)
 
     def to_dict(self) -> dict[str, Any]:
