@@ -43,6 +43,7 @@ LAYOUTS = {
     "blockfirst-NHD": ("BKNHC", "BKNHC"),
     "blockfirst-HND": ("BKNHC", "BKHNC"),
     "heads-outer": ("KBNHC", "KHBNC"),
+    "blockfirst-heads-outer": ("BKNHC", "HBKNC"),
 }
 PAIRS = [
     ("HND", "NHD"),
@@ -114,6 +115,25 @@ HEAD_BY_HEAD = [
 )
 def test_per_head_streams_pair_with_head_major_blocks_and_blocks_of_one_head(pair, sizes_name, tp, merge):
     check_every_local_rank(pair, sizes_name, tp, merge, HEADS)
+
+
+# K inside the block: a head's region is KNC, whose r (or g) sub-blocks make no region of another
+# block size; so a local region of several heads takes per-head streams at equal block sizes only.
+K_INSIDE = [
+    (("blockfirst-heads-outer", local), "same", tp) for local in ("blockfirst-NHD", "blockfirst-HND") for tp in TPS
+] + [
+    ((remote, "blockfirst-heads-outer"), sizes, tp)
+    for remote in ("blockfirst-NHD", "blockfirst-HND")
+    for sizes in SIZES
+    for tp in [(4, 1), (4, 2), (4, 4)]
+]
+
+
+@pytest.mark.parametrize(
+    ("pair", "sizes_name", "tp"), K_INSIDE, ids=[f"{'->'.join(p)}-{n}-P{t[0]}D{t[1]}" for p, n, t in K_INSIDE]
+)
+def test_per_head_streams_with_k_inside_the_block(pair, sizes_name, tp):
+    check_every_local_rank(pair, sizes_name, tp, 1 << 40, HEADS)
 
 
 def check_every_local_rank(pair, sizes_name, tp, merge, heads):
@@ -419,8 +439,19 @@ def test_tables_that_cannot_share_heads_are_refused_naming_why():
         with pytest.raises(LayoutError, match=r"block sizes 8 \(local\) and 12 \(remote\) do not divide"):
             plan_ranks(local, 0, 2, [table(remote_memory, 4, 12)])
     # Per-head streams against token-major blocks of several heads: a head is no run of its own.
-    with pytest.raises(LayoutError, match="heads are streams on one side only, and the other's 'NHC' blocks of 2"):
+    with pytest.raises(
+        LayoutError,
+        match="heads are streams on one side only, and the remote's 'NHC' blocks of 2 heads do not hold each head",
+    ):
         plan_ranks(table("KHBNC", 4, 8), 0, 1, [table("KBNHC", 2, 8)] * 2)
+    k_inside = re.escape(
+        "heads are streams on one side only, and a head's 'KNC' sub-blocks, whose tokens do not lead, "
+        "make no block of 16 tokens from blocks of 8"
+    )
+    with pytest.raises(LayoutError, match=k_inside):
+        plan_ranks(table("BKNHC", 2, 16, axes="BKNHC"), 0, 2, [table("HBKNC", 4, 8, axes="BKNHC")])
+    with pytest.raises(LayoutError, match="token-run tables are not shared out by heads"):
+        plan_ranks(table("KBHNC", 2, 8).token_runs(), 0, 2, [table("KBNHC", 1, 8)] * 4)
     with pytest.raises(LayoutError, match="differ beyond N and H"):
         plan_ranks(local, 0, 2, [table("KBNHC", 4, 8, channels=2 * CHANNELS)])
     with pytest.raises(LayoutError, match="hold different letters"):
@@ -563,7 +594,10 @@ def test_per_head_streams_read_one_head_ranks_one_run_per_head_and_block():
         assert sorted(remote_rows[:, 0].tolist()) == sorted(s.address + 2 * s.block_stride for s in picked)
     plan = plan_ranks(per_head, 0, 1, peer_tables("HNC", 2, 16, 4))
     assert [plan.rows(source, [3], [0])[0].shape[0] for source in plan.sources] == [8] * 4
-    with pytest.raises(LayoutError, match="heads are streams on one side only, and the other's 'NHC' blocks of 2"):
+    with pytest.raises(
+        LayoutError,
+        match="heads are streams on one side only, and the remote's 'NHC' blocks of 2 heads do not hold each head",
+    ):
         plan_ranks(per_head, 0, 1, peer_tables("NHC", 2, 16, 4))
 
 

@@ -386,22 +386,32 @@ def _share_way(local: RegionTable, remote: RegionTable, share: HeadShare) -> Sha
     """How one remote rank's share of the heads moves into the local rank's blocks: whole
     regions (equal TP), heads that are streams on both sides picked, one run of a head-major
     region, or byte windows of the share's runs (``_window_parts``)."""
+    local_coord, remote_coord = _heads_are_streams(local), _heads_are_streams(remote)
+    if local_coord != remote_coord:
+        raise LayoutError(_one_sided(local, remote))
     if share.count == local.sizes["H"] == remote.sizes["H"]:
         return "whole regions"
-    local_coord, remote_coord = _heads_are_streams(local), _heads_are_streams(remote)
-    if local_coord and remote_coord:
+    if local_coord:
         return "head streams"
-    if local_coord or remote_coord:
-        region = remote if local_coord else local
-        raise LayoutError(
-            f"heads are streams on one side only, and the other's {region.run_order!r} blocks of "
-            f"{region.sizes['H']} heads cannot be read head by head here (blocks of {local.block_size} local, "
-            f"{remote.block_size} remote): token-major blocks of several heads scatter them, and sub-blocks "
-            "whose tokens do not lead make no region of the local size"
-        )
     if share.count == local.sizes["H"] and remote.run_order.startswith("H"):
         return "head run"
     return "windows"
+
+
+def _one_sided(local: RegionTable, remote: RegionTable) -> str:
+    """Why heads that are streams on one side only could not be moved head by head."""
+    if local.split or remote.split:
+        return "token-run tables are not shared out by heads across ranks; pair region tables"
+    if _heads_are_streams(local):  # the remote's heads are no runs of their own
+        return (
+            f"heads are streams on one side only, and the remote's {remote.run_order!r} blocks of "
+            f"{remote.sizes['H']} heads do not hold each head as one run"
+        )
+    per_head = remote.run_order.replace("H", "")
+    return (
+        f"heads are streams on one side only, and a head's {per_head!r} sub-blocks, whose tokens do not "
+        f"lead, make no block of {local.block_size} tokens from blocks of {remote.block_size}"
+    )
 
 
 def _parts(
