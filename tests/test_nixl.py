@@ -503,6 +503,11 @@ def test_a_share_of_heads_needs_them_apart_and_in_range():
     # A rank's share does not pair with a receiver holding every head.
     with pytest.raises(LayoutError, match="differ beyond N"):
         plan_transfer(head_major, head_major.heads(0, 2))
+    # A table made by hand that names a stream twice (from_dict refuses one from a peer).
+    twice = replace(head_major, streams=(*head_major.streams, head_major.streams[1]))
+    for local, remote, side in ((twice, head_major, "local"), (head_major, twice, "remote")):
+        with pytest.raises(LayoutError, match=rf"^{side} l\[K=1\] appears twice in its table$"):
+            plan_transfer(local, remote)
 
 
 def test_heads_apart_makes_each_head_a_stream_where_its_bytes_are_one_run(monkeypatch):
@@ -535,6 +540,9 @@ def test_heads_apart_makes_each_head_a_stream_where_its_bytes_are_one_run(monkey
     ):
         with pytest.raises(LayoutError, match="are not runs of their own"):
             table.heads_apart()
+    nowhere = replace(head_major, order="NC", sizes=head_major.sizes | {"H": 1})  # made by hand
+    with pytest.raises(LayoutError, match=r"1 heads \(H\) are neither in the region 'NC' nor stream coordinates"):
+        nowhere.heads_apart()
     monkeypatch.setattr(tables, "MAX_STREAMS", 5)
     with pytest.raises(LayoutError, match="2 streams of 3 heads are 6 streams head by head, more than the 5"):
         head_major.heads_apart()

@@ -454,6 +454,21 @@ def test_tables_that_cannot_share_heads_are_refused_naming_why():
         plan_ranks(table("KBHNC", 2, 8).token_runs(), 0, 2, [table("KBNHC", 1, 8)] * 4)
     with pytest.raises(LayoutError, match="differ beyond N and H"):
         plan_ranks(local, 0, 2, [table("KBNHC", 4, 8, channels=2 * CHANNELS)])
+    # Tables made by hand are held to what a peer's must be (RegionTable.from_dict's checks).
+    with pytest.raises(LayoutError, match="the remote rank 1's table has no streams"):
+        plan_ranks(local, 0, 1, [head_major, dataclasses.replace(head_major, streams=())])
+    with pytest.raises(LayoutError, match="the local's table has no streams"):
+        plan_ranks(dataclasses.replace(local, streams=()), 0, 1, [head_major] * 2)
+    per_head = table("KHBNC", 2, 8)
+    with pytest.raises(
+        LayoutError, match="remote rank 1's table differs from rank 0's in coordinates: 'KH' against 'K'"
+    ):
+        plan_ranks(
+            local,
+            0,
+            1,
+            [dataclasses.replace(head_major, order="NC"), dataclasses.replace(per_head, sizes=head_major.sizes)],
+        )
     with pytest.raises(LayoutError, match="hold different letters"):
         plan_ranks(table("BKNHC", 2, 8, axes="BKNHC"), 0, 2, [table("KBNHC", 4, 8)])
     with pytest.raises(LayoutError, match="token-run tables are not shared out by heads"):

@@ -468,6 +468,9 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
     big, small = max(local.block_size, remote.block_size), min(local.block_size, remote.block_size)
     if big % small:
         raise LayoutError(f"block sizes {local.block_size} (local) and {remote.block_size} (remote) do not divide")
+    for side, table in (("local", local), ("remote", remote)):
+        if len(table.by_key) != len(table.streams):  # a table made by hand; from_dict refuses it
+            raise LayoutError(f"{side} {_named_twice(table).describe()} appears twice in its table")
     partner = []
     for stream in local.streams:
         index = remote.by_key.get(stream.key)
@@ -479,6 +482,16 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
         raise LayoutError(f"remote {missing.describe()} has no partner among the local streams")
     chunk = min(local.run_bytes, remote.run_bytes)
     return TransferPlan(local, remote, chunk, local.run_bytes // chunk, remote.run_bytes // chunk, tuple(partner))
+
+
+def _named_twice(table: RegionTable) -> Stream:
+    """The first stream of ``table`` whose key an earlier one has."""
+    seen = set()
+    for stream in table.streams:
+        if stream.key in seen:
+            return stream
+        seen.add(stream.key)
+    raise AssertionError("no stream is named twice")
 
 
 def merge_rows(

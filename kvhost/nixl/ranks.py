@@ -13,8 +13,10 @@ region order and block size that holds exactly this rank's heads. So the wire mo
 docs/design.md holds unchanged and one ``kvhost.receive`` with the plan's ``remote_order``
 and ``remote_block_size`` finishes the job, whatever the ranks. Where heads move head by
 head (``_head_by_head``: per-head streams on one side, or ranks of one head into larger
-local blocks) the virtual sender is head-major with the local block size instead, so a
-rank's run of blocks lands as one piece. Each remote rank contributes byte runs of its
+local blocks), each head's blocks land in that head's run of the local blocks as the wire
+model says for the remote's per-head regions (a local region of several heads is then
+written head-major of the local block size, so that a rank's run of blocks lands as one
+piece). Otherwise each remote rank contributes byte runs of its
 region (one run when heads lead the region, one per token when tokens do) to runs of the
 virtual sender's region, which land in the local blocks as the wire model says: the
 virtual region ``k`` of a request is sub-block ``k mod r`` of local block ``k // r``, or
@@ -134,8 +136,10 @@ class RankPlan:
     local: RegionTable
     remotes: tuple[RegionTable, ...]  # every remote rank's table, by rank
     sources: tuple[Source, ...]
-    # What ``kvhost.receive`` must be told the bytes landed in: a virtual sender's region
-    # order and block size (the remote ranks' own, or head-major ones of the local size).
+    # What ``kvhost.receive`` must be told the bytes landed in: the remote ranks' region
+    # order and block size, their per-head order (heads moved head by head into streams or
+    # a region of one head), or that order behind H with the local block size (head by head
+    # into a region of several heads).
     remote_order: str
     remote_block_size: int
 
@@ -281,9 +285,12 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
     """
     if not remotes:
         raise LayoutError("no remote ranks to read from")
+    for name, table in (("local", local), *((f"remote rank {q}", t) for q, t in enumerate(remotes))):
+        if not table.streams:  # a table made by hand; from_dict refuses it
+            raise LayoutError(f"the {name}'s table has no streams")
     first = remotes[0]
     for rank, table in enumerate(remotes):
-        for field in ("order", "sizes"):  # the sizes hold the block size (N)
+        for field in ("order", "split", "sizes", "coordinates"):  # the sizes hold the block size (N)
             if getattr(table, field) != getattr(first, field):
                 raise LayoutError(
                     f"remote rank {rank}'s table differs from rank 0's in {field}: "

@@ -97,6 +97,11 @@ class RegionTable:
         return prod(self.sizes[a] for a in self.order) * self.itemsize
 
     @property
+    def coordinates(self) -> str:
+        """The letters that index the streams (each stream has them all), in ``COORD_LETTERS`` order."""
+        return "".join(letter for letter, _ in self.streams[0].coords)
+
+    @property
     def outer(self) -> str:
         """Letters indexing streams that are not cut from the region, in ``COORD_LETTERS`` order."""
         letters = {letter for letter, _ in self.streams[0].coords}
@@ -177,6 +182,8 @@ class RegionTable:
         if "H" in dict(self.streams[0].coords):
             return self
         heads = self.sizes.get("H")
+        if heads is not None and "H" not in self.order:  # a table made by hand; from_dict refuses it
+            raise LayoutError(f"{heads} heads (H) are neither in the region {self.order!r} nor stream coordinates")
         if heads is None or not (heads == 1 or self.run_order.startswith("H")):
             raise LayoutError(
                 f"the heads of a {self.run_order!r} region are not runs of their own: "
