@@ -522,6 +522,7 @@ def test_heads_apart_makes_each_head_a_stream_where_its_bytes_are_one_run(monkey
         apart = table.heads_apart()
         assert (apart.order, apart.split, apart.run_bytes, apart.sizes) == ("NC", "", table.run_bytes, table.sizes)
         assert [s.coords for s in apart.streams] == [(("K", 0), ("H", 0)), (("K", 1), ("H", 0))]
+        assert (table.coordinates, apart.coordinates) == ("K", "KH")
         assert [(s.address, s.block_stride) for s in apart.streams] == [
             (s.address, s.block_stride) for s in table.streams
         ]
@@ -533,7 +534,8 @@ def test_heads_apart_makes_each_head_a_stream_where_its_bytes_are_one_run(monkey
         ((("K", k), ("H", h)), k * 3 * run * 4 + h * run, 3 * run) for k in range(2) for h in range(3)
     ]
     per_head = region_table({"l": make_cache("KBNHC", "KHBNC", sizes | {"H": 2})}, "KBNHC")
-    assert per_head.heads_apart() is per_head
+    assert per_head.heads_apart() is per_head and per_head.coordinates == "KH"
+    assert region_table({"l": make_cache("BNC", "BNC", dict(B=4, N=8, C=12))}, "BNC").coordinates == ""  # one stream
     for table in (
         region_table({"l": make_cache("KBNHC", "KBNHC", sizes | {"H": 2})}, "KBNHC"),  # token-major, two heads
         region_table({"l": make_cache("BNC", "BNC", dict(B=4, N=8, C=12))}, "BNC"),  # no heads
@@ -543,6 +545,8 @@ def test_heads_apart_makes_each_head_a_stream_where_its_bytes_are_one_run(monkey
     nowhere = replace(head_major, order="NC", sizes=head_major.sizes | {"H": 1})  # made by hand
     with pytest.raises(LayoutError, match=r"1 heads \(H\) are neither in the region 'NC' nor stream coordinates"):
         nowhere.heads_apart()
+    monkeypatch.setattr(tables, "MAX_STREAMS", 6)
+    assert len(head_major.heads_apart().streams) == 6
     monkeypatch.setattr(tables, "MAX_STREAMS", 5)
     with pytest.raises(LayoutError, match="2 streams of 3 heads are 6 streams head by head, more than the 5"):
         head_major.heads_apart()
