@@ -635,6 +635,9 @@ def test_ranks_of_one_head_fill_larger_local_blocks_with_one_piece_per_run(memor
         assert sorted(merged[:, 1].tolist()) == [4 * 4 * 8 * 2] * 4  # four blocks of 4 tokens x 8 channels, bf16
         scattered, _ = plan.rows(source, [3], [8, 20, 10, 30], max_bytes=1 << 20)
         assert scattered.shape[0] == 16
+    # One head on both sides (equal TP): whole regions already merge, told as the ranks sent them.
+    plan = plan_ranks(decode_table(memory, 1), 5, 8, remotes)
+    assert (plan.remote_order, plan.remote_block_size, [s.rank for s in plan.sources]) == ("NHC", 4, [5])
 
 
 def test_windows_are_counted_over_the_side_with_more_streams(monkeypatch):

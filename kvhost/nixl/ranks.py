@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from math import prod
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -131,7 +131,12 @@ class Source:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """How one local rank's blocks receive a request's bytes from the remote ranks that hold them."""
+    """How one local rank's blocks receive a request's bytes from the remote ranks that hold them.
+
+    ``remote_order`` and ``remote_block_size`` are what ``kvhost.receive`` is told (on a
+    ``TransferPlan`` the remote table's own, here not always); the remote ranks' block
+    size, which their block ids count, is ``sender_block_size``.
+    """
 
     local: RegionTable
     remotes: tuple[RegionTable, ...]  # every remote rank's table, by rank
@@ -320,27 +325,36 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
         )
     shares = head_shares(local_rank, local_tp, remote_tp, kv_heads)
     views = _head_by_head(local, remotes)
-    if views is not None:
-        seen, seen_remotes, order, block_size = views
-    else:
-        seen = local
-        seen_remotes = [_heads_leading(t) for t in remotes] if local.sizes["H"] != first.sizes["H"] else list(remotes)
-        order, block_size = seen_remotes[0].order, first.block_size
-    ways = [_share_way(seen, seen_remotes[share.remote_rank], share) for share in shares]
-    windowed = [(seen_remotes[share.remote_rank], share) for share, way in zip(shares, ways) if way == "windows"]
-    runs = dict(zip((share for _, share in windowed), _window_runs(seen, windowed)))
+    if views is None:  # the tables as they are, a one-head rank's read as head-major
+        leading = local.sizes["H"] != first.sizes["H"]
+        remote_views = [_heads_leading(t) for t in remotes] if leading else list(remotes)
+        views = HeadViews(local, remote_views, remote_views[0].order, first.block_size)
+    local_view, remote_views = views.local, views.remotes
+    ways = [_share_way(local_view, remote_views[share.remote_rank], share) for share in shares]
+    windowed = [(remote_views[share.remote_rank], share) for share, way in zip(shares, ways) if way == "windows"]
+    runs = dict(zip((share for _, share in windowed), _window_runs(local_view, windowed)))
     sources = tuple(
-        Source(share.remote_rank, share, _parts(seen, seen_remotes[share.remote_rank], share, way, runs.get(share, [])))
+        Source(
+            share.remote_rank,
+            share,
+            _parts(local_view, remote_views[share.remote_rank], share, way, runs.get(share, [])),
+        )
         for share, way in zip(shares, ways)
     )
-    return RankPlan(local, tuple(remotes), sources, order, block_size)
+    return RankPlan(local, tuple(remotes), sources, views.order, views.block_size)
 
 
 def _heads_are_streams(table: RegionTable) -> bool:
-    return "H" in dict(table.streams[0].coords)
+    return "H" in table.coordinates
 
 
-HeadViews = tuple[RegionTable, list[RegionTable], str, int]  # local, remotes, the order and block size landed
+class HeadViews(NamedTuple):
+    """The tables as planning reads them, and what ``kvhost.receive`` is then told."""
+
+    local: RegionTable
+    remotes: list[RegionTable]
+    order: str  # the order the bytes land in
+    block_size: int  # and its block size
 
 
 def _head_by_head(local: RegionTable, remotes: Sequence[RegionTable]) -> HeadViews | None:
@@ -370,12 +384,12 @@ def _head_by_head(local: RegionTable, remotes: Sequence[RegionTable]) -> HeadVie
     remote_views = [table.heads_apart() for table in remotes]
     per_head = remote_views[0].order
     if local_streams or local.sizes["H"] == 1:
-        return local.heads_apart(), remote_views, per_head, remote.block_size
+        return HeadViews(local.heads_apart(), remote_views, per_head, remote.block_size)
     if per_head[0] != "N" and local.block_size != remote.block_size:
         return None  # sub-blocks of a head would not make one region of the local block size
     if not local.run_order.startswith("H"):  # written head-major, received into the local order
         local = replace(local, order="H" + local.order.replace("H", ""))
-    return local.heads_apart(), remote_views, "H" + per_head, local.block_size
+    return HeadViews(local.heads_apart(), remote_views, "H" + per_head, local.block_size)
 
 
 def _heads_leading(table: RegionTable) -> RegionTable:

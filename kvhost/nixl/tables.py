@@ -155,7 +155,7 @@ class RegionTable:
             raise LayoutError("this table has no heads (H) to share out")
         if count < 1 or first < 0 or first + count > total:
             raise LayoutError(f"heads {first}..{first + count - 1} are not within the {total} heads of this table")
-        if "H" in dict(self.streams[0].coords):
+        if "H" in self.coordinates:
             streams = tuple(
                 replace(s, coords=_canonical(dict(s.coords) | {"H": dict(s.coords)["H"] - first}))
                 for s in self.streams
@@ -179,7 +179,7 @@ class RegionTable:
         so a rank's token-major blocks of one head are head-major too). Each stream of the
         table becomes one per head, at the head's offset; at most ``MAX_STREAMS`` of them.
         """
-        if "H" in dict(self.streams[0].coords):
+        if "H" in self.coordinates:
             return self
         heads = self.sizes.get("H")
         if heads is not None and "H" not in self.order:  # a table made by hand; from_dict refuses it
@@ -217,7 +217,7 @@ class RegionTable:
             "itemsize": self.itemsize,
             "num_blocks": self.num_blocks,
             "layers": layers,
-            "coords": "".join(a for a, _ in self.streams[0].coords) if self.streams else "",
+            "coords": self.coordinates if self.streams else "",
             "streams": {
                 "layer": np.array([number[s.layer] for s in self.streams], dtype=np.uint32),
                 "coords": np.array([i for s in self.streams for _, i in s.coords], dtype=np.uint32),
