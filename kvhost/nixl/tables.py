@@ -182,9 +182,11 @@ class RegionTable:
         if "H" in self.coordinates:
             return self
         heads = self.sizes.get("H")
-        if heads is not None and "H" not in self.order:  # a table made by hand; from_dict refuses it
+        if heads is None:
+            raise LayoutError("this table has no heads (H) to read apart")
+        if "H" not in self.order:  # a table made by hand; from_dict refuses it
             raise LayoutError(f"{heads} heads (H) are neither in the region {self.order!r} nor stream coordinates")
-        if heads is None or not (heads == 1 or self.run_order.startswith("H")):
+        if not (heads == 1 or self.run_order.startswith("H")):
             raise LayoutError(
                 f"the heads of a {self.run_order!r} region are not runs of their own: "
                 "only head-major blocks or blocks of one head can be read head by head"
