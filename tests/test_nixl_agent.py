@@ -201,7 +201,7 @@ time.sleep(120)
 
 @needs_nixl
 @pytest.mark.timeout(120)
-def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp_path):
+def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp_path, monkeypatch):
     """A read from a frozen peer (SIGSTOP: it cannot serve the bytes) is still in flight when
     its agent closes, never released by the caller: close cancels it before it deregisters
     the memory and lets go of the tensors, which the transfer would otherwise write into
@@ -213,6 +213,10 @@ def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp
     from kvhost.nixl import RegionTable
     from kvhost.nixl.framing import decode
 
+    # Both sides over TCP, which has no remote read: the sender's UCX answers each read, so
+    # frozen it serves none. Over shared memory the reader may copy from the sender's memory
+    # itself (a read landed in 1.4 ms from a stopped sender once, on a loaded machine).
+    monkeypatch.setenv("UCX_TLS", "tcp")
     blocks, frame = 4096, tmp_path / "sender.frame"
     sender = subprocess.Popen([sys.executable, "-c", FROZEN_SENDER, str(frame), str(blocks)], cwd=os.getcwd())
     try:
