@@ -388,7 +388,7 @@ def _head_by_head(local: RegionTable, remotes: Sequence[RegionTable]) -> HeadVie
     if per_head[0] != "N" and local.block_size != remote.block_size:
         return None  # sub-blocks of a head would not make one region of the local block size
     if not local.run_order.startswith("H"):  # written head-major, received into the local order
-        local = replace(local, order="H" + local.order.replace("H", ""))
+        local = _head_major(local)
     return HeadViews(local.heads_apart(), remote_views, "H" + per_head, local.block_size)
 
 
@@ -400,6 +400,11 @@ def _heads_leading(table: RegionTable) -> RegionTable:
     head-major, it is one run per block, and ``kvhost.receive`` puts the tokens in order."""
     if table.sizes["H"] != 1 or "H" not in table.run_order or table.run_order.startswith("H"):
         return table
+    return _head_major(table)
+
+
+def _head_major(table: RegionTable) -> RegionTable:
+    """``table`` with ``H`` put first in its order: the same memory, read as head-major."""
     return replace(table, order="H" + table.order.replace("H", ""))
 
 
