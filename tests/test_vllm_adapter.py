@@ -425,6 +425,44 @@ def test_post_process_names_the_engine_of_malformed_arguments():
         assert case.same_as(before), message
 
 
+@pytest.mark.parametrize("remote", [("BLNHC", 2), ("BHLNC", 1), ("BLNHC", BLOCK)])
+def test_blnhc_layer_views_asked_for_as_their_group_receive_rows(remote):
+    """``group=True``: BLNHC layer views (each layer's block one run) described as their
+    group, whose block region is a block's row of every layer, as vLLM registers it with
+    NIXL. A sender's rows landed there read as its tokens in every layer view; the views
+    read alone (``group=False``) keep a region per layer."""
+    remote_layout, remote_size = remote
+    local_views, local_group = kv_layout_group("BLNHC", blocks=12, block_size=BLOCK)
+    assert VllmCaches(local_views, "BLNHC").axes == "BHNC"
+    kv = VllmCaches(local_views, "BLNHC", group=True)
+    assert kv.axes == "LBHNC" and kv.caches.layout.region == "LNHC" and kv.layer_names == tuple(local_views)
+    host = kv.host_buffers()  # layer views of one host buffer, like the device's
+    assert all(h.stride() == v.stride() for h, v in zip(host.values(), local_views.values()))
+    remote_views, remote_group = kv_layout_group(remote_layout, blocks=12, block_size=remote_size)
+    fill({"g": remote_group}, seed=23)
+    sent = list(range(11, 11 - 2 * BLOCK // remote_size, -1))
+    senders = {"p": Sender({GROUP_NAME: remote_group}, "LBHNC", sent, [9, 2])}
+    stats = run_batch(kv, {GROUP_NAME: local_group}, senders, {"p": RemoteEngine(remote_layout, remote_size)})
+    assert stats.groups == (0 if remote == ("BLNHC", BLOCK) else 1)
+    for name, view in local_views.items():  # the layer views vLLM's attention reads, [B, H, N, C]
+        got = raw(view)[[9, 2]].permute(0, 2, 1, 3).reshape(2 * BLOCK, HEADS, -1)
+        want = raw(remote_views[name])[sent].permute(0, 2, 1, 3).reshape(2 * BLOCK, HEADS, -1)
+        assert torch.equal(got, want), name
+
+
+def test_group_is_asked_for_with_a_layout_name_and_a_bool():
+    views, _ = kv_layout_group("BLNHC", blocks=4, block_size=BLOCK)
+    with pytest.raises(kvhost.ArgumentError, match="group must be True or False, got 1"):
+        VllmCaches(views, "BLNHC", group=1)
+    with pytest.raises(kvhost.ArgumentError, match="group=True describes vLLM's layer views: give their layout"):
+        VllmCaches(views, axes="BHNC", group=True)
+    one = dict([next(iter(views.items()))])
+    assert VllmCaches(one, "BLNHC", group=True).axes == "BHNC"  # one layer is its own group
+    apart = {name: view.clone() for name, view in views.items()}  # a buffer each
+    with pytest.raises(kvhost.LayoutError, match="is not a view of the buffer that holds layer"):
+        VllmCaches(apart, "BLNHC", group=True)
+
+
 def test_constructor_errors():
     caches = attention_caches("flash_attn", "NHD", blocks=8, block_size=BLOCK)
     with pytest.raises(kvhost.LayoutError, match="give exactly one of layout"):

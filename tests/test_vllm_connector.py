@@ -32,6 +32,7 @@ import torch
 
 from kvhost.errors import LayoutError, RequestError
 from kvhost.integrations.vllm import cross_layer_view
+from kvhost.nixl import region_table
 from kvhost.testing import fill_random, nixl_read, raw
 
 pytestmark = [
@@ -257,14 +258,55 @@ def test_the_scheduler_side_is_vllms_own(vllm_env):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cache_registration_for_every_layout(vllm_env, layout):
-    """vLLM registers its regions with NIXL; kvhost describes the same views (BHLNC's as their group)."""
+    """vLLM registers its regions with NIXL; kvhost describes the same views, as their group
+    where vLLM registers rows of every layer (BLNHC, BHLNC): kvhost's block regions are
+    vLLM's NIXL regions, one for one, at the same addresses and of the same length."""
     _, worker, caches = make_worker(vllm_env, layout)
     kv = worker.kvhost
-    assert kv.axes == ("LBHNC" if layout == "BHLNC" else "BHNC")
+    assert kv.axes == ("LBHNC" if layout in ("BLNHC", "BHLNC") else "BHNC")
     assert worker.num_regions >= 1 and worker.xfer_handshake_metadata is not None
+    table = region_table(kv.caches)
+    assert worker.block_len_per_layer == [table.region_bytes] * len(table.streams)
+    assert [s.address for s in table.streams] == worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
     assert kv.num_blocks == BLOCKS
     described = {m.tensor.data_ptr() for m in kv.caches.members}
     assert described <= {t.data_ptr() for t in caches.values()}  # the very views vLLM registered
+
+
+def test_whether_vllm_registers_rows_is_read_from_the_views(vllm_env):
+    """Rows of every layer where the buffer is block-major and a layer's block is not its
+    [H, N, C] in order; a region per layer everywhere else, and for what is no layer view."""
+    from kvhost.integrations.vllm_connector import _registered_as_rows
+
+    assert {layout: _registered_as_rows(allocate(layout)[1]) for layout in LAYOUTS} == {
+        layout: layout in ("BLNHC", "BHLNC") for layout in LAYOUTS
+    }
+    views = allocate("BLNHC")[1]
+    one = next(iter(views.values()))
+    assert _registered_as_rows({"only": one})  # one layer of a block-major buffer is a row too
+    assert not _registered_as_rows({})
+    assert not _registered_as_rows({"a": (one, one)})  # separate K and V: no row
+    assert not _registered_as_rows({"a": one[0]})  # not a layer view
+    assert not _registered_as_rows({"a": one[:0]})  # no blocks
+    assert not _registered_as_rows({"a": one.contiguous()})  # a block's [H, N, C] in order
+    padded = torch.empty(one.untyped_storage().nbytes() + one.stride(0) * one.element_size(), dtype=torch.int8)
+    beyond = padded.view(one.dtype)[: one.untyped_storage().nbytes() // one.element_size()]
+    assert not _registered_as_rows({"a": beyond.as_strided(one.shape, one.stride(), one.storage_offset())})
+
+
+def test_a_sender_to_rearrange_is_refused_where_kvhost_did_not_describe_vllms_regions(vllm_env, copying, monkeypatch):
+    """Had kvhost guessed wrong how vLLM registers a BLNHC cache (a region per layer where
+    vLLM registers rows), a sender whose bytes need rearranging is refused at its
+    handshake, naming both; one of our layout and block size lands right and is taken."""
+    monkeypatch.setattr("kvhost.integrations.vllm_connector._registered_as_rows", lambda caches: False)
+    _, worker, _ = make_worker(vllm_env, "BLNHC", block_size=64, blocks=64, wrapper=copying)
+    assert worker.kvhost.axes == "BHNC"
+    _, payloads = sender_workers(vllm_env, {"half": ("BLNHC", 32), "same": ("BLNHC", 64)})
+    with pytest.raises(LayoutError, match=r"engine 'half': its BLNHC blocks of 32 tokens need rearranging, but our "):
+        worker.add_remote_agent(payloads["half"], 0, 1)
+    assert not worker.remote_engines
+    worker.add_remote_agent(payloads["same"], 0, 1)
+    assert set(worker.remote_engines) == {"same"}
 
 
 @pytest.mark.parametrize("host_buffer", [False, True])
@@ -786,6 +828,42 @@ LARGER_SENDERS = {
             "d": ("blhnc-128", 3, 0, 2),
             "e": ("hnd-32", 2, 0, 3),  # three sender blocks: our last block half full, its tail zeroed
             "f": ("hnd-32", 2, 0, 4),
+        },
+    ),
+    # Rows of every layer (vLLM registers a BLNHC or BHLNC cache so): each sender's row
+    # lands in ours and is rearranged whole, layers and all.
+    "BLNHC-64": (
+        "BLNHC",
+        64,
+        {
+            "rows-128": ("BLNHC", 128),  # g = 2, our layout
+            "rows-32": ("BLNHC", 32),  # r = 2: vLLM's own split of our rows
+            "rows-64": ("BLNHC", 64),  # our layout and size: nothing to rearrange
+            "heads-64": ("BHLNC", 64),  # heads first, then layers
+            "heads-256": ("BHLNC", 256),  # g = 4
+            "heads-32": ("BHLNC", 32),
+        },
+        {
+            "a": ("rows-128", 3, 0, 2),  # a whole group and a last group of one
+            "b": ("rows-32", 2, 0, 3),  # our last block half full, its tail zeroed
+            "c": ("rows-64", 2, 0, 2),
+            "d": ("heads-64", 3, 0, 3),
+            "e": ("heads-256", 6, 1, 2),  # after a prefix hit of one block
+            "f": ("heads-32", 3, 0, 5),
+        },
+    ),
+    "BHLNC-64": (
+        "BHLNC",
+        64,
+        {
+            "rows-128": ("BLNHC", 128),  # g = 2
+            "heads-256": ("BHLNC", 256),  # g = 4, our layout
+            "rows-32": ("BLNHC", 32),  # r = 2
+        },
+        {
+            "a": ("rows-128", 4, 0, 2),
+            "b": ("heads-256", 5, 2, 2),  # parts 2..3 of one sender block, then a whole one
+            "c": ("rows-32", 3, 0, 5),
         },
     ),
 }

@@ -177,6 +177,13 @@ class VllmCaches:
     ``kv_caches`` is vLLM's per-layer dict (or ``{name: group tensor}``), and ``layout``
     names it in vLLM's words (see ``kv_cache_axes``). Caches vLLM has no name for, such as
     a platform plugin's, give kvhost's letters as ``axes`` instead.
+
+    Layer views of one buffer whose block is not one run of bytes (``BHLNC``) are described
+    as the group behind them, ``[L, B, H, N, C]``; ``group=True`` describes them so
+    wherever there are several, so that a block region is a block's row of every layer.
+    That is what a connector needs whose NIXL regions are those rows: vLLM registers a
+    block-major buffer so where a layer's block is not its ``[H, N, C]`` in order
+    (``BLNHC`` too), and the bytes a sender's rows leave there are rearranged row by row.
     """
 
     def __init__(
@@ -186,16 +193,21 @@ class VllmCaches:
         *,
         axes: str | None = None,
         backend: str | Backend | None = None,
+        group: bool = False,
     ) -> None:
         if (layout is None) == (axes is None):
             raise LayoutError("give exactly one of layout (a vLLM name) and axes (kvhost letters)")
+        if not isinstance(group, bool):
+            raise ArgumentError(f"group must be True or False, got {group!r}")
+        if group and layout is None:
+            raise ArgumentError("group=True describes vLLM's layer views: give their layout name, not axes")
         _check_mapping(kv_caches, "kv_caches")
         self.layer_names: tuple[str, ...] | None = None  # set when the layers are seen as their group
         if layout is not None:
             first = _first_tensor(kv_caches, layout)
-            if first.dim() == len(GROUP_AXES) - 1 and len(kv_caches) > 1 and not _block_is_one_run(first):
+            if first.dim() == len(GROUP_AXES) - 1 and len(kv_caches) > 1 and (group or not _block_is_one_run(first)):
                 # A layer view whose block is not one run of bytes (BHLNC: the other layers
-                # sit between its heads): describe the group behind the views instead.
+                # sit between its heads), or rows asked for: describe the group behind the views.
                 if layout not in KV_CACHE_LAYOUTS:
                     kv_cache_axes(layout, first.shape)  # the name must fit a layer view
                 self.layer_names = tuple(kv_caches)

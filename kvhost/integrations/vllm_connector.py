@@ -40,6 +40,7 @@ from math import prod
 from typing import Any
 
 import numpy as np
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlBaseConnector,
@@ -181,7 +182,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             raise LayoutError(
                 f"KvhostNixlConnector takes one KV cache group that transfers, got {len(groups)}: {named or 'none'}"
             )
-        self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout)
+        self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout, group=_registered_as_rows(kv_caches))
         self.kvhost_huge_pages = back_host_tensors_with_huge_pages(m.tensor for m in self.kvhost.caches.members)
         super().register_kv_caches(kv_caches)  # in host-buffer mode, calls initialize_host_xfer_buffer
 
@@ -293,10 +294,11 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _check_region_rearranges(self, meta: Any) -> None:
         """Refuse a sender whose bytes need rearranging where our NIXL regions are not
-        kvhost's block regions (BLNHC: vLLM registers a block's row of every layer, kvhost
-        describes each layer's part): the post-process would rearrange each layer's part as
-        if the sender's bytes for it had landed there. A sender of our layout and block size
-        needs no rearranging, and lands right."""
+        kvhost's block regions (vLLM registered rows of every layer where kvhost describes
+        each layer's part, or the other way round: ``_registered_as_rows`` guessed wrong):
+        the post-process would rearrange each part as if the sender's bytes for it had
+        landed there. A sender of our layout and block size needs no rearranging, and
+        lands right."""
         assert self.kvhost is not None
         if meta.kv_cache_layout == self.kv_cache_layout and meta.block_size == self.block_size:
             return
@@ -652,6 +654,21 @@ def _summed(stats: Sequence[ReceiveStats]) -> ReceiveStats | None:
         return None
     added = [f.name for f in dataclasses.fields(ReceiveStats) if f.name != "backend"]
     return ReceiveStats(backend=stats[0].backend, **{name: sum(getattr(one, name) for one in stats) for name in added})
+
+
+def _registered_as_rows(kv_caches: Mapping[str, Any]) -> bool:
+    """Whether vLLM's ``register_kv_caches`` registers these layer views with NIXL as rows
+    of their buffer, one region of a block's bytes of every layer (then kvhost must see the
+    group, whose block region is that row), rather than a region per layer. It does where
+    the buffer holds block after block and a layer's ``[H, N, C]`` block is not in order
+    (``BLNHC``, ``BHLNC``). Only a guess at vLLM's choice: ``_check_region_rearranges``
+    compares kvhost's regions with those vLLM registered before a sender is rearranged."""
+    first = next(iter(kv_caches.values()), None)
+    if not isinstance(first, torch.Tensor) or first.dim() != 4 or first.shape[0] == 0:
+        return False
+    block_stride = first.stride(0) * first.element_size()
+    beyond_blocks = first.untyped_storage().nbytes() - first.shape[0] * block_stride
+    return 0 <= beyond_blocks < block_stride and not first[0].is_contiguous()
 
 
 def _unused(name: str, taken: set[str]) -> str:
