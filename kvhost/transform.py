@@ -27,6 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from math import prod
+from typing import NamedTuple
+
+import numpy as np
 
 from kvhost.errors import LayoutError, RequestError
 from kvhost.layout import Layout, check_letters, contiguous_strides
@@ -119,6 +122,53 @@ class WriteBack:
     piece_bytes: int
     loops: Loops
     part_stride: int
+
+    @cached_property
+    def cycles(self) -> ChunkCycles:
+        """The same rewrite of a piece as cycles of its runs, done in place with one run of
+        scratch instead of the whole piece: for a piece far larger than a core's cache (a
+        block region holding every layer), one read and one write of each byte, where the
+        copy to a scratch reads and writes each twice outside the cache."""
+        loops = self.loops
+        run = loops.run_bytes
+        # The wire offset of every run of the piece, in the order the runs are written: the
+        # loops write a region's runs back to back, region k from k * part_stride on.
+        sources = np.zeros(1, dtype=np.int64)
+        for size, stride in zip(loops.shape, loops.src_strides, strict=True):
+            sources = (sources[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
+        regions = self.piece_bytes // (sources.size * run)
+        if regions > 1:
+            sources = (np.arange(regions, dtype=np.int64)[:, None] * self.part_stride + sources).reshape(-1)
+        return ChunkCycles.of(run, (sources // run).tolist())
+
+
+class ChunkCycles(NamedTuple):
+    """A piece's rewrite as a permutation of its ``chunk_bytes`` chunks, cycle by cycle.
+
+    Cycle ``i`` is ``order[starts[i]:starts[i + 1]]``, chunk indices ``c0, c1, ..., ck``
+    within the piece: ``c0`` takes the bytes of ``c1``, ``c1`` those of ``c2``, ..., and
+    ``ck`` those ``c0`` held (kept aside first). Chunks that stay put are in no cycle.
+    """
+
+    chunk_bytes: int
+    order: np.ndarray
+    starts: np.ndarray
+
+    @classmethod
+    def of(cls, chunk_bytes: int, sources: list[int]) -> ChunkCycles:
+        """``sources[i]``: the chunk whose bytes chunk ``i`` takes (a permutation)."""
+        order: list[int] = []
+        starts = [0]
+        done = [source == chunk for chunk, source in enumerate(sources)]
+        for first in range(len(sources)):
+            chunk = first
+            while not done[chunk]:
+                done[chunk] = True
+                order.append(chunk)
+                chunk = sources[chunk]
+            if len(order) > starts[-1]:
+                starts.append(len(order))
+        return cls(chunk_bytes, np.array(order, dtype=np.int64), np.array(starts, dtype=np.int64))
 
 
 @lru_cache(maxsize=1024)

@@ -43,8 +43,13 @@ def _targets() -> list[object]:
 
     triton_interpret = TritonInterpretBackend()
     triton_reason = triton_interpret.unavailable_reason()
+    from kvhost_cpu import CpuBackend
+
     return [
         pytest.param(Target("cpu", "cpu"), id="cpu"),
+        # The CPU kernels with every receive piece rewritten in place by its cycles, which
+        # by default only pieces of CYCLE_PIECE_BYTES and more with long runs take.
+        pytest.param(Target(CpuBackend(cycle_piece_bytes=0, cycle_run_bytes=0), "cpu"), id="cpu-cycles"),
         pytest.param(Target("torch", "cpu"), id="torch-cpu"),
         # The same path with torch's ops for every call (by default the host's small calls
         # go through numpy on the calling thread), and every host gather split per index of

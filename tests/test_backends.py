@@ -507,7 +507,7 @@ def test_the_cpu_backend_works_out_a_group_s_launch_once(monkeypatch):
     (receive_group,) = host.caches.receive_groups("HNC", 4)
     launch = receive_group.derived["cpu"]
     worked_out: list[object] = []
-    monkeypatch.setattr(cpu, "_receive_params", lambda *args: worked_out.append(args))
+    monkeypatch.setattr(cpu.CpuBackend, "_receive_launch", lambda *args: worked_out.append(args))
     monkeypatch.setattr(cpu, "_copy_params", lambda *args: worked_out.append(args))
     case.send("b", [6, 2], "HNC", 4)
     host.receive({"b": [6, 2]}, remote_order="HNC", remote_block_size=4)
@@ -517,6 +517,66 @@ def test_the_cpu_backend_works_out_a_group_s_launch_once(monkeypatch):
     for name in caches:
         assert torch.equal(raw(buffer[name])[:, :3], raw(caches[name])[:, [1, 6, 7]])
         assert not raw(buffer[name])[:, 3:].any()
+
+
+@pytest.mark.parametrize(
+    ("axes", "physical", "sizes", "order", "remote", "cycles"),
+    [
+        # Runs of 512 B (256 bf16 channels): the cycles, whatever the piece (here 64 KiB).
+        ("KBNHC", "KBNHC", dict(K=2, B=3, N=64, H=2, C=256), "HNC", 16, 512),
+        # Runs of 256 B in a piece of 32 KiB: through a scratch, which stays in cache.
+        ("KBNHC", "KBNHC", dict(K=2, B=3, N=64, H=2, C=128), "HNC", 16, 0),
+        # Runs of 256 B in rows of 16 layers, a piece of 2 MiB: the cycles; of 15, a scratch.
+        ("LBHNC", "BLNHC", dict(L=16, B=2, N=64, H=8, C=128), "HLNC", 64, 256),
+        ("LBHNC", "BLNHC", dict(L=15, B=2, N=64, H=8, C=128), "HLNC", 64, 0),
+        # Runs of 128 B in a piece of 2 MiB: a scratch (the cycles would scatter small copies).
+        ("LBHNC", "BLNHC", dict(L=32, B=2, N=64, H=8, C=64), "HLNC", 64, 0),
+    ],
+)
+def test_the_cpu_kernels_take_the_cycles_for_long_runs_and_large_pieces(axes, physical, sizes, order, remote, cycles):
+    """Which way a receive group's pieces are rewritten: in place by their cycles (the
+    chunk size in the launch, a scratch row of one chunk) or through a scratch copy of a
+    piece (no chunk, a row of a piece); either way the bytes are the sender's."""
+    from kvhost_cpu import CpuBackend
+    from kvhost_cpu.kernels import scratch_bytes
+
+    caches = {"l": make_cache(axes, physical, sizes)}
+    host = kvhost.KVHost(caches, axes=axes, backend=CpuBackend())
+    case = ReceiveCase(caches, axes, seed=5)
+    case.send("a", [1], order, remote)
+    host.receive({"a": [1]}, remote_order=order, remote_block_size=remote)
+    case.check()
+    (group,) = host.caches.receive_groups(order, remote)
+    launch = group.derived["cpu"]
+    write_back = group.rearrangement.write_back
+    assert int(launch.params[24]) == cycles
+    assert launch.scratch_bytes == scratch_bytes(launch.params) == (cycles or write_back.piece_bytes) + 4096
+    if cycles:
+        assert launch.cycles == (write_back.cycles.order, write_back.cycles.starts)
+    else:
+        assert launch.cycles[0].size == 0 and launch.cycles[1].tolist() == [0]
+
+
+def test_cpu_backends_that_choose_other_ways_keep_their_own_launches():
+    """A group's launch is kept per way of choosing: the default backend's and one that takes
+    the cycles for every piece each keep their own, and each receives right."""
+    from kvhost_cpu import CpuBackend
+
+    from kvhost.batch import plan_receive_batch
+    from kvhost.caches import CacheSet
+
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(K=2, B=6, N=8, H=2, C=4))}
+    cache_set = CacheSet(caches, "KBNHC")  # one set, as a connector's is, met by both backends
+    case = ReceiveCase(caches, "KBNHC", seed=6)
+    for backend, ids in ((CpuBackend(), [1, 3]), (CpuBackend(cycle_piece_bytes=0, cycle_run_bytes=0), [4, 0])):
+        case.send(str(ids), ids, "HNC", 4)
+        (job,) = plan_receive_batch(cache_set, {str(ids): ids}, "HNC", 4).jobs
+        backend.receive(job)
+    case.check()
+    (group,) = cache_set.receive_groups("HNC", 4)
+    launches = dict(group.derived)
+    assert set(launches) == {"cpu", "cpu/cycles from 0/0"}
+    assert int(launches["cpu"].params[24]) == 0 and int(launches["cpu/cycles from 0/0"].params[24]) > 0
 
 
 def test_a_group_on_memory_without_an_address_is_marked_for_the_torch_path():

@@ -193,6 +193,14 @@ RECEIVE_CASES = {
     "r8-HND256-from-NHD32-h64c128-fp32": ReceiveCase(
         "KBHNC", dict(K=2, N=256, H=64, C=128), "fp32", "NHC", 32, 8 * MiB
     ),
+    # Rows of every layer (vLLM's BLNHC): a block region of 16 layers, one 2 MiB piece; from
+    # rows of half the tokens (runs of 64 KiB) and from heads-first rows (runs of 256 B, in place by the cycles too).
+    "r2-rows-LNHC64-from-LNHC32-l16h8c128-bf16": ReceiveCase(
+        "BLNHC", dict(L=16, N=64, H=8, C=128), "bf16", "LNHC", 32, 2 * MiB, units=2
+    ),
+    "rows-LNHC64-from-HLNC64-l16h8c128-bf16": ReceiveCase(
+        "BLNHC", dict(L=16, N=64, H=8, C=128), "bf16", "HLNC", 64, 2 * MiB, units=2
+    ),
 }
 
 COPY_CASES = {
@@ -207,6 +215,10 @@ COPY_CASES = {
 
 def run_worker(target: Any, spec: dict[str, Any], what: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one case in a fresh interpreter; fail with the case's name if it crashes or a byte is wrong."""
+    from kvhost_cpu import CpuBackend
+
+    if isinstance(target.backend, CpuBackend):  # an instance of its own: the worker makes the same
+        spec = dict(spec, cpu_cycles=[target.backend.cycle_piece_bytes, target.backend.cycle_run_bytes])
     command = [sys.executable, "-X", "faulthandler", str(WORKER), target.name, target.device, json.dumps(spec)]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=600, env={**os.environ, **STRICT_MALLOC, **(env or {})}
@@ -267,6 +279,19 @@ def test_grown_scratch_case_grows_on_an_h200():
     scratch = launch.scratch_words * launch.word_bytes
     assert launch.mode == "slots" and launch.launches == 1 and launch.programs == 40
     assert scratch == 40 * MiB > h200.scratch_bytes
+
+
+@pytest.mark.parametrize("case", list(RECEIVE_CASES), ids=list(RECEIVE_CASES))
+def test_cpu_receive_large_pieces_through_a_scratch(case):
+    """Every large piece through the numba kernels' scratch copy too: by default the pieces
+    with long runs are rewritten in place by their cycles instead (the ``cpu`` target), and
+    the ``cpu-cycles`` target takes the cycles for every piece."""
+    from conftest import Target
+    from kvhost_cpu import CpuBackend
+
+    spec_case = RECEIVE_CASES[case]
+    scratch_only = CpuBackend(cycle_piece_bytes=1 << 62, cycle_run_bytes=1 << 62)
+    run_worker(Target(scratch_only, "cpu"), spec_case.spec(), f"receive {case} through a scratch")
 
 
 SERIAL_CASES = ["g4-NHD64-from-HND256-h32c128-bf16", "r8-KNHC512-from-HKNC64-h32c128-bf16"]

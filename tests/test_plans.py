@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,3 +101,68 @@ def test_blocks_that_are_not_back_to_back_are_copied_one_by_one(target):
     for block in set(range(16)) - {8, 10, 12}:
         assert torch.equal(now[:, block], before[:, block]), f"buffer block {block} changed"
     assert torch.equal(raw(src_memory).cpu(), source_before), "the source changed"
+
+
+def _written_back(write_back, piece: np.ndarray) -> np.ndarray:
+    """A piece's bytes after its loops, run from a copy of it (how the scratch way writes)."""
+    loops, out = write_back.loops, piece.copy()
+    regions = write_back.piece_bytes // (int(np.prod(loops.shape, dtype=np.int64)) * loops.run_bytes)
+    region_bytes = write_back.piece_bytes // regions
+    for k in range(regions):
+        for index in itertools.product(*(range(n) for n in loops.shape)):
+            src = k * write_back.part_stride + sum(i * s for i, s in zip(index, loops.src_strides))
+            dst = k * region_bytes + sum(i * s for i, s in zip(index, loops.dst_strides))
+            out[dst : dst + loops.run_bytes] = piece[src : src + loops.run_bytes]
+    return out
+
+
+def _rotated(cycles, piece: np.ndarray) -> np.ndarray:
+    """A piece's bytes after its cycles, done in place as the kernels do them."""
+    out, chunk = piece.copy(), cycles.chunk_bytes
+    for first, end in itertools.pairwise(cycles.starts):
+        order = cycles.order[first:end]
+        kept = out[order[0] * chunk : (order[0] + 1) * chunk].copy()
+        for to, source in itertools.pairwise(order):
+            out[to * chunk : (to + 1) * chunk] = out[source * chunk : (source + 1) * chunk]
+        out[order[-1] * chunk : (order[-1] + 1) * chunk] = kept
+    return out
+
+
+@pytest.mark.parametrize(
+    ("axes", "physical", "sizes", "order", "remote"),
+    [
+        ("KBNHC", "KBNHC", dict(K=2, B=4, N=8, H=2, C=4), "HNC", 2),  # r = 4, pieces within a region
+        ("KBNHC", "KBHNC", dict(K=2, B=4, N=8, H=3, C=4), "HNC", 4),  # head-major, r = 2: runs of whole sub-blocks
+        ("KBNHC", "KBNHC", dict(K=2, B=4, N=4, H=2, C=4), "HNC", 16),  # g = 4: one piece over four regions
+        ("LBHNC", "BLNHC", dict(L=3, B=4, N=8, H=2, C=4), "HLNC", 8),  # rows of every layer, heads first
+        ("LBHNC", "BLNHC", dict(L=3, B=4, N=8, H=2, C=4), "LNHC", 2),  # rows, r = 4
+        ("BKNHC", "BKHNC", dict(K=2, B=4, N=4, H=2, C=2), "NKHC", 8),  # K inside the block, g = 2
+    ],
+)
+def test_a_piece_s_cycles_write_what_its_loops_write(axes, physical, sizes, order, remote):
+    """The cycles of a piece, done in place one chunk at a time, leave every byte where the
+    scratch way's loops put it; every chunk that moves is in exactly one cycle, and a chunk
+    that stays is in none."""
+    plan = plan_receive(layout(axes, physical, **sizes), order, remote)
+    assert plan is not None
+    write_back = plan.write_back
+    cycles = write_back.cycles
+    piece = np.arange(write_back.piece_bytes, dtype=np.int64)  # every byte tells where it was
+    wanted = _written_back(write_back, piece)
+    assert np.array_equal(_rotated(cycles, piece), wanted)
+    chunk = cycles.chunk_bytes
+    assert chunk == write_back.loops.run_bytes and write_back.piece_bytes % chunk == 0
+    moved = {c for c in range(write_back.piece_bytes // chunk) if wanted[c * chunk] != c * chunk}
+    assert sorted(cycles.order.tolist()) == sorted(moved)
+    assert cycles.starts[0] == 0 and cycles.starts[-1] == cycles.order.size
+    assert all(end - first >= 2 for first, end in itertools.pairwise(cycles.starts))
+
+
+def test_chunk_cycles_of_a_permutation():
+    from kvhost.transform import ChunkCycles
+
+    none = ChunkCycles.of(8, [0, 1, 2])
+    assert none.chunk_bytes == 8 and none.order.tolist() == [] and none.starts.tolist() == [0]
+    two = ChunkCycles.of(4, [1, 0, 2, 4, 5, 3])  # a swap, a fixed chunk, a rotation of three
+    assert two.order.tolist() == [0, 1, 3, 4, 5] and two.starts.tolist() == [0, 2, 5]
+    assert two.order.dtype == two.starts.dtype == np.int64

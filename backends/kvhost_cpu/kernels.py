@@ -4,7 +4,9 @@ Kernels work on raw bytes at absolute addresses (each tensor's base address, its
 offsets, block ids times the block stride), so one call serves every tensor of every
 layer and any dtype. Receive copies a piece of a unit into a small per-thread scratch (it
 stays in cache) and writes it back rearranged: one read and one write of every byte, the
-traffic of a memcpy. Copies of 1 MiB and more write with stores that bypass the caches
+traffic of a memcpy; a piece too large for a core's cache (a block region holding every
+layer) is rewritten in place cycle by cycle instead (``kvhost.transform.ChunkCycles``),
+with one run of scratch. Copies of 1 MiB and more write with stores that bypass the caches
 (``STREAM_BYTES``), which a plain memcpy of that size does not. Ids come validated from the
 front end and the caller keeps the tensors alive.
 
@@ -219,12 +221,37 @@ def _share(items, threads, thread):
     return thread * share, min(items, (thread + 1) * share)
 
 
+@njit(inline="always")
+def _chunk_at(origin, regions, offset, region_bytes, block_stride):
+    """The address of byte ``offset`` of a unit whose regions are the blocks ``regions``."""
+    return origin + regions[offset // region_bytes] * block_stride + offset % region_bytes
+
+
+@njit(inline="always")
+def _rotate_cycles(origin, regions, piece_offset, region_bytes, block_stride, chunk, order, starts, spare):
+    """Rewrite the piece at ``piece_offset`` of a unit in place, cycle by cycle (see
+    ``kvhost.transform.ChunkCycles``): a cycle's first chunk is kept at ``spare`` while
+    each of its chunks takes the next one's bytes, the last taking the first's."""
+    for cycle in range(starts.shape[0] - 1):
+        first, end = starts[cycle], starts[cycle + 1]
+        head = _chunk_at(origin, regions, piece_offset + order[first] * chunk, region_bytes, block_stride)
+        _memcpy(spare, head, chunk)
+        to = head
+        for at in range(first + 1, end):
+            source = _chunk_at(origin, regions, piece_offset + order[at] * chunk, region_bytes, block_stride)
+            _memcpy(to, source, chunk)
+            to = source
+        _memcpy(to, spare, chunk)
+
+
 @njit(nogil=True, cache=True)
-def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):
+def _rearrange_span(bases, outer, unit_ids, params, cycle_order, cycle_starts, scratch, first, last):
     """Rewrite in place work items ``first .. last - 1``: one unit of one tensor's outer index.
 
     Each piece (see ``kvhost.transform.WriteBack``) goes to ``scratch`` (this span's own
-    row of the caller's scratch, ``scratch_bytes`` long) and back through the loops. A
+    row of the caller's scratch, ``scratch_bytes`` long) and back through the loops; or,
+    where ``params`` names a chunk size, it is rewritten in place by its cycles
+    (``cycle_order``, ``cycle_starts``), one chunk at a time through the scratch. A
     function of its own, not inlined into the parallel kernels: their array analysis
     would otherwise have to look through it.
     """
@@ -237,6 +264,7 @@ def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):
         params[5],
     )
     shape, src_strides, dst_strides = _loops(params, 6)
+    chunk = params[24]
     units, parts = unit_ids.shape
     per_tensor = outer.shape[0] * units
     span = parts if pieces == 1 else 1  # regions one piece covers
@@ -247,7 +275,20 @@ def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):
     for item in range(first, last):
         unit = item % units
         origin = bases[item // per_tensor] + outer[(item // units) % outer.shape[0]]
-        if span == 1:
+        if chunk:
+            for piece in range(pieces):
+                _rotate_cycles(
+                    origin,
+                    unit_ids[unit],
+                    piece * piece_bytes,
+                    region_bytes,
+                    block_stride,
+                    chunk,
+                    cycle_order,
+                    cycle_starts,
+                    start,
+                )
+        elif span == 1:
             for piece in range(pieces):
                 offset = piece * piece_bytes
                 address = origin + unit_ids[unit, offset // region_bytes] * block_stride + offset % region_bytes
@@ -264,26 +305,28 @@ def _rearrange_span(bases, outer, unit_ids, params, scratch, first, last):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def rearrange_units(bases, outer, unit_ids, params, scratch, threads):
+def rearrange_units(bases, outer, unit_ids, params, cycle_order, cycle_starts, scratch, threads):
     """Rewrite, in place, every unit of ``unit_ids`` at every outer offset of every tensor.
 
     ``bases``: tensor addresses; ``outer``: byte offsets of the outer indices; ``unit_ids``:
-    ``[units, parts]`` block ids; ``params``: ``receive_params``; ``scratch``: ``[threads,
-    scratch_bytes(params)]`` bytes, one row per thread, allocated and kept by the caller.
-    ``threads`` comes from the caller (numba's own query would defeat caching).
+    ``[units, parts]`` block ids; ``params``: ``receive_params``; ``cycle_order`` and
+    ``cycle_starts``: a piece's ``ChunkCycles`` where ``params`` names a chunk size
+    (otherwise unread); ``scratch``: ``[threads, scratch_bytes(params)]`` bytes, one row
+    per thread, allocated and kept by the caller. ``threads`` comes from the caller
+    (numba's own query would defeat caching).
     """
     items = bases.shape[0] * outer.shape[0] * unit_ids.shape[0]
     threads = min(_workers(items, threads), scratch.shape[0])
     for thread in prange(threads):
         first, last = _share(items, threads, thread)
-        _rearrange_span(bases, outer, unit_ids, params, scratch[thread], first, last)
+        _rearrange_span(bases, outer, unit_ids, params, cycle_order, cycle_starts, scratch[thread], first, last)
 
 
 @njit(nogil=True, cache=True)
-def rearrange_units_serial(bases, outer, unit_ids, params, scratch, threads):
+def rearrange_units_serial(bases, outer, unit_ids, params, cycle_order, cycle_starts, scratch, threads):
     """``rearrange_units`` on the calling thread alone, with ``scratch[0]`` (``threads`` is ignored)."""
     items = bases.shape[0] * outer.shape[0] * unit_ids.shape[0]
-    _rearrange_span(bases, outer, unit_ids, params, scratch[0], 0, items)
+    _rearrange_span(bases, outer, unit_ids, params, cycle_order, cycle_starts, scratch[0], 0, items)
 
 
 @njit(nogil=True, cache=True)
@@ -373,16 +416,25 @@ def launcher(kernel_name: str, nbytes: int) -> tuple[object, int]:
 
 
 def receive_params(
-    block_stride: int, region_bytes: int, pieces: int, piece_bytes: int, part_stride: int, loops: Loops
+    block_stride: int,
+    region_bytes: int,
+    pieces: int,
+    piece_bytes: int,
+    part_stride: int,
+    loops: Loops,
+    cycle_chunk: int = 0,
 ) -> np.ndarray:
-    """The int64 parameters of ``rearrange_units``."""
-    return np.array([block_stride, region_bytes, pieces, piece_bytes, part_stride, loops.run_bytes, *_padded(loops)])
+    """The int64 parameters of ``rearrange_units``; ``cycle_chunk``: the chunk size of the
+    pieces' cycles, to rewrite them in place by their cycles (0: through a scratch)."""
+    return np.array(
+        [block_stride, region_bytes, pieces, piece_bytes, part_stride, loops.run_bytes, *_padded(loops), cycle_chunk]
+    )
 
 
 def scratch_bytes(params: np.ndarray) -> int:
     """Bytes of one thread's scratch row for ``rearrange_units``: a piece (at most one unit),
-    plus room to place it at a skew against the region it mirrors."""
-    return int(params[3]) + 4096
+    or one chunk of its cycles, plus room to place it at a skew against the region it mirrors."""
+    return int(params[24] or params[3]) + 4096
 
 
 def copy_params(

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvhost_cpu.backend import KERNELS, CpuBackend, _receive_params
+from kvhost_cpu.backend import KERNELS, CpuBackend
 
 import kvhost
 from kvhost.batch import ReceiveJob, plan_receive_batch
@@ -66,11 +66,15 @@ def cxx_receiver(library: ctypes.CDLL) -> Callable[[ReceiveJob], None]:
     kernels = KERNELS.module
     assert kernels is not None, KERNELS.reason
 
+    scratch_only = CpuBackend(cycle_piece_bytes=1 << 62)
+
     def receive(job: ReceiveJob) -> None:
         bases = job.members.addresses
         outer = job.layout.outer_offsets_bytes
         units = np.ascontiguousarray(job.unit_ids, dtype=np.int64)
-        params = _receive_params(job.rearrangement, job.layout.block_stride_bytes)
+        launch = scratch_only._receive_launch(job)  # the C++ kernel has no cycles: never ask for them
+        assert not isinstance(launch, bool)
+        params = launch.params
         _, threads = kernels.launcher("rearrange_units", job.bytes_moved)  # numba's own thread rule
         library.rearrange_units(
             bases.ctypes.data,
