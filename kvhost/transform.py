@@ -136,9 +136,8 @@ class WriteBack:
         sources = np.zeros(1, dtype=np.int64)
         for size, stride in zip(loops.shape, loops.src_strides, strict=True):
             sources = (sources[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
-        regions = self.piece_bytes // (sources.size * run)
-        if regions > 1:
-            sources = (np.arange(regions, dtype=np.int64)[:, None] * self.part_stride + sources).reshape(-1)
+        regions = self.piece_bytes // (sources.size * run)  # more than one: a piece of g regions
+        sources = (np.arange(regions, dtype=np.int64)[:, None] * self.part_stride + sources).reshape(-1)
         return ChunkCycles.of(run, (sources // run).tolist())
 
 
