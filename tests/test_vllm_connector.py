@@ -639,11 +639,11 @@ def forbid_vllm_copies(*args, **kwargs):
     raise AssertionError("vLLM's per-request host copy ran; kvhost's one call per step should have")
 
 
-def host_buffer_decoder(vllm_env, copying, payloads):
+def host_buffer_decoder(vllm_env, copying, payloads, layout="LBNHC"):
     """A decode worker in host-buffer mode that has met ``payloads``' senders: vLLM's own
     per-request copies forbidden, its caches random; with their bytes as they were."""
     connector, worker, caches = make_worker(
-        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=copying
+        vllm_env, layout, block_size=64, blocks=64, host_buffer=True, wrapper=copying
     )
     worker.copy_blocks = forbid_vllm_copies
     fake_handshakes(worker, payloads)
@@ -930,7 +930,11 @@ def test_failed_requests_skip_the_post_process(vllm_env, copying):
     check_tokens(caches, BLOCK, requests, {}, senders, prefill, before, failed)
 
 
-def test_host_buffer_staging_through_the_worker(vllm_env, copying):
+@pytest.mark.parametrize(
+    ("decoder", "layouts"),
+    [("LBNHC", ("LBHNC", "LBNHC", "LBHNC")), ("BLNHC", ("BHLNC", "BLNHC", "BHLNC"))],  # rows: every layer's
+)
+def test_host_buffer_staging_through_the_worker(vllm_env, copying, decoder, layouts):
     """Host-buffer mode (TPU, XPU, plugin devices) on both sides: each sender saves every
     request of its step to its host buffer in one kvhost copy (a block two requests share
     once), NIXL reads host to host, and the decode worker loads every finished request of
@@ -938,7 +942,7 @@ def test_host_buffer_staging_through_the_worker(vllm_env, copying):
     blocks are half and twice ours; vLLM's per-request copies never run."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
 
-    senders = {"p-hnd-32": ("LBHNC", 32), "p-nhd-128": ("LBNHC", 128), "p-hnd-128": ("LBHNC", 128)}
+    senders = {"p-hnd-32": (layouts[0], 32), "p-nhd-128": (layouts[1], 128), "p-hnd-128": (layouts[2], 128)}
     prefill, payloads = sender_workers(vllm_env, senders, host_buffer=True)
     plan = {
         "a": ("p-hnd-32", 2, 0, 3),  # our last block half full: its tail zeroed
@@ -964,7 +968,7 @@ def test_host_buffer_staging_through_the_worker(vllm_env, copying):
         size = senders[engine][1]
         assert torch.equal(tokens_of(worker.host_xfer_buffers, ids, size), tokens_of(device, ids, size)), engine
 
-    connector, worker, caches, before = host_buffer_decoder(vllm_env, copying, payloads)
+    connector, worker, caches, before = host_buffer_decoder(vllm_env, copying, payloads, decoder)
     for i, view in enumerate(worker.host_xfer_buffers.values()):
         fill_random(view, 200 + i)
     steps = drive(connector, worker, requests, computed)
