@@ -529,8 +529,9 @@ def test_the_cpu_backend_works_out_a_group_s_launch_once(monkeypatch):
         # Runs of 256 B in rows of 16 layers, a piece of 2 MiB: the cycles; of 15, a scratch.
         ("LBHNC", "BLNHC", dict(L=16, B=2, N=64, H=8, C=128), "HLNC", 64, 256),
         ("LBHNC", "BLNHC", dict(L=15, B=2, N=64, H=8, C=128), "HLNC", 64, 0),
-        # Runs of 128 B in a piece of 2 MiB: a scratch (the cycles would scatter small copies).
+        # Runs of 128 B, or 192 B, in a piece of 2 MiB: a scratch (the cycles would scatter small copies).
         ("LBHNC", "BLNHC", dict(L=32, B=2, N=64, H=8, C=64), "HLNC", 64, 0),
+        ("LBHNC", "BLNHC", dict(L=22, B=2, N=64, H=8, C=96), "HLNC", 64, 0),
     ],
 )
 def test_the_cpu_kernels_take_the_cycles_for_long_runs_and_large_pieces(axes, physical, sizes, order, remote, cycles):
