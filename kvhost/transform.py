@@ -135,9 +135,9 @@ class WriteBack:
         # loops write a region's runs back to back, region k from k * part_stride on.
         sources = np.zeros(1, dtype=np.int64)
         for size, stride in zip(loops.shape, loops.src_strides, strict=True):
-            sources = (sources[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
+            sources = (sources[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
         regions = self.piece_bytes // (sources.size * run)  # more than one: a piece of g regions
-        sources = (np.arange(regions, dtype=np.int64)[:, None] * self.part_stride + sources).reshape(-1)
+        sources = (np.arange(regions, dtype=np.int64)[:, None] * self.part_stride + sources).ravel()
         return ChunkCycles.of(run, (sources // run).tolist())
 
 

@@ -25,9 +25,10 @@ MAX_ITEM_BYTES = 1 << 21  # copies are split into items of at most this much, to
 # or larger (its copy in a scratch no longer fits a core's cache, and reads and writes each
 # byte twice in memory) with runs of half that or longer; otherwise through a scratch copy
 # of the piece, which shorter runs, a scatter of small copies for the cycles, favour.
-# Measured here side by side (docs/performance.md): 1.5-1.9x the scratch's throughput for
-# runs of 512 B to 256 KiB, 1.1-1.25x for runs of 256 B in pieces of 2-4 MiB; 0.8-0.9x for
-# runs of 256 B in pieces of 32-128 KiB, where the scratch stays in cache.
+# Measured here side by side (docs/performance.md): 1.2-2.4x the scratch's throughput for
+# runs of 512 B to 256 KiB (pieces of 32 KiB to 8 MiB), 1.15-1.35x for runs of 256 B in
+# pieces of 2 MiB; 0.8-0.85x for runs of 256 B in pieces of 32-512 KiB, where the scratch
+# stays in cache.
 CYCLE_PIECE_BYTES = 2 << 20
 CYCLE_RUN_BYTES = 512
 NO_CYCLES = ChunkCycles(0, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))

@@ -4,11 +4,12 @@ Kernels work on raw bytes at absolute addresses (each tensor's base address, its
 offsets, block ids times the block stride), so one call serves every tensor of every
 layer and any dtype. Receive copies a piece of a unit into a small per-thread scratch (it
 stays in cache) and writes it back rearranged: one read and one write of every byte, the
-traffic of a memcpy; a piece too large for a core's cache (a block region holding every
-layer) is rewritten in place cycle by cycle instead (``kvhost.transform.ChunkCycles``),
-with one run of scratch. Copies of 1 MiB and more write with stores that bypass the caches
-(``STREAM_BYTES``), which a plain memcpy of that size does not. Ids come validated from the
-front end and the caller keeps the tensors alive.
+traffic of a memcpy; a piece whose runs are long, or which is too large for a core's
+cache (a block region holding every layer), is rewritten in place cycle by cycle instead
+(``kvhost.transform.ChunkCycles``), with one run of scratch. Copies of 1 MiB and more
+write with stores that bypass the caches (``STREAM_BYTES``), which a plain memcpy of that
+size does not. Ids come validated from the front end and the caller keeps the tensors
+alive.
 
 Each kernel takes its integer parameters packed in one int64 array (``receive_params``,
 ``copy_params``): a call then costs one dispatch over a handful of arrays, which matters
@@ -433,7 +434,8 @@ def receive_params(
 
 def scratch_bytes(params: np.ndarray) -> int:
     """Bytes of one thread's scratch row for ``rearrange_units``: a piece (at most one unit),
-    or one chunk of its cycles, plus room to place it at a skew against the region it mirrors."""
+    or one chunk of its cycles, plus room to place a piece at a skew against the region it
+    mirrors (a cycle's chunk is set aside at the row's start: one copy a cycle)."""
     return int(params[24] or params[3]) + 4096
 
 

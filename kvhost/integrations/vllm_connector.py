@@ -658,17 +658,23 @@ def _summed(stats: Sequence[ReceiveStats]) -> ReceiveStats | None:
 
 def _registered_as_rows(kv_caches: Mapping[str, Any]) -> bool:
     """Whether vLLM's ``register_kv_caches`` registers these layer views with NIXL as rows
-    of their buffer, one region of a block's bytes of every layer (then kvhost must see the
-    group, whose block region is that row), rather than a region per layer. It does where
+    of their buffer, one region of a block's bytes of every layer, that kvhost can describe
+    as its group's block regions, rather than a region per layer. vLLM registers rows where
     the buffer holds block after block and a layer's ``[H, N, C]`` block is not in order
-    (``BLNHC``, ``BHLNC``). Only a guess at vLLM's choice: ``_check_region_rearranges``
+    (``BLNHC``, ``BHLNC``, of more than one head); kvhost takes them where a row is dense
+    (no padding between layers). Only a guess at vLLM's choice: ``_check_region_rearranges``
     compares kvhost's regions with those vLLM registered before a sender is rearranged."""
     first = next(iter(kv_caches.values()), None)
     if not isinstance(first, torch.Tensor) or first.dim() != 4 or first.shape[0] == 0:
         return False
+    try:
+        storage_bytes = first.untyped_storage().nbytes()
+    except RuntimeError:  # a tensor with no storage of its own (a functional or fake tensor)
+        return False
     block_stride = first.stride(0) * first.element_size()
-    beyond_blocks = first.untyped_storage().nbytes() - first.shape[0] * block_stride
-    return 0 <= beyond_blocks < block_stride and not first[0].is_contiguous()
+    beyond_blocks = storage_bytes - first.shape[0] * block_stride
+    dense_row = block_stride == len(kv_caches) * first[0].numel() * first.element_size()
+    return 0 <= beyond_blocks < block_stride and not first[0].is_contiguous() and dense_row
 
 
 def _unused(name: str, taken: set[str]) -> str:
