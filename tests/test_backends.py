@@ -551,7 +551,8 @@ def test_the_cpu_kernels_take_the_cycles_for_long_runs_and_large_pieces(axes, ph
     launch = group.derived["cpu"]
     write_back = group.rearrangement.write_back
     assert int(launch.params[24]) == cycles
-    assert launch.scratch_bytes == scratch_bytes(launch.params) == (cycles or write_back.piece_bytes) + 4096
+    assert launch.scratch_bytes == scratch_bytes(launch.params)  # a row: a chunk or a piece, and room for a skew
+    assert (cycles or write_back.piece_bytes) + 4095 <= launch.scratch_bytes < (cycles or write_back.piece_bytes) + 8192
     if cycles:
         assert launch.cycles == (write_back.cycles.order, write_back.cycles.starts)
     else:
