@@ -283,15 +283,15 @@ def test_whether_vllm_registers_rows_is_read_from_the_views(vllm_env):
     }
     views = allocate("BLNHC")[1]
     one = next(iter(views.values()))
-    assert not _registered_as_rows({"only": one})  # one layer of rows of three: not a row alone
-    assert not _registered_as_rows({})
-    assert not _registered_as_rows({"a": (one, one)})  # separate K and V: no row
-    assert not _registered_as_rows({"a": one[0]})  # not a layer view
-    assert not _registered_as_rows({"a": one[:0]})  # no blocks
-    assert not _registered_as_rows({"a": one.contiguous()})  # a block's [H, N, C] in order
+    assert _registered_as_rows({"only": one}) is False  # one layer of rows of three: not a row alone
+    assert _registered_as_rows({}) is False
+    assert _registered_as_rows({"a": (one, one)}) is False  # separate K and V: no row
+    assert _registered_as_rows({"a": one[0]}) is False  # not a layer view
+    assert _registered_as_rows({"a": one[:0]}) is False  # no blocks
+    assert _registered_as_rows({"a": one.contiguous()}) is False  # a block's [H, N, C] in order
     padded = torch.empty(one.untyped_storage().nbytes() + one.stride(0) * one.element_size(), dtype=torch.int8)
     beyond = padded.view(one.dtype)[: one.untyped_storage().nbytes() // one.element_size()]
-    assert not _registered_as_rows({"a": beyond.as_strided(one.shape, one.stride(), one.storage_offset())})
+    assert _registered_as_rows({"a": beyond.as_strided(one.shape, one.stride(), one.storage_offset())}) is False
     # Layers padded apart within a row (vLLM's page_size_padded): vLLM registers the padded
     # rows, which are no block region kvhost can describe; a layer each it is, as before.
     blocks, heads, tokens, channels = one.shape
@@ -299,7 +299,7 @@ def test_whether_vllm_registers_rows_is_read_from_the_views(vllm_env):
     memory = torch.zeros(blocks * layers * (page + 64), dtype=one.dtype)
     strides = (layers * (page + 64), channels, heads * channels, 1)
     apart = {f"l{i}": memory.as_strided(one.shape, strides, i * (page + 64)) for i in range(layers)}
-    assert not _registered_as_rows(apart)
+    assert _registered_as_rows(apart) is False
     dense = torch.zeros(blocks * layers * page, dtype=one.dtype)  # the same views unpadded: rows kvhost describes
     assert _registered_as_rows(
         {f"l{i}": dense.as_strided(one.shape, (layers * page, *strides[1:]), i * page) for i in range(layers)}
@@ -309,7 +309,7 @@ def test_whether_vllm_registers_rows_is_read_from_the_views(vllm_env):
         def untyped_storage(self):
             raise RuntimeError("no storage")
 
-    assert not _registered_as_rows({"a": one.as_subclass(NoStorage)})
+    assert _registered_as_rows({"a": one.as_subclass(NoStorage)}) is False
 
 
 def test_a_sender_to_rearrange_is_refused_where_kvhost_did_not_describe_vllms_regions(vllm_env, copying, monkeypatch):
