@@ -289,9 +289,14 @@ def test_whether_vllm_registers_rows_is_read_from_the_views(vllm_env):
     assert _registered_as_rows({"a": one[0]}) is False  # not a layer view
     assert _registered_as_rows({"a": one[:0]}) is False  # no blocks
     assert _registered_as_rows({"a": one.contiguous()}) is False  # a block's [H, N, C] in order
-    padded = torch.empty(one.untyped_storage().nbytes() + one.stride(0) * one.element_size(), dtype=torch.int8)
-    beyond = padded.view(one.dtype)[: one.untyped_storage().nbytes() // one.element_size()]
-    assert _registered_as_rows({"a": beyond.as_strided(one.shape, one.stride(), one.storage_offset())}) is False
+    # Every layer's view again, in a buffer one block row longer (vLLM then cuts segments),
+    # or an element short of that (a rounded tail: still rows).
+    for extra, rows in ((one.stride(0) * one.element_size(), False), (one.stride(0) * one.element_size() - 2, True)):
+        longer = torch.empty(one.untyped_storage().nbytes() + extra, dtype=torch.int8)
+        moved = {
+            n: longer.view(one.dtype).as_strided(v.shape, v.stride(), v.storage_offset()) for n, v in views.items()
+        }
+        assert _registered_as_rows(moved) is rows
     # Layers padded apart within a row (vLLM's page_size_padded): vLLM registers the padded
     # rows, which are no block region kvhost can describe; a layer each it is, as before.
     blocks, heads, tokens, channels = one.shape

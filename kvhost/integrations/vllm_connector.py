@@ -673,7 +673,7 @@ def _registered_as_rows(kv_caches: Mapping[str, Any]) -> bool:
         return False
     block_stride = first.stride(0) * first.element_size()
     beyond_blocks = storage_bytes - first.shape[0] * block_stride
-    dense_row = block_stride == len(kv_caches) * first[0].numel() * first.element_size()
+    dense_row = block_stride == len(kv_caches) * prod(first.shape[1:]) * first.element_size()
     return 0 <= beyond_blocks < block_stride and not first[0].is_contiguous() and dense_row
 
 
