@@ -281,6 +281,7 @@ def test_whether_vllm_registers_rows_is_read_from_the_views(vllm_env):
     assert {layout: _registered_as_rows(allocate(layout)[1]) for layout in LAYOUTS} == {
         layout: layout in ("BLNHC", "BHLNC") for layout in LAYOUTS
     }
+    assert _registered_as_rows(allocate("BLNHC", blocks=1)[1]) is True  # a cache of one block: one row
     views = allocate("BLNHC")[1]
     one = next(iter(views.values()))
     assert _registered_as_rows({"only": one}) is False  # one layer of rows of three: not a row alone
@@ -288,6 +289,7 @@ def test_whether_vllm_registers_rows_is_read_from_the_views(vllm_env):
     assert _registered_as_rows({"a": (one, one)}) is False  # separate K and V: no row
     assert _registered_as_rows({"a": one[0]}) is False  # not a layer view
     assert _registered_as_rows({"a": one[:0]}) is False  # no blocks
+    assert _registered_as_rows({"a": torch.empty(0, *one.shape[1:], dtype=one.dtype)}) is False  # nor memory
     assert _registered_as_rows({"a": one.contiguous()}) is False  # a block's [H, N, C] in order
     # Every layer's view again, in a buffer one block row longer (vLLM then cuts segments),
     # or an element short of that (a rounded tail: still rows).
