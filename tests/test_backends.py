@@ -559,6 +559,18 @@ def test_the_cpu_kernels_take_the_cycles_for_long_runs_and_large_pieces(axes, ph
         assert launch.cycles[0].size == 0 and launch.cycles[1].tolist() == [0]
 
 
+@pytest.mark.parametrize("bad", [True, -1, 1.5, "512", None])
+def test_the_cpu_backend_s_cycle_bounds_are_non_negative_integers(bad):
+    from kvhost_cpu import CpuBackend
+
+    for name in ("cycle_piece_bytes", "cycle_run_bytes"):
+        with pytest.raises(
+            kvhost.ArgumentError, match=rf"{name} must be a non-negative integer, got {re.escape(repr(bad))}"
+        ):
+            CpuBackend(**{name: bad})
+    assert CpuBackend(cycle_piece_bytes=0, cycle_run_bytes=0).cycle_run_bytes == 0
+
+
 def test_cpu_backends_that_choose_other_ways_keep_their_own_launches():
     """A group's launch is kept per way of choosing: the default backend's and one that takes
     the cycles for every piece each keep their own, and each receives right."""

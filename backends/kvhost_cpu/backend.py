@@ -16,6 +16,7 @@ import numpy as np
 
 from kvhost.backend import Backend, Completion, OptionalKernels
 from kvhost.batch import CopyJob, ReceiveJob
+from kvhost.errors import ArgumentError
 from kvhost.torch_backend import TorchBackend
 from kvhost.transform import ChunkCycles, CopyPlan
 
@@ -49,6 +50,9 @@ class CpuBackend(Backend):
         """``cycle_run_bytes``, ``cycle_piece_bytes``: receive pieces whose runs are that long,
         or that large with runs half that long, are rewritten in place by their cycles
         (``kvhost.transform.ChunkCycles``) rather than through a scratch of a whole piece."""
+        for name, value in (("cycle_piece_bytes", cycle_piece_bytes), ("cycle_run_bytes", cycle_run_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ArgumentError(f"{name} must be a non-negative integer, got {value!r}")
         self.torch_path = TorchBackend()
         self.cycle_piece_bytes = cycle_piece_bytes
         self.cycle_run_bytes = cycle_run_bytes
