@@ -126,9 +126,9 @@ class WriteBack:
     @cached_property
     def cycles(self) -> ChunkCycles:
         """The same rewrite of a piece as cycles of its runs, done in place with one run of
-        scratch instead of the whole piece: for a piece far larger than a core's cache (a
-        block region holding every layer), one read and one write of each byte, where the
-        copy to a scratch reads and writes each twice outside the cache."""
+        scratch instead of the whole piece: one read and one write of each run that moves,
+        where the copy to a scratch reads and writes each byte twice (outside the cache, for
+        a piece larger than a core's cache, such as a block region holding every layer)."""
         loops = self.loops
         run = loops.run_bytes
         # The wire offset of every run of the piece, in the order the runs are written: the

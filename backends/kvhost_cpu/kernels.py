@@ -291,8 +291,7 @@ def _rearrange_span(bases, outer, unit_ids, params, cycle_order, cycle_starts, s
                 )
         elif span == 1:
             for piece in range(pieces):
-                offset = piece * piece_bytes
-                address = origin + unit_ids[unit, offset // region_bytes] * block_stride + offset % region_bytes
+                address = _chunk_at(origin, unit_ids[unit], piece * piece_bytes, region_bytes, block_stride)
                 base = _skewed(start, address)
                 _memcpy(base, address, piece_bytes)
                 _strided_copy(address, base, shape, dst_strides, src_strides, run, False)
