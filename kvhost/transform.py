@@ -24,6 +24,7 @@ Plans only read shapes and strides, never tensor data, and are cached.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from math import prod
@@ -49,6 +50,16 @@ class Loops:
     src_strides: tuple[int, ...]
     dst_strides: tuple[int, ...]
     run_bytes: int
+
+    def reordered(self, dims: Sequence[int]) -> Loops:
+        """The same copy walked in the order ``dims`` of all its dims, the first outermost: any
+        order moves the same bytes."""
+        return Loops(
+            tuple(self.shape[d] for d in dims),
+            tuple(self.src_strides[d] for d in dims),
+            tuple(self.dst_strides[d] for d in dims),
+            self.run_bytes,
+        )
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,14 @@ def _targets() -> list[object]:
 
     return [
         pytest.param(Target("cpu", "cpu"), id="cpu"),
-        # The CPU kernels with every receive piece rewritten in place by its cycles, which
-        # by default only pieces of CYCLE_PIECE_BYTES and more with long runs take.
-        pytest.param(Target(CpuBackend(cycle_piece_bytes=0, cycle_run_bytes=0), "cpu"), id="cpu-cycles"),
+        # The CPU kernels' other ways: every receive piece rewritten in place by its cycles
+        # (by default only pieces of CYCLE_PIECE_BYTES and more with long runs take them), and
+        # every copy walked in its source's order (by default only where the destination's
+        # order would read the source at a short stride).
+        pytest.param(
+            Target(CpuBackend(cycle_piece_bytes=0, cycle_run_bytes=0, copy_walk="source"), "cpu"),
+            id="cpu-other-ways",
+        ),
         pytest.param(Target("torch", "cpu"), id="torch-cpu"),
         # The same path with torch's ops for every call (by default the host's small calls
         # go through numpy on the calling thread), and every host gather split per index of

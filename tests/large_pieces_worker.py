@@ -30,16 +30,15 @@ DTYPES = {
 }
 
 
-def backend_for(name: str, tile_bytes: int | None, cpu_cycles: list[int] | None = None) -> Any:
+def backend_for(name: str, tile_bytes: int | None, cpu_ways: dict[str, Any] | None = None) -> Any:
     """The backend to pass as ``backend=``. ``tile_bytes``: the interpreted kernels' tile
     (the interpreter's cost is per operation, so large tiles make large pieces affordable);
-    ``cpu_cycles``: the CPU kernels' ``cycle_piece_bytes`` and ``cycle_run_bytes``, which
-    choose the receive pieces rewritten in place by their cycles."""
-    if name == "cpu" and cpu_cycles is not None:
+    ``cpu_ways``: the CPU backend's constructor arguments (``cycle_piece_bytes``,
+    ``cycle_run_bytes``, ``copy_walk``), which choose the ways its kernels take."""
+    if name == "cpu" and cpu_ways is not None:
         from kvhost_cpu import CpuBackend
 
-        piece, run = cpu_cycles
-        return CpuBackend(cycle_piece_bytes=piece, cycle_run_bytes=run)
+        return CpuBackend(**cpu_ways)
     if name == "triton-interpret":
         from dataclasses import replace
 
@@ -117,7 +116,7 @@ def main(argv: list[str]) -> None:
         import torch_xla  # noqa: F401  (torch knows the XLA device only once torch_xla is imported)
     import kvhost
 
-    backend = backend_for(backend_name, spec.get("triton_tile_bytes"), spec.get("cpu_cycles"))
+    backend = backend_for(backend_name, spec.get("triton_tile_bytes"), spec.get("cpu_ways"))
     report = run_receive(spec, backend, device) if spec["op"] == "receive" else run_copy(spec, backend, device)
     instance = backend if isinstance(backend, kvhost.Backend) else kvhost.get_backend(device, backend)
     report["describe"] = instance.describe()  # e.g. "numba kernels": the path that ran

@@ -571,6 +571,98 @@ def test_the_cpu_backend_s_cycle_bounds_are_non_negative_integers(bad):
     assert CpuBackend(cycle_piece_bytes=0, cycle_run_bytes=0).cycle_run_bytes == 0
 
 
+def _byte_pairs(loops) -> set[tuple[int, int]]:
+    """Every (source, destination) offset a copy's loops copy a run between."""
+    import itertools
+
+    return {
+        (sum(i * s for i, s in zip(index, loops.src_strides)), sum(i * d for i, d in zip(index, loops.dst_strides)))
+        for index in itertools.product(*(range(size) for size in loops.shape))
+    }
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "heads", "walk", "shape"),
+    [
+        # A save into a head-major buffer, 8 heads: the destination's walk (K, H, N) would
+        # read the cache's tokens 2 KiB apart; the source's walk (K, N, H) reads it in order.
+        ("KBNHC", "KBHNC", 8, "source", (2, 16, 8)),
+        # 16 heads: 4 KiB apart, a page: the destination's walk.
+        ("KBNHC", "KBHNC", 16, "destination", (2, 16, 16)),
+        # A load out of a buffer of blocks of 16 tokens: a head's tokens are 4 KiB apart.
+        ("KBHNC", "KBNHC", 8, "destination", (2, 16, 8)),
+        # One layout on both sides: one run a K/V half, no stride to read at.
+        ("KBNHC", "KBNHC", 8, "destination", (2,)),
+    ],
+)
+def test_a_cpu_copy_walks_its_source_s_order_where_the_destination_s_reads_at_a_short_stride(
+    src, dst, heads, walk, shape
+):
+    from kvhost_cpu import CpuBackend
+    from kvhost_cpu.backend import walk_order
+
+    from kvhost.batch import plan_copy_batch
+    from kvhost.caches import CacheSet
+    from kvhost.layout import Layout
+    from kvhost.transform import plan_copy
+
+    sizes = dict(K=2, B=4, N=16, H=heads, C=128)
+    caches = [
+        {"l": fill_random(make_cache("KBNHC", physical, sizes), seed)} for seed, physical in enumerate((src, dst))
+    ]
+    plan = plan_copy(*(Layout.of(c["l"], "KBNHC") for c in caches))
+    walked = walk_order(plan.loops)
+    by_source = sorted(range(len(plan.loops.shape)), key=lambda d: -plan.loops.src_strides[d])
+    assert walked == (plan.loops.reordered(by_source) if walk == "source" else plan.loops)
+    assert walked.shape == shape and walked.run_bytes == (32768 if src == dst else 256)
+    assert walk_order(plan.loops, source=True) == plan.loops.reordered(by_source)
+    assert _byte_pairs(walked) == _byte_pairs(plan.loops)
+    case = CopyCase(*caches, "KBNHC", "KBNHC")
+    (job,) = plan_copy_batch(
+        CacheSet(caches[0], "KBNHC"), CacheSet(caches[1], "KBNHC"), [3, 0, 1], [1, 2, 3], False
+    ).jobs
+    CpuBackend().copy(job).wait()
+    case.check([3, 0, 1], [1, 2, 3])
+    launch = job.group.derived["cpu"]  # the kernels' loops (shape at 6..11, padded in front): the walk's
+    for params in (launch.cached_params, launch.streamed_params):
+        assert tuple(int(x) for x in params[12 - len(walked.shape) : 12]) == walked.shape
+        assert tuple(int(x) for x in params[18 - len(walked.shape) : 18]) == walked.src_strides
+
+
+def test_the_cpu_copy_walk_s_stride_bound():
+    """The source's walk where the destination's reads runs of SHORT_READ_RUN bytes or more
+    out of order at a stride over a run and under SHORT_READ_STRIDE; otherwise the loops
+    are kept as they are."""
+    from kvhost_cpu.backend import SHORT_READ_RUN, SHORT_READ_STRIDE, walk_order
+
+    from kvhost.transform import Loops
+
+    def heads_then_tokens(stride: int) -> Loops:  # runs of 256 B; tokens `stride` apart in the source
+        return Loops((8, 16), (256, stride), (4096, 256), 256)
+
+    for stride, reordered in ((256, False), (257, True), (SHORT_READ_STRIDE - 1, True), (SHORT_READ_STRIDE, False)):
+        tokens_then_heads = Loops((16, 8), (stride, 256), (256, 4096), 256)
+        assert walk_order(heads_then_tokens(stride)) == (tokens_then_heads if reordered else heads_then_tokens(stride))
+        if stride > 256:  # at 256 both dims stride alike: either is the source's order
+            assert walk_order(heads_then_tokens(stride), source=True) == tokens_then_heads
+    # Runs of 255 B (tokens 2 KiB apart): the destination's walk, which shorter runs favour.
+    short_runs = Loops((8, 16), (255, 2048), (4080, 255), 255)
+    assert walk_order(short_runs) == short_runs
+    assert walk_order(Loops((8, 16), (256, 2048), (4096, 256), 256)) == Loops((16, 8), (2048, 256), (256, 4096), 256)
+    assert walk_order(Loops((), (), (), 4096)) == Loops((), (), (), 4096)
+    assert (SHORT_READ_STRIDE, SHORT_READ_RUN) == (4096, 256)
+
+
+@pytest.mark.parametrize("bad", ["fewest", "", None, 1, "Source"])
+def test_the_cpu_backend_s_copy_walk_is_one_of_its_walks(bad):
+    from kvhost_cpu import CpuBackend
+
+    walks = r"\('by stride', 'destination', 'source'\)"
+    with pytest.raises(kvhost.ArgumentError, match=rf"copy_walk must be one of {walks}, got {re.escape(repr(bad))}"):
+        CpuBackend(copy_walk=bad)
+    assert CpuBackend(copy_walk="source").copy_walk == "source"
+
+
 def test_cpu_backends_that_choose_other_ways_keep_their_own_launches():
     """A group's launch is kept per way of choosing: the default backend's and one that takes
     the cycles for every piece each keep their own, and each receives right."""
@@ -589,8 +681,8 @@ def test_cpu_backends_that_choose_other_ways_keep_their_own_launches():
     case.check()
     (group,) = cache_set.receive_groups("HNC", 4)
     launches = dict(group.derived)
-    assert set(launches) == {"cpu", "cpu/cycles from 0/0"}
-    assert int(launches["cpu"].params[24]) == 0 and int(launches["cpu/cycles from 0/0"].params[24]) > 0
+    assert set(launches) == {"cpu", "cpu/0/0/by stride"}
+    assert int(launches["cpu"].params[24]) == 0 and int(launches["cpu/0/0/by stride"].params[24]) > 0
 
 
 def test_a_group_on_memory_without_an_address_is_marked_for_the_torch_path():
@@ -711,7 +803,8 @@ def test_copy_work_items_hold_at_most_2_mib_of_blocks_and_at_least_one_block():
 
     def most_blocks(block: torch.Tensor) -> int:
         layout = Layout.of(block, "BNC")
-        return int(_copy_params(plan_copy(layout, layout), False)[4])
+        plan = plan_copy(layout, layout)
+        return int(_copy_params(plan, plan.loops, False)[4])
 
     assert most_blocks(torch.empty(4, 8, 16, device=META)) == (2 << 20) // 512  # 512-byte blocks
     assert most_blocks(torch.empty(2, 1024, 1024, device=META)) == 1  # a 4 MiB block is an item alone

@@ -208,6 +208,9 @@ COPY_CASES = {
     "HND-to-NHD-h32c128-bf16": CopyCase("KBHNC", "KBNHC", dict(K=2, N=128, H=32, C=128), "bf16", 1 * MiB, layers=2),
     # Token-major to K-inside head-major (BKHNC), fp8: blocks of 4 MiB per K/V half, 8 MiB whole.
     "NHD-to-KHND-h64c256-fp8": CopyCase("KBNHC", "BKHNC", dict(K=2, N=256, H=64, C=256), "fp8", 4 * MiB),
+    # Token-major to head-major, 8 heads, 1 MiB per K/V half: the CPU kernels walk the source's
+    # order (the destination's would read it 2 KiB apart).
+    "NHD-to-HND-h8c128-bf16": CopyCase("KBNHC", "KBHNC", dict(K=2, N=512, H=8, C=128), "bf16", 1 * MiB),
     # Same layout, fp32: whole 8 MiB regions, runs merged.
     "NHD-to-NHD-h64c128-fp32": CopyCase("KBNHC", "KBNHC", dict(K=2, N=256, H=64, C=128), "fp32", 8 * MiB),
 }
@@ -218,7 +221,8 @@ def run_worker(target: Any, spec: dict[str, Any], what: str, env: dict[str, str]
     from kvhost_cpu import CpuBackend
 
     if isinstance(target.backend, CpuBackend):  # an instance of its own: the worker makes the same
-        spec = dict(spec, cpu_cycles=[target.backend.cycle_piece_bytes, target.backend.cycle_run_bytes])
+        ways = {name: getattr(target.backend, name) for name in ("cycle_piece_bytes", "cycle_run_bytes", "copy_walk")}
+        spec = dict(spec, cpu_ways=ways)
     command = [sys.executable, "-X", "faulthandler", str(WORKER), target.name, target.device, json.dumps(spec)]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=600, env={**os.environ, **STRICT_MALLOC, **(env or {})}
@@ -285,7 +289,7 @@ def test_grown_scratch_case_grows_on_an_h200():
 def test_cpu_receive_large_pieces_through_a_scratch(case):
     """Every large piece through the numba kernels' scratch copy too: by default the pieces
     with long runs are rewritten in place by their cycles instead (the ``cpu`` target), and
-    the ``cpu-cycles`` target takes the cycles for every piece."""
+    the ``cpu-other-ways`` target takes the cycles for every piece."""
     from conftest import Target
     from kvhost_cpu import CpuBackend
 
