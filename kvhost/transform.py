@@ -52,8 +52,9 @@ class Loops:
     run_bytes: int
 
     def reordered(self, dims: Sequence[int]) -> Loops:
-        """The same copy walked in the order ``dims`` of all its dims, the first outermost: any
-        order moves the same bytes."""
+        """The same copy walked in the order ``dims`` (a permutation of all its dims, the
+        first outermost). Any order moves the same bytes: a copy's runs never overlap in its
+        destination, nor the bytes it reads those it writes."""
         return Loops(
             tuple(self.shape[d] for d in dims),
             tuple(self.src_strides[d] for d in dims),

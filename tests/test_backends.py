@@ -629,35 +629,66 @@ def test_a_cpu_copy_walks_its_source_s_order_where_the_destination_s_reads_at_a_
         assert tuple(int(x) for x in params[18 - len(walked.shape) : 18]) == walked.src_strides
 
 
+@pytest.mark.parametrize(
+    ("heads", "walk", "src_strides"), [(16, "source", (262144, 4096, 256)), (8, "destination", (131072, 256, 2048))]
+)
+def test_a_cpu_backend_told_a_walk_takes_it_and_keeps_its_own_copy_launch(heads, walk, src_strides):
+    """A forced walk where the default takes the other (16 heads: the destination's; 8: the
+    source's): each backend keeps its launch under its own key, with its own loops, and
+    each copies right."""
+    from kvhost_cpu import CpuBackend
+
+    from kvhost.batch import plan_copy_batch
+    from kvhost.caches import CacheSet
+
+    sizes = dict(K=2, B=4, N=16, H=heads, C=128)
+    caches = [
+        {"l": fill_random(make_cache("KBNHC", physical, sizes), seed)}
+        for seed, physical in enumerate(("KBNHC", "KBHNC"))
+    ]
+    sets = [CacheSet(c, "KBNHC") for c in caches]
+    case = CopyCase(*caches, "KBNHC", "KBNHC")
+    for backend, (src_ids, dst_ids) in ((CpuBackend(), ([0], [1])), (CpuBackend(copy_walk=walk), ([2], [3]))):
+        (job,) = plan_copy_batch(*sets, src_ids, dst_ids, False).jobs
+        backend.copy(job).wait()
+    case.check([0, 2], [1, 3])
+    group = job.group
+    key = f"cpu/2097152/512/{walk}"
+    assert set(group.derived) == {"cpu", key}
+    default_strides = tuple(int(x) for x in group.derived["cpu"].cached_params[15:18])
+    assert tuple(int(x) for x in group.derived[key].cached_params[15:18]) == src_strides != default_strides
+
+
 def test_the_cpu_copy_walk_s_stride_bound():
-    """The source's walk where the destination's reads runs of SHORT_READ_RUN bytes or more
-    out of order at a stride over a run and under SHORT_READ_STRIDE; otherwise the loops
-    are kept as they are."""
-    from kvhost_cpu.backend import SHORT_READ_RUN, SHORT_READ_STRIDE, walk_order
+    """The source's walk where the destination's reads runs of REORDER_MIN_RUN bytes or more
+    less than SHORT_READ_STRIDE apart; otherwise the loops are kept as they are."""
+    from kvhost_cpu.backend import REORDER_MIN_RUN, SHORT_READ_STRIDE, walk_order
 
     from kvhost.transform import Loops
 
-    def heads_then_tokens(stride: int) -> Loops:  # runs of 256 B; tokens `stride` apart in the source
-        return Loops((8, 16), (256, stride), (4096, 256), 256)
+    def heads_then_tokens(stride: int, run: int = 256) -> Loops:  # tokens `stride` apart in the source
+        return Loops((2, 8, 16), (1 << 20, run, stride), (1 << 21, 16 * run, run), run)
 
-    for stride, reordered in ((256, False), (257, True), (SHORT_READ_STRIDE - 1, True), (SHORT_READ_STRIDE, False)):
-        tokens_then_heads = Loops((16, 8), (stride, 256), (256, 4096), 256)
-        assert walk_order(heads_then_tokens(stride)) == (tokens_then_heads if reordered else heads_then_tokens(stride))
-        if stride > 256:  # at 256 both dims stride alike: either is the source's order
-            assert walk_order(heads_then_tokens(stride), source=True) == tokens_then_heads
-    # Runs of 255 B (tokens 2 KiB apart): the destination's walk, which shorter runs favour.
-    short_runs = Loops((8, 16), (255, 2048), (4080, 255), 255)
-    assert walk_order(short_runs) == short_runs
-    assert walk_order(Loops((8, 16), (256, 2048), (4096, 256), 256)) == Loops((16, 8), (2048, 256), (256, 4096), 256)
+    def tokens_then_heads(stride: int, run: int = 256) -> Loops:
+        return Loops((2, 16, 8), (1 << 20, stride, run), (1 << 21, run, 16 * run), run)
+
+    for stride, reordered in ((512, True), (SHORT_READ_STRIDE - 1, True), (SHORT_READ_STRIDE, False)):
+        assert walk_order(heads_then_tokens(stride)) == (
+            tokens_then_heads(stride) if reordered else heads_then_tokens(stride)
+        )
+        assert walk_order(heads_then_tokens(stride), source=True) == tokens_then_heads(stride)
+    # Runs of 255 B, 2 KiB apart: the destination's walk, which shorter runs favour.
+    assert walk_order(heads_then_tokens(2048, 255)) == heads_then_tokens(2048, 255)
+    assert walk_order(heads_then_tokens(2048, 256)) == tokens_then_heads(2048, 256)
     assert walk_order(Loops((), (), (), 4096)) == Loops((), (), (), 4096)
-    assert (SHORT_READ_STRIDE, SHORT_READ_RUN) == (4096, 256)
+    assert (SHORT_READ_STRIDE, REORDER_MIN_RUN) == (4096, 256)
 
 
 @pytest.mark.parametrize("bad", ["fewest", "", None, 1, "Source"])
 def test_the_cpu_backend_s_copy_walk_is_one_of_its_walks(bad):
     from kvhost_cpu import CpuBackend
 
-    walks = r"\('by stride', 'destination', 'source'\)"
+    walks = r"\('auto', 'destination', 'source'\)"
     with pytest.raises(kvhost.ArgumentError, match=rf"copy_walk must be one of {walks}, got {re.escape(repr(bad))}"):
         CpuBackend(copy_walk=bad)
     assert CpuBackend(copy_walk="source").copy_walk == "source"
@@ -681,8 +712,8 @@ def test_cpu_backends_that_choose_other_ways_keep_their_own_launches():
     case.check()
     (group,) = cache_set.receive_groups("HNC", 4)
     launches = dict(group.derived)
-    assert set(launches) == {"cpu", "cpu/0/0/by stride"}
-    assert int(launches["cpu"].params[24]) == 0 and int(launches["cpu/0/0/by stride"].params[24]) > 0
+    assert set(launches) == {"cpu", "cpu/0/0/auto"}
+    assert int(launches["cpu"].params[24]) == 0 and int(launches["cpu/0/0/auto"].params[24]) > 0
 
 
 def test_a_group_on_memory_without_an_address_is_marked_for_the_torch_path():

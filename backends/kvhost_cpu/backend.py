@@ -33,12 +33,12 @@ MAX_ITEM_BYTES = 1 << 21  # copies are split into items of at most this much, to
 CYCLE_PIECE_BYTES = 2 << 20
 CYCLE_RUN_BYTES = 512
 NO_CYCLES = ChunkCycles(0, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
-# The order a copy's loops walk in: the destination's, unless that reads runs of the source
-# of SHORT_READ_RUN bytes or more at a stride under SHORT_READ_STRIDE (``walk_order``); or
-# always the destination's or the source's.
-COPY_WALKS = ("by stride", "destination", "source")
+# The order a copy's loops walk in: "auto", the destination's unless that reads runs of the
+# source of REORDER_MIN_RUN bytes or more less than SHORT_READ_STRIDE apart, where the
+# source's (``walk_order``); or always the destination's or the source's.
+COPY_WALKS = ("auto", "destination", "source")
 SHORT_READ_STRIDE = 4096
-SHORT_READ_RUN = 256
+REORDER_MIN_RUN = 256
 # One kernel launch at a time: each launch already uses every core, and numba's fallback
 # threading layer (workqueue, where no OpenMP or TBB is found) aborts on concurrent launches.
 # Re-entrant: a device copy's handle dropped while this thread holds it (the collector runs
@@ -213,19 +213,18 @@ def _copy_params(plan: CopyPlan, loops: Loops, stream: bool) -> np.ndarray:
 
 def walk_order(loops: Loops, source: bool = False) -> Loops:
     """``loops`` (walked in the destination's memory order), or walked in the source's order
-    where the destination's walk would read runs of ``SHORT_READ_RUN`` bytes or more out of
-    order at a stride under ``SHORT_READ_STRIDE``, and always with ``source``.
+    where the destination's walk would read runs of ``REORDER_MIN_RUN`` bytes or more out of
+    order, less than ``SHORT_READ_STRIDE`` apart; with ``source``, always in the source's.
 
-    Measured here (``experiments/copy_walk.py``: token-major caches and head-major host
-    buffers, saves and loads, 2-32 heads, blocks of 4-64 tokens, 256 MiB a call, two runs,
-    medians as fractions of memcpy): walked in the destination's order, copies of runs of
-    256 B to 1 KiB that read the source at strides of 512 B to 2 KiB ran at 0.90-1.10, and
-    at 1.23-1.82 at strides of 4 KiB or more; walked in the source's order (reads in order,
-    writes striding), 1.03-1.25 whatever the stride. Runs of 128 B ran at 0.78-0.79 in the
-    destination's order and 0.71-0.77 in the source's.
+    Measured here (``experiments/copy_walk.py``, docs/performance.md): where the
+    destination's walk read the source 512 B to 2 KiB apart, 0.90-1.03 of memcpy against
+    the source's walk's 0.95-1.18; 4 KiB or more apart, 1.13-1.38 against 0.94-1.15. Runs
+    of 128 B ran slightly faster in the destination's walk.
     """
-    inner_stride = loops.src_strides[-1] if loops.shape else 0
-    short_reads = loops.run_bytes >= SHORT_READ_RUN and loops.run_bytes < inner_stride < SHORT_READ_STRIDE
+    # plan_copy merges a dim contiguous on both sides into the run, so the innermost loop's
+    # source stride is never the run's: where it is short, the destination's walk reads out
+    # of order.
+    short_reads = bool(loops.shape) and loops.run_bytes >= REORDER_MIN_RUN and loops.src_strides[-1] < SHORT_READ_STRIDE
     if source or short_reads:
         return loops.reordered(sorted(range(len(loops.shape)), key=lambda d: -loops.src_strides[d]))
     return loops
