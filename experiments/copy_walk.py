@@ -4,13 +4,13 @@
 
 A copy between two layouts (a token-major cache and a head-major host buffer) walks one
 side's memory in order; on the other it reads or writes runs out of order, at the stride
-of its innermost loop there. This times the CPU kernels'
-three ways (``CpuBackend(copy_walk=...)``: the destination's order, the source's, and
-``walk_order``'s choice by the stride the destination's walk reads at) on the same caches,
-interleaved with a memcpy of the same bytes in a random order each round (32 MiB of other
-data is written between calls, so the caches start cold), for saves into and loads out of
-the buffer, several block sizes, head counts and channels; prints medians as fractions of
-memcpy, and the stride the destination's walk reads at.
+of its innermost loop there. This times the CPU kernels' three ways
+(``CpuBackend(copy_walk=...)``: the destination's order, the source's, and ``auto``, the
+choice of ``walk_order`` by the stride the destination's walk reads at) on the same caches,
+interleaved with a memcpy of the same bytes in a random order each round (every line the
+calls touch is flushed from the caches before each, as ``kvhost bench`` does), for saves
+into and loads out of the buffer, several block sizes, head counts and channels; prints
+medians as fractions of memcpy, and the stride the destination's walk reads at.
 
 What it measured decided ``walk_order`` in ``backends/kvhost_cpu/backend.py`` (figures in
 docs/performance.md). Nothing here is imported by kvhost.
@@ -28,6 +28,7 @@ import time
 # cores from torch's memcpy after every kvhost call.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np
 import torch
 from kvhost_cpu import CpuBackend
 from kvhost_cpu.backend import COPY_WALKS, walk_order
@@ -36,8 +37,9 @@ import kvhost
 from kvhost.layout import Layout
 from kvhost.testing import make_cache
 from kvhost.transform import plan_copy
+from kvhost_tools.bench.evict import evict_lines
 
-TOTAL_BYTES = 256 << 20  # the bytes each call moves: many times the last-level cache
+TOTAL_BYTES = 64 << 20  # the bytes each call moves
 AXES = "KBNHC"
 SHAPES = (  # tokens x heads x channels
     "16x8x128,64x8x128,32x8x128,8x8x128,16x16x128,8x16x128,16x32x128,64x2x128,16x4x256,16x8x256,4x8x256,16x2x512,"
@@ -59,13 +61,15 @@ def measure(direction: str, sizes: dict[str, int], rounds: int) -> str:
     nbytes = cache["c"].untyped_storage().nbytes()
     src = torch.ones(nbytes, dtype=torch.int8)
     dst = torch.empty_like(src)
-    other = torch.empty(32 << 20, dtype=torch.int8)
+    touched = np.array(
+        [(t.data_ptr(), t.untyped_storage().nbytes()) for t in (cache["c"], buffer["c"], src, dst)], dtype=np.int64
+    )
     times: dict[str, list[float]] = {name: [] for name in [*COPY_WALKS, "memcpy"]}
     for round_ in range(rounds):
         names = list(times)
         random.Random(round_).shuffle(names)
         for name in names:
-            other.add_(1)
+            evict_lines(touched)
             start = time.perf_counter()
             if name == "memcpy":
                 dst.copy_(src)
