@@ -252,7 +252,7 @@ SCENARIOS = (
         at=SWEEP,
         points=tuple(
             {"direction": direction, "host_physical": host, "label": f"{direction}{', host HND' if host else ''}"}
-            for direction, host in (("save", ""), ("load", ""), ("save", "KBHNC"))
+            for direction, host in (("save", ""), ("load", ""), ("save", "KBHNC"), ("load", "KBHNC"))
         ),
     ),
 )
