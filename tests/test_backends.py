@@ -677,11 +677,11 @@ def test_the_cpu_copy_walk_s_stride_bound():
             tokens_then_heads(stride) if reordered else heads_then_tokens(stride)
         )
         assert walk_order(heads_then_tokens(stride), source=True) == tokens_then_heads(stride)
-    # Runs of 255 B, 2 KiB apart: the destination's walk, which shorter runs favour.
-    assert walk_order(heads_then_tokens(2048, 255)) == heads_then_tokens(2048, 255)
-    assert walk_order(heads_then_tokens(2048, 256)) == tokens_then_heads(2048, 256)
+    # Runs of 127 B, 2 KiB apart: the destination's walk, which shorter runs favour.
+    assert walk_order(heads_then_tokens(2048, 127)) == heads_then_tokens(2048, 127)
+    assert walk_order(heads_then_tokens(2048, 128)) == tokens_then_heads(2048, 128)
     assert walk_order(Loops((), (), (), 4096)) == Loops((), (), (), 4096)
-    assert (SHORT_READ_STRIDE, REORDER_MIN_RUN) == (4096, 256)
+    assert (SHORT_READ_STRIDE, REORDER_MIN_RUN) == (4096, 128)
 
 
 @pytest.mark.parametrize("bad", ["fewest", "", None, 1, "Source"])
@@ -864,9 +864,9 @@ def _kernel_params_seen(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("block_bytes", [40961, 4097, 300, 255])
+@pytest.mark.parametrize("block_bytes", [40961, 4097, 300, 255, 127])
 def test_copies_of_1_mib_and_more_stream_their_runs_exactly(monkeypatch, block_bytes):
-    # Odd block sizes put every destination run at another alignment; runs of 255 bytes
+    # Odd block sizes put every destination run at another alignment; runs of 127 bytes
     # are too short to stream and take the cached path inside a streamed copy. Ids in
     # runs and alone; every byte of every block not written keeps its sentinel.
     import kvhost_cpu.kernels as kernels
@@ -1135,13 +1135,13 @@ def test_the_copy_kernel_finds_the_runs_of_random_ids():
 # Every way moves the same bytes, so no byte check sees a wrong choice; it only costs speed.
 
 
-def test_runs_of_256_bytes_and_more_of_a_streamed_copy_are_streamed():
+def test_runs_of_128_bytes_and_more_of_a_streamed_copy_are_streamed():
     import kvhost_cpu.kernels as kernels
 
-    assert kernels.STREAM_RUN == 256
-    assert kernels._streams(256, True) and kernels._streams(1 << 20, True)
-    assert not kernels._streams(255, True)
-    assert not kernels._streams(256, False) and not kernels._streams(1 << 20, False)
+    assert kernels.STREAM_RUN == 128
+    assert kernels._streams(128, True) and kernels._streams(1 << 20, True)
+    assert not kernels._streams(127, True)
+    assert not kernels._streams(128, False) and not kernels._streams(1 << 20, False)
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ NO_CYCLES = ChunkCycles(0, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int
 # source's (``walk_order``); or always the destination's or the source's.
 COPY_WALKS = ("auto", "destination", "source")
 SHORT_READ_STRIDE = 4096
-REORDER_MIN_RUN = 256
+REORDER_MIN_RUN = 128  # the kernels' STREAM_RUN: the runs whose walk was measured
 # One kernel launch at a time: each launch already uses every core, and numba's fallback
 # threading layer (workqueue, where no OpenMP or TBB is found) aborts on concurrent launches.
 # Re-entrant: a device copy's handle dropped while this thread holds it (the collector runs
@@ -219,7 +219,8 @@ def walk_order(loops: Loops, source: bool = False) -> Loops:
     Measured here (``experiments/copy_walk.py``, docs/performance.md): where the
     destination's walk read the source 512 B to 2 KiB apart, 0.90-1.03 of memcpy against
     the source's walk's 0.95-1.18; 4 KiB or more apart, 1.13-1.38 against 0.94-1.15. Runs
-    of 128 B ran slightly faster in the destination's walk.
+    of 128-192 B, streamed, read 1-3 KiB apart: 0.72-1.21 against 0.81-1.25, the source's
+    walk faster in 6 of 9 cases and within 0.05 in the others.
     """
     # plan_copy merges a dim contiguous on both sides into the run, so the innermost loop's
     # source stride is never the run's: where it is short, the destination's walk reads out
