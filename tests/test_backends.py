@@ -589,7 +589,7 @@ def _byte_pairs(loops) -> set[tuple[int, int]]:
         ("KBNHC", "KBHNC", 8, "source", (2, 16, 8)),
         # 16 heads: 4 KiB apart, a page: the destination's walk.
         ("KBNHC", "KBHNC", 16, "destination", (2, 16, 16)),
-        # A load out of a buffer of blocks of 16 tokens: a head's tokens are 4 KiB apart.
+        # A load out of a buffer of blocks of 16 tokens: a token's heads are 4 KiB apart.
         ("KBHNC", "KBNHC", 8, "destination", (2, 16, 8)),
         # One layout on both sides: one run a K/V half, no stride to read at.
         ("KBNHC", "KBNHC", 8, "destination", (2,)),
@@ -623,10 +623,11 @@ def test_a_cpu_copy_walks_its_source_s_order_where_the_destination_s_reads_at_a_
     ).jobs
     CpuBackend().copy(job).wait()
     case.check([3, 0, 1], [1, 2, 3])
-    launch = job.group.derived["cpu"]  # the kernels' loops (shape at 6..11, padded in front): the walk's
-    for params in (launch.cached_params, launch.streamed_params):
-        assert tuple(int(x) for x in params[12 - len(walked.shape) : 12]) == walked.shape
-        assert tuple(int(x) for x in params[18 - len(walked.shape) : 18]) == walked.src_strides
+    launch = job.group.derived["cpu"]  # the kernels' loops (shape at 6..11, padded in front)
+    for params, loops in ((launch.streamed_params, walked), (launch.cached_params, plan.loops)):
+        # Streamed copies take the walk; copies under STREAM_BYTES keep the destination's.
+        assert tuple(int(x) for x in params[12 - len(loops.shape) : 12]) == loops.shape
+        assert tuple(int(x) for x in params[18 - len(loops.shape) : 18]) == loops.src_strides
 
 
 @pytest.mark.parametrize(
@@ -637,6 +638,7 @@ def test_a_cpu_backend_told_a_walk_takes_it_and_keeps_its_own_copy_launch(heads,
     source's): each backend keeps its launch under its own key, with its own loops, and
     each copies right."""
     from kvhost_cpu import CpuBackend
+    from kvhost_cpu.backend import CYCLE_PIECE_BYTES, CYCLE_RUN_BYTES
 
     from kvhost.batch import plan_copy_batch
     from kvhost.caches import CacheSet
@@ -653,10 +655,10 @@ def test_a_cpu_backend_told_a_walk_takes_it_and_keeps_its_own_copy_launch(heads,
         backend.copy(job).wait()
     case.check([0, 2], [1, 3])
     group = job.group
-    key = f"cpu/2097152/512/{walk}"
+    key = f"cpu/{CYCLE_PIECE_BYTES}/{CYCLE_RUN_BYTES}/{walk}"
     assert set(group.derived) == {"cpu", key}
-    default_strides = tuple(int(x) for x in group.derived["cpu"].cached_params[15:18])
-    assert tuple(int(x) for x in group.derived[key].cached_params[15:18]) == src_strides != default_strides
+    default_strides = tuple(int(x) for x in group.derived["cpu"].streamed_params[15:18])
+    assert tuple(int(x) for x in group.derived[key].streamed_params[15:18]) == src_strides != default_strides
 
 
 def test_the_cpu_copy_walk_s_stride_bound():
@@ -1187,6 +1189,25 @@ def test_runs_of_whole_32_byte_words_up_to_1_kib_are_copied_inline():
     assert kernels.SHORT_RUN == 1024
     assert all(kernels._inline(n) for n in (32, 64, 992, 1024))
     assert not any(kernels._inline(n) for n in (1056, 2048, 33, 100, 1023))
+
+
+def test_every_streamed_run_of_128_to_255_bytes_stays_within_its_bytes():
+    """At every alignment: a lead under 32, at least one aligned word, a tail under 32,
+    adding up to the run (the shortest streamed runs leave the least room)."""
+    import kvhost_cpu.kernels as kernels
+
+    for nbytes in range(kernels.STREAM_RUN, 256):
+        for dst in range(4096, 4096 + 32):
+            lead, body = kernels._aligned_body(dst, nbytes)
+            assert 0 <= lead < 32 and body >= 32 and (dst + lead) % 32 == 0 and body % 32 == 0
+            assert 0 <= nbytes - lead - body < 32
+
+
+def test_the_walk_applies_to_the_runs_the_kernels_stream():
+    import kvhost_cpu.kernels as kernels
+    from kvhost_cpu.backend import REORDER_MIN_RUN
+
+    assert REORDER_MIN_RUN == kernels.STREAM_RUN
 
 
 @pytest.mark.parametrize(

@@ -211,6 +211,10 @@ COPY_CASES = {
     # Token-major to head-major, 8 heads, 1 MiB per K/V half: the CPU kernels walk the source's
     # order (the destination's would read it 2 KiB apart).
     "NHD-to-HND-h8c128-bf16": CopyCase("KBNHC", "KBHNC", dict(K=2, N=512, H=8, C=128), "bf16", 1 * MiB),
+    # Heads of 64 and 96 bf16 channels: streamed runs of 128 B (the source's walk: the
+    # destination's would read them 1 KiB apart) and 192 B (the destination's walk).
+    "NHD-to-HND-h8c64-bf16": CopyCase("KBNHC", "KBHNC", dict(K=2, N=1024, H=8, C=64), "bf16", 1 * MiB),
+    "HND-to-NHD-h24c96-bf16": CopyCase("KBHNC", "KBNHC", dict(K=2, N=256, H=24, C=96), "bf16", 1 * MiB),
     # Same layout, fp32: whole 8 MiB regions, runs merged.
     "NHD-to-NHD-h64c128-fp32": CopyCase("KBNHC", "KBNHC", dict(K=2, N=256, H=64, C=128), "fp32", 8 * MiB),
 }

@@ -38,7 +38,7 @@ NO_CYCLES = ChunkCycles(0, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int
 # source's (``walk_order``); or always the destination's or the source's.
 COPY_WALKS = ("auto", "destination", "source")
 SHORT_READ_STRIDE = 4096
-REORDER_MIN_RUN = 128  # the kernels' STREAM_RUN: the runs whose walk was measured
+REORDER_MIN_RUN = 128  # the kernels' STREAM_RUN: streamed runs, whose walks were measured
 # One kernel launch at a time: each launch already uses every core, and numba's fallback
 # threading layer (workqueue, where no OpenMP or TBB is found) aborts on concurrent launches.
 # Re-entrant: a device copy's handle dropped while this thread holds it (the collector runs
@@ -140,13 +140,17 @@ class CpuBackend(Backend):
         kernels = KERNELS.module
         if kernels is None or job.src_device.type != "cpu" or job.dst_device.type != "cpu":
             return False
-        group, loops = job.group, job.plan.loops
-        if self.copy_walk != "destination":  # plan_copy walks in the destination's order
-            loops = walk_order(loops, source=self.copy_walk == "source")
+        group, loops = job.group, job.plan.loops  # plan_copy walks in the destination's order
+        # Copies under STREAM_BYTES (cached stores) keep it: the walks were measured streamed.
+        streamed = loops if self.copy_walk == "destination" else walk_order(loops, self.copy_walk == "source")
         addresses = (group.sources.addresses, group.destinations.addresses)
         block_bytes = group.block_bytes
         return _CopyLaunch(
-            kernels, _copy_params(job.plan, loops, False), _copy_params(job.plan, loops, True), block_bytes, addresses
+            kernels,
+            _copy_params(job.plan, loops, False),
+            _copy_params(job.plan, streamed, True),
+            block_bytes,
+            addresses,
         )
 
 
@@ -222,9 +226,8 @@ def walk_order(loops: Loops, source: bool = False) -> Loops:
     of 128-192 B, streamed, read 1-3 KiB apart: 0.72-1.21 against 0.81-1.25, the source's
     walk faster in 6 of 9 cases and within 0.05 in the others.
     """
-    # plan_copy merges a dim contiguous on both sides into the run, so the innermost loop's
-    # source stride is never the run's: where it is short, the destination's walk reads out
-    # of order.
+    # A short source stride on the innermost loop: the destination's walk reads the source
+    # out of order (plan_copy has merged into the run any dim contiguous on both sides).
     short_reads = bool(loops.shape) and loops.run_bytes >= REORDER_MIN_RUN and loops.src_strides[-1] < SHORT_READ_STRIDE
     if source or short_reads:
         return loops.reordered(sorted(range(len(loops.shape)), key=lambda d: -loops.src_strides[d]))

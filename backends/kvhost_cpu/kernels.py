@@ -36,8 +36,10 @@ SHORT_RUN = 1024  # runs up to this many bytes are copied inline
 # someone else (a NIC, another engine, the next step), and a cached store would first
 # read every destination line it overwrites. Measured here (kvhost bench --only stage),
 # 1.1-1.2x the throughput of cached stores at 4 MiB, 1.4-1.5x at 64-128 MiB, whatever the
-# caches held beforehand; runs of 128-192 B (a head of 64 or 96 bf16 channels between
-# layouts, experiments/copy_walk.py) 1.08-1.6x.
+# caches held beforehand. Runs of 128-192 B (a head of 64 or 96 bf16 channels between
+# layouts, experiments/copy_walk.py) gained 1.08-1.6x streamed and walked by the
+# backend's walk_order, which these runs need: saves walked in the destination's order
+# gained nothing streamed.
 STREAM_BYTES = 1 << 20
 STREAM_RUN = 128
 # Measured on x86 only: elsewhere (aarch64, arm64 macOS) copies use cached stores, and the
