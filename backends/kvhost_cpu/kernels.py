@@ -38,8 +38,8 @@ SHORT_RUN = 1024  # runs up to this many bytes are copied inline
 # 1.1-1.2x the throughput of cached stores at 4 MiB, 1.4-1.5x at 64-128 MiB, whatever the
 # caches held beforehand. Runs of 128-192 B (a head of 64 or 96 bf16 channels between
 # layouts, experiments/copy_walk.py) gained 1.08-1.6x streamed and walked by the
-# backend's walk_order, which these runs need: saves walked in the destination's order
-# gained nothing streamed.
+# backend's walk_order; saves that read them less than a page apart gained nothing
+# streamed in the destination's order, which that walk avoids.
 STREAM_BYTES = 1 << 20
 STREAM_RUN = 128
 # Measured on x86 only: elsewhere (aarch64, arm64 macOS) copies use cached stores, and the
