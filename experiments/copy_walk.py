@@ -7,10 +7,11 @@ side's memory in order; on the other it reads or writes runs out of order, at th
 of its innermost loop there. This times the CPU kernels' three ways
 (``CpuBackend(copy_walk=...)``: the destination's order, the source's, and ``auto``, the
 choice of ``walk_order`` by the stride the destination's walk reads at) on the same caches,
-interleaved with a memcpy of the same bytes in a random order each round (every line the
-calls touch is flushed from the caches before each, as ``kvhost bench`` does), for saves
-into and loads out of the buffer, several block sizes, head counts and channels; prints
-medians as fractions of memcpy, and the stride the destination's walk reads at.
+interleaved with a memcpy of the same bytes in a random order each round, timed as ``kvhost
+bench`` times (``kvhost_tools.bench.timing.measure``: every line the calls touch flushed
+before each, calls that waited for a core left out), for saves into and loads out of the
+buffer, several block sizes, head counts and channels; prints medians as fractions of
+memcpy, and the stride the destination's walk reads at.
 
 What it measured decided ``walk_order`` in ``backends/kvhost_cpu/backend.py`` (figures in
 docs/performance.md). Nothing here is imported by kvhost.
@@ -21,8 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
-import time
+from collections.abc import Callable
 
 # Idle OpenMP workers parked, as kvhost bench runs: spinning numba workers would take the
 # cores from torch's memcpy after every kvhost call.
@@ -37,7 +37,9 @@ import kvhost
 from kvhost.layout import Layout
 from kvhost.testing import make_cache
 from kvhost.transform import plan_copy
-from kvhost_tools.bench.evict import evict_lines
+from kvhost_tools.bench import timing
+from kvhost_tools.bench.machine import Device
+from kvhost_tools.bench.workloads import PRESETS
 
 TOTAL_BYTES = 64 << 20  # the bytes each call moves
 AXES = "KBNHC"
@@ -64,22 +66,15 @@ def measure(direction: str, sizes: dict[str, int], rounds: int) -> str:
     touched = np.array(
         [(t.data_ptr(), t.untyped_storage().nbytes()) for t in (cache["c"], buffer["c"], src, dst)], dtype=np.int64
     )
-    times: dict[str, list[float]] = {name: [] for name in [*COPY_WALKS, "memcpy"]}
-    for round_ in range(rounds):
-        names = list(times)
-        random.Random(round_).shuffle(names)
-        for name in names:
-            evict_lines(touched)
-            start = time.perf_counter()
-            if name == "memcpy":
-                dst.copy_(src)
-            elif direction == "save":
-                hosts[name].copy_to(buffer, cache_ids, buffer_ids)
-            else:
-                hosts[name].copy_from(buffer, buffer_ids, cache_ids)
-            times[name].append(time.perf_counter() - start)
-    memcpy = statistics.median(times["memcpy"])
-    ratios = ", ".join(f"{name} {memcpy / statistics.median(times[name]):.2f}" for name in COPY_WALKS)
+    methods: dict[str, Callable[[], object]] = {"memcpy": lambda: dst.copy_(src)}
+    for walk, host in hosts.items():
+        if direction == "save":
+            methods[walk] = lambda host=host: host.copy_to(buffer, cache_ids, buffer_ids)
+        else:
+            methods[walk] = lambda host=host: host.copy_from(buffer, buffer_ids, cache_ids)
+    used = timing.measure(methods, Device("cpu"), PRESETS["full"], rounds, random.Random(0), touched).used_samples()
+    memcpy = used["memcpy"].median
+    ratios = ", ".join(f"{name} {memcpy / used[name].median:.2f}" for name in COPY_WALKS)
     src_tensor, dst_tensor = (cache["c"], buffer["c"]) if direction == "save" else (buffer["c"], cache["c"])
     loops = plan_copy(Layout.of(src_tensor, AXES), Layout.of(dst_tensor, AXES)).loops
     chosen = "source" if walk_order(loops) is not loops else "destination"
