@@ -615,7 +615,8 @@ def test_a_cpu_copy_walks_its_source_s_order_where_the_destination_s_reads_at_a_
     by_source = sorted(range(len(plan.loops.shape)), key=lambda d: -plan.loops.src_strides[d])
     assert walked == (plan.loops.reordered(by_source) if walk == "source" else plan.loops)
     assert walked.shape == shape and walked.run_bytes == (32768 if src == dst else 256)
-    assert walk_order(plan.loops, source=True) == plan.loops.reordered(by_source)
+    assert walk_order(plan.loops, "source") == plan.loops.reordered(by_source)
+    assert walk_order(plan.loops, "destination") == plan.loops
     assert _byte_pairs(walked) == _byte_pairs(plan.loops)
     case = CopyCase(*caches, "KBNHC", "KBNHC")
     (job,) = plan_copy_batch(
@@ -678,7 +679,8 @@ def test_the_cpu_copy_walk_s_stride_bound():
         assert walk_order(heads_then_tokens(stride)) == (
             tokens_then_heads(stride) if reordered else heads_then_tokens(stride)
         )
-        assert walk_order(heads_then_tokens(stride), source=True) == tokens_then_heads(stride)
+        assert walk_order(heads_then_tokens(stride), "source") == tokens_then_heads(stride)
+        assert walk_order(heads_then_tokens(stride), "destination") == heads_then_tokens(stride)
     # Runs of 127 B, 2 KiB apart: the destination's walk, which shorter runs favour.
     assert walk_order(heads_then_tokens(2048, 127)) == heads_then_tokens(2048, 127)
     assert walk_order(heads_then_tokens(2048, 128)) == tokens_then_heads(2048, 128)

@@ -142,16 +142,10 @@ class CpuBackend(Backend):
             return False
         group, loops = job.group, job.plan.loops  # plan_copy walks in the destination's order
         # Copies under STREAM_BYTES (cached stores) keep it: the walks were measured streamed.
-        streamed = loops if self.copy_walk == "destination" else walk_order(loops, self.copy_walk == "source")
+        walked = walk_order(loops, self.copy_walk)
         addresses = (group.sources.addresses, group.destinations.addresses)
-        block_bytes = group.block_bytes
-        return _CopyLaunch(
-            kernels,
-            _copy_params(job.plan, loops, False),
-            _copy_params(job.plan, streamed, True),
-            block_bytes,
-            addresses,
-        )
+        cached, streamed = _copy_params(job.plan, loops, False), _copy_params(job.plan, walked, True)
+        return _CopyLaunch(kernels, cached, streamed, group.block_bytes, addresses)
 
 
 # What the kernels need from a receive or copy group, worked out on the group's first job
@@ -215,10 +209,11 @@ def _copy_params(plan: CopyPlan, loops: Loops, stream: bool) -> np.ndarray:
     )
 
 
-def walk_order(loops: Loops, source: bool = False) -> Loops:
-    """``loops`` (walked in the destination's memory order), or walked in the source's order
-    where the destination's walk would read runs of ``REORDER_MIN_RUN`` bytes or more out of
-    order, less than ``SHORT_READ_STRIDE`` apart; with ``source``, always in the source's.
+def walk_order(loops: Loops, walk: str = COPY_WALKS[0]) -> Loops:
+    """``loops`` (walked in the destination's memory order) walked as ``walk`` says: "auto",
+    in the source's order where the destination's walk would read runs of
+    ``REORDER_MIN_RUN`` bytes or more out of order, less than ``SHORT_READ_STRIDE`` apart;
+    "destination" or "source", always in that side's order.
 
     Measured here (``experiments/copy_walk.py``, docs/performance.md): where the
     destination's walk read the source 512 B to 2 KiB apart, 0.90-1.03 of memcpy against
@@ -229,6 +224,6 @@ def walk_order(loops: Loops, source: bool = False) -> Loops:
     # A short source stride on the innermost loop: the destination's walk reads the source
     # out of order (plan_copy has merged into the run any dim contiguous on both sides).
     short_reads = bool(loops.shape) and loops.run_bytes >= REORDER_MIN_RUN and loops.src_strides[-1] < SHORT_READ_STRIDE
-    if source or short_reads:
+    if walk == "source" or (walk == "auto" and short_reads):
         return loops.reordered(sorted(range(len(loops.shape)), key=lambda d: -loops.src_strides[d]))
     return loops
