@@ -921,7 +921,9 @@ def test_nixl_write_pushes_token_runs_into_the_peer_layout(agents):
     plan = plan_transfer(receiver.register(source, "KBNHC").token_runs(), target_table.token_runs())
     target_ids = [11, 0, 6, 3, 8, 5]
     source_ids = [2, 0]  # 32 tokens hold the 6 x 4 = 24 target tokens, and 8 more that stay home
-    receiver.reader(plan, peer).write(source_ids, target_ids).wait(timeout=20)
+    transfer = receiver.reader(plan, peer).write(source_ids, target_ids)
+    transfer.wait(timeout=20)
+    transfer.release()
     for (name, t), s in zip(target.items(), source.values()):
         layout = CacheSet({name: t}, "KBNHC").layout
         sent = read_tokens(s, CacheSet({name: s}, "KBNHC").layout, source_ids)[:24]

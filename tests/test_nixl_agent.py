@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_nixl import caches_for, needs_nixl
+from test_nixl import caches_for, memmove_rows, needs_nixl
 
 from kvhost.errors import ArgumentError, LayoutError
 from kvhost.nixl import Agent, NixlUnavailableError, ProtocolError, TransferError, plan_transfer, region_table
@@ -31,6 +31,7 @@ from kvhost.nixl.agent import (
     MAX_THREADS,
     Link,
     Transfer,
+    _hold,
     _peer_name,
     layer_by_layer,
     merge_domains,
@@ -199,13 +200,12 @@ time.sleep(120)
 """
 
 
-@needs_nixl
-@pytest.mark.timeout(120)
-def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp_path, monkeypatch):
-    """A read from a frozen peer (SIGSTOP: it cannot serve the bytes) is still in flight when
-    its agent closes, never released by the caller: close cancels it before it deregisters
-    the memory and lets go of the tensors, which the transfer would otherwise write into
-    once the peer runs again (that crashed a process here)."""
+@contextlib.contextmanager
+def frozen_sender_reading(tmp_path, monkeypatch, name, blocks=4096):
+    """An agent reading every block of a sender that was stopped (SIGSTOP) first: the read is
+    in flight until the sender runs again. Yields the sender, the agent, the read, the local
+    tensors (as weak references) and the bytes the read lands once the sender runs. The
+    sender is killed at the end, never left behind."""
     import signal
     import subprocess
     import sys
@@ -217,7 +217,7 @@ def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp
     # frozen it serves none. Over shared memory the reader may copy from the sender's memory
     # itself (a read landed in 1.4 ms from a stopped sender once, on a loaded machine).
     monkeypatch.setenv("UCX_TLS", "tcp")
-    blocks, frame = 4096, tmp_path / "sender.frame"
+    frame = tmp_path / "sender.frame"
     sender = subprocess.Popen([sys.executable, "-c", FROZEN_SENDER, str(frame), str(blocks)], cwd=os.getcwd())
     try:
         deadline = time.monotonic() + 60
@@ -225,8 +225,16 @@ def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp
             time.sleep(0.05)
         message = decode(frame.read_bytes())
         remote = RegionTable.from_dict(message.header["table"], "table", message.arrays)
-        agent = Agent("closing-under-a-transfer")
         caches = caches_for("KBNHC", "KBNHC", SIZES, 16, blocks, seed=6)
+        # What the read lands: the sender's bytes (its caches, made again here) moved as NIXL would.
+        landed = {name: t.clone() for name, t in caches.items()}
+        sent = caches_for("KBNHC", "KBHNC", SIZES, 16, blocks, seed=5)
+        memmove_rows(
+            *plan_transfer(region_table(landed, "KBNHC"), region_table(sent, "KBNHC")).descriptor_pairs(
+                range(blocks), range(blocks)
+            )
+        )
+        agent = Agent(name)
         local = agent.register(caches, "KBNHC")
         alive = [weakref.ref(t) for t in caches.values()]
         del caches
@@ -234,14 +242,76 @@ def test_close_cancels_a_transfer_still_in_flight_before_it_frees_the_memory(tmp
         os.kill(sender.pid, signal.SIGSTOP)
         transfer = reader.read(range(blocks), range(blocks))
         assert transfer.poll() is False and agent.posted == {transfer}, "the read landed: nothing is in flight"
-        agent.close()
-        assert transfer.released and agent.posted == set() and agent.uncancelled == []
-        assert not nixl_accepts(agent, MINE, extent_rows(local)), "the memory is still registered"
-        gc.collect()
-        assert all(ref() is None for ref in alive)
+        run = SimpleNamespace(sender=sender, agent=agent, transfer=transfer, local=local, alive=alive, landed=landed)
+        del agent, reader, transfer  # the test's to drop
+        yield run
     finally:
-        sender.kill()  # never resumed: a transfer a regression left behind must not write here
+        sender.kill()
         sender.wait()
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_read_in_flight_is_never_freed_and_lands_in_memory_kept_for_it(tmp_path, monkeypatch):
+    """NIXL's release of a read in flight returns as if it had cancelled it, yet the read
+    lands once the peer runs again: released memory would be written after it was freed
+    (that crashed a process here), and NIXL's keys freed under the read corrupted the heap.
+    So neither release nor close lets go of it: the agent, its memory and its tensors are
+    kept, whoever drops them, until the read lands; then close lets go of everything."""
+    import signal
+
+    from kvhost.nixl.agent import _HOLDING
+
+    with frozen_sender_reading(tmp_path, monkeypatch, "closing-under-a-read") as run:
+        agent, transfer = run.agent, run.transfer
+        with pytest.raises(TransferError, match="'frozen-sender' is still in flight and cannot be cancelled"):
+            transfer.release()
+        assert not transfer.released and agent.uncancelled == [transfer] and agent.posted == {transfer}
+        with pytest.raises(TransferError, match=r"1 transfer\(s\) from \['frozen-sender'\] still in flight may write"):
+            agent.close()
+        assert nixl_accepts(agent, MINE, extent_rows(run.local)), "the memory was deregistered under the read"
+        with pytest.raises(TransferError, match="'frozen-sender' has 1 transfer\\(s\\) posted and not released"):
+            agent.remove_peer("frozen-sender")
+        held = weakref.ref(agent)
+        del agent, transfer, run.agent, run.transfer
+        gc.collect()
+        agent = held()
+        assert id(agent) in _HOLDING and all(ref() is not None for ref in run.alive), "dropped under the read"
+        (transfer,) = agent.uncancelled
+        os.kill(run.sender.pid, signal.SIGCONT)
+        transfer.wait(60)
+        landed = [raw(ref()) for ref in run.alive]
+        assert all(torch.equal(a, raw(b)) for a, b in zip(landed, run.landed.values())), "not the sender's bytes"
+        del landed
+        agent.close()
+        assert transfer.released and agent.posted == set() and agent.uncancelled == [] and id(agent) not in _HOLDING
+        assert not nixl_accepts(agent, MINE, extent_rows(run.local)), "the memory is still registered"
+        gc.collect()
+        assert all(ref() is None for ref in run.alive)
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_read_in_flight_from_a_peer_that_dies_fails_and_then_close_lets_go(tmp_path, monkeypatch):
+    """The peer dies under the read (killed while stopped): the read fails on the wire, and
+    only then does close let go of the peer's keys and the memory, and the agent is freed."""
+    from kvhost.nixl.agent import _HOLDING
+
+    with frozen_sender_reading(tmp_path, monkeypatch, "closing-after-a-death") as run:
+        agent, transfer = run.agent, run.transfer
+        with pytest.raises(TransferError, match="still in flight may write"):
+            agent.close()
+        run.sender.kill()
+        run.sender.wait()
+        with pytest.raises(TransferError, match="'frozen-sender' failed: NIXL_ERR_REMOTE_DISCONNECT"):
+            transfer.wait(60)
+        agent.close()
+        assert transfer.released and agent.uncancelled == [] and id(agent) not in _HOLDING
+        assert not nixl_accepts(agent, MINE, extent_rows(run.local)), "the memory is still registered"
+        held = weakref.ref(agent)
+        del agent, transfer, run.agent, run.transfer
+        gc.collect()
+        assert held() is None and all(ref() is None for ref in run.alive)
 
 
 @needs_nixl
@@ -342,7 +412,11 @@ def test_peers_are_removed_and_the_same_metadata_again_keeps_them(monkeypatch):
         sender.register(caches_for("KBNHC", "KBNHC", SIZES, 4, 2, seed=6), "KBNHC")
         assert receiver.add_peer(sender.metadata()) == peer  # new metadata: loaded afresh
         assert removed.calls == [(peer,)]
-        receiver.reader(plan, peer).read([1], [0, 1, 2, 3]).wait(timeout=20)
+        transfer = receiver.reader(plan, peer).read([1], [0, 1, 2, 3])
+        transfer.wait(timeout=20)
+        with pytest.raises(TransferError, match="'peer-sender' has 1 transfer\\(s\\) posted and not released"):
+            receiver.remove_peer(peer)  # it landed, but its handle still holds the peer's keys
+        transfer.release()
         receiver.remove_peer(peer)
         assert not receiver.nixl.check_remote_metadata(peer)
         with pytest.raises(TransferError, match="has no peer 'peer-sender'"):
@@ -366,7 +440,9 @@ def test_an_agent_name_a_second_peer_claims_is_refused_and_the_first_kept():
             receiver.add_peer(second.metadata())
         assert nixl_accepts(receiver, "twin", extent_rows(first_table)), "the first peer's memory is gone"
         assert not nixl_accepts(receiver, "twin", extent_rows(second_table)), "the second peer's memory was loaded"
-        receiver.reader(plan_transfer(local_table, first_table), "twin").read([1], [0, 1, 2, 3]).wait(timeout=20)
+        transfer = receiver.reader(plan_transfer(local_table, first_table), "twin").read([1], [0, 1, 2, 3])
+        transfer.wait(timeout=20)
+        transfer.release()
         receiver.remove_peer("twin")
         assert receiver.add_peer(second.metadata()) == "twin"  # once let go, the name is free
 
@@ -627,7 +703,7 @@ def test_a_transfer_released_on_two_threads_at_once_is_released_once():
             time.sleep(0.1)  # both threads past the released check, but for the lock
             super().release()
 
-    transfer, _, handle = posted("PROC", handle=SlowHandle())
+    transfer, _, handle = posted("PROC", "DONE", handle=SlowHandle())
     threads = [threading.Thread(target=transfer.release) for _ in range(2)]
     for thread in threads:
         thread.start()
@@ -645,14 +721,14 @@ def test_a_transfer_polled_while_another_thread_releases_it_asks_nixl_nothing():
             time.sleep(0.2)
             super().release()
 
-    transfer, nixl, handle = posted("PROC", "PROC", handle=SlowHandle())
+    transfer, nixl, handle = posted("PROC", "ERR", "PROC", handle=SlowHandle())
     releasing = threading.Thread(target=transfer.release)
     releasing.start()
     time.sleep(0.05)  # the release holds the transfer's lock
     with pytest.raises(TransferError, match="was released before it finished"):
         transfer.poll()
     releasing.join(10)
-    assert nixl.calls == 1 and handle.released == 1
+    assert nixl.calls == 2 and handle.released == 1  # the post and the release's question
 
 
 def test_a_transfer_is_done_only_when_nixl_says_done():
@@ -697,58 +773,78 @@ def test_a_transfer_that_fails_while_polled_is_an_error():
         transfer.poll()
 
 
-def test_a_transfer_released_before_it_finished_cannot_be_polled():
-    transfer, nixl, handle = posted("PROC")
+def test_a_transfer_released_once_it_failed_cannot_be_polled():
+    transfer, nixl, handle = posted("PROC", "ERR")
     transfer.release()
     assert handle.released == 1 and transfer.released
     with pytest.raises(TransferError, match="was released before it finished"):
         transfer.poll()
-    assert nixl.calls == 1
+    assert nixl.calls == 2
 
 
 @pytest.mark.parametrize("state", ["PROC", RuntimeError("no such handle")], ids=["in progress", "unknown"])
-def test_a_transfer_nixl_cannot_cancel_stays_unreleased_and_its_agent_knows(state):
-    """NIXL keeps the handle of an active transfer it cannot cancel, and the transfer may
-    still write: the caller hears it, may try again, and the agent keeps the memory."""
-    transfer, nixl, handle = posted("PROC", state, handle=Handle(fails=True))
+def test_a_transfer_in_flight_is_kept_not_freed_and_its_agent_knows(state):
+    """NIXL's release of a transfer in flight does not stop it (test_a_read_in_flight_...):
+    its handle is never handed back while NIXL says it is in flight or cannot say. The
+    caller hears it may still write, may try again, and the agent keeps the memory."""
+    transfer, nixl, handle = posted("PROC", state)
     agent = transfer.link.agent
     with pytest.raises(
-        TransferError, match=r"^READ from 'prefill' could not be cancelled \(the peer is gone\): it may"
+        TransferError, match=r"^READ from 'prefill' is still in flight and cannot be cancelled: it may still write"
     ):
         transfer.release()
-    assert not transfer.released and agent.uncancelled == [transfer] and nixl.calls == 2
+    assert not transfer.released and agent.uncancelled == [transfer] and agent.posted == {transfer}
+    assert nixl.calls == 2 and handle.released == 0
     nixl.script.append("PROC")
-    with pytest.raises(TransferError, match="could not be cancelled"):
+    with pytest.raises(TransferError, match="still in flight"):
         transfer.release()  # tried again, still named once
-    assert agent.uncancelled == [transfer] and handle.released == 2
-    handle.fails = False
+    assert agent.uncancelled == [transfer] and handle.released == 0
+    nixl.script.append("DONE")
     transfer.release()
-    assert transfer.released and agent.uncancelled == [] and handle.released == 3
+    assert transfer.released and transfer.finished is not None and handle.released == 1
+    assert agent.uncancelled == [] and agent.posted == set()
     transfer.release()
-    assert handle.released == 3
+    assert handle.released == 1 and nixl.calls == 4
 
 
-@pytest.mark.parametrize(("state", "releases"), [("ERR", 1), ("DONE", 2)])
-def test_a_transfer_that_is_over_counts_as_released_when_nixl_keeps_its_handle(state, releases):
-    """Failed on the wire (a dead peer) or done: nothing more lands. A done one is freed again."""
+@pytest.mark.parametrize(
+    "state", ["ERR", "DONE", RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")], ids=["failed", "done", "peer gone"]
+)
+def test_a_transfer_that_is_over_counts_as_released_when_nixl_keeps_its_handle(state):
+    """Failed on the wire, done, or its peer gone: nothing more lands, whatever NIXL says of the handle."""
     transfer, _, handle = posted("PROC", state, handle=Handle(fails=True))
     transfer.release()
-    assert transfer.released and transfer.link.agent.uncancelled == [] and handle.released == releases
-    with pytest.raises(TransferError, match="was released before it finished"):
+    assert transfer.released and transfer.link.agent.uncancelled == [] and handle.released == 1
+    if state == "DONE":
+        assert transfer.poll() is True  # landed, and known to have
+    else:
+        with pytest.raises(TransferError, match="was released before it finished"):
+            transfer.poll()
+
+
+def test_a_transfer_whose_peer_went_away_when_polled_is_released_without_asking_again():
+    transfer, nixl, handle = posted("PROC", RuntimeError("nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT"))
+    with pytest.raises(TransferError, match="failed: nixlRemoteDisconnectError"):
         transfer.poll()
+    transfer.release()
+    assert transfer.released and handle.released == 1 and nixl.calls == 2
+
+
+STILL_IN_FLIGHT = "READ from 'prefill' is still in flight and cannot be cancelled: it may still write"
 
 
 @pytest.mark.parametrize(
     ("l1_script", "message", "timed_out"),
     [
-        (["PROC"] * 100_000, "READ from 'prefill' did not finish within 0.05 s", True),
+        (["PROC"] * 100_000, f"READ from 'prefill' did not finish within 0.05 s; {STILL_IN_FLIGHT}", True),
         (["PROC", "ERR"], "READ from 'prefill' failed: transport state 'ERR'", False),
     ],
     ids=["stalls", "fails"],
 )
 def test_a_layer_that_does_not_land_is_named_with_its_place(l1_script, message, timed_out):
     """Layer by layer, the error says which layer did not land and where it stands (those
-    before it did), keeping whether it was a deadline; nothing more is posted, all is released."""
+    before it did), keeping whether it was a deadline; nothing more is posted, all is
+    released but a transfer still in flight, which the error names too."""
     landed, _, landed_handle = posted("DONE")
     stuck, _, stuck_handle = posted(*l1_script)
     transfers = {"l0": [landed], "l1": [stuck], "l2": []}
@@ -761,20 +857,20 @@ def test_a_layer_that_does_not_land_is_named_with_its_place(l1_script, message, 
     with pytest.raises(TransferError) as raised:
         for name in layer_by_layer(post, list(transfers), 0.05):
             yielded.append(name)
-    assert str(raised.value) == f"layer 'l1' (2 of 3): {message}"
+    assert str(raised.value).startswith(f"layer 'l1' (2 of 3): {message}")
     assert raised.value.timed_out is timed_out
     assert yielded == ["l0"] and asked == ["l0", "l1"]
-    assert landed_handle.released == 1 and stuck_handle.released == 1 and stuck.released
+    assert landed_handle.released == 1 and stuck_handle.released == stuck.released == (not timed_out)
 
 
 def test_an_agent_knows_each_transfer_from_its_post_to_its_release():
-    transfer, _, _ = posted("PROC")
+    transfer, _, _ = posted("PROC", "DONE")
     agent = transfer.link.agent
     assert agent.posted == {transfer}
     transfer.release()
     assert agent.posted == set()
-    stuck, _, _ = posted("PROC", "PROC", handle=Handle(fails=True))
-    with pytest.raises(TransferError, match="could not be cancelled"):
+    stuck, _, _ = posted("PROC", "PROC")
+    with pytest.raises(TransferError, match="still in flight"):
         stuck.release()
     assert stuck.link.agent.posted == {stuck} and stuck.link.agent.uncancelled == [stuck]
     link = Link(SimpleNamespace(nixl=ScriptedNixl("ERR"), uncancelled=[], posted=set()), "prefill")  # type: ignore[arg-type]
@@ -792,24 +888,30 @@ def test_post_all_gives_every_transfer_or_releases_those_posted():
     first, _, _ = posted("PROC")
     second, _, _ = posted("PROC")
     assert post_all([lambda: [first], lambda: [second]]) == [first, second]
-    third, _, third_handle = posted("PROC")
+    third, _, third_handle = posted("PROC", "DONE")
 
     def refused():
         raise TransferError("the second rank's post failed")
 
-    with pytest.raises(TransferError, match="the second rank's post failed"):
+    with pytest.raises(TransferError, match=r"^the second rank's post failed$"):
         post_all([lambda: [third], refused])
     assert third.released and third_handle.released == 1
     assert not first.released and not second.released
+    fourth, _, fourth_handle = posted("PROC", "PROC")
+    with pytest.raises(TransferError) as raised:
+        post_all([lambda: [fourth], refused])
+    assert str(raised.value).startswith(STILL_IN_FLIGHT)
+    assert str(raised.value).endswith("(released as posting the rest failed: the second rank's post failed)")
+    assert not fourth.released and fourth_handle.released == 0
 
 
 def test_release_all_releases_every_transfer_and_names_those_left():
-    stuck, _, _ = posted("PROC", "PROC", handle=Handle(fails=True))
-    free, _, free_handle = posted("PROC")
-    with pytest.raises(TransferError, match=r"^READ from 'prefill' could not be cancelled") as raised:
+    stuck, _, _ = posted("PROC", "PROC")
+    free, _, free_handle = posted("PROC", "DONE")
+    with pytest.raises(TransferError, match=f"^{STILL_IN_FLIGHT}") as raised:
         release_all([stuck, free])
     assert free.released and free_handle.released == 1 and not stuck.released
-    assert str(raised.value).count("could not be cancelled") == 1
+    assert str(raised.value).count("still in flight") == 1
 
 
 @needs_nixl
@@ -819,17 +921,17 @@ def test_an_agent_keeps_memory_a_transfer_may_still_write_registered():
     table = agent.register(caches, "KBNHC")
     alive = [weakref.ref(t) for t in caches.values()]
     del caches
-    handle = Handle(fails=True)
+    handle = Handle()
     stuck = Transfer(Link(agent, "prefill"), handle, 4096, "READ", 3)  # NIXL cannot tell the state of this handle
-    agent.uncancelled.append(stuck)
-    with pytest.raises(TransferError, match=r"1 transfer\(s\) from \['prefill'\] could not be cancelled"):
+    _hold(agent, stuck)
+    with pytest.raises(TransferError, match=r"1 transfer\(s\) from \['prefill'\] still in flight may write"):
         agent.close()
-    assert handle.released == 1, "close tries each once more"
+    assert handle.released == 0 and agent.uncancelled == [stuck], "close asks each, and frees none in flight"
     gc.collect()
     assert all(ref() is not None for ref in alive) and nixl_accepts(agent, MINE, extent_rows(table))
-    handle.fails = False
+    stuck.finished = time.perf_counter()  # a poll found it landed
     agent.close()  # the transfer lets go now: so does the agent
-    assert agent.uncancelled == [] and not nixl_accepts(agent, MINE, extent_rows(table))
+    assert handle.released == 1 and agent.uncancelled == [] and not nixl_accepts(agent, MINE, extent_rows(table))
     gc.collect()
     assert all(ref() is None for ref in alive)
 

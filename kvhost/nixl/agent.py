@@ -11,7 +11,9 @@ package when installed, else ``nixl_cu13`` or ``nixl_cu12``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import importlib
 import threading
 import time
@@ -46,7 +48,39 @@ CLOSE_WAIT_SECONDS = 30.0  # what close waits for posts under way on other threa
 # reaches every message about the peer, so its length is bounded (a FQDN and more).
 NIXL_LOCAL_AGENT = "NIXL_INIT_AGENT"
 MAX_PEER_NAME = 1024
+PEER_GONE = "NIXL_ERR_REMOTE_DISCONNECT"  # what NIXL raises for a transfer whose peer went away
 MAX_REFUSED_PROBES = 64  # NIXL calls merge_domains may see refused (each logs an error line)
+
+# Agents with a transfer posted and not released, held here whatever their callers drop:
+# NIXL's "cancel" does not stop a read under way (see ``Transfer.release``), so freeing such
+# an agent (its registered memory, its keys to the peer) would leave the read writing into
+# freed memory. At exit they are never freed (the OS takes back the memory, not UCX's
+# teardown, which corrupted the heap here when it ran under such a read).
+_HOLDING: dict[int, Agent] = {}  # by id
+_holding_lock = threading.Lock()
+
+
+def _hold(agent: Agent, transfer: Transfer) -> None:
+    """``transfer`` is about to be posted: it, and its agent with it, are kept until released."""
+    with _holding_lock:
+        agent.posted.add(transfer)
+        _HOLDING[id(agent)] = agent
+
+
+def _let_go(agent: Agent, transfer: Transfer) -> None:
+    with _holding_lock:
+        agent.posted.discard(transfer)
+        if transfer in agent.uncancelled:
+            agent.uncancelled.remove(transfer)
+        if not agent.posted:
+            _HOLDING.pop(id(agent), None)
+
+
+@atexit.register
+def _keep_agents_holding_transfers_past_exit() -> None:
+    with _holding_lock:
+        for agent in _HOLDING.values():
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
 
 
 def _peer_name(loaded: object) -> str:
@@ -129,9 +163,10 @@ class Agent:
         # Its readers while anyone holds them, to close them with it: a long-lived agent
         # that makes a reader per peer or plan keeps none it was given back.
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
-        # Posted and not yet released: close cancels them before it lets go of their memory.
+        # Posted and not yet released (``_hold``, ``_let_go``): while there is one, the agent and
+        # its memory are kept (``_HOLDING``), and close lets go of nothing.
         self.posted: set[Transfer] = set()
-        self.uncancelled: list[Transfer] = []  # released but not cancelled: they may still write
+        self.uncancelled: list[Transfer] = []  # asked to release while in flight: they may still write
         self.huge_pages = HugePages()  # what asking for huge pages did, over every registration
         self.closed = False
         # Closing against everything else: registering, peers, readers, and posts (counted in
@@ -232,7 +267,15 @@ class Agent:
             raise
 
     def remove_peer(self, peer: str) -> None:
+        """Let go of a peer NIXL has loaded. Refused (TransferError) while a transfer towards
+        it is posted and not released: the transfer uses the keys NIXL holds for the peer."""
         with self._lock:
+            owed = sum(transfer.link.peer == peer for transfer in list(self.posted))
+            if owed:
+                raise TransferError(
+                    f"agent {self.name!r}: peer {peer!r} has {owed} transfer(s) posted and not released: "
+                    "it stays loaded until they are"
+                )
             if peer in self._peers:
                 del self._peers[peer]
                 with contextlib.suppress(Exception):  # a peer that died may already be gone
@@ -254,7 +297,7 @@ class Agent:
     @contextlib.contextmanager
     def posting(self) -> Iterator[None]:
         """A post under way (``post_rows``): refused once the agent is closed, and waited for
-        by ``close``, so that every transfer close may cancel is known to it by then."""
+        by ``close``, so that every transfer close must release is known to it by then."""
         counted = False
         try:
             with self._lock:
@@ -272,11 +315,11 @@ class Agent:
         """Close readers, drop peers, deregister memory (and let go of its tensors). Safe to
         call twice: the second finds nothing left to undo.
 
-        Every transfer posted and not yet released is released (cancelled) first: one still
-        in flight would write into memory about to be freed. A transfer NIXL could not cancel
-        may still write into registered memory: while one is left (each is released once
-        more first), the memory stays registered and its tensors alive, and a TransferError
-        says so once the rest is done.
+        Every transfer posted and not yet released is released first. One still in flight
+        cannot be (``Transfer.release``): while one is left, nothing else is undone either
+        (its peer's keys, the memory it writes into and its tensors stay, held by the module
+        for as long as it may write) and a TransferError says so; a later ``close`` tries
+        again, and goes on once every such transfer has landed or failed.
 
         Posts other threads have under way are waited for (each is a few NIXL calls), at
         most ``CLOSE_WAIT_SECONDS``; past that nothing is undone and a TransferError says so."""
@@ -293,16 +336,16 @@ class Agent:
         for reader in list(self._readers):
             reader.close()
         for transfer in dict.fromkeys([*self.posted, *self.uncancelled]):
-            with contextlib.suppress(TransferError):  # one left uncancelled is counted below
+            with contextlib.suppress(TransferError):  # one left in flight is counted below
                 transfer.release()
-        for peer in list(self._peers):
-            self.remove_peer(peer)
         if self.uncancelled:
             peers = sorted({t.link.peer for t in self.uncancelled})
             raise TransferError(
-                f"agent {self.name!r}: {len(self.uncancelled)} transfer(s) from {peers} could not be cancelled and "
-                "may still write: their memory stays registered (and its tensors alive) for this process's life"
+                f"agent {self.name!r}: {len(self.uncancelled)} transfer(s) from {peers} still in flight may write: "
+                "its peers, memory and tensors stay until they land or fail (close again then)"
             )
+        for peer in list(self._peers):
+            self.remove_peer(peer)
         for descs, _ in self._registered:
             with contextlib.suppress(Exception):  # nothing more to undo if this fails
                 self._nixl.deregister_memory(descs)
@@ -381,7 +424,7 @@ class Reader:
         nothing. Descriptors as ``layer_descriptors``; the batch is checked whole, and
         ``timeout``, each layer's deadline in seconds, before the first is posted (when the
         first layer is asked for). The caller tells the peer once every layer has landed;
-        leaving the loop early releases (cancels) the transfer in flight.
+        leaving the loop early releases the transfer in flight (raising if it is still in flight).
         """
         seconds = check_seconds(timeout, "Reader.read_layers timeout")
         self._check_open()
@@ -549,9 +592,13 @@ def layer_by_layer(post: Callable[[str], list[Transfer]], names: Sequence[str], 
             try:
                 wait_all(in_flight, seconds)
             except TransferError as err:
-                raise TransferError(
-                    f"layer {name!r} ({index + 1} of {len(names)}): {err}", timed_out=err.timed_out
-                ) from None
+                message = f"layer {name!r} ({index + 1} of {len(names)}): {err}"
+                try:
+                    release_all(in_flight)
+                except TransferError as left:  # some are still in flight: say so with the cause
+                    message = f"{message}; {left}"
+                in_flight = []
+                raise TransferError(message, timed_out=err.timed_out) from None
             release_all(in_flight)
             if index + 1 < len(names):
                 in_flight = post(names[index + 1])
@@ -562,19 +609,23 @@ def layer_by_layer(post: Callable[[str], list[Transfer]], names: Sequence[str], 
 
 def post_all(posts: Iterable[Callable[[], Sequence[Transfer]]]) -> list[Transfer]:
     """The transfers of every ``post``, in order, or none: where one cannot be posted, those
-    posted before it are released (cancelled), so that a caller never holds part of a set."""
+    posted before it are released, so that a caller never holds part of a set (those still in
+    flight cannot be: a TransferError then names them, ``Transfer.release``)."""
     transfers: list[Transfer] = []
     try:
         for post in posts:
             transfers.extend(post())
-    except BaseException:
-        release_all(transfers)
+    except BaseException as err:
+        try:
+            release_all(transfers)
+        except TransferError as left:  # some are in flight and may still write: that comes first
+            raise TransferError(f"{left} (released as posting the rest failed: {err})") from err
         raise
     return transfers
 
 
 def release_all(transfers: Sequence[Transfer]) -> None:
-    """Release every transfer; one TransferError names those that could not be cancelled."""
+    """Release every transfer; one TransferError names those still in flight (``Transfer.release``)."""
     errors = []
     for transfer in transfers:
         try:
@@ -628,6 +679,7 @@ class Transfer:
     descriptors: int  # descriptor pairs posted
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
+    failed: bool = False  # NIXL said it failed on the wire, or that its peer went away: nothing more lands
     released: bool = False
     # One release at a time (close on one thread, a worker's release on another): NIXL frees
     # a handle released twice twice.
@@ -639,11 +691,11 @@ class Transfer:
         fails (NIXL raises, or answers with an error state) the handle is released here: the
         caller never gets a transfer to release."""
         transfer = cls(link, handle, nbytes, op, descriptors)
-        link.agent.posted.add(transfer)  # first: an interrupt once NIXL has posted it leaves one close cancels
+        _hold(link.agent, transfer)  # first: an interrupt once NIXL has posted it leaves one close knows of
         try:
             state = link.agent.nixl.transfer(handle)
         except Exception as err:
-            transfer.release()
+            transfer._free()  # NIXL took back what it had posted of it, as far as it can
             raise TransferError(f"{op} from {link.peer!r}: posting the transfer failed: {err}") from None
         try:
             transfer._note(state)
@@ -662,6 +714,7 @@ class Transfer:
             try:
                 state = self.link.agent.nixl.check_xfer_state(self.handle)
             except Exception as err:
+                self.failed = _peer_gone(err)
                 raise TransferError(f"{self.op} from {self.link.peer!r} failed: {err}") from None
         return self._note(state)
 
@@ -683,44 +736,48 @@ class Transfer:
         return (self.finished or time.perf_counter()) - self.started
 
     def release(self) -> None:
-        """Free the handle; an unfinished transfer is cancelled.
+        """Free the handle of a transfer that is over: landed, or failed on the wire.
 
-        Where NIXL cannot cancel one, it keeps the handle and the transfer may still write
-        into the local blocks: a TransferError says so, the transfer is not released (a
-        later ``release`` tries again), and its agent keeps its memory registered
-        (``Agent.uncancelled``). One that had failed on the wire writes nothing more: it
-        counts as released, whatever NIXL said.
+        One still in flight is kept, not freed: NIXL's release of it returns as if it had
+        cancelled it, but a read under way goes on (over UCX's TCP, 4,194,255 of 4,194,304
+        elements landed in the local blocks once the frozen peer ran again), and freeing it
+        lets NIXL free the keys and memory the read still uses (the heap was corrupted when
+        the peer later died). A TransferError says it may still write into its local blocks,
+        which must not be reused until it is released; its agent keeps its memory
+        (``Agent.uncancelled``), and a later ``release`` frees it once NIXL says it is over.
+        Where NIXL cannot say, it counts as in flight.
         """
         with self._releasing:
             if self.released:
                 return
-            try:
-                self.handle.release()
-            except Exception as err:
-                if self._may_still_write():
+            if not self._over():
+                with _holding_lock:
                     if self not in self.link.agent.uncancelled:
                         self.link.agent.uncancelled.append(self)
-                    raise TransferError(
-                        f"{self.op} from {self.link.peer!r} could not be cancelled ({err}): it may still write "
-                        "into its local blocks, which must not be reused until it is released"
-                    ) from None
-            self.released = True
-            self.link.agent.posted.discard(self)
-            if self in self.link.agent.uncancelled:
-                self.link.agent.uncancelled.remove(self)
+                raise TransferError(
+                    f"{self.op} from {self.link.peer!r} is still in flight and cannot be cancelled: it may still "
+                    "write into its local blocks, which must not be reused until it is released"
+                )
+            self._free()
 
-    def _may_still_write(self) -> bool:
-        """After NIXL refused to release the handle: False where the transport says the
-        transfer is over (done, or failed: nothing more lands; NIXL may keep a handle);
-        in progress or unknown may write."""
+    def _over(self) -> bool:
+        """Whether NIXL says nothing more lands: done, failed, or its peer gone. Any other
+        error it raises says nothing of what is in flight."""
+        if self.finished is not None or self.failed:
+            return True
         try:
             state = self.link.agent.nixl.check_xfer_state(self.handle)
-        except Exception:
-            return True
-        if state == "DONE":  # it finished meanwhile: NIXL frees it now
-            with contextlib.suppress(Exception):
-                self.handle.release()
-        return state not in ("DONE", "ERR")
+        except Exception as err:
+            return _peer_gone(err)
+        if state == "DONE":
+            self.finished = time.perf_counter()
+        return state in ("DONE", "ERR")
+
+    def _free(self) -> None:
+        with contextlib.suppress(Exception):  # over: whatever NIXL says of its handle, nothing more lands
+            self.handle.release()
+        self.released = True
+        _let_go(self.link.agent, self)
 
     def _note(self, state: str) -> bool:
         if state == "DONE":
@@ -728,4 +785,9 @@ class Transfer:
             return True
         if state == "PROC":
             return False
+        self.failed = state == "ERR"
         raise TransferError(f"{self.op} from {self.link.peer!r} failed: transport state {state!r}")
+
+
+def _peer_gone(err: Exception) -> bool:
+    return PEER_GONE in f"{type(err).__name__}: {err}"

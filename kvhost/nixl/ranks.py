@@ -630,8 +630,8 @@ class RankReader:
         local layer's name once every source's transfer of it has landed (within
         ``timeout`` seconds of the wait for it), the next layer's already posted. Every
         source's rows of every layer (``RankPlan.layer_rows``) are planned, and so the batch
-        checked, before the first is posted; leaving the loop early releases (cancels) the
-        transfers in flight."""
+        checked, before the first is posted; leaving the loop early releases the transfers
+        in flight (a TransferError names those still in flight, which cannot be)."""
         seconds = check_seconds(timeout, "RankReader.read_layers timeout")
         self.agent.check_memory()
         rows = self._planned(self.plan.layer_rows, requests)
