@@ -310,9 +310,15 @@ def test_a_link_set_down_mid_transfer_ends_every_request_within_the_deadline(pai
     unconfirmed = [n for n, why in data["failed"].items() if "did not confirm it held the blocks" in why]
     assert 3 <= len(data["received"]) + len(unconfirmed) < 24
     reasons = set(data["failed"].values())
-    assert f"no completion within {timeout:g} s" in reasons
+    # A read in flight when its deadline passed is not freed (it may land should the link
+    # come back): its failure says so, and the report says what stays held at the end.
+    timed_out = f"no completion within {timeout:g} s"
+    assert any(why.startswith(timed_out) for why in reasons)
+    if any("is still in flight and cannot be cancelled" in why for why in reasons):
+        assert "still in flight at the end: their blocks and memory stay held" in out.text, out.text
     assert all(
-        why == f"no completion within {timeout:g} s"
+        why == timed_out
+        or why.startswith(f"{timed_out}; READ from ")
         or why.startswith(f"not started: prefill 0 ({pair.prefill_ip}")
         or why.startswith(f"prefill at {pair.prefill_ip}:")
         for why in reasons

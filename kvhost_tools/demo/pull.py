@@ -196,7 +196,7 @@ def pull(
                 progressed = True
             try:
                 release_all(request.transfers)
-            except TransferError as err:  # one NIXL could not cancel (never one that landed) may still write
+            except TransferError as err:  # one still in flight (never one that landed) may still write
                 request.failure = f"{request.failure}; {err}" if request.failure else str(err)
                 engine.lost = engine.lost or str(err)
             inflight.remove(request)
