@@ -51,19 +51,23 @@ MAX_PEER_NAME = 1024
 PEER_GONE = "NIXL_ERR_REMOTE_DISCONNECT"  # what NIXL raises for a transfer whose peer went away
 MAX_REFUSED_PROBES = 64  # NIXL calls merge_domains may see refused (each logs an error line)
 
-# Agents with a transfer posted and not released, held here whatever their callers drop:
+# Agents with a transfer posted and neither over nor released, held here whatever their callers drop:
 # NIXL's "cancel" does not stop a read under way (see ``Transfer.release``), so freeing such
 # an agent (its registered memory, its keys to the peer) would leave the read writing into
 # freed memory. At exit they are never freed (the OS takes back the memory, not UCX's
 # teardown, which corrupted the heap here when it ran under such a read).
 _HOLDING: dict[int, Agent] = {}  # by id
-_holding_lock = threading.Lock()
+_holding_lock = threading.RLock()
+_exiting = False
 
 
 def _hold(agent: Agent, transfer: Transfer) -> None:
-    """``transfer`` is about to be posted: it, and its agent with it, are kept until released."""
+    """``transfer`` is about to be posted: it, and its agent with it, are kept until it is
+    over or released."""
     with _holding_lock:
         agent.posted.add(transfer)
+        if id(agent) not in _HOLDING and _exiting:  # posted on a thread still running at exit
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
         _HOLDING[id(agent)] = agent
 
 
@@ -72,13 +76,22 @@ def _let_go(agent: Agent, transfer: Transfer) -> None:
         agent.posted.discard(transfer)
         if transfer in agent.uncancelled:
             agent.uncancelled.remove(transfer)
-        if not agent.posted:
+    _settle(agent)
+
+
+def _settle(agent: Agent) -> None:
+    """Let the module go of ``agent`` once every transfer it has posted is over (one landed
+    and never released holds nothing: its agent may be freed, and NIXL frees its handle)."""
+    with _holding_lock:
+        if all(transfer.finished is not None or transfer.failed for transfer in agent.posted):
             _HOLDING.pop(id(agent), None)
 
 
 @atexit.register
 def _keep_agents_holding_transfers_past_exit() -> None:
+    global _exiting
     with _holding_lock:
+        _exiting = True
         for agent in _HOLDING.values():
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
 
@@ -163,8 +176,9 @@ class Agent:
         # Its readers while anyone holds them, to close them with it: a long-lived agent
         # that makes a reader per peer or plan keeps none it was given back.
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
-        # Posted and not yet released (``_hold``, ``_let_go``): while there is one, the agent and
-        # its memory are kept (``_HOLDING``), and close lets go of nothing.
+        # Posted and not yet released (``_hold``, ``_let_go``): while one may still write, the
+        # module keeps the agent and its memory (``_HOLDING``); while there is one, close lets
+        # go of nothing.
         self.posted: set[Transfer] = set()
         self.uncancelled: list[Transfer] = []  # asked to release while in flight: they may still write
         self.huge_pages = HugePages()  # what asking for huge pages did, over every registration
@@ -177,6 +191,7 @@ class Agent:
         # no two calls at once (its sync mode NONE), so a post waits for them.
         self._lock = threading.Condition(threading.RLock())
         self._posts = 0
+        self._posts_to: dict[str, int] = {}  # the same, by peer: remove_peer waits for none
 
     @property
     def nixl(self) -> Any:
@@ -268,9 +283,9 @@ class Agent:
 
     def remove_peer(self, peer: str) -> None:
         """Let go of a peer NIXL has loaded. Refused (TransferError) while a transfer towards
-        it is posted and not released: the transfer uses the keys NIXL holds for the peer."""
+        it is being posted, or posted and not released: it uses the keys NIXL holds for the peer."""
         with self._lock:
-            owed = sum(transfer.link.peer == peer for transfer in list(self.posted))
+            owed = sum(transfer.link.peer == peer for transfer in list(self.posted)) + self._posts_to.get(peer, 0)
             if owed:
                 raise TransferError(
                     f"agent {self.name!r}: peer {peer!r} has {owed} transfer(s) posted and not released: "
@@ -295,20 +310,25 @@ class Agent:
             return reader
 
     @contextlib.contextmanager
-    def posting(self) -> Iterator[None]:
-        """A post under way (``post_rows``): refused once the agent is closed, and waited for
-        by ``close``, so that every transfer close must release is known to it by then."""
+    def posting(self, peer: str) -> Iterator[None]:
+        """A post towards ``peer`` under way (``post_rows``): refused once the agent is
+        closed, and waited for by ``close``, so that every transfer close must release is
+        known to it by then; ``remove_peer`` refuses the peer meanwhile (the post uses its keys)."""
         counted = False
         try:
             with self._lock:
                 self._check_open()
                 self._posts += 1
+                self._posts_to[peer] = self._posts_to.get(peer, 0) + 1
                 counted = True  # no call between: an interrupt cannot land after the count and before this
             yield
         finally:
             if counted:
                 with self._lock:
                     self._posts -= 1
+                    self._posts_to[peer] -= 1
+                    if not self._posts_to[peer]:
+                        del self._posts_to[peer]
                     self._lock.notify_all()
 
     def close(self) -> None:
@@ -354,8 +374,14 @@ class Agent:
     def __enter__(self) -> Agent:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        if error is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except TransferError as left:  # the body's error comes first; this one goes with it
+            error.add_note(str(left))
 
     def _check_open(self) -> None:
         if self.closed:
@@ -584,8 +610,10 @@ def layer_by_layer(post: Callable[[str], list[Transfer]], names: Sequence[str], 
     """Post each layer's transfers (``post(name)``) once the layer before has landed, and
     yield its name once its own have, within ``seconds`` of the wait for it: one layer in
     flight, the next already posted when the caller gets the one before. Every transfer is
-    released, landed or not, as the loop goes, ends or is left. A layer that fails or times
-    out is named, with its place in ``names`` (those before it landed)."""
+    released as the loop goes, ends or is left (left early, the layer in flight has its
+    deadline to land first); one still in flight cannot be (``Transfer.release``) and the
+    error names it. A layer that fails or times out is named, with its place in ``names``
+    (those before it landed)."""
     in_flight = post(names[0])
     try:
         for index, name in enumerate(names):
@@ -600,17 +628,19 @@ def layer_by_layer(post: Callable[[str], list[Transfer]], names: Sequence[str], 
                 in_flight = []
                 raise TransferError(message, timed_out=err.timed_out) from None
             release_all(in_flight)
-            if index + 1 < len(names):
-                in_flight = post(names[index + 1])
+            in_flight = post(names[index + 1]) if index + 1 < len(names) else []
             yield name
     finally:
-        release_all(in_flight)
+        if in_flight:  # left early: the layer in flight gets its deadline to land, then is released
+            with contextlib.suppress(TransferError):  # one that failed is over: released below
+                wait_all(in_flight, seconds)
+            release_all(in_flight)
 
 
 def post_all(posts: Iterable[Callable[[], Sequence[Transfer]]]) -> list[Transfer]:
     """The transfers of every ``post``, in order, or none: where one cannot be posted, those
     posted before it are released, so that a caller never holds part of a set (those still in
-    flight cannot be: a TransferError then names them, ``Transfer.release``)."""
+    flight cannot be, ``Transfer.release``: a note on the error names them)."""
     transfers: list[Transfer] = []
     try:
         for post in posts:
@@ -618,8 +648,8 @@ def post_all(posts: Iterable[Callable[[], Sequence[Transfer]]]) -> list[Transfer
     except BaseException as err:
         try:
             release_all(transfers)
-        except TransferError as left:  # some are in flight and may still write: that comes first
-            raise TransferError(f"{left} (released as posting the rest failed: {err})") from err
+        except TransferError as left:  # some are in flight and may still write: the error says so
+            err.add_note(str(left))
         raise
     return transfers
 
@@ -657,7 +687,7 @@ def post_rows(
     """Post one transfer of descriptor rows (a ``Reader``'s, or ``kvhost.nixl.ranks``'): local
     rows ``memory[0]``, the peer's ``memory[1]``."""
     nixl = agent.nixl
-    with agent.posting():
+    with agent.posting(peer):
         try:
             local = nixl.get_xfer_descs(local_rows, memory[0])
             remote = nixl.get_xfer_descs(remote_rows, memory[1])
@@ -688,19 +718,27 @@ class Transfer:
     @classmethod
     def post(cls, link: Link, handle: Any, nbytes: int, op: str, *, descriptors: int) -> Transfer:
         """Post a created NIXL transfer (``handle``) towards ``link``'s peer. Where posting
-        fails (NIXL raises, or answers with an error state) the handle is released here: the
-        caller never gets a transfer to release."""
+        fails (NIXL raises, or answers with an error state) the caller never gets a transfer
+        to release: it is released here where it is over, and otherwise kept by its agent
+        (``Agent.uncancelled``): NIXL's UCX backend posts a transfer's pieces one by one and
+        stops at the first that fails, leaving those before it in flight."""
         transfer = cls(link, handle, nbytes, op, descriptors)
         _hold(link.agent, transfer)  # first: an interrupt once NIXL has posted it leaves one close knows of
         try:
             state = link.agent.nixl.transfer(handle)
         except Exception as err:
-            transfer._free()  # NIXL took back what it had posted of it, as far as it can
-            raise TransferError(f"{op} from {link.peer!r}: posting the transfer failed: {err}") from None
+            message = f"{op} from {link.peer!r}: posting the transfer failed: {err}"
+            transfer.failed = _peer_gone(err)
+            try:
+                transfer.release()
+            except TransferError:
+                message += "; what it had posted may still write into its local blocks: kept, not freed"
+            raise TransferError(message) from None
         try:
             transfer._note(state)
         except TransferError:
-            transfer.release()
+            with contextlib.suppress(TransferError):  # kept where still in flight: its agent knows it
+                transfer.release()
             raise
         return transfer
 
@@ -782,10 +820,12 @@ class Transfer:
     def _note(self, state: str) -> bool:
         if state == "DONE":
             self.finished = time.perf_counter()
+            _settle(self.link.agent)
             return True
         if state == "PROC":
             return False
         self.failed = state == "ERR"
+        _settle(self.link.agent)
         raise TransferError(f"{self.op} from {self.link.peer!r} failed: transport state {state!r}")
 
 
