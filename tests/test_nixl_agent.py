@@ -913,6 +913,44 @@ def test_the_module_holds_an_agent_only_while_a_transfer_of_it_may_write():
     with pytest.raises(TransferError):
         failed.poll()
     assert id(failed.link.agent) not in _HOLDING
+    first, nixl, _ = posted("PROC", "DONE")
+    second = Transfer.post(first.link, Handle(), 4096, "READ", descriptors=1)  # answered PROC: in flight
+    nixl.script.append("DONE")
+    assert second.poll() is True and id(first.link.agent) in _HOLDING, "let go while the first may write"
+    assert first.poll() is True and id(first.link.agent) not in _HOLDING
+
+
+PINNED_AT_EXIT = r"""
+import atexit, sys
+from types import SimpleNamespace
+
+def stand_in(name):  # freed, its file is closed and what was written to it flushed; pinned, never
+    agent = SimpleNamespace(posted=set(), uncancelled=[], file=open(f"{sys.argv[1]}/{name}", "w"))
+    agent.file.write(name)
+    return agent
+
+late = stand_in("late")
+# Registered before the agent module's own hook, so run after it: a post while exiting.
+atexit.register(lambda: hold(late, object()))
+from kvhost.nixl.agent import _hold as hold
+held, free = stand_in("held"), stand_in("free")
+hold(held, object())
+"""
+
+
+def test_agents_that_may_be_written_into_are_never_freed_at_exit(tmp_path):
+    """Interpreter shutdown would free every module's objects, an agent with a read in
+    flight among them (and NIXL's teardown under the read corrupted the heap): those the
+    module holds when it exits, or comes to hold while it does, are pinned; others go."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", PINNED_AT_EXIT, str(tmp_path)], timeout=120, check=True)
+    assert {name: (tmp_path / name).read_text() for name in ("free", "held", "late")} == {
+        "free": "free",
+        "held": "",
+        "late": "",
+    }
 
 
 def test_an_agent_knows_each_transfer_from_its_post_to_its_release():
@@ -989,6 +1027,8 @@ def test_an_agent_keeps_memory_a_transfer_may_still_write_registered():
     assert handle.released == 0 and agent.uncancelled == [stuck], "close asks each, and frees none in flight"
     with pytest.raises(ValueError, match=r"^the body's own") as raised, agent:
         raise ValueError("the body's own")
+    with pytest.raises(TransferError, match="still in flight may write"), agent:
+        pass  # no error of its own: close's is raised
     assert "1 transfer(s) from ['prefill'] still in flight may write" in raised.value.__notes__[0]
     gc.collect()
     assert all(ref() is not None for ref in alive) and nixl_accepts(agent, MINE, extent_rows(table))
@@ -1004,8 +1044,14 @@ def test_a_peer_is_not_removed_under_a_post_towards_it():
     with Agent("posting-peer", progress_thread=False) as agent:
         with agent.posting("prefill"), pytest.raises(TransferError, match=r"'prefill' has 1 transfer\(s\) posted"):
             agent.remove_peer("prefill")
+        with agent.posting("prefill"):
+            with agent.posting("prefill"):  # two threads' posts: the first to end leaves the other counted
+                pass
+            with pytest.raises(TransferError, match=r"'prefill' has 1 transfer\(s\) posted"):
+                agent.remove_peer("prefill")
         with agent.posting("decode"):
             agent.remove_peer("prefill")  # a post towards another peer: nothing refused (nor anything to remove)
+        assert agent._posts_to == {}, "a count kept for every peer ever posted to"
 
 
 def test_a_wait_polls_at_its_interval_until_its_deadline():
