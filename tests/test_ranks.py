@@ -771,9 +771,7 @@ def test_rank_readers_read_layer_by_layer_from_several_agents(monkeypatch):
 
         layers = reader.read_layers(requests, timeout=20)
         assert next(layers) == "l0"
-        for transfer in list(receiver.posted):  # the second layer's (a read in flight is never freed)
-            transfer.wait(20)
-        layers.close()  # left after one layer: both sources' second-layer transfers are released
+        layers.close()  # left after one layer: both sources' second-layer transfers land, then are released
         assert len({id(t) for t in released}) == 4 and all(t.released for t in released)
         real_state, real_post = receiver.nixl.check_xfer_state, receiver.nixl.transfer
         monkeypatch.setattr(receiver.nixl, "check_xfer_state", lambda handle: "PROC")  # a link that went quiet

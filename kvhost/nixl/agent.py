@@ -749,11 +749,16 @@ class Transfer:
         with self._releasing:  # a release on another thread (a close) frees the handle asked here
             if self.released:
                 raise TransferError(f"{self.op} from {self.link.peer!r} was released before it finished")
-            try:
-                state = self.link.agent.nixl.check_xfer_state(self.handle)
-            except Exception as err:
-                self.failed = _peer_gone(err)
-                raise TransferError(f"{self.op} from {self.link.peer!r} failed: {err}") from None
+            return self._ask()
+
+    def _ask(self) -> bool:
+        """NIXL's state of the transfer: True once landed; a TransferError once it failed
+        (``failed`` says whether nothing more lands)."""
+        try:
+            state = self.link.agent.nixl.check_xfer_state(self.handle)
+        except Exception as err:
+            self.failed = _peer_gone(err)
+            raise TransferError(f"{self.op} from {self.link.peer!r} failed: {err}") from None
         return self._note(state)
 
     def wait(self, timeout: float, *, interval: float = 1e-4) -> None:
@@ -804,12 +809,9 @@ class Transfer:
         if self.finished is not None or self.failed:
             return True
         try:
-            state = self.link.agent.nixl.check_xfer_state(self.handle)
-        except Exception as err:
-            return _peer_gone(err)
-        if state == "DONE":
-            self.finished = time.perf_counter()
-        return state in ("DONE", "ERR")
+            return self._ask()
+        except TransferError:
+            return self.failed
 
     def _free(self) -> None:
         with contextlib.suppress(Exception):  # over: whatever NIXL says of its handle, nothing more lands
