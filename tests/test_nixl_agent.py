@@ -218,7 +218,7 @@ time.sleep(120)
 def frozen_sender_reading(tmp_path, monkeypatch, name, blocks=4096):
     """An agent reading every block of a sender that was stopped (SIGSTOP) first: the read is
     in flight until the sender runs again. Yields the sender, the agent, the read, the local
-    tensors (as weak references) and the bytes the read lands once the sender runs. The
+    tensors (as weak references), the plan of the read, and the bytes the read lands once the sender runs. The
     sender is killed at the end, never left behind."""
     import signal
     import subprocess
@@ -256,7 +256,9 @@ def frozen_sender_reading(tmp_path, monkeypatch, name, blocks=4096):
         os.kill(sender.pid, signal.SIGSTOP)
         transfer = reader.read(range(blocks), range(blocks))
         assert transfer.poll() is False and agent.posted == {transfer}, "the read landed: nothing is in flight"
-        run = SimpleNamespace(sender=sender, agent=agent, transfer=transfer, local=local, alive=alive, landed=landed)
+        run = SimpleNamespace(
+            sender=sender, agent=agent, transfer=transfer, plan=reader.plan, local=local, alive=alive, landed=landed
+        )
         del agent, reader, transfer  # the test's to drop
         yield run
     finally:
@@ -765,6 +767,38 @@ def test_a_transfer_is_done_only_when_nixl_says_done():
 def test_a_transfer_done_when_posted_is_never_polled():
     transfer, nixl, _ = posted("DONE")
     assert transfer.finished is not None and transfer.poll() is True and nixl.calls == 1
+
+
+@pytest.mark.parametrize("script", [("DONE",), ("PROC", "ERR")])
+def test_a_transfer_of_a_request_posted_again_leaves_the_request_to_its_maker(script):
+    """``owns_handle=False`` (a request made once and posted again, as the bench's spans):
+    a transfer over is released and let go of, and NIXL's request is not freed."""
+    handle, agent = Handle(), SimpleNamespace(nixl=ScriptedNixl(*script), uncancelled=[], posted=set())
+    link = Link(agent, "prefill")  # type: ignore[arg-type]
+    transfer = Transfer.post(link, handle, 4096, "READ", descriptors=1, owns_handle=False)
+    with contextlib.suppress(TransferError):  # the one that fails says so
+        transfer.poll()
+    transfer.release()
+    assert transfer.released and agent.posted == set() and handle.released == 0
+    agent.nixl = ScriptedNixl(*script)
+    kept = Transfer.post(link, handle, 4096, "READ", descriptors=1)  # the default: the transfer's own
+    with contextlib.suppress(TransferError):
+        kept.poll()
+    kept.release()
+    assert handle.released == 1
+
+
+def test_an_agent_names_the_transfers_that_may_still_write():
+    """``Agent.in_flight``: posted, not released, and neither landed nor failed."""
+    agent = SimpleNamespace(uncancelled=[], posted=set())
+    transfers = {}
+    for last in ("PROC", "DONE", "ERR"):
+        agent.nixl = ScriptedNixl("PROC", last)
+        transfers[last] = Transfer.post(Link(agent, last), Handle(), 4096, "READ", descriptors=1)  # type: ignore[arg-type]
+        with contextlib.suppress(TransferError):
+            transfers[last].poll()
+    assert agent.posted == set(transfers.values())
+    assert Agent.in_flight(agent) == [transfers["PROC"]]  # type: ignore[arg-type]
 
 
 def test_a_transfer_that_fails_to_post_is_released_where_over_and_kept_where_part_may_be_in_flight():

@@ -83,8 +83,14 @@ def _settle(agent: Agent) -> None:
     """Let the module go of ``agent`` once every transfer it has posted is over (one landed
     and never released holds nothing: its agent may be freed, and NIXL frees its handle)."""
     with _holding_lock:
-        if all(transfer.finished is not None or transfer.failed for transfer in agent.posted):
+        if not _in_flight(agent.posted):
             _HOLDING.pop(id(agent), None)
+
+
+def _in_flight(posted: Iterable[Transfer]) -> list[Transfer]:
+    """Those of ``posted`` that are neither landed nor failed."""
+    with _holding_lock:
+        return [transfer for transfer in posted if transfer.finished is None and not transfer.failed]
 
 
 @atexit.register
@@ -308,6 +314,11 @@ class Agent:
             reader = Reader(self, plan, peer, max_descriptor_bytes=max_descriptor_bytes)
             self._readers.add(reader)
             return reader
+
+    def in_flight(self) -> list[Transfer]:
+        """Its transfers posted and not yet over (neither landed nor failed): they may still
+        write into its memory, and use the NIXL requests they were posted from."""
+        return _in_flight(self.posted)
 
     @contextlib.contextmanager
     def posting(self, peer: str) -> Iterator[None]:
@@ -711,18 +722,26 @@ class Transfer:
     finished: float | None = None
     failed: bool = False  # NIXL said it failed on the wire, or that its peer went away: nothing more lands
     released: bool = False
+    # Whether releasing it frees NIXL's request (False: a request made once and posted again,
+    # freed by its maker once no post of it may still write).
+    owns_handle: bool = field(default=True, repr=False)
     # One release at a time (close on one thread, a worker's release on another): NIXL frees
     # a handle released twice twice.
     _releasing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def post(cls, link: Link, handle: Any, nbytes: int, op: str, *, descriptors: int) -> Transfer:
+    def post(
+        cls, link: Link, handle: Any, nbytes: int, op: str, *, descriptors: int, owns_handle: bool = True
+    ) -> Transfer:
         """Post a created NIXL transfer (``handle``) towards ``link``'s peer. Where posting
         fails (NIXL raises, or answers with an error state) the caller never gets a transfer
         to release: it is released here where it is over, and otherwise kept by its agent
         (``Agent.uncancelled``): NIXL's UCX backend posts a transfer's pieces one by one and
-        stops at the first that fails, leaving those before it in flight."""
-        transfer = cls(link, handle, nbytes, op, descriptors)
+        stops at the first that fails, leaving those before it in flight.
+
+        ``owns_handle`` False: ``handle`` is a request its maker posts again once this post
+        is over, and frees itself; releasing the transfer then leaves the request alone."""
+        transfer = cls(link, handle, nbytes, op, descriptors, owns_handle=owns_handle)
         _hold(link.agent, transfer)  # first: an interrupt once NIXL has posted it leaves one close knows of
         try:
             state = link.agent.nixl.transfer(handle)
@@ -814,8 +833,9 @@ class Transfer:
             return self.failed
 
     def _free(self) -> None:
-        with contextlib.suppress(Exception):  # over: whatever NIXL says of its handle, nothing more lands
-            self.handle.release()
+        if self.owns_handle:
+            with contextlib.suppress(Exception):  # over: whatever NIXL says of its handle, nothing more lands
+                self.handle.release()
         self.released = True
         _let_go(self.link.agent, self)
 
