@@ -19,18 +19,22 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import transfer_rig
 
+from kvhost.nixl import Transfer
+from kvhost.nixl.agent import Link
 from kvhost_tools.bench import transfer
 from kvhost_tools.bench.sender import TIMEOUT_S
-from kvhost_tools.bench.ways import BATCH, KVHOST, NixlTransfer
+from kvhost_tools.bench.ways import BATCH, KVHOST
 
 
 def posting(setup: transfer.Setup, rows: tuple[np.ndarray, np.ndarray]) -> Callable[[], None]:
     """One READ of ``rows``, made, posted and polled to the end, as ``read_batch`` does."""
-    nixl, peer = setup.agent.nixl, setup.readers[KVHOST].peer
+    peer = setup.readers[KVHOST].peer
 
     def run() -> None:
         handle = setup.request(rows, peer)
-        moving = NixlTransfer(nixl, handle, nixl.transfer(handle))
+        moving = Transfer.post(
+            Link(setup.agent, peer), handle, int(rows[0][:, 1].sum()), "READ", descriptors=rows[0].shape[0]
+        )
         deadline = time.monotonic() + TIMEOUT_S
         while not moving.poll():
             if time.monotonic() > deadline:

@@ -33,9 +33,10 @@ import transfer_rig
 import kvhost
 from kvhost.caches import CacheSet
 from kvhost.nixl import Reader, Transfer
+from kvhost.nixl.agent import Link
 from kvhost_tools.bench import transfer
 from kvhost_tools.bench.sender import TIMEOUT_S, Batch
-from kvhost_tools.bench.ways import BATCH, HANDOFF, KVHOST, NixlTransfer
+from kvhost_tools.bench.ways import BATCH, HANDOFF, KVHOST
 
 
 def chunks_of(batch: Batch, setup: transfer.Setup, chunk_bytes: int) -> list[list[int]]:
@@ -100,7 +101,8 @@ def ways(setup: transfer.Setup, host: kvhost.KVHost, groups: list[list[int]]) ->
 
 def post_and_wait(setup: transfer.Setup, counts: Sequence[int], repeats: int) -> None:
     """Medians of NIXL's build, post and wait, the batch cut into ``count`` transfers."""
-    reader, nixl = setup.readers[KVHOST], setup.agent.nixl
+    reader = setup.readers[KVHOST]
+    link = Link(setup.agent, reader.peer)
     pairs = setup.batch.pairs()
     for count in counts:
         groups = np.array_split(np.arange(len(pairs)), count)
@@ -113,14 +115,14 @@ def post_and_wait(setup: transfer.Setup, counts: Sequence[int], repeats: int) ->
                 started = time.perf_counter()
                 handle = setup.request((local, remote), reader.peer)
                 built = time.perf_counter()
-                moving = NixlTransfer(nixl, handle, nixl.transfer(handle))
+                moving = Transfer.post(link, handle, int(local[:, 1].sum()), "READ", descriptors=local.shape[0])
                 posted = time.perf_counter()
                 while not moving.poll():  # without pause: the wait's own time is what is timed
                     if time.perf_counter() > posted + TIMEOUT_S:
                         raise RuntimeError(f"a transfer did not finish within {TIMEOUT_S:g} s")
                 build, post = build + built - started, post + posted - built
                 wait += time.perf_counter() - posted
-                handle.release()
+                moving.release()
             for name, seconds in zip(spent, (build, post, wait)):
                 spent[name].append(seconds)
         medians = "  ".join(f"{name} {np.median(s) * 1e3:6.2f} ms" for name, s in spent.items())

@@ -5,16 +5,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import signal
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from test_bench import running, stop_bench_while_it_runs
 from test_nixl import needs_nixl
+from test_nixl_agent import _no_stand_in_agent_held  # noqa: F401  (a fixture: stand-ins let go after each test)
 
 from kvhost.errors import KVHostError
-from kvhost.nixl.agent import DEFAULT_THREADS
+from kvhost.nixl import Agent, Transfer, TransferError
+from kvhost.nixl.agent import DEFAULT_THREADS, Link
 from kvhost_tools.bench import cli, sender, ways
 from kvhost_tools.bench.methods import ROOFLINE
 from kvhost_tools.bench.output import ROUNDING_TOLERANCE
@@ -202,3 +206,169 @@ def test_transfer_options_are_checked(capsys):
         with pytest.raises(SystemExit):
             cli.parse(argv)
         assert message in capsys.readouterr().err
+
+
+# --- what the bench lets go of: nothing a read still in flight may use ------------------------
+
+
+class Landing:
+    """A NIXL request whose posts answer from ``states`` in turn (post, then each poll); the
+    last state stands once the others are spent."""
+
+    def __init__(self, *states):
+        self.states = list(states)
+        self.released = 0
+
+    def answer(self):
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def release(self):
+        self.released += 1
+
+
+class StandInNixl:
+    def transfer(self, handle):
+        return handle.answer()
+
+    check_xfer_state = transfer
+
+
+def stand_in_agent():
+    agent = SimpleNamespace(nixl=StandInNixl(), posted=set(), uncancelled=[])
+    agent.in_flight = lambda: Agent.in_flight(agent)  # type: ignore[arg-type]
+    return agent
+
+
+def post(agent, handle):
+    return Transfer.post(Link(agent, "prefill"), handle, 4096, "READ", descriptors=1)
+
+
+def test_a_pull_out_of_time_releases_what_landed_and_keeps_what_may_still_write(monkeypatch):
+    monkeypatch.setattr(ways, "TIMEOUT_S", 0.05)
+    agent = stand_in_agent()
+    handles = [Landing("PROC", "DONE"), Landing("PROC"), Landing("PROC", "DONE"), Landing("PROC")]
+    with pytest.raises(TransferError, match=r"transfers did not finish within 0\.05 s") as caught:
+        ways.pull(lambda i: post(agent, handles[i]), len(handles), 2)
+    assert caught.value.timed_out
+    assert "\n".join(caught.value.__notes__).count("is still in flight and cannot be cancelled") == 2
+    assert [handle.released for handle in handles] == [1, 0, 1, 0]
+    assert sorted(id(t.handle) for t in agent.uncancelled) == sorted(map(id, (handles[1], handles[3])))
+    assert set(agent.in_flight()) == set(agent.uncancelled)
+
+
+def test_a_pull_that_fails_frees_the_failed_transfer_and_keeps_the_one_in_flight(monkeypatch):
+    agent = stand_in_agent()
+    handles = [Landing("PROC"), Landing("PROC", "ERR")]
+    with pytest.raises(TransferError, match="failed: transport state 'ERR'") as caught:
+        ways.pull(lambda i: post(agent, handles[i]), len(handles), 2)
+    assert "still in flight and cannot be cancelled" in "\n".join(caught.value.__notes__)
+    assert [handle.released for handle in handles] == [0, 1]
+    assert [t.handle for t in agent.uncancelled] == [handles[0]]
+
+
+def test_a_request_posted_again_is_freed_only_when_no_post_of_it_may_write(monkeypatch):
+    monkeypatch.setattr(ways, "TIMEOUT_S", 0.05)
+    agent = stand_in_agent()
+    never = ways.Request(agent, "prefill", Landing("DONE"), 4096, 1)
+    never.free()
+    assert never.handle.released == 1
+    handle = Landing("PROC", "DONE", "DONE", "PROC")
+    request = ways.Request(agent, "prefill", handle, 4096, 2)
+    again = ways.repost(request)
+    again()
+    again()  # posted again: the first post let go of it, not NIXL's request
+    assert handle.released == 0 and agent.posted == set() and request.last.released
+    with pytest.raises(TransferError, match="did not finish") as caught:
+        again()
+    assert "still in flight" in "\n".join(caught.value.__notes__)
+    request.free()
+    assert handle.released == 0 and agent.uncancelled == [request.last], "freed under a read in flight"
+    handle.states = ["DONE"]
+    request.last.release()
+    request.free()
+    assert handle.released == 1 and agent.posted == set()
+
+
+def test_prepared_lists_are_kept_while_a_transfer_may_use_them():
+    agent = stand_in_agent()
+    prepared = object.__new__(ways.Prepared)
+    prepared.agent, prepared.local, prepared.remote = agent, Landing("DONE"), Landing("DONE")
+    in_flight = post(agent, Landing("PROC"))
+    prepared.close()
+    assert prepared.local.released == prepared.remote.released == 0
+    in_flight.handle.states = ["DONE"]
+    in_flight.release()
+    prepared.close()
+    assert prepared.local.released == prepared.remote.released == 1
+
+
+class Closing:
+    def __init__(self, error=None):
+        self.error, self.closed = error, 0
+
+    def close(self):
+        self.closed += 1
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("measuring", [None, RuntimeError("the bench failed")])
+def test_a_run_closes_the_sender_whatever_closing_the_agent_says(monkeypatch, measuring):
+    """The sender is closed last whatever fails before it; the run's own error is what is
+    raised, with what closing met as a note; without one, closing's error is raised."""
+    from kvhost_tools.bench import transfer
+
+    in_flight = TransferError("agent 'bench': 1 transfer(s) from ['prefill'] still in flight may write")
+    setup = transfer.Setup(None, Closing(in_flight), Closing(), {}, None)  # type: ignore[arg-type]
+    request = ways.Request(stand_in_agent(), "prefill", Landing("DONE"), 4096, 1)
+    setup.requests.append(request)
+
+    def measure_all(args, given, load):
+        assert given is setup
+        if measuring is not None:
+            raise measuring
+        return {"measured": True}
+
+    monkeypatch.setattr(transfer, "connect", lambda args: setup)
+    monkeypatch.setattr(transfer, "measure_all", measure_all)
+    raised = type(measuring) if measuring is not None else TransferError
+    with pytest.raises(raised) as caught:
+        transfer.run(argparse.Namespace())
+    if measuring is not None:
+        assert caught.value is measuring
+        assert caught.value.__notes__ == [f"closing after it: TransferError: {in_flight}"]
+    else:
+        assert caught.value is in_flight
+    assert setup.agent.closed == setup.peer.closed == 1 and request.handle.released == 1 and setup.requests == []
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_bench_request_timed_out_under_a_frozen_sender_is_kept_until_it_lands(tmp_path, monkeypatch):
+    """Real NIXL over TCP: the bench's request made once (``Request``), posted while the
+    sender is stopped, times out; neither it nor the agent's memory is let go (freeing NIXL's
+    request under the read is what corrupted the heap), and once the sender runs again the
+    read lands and everything is freed."""
+    from test_nixl_agent import frozen_sender_reading
+
+    monkeypatch.setattr(ways, "TIMEOUT_S", 0.5)
+    with frozen_sender_reading(tmp_path, monkeypatch, "bench-under-a-read", blocks=1024) as run:
+        agent, plan = run.agent, run.plan
+        local, remote = plan.descriptor_pairs(range(1024), range(1024))
+        nixl = agent.nixl
+        descs = [nixl.get_xfer_descs(rows, plan.local.memory) for rows in (local, remote)]
+        request = ways.Request(agent, "frozen-sender", nixl.initialize_xfer("READ", *descs, "frozen-sender"), 1, 1)
+        with pytest.raises(TransferError, match=r"did not finish within 0\.5 s") as caught:
+            ways.repost(request)()
+        assert "'frozen-sender' is still in flight" in "\n".join(caught.value.__notes__)
+        request.free()
+        assert agent.uncancelled == [request.last] and not request.last.released
+        with pytest.raises(TransferError, match="still in flight may write"):
+            agent.close()
+        os.kill(run.sender.pid, signal.SIGCONT)
+        for transfer in (request.last, run.transfer):
+            transfer.wait(60)  # NIXL still knows the request: it was not freed
+            transfer.release()
+        request.free()
+        agent.close()
+        assert agent.posted == set() and agent.uncancelled == []

@@ -177,14 +177,14 @@ def measure(device: torch.device, demo: str, repeats: int, emit: Callable[[Row],
         # The transport alone, the same bytes in descriptors of one size each: its cost per
         # descriptor against the descriptor's size, which bounds what merging can gain.
         connected = Setup(batch, receiver, sender, local, plan, readers={KVHOST: merged})
-        made = [(span_name(size), *connected.span(size, nbytes)) for size in SPANS]
+        made = {span_name(size): connected.span(size, nbytes) for size in SPANS}
         try:
-            for name, handle, count in made:
-                seconds = median_seconds(repost(receiver.nixl, handle), device, repeats)
-                add(Row(name, seconds, nbytes, reference / seconds, count))
+            for name, request in made.items():
+                seconds = median_seconds(repost(request), device, repeats)
+                add(Row(name, seconds, nbytes, reference / seconds, request.descriptors))
         finally:
-            for _, handle, _ in made:
-                handle.release()
+            for request in made.values():  # one whose post did not land is kept: its agent holds that post
+                request.free()
     return rows
 
 

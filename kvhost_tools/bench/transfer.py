@@ -93,6 +93,7 @@ from kvhost_tools.bench.ways import (
     UNMERGED,
     Batched,
     Prepared,
+    Request,
     bound_name,
     pull,
     repost,
@@ -129,11 +130,24 @@ class Setup:
     local: dict[str, torch.Tensor]
     plan: TransferPlan
     readers: dict[str, Any] = field(default_factory=dict)  # name -> Reader, Batched or Prepared
-    handles: list[Any] = field(default_factory=list)  # NIXL requests made once, released at the end
+    requests: list[Request] = field(default_factory=list)  # NIXL requests made once, freed at the end
 
     def close_readers(self) -> None:
         for reader in self.readers.values():
             reader.close()
+
+    def close(self) -> None:
+        """Let go of everything, the sender last whatever fails before it. Requests and
+        prepared lists a transfer still in flight may use are kept, and the agent's close
+        says what is in flight (``Agent.close``)."""
+        try:
+            for request in self.requests:
+                request.free()
+            self.requests.clear()
+            self.close_readers()
+            self.agent.close()
+        finally:
+            self.peer.close()
 
     def transfer(self, name: str, inflight: int) -> Callable[[], None]:
         reader, batch = self.readers[name], self.batch
@@ -184,9 +198,9 @@ class Setup:
 
         return plan
 
-    def span(self, size: int, nbytes: int) -> tuple[Any, int]:
+    def span(self, size: int, nbytes: int) -> Request:
         """One NIXL request reading ``nbytes`` from one contiguous span of each layer into one of
-        each local layer, in descriptors of ``size`` bytes (0: one per layer); and its count."""
+        each local layer, in descriptors of ``size`` bytes (0: one per layer)."""
         nixl = self.agent.nixl
         local = CacheSet(self.local, self.batch.setting.axes)
         starts = {name: min(m.tensor.data_ptr() for m in ms) for name, ms in local.layers.items()}
@@ -202,13 +216,10 @@ class Setup:
             at = (np.array(bases, dtype=np.uint64)[:, None] + offsets[None, :]).reshape(-1)
             rows.append(np.stack([at, np.tile(lengths, len(bases)), np.zeros_like(at)], axis=1))
         memory = self.plan.local.memory
-        handle = nixl.initialize_xfer(
-            "READ",
-            nixl.get_xfer_descs(rows[0], memory),
-            nixl.get_xfer_descs(rows[1], memory),
-            self.readers[KVHOST].peer,
-        )
-        return handle, rows[0].shape[0]
+        peer = self.readers[KVHOST].peer
+        local_descs, remote_descs = (nixl.get_xfer_descs(r, memory) for r in rows)
+        handle = nixl.initialize_xfer("READ", local_descs, remote_descs, peer)
+        return Request(self.agent, peer, handle, int(lengths.sum()) * len(starts), rows[0].shape[0])
 
     def descriptors(self, name: str) -> int:
         """Descriptors the transport is handed for the whole batch. For the prepared way as
@@ -369,59 +380,66 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     setup = connect(args)
     try:
-        verify(setup, args.inflight)
-        nbytes = setup.plan.bytes_for(sum(len(r) for r in setup.batch.remote_ids))
-        device = BothSides(args.cache, setup.peer)
-        space = Workspace(device)
-        axes = setup.batch.setting.axes
-        host = kvhost.KVHost(setup.local, axes=axes)
-        parts: dict[str, list[float]] = {name: [] for name in ("transfer", "receive", "tail", "pack", "packed_read")}
-        merged = setup.transfer(BATCH, args.inflight)
-        packed = setup.readers[PACKED]
+        section = measure_all(args, setup, load_before)
+    except BaseException as err:
+        try:
+            setup.close()
+        except Exception as left:  # the run's own error comes first; what closing met goes with it
+            err.add_note(f"closing after it: {type(left).__name__}: {left}")
+        raise
+    setup.close()
+    return section
 
-        def handoff() -> None:
-            started = time.perf_counter()
-            merged()
-            landed = time.perf_counter()
-            post_process(setup, host)
-            parts["transfer"].append(landed - started)
-            parts["receive"].append(time.perf_counter() - landed)
 
-        def handoff_packed() -> None:
-            started = time.perf_counter()
-            setup.peer.pack()
-            sent = time.perf_counter()
-            pull(lambda _: packed.reader.read_batch(packed.pairs), 1, 1)
-            landed = time.perf_counter()
-            post_process(setup, host)
-            parts["pack"].append(sent - started)
-            parts["packed_read"].append(landed - sent)
+def measure_all(args: argparse.Namespace, setup: Setup, load_before: float) -> dict[str, Any]:
+    """Verify every way, then time them side by side; the section of the results."""
+    verify(setup, args.inflight)
+    nbytes = setup.plan.bytes_for(sum(len(r) for r in setup.batch.remote_ids))
+    device = BothSides(args.cache, setup.peer)
+    space = Workspace(device)
+    axes = setup.batch.setting.axes
+    host = kvhost.KVHost(setup.local, axes=axes)
+    parts: dict[str, list[float]] = {name: [] for name in ("transfer", "receive", "tail", "pack", "packed_read")}
+    merged = setup.transfer(BATCH, args.inflight)
+    packed = setup.readers[PACKED]
 
-        transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PACKED, *(bound_name(b) for b in args.bounds)]
-        methods: dict[str, Callable[[], object]] = {ROOFLINE: space.memcpy(nbytes, device.device, device.device)}
-        if args.huge_pages == "on":  # the roofline's memory as the caches'
-            ring = space.memcpy_ranges(nbytes, device.device, device.device)
-            back_with_huge_pages([(int(address), int(length)) for address, length in ring])
-        methods |= {name: setup.transfer(name, args.inflight) for name in transfers}
-        methods[HANDOFF] = handoff
-        methods[HANDOFF_PACKED] = handoff_packed
-        methods[LAYERED] = layered(setup, host, parts["tail"])
-        methods |= {f"build {name}": setup.build(name) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH)}
-        methods |= {f"plan {name}": setup.plan_only(name) for name in (PER_PIECE, PREPPED, KVHOST, BATCH)}
-        spans = {span_name(size): setup.span(size, nbytes) for size in args.sweep}
-        setup.handles += [handle for handle, _ in spans.values()]
-        methods |= {name: repost(setup.agent.nixl, handle) for name, (handle, _) in spans.items()}
-        ids = np.array(sorted({b for r in setup.batch.local_ids for b in r}), dtype=np.int64)
-        touched = np.concatenate(
-            [block_ranges(setup.local, axes, ids), space.memcpy_ranges(nbytes, device.device, device.device)]
-        )
-        preset = replace(PRESETS["quick" if args.quick else "full"], seconds_per_point=args.seconds)
-        measured = measure(methods, device, preset, args.rounds, random.Random(args.seed), touched)
-        counts = {name: count for name, (_, count) in spans.items()}
-        return summarise(args, setup, measured, nbytes, transfers, parts, load_before, counts)
-    finally:
-        for handle in setup.handles:
-            handle.release()
-        setup.close_readers()
-        setup.agent.close()
-        setup.peer.close()
+    def handoff() -> None:
+        started = time.perf_counter()
+        merged()
+        landed = time.perf_counter()
+        post_process(setup, host)
+        parts["transfer"].append(landed - started)
+        parts["receive"].append(time.perf_counter() - landed)
+
+    def handoff_packed() -> None:
+        started = time.perf_counter()
+        setup.peer.pack()
+        sent = time.perf_counter()
+        pull(lambda _: packed.reader.read_batch(packed.pairs), 1, 1)
+        landed = time.perf_counter()
+        post_process(setup, host)
+        parts["pack"].append(sent - started)
+        parts["packed_read"].append(landed - sent)
+
+    transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PACKED, *(bound_name(b) for b in args.bounds)]
+    methods: dict[str, Callable[[], object]] = {ROOFLINE: space.memcpy(nbytes, device.device, device.device)}
+    if args.huge_pages == "on":  # the roofline's memory as the caches'
+        ring = space.memcpy_ranges(nbytes, device.device, device.device)
+        back_with_huge_pages([(int(address), int(length)) for address, length in ring])
+    methods |= {name: setup.transfer(name, args.inflight) for name in transfers}
+    methods[HANDOFF] = handoff
+    methods[HANDOFF_PACKED] = handoff_packed
+    methods[LAYERED] = layered(setup, host, parts["tail"])
+    methods |= {f"build {name}": setup.build(name) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH)}
+    methods |= {f"plan {name}": setup.plan_only(name) for name in (PER_PIECE, PREPPED, KVHOST, BATCH)}
+    spans = {span_name(size): setup.span(size, nbytes) for size in args.sweep}
+    setup.requests += spans.values()
+    methods |= {name: repost(request) for name, request in spans.items()}
+    ids = np.array(sorted({b for r in setup.batch.local_ids for b in r}), dtype=np.int64)
+    touched = np.concatenate(
+        [block_ranges(setup.local, axes, ids), space.memcpy_ranges(nbytes, device.device, device.device)]
+    )
+    preset = replace(PRESETS["quick" if args.quick else "full"], seconds_per_point=args.seconds)
+    measured = measure(methods, device, preset, args.rounds, random.Random(args.seed), touched)
+    counts = {name: request.descriptors for name, request in spans.items()}
+    return summarise(args, setup, measured, nbytes, transfers, parts, load_before, counts)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvhost.nixl import Agent, Reader, RegionTable, Transfer, TransferPlan
+from kvhost.nixl import Agent, Reader, RegionTable, Transfer, TransferError, TransferPlan
+from kvhost.nixl.agent import Link, release_all
 from kvhost_tools.bench.sender import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class Prepared:
     index (``make_prepped_xfer``): the per-block way of vLLM's NixlConnector."""
 
     def __init__(self, agent: Agent, plan: TransferPlan, peer: str, *, nixl_merges: bool = True) -> None:
-        self.nixl, self.plan, self.peer = agent.nixl, plan, peer
+        self.agent, self.nixl, self.plan, self.peer = agent, agent.nixl, plan, peer
         self.nixl_merges = nixl_merges
         remote_streams = [plan.remote.streams[i] for i in plan.remote_streams]
         self.local = self.nixl.prep_xfer_dlist(
@@ -99,13 +100,17 @@ class Prepared:
             "READ", self.local, local, self.remote, remote, skip_desc_merge=not self.nixl_merges
         )
 
-    def read(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> NixlTransfer:
+    def read(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> Transfer:
         handle = self.make(local_ids, remote_ids)
-        return NixlTransfer(self.nixl, handle, self.nixl.transfer(handle))
+        pieces = len(remote_ids) * self.plan.remote_parts * len(self.plan.local.streams)
+        nbytes = self.plan.bytes_for(len(remote_ids))
+        return Transfer.post(Link(self.agent, self.peer), handle, nbytes, "READ", descriptors=pieces)
 
     def close(self) -> None:
-        self.local.release()
-        self.remote.release()
+        """Free both prepared lists, unless a transfer of the agent may still be using them."""
+        if not self.agent.in_flight():
+            self.local.release()
+            self.remote.release()
 
 
 def _every_piece(table: RegionTable, streams: Sequence[Any], plan: TransferPlan) -> np.ndarray:
@@ -124,41 +129,58 @@ def _every_piece(table: RegionTable, streams: Sequence[Any], plan: TransferPlan)
     return rows
 
 
-@dataclass
-class NixlTransfer:
-    """A posted NIXL request, polled like ``kvhost.nixl.Transfer``."""
-
-    nixl: Any
-    handle: Any
-    state: str
-
-    def poll(self) -> bool:
-        if self.state == "PROC":
-            self.state = self.nixl.check_xfer_state(self.handle)
-        if self.state not in ("DONE", "PROC"):
-            raise RuntimeError(f"transfer failed: {self.state}")
-        return self.state == "DONE"
-
-    def release(self) -> None:
-        self.handle.release()
-
-
-def pull(start: Callable[[int], Transfer | NixlTransfer], requests: int, inflight: int) -> None:
-    """Start request ``i`` with ``start(i)``, up to ``inflight`` at once, until every one is done."""
+def pull(start: Callable[[int], Transfer], requests: int, inflight: int) -> None:
+    """Start request ``i`` with ``start(i)``, up to ``inflight`` at once, until every one is
+    done. Where one fails or time runs out, those running are released; one still in flight
+    cannot be (``Transfer.release``): its agent keeps it, and a note on the error says so."""
     pending = list(range(requests))[::-1]
-    running: list[Transfer | NixlTransfer] = []
+    running: list[Transfer] = []
     deadline = time.monotonic() + TIMEOUT_S
-    while pending or running:
-        while pending and len(running) < inflight:
-            running.append(start(pending.pop()))
-        done = [t for t in running if t.poll()]
-        for transfer in done:
-            transfer.release()
-            running.remove(transfer)
-        if not done:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"transfers did not finish within {TIMEOUT_S:g} s")
-            time.sleep(2e-4)
+    try:
+        while pending or running:
+            while pending and len(running) < inflight:
+                running.append(start(pending.pop()))
+            done = [t for t in running if t.poll()]
+            for transfer in done:
+                running.remove(transfer)
+                transfer.release()
+            if not done:
+                if time.monotonic() > deadline:
+                    raise TransferError(f"transfers did not finish within {TIMEOUT_S:g} s", timed_out=True)
+                time.sleep(2e-4)
+    except BaseException as err:
+        try:
+            release_all(running)
+        except TransferError as left:
+            err.add_note(str(left))
+        raise
+
+
+@dataclass(eq=False)
+class Request:
+    """A NIXL READ made once (``initialize_xfer``) and posted again and again (``repost``),
+    each post a ``Transfer`` its agent knows of: one that does not land keeps the agent and
+    its memory. ``free`` frees it unless its last post may still write."""
+
+    agent: Agent
+    peer: str
+    handle: Any
+    nbytes: int
+    descriptors: int
+    last: Transfer | None = None
+
+    def post(self) -> Transfer:
+        link = Link(self.agent, self.peer)
+        self.last = Transfer.post(
+            link, self.handle, self.nbytes, "READ", descriptors=self.descriptors, owns_handle=False
+        )
+        return self.last
+
+    def free(self) -> None:
+        """Free NIXL's request, unless a post of it is still in flight (its agent keeps that
+        post: freeing the request under it would let NIXL free what the read still uses)."""
+        if self.last is None or self.last.released:
+            self.handle.release()
 
 
 def span_name(size: int) -> str:
@@ -167,18 +189,9 @@ def span_name(size: int) -> str:
     return f"span/{size >> 20}MiB" if size >= 1 << 20 else f"span/{size >> 10}KiB"
 
 
-def repost(nixl: Any, handle: Any) -> Callable[[], None]:
+def repost(request: Request) -> Callable[[], None]:
     """Post a NIXL request made once, and wait for it."""
-
-    def post() -> None:
-        transfer = NixlTransfer(nixl, handle, nixl.transfer(handle))
-        deadline = time.monotonic() + TIMEOUT_S
-        while not transfer.poll():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"a transfer did not finish within {TIMEOUT_S:g} s")
-            time.sleep(2e-4)
-
-    return post
+    return lambda: pull(lambda _: request.post(), 1, 1)
 
 
 def bound_name(bound: int) -> str:
