@@ -310,17 +310,22 @@ def test_a_read_in_flight_is_never_freed_and_lands_in_memory_kept_for_it(tmp_pat
 @pytest.mark.timeout(120)
 def test_a_read_in_flight_from_a_peer_that_dies_fails_and_then_close_lets_go(tmp_path, monkeypatch):
     """The peer dies under the read (killed while stopped): the read fails on the wire, and
-    only then does close let go of the peer's keys and the memory, and the agent is freed."""
+    only then does close let go of the peer's keys and the memory, and the agent is freed.
+    A second read from the same peer, its state asked after the first failed (when NIXL
+    may have let go of the peer), fails the same way: nothing is left held for ever."""
     from kvhost.nixl.agent import _HOLDING
 
     with frozen_sender_reading(tmp_path, monkeypatch, "closing-after-a-death") as run:
         agent, transfer = run.agent, run.transfer
+        second = agent.reader(run.plan, "frozen-sender").read(range(8), range(8))
         with pytest.raises(TransferError, match="still in flight may write"):
             agent.close()
         run.sender.kill()
         run.sender.wait()
-        with pytest.raises(TransferError, match="'frozen-sender' failed: NIXL_ERR_REMOTE_DISCONNECT"):
-            transfer.wait(60)
+        for read in (transfer, second):
+            with pytest.raises(TransferError, match="'frozen-sender' failed: NIXL_ERR_REMOTE_DISCONNECT"):
+                read.wait(60)
+        del read, second
         agent.close()
         assert transfer.released and agent.uncancelled == [] and id(agent) not in _HOLDING
         assert not nixl_accepts(agent, MINE, extent_rows(run.local)), "the memory is still registered"
