@@ -18,7 +18,7 @@ import torch
 
 from kvhost.caches import CacheSet, CopyGroup, Member, MemberList, ReceiveGroup
 from kvhost.errors import ArgumentError, KVHostError, RequestError
-from kvhost.ids import IdBatch, Ids, find_runs, is_integer
+from kvhost.ids import IdBatch, Ids, find_runs, integer_value
 from kvhost.layout import Layout, check_letters
 from kvhost.memory import first_shared
 from kvhost.transform import CopyPlan, Rearrangement
@@ -397,9 +397,10 @@ def _remote_order(order: object, default: str | None, what: str) -> str | None:
 
 def _tokens(tokens: object, what: str) -> int:
     """A request's count of tokens that arrived: a positive integer, never coerced."""
-    if not is_integer(tokens) or tokens < 1:
+    value = integer_value(tokens)
+    if value is None or value < 1:
         raise RequestError(f"{what} must be a positive integer, got {tokens!r}")
-    return int(tokens)
+    return value
 
 
 def _remote_block_size(size: object, default: int, what: str) -> int:
@@ -408,6 +409,7 @@ def _remote_block_size(size: object, default: int, what: str) -> int:
         return default
     if type(size) is int and size > 0:  # the common case, with no look-up of numpy's types
         return size
-    if not is_integer(size) or size < 1:
+    value = integer_value(size)
+    if value is None or value < 1:
         raise RequestError(f"{what} must be a positive integer, got {size!r}")
-    return int(size)
+    return value

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
@@ -74,10 +75,14 @@ class IdBatch:
         if not flat:
             return
         kinds = set(map(type, flat))
-        if kinds != _INT and not all(_integer_type(kind) for kind in kinds):
-            position = next(i for i, x in enumerate(flat) if not _integer_type(type(x)))
-            subject, at = self._where(position)
-            raise RequestError(f"{subject}: block ids must be integers, got {flat[position]!r} at position {at}")
+        if kinds != _INT:
+            if not all(_integer_type(kind) for kind in kinds):
+                position = next(i for i, x in enumerate(flat) if not _integer_type(type(x)))
+                subject, at = self._where(position)
+                raise RequestError(f"{subject}: block ids must be integers, got {flat[position]!r} at position {at}")
+            # Their own values, as the int64 array will hold them: an int subclass's
+            # comparisons or hash may say otherwise, and the range is checked on these.
+            flat[:] = map(operator.index, flat)
         if min(flat) < 0 or max(flat) >= limit:
             position = next(i for i, x in enumerate(flat) if not 0 <= x < limit)
             subject, at = self._where(position)
@@ -165,6 +170,13 @@ def _integer_type(kind: type) -> bool:
 def is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:
     """An integer as given, never coerced: Python's or numpy's; not a bool, a float or a timedelta."""
     return _integer_type(type(value))
+
+
+def integer_value(value: object) -> int | None:
+    """An integer's own value as a plain int, or None where ``value`` is no integer
+    (``is_integer``). Compare this, not ``value``: an int subclass's comparisons and
+    ``__int__`` may say anything, ``operator.index`` reads the number itself."""
+    return operator.index(value) if is_integer(value) else None
 
 
 def _integer_dtype(dtype: np.dtype[Any] | torch.dtype) -> bool:

@@ -65,6 +65,54 @@ def test_numpy_integers_in_a_list_are_ids():
         bad.check()
 
 
+class Liar(int):
+    """An int whose comparisons, hash and ``__int__`` say nothing of its value."""
+
+    def __lt__(self, other):
+        return False
+
+    __gt__ = __ge__ = __le__ = __lt__
+
+    def __eq__(self, other):
+        return False
+
+    def __hash__(self):
+        return id(self)
+
+    def __int__(self):
+        return 0
+
+    def __index__(self):
+        return 0
+
+
+def test_an_int_subclass_is_checked_by_its_own_value_not_its_comparisons():
+    """Its value is what the kernels get: a range check by its comparisons let 2**40 through
+    to a kernel (a segmentation fault on the CPU backend)."""
+    with pytest.raises(kvhost.RequestError, match=r"a: block id 1099511627776 at position 0 is out of range \[0, 8\)"):
+        checked_ids([Liar(1 << 40)], "a", 8)
+    with pytest.raises(kvhost.RequestError, match="block id 3 is claimed by mine and yours"):
+        batch = IdBatch(8)
+        batch.add("mine", [Liar(3)])
+        batch.add("yours", [Liar(3)])
+        batch.check()
+    assert checked_ids([Liar(5), 2], "a", 8).tolist() == [5, 2]
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=4, H=2, C=4)).fill_(3)}
+    before = caches["l"].clone()
+    for call in (
+        lambda: kvhost.receive(caches, {"a": [Liar(1 << 40)]}, axes="KBNHC", remote_order="HNC"),
+        lambda: kvhost.copy_blocks(caches, caches, [0], [Liar(1 << 40)], axes="KBNHC"),
+    ):
+        with pytest.raises(kvhost.RequestError, match="1099511627776 at position 0 is out of range"):
+            call()
+    assert torch.equal(caches["l"], before)
+    for option in ("remote_block_size", "tokens"):
+        request = kvhost.Incoming([1], tokens=Liar(0)) if option == "tokens" else [1]
+        extra = {"remote_block_size": Liar(0)} if option == "remote_block_size" else {}
+        with pytest.raises(kvhost.RequestError, match="must be a positive integer"):
+            kvhost.receive(caches, {"a": request}, axes="KBNHC", remote_order="HNC", **extra)
+
+
 def test_ids_must_be_unique_unless_told_otherwise():
     for unique in (True, False):
         batch = IdBatch(4, unique=unique)

@@ -38,7 +38,7 @@ from kvhost.backend import Backend
 from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
 from kvhost.errors import ArgumentError, KVHostError, LayoutError, RequestError
-from kvhost.ids import IdBatch, is_integer
+from kvhost.ids import IdBatch, integer_value
 from kvhost.layout import Layout, check_letters
 from kvhost.stats import CopyResult, ReceiveStats
 
@@ -478,10 +478,11 @@ def _dims(shape: object) -> tuple[int, ...]:
         return tuple(shape)
     if not isinstance(shape, Sequence) or isinstance(shape, str):
         raise LayoutError(f"a cache's shape must be a sequence of integers, got {shape!r}")
-    for dim in shape:
-        if not is_integer(dim):
-            raise LayoutError(f"a cache's shape must be a sequence of integers, got {dim!r} in {tuple(shape)}")
-    return tuple(int(d) for d in shape)
+    dims = tuple(map(integer_value, shape))
+    if None in dims:
+        dim = shape[dims.index(None)]
+        raise LayoutError(f"a cache's shape must be a sequence of integers, got {dim!r} in {tuple(shape)}")
+    return dims  # type: ignore[return-value]
 
 
 def _first_tensor(kv_caches: Mapping[str, Layer], layout: str) -> torch.Tensor:

@@ -14,6 +14,7 @@ secret (``kvhost.nixl.server``); it is dropped otherwise.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvhost.errors import ArgumentError
-from kvhost.ids import checked_ids, is_integer
+from kvhost.ids import checked_ids, integer_value
 from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.fields import MAX_ARRAY_BYTES, Fields, check_text
 from kvhost.nixl.tables import RegionTable
@@ -67,12 +68,13 @@ def request_columns(requests: Sequence[RemoteRequest], table: RegionTable, block
             ("number", request.number, 0, MAX_NUMBER),
             ("tokens", request.tokens, 1, MAX_TOKENS),
         ):
-            if not is_integer(value) or not least <= value <= most:
+            number = integer_value(value)
+            if number is None or not least <= number <= most:
                 raise ArgumentError(
                     f"request {name!r}: {what} must be an integer in [{least}, {most}], got {value!r:.40}"
                 )
         ids = checked_ids(request.remote_ids, f"request {name!r}: remote_ids", table.num_blocks)
-        needed = -(-int(request.tokens) // block_size)
+        needed = -(-operator.index(request.tokens) // block_size)  # its own value (checked above)
         if ids.size != needed:
             raise ArgumentError(
                 f"request {name!r}: {ids.size} block ids, but {request.tokens} tokens fill {needed} blocks of "
