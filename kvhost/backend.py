@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from kvhost.errors import ArgumentError
 from kvhost.raw import as_raw
 
 if TYPE_CHECKING:
@@ -104,6 +105,14 @@ class EventCompletion(Completion):
             # a result kept after its copy completed must not keep them.
             self.keep, self.finish = [], None
             self._finished = True
+
+
+def check_sizes(**options: object) -> None:
+    """A backend's size options (bytes, counts): each a non-negative int (a bool or a float
+    is none); an ArgumentError names the first that is not."""
+    for name, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ArgumentError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 class Backend(ABC):

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
+from kvhost.backend import Backend, Completion, EventCompletion, check_sizes, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.ids import find_runs_list
 from kvhost.layout import Layout, contiguous_strides
@@ -118,16 +118,17 @@ class TorchBackend(Backend):
         host_thread_bytes: int | None = None,
         host_split_bytes: int | None = None,
     ) -> None:
-        if host_chunk_bytes is not None:
-            self.host_chunk_bytes = host_chunk_bytes
-        if device_chunk_bytes is not None:
-            self.device_chunk_bytes = device_chunk_bytes
-        if max_run_copies is not None:
-            self.max_run_copies = max_run_copies
-        if host_thread_bytes is not None:
-            self.host_thread_bytes = host_thread_bytes
-        if host_split_bytes is not None:
-            self.host_split_bytes = host_split_bytes
+        options = {
+            "host_chunk_bytes": host_chunk_bytes,
+            "device_chunk_bytes": device_chunk_bytes,
+            "max_run_copies": max_run_copies,
+            "host_thread_bytes": host_thread_bytes,
+            "host_split_bytes": host_split_bytes,
+        }
+        given = {name: value for name, value in options.items() if value is not None}  # None: the default
+        check_sizes(**given)
+        for name, value in given.items():
+            setattr(self, name, value)
 
     @cached_property
     def index_buffers(self) -> IndexBuffers:

@@ -571,6 +571,21 @@ def test_the_cpu_backend_s_cycle_bounds_are_non_negative_integers(bad):
     assert CpuBackend(cycle_piece_bytes=0, cycle_run_bytes=0).cycle_run_bytes == 0
 
 
+@pytest.mark.parametrize("bad", [True, -1, 1.5, "512"])
+def test_the_torch_backend_s_sizes_are_non_negative_integers_or_its_defaults(bad):
+    """What plugin devices without kernels run: a bad size is refused when the backend is
+    made, not met as a TypeError (or taken as given) in a call."""
+    names = ("host_chunk_bytes", "device_chunk_bytes", "max_run_copies", "host_thread_bytes", "host_split_bytes")
+    for name in names:
+        with pytest.raises(
+            kvhost.ArgumentError, match=rf"{name} must be a non-negative integer, got {re.escape(repr(bad))}"
+        ):
+            TorchBackend(**{name: bad})
+    defaults, zeros = TorchBackend(), TorchBackend(**dict.fromkeys(names, 0))
+    assert [getattr(defaults, name) for name in names] == [1 << 20, None, 64, 1 << 20, 8 << 20]
+    assert [getattr(zeros, name) for name in names] == [0] * 5
+
+
 def _byte_pairs(loops) -> set[tuple[int, int]]:
     """Every (source, destination) offset a copy's loops copy a run between."""
     import itertools

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import numpy as np
 
-from kvhost.backend import Backend, Completion, OptionalKernels
+from kvhost.backend import Backend, Completion, OptionalKernels, check_sizes
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.errors import ArgumentError
 from kvhost.torch_backend import TorchBackend
@@ -63,9 +63,7 @@ class CpuBackend(Backend):
         or that large with runs half that long, are rewritten in place by their cycles
         (``kvhost.transform.ChunkCycles``) rather than through a scratch of a whole piece.
         ``copy_walk``: the order copies walk in, one of ``COPY_WALKS``."""
-        for name, value in (("cycle_piece_bytes", cycle_piece_bytes), ("cycle_run_bytes", cycle_run_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ArgumentError(f"{name} must be a non-negative integer, got {value!r}")
+        check_sizes(cycle_piece_bytes=cycle_piece_bytes, cycle_run_bytes=cycle_run_bytes)
         if copy_walk not in COPY_WALKS:
             raise ArgumentError(f"copy_walk must be one of {COPY_WALKS}, got {copy_walk!r}")
         self.torch_path = TorchBackend()
