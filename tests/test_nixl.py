@@ -543,6 +543,8 @@ def test_heads_apart_makes_each_head_a_stream_where_its_bytes_are_one_run(monkey
     nowhere = replace(head_major, order="NC", sizes=head_major.sizes | {"H": 1})  # made by hand
     with pytest.raises(LayoutError, match=r"1 heads \(H\) are neither in the region 'NC' nor stream coordinates"):
         nowhere.heads_apart()
+    # Counted from the sizes before any is made: one per stream and head, or the table's own.
+    assert (head_major.streams_apart, per_head.streams_apart) == (6, len(per_head.streams))
     monkeypatch.setattr(tables, "MAX_STREAMS", 6)
     assert len(head_major.heads_apart().streams) == 6
     monkeypatch.setattr(tables, "MAX_STREAMS", 5)

@@ -856,3 +856,97 @@ def test_a_rank_reader_checks_its_peers_memory_and_bound_and_lets_go_on_a_failur
         with pytest.raises(LayoutError, match=refused):
             next(merged.read_layers([(local_ids, remote_ids)], timeout=5))
         assert not posted
+
+
+def head_major_offer(heads, tp, per_layer, layers=8):
+    """An offer's head-major (HNC) rank tables of ``heads`` heads and ``per_layer`` streams a
+    layer each (as ``parse_offer`` allows: one budget of streams for the whole offer, ``#``
+    places up to 1,023; every rank's arrays at the same bytes), bf16 blocks of 16 tokens x 8
+    channels."""
+    run = heads * 16 * 8 * 2
+    streams = tuple(
+        Stream(f"l{layer}", (("#", j),), (1 << 20) + (layer * per_layer + j) * run, run)
+        for layer in range(layers)
+        for j in range(per_layer)
+    )
+    return [RegionTable("DRAM", 0, "HNC", "", {"H": heads, "N": 16, "C": 8}, 2, 4, streams)] * tp
+
+
+def per_head_decode(heads, per_layer, layers=8):
+    """A decode rank's table of the same places with each of its ``heads`` a stream of its own."""
+    streams = tuple(
+        Stream(f"l{layer}", (("#", j), ("H", h)), (1 << 40) + ((layer * per_layer + j) * heads + h) * 256, 256)
+        for layer in range(layers)
+        for j in range(per_layer)
+        for h in range(heads)
+    )
+    return RegionTable("DRAM", 0, "NC", "", {"H": heads, "N": 16, "C": 8}, 2, 4, streams)
+
+
+def apart_counted(monkeypatch):
+    """The streams each ``RegionTable.heads_apart`` call makes, as they are made."""
+    made = []
+    heads_apart = RegionTable.heads_apart
+
+    def counted(table):
+        apart = heads_apart(table)
+        made.append(0 if apart is table else len(apart.streams))
+        return apart
+
+    monkeypatch.setattr(RegionTable, "heads_apart", counted)
+    return made
+
+
+@pytest.mark.timeout(20)  # before the bound, these built 262,400 and 524,800 streams (4 s, 425 MB)
+@pytest.mark.parametrize(("kv_heads", "tp", "streams"), [(32, 4, 1 << 15), (64, 8, 1 << 16)])
+def test_head_major_ranks_read_head_by_head_are_held_to_the_stream_budget_in_all(monkeypatch, kv_heads, tp, streams):
+    """Each table of an offer may hold up to ``MAX_STREAMS / H`` head-major streams, so each
+    is within the bound head by head, but a decode rank fed by every rank would make ``TP``
+    times the bound: counted over all the ranks read from, and refused before any is made."""
+    remotes = head_major_offer(kv_heads // tp, tp, streams // tp // 8)
+    local = per_head_decode(kv_heads, 1)  # only its sizes are read before the refusal
+    made = apart_counted(monkeypatch)
+    start = time.perf_counter()
+    with pytest.raises(LayoutError) as refused:
+        plan_ranks(local, 0, 1, remotes)
+    assert time.perf_counter() - start < 0.1
+    assert made == []
+    assert str(refused.value) == (
+        f"reading the heads of remote ranks {list(range(tp))} one by one makes their {streams} streams "
+        f"{streams * kv_heads // tp}, more than the 65536 a plan may hold"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_only_the_ranks_that_feed_a_decode_rank_are_read_head_by_head(monkeypatch):
+    """A decode rank of per-head streams reads its heads from the one head-major rank that
+    holds them (equal TP): that rank alone is read head by head, up to the whole budget
+    (65,536 streams: 8,192 of 8 heads), and it plans; the three others are never seen."""
+    remotes = head_major_offer(8, 4, 1024)  # 32,768 streams in the offer
+    made = apart_counted(monkeypatch)
+    plan = plan_ranks(per_head_decode(8, 1024), 1, 4, remotes)  # decode rank 1 of 4: heads 8..15
+    assert made == [1 << 16, 0]  # remote rank 1's, then the local table's (its heads are streams already)
+    assert [source.rank for source in plan.sources] == [1]
+    assert (plan.remote_order, plan.remote_block_size) == ("NC", 16)
+    assert window_streams(plan) == 1 << 16
+    local_rows, remote_rows = plan.rows(plan.sources[0], [2], [3])
+    assert local_rows.shape[0] == remote_rows.shape[0] == 1 << 16
+    run = 8 * 16 * 8 * 2
+    expected = sorted(s.address + 3 * run + h * 256 for s in remotes[1].streams for h in range(8))
+    assert sorted(remote_rows[:, 0].tolist()) == expected
+
+
+def test_ranks_read_head_by_head_are_counted_exactly_up_to_the_stream_budget(monkeypatch):
+    """At the budget the plan is made; one stream under it, the same pair is refused."""
+    local = decode_table("KHBNC", 8)
+    remotes = peer_tables("HNC", 2, 16, 4)  # 4 streams of 2 heads a rank: 8 streams head by head
+    monkeypatch.setattr(ranks, "MAX_STREAMS", 4 * 8)
+    assert [source.rank for source in plan_ranks(local, 0, 1, remotes).sources] == [0, 1, 2, 3]
+    assert [source.rank for source in plan_ranks(decode_table("KHBNC", 4), 1, 2, remotes).sources] == [2, 3]
+    monkeypatch.setattr(ranks, "MAX_STREAMS", 4 * 8 - 1)
+    with pytest.raises(
+        LayoutError, match=r"ranks \[0, 1, 2, 3\] one by one makes their 16 streams 32, more than the 31"
+    ):
+        plan_ranks(local, 0, 1, remotes)
+    monkeypatch.setattr(ranks, "MAX_STREAMS", 2 * 8)  # two ranks feed a decode rank of TP 2
+    assert [source.rank for source in plan_ranks(decode_table("KHBNC", 4), 1, 2, remotes).sources] == [2, 3]

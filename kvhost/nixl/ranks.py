@@ -25,7 +25,9 @@ placements into a ``TransferPlan`` made by ``plan_transfer`` (over byte windows 
 tables where a share is not a whole region), so every descriptor row comes from
 ``TransferPlan.descriptor_pairs``. ``RankReader`` posts one NIXL transfer per remote rank
 that feeds the local one. Windows grow with a peer's block size, so they are counted from
-the tables' sizes first and held to ``MAX_STREAMS`` streams a side, as an offer's tables are.
+the tables' sizes first and held to ``MAX_STREAMS`` streams a side, as an offer's tables are;
+so are the streams of the remote ranks read head by head (only those that feed the local
+rank are seen), which grow with a rank's heads.
 """
 
 from __future__ import annotations
@@ -324,11 +326,12 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
             f"{remote_tp} are not the same KV heads"
         )
     shares = head_shares(local_rank, local_tp, remote_tp, kv_heads)
-    views = _head_by_head(local, remotes)
+    fed = [share.remote_rank for share in shares]  # the remote ranks read from, in order: only they are seen
+    views = _head_by_head(local, remotes, fed)
     if views is None:  # the tables as they are, a one-head rank's read as head-major
         leading = local.sizes["H"] != first.sizes["H"]
-        remote_views = [_heads_leading(t) for t in remotes] if leading else list(remotes)
-        views = HeadViews(local, remote_views, remote_views[0].order, first.block_size)
+        remote_views = {rank: _heads_leading(remotes[rank]) if leading else remotes[rank] for rank in fed}
+        views = HeadViews(local, remote_views, remote_views[fed[0]].order, first.block_size)
     local_view, remote_views = views.local, views.remotes
     ways = [_share_way(local_view, remote_views[share.remote_rank], share) for share in shares]
     windowed = [(remote_views[share.remote_rank], share) for share, way in zip(shares, ways) if way == "windows"]
@@ -352,15 +355,17 @@ class HeadViews(NamedTuple):
     """The tables as planning reads them, and what ``kvhost.receive`` is then told."""
 
     local: RegionTable
-    remotes: list[RegionTable]
+    remotes: dict[int, RegionTable]  # by rank: only the remote ranks that feed the local one
     order: str  # the order the bytes land in
     block_size: int  # and its block size
 
 
-def _head_by_head(local: RegionTable, remotes: Sequence[RegionTable]) -> HeadViews | None:
+def _head_by_head(local: RegionTable, remotes: Sequence[RegionTable], fed: Sequence[int]) -> HeadViews | None:
     """Both sides seen with each head a stream (``RegionTable.heads_apart``), and the order
     and block size the bytes then land in, where heads are better moved head by head; None
-    where the ways of ``_share_way`` serve.
+    where the ways of ``_share_way`` serve. Only the remote ranks ``fed`` from (which hold
+    some of the local rank's heads) are seen, and the streams their views hold are counted
+    from the sizes first and held to ``MAX_STREAMS`` in all (``_check_heads_apart``).
 
     Head by head serves where one side's heads are streams and the other's are runs of its
     blocks (head-major, or one head a block), and ranks of one head whose blocks are smaller
@@ -381,8 +386,9 @@ def _head_by_head(local: RegionTable, remotes: Sequence[RegionTable]) -> HeadVie
         return None
     if not (remote_streams or remote.sizes["H"] == 1 or remote.run_order.startswith("H")):
         return None  # a share of token-major blocks of several heads: refused by _share_way
-    remote_views = [table.heads_apart() for table in remotes]
-    per_head = remote_views[0].order
+    _check_heads_apart(remotes, fed)
+    remote_views = {rank: remotes[rank].heads_apart() for rank in fed}
+    per_head = remote_views[fed[0]].order
     if local_streams or local.sizes["H"] == 1:
         return HeadViews(local.heads_apart(), remote_views, per_head, remote.block_size)
     if per_head[0] != "N" and local.block_size != remote.block_size:
@@ -390,6 +396,20 @@ def _head_by_head(local: RegionTable, remotes: Sequence[RegionTable]) -> HeadVie
     if not local.run_order.startswith("H"):  # written head-major, received into the local order
         local = _head_major(local)
     return HeadViews(local.heads_apart(), remote_views, "H" + per_head, local.block_size)
+
+
+def _check_heads_apart(remotes: Sequence[RegionTable], fed: Sequence[int]) -> None:
+    """Refuse remote ranks ``fed`` whose heads, one stream each, would be more than
+    ``MAX_STREAMS`` streams in all: each is a Python object, and a peer's offer holds that
+    many streams over all its tables, which head by head would be as many times more as a
+    rank has heads. Counted from the sizes (``RegionTable.streams_apart``) before any is made."""
+    count = sum(remotes[rank].streams_apart for rank in fed)
+    if count > MAX_STREAMS:
+        streams = sum(len(remotes[rank].streams) for rank in fed)
+        raise LayoutError(
+            f"reading the heads of remote ranks {list(fed)} one by one makes their {streams} streams {count}, "
+            f"more than the {MAX_STREAMS} a plan may hold"
+        )
 
 
 def _heads_leading(table: RegionTable) -> RegionTable:

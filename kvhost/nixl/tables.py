@@ -171,6 +171,14 @@ class RegionTable:
             )
         return replace(self, sizes=self.sizes | {"H": count}, streams=streams)
 
+    @property
+    def streams_apart(self) -> int:
+        """The streams of ``heads_apart``, counted from the sizes before any is made: one per
+        stream and head, or the table's own where its heads already are streams."""
+        if "H" in self.coordinates:
+            return len(self.streams)
+        return len(self.streams) * self.sizes.get("H", 1)
+
     def heads_apart(self) -> RegionTable:
         """The same memory with each head a stream of its own (``H`` named by the streams).
 
@@ -191,9 +199,9 @@ class RegionTable:
                 f"the heads of a {self.run_order!r} region are not runs of their own: "
                 "only head-major blocks or blocks of one head can be read head by head"
             )
-        if len(self.streams) * heads > MAX_STREAMS:
+        if self.streams_apart > MAX_STREAMS:
             raise LayoutError(
-                f"{len(self.streams)} streams of {heads} heads are {len(self.streams) * heads} streams "
+                f"{len(self.streams)} streams of {heads} heads are {self.streams_apart} streams "
                 f"head by head, more than the {MAX_STREAMS} a table may hold"
             )
         step = self.stride_bytes("H")
