@@ -448,6 +448,33 @@ def test_peers_are_removed_and_the_same_metadata_again_keeps_them(monkeypatch):
 
 @needs_nixl
 @pytest.mark.timeout(60)
+def test_new_metadata_of_a_peer_with_a_transfer_not_released_is_refused_before_nixl_loads_it(monkeypatch):
+    """The peer's keys are in use: its new metadata is refused, and NIXL never holds the new
+    registrations merged with the old ones (it did, while the refusal said the peer stayed)."""
+    from kvhost.nixl.agent import _metadata_name
+
+    with Agent("changing-sender") as sender, Agent("changing-receiver") as receiver:
+        first = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=4), "KBNHC")
+        old = sender.metadata()
+        second = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=6), "KBNHC")
+        new = sender.metadata()
+        assert _metadata_name(old) == _metadata_name(new) == "changing-sender"
+        assert _metadata_name(b"nixlSerDes|Agent" + (5).to_bytes(8, "little") + b"short") is None  # no "|" after
+        assert _metadata_name(b"other" + old) is None
+        peer = receiver.add_peer(old)
+        loaded = Spy(monkeypatch, receiver.nixl, "add_remote_agent")
+        refused = r"'changing-sender' has 1 transfer\(s\) posted and not released"
+        with receiver.posting(peer), pytest.raises(TransferError, match=refused):
+            receiver.add_peer(new)
+        assert loaded.calls == [], "NIXL loaded the new metadata under a post"
+        assert nixl_accepts(receiver, peer, extent_rows(first))
+        assert not nixl_accepts(receiver, peer, extent_rows(second)), "the new registrations were merged in"
+        assert receiver.add_peer(new) == peer  # nothing posted: loaded afresh
+        assert nixl_accepts(receiver, peer, extent_rows(second))
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
 def test_an_agent_name_a_second_peer_claims_is_refused_and_the_first_kept():
     """Peers choose their agents' names: a second sender naming its agent as the first did
     would have the receiver read its memory where it meant the first's. NIXL refuses the

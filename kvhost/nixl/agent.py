@@ -115,6 +115,25 @@ def _peer_name(loaded: object) -> str:
     return name
 
 
+# NIXL 1.x metadata begins with this, the name's length (8 bytes, little-endian), the name, "|".
+_METADATA_HEAD = b"nixlSerDes|Agent"
+
+
+def _metadata_name(metadata: bytes) -> str | None:
+    """The agent name a peer's metadata carries, read without NIXL where it is laid out as
+    NIXL 1.x lays it out; None where it is not (NIXL then names the peer when it loads it)."""
+    if not metadata.startswith(_METADATA_HEAD):
+        return None
+    start = len(_METADATA_HEAD) + 8
+    length = int.from_bytes(metadata[len(_METADATA_HEAD) : start], "little")
+    if length > 4 * MAX_PEER_NAME or metadata[start + length : start + length + 1] != b"|":
+        return None
+    try:
+        return metadata[start : start + length].decode()
+    except UnicodeDecodeError:
+        return None
+
+
 @cache
 def load_nixl() -> ModuleType:
     """The NIXL Python API module (``nixl_agent``, ``nixl_agent_config``)."""
@@ -260,16 +279,22 @@ class Agent:
         the new registrations to the old ones, and where a region the peer has since
         deregistered overlaps one it registered after, NIXL finds neither: every descriptor
         there is refused. So a known peer is removed and loaded afresh; readers towards it
-        made before must be made again, and its transfers must have finished. The same
-        metadata loaded again changes nothing.
+        made before must be made again. While a transfer towards it is posted and not
+        released, new metadata is refused (TransferError) before NIXL loads any of it. The
+        same metadata loaded again changes nothing.
         """
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise ProtocolError(f"peer agent metadata must be bytes, got {type(metadata).__name__}")
         metadata = bytes(metadata)
         with self._lock:
             self._check_open()
+            named = _metadata_name(metadata)
+            if named in self._peers and self._peers[named] != metadata:
+                # Refused before NIXL loads anything, where it is refused at all: NIXL would
+                # hold the new registrations merged with the old ones.
+                self._check_unused(named)
             peer = self._load_peer(metadata)
-            if self._peers.get(peer, metadata) != metadata:
+            if self._peers.get(peer, metadata) != metadata:  # a name the metadata's layout did not give
                 self.remove_peer(peer)
                 peer = self._load_peer(metadata)
             self._peers[peer] = metadata
@@ -291,16 +316,19 @@ class Agent:
         """Let go of a peer NIXL has loaded. Refused (TransferError) while a transfer towards
         it is being posted, or posted and not released: it uses the keys NIXL holds for the peer."""
         with self._lock:
-            owed = sum(transfer.link.peer == peer for transfer in list(self.posted)) + self._posts_to.get(peer, 0)
-            if owed:
-                raise TransferError(
-                    f"agent {self.name!r}: peer {peer!r} has {owed} transfer(s) posted and not released: "
-                    "it stays loaded until they are"
-                )
+            self._check_unused(peer)
             if peer in self._peers:
                 del self._peers[peer]
                 with contextlib.suppress(Exception):  # a peer that died may already be gone
                     self._nixl.remove_remote_agent(peer)
+
+    def _check_unused(self, peer: str) -> None:
+        owed = sum(transfer.link.peer == peer for transfer in list(self.posted)) + self._posts_to.get(peer, 0)
+        if owed:
+            raise TransferError(
+                f"agent {self.name!r}: peer {peer!r} has {owed} transfer(s) posted and not released: "
+                "it stays loaded until they are"
+            )
 
     def reader(
         self, plan: TransferPlan, peer: str, *, max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES
