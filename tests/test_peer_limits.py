@@ -23,6 +23,7 @@ import math
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -113,6 +114,44 @@ def test_a_silent_peer_times_out_at_the_deadline():
         with pytest.raises(ProtocolError, match=r"timed out waiting for the JSON body: 3 of \d+ bytes"):
             receive(left, timeout=0.3)
         assert 0.25 < time.monotonic() - started < 3
+
+
+@pytest.mark.timeout(20)
+def test_a_send_given_no_time_is_refused_before_a_byte_goes_out():
+    """A socket given 0 s is non-blocking: its send stopped where the buffer filled, half a
+    frame on the wire, and said the peer had closed."""
+    left, right = socket.socketpair()
+    with left, right:
+        left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        with pytest.raises(
+            InvalidTimeoutError, match=r"^send timeout: expected a number of seconds in \(0, 604800\], got 0\.0$"
+        ):
+            send(left, "k", {}, bytes(8 << 20), timeout=0)
+        right.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            right.recv(1)  # nothing was sent
+
+
+@pytest.mark.timeout(20)
+def test_a_header_declaring_megabytes_that_never_come_costs_only_the_bytes_that_did():
+    """The arrays' room is made as their bytes arrive: 26 bytes declaring 64 MiB held 64 MiB
+    until the deadline."""
+    header = struct.pack(">4sBIIII", b"KVHM", 2, 0, 0, MAX_ARRAY_BYTES, 0)
+    left, right = socket.socketpair()
+    with left, right:
+        right.sendall(header + bytes(1000))
+        tracemalloc.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(
+                ProtocolError, match=rf"^timed out waiting for the arrays: 1000 of {MAX_ARRAY_BYTES} bytes arrived$"
+            ):
+                receive(left, timeout=0.3)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert time.monotonic() - started < 3
+    assert peak < MiB // 4, f"peak {peak / MiB:.1f} MiB for 1000 bytes of a declared {MAX_ARRAY_BYTES / MiB:g} MiB"
 
 
 @pytest.mark.parametrize("option", ["--timeout", "--connect-timeout", "--step"])

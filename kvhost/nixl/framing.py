@@ -165,8 +165,10 @@ def decode(data: bytes) -> Message:
 
 
 def send(sock: socket.socket, kind: str, header: Mapping[str, Any], blob: bytes = b"", *, timeout: float) -> None:
-    """Send one message within ``timeout`` seconds; a closed, broken or stalled socket is a ProtocolError."""
-    seconds = check_seconds(timeout, "send timeout")
+    """Send one message within ``timeout`` seconds (above 0); a closed, broken or stalled socket is a ProtocolError."""
+    # Not 0: a socket given no time is non-blocking, and its send stops wherever the buffer
+    # fills, half a frame on the wire.
+    seconds = check_seconds(timeout, "send timeout", positive=True)
     frame = encode(kind, header, blob)
     try:
         sock.settimeout(seconds)
@@ -233,24 +235,24 @@ def read_arrived(sock: socket.socket, data: bytearray, limit: int) -> Message | 
 
 
 def _read(sock: socket.socket, count: int, deadline: float, what: str) -> bytearray:
-    """Exactly ``count`` bytes into one buffer (no chunks to join: the bytes are held once)."""
-    buffer = bytearray(count)
-    view = memoryview(buffer)
-    got = 0
-    while got < count:
+    """Exactly ``count`` bytes in one buffer that grows as they arrive, never ahead of them:
+    a header declaring 64 MiB that no byte follows must not hold 64 MiB until the deadline."""
+    buffer = bytearray()
+    while len(buffer) < count:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ProtocolError(f"timed out waiting for the {what}: {got} of {count} bytes arrived")
+            raise ProtocolError(f"timed out waiting for the {what}: {len(buffer)} of {count} bytes arrived")
         sock.settimeout(left)
         try:
-            n = sock.recv_into(view[got:], min(count - got, 1 << 20))
+            # A read's room grows with what has come (64 KiB, up to 1 MiB): so does its memory.
+            chunk = sock.recv(min(count - len(buffer), max(len(buffer), 64 << 10), 1 << 20))
         except TimeoutError:
             continue  # the deadline check above reports it
         except OSError as err:
             raise PeerClosedError(f"connection failed while reading the {what}: {err}") from None
-        if not n:
-            raise PeerClosedError(f"truncated message: connection closed after {got} of {count} {what} bytes")
-        got += n
+        if not chunk:
+            raise PeerClosedError(f"truncated message: connection closed after {len(buffer)} of {count} {what} bytes")
+        buffer += chunk
     return buffer
 
 
