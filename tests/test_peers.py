@@ -38,6 +38,7 @@ from kvhost.nixl import (
     EngineSpec,
     HoldLostError,
     IncompatibleEngineError,
+    InvalidTimeoutError,
     PeerClosedError,
     ProtocolError,
     RemoteRequest,
@@ -680,6 +681,20 @@ def test_serve_refuses_an_idle_timeout_that_is_not_positive_seconds(value):
         assert listener.getblocking()  # refused before anything was set up
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"), [(True, "True"), (2.5, "2.5"), (float("nan"), "nan"), (-3, "-3"), (0, "0"), ("2", "'2'")]
+)
+def test_serve_refuses_a_number_of_peers_that_is_not_an_int_of_at_least_one(value, shown):
+    """A bool, a float or a string is no count of peers: NaN served until the idle stop,
+    -3 returned at once, "2" was a bare TypeError."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = Server(listener, SECRET, PREFILL, lambda peer: None)  # type: ignore[arg-type,return-value]
+        started = time.monotonic()
+        with pytest.raises(ArgumentError, match=rf"^peers: expected None or an int of at least 1, got {shown}$"):
+            server.serve(peers=value, idle_timeout=0.5)
+        assert time.monotonic() - started < 0.4 and listener.getblocking()  # refused before anything was set up
+
+
 def test_a_server_serves_until_its_number_of_peers_have_ended_refusals_not_counted():
     running = Running(peers=2, peer_timeout=2.0)
     address = ("127.0.0.1", running.port)
@@ -1224,6 +1239,26 @@ def test_the_applications_refusal_reaches_decode_cut_to_400_characters_and_holds
     [record] = running.finish(within=5)
     assert (record.outcome, record.detail, record.requests) == ("refused", why, 0)
     assert running.released == [], "no offer was made: nothing to let go"
+
+
+REASONS = {
+    "line end": ("no requests\nfor you", "no requests\\nfor you"),
+    "escape and surrogate": ("\x1b[2J\ud800 gone", "\\x1b[2J\\ud800 gone"),
+    "empty": ("", "no reason given"),
+    "escapes past 400": ("\n" * 300, "\\n" * 200),
+}
+
+
+@pytest.mark.parametrize(("why", "heard"), REASONS.values(), ids=REASONS.keys())
+def test_the_applications_unprintable_refusal_reaches_decode_escaped_as_a_refusal(why, heard):
+    """Decode reads a reason only as printable text: a line end in it reached decode as a
+    bad frame, not a refusal, and its reason was lost."""
+    running = Running(peers=None, idle=1.0, refuse=why)
+    with pytest.raises(IncompatibleEngineError) as refused:
+        connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    assert str(refused.value) == f"prefill at 127.0.0.1:{running.port} refused: {heard}"
+    [record] = running.finish(within=5)
+    assert (record.outcome, record.detail) == ("refused", why)
 
 
 @pytest.mark.parametrize("proof", ["0" * 64, "0" * 65], ids=["64 digits", "65 digits"])
@@ -2106,13 +2141,19 @@ def test_a_beat_that_waited_for_the_lock_while_done_went_out_is_not_sent():
     real = threading.Lock()
 
     class DoneFirst:  # the beat thread gets the lock only once done has gone out
-        def __enter__(self):
+        def acquire(self, timeout=-1):
             if threading.current_thread().name.startswith("beats to"):
                 done_sent.wait(5)
-            real.acquire()
+            return real.acquire(timeout=timeout)
+
+        def release(self):
+            real.release()
+
+        def __enter__(self):
+            self.acquire()
 
         def __exit__(self, *exc):
-            real.release()
+            self.release()
 
     session._lock = DoneFirst()
     with theirs:
@@ -2126,6 +2167,56 @@ def test_a_beat_that_waited_for_the_lock_while_done_went_out_is_not_sent():
         with pytest.raises(TimeoutError):
             theirs.recv(1)
         session.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("beating", [False, True], ids=["no beats", "beats"])
+def test_done_keeps_its_timeout_while_prefill_floods_answers(beating):
+    """A prefill that sends valid ``held`` answers faster than they are read held ``done``
+    (and the beat thread, with the socket's lock) until it stopped: 8 s for a 1 s timeout."""
+    session, theirs = _session(beat_seconds=0.1)
+    stop = threading.Event()
+    answers = encode(HELD, {"n": 0}) * 20_000  # sent in one go: the socket stays full while it is read
+
+    def flood():
+        theirs.settimeout(0.5)
+        stop_at = time.monotonic() + 6  # the most an unbounded reader is held for
+        while not stop.is_set() and time.monotonic() < stop_at:
+            with contextlib.suppress(OSError):
+                theirs.sendall(answers)
+
+    flooding = threading.Thread(target=flood, daemon=True)
+    flooding.start()
+    try:
+        if beating:
+            session.start_beats()
+            time.sleep(0.6)
+        beats_sent = session._sent
+        started = time.monotonic()
+        with pytest.raises(HoldLostError, match=r"did not confirm .*: no answer to 'done' within 0\.5 s;"):
+            session.done(ok=True, timeout=0.5)
+        assert time.monotonic() - started < 1.5
+        assert beats_sent >= 2 or not beating, "the beats stopped while answers were read"
+    finally:
+        stop.set()
+        flooding.join(5)
+        session.close()
+        theirs.close()
+
+
+@pytest.mark.timeout(20)
+def test_done_refuses_a_timeout_of_zero_and_sends_nothing():
+    """No answer comes in no time: done(timeout=0) could only fail, its send half-way
+    through the frame (a socket given 0 s is non-blocking)."""
+    session, theirs = _session()
+    with theirs, contextlib.closing(session):
+        with pytest.raises(
+            InvalidTimeoutError, match=r"^done timeout: expected a number of seconds in \(0, 604800\], got 0\.0$"
+        ):
+            session.done(ok=True, timeout=0)
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1)  # no 'done' was sent
 
 
 @pytest.mark.timeout(20)

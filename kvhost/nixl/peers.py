@@ -71,6 +71,10 @@ RETRY_SECONDS = 0.2  # between tries to connect, or to shake hands again
 ENGINE_FRAME_BYTES = 64 << 10  # an engine message: a spec and the application's few fields
 # How often decode must beat, as the prefill tells it: between these.
 MIN_BEAT_SECONDS, MAX_BEAT_SECONDS = 0.05, 60.0
+# Prefill's answers read at one go: it sends one per beat, so a few at most; one that floods
+# them must not keep the reader (and the socket's lock, which ``done`` waits for) past its deadline.
+MAX_ANSWERS_AT_ONCE = 64
+MAX_REASON_CHARACTERS = 400  # of a refusal: what the other side reads of one
 
 
 def proof(secret: bytes, role: str, nonces: tuple[bytes, bytes]) -> str:
@@ -337,9 +341,13 @@ class Session:
                     return
 
     def _take_answers(self) -> None:
-        """Read prefill's answers that have arrived, without waiting for more."""
+        """Read prefill's answers that have arrived, at most ``MAX_ANSWERS_AT_ONCE`` of them,
+        without waiting for more: the caller checks its deadline between calls."""
         self.sock.setblocking(False)  # ``send`` and ``receive`` set their own timeouts
-        while (message := read_arrived(self.sock, self._answers, AUTH_FRAME_BYTES)) is not None:
+        for _ in range(MAX_ANSWERS_AT_ONCE):
+            message = read_arrived(self.sock, self._answers, AUTH_FRAME_BYTES)
+            if message is None:
+                return
             if message.kind != HELD:
                 raise ProtocolError(f"prefill sent {show(message.kind)} while it held the blocks")
             fields = message.fields()
@@ -350,31 +358,42 @@ class Session:
 
     def done(self, *, ok: bool, timeout: float) -> None:
         """Tell prefill every block has been read (``ok``: and all was well) and wait, up to
-        ``timeout`` seconds, for its word that it held them until then; ends the beats.
+        ``timeout`` seconds in all (above 0), for its word that it held them until then; ends
+        the beats.
 
         A HoldLostError where that word does not come: prefill let go first (no beat reached
         it for its peer timeout, while this process was frozen or the link down) and may have
         reused the blocks, so what was read from it is not to be trusted, but for reads
         ``confirmed`` before.
         """
-        seconds = check_seconds(timeout, "done timeout")
+        # Not 0: no answer can come in no time, so done(timeout=0) could only ever fail, and
+        # its send would stop half-way through the frame; refused as the mistake it is.
+        seconds = check_seconds(timeout, "done timeout", positive=True)
+        deadline = time.monotonic() + seconds
         self._stop.set()
-        with self._lock:
-            try:
-                send(self.sock, DONE, {"ok": ok}, timeout=seconds)
-                deadline = time.monotonic() + seconds
-                while not self._held_at_done:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise ProtocolError(f"no answer to 'done' within {seconds:g} s")
-                    if _readable([self.sock], left):
-                        self._take_answers()
-            except ProtocolError as err:
-                lost = f" (a beat had failed: {self.beat_error})" if self.beat_error else ""
-                raise HoldLostError(
-                    f"prefill at {self.address} did not confirm it held the blocks until 'done'{lost}: {err}; "
-                    "what was read from it may have been reused"
-                ) from None
+        # The beat thread may hold the socket through a beat's send (up to a beat's interval,
+        # to a prefill that does not read): waited for no longer than the timeout.
+        locked = self._lock.acquire(timeout=seconds)
+        try:
+            left = deadline - time.monotonic()
+            if not locked or left <= 0:
+                raise ProtocolError(f"could not send 'done' within {seconds:g} s: a beat being sent held the socket")
+            send(self.sock, DONE, {"ok": ok}, timeout=left)
+            while not self._held_at_done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ProtocolError(f"no answer to 'done' within {seconds:g} s")
+                if _readable([self.sock], left):
+                    self._take_answers()
+        except ProtocolError as err:
+            lost = f" (a beat had failed: {self.beat_error})" if self.beat_error else ""
+            raise HoldLostError(
+                f"prefill at {self.address} did not confirm it held the blocks until 'done'{lost}: {err}; "
+                "what was read from it may have been reused"
+            ) from None
+        finally:
+            if locked:
+                self._lock.release()
 
     def close(self) -> None:
         self._stop.set()
@@ -517,7 +536,7 @@ def _handshake(
         with _naming(name, "its offer"):
             send(sock, ENGINE, header, timeout=_left(deadline))
             answer = receive(sock, timeout=_left(deadline))
-            why = answer.fields().text("reason", max_length=400) if answer.kind == REFUSE else None
+            why = answer.fields().text("reason", max_length=MAX_REASON_CHARACTERS) if answer.kind == REFUSE else None
         if why is not None:
             raise IncompatibleEngineError(f"{name} refused: {why}")
         if answer.kind != OFFER:
@@ -527,7 +546,7 @@ def _handshake(
                 offer = parse_offer(answer, spec)
         except IncompatibleEngineError as err:
             with contextlib.suppress(ProtocolError):
-                send(sock, REFUSE, {"reason": str(err)[:400]}, timeout=1.0)
+                send(sock, REFUSE, {"reason": str(err)[:MAX_REASON_CHARACTERS]}, timeout=1.0)
             raise IncompatibleEngineError(f"{name}: {err}") from None
         return Session(sock, f"{address[0]}:{address[1]}", offer)
     except BaseException:

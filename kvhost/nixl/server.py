@@ -32,9 +32,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from kvhost.errors import ArgumentError
 from kvhost.nixl.engine import EngineSpec, check_compatible
 from kvhost.nixl.errors import InvalidTimeoutError, PeerClosedError, ProtocolError
-from kvhost.nixl.fields import Fields, check_seconds
+from kvhost.nixl.fields import Fields, check_seconds, show
 from kvhost.nixl.framing import Message, encode, read_arrived, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, AUTH_SECONDS
 from kvhost.nixl.peers import (
@@ -45,6 +46,7 @@ from kvhost.nixl.peers import (
     ENGINE_FRAME_BYTES,
     HELD,
     KNOCK,
+    MAX_REASON_CHARACTERS,
     NONCE_BYTES,
     OFFER,
     REFUSE,
@@ -109,10 +111,10 @@ class Server:
     """Serves ``spec``'s blocks to decode engines that prove ``secret``.
 
     ``offer(peer)`` says what a peer that proved itself and can be served gets (it may
-    raise ProtocolError to refuse it, with its message; any other exception refuses that
-    peer too, naming the exception); ``release(record)`` is called when a hold ends, however
-    it ends (what it raises is logged: the other peers are still served). ``log`` receives
-    one line per event worth telling.
+    raise ProtocolError to refuse it, with its message, whose unprintable characters decode
+    hears escaped; any other exception refuses that peer too, naming the exception);
+    ``release(record)`` is called when a hold ends, however it ends (what it raises is
+    logged: the other peers are still served). ``log`` receives one line per event worth telling.
     """
 
     def __init__(
@@ -169,6 +171,8 @@ class Server:
         proven peer has been held for ``idle_timeout`` seconds. Every connection still open
         when it returns is closed (and a hold released)."""
         idle = check_seconds(idle_timeout, "idle timeout", positive=True)
+        if peers is not None and (type(peers) is not int or peers < 1):  # a bool, 2.5 or NaN is no count of peers
+            raise ArgumentError(f"peers: expected None or an int of at least 1, got {show(peers)}")
         self.listener.setblocking(False)
         self._accept_paused_until = 0.0  # a pause of an earlier serve ended with its selector
         quiet_since = time.monotonic()
@@ -302,7 +306,7 @@ class Server:
                 if conn.sock in self._connections:
                     self._end(selector, conn, "done", "")
             elif conn.stage == BEAT and message.kind == REFUSE:
-                self._end(selector, conn, "refused", message.fields().text("reason", max_length=400))
+                self._end(selector, conn, "refused", message.fields().text("reason", max_length=MAX_REASON_CHARACTERS))
             else:
                 raise ProtocolError(f"unexpected {message.kind!r:.40} message")
         except ProtocolError as err:
@@ -347,7 +351,7 @@ class Server:
         except Exception as err:  # the application's offer failed for this peer, or is not one: refused alone
             reason = str(err) if isinstance(err, ProtocolError) else f"the offer failed: {type(err).__name__}: {err}"
             with contextlib.suppress(ProtocolError):
-                _send(conn.sock, REFUSE, {"reason": reason[:400]}, self.send_timeout)
+                _send(conn.sock, REFUSE, {"reason": _printable_reason(reason)}, self.send_timeout)
             self._end(selector, conn, "refused", reason)
             return
         conn.stage, conn.deadline, conn.away_at_offer = OFFER, time.monotonic() + self.send_timeout, self._away
@@ -400,6 +404,15 @@ class Server:
 
 def _say_nothing(line: str) -> None:
     pass
+
+
+def _printable_reason(reason: str) -> str:
+    """A refusal's reason as decode reads one: printable (decode refuses a line end or an
+    escape as a bad frame, and would not hear why), so each character that is not is sent
+    as its escape (``\\n``); at most ``MAX_REASON_CHARACTERS``, never empty."""
+    shortened = reason[:MAX_REASON_CHARACTERS]  # before escaping: an exception's message may be huge
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in shortened)
+    return text[:MAX_REASON_CHARACTERS] or "no reason given"
 
 
 def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: float, *, blob: bytes = b"") -> None:
