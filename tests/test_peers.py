@@ -1261,6 +1261,18 @@ def test_the_applications_unprintable_refusal_reaches_decode_escaped_as_a_refusa
     assert (record.outcome, record.detail) == ("refused", why)
 
 
+@pytest.mark.parametrize(("why", "heard"), REASONS.values(), ids=REASONS.keys())
+def test_a_reason_either_side_refuses_with_is_printable_text_the_other_reads(why, heard):
+    """One rule for both sides' refusals (prefill's application's, decode's of an offer):
+    what is sent passes the reading side's check of printable text."""
+    from kvhost.nixl.fields import check_text
+    from kvhost.nixl.peers import MAX_REASON_CHARACTERS, printable_reason
+
+    sent = printable_reason(why)
+    assert sent == heard and check_text(sent, "reason", max_length=MAX_REASON_CHARACTERS) == sent
+    assert printable_reason("x" * 1000) == "x" * MAX_REASON_CHARACTERS
+
+
 @pytest.mark.parametrize("proof", ["0" * 64, "0" * 65], ids=["64 digits", "65 digits"])
 def test_a_wrong_proof_is_dropped_before_the_application_hears_of_it(proof):
     running = Running(peers=None, idle=1.0)

@@ -77,6 +77,16 @@ MAX_ANSWERS_AT_ONCE = 64
 MAX_REASON_CHARACTERS = 400  # of a refusal: what the other side reads of one
 
 
+def printable_reason(reason: str) -> str:
+    """A refusal's reason as the other side reads one: printable (a line end or an escape
+    is refused there as a bad frame, and it would not hear why), so each character that
+    is not goes as its escape (``\\n``); at most ``MAX_REASON_CHARACTERS``, never empty.
+    Both sides refuse so: prefill's application, and decode refusing an offer."""
+    shortened = reason[:MAX_REASON_CHARACTERS]  # before escaping: an exception's message may be huge
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in shortened)
+    return text[:MAX_REASON_CHARACTERS] or "no reason given"
+
+
 def proof(secret: bytes, role: str, nonces: tuple[bytes, bytes]) -> str:
     """What ``role`` sends to prove the secret for this pair of nonces (decode's, prefill's)."""
     return hmac.new(secret, role.encode() + nonces[0] + nonces[1], hashlib.sha256).hexdigest()
@@ -546,7 +556,7 @@ def _handshake(
                 offer = parse_offer(answer, spec)
         except IncompatibleEngineError as err:
             with contextlib.suppress(ProtocolError):
-                send(sock, REFUSE, {"reason": str(err)[:MAX_REASON_CHARACTERS]}, timeout=1.0)
+                send(sock, REFUSE, {"reason": printable_reason(str(err))}, timeout=1.0)
             raise IncompatibleEngineError(f"{name}: {err}") from None
         return Session(sock, f"{address[0]}:{address[1]}", offer)
     except BaseException:

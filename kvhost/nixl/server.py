@@ -53,6 +53,7 @@ from kvhost.nixl.peers import (
     Offer,
     check_secret,
     nonce_of,
+    printable_reason,
     proof,
     proves,
 )
@@ -351,7 +352,7 @@ class Server:
         except Exception as err:  # the application's offer failed for this peer, or is not one: refused alone
             reason = str(err) if isinstance(err, ProtocolError) else f"the offer failed: {type(err).__name__}: {err}"
             with contextlib.suppress(ProtocolError):
-                _send(conn.sock, REFUSE, {"reason": _printable_reason(reason)}, self.send_timeout)
+                _send(conn.sock, REFUSE, {"reason": printable_reason(reason)}, self.send_timeout)
             self._end(selector, conn, "refused", reason)
             return
         conn.stage, conn.deadline, conn.away_at_offer = OFFER, time.monotonic() + self.send_timeout, self._away
@@ -404,15 +405,6 @@ class Server:
 
 def _say_nothing(line: str) -> None:
     pass
-
-
-def _printable_reason(reason: str) -> str:
-    """A refusal's reason as decode reads one: printable (decode refuses a line end or an
-    escape as a bad frame, and would not hear why), so each character that is not is sent
-    as its escape (``\\n``); at most ``MAX_REASON_CHARACTERS``, never empty."""
-    shortened = reason[:MAX_REASON_CHARACTERS]  # before escaping: an exception's message may be huge
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in shortened)
-    return text[:MAX_REASON_CHARACTERS] or "no reason given"
 
 
 def _send(sock: socket.socket, kind: str, header: dict[str, object], timeout: float, *, blob: bytes = b"") -> None:
