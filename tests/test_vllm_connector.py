@@ -853,6 +853,10 @@ LARGER_SENDERS = {
             "d": ("blhnc-128", 3, 0, 2),
             "e": ("hnd-32", 2, 0, 3),  # three sender blocks: our last block half full, its tail zeroed
             "f": ("hnd-32", 2, 0, 4),
+            # After a prefix hit: the sender's blocks from the hit on, not its last ones
+            # (vLLM's own pairing took the last 2 for our one block: tokens 32..95 at 64)
+            "g": ("hnd-32", 1, 1, 3),
+            "h": ("hnd-32", 2, 1, 6),
         },
     ),
     # Rows of every layer (vLLM registers a BLNHC or BHLNC cache so): each sender's row
@@ -875,6 +879,7 @@ LARGER_SENDERS = {
             "d": ("heads-64", 3, 0, 3),
             "e": ("heads-256", 6, 1, 2),  # after a prefix hit of one block
             "f": ("heads-32", 3, 0, 5),
+            "g": ("rows-32", 2, 1, 5),  # after a prefix hit: our last block half full
         },
     ),
     "BHLNC-64": (

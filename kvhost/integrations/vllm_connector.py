@@ -446,12 +446,21 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     # --- reads ---------------------------------------------------------------------------
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> bool:
-        """vLLM's read, its sender noted for the post-process; from a larger sender, the units
-        that land in our blocks as the wire model says (vLLM would pair the last
-        ``len(ours)`` of them)."""
+        """vLLM's read, its sender noted for the post-process; from a larger or a smaller
+        sender, the sender's blocks that land in our blocks as the wire model says, from the
+        request's first position on (vLLM would pair the last ``len(ours)`` of them, or of
+        its split of ours: after a prefix-cache hit, a smaller sender's blocks before ours)."""
         if dst_engine_id not in self.remote_engines:  # vLLM reads only after a handshake here
             return self._read_failed(request_id, dst_engine_id, "no handshake with its engine is noted here")
         larger = self._note_read(request_id, dst_engine_id)
+        ratio = self.block_size // self.remote_engines[dst_engine_id].block_size
+        if ratio > 1 and any(read_spec.local_block_ids) and not read_spec.block_ids_by_region:
+            first = self._first_position(self._recving_metadata.get(request_id)) * ratio
+            remote = [
+                list(ids[first : first + len(local_ids) * ratio])
+                for local_ids, ids in zip(read_spec.local_block_ids, read_spec.remote_block_ids, strict=True)
+            ]
+            read_spec = dataclasses.replace(read_spec, remote_block_ids=remote)
         if larger is not None and any(read_spec.local_block_ids) and not read_spec.block_ids_by_region:
             meta = self._recving_metadata.get(request_id)
             start = self._first_position(meta)
@@ -642,7 +651,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             name = sender(engine, remote_engine)
             (remote_ids,) = meta.remote.block_ids
             received.setdefault(name, {})[req_id] = list(local_ids)
-            arrived = min(len(local_ids) * local_size, len(remote_ids) * remote_size)
+            # What the sender holds from our first position on (its blocks before it were not read).
+            sent = len(remote_ids) * remote_size - self._first_position(meta) * local_size
+            arrived = max(min(len(local_ids) * local_size, sent), 0)
             if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
         return received, engines, tokens, named
