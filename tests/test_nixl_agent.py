@@ -461,12 +461,19 @@ def test_new_metadata_of_a_peer_with_a_transfer_not_released_is_refused_before_n
         assert _metadata_name(old) == _metadata_name(new) == "changing-sender"
         assert _metadata_name(b"nixlSerDes|Agent" + (5).to_bytes(8, "little") + b"short") is None  # no "|" after
         assert _metadata_name(b"other" + old) is None
+        assert _metadata_name(b"nixlSerDes|Agenz" + old[16:]) is None  # laid out alike, under another head
+        for length, named in ((4096, True), (4097, False)):  # names up to 4 bytes a character of 1,024
+            blob = b"nixlSerDes|Agent" + length.to_bytes(8, "little") + b"n" * length + b"|"
+            assert (_metadata_name(blob) == "n" * length) is named
+        assert _metadata_name(b"nixlSerDes|Agent" + (2).to_bytes(8, "little") + b"\xff\xfe|") is None  # not UTF-8
         peer = receiver.add_peer(old)
         loaded = Spy(monkeypatch, receiver.nixl, "add_remote_agent")
         refused = r"'changing-sender' has 1 transfer\(s\) posted and not released"
-        with receiver.posting(peer), pytest.raises(TransferError, match=refused):
-            receiver.add_peer(new)
-        assert loaded.calls == [], "NIXL loaded the new metadata under a post"
+        with receiver.posting(peer):
+            assert receiver.add_peer(old) == peer  # the same metadata again: nothing to refuse
+            with pytest.raises(TransferError, match=refused):
+                receiver.add_peer(new)
+        assert loaded.calls == [(old,)], "NIXL loaded the new metadata under a post"
         assert nixl_accepts(receiver, peer, extent_rows(first))
         assert not nixl_accepts(receiver, peer, extent_rows(second)), "the new registrations were merged in"
         assert receiver.add_peer(new) == peer  # nothing posted: loaded afresh
