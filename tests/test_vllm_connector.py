@@ -1966,3 +1966,57 @@ def test_a_read_from_an_engine_with_no_handshake_noted_fails_its_request(vllm_en
     assert worker._read_blocks(read, "never-met", "r") is False
     assert "r" in worker._recv_failures and "r" not in worker._read_from
     assert CopyingNixlWrapper.posted == posted
+
+
+def test_a_shutdown_with_a_read_in_flight_frees_nothing_the_read_may_write_into(vllm_env, copying, monkeypatch):
+    """NIXL's release of a read in flight does not stop it, and vLLM's shutdown releases
+    every read, deregisters the memory and drops the host buffers: the read would land in
+    freed memory. With one in flight, shutdown (and sleep's deregistration) lets go of
+    nothing and keeps the worker to the process's end; once the read is over, shutdown is
+    vLLM's."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    import kvhost.integrations.vllm_connector as connector_module
+    from kvhost.nixl import TransferError
+
+    HoldingNixlWrapper.held.clear()
+    HoldingNixlWrapper.holding = True
+    _, payloads = sender_workers(vllm_env, {"p": ("LBHNC", 64)})
+    connector, worker, _ = make_worker(
+        vllm_env, "LBNHC", block_size=64, blocks=64, host_buffer=True, wrapper=HoldingNixlWrapper
+    )
+    worker.copy_blocks = forbid_vllm_copies
+    fake_handshakes(worker, payloads)
+    kept, released, deregistered = [], [], []
+    monkeypatch.setattr(connector_module, "keep_past_exit", kept.append)  # the test's own process lives on
+    monkeypatch.setattr(worker.nixl_wrapper, "release_xfer_handle", released.append, raising=False)
+    monkeypatch.setattr(worker.nixl_wrapper, "deregister_memory", deregistered.append, raising=False)
+    buffers = dict(worker.host_xfer_buffers)
+    try:
+        for _ in range(200):
+            metadata = NixlConnectorMetadata()
+            if not worker._recving_transfers.get("r"):
+                sender = {"remote_block_ids": ([5, 6],), "remote_engine_id": "p", "remote_request_id": "r"}
+                sender |= {"remote_host": "localhost", "remote_port": engine_port("p"), "remote_tp_size": 1}
+                metadata.add_new_req_to_recv("r", ([3, 4],), sender)
+            connector.bind_connector_metadata(metadata)
+            connector.start_load_kv(None)
+            worker.get_transfer_results()
+            connector.clear_connector_metadata()
+            if worker._recving_transfers.get("r"):
+                break
+            time.sleep(0.02)
+        (handle,) = worker._recving_transfers["r"]
+        assert worker.reads_in_flight() == 1
+        with pytest.raises(TransferError, match=r"1 NIXL read\(s\) still in flight may write into the KV caches"):
+            worker.unregister_kv_caches()
+        worker.shutdown()
+        assert kept == [worker] and released == [] and deregistered == []
+        assert worker._recving_transfers == {"r": [handle]} and worker.host_xfer_buffers == buffers
+        HoldingNixlWrapper.held.clear()  # the read lands
+        assert worker.reads_in_flight() == 0
+        worker.shutdown()
+        assert released == [handle] and deregistered and worker.host_xfer_buffers == {} and kept == [worker]
+    finally:
+        HoldingNixlWrapper.holding = False
+        HoldingNixlWrapper.held.clear()

@@ -48,13 +48,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPullConnectorScheduler,
     NixlPullConnectorWorker,
 )
+from vllm.logger import init_logger
 
 from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
-from kvhost.nixl import RegionTable, Stream, TransferPlan, plan_transfer
+from kvhost.nixl import RegionTable, Stream, TransferError, TransferPlan, plan_transfer
+from kvhost.nixl.agent import PEER_GONE, keep_past_exit
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
 from kvhost.nixl.ucx import give_ucx_defaults
 from kvhost.stats import ReceiveStats
+
+logger = init_logger(__name__)
+NOT_POSTED = "NIXL_ERR_NOT_POSTED"  # what NIXL raises when asked of a read it never posted
 
 __all__ = ["KvhostNixlConnector", "KvhostNixlWorker", "LargerRemoteBlocks", "sender_blocks_touched"]
 
@@ -147,7 +152,6 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         give_ucx_defaults()  # before vLLM's __init__ starts its NIXL agent (and UCX reads them)
         super().__init__(*args, **kwargs)
         self.kvhost: VllmCaches | None = None  # the device caches, once registered
-        self.kvhost_host: VllmCaches | None = None  # the host buffers, in host-buffer mode
         # engine -> (its KVCacheLayout, its block size), from its last handshake vLLM accepted.
         self.remote_engines: dict[str, RemoteEngine] = {}
         # engine -> how its blocks are read, for senders whose blocks hold g > 1 of ours.
@@ -185,6 +189,46 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout, group=_registered_as_rows(kv_caches))
         self.kvhost_huge_pages = back_host_tensors_with_huge_pages(m.tensor for m in self.kvhost.caches.members)
         super().register_kv_caches(kv_caches)  # in host-buffer mode, calls initialize_host_xfer_buffer
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM's (sleep mode), refused while a read may still write into the caches."""
+        in_flight = self.reads_in_flight()
+        if in_flight:
+            raise TransferError(
+                f"{in_flight} NIXL read(s) still in flight may write into the KV caches: they stay registered"
+            )
+        super().unregister_kv_caches()
+
+    def shutdown(self) -> None:
+        """vLLM's, unless a read may still write. NIXL's release of a read in flight does
+        not stop it (``kvhost.nixl.Transfer.release``), and vLLM's shutdown releases every
+        read, deregisters the caches and drops the host buffers: the read would land in freed
+        memory. Then nothing is released and this worker (its NIXL agent, buffers, caches'
+        registrations) is kept until the process exits; a later shutdown that finds every
+        read over goes on as vLLM's."""
+        in_flight = self.reads_in_flight() if hasattr(self, "_recving_transfers") else 0
+        if not in_flight:
+            super().shutdown()
+            return
+        keep_past_exit(self)
+        logger.warning(
+            "%d NIXL read(s) still in flight at shutdown: their memory and the NIXL agent are kept "
+            "until this process exits",
+            in_flight,
+        )
+
+    def reads_in_flight(self) -> int:
+        """The reads vLLM has posted and not released that NIXL does not say are over
+        (landed, or their peer gone; one NIXL cannot say of counts as in flight)."""
+        count = 0
+        for handles in list(self._recving_transfers.values()):
+            for handle in handles:
+                try:
+                    over = self.nixl_wrapper.check_xfer_state(handle) != "PROC"
+                except Exception as err:  # NIXL raises its failures; these two say nothing moves
+                    over = any(word in f"{type(err).__name__}: {err}" for word in (PEER_GONE, NOT_POSTED))
+                count += not over
+        return count
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, Any]) -> None:
         """Host buffers in the device caches' memory order (layer views of one buffer where

@@ -67,7 +67,7 @@ def _hold(agent: Agent, transfer: Transfer) -> None:
     with _holding_lock:
         agent.posted.add(transfer)
         if id(agent) not in _HOLDING and _exiting:  # posted on a thread still running at exit
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
+            keep_past_exit(agent)
         _HOLDING[id(agent)] = agent
 
 
@@ -99,7 +99,14 @@ def _keep_agents_holding_transfers_past_exit() -> None:
     with _holding_lock:
         _exiting = True
         for agent in _HOLDING.values():
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
+            keep_past_exit(agent)
+
+
+def keep_past_exit(owner: object) -> None:
+    """Never free ``owner`` (nor what it holds: a NIXL agent, registered memory), however
+    its references go, the interpreter's exit included: where a transfer may still write
+    into its memory, the OS taking the memory back at exit is the only safe end."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(owner))
 
 
 def _peer_name(loaded: object) -> str:
