@@ -749,6 +749,31 @@ def test_a_request_one_rank_cannot_post_holds_no_transfer_and_fails_alone_unless
         assert len(first.posted) == 2 and requests[1].failure == str(error)
 
 
+def test_a_request_whose_first_rank_s_read_stays_in_flight_says_so_and_ends_its_engine():
+    """The second rank's post fails on the request's own ids, and the first rank's read,
+    already posted, cannot be released (still in flight, it may write): the failure says
+    so (post_all's note, once dropped), and the engine's other requests are not started."""
+
+    class InFlight(StubTransfer):
+        def release(self):
+            raise TransferError("READ from 'prefill' is still in flight and cannot be cancelled")
+
+    class Posting(StubReader):
+        def read(self, local_ids, remote_ids):
+            self.posted.append(InFlight())
+            return [self.posted[-1]]
+
+    first, second = Posting(), StubReader(RequestError("remote_ids: block id 9 is past rank 1's table"))
+    engine = Engine(0, SimpleNamespace(address="127.0.0.1:1"), readers=[first, second])
+    requests = [Request(f"req-{i}", i, 16, engine, [i], local_ids=[i]) for i in range(2)]
+    settings = Settings(inflight=2, timeout=5.0, step=0.0, axes="KBNHC", backend=None, progress=None)
+    pull(settings, requests, [], Outcome(), Steps(), staging=False)
+    assert requests[0].failure == (
+        "remote_ids: block id 9 is past rank 1's table; READ from 'prefill' is still in flight and cannot be cancelled"
+    )
+    assert engine.lost == requests[0].failure and requests[1].failure.startswith("not started: prefill 0")
+
+
 def test_prefill_goes_on_unheard_once_its_stdout_reader_is_gone(monkeypatch):
     """`kvhost prefill ... | grep -m1 listening`: grep exits, and the next line prefill says
     must not end it (a BrokenPipeError); later lines go nowhere."""

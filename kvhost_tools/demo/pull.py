@@ -167,11 +167,12 @@ def pull(
             ids = request.staging_ids if staging else request.local_ids
             try:  # every decode rank's part, or none in flight
                 request.transfers = post_all(partial(reader.read, ids, request.remote_ids) for reader in engine.readers)
-            except TransferError as err:  # the link: the engine's other requests are not started
-                request.failure = engine.lost = str(err)
-                continue
-            except kvhost.KVHostError as err:  # the request as the peer offered it: this one fails
-                request.failure = str(err)
+            except kvhost.KVHostError as err:
+                # With what post_all adds: the ranks' reads posted before it still in flight.
+                request.failure = "; ".join([str(err), *getattr(err, "__notes__", ())])
+                if isinstance(err, TransferError) or hasattr(err, "__notes__"):
+                    # The link, or a read left in flight: the engine's other requests are not started.
+                    engine.lost = request.failure
                 continue
             request.deadline = time.monotonic() + settings.timeout
             inflight.append(request)
