@@ -774,6 +774,45 @@ def test_a_request_whose_first_rank_s_read_stays_in_flight_says_so_and_ends_its_
     assert engine.lost == requests[0].failure and requests[1].failure.startswith("not started: prefill 0")
 
 
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_decode_refuses_an_offer_whose_blocks_need_more_memory_than_is_left(tmp_path, monkeypatch, capsys):
+    """Decode checks its memory from its own block size before it connects; a prefill's
+    blocks of 4,096 tokens take 256 of decode's blocks of 16 each, 64 times what it foresaw
+    (a run once allocated 2.19 GB against 0.33 GB foreseen). Checked again from the offer,
+    before anything is allocated: one line, and the prefill engine is let go (decode closes)."""
+    from kvhost_tools.demo import config
+    from kvhost_tools.demo.decode import main as decode_main
+
+    secret = tmp_path / "secret"
+    model = ["--layers", "2", "--requests", "2", "--min-tokens", "64", "--max-tokens", "64"]
+    command = [sys.executable, "-m", "kvhost_tools.demo", "prefill", *model, "--block-size", "4096"]
+    command += ["--secret-file", str(secret), "--listen", "127.0.0.1:0", "--serve", "1", "--idle-timeout", "30"]
+    prefill = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert prefill.stdout is not None
+        listening = next(line for line in iter(prefill.stdout.readline, "") if "listening" in line)
+        port = int(listening.split("listening 127.0.0.1:")[1].split()[0])
+        asked = []
+
+        def available():  # plenty for what decode foresees, 1 MiB once the offer is in
+            asked.append(1)
+            return 1 << 40 if len(asked) == 1 else 1 << 20
+
+        monkeypatch.setattr(config, "memory_available", available)
+        where = ["--prefill", f"127.0.0.1:{port}", "--secret-file", str(secret)]
+        code = decode_main([*model, "--block-size", "16", *where])
+        err = capsys.readouterr().err
+        assert code == config.EXIT_ERROR
+        assert "decode: the offered requests take 576 blocks of 16 tokens here" in err and "more than the" in err, err
+        assert prefill.wait(30) == 1  # its one decode engine failed
+        said = prefill.stdout.read()
+        assert ": closed: the peer closed the connection" in said and "deregistered the cache" in said, said
+    finally:
+        prefill.kill()
+        prefill.communicate()
+
+
 def test_prefill_goes_on_unheard_once_its_stdout_reader_is_gone(monkeypatch):
     """`kvhost prefill ... | grep -m1 listening`: grep exits, and the next line prefill says
     must not end it (a BrokenPipeError); later lines go nowhere."""

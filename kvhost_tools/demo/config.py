@@ -353,6 +353,20 @@ def memory_refusal(needed: int, model: Model, workload: Workload) -> str | None:
     )
 
 
+def offer_memory_refusal(model: Model, shape: EngineShape, pool: int, *, staging: bool) -> str | None:
+    """Why decode's cache of ``pool`` blocks, sized by what the prefill engines offered (a
+    sender's larger blocks take more of ours than decode's own block size let it foresee),
+    needs more memory than is left, or None: said before it is allocated."""
+    needed = model.token_bytes() * pool * shape.block_size * (2 if staging else 1)
+    available = memory_available()
+    if available is None or needed <= available:
+        return None
+    return (
+        f"the offered requests take {pool:,} blocks of {shape.block_size} tokens here, {needed / 1e9:,.1f} GB "
+        f"for the caches, more than the {available / 1e9:,.1f} GB of memory available"
+    )
+
+
 def memory_available() -> int | None:
     """Memory this process may still take: MemAvailable, less where a cgroup limit is lower."""
     available = None

@@ -54,6 +54,7 @@ from kvhost_tools.demo.config import (
     local_blocks_for,
     memory_refusal,
     model_refusal,
+    offer_memory_refusal,
     pool_for,
 )
 from kvhost_tools.demo.options import (
@@ -205,6 +206,9 @@ def run(
             if r.engine is not None
         ]
         pool = pool_for(counts)
+        problem = offer_memory_refusal(model, shape, pool, staging=args.via_host)
+        if problem is not None:  # the prefill engines' blocks decide it: checked again before it is allocated
+            raise DemoError(problem)
         taken, spare = allocate_blocks(pool, counts, workload, stream=3)
         staged = 0
         for request, ids in zip([r for r in requests if r.engine is not None], taken):
