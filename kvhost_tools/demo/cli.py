@@ -76,6 +76,7 @@ from kvhost_tools.demo.options import (
     workload_of,
 )
 from kvhost_tools.demo.processes import Engine
+from kvhost_tools.demo.report import write_json_file
 from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
 
 # What the engines of the demo pass on unchanged.
@@ -382,5 +383,4 @@ def report(
             data = {**outcomes[0], "prefills": prefill_info}
         else:
             data = {"ok": all(c == EXIT_OK for c in codes), "decodes": outcomes, "prefills": prefill_info}
-        with open(args.json, "w") as target:
-            json.dump(data, target, indent=1)
+        write_json_file(args.json, data)

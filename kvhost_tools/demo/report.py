@@ -208,6 +208,11 @@ def write_json(path: str, outcome: Outcome) -> None:
         "failed": outcome.failed,
         "mismatched": outcome.mismatched,
     }
+    write_json_file(path, data)
+
+
+def write_json_file(path: str, data: object) -> None:
+    """``data`` as JSON at ``path``, whole or not at all where it is a file."""
     as_it_is = os.path.exists(path) and not os.path.isfile(path)  # /dev/stdout, a pipe
     target = os.path.realpath(path)  # a link's file is written, and the link kept
     written = path if as_it_is else f"{target}.partial"  # else whole or not at all: never half an outcome
