@@ -37,7 +37,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -76,6 +76,14 @@ def sender_blocks_touched(start: int, count: int, g: int) -> list[tuple[int, int
         touched.append((j, first, end))
         position = j * g + end
     return touched
+
+
+class ReadFrom(NamedTuple):
+    """A request's sender as its read was posted (``_note_read``)."""
+
+    engine: RemoteEngine
+    larger: LargerRemoteBlocks | None  # how a larger sender's blocks are read
+    skipped: int = 0  # the sender's tokens before our first position, not read (a smaller sender after a hit)
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # request -> its sender as the request's read was posted (``_note_read``): an engine
         # that registers again (vLLM shakes hands anew) may bring another layout while reads
         # posted under the old one are still in flight; each is post-processed as it was read.
-        self._read_from: dict[str, tuple[RemoteEngine, LargerRemoteBlocks | None]] = {}
+        self._read_from: dict[str, ReadFrom] = {}
         self.last_post_process: ReceiveStats | None = None
         self.kvhost_huge_pages = HugePages()  # what asking for huge pages under registered host memory did
         self._loads: dict[str, list[int]] = {}
@@ -498,8 +506,10 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             return self._read_failed(request_id, dst_engine_id, "no handshake with its engine is noted here")
         larger = self._note_read(request_id, dst_engine_id)
         ratio = self.block_size // self.remote_engines[dst_engine_id].block_size
-        if ratio > 1 and any(read_spec.local_block_ids) and not read_spec.block_ids_by_region:
+        if ratio > 1 and any(read_spec.local_block_ids) and self._lists_start_at_token_zero(dst_engine_id, read_spec):
             first = self._first_position(self._recving_metadata.get(request_id)) * ratio
+            skipped = first * self.remote_engines[dst_engine_id].block_size
+            self._read_from[request_id] = self._read_from[request_id]._replace(skipped=skipped)
             remote = [
                 list(ids[first : first + len(local_ids) * ratio])
                 for local_ids, ids in zip(read_spec.local_block_ids, read_spec.remote_block_ids, strict=True)
@@ -523,11 +533,20 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             read_spec = dataclasses.replace(read_spec, remote_block_ids=remote)
         return bool(super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs))
 
+    def _lists_start_at_token_zero(self, engine: str, read_spec: Any) -> bool:
+        """Whether a request's sender block list starts at its token 0, ours after its
+        prefix-cache hit: not where vLLM lays the lists out otherwise (by region, with
+        decode context parallelism, Mamba state, or a cache clipped to a window)."""
+        if read_spec.block_ids_by_region:
+            return False
+        remote_dcp = self.transfer_topo.get_engine_info(engine).remote_dcp_size if self.transfer_topo else 1
+        return not (self.dcp_size > 1 or remote_dcp > 1 or self._has_mamba or self._is_hma_required)
+
     def _note_read(self, request_id: str, engine: str) -> LargerRemoteBlocks | None:
         """Note the sender a request is read from, as its accepted handshake says; returns
         how a larger sender's blocks are read (None: not larger)."""
         larger = self.larger_remote_blocks.get(engine)
-        self._read_from[request_id] = (self.remote_engines[engine], larger)
+        self._read_from[request_id] = ReadFrom(self.remote_engines[engine], larger)
         return larger
 
     def _read_failed(self, request_id: str, engine: str, why: str) -> bool:
@@ -679,7 +698,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             named.add(req_id)
             if req_id not in self._read_from:  # vLLM posts every read through _read_blocks
                 raise RequestError(f"request {req_id!r}: received from {engine!r}, but no read of it was posted here")
-            remote_engine, larger = self._read_from[req_id]
+            remote_engine, larger, skipped = self._read_from[req_id]
             layout, remote_size = remote_engine.kv_cache_layout, remote_engine.block_size
             if larger is not None:
                 # Each of our blocks got whole bytes; a sender block read in part reads as a
@@ -695,8 +714,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             name = sender(engine, remote_engine)
             (remote_ids,) = meta.remote.block_ids
             received.setdefault(name, {})[req_id] = list(local_ids)
-            # What the sender holds from our first position on (its blocks before it were not read).
-            sent = len(remote_ids) * remote_size - self._first_position(meta) * local_size
+            sent = len(remote_ids) * remote_size - skipped  # what it holds from our first position on
             arrived = max(min(len(local_ids) * local_size, sent), 0)
             if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
