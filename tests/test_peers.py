@@ -2191,10 +2191,12 @@ def test_done_keeps_its_timeout_while_prefill_floods_answers(beating):
     answers = encode(HELD, {"n": 0}) * 20_000  # sent in one go: the socket stays full while it is read
 
     def flood():
-        theirs.settimeout(0.5)
+        # Whole frames only (a send cut by a timeout would leave half a frame, which reads as
+        # corrupted): it blocks while the socket is full, and ends when decode's side closes.
+        theirs.settimeout(None)
         stop_at = time.monotonic() + 6  # the most an unbounded reader is held for
-        while not stop.is_set() and time.monotonic() < stop_at:
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):
+            while not stop.is_set() and time.monotonic() < stop_at:
                 theirs.sendall(answers)
 
     flooding = threading.Thread(target=flood, daemon=True)
@@ -2211,9 +2213,10 @@ def test_done_keeps_its_timeout_while_prefill_floods_answers(beating):
         assert beats_sent >= 2 or not beating, "the beats stopped while answers were read"
     finally:
         stop.set()
+        session.close()  # the flood's send fails: decode's side is gone
         flooding.join(5)
-        session.close()
         theirs.close()
+    assert not flooding.is_alive()
 
 
 @pytest.mark.timeout(20)
