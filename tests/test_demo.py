@@ -399,6 +399,17 @@ def test_a_cross_layer_cache_is_verified_layer_by_layer():
     }
 
 
+def test_a_report_of_a_run_stopped_midway_says_what_had_arrived():
+    """A SIGTERM (or an error) after some requests arrived: the report no longer says the
+    hand-off did not run."""
+    from kvhost_tools.demo.report import print_report
+
+    for received, ended in (([], "did not run"), (["req-000", "req-001"], "stopped after 2 request(s) arrived")):
+        stream = io.StringIO()
+        print_report(Outcome(received=received, error="stopped by SIGTERM"), stream)
+        assert f"  error     stopped by SIGTERM\n  result    FAILED: the hand-off {ended}\n" in stream.getvalue()
+
+
 def test_verification_catches_a_flipped_byte_and_a_stray_write():
     caches = MODEL.caches(EngineShape("HND", 8), 6)
     for tensor in caches.values():

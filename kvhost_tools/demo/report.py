@@ -186,7 +186,9 @@ def print_report(outcome: Outcome, stream: TextIO) -> None:
         stream.write(f"  MISMATCH  {name}: {why}\n")
     if outcome.error:
         stream.write(f"  error     {outcome.error}\n")
-        stream.write("  result    FAILED: the hand-off did not run\n")
+        arrived = len(outcome.received)  # a stop (SIGTERM) or an error may come midway
+        ended = f"stopped after {arrived} request(s) arrived" if arrived else "did not run"
+        stream.write(f"  result    FAILED: the hand-off {ended}\n")
     elif outcome.ok:
         stream.write("  result    OK: every byte of every request verified\n")
     else:
