@@ -545,6 +545,8 @@ def test_heads_apart_makes_each_head_a_stream_where_its_bytes_are_one_run(monkey
         nowhere.heads_apart()
     # Counted from the sizes before any is made: one per stream and head, or the table's own.
     assert (head_major.streams_apart, per_head.streams_apart) == (6, len(per_head.streams))
+    no_heads = region_table({"l": make_cache("KBNC", "KBNC", dict(K=2, B=4, N=8, C=12))}, "KBNC")
+    assert no_heads.streams_apart == len(no_heads.streams) == 2  # no H: as many as it has (heads_apart refuses it)
     monkeypatch.setattr(tables, "MAX_STREAMS", 6)
     assert len(head_major.heads_apart().streams) == 6
     monkeypatch.setattr(tables, "MAX_STREAMS", 5)
