@@ -288,6 +288,17 @@ def test_a_request_posted_again_is_freed_only_when_no_post_of_it_may_write(monke
     request.free()
     assert handle.released == 1 and agent.posted == set()
 
+    class FailsPartway(StandInNixl):  # NIXL posted some pieces, then raised
+        def transfer(self, handle):
+            raise RuntimeError("NIXL_ERR_BACKEND")
+
+    agent.nixl = FailsPartway()
+    failing = ways.Request(agent, "prefill", Landing("PROC"), 4096, 2)
+    with pytest.raises(TransferError, match="posting the transfer failed: NIXL_ERR_BACKEND"):
+        failing.post()
+    failing.free()
+    assert failing.handle.released == 0, "freed under the pieces a failed post left in flight"
+
 
 def test_prepared_lists_are_kept_while_a_transfer_may_use_them():
     agent = stand_in_agent()

@@ -177,9 +177,10 @@ class Request:
         return self.last
 
     def free(self) -> None:
-        """Free NIXL's request, unless a post of it is still in flight (its agent keeps that
-        post: freeing the request under it would let NIXL free what the read still uses)."""
-        if self.last is None or self.last.released:
+        """Free NIXL's request, unless a post of it is not yet released: one in flight, or one
+        whose post failed partway (its agent keeps those: freeing the request under them would
+        let NIXL free what the read still uses)."""
+        if not any(transfer.handle is self.handle for transfer in list(self.agent.posted)):
             self.handle.release()
 
 
