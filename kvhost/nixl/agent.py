@@ -688,16 +688,25 @@ def post_all(posts: Iterable[Callable[[], Sequence[Transfer]]]) -> list[Transfer
     posted before it are released, so that a caller never holds part of a set (those still in
     flight cannot be, ``Transfer.release``: a note on the error names them)."""
     transfers: list[Transfer] = []
-    try:
+    with released_on_error(transfers):
         for post in posts:
             transfers.extend(post())
+    return transfers
+
+
+@contextlib.contextmanager
+def released_on_error(transfers: Sequence[Transfer]) -> Iterator[None]:
+    """Where the body raises, release ``transfers`` (as they stand then) and raise its error;
+    those still in flight cannot be released (``Transfer.release``): a note on the error
+    names them, as they may still write."""
+    try:
+        yield
     except BaseException as err:
         try:
             release_all(transfers)
-        except TransferError as left:  # some are in flight and may still write: the error says so
+        except TransferError as left:
             err.add_note(str(left))
         raise
-    return transfers
 
 
 def release_all(transfers: Sequence[Transfer]) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvhost.nixl import Agent, Reader, RegionTable, Transfer, TransferError, TransferPlan
-from kvhost.nixl.agent import Link, release_all
+from kvhost.nixl.agent import Link, released_on_error
 from kvhost_tools.bench.sender import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ def pull(start: Callable[[int], Transfer], requests: int, inflight: int) -> None
     pending = list(range(requests))[::-1]
     running: list[Transfer] = []
     deadline = time.monotonic() + TIMEOUT_S
-    try:
+    with released_on_error(running):
         while pending or running:
             while pending and len(running) < inflight:
                 running.append(start(pending.pop()))
@@ -148,12 +148,6 @@ def pull(start: Callable[[int], Transfer], requests: int, inflight: int) -> None
                 if time.monotonic() > deadline:
                     raise TransferError(f"transfers did not finish within {TIMEOUT_S:g} s", timed_out=True)
                 time.sleep(2e-4)
-    except BaseException as err:
-        try:
-            release_all(running)
-        except TransferError as left:
-            err.add_note(str(left))
-        raise
 
 
 @dataclass(eq=False)
