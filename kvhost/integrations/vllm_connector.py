@@ -53,7 +53,7 @@ from vllm.logger import init_logger
 from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
 from kvhost.nixl import RegionTable, Stream, TransferError, TransferPlan, plan_transfer
-from kvhost.nixl.agent import PEER_GONE, keep_past_exit
+from kvhost.nixl.agent import keep_past_exit, peer_gone
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
 from kvhost.nixl.ucx import give_ucx_defaults
 from kvhost.stats import ReceiveStats
@@ -234,7 +234,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 try:
                     over = self.nixl_wrapper.check_xfer_state(handle) != "PROC"
                 except Exception as err:  # NIXL raises its failures; these two say nothing moves
-                    over = any(word in f"{type(err).__name__}: {err}" for word in (PEER_GONE, NOT_POSTED))
+                    over = peer_gone(err) or NOT_POSTED in str(err)
                 count += not over
         return count
 

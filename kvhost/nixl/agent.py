@@ -791,7 +791,7 @@ class Transfer:
             state = link.agent.nixl.transfer(handle)
         except Exception as err:
             message = f"{op} from {link.peer!r}: posting the transfer failed: {err}"
-            transfer.failed = _peer_gone(err)
+            transfer.failed = peer_gone(err)
             try:
                 transfer.release()
             except TransferError:
@@ -820,7 +820,7 @@ class Transfer:
         try:
             state = self.link.agent.nixl.check_xfer_state(self.handle)
         except Exception as err:
-            self.failed = _peer_gone(err)
+            self.failed = peer_gone(err)
             raise TransferError(f"{self.op} from {self.link.peer!r} failed: {err}") from None
         return self._note(state)
 
@@ -895,5 +895,6 @@ class Transfer:
         raise TransferError(f"{self.op} from {self.link.peer!r} failed: transport state {state!r}")
 
 
-def _peer_gone(err: Exception) -> bool:
+def peer_gone(err: Exception) -> bool:
+    """Whether NIXL's error says the transfer's peer went away (nothing more lands)."""
     return PEER_GONE in f"{type(err).__name__}: {err}"
