@@ -14,7 +14,6 @@ secret (``kvhost.nixl.server``); it is dropped otherwise.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +63,7 @@ def request_columns(requests: Sequence[RemoteRequest], table: RegionTable, block
         if name in names:
             raise ArgumentError(f"requests[{index}]: {name!r} is offered twice")
         names.add(name)
+        checked = {}  # their own values (``integer_value``)
         for what, value, least, most in (
             ("number", request.number, 0, MAX_NUMBER),
             ("tokens", request.tokens, 1, MAX_TOKENS),
@@ -73,8 +73,9 @@ def request_columns(requests: Sequence[RemoteRequest], table: RegionTable, block
                 raise ArgumentError(
                     f"request {name!r}: {what} must be an integer in [{least}, {most}], got {value!r:.40}"
                 )
+            checked[what] = number
         ids = checked_ids(request.remote_ids, f"request {name!r}: remote_ids", table.num_blocks)
-        needed = -(-operator.index(request.tokens) // block_size)  # its own value (checked above)
+        needed = -(-checked["tokens"] // block_size)
         if ids.size != needed:
             raise ArgumentError(
                 f"request {name!r}: {ids.size} block ids, but {request.tokens} tokens fill {needed} blocks of "

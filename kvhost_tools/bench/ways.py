@@ -153,8 +153,8 @@ def pull(start: Callable[[int], Transfer], requests: int, inflight: int) -> None
 @dataclass(eq=False)
 class Request:
     """A NIXL READ made once (``initialize_xfer``) and posted again and again (``repost``),
-    each post a ``Transfer`` its agent knows of: one that does not land keeps the agent and
-    its memory. ``free`` frees it unless its last post may still write."""
+    each post a ``Transfer`` its agent knows of (``last``: the latest): one that does not land
+    keeps the agent and its memory. ``free`` frees it unless its agent holds a post of it."""
 
     agent: Agent
     peer: str
