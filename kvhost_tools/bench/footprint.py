@@ -18,7 +18,7 @@ from kvhost_tools.bench.machine import DEVICE_FLUSH_BYTES, host_flush_bytes
 from kvhost_tools.bench.methods import Workspace
 from kvhost_tools.bench.sender import Setting
 from kvhost_tools.bench.workloads import Geometry, Point, Scenario
-from kvhost_tools.demo.config import blocks_for, memory_available, memory_needed, pool_for
+from kvhost_tools.demo.config import blocks_for, cache_bytes, memory_available, memory_needed, pool_for
 
 # The first point of a scenario is checked against the baseline on host copies of its
 # blocks: the starting bytes, the baseline's result, each method's, and (staging) a blank.
@@ -119,6 +119,6 @@ def transfer_bytes(setting: Setting) -> int:
     memcpy's buffers, and each process's eviction buffer."""
     model, workload, prefill = setting.model, setting.workload, setting.prefill
     blocks = [blocks_for(tokens, prefill.block_size) for tokens in workload.lengths()]
-    prefill_cache = model.token_bytes() * pool_for(blocks) * prefill.block_size
+    prefill_cache = cache_bytes(model, pool_for(blocks), prefill.block_size)
     engines = memory_needed(model, workload, prefill, setting.decode, staging=False)
     return engines + 2 * prefill_cache + 2 * Workspace.RING + 2 * host_flush_bytes()

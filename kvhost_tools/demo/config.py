@@ -316,12 +316,17 @@ def decode_memory(model: Model, workload: Workload, decode: EngineShape, share: 
 
 
 def _prefill_cache(model: Model, lengths: list[int], block_size: int) -> int:
-    return model.token_bytes() * pool_for([blocks_for(t, block_size) for t in lengths]) * block_size
+    return cache_bytes(model, pool_for([blocks_for(t, block_size) for t in lengths]), block_size)
 
 
 def _decode_cache(model: Model, lengths: list[int], prefill_block_size: int, block_size: int, *, staging: bool) -> int:
     blocks = [local_blocks_for(blocks_for(t, prefill_block_size), prefill_block_size, block_size) for t in lengths]
-    return model.token_bytes() * pool_for(blocks) * block_size * (2 if staging else 1)
+    return cache_bytes(model, pool_for(blocks), block_size, staging=staging)
+
+
+def cache_bytes(model: Model, pool: int, block_size: int, *, staging: bool = False) -> int:
+    """An engine's cache of ``pool`` blocks (twice, with a host buffer shaped like it)."""
+    return model.token_bytes() * pool * block_size * (2 if staging else 1)
 
 
 def _working(model: Model, lengths: list[int], block_size: int) -> int:
@@ -342,8 +347,8 @@ def yardstick_bytes(batch_bytes: int) -> int:
 def memory_refusal(needed: int, model: Model, workload: Workload) -> str | None:
     """Why the options need more memory than this machine has left (one line naming the
     options that size it), or None: said before anything is allocated."""
-    available = memory_available()
-    if available is None or needed <= available:
+    available = _short_of(needed)
+    if available is None:
         return None
     return (
         f"--layers {model.layers} x --heads {model.heads} x --head-dim {model.head_dim} x --dtype "
@@ -357,14 +362,20 @@ def offer_memory_refusal(model: Model, shape: EngineShape, pool: int, *, staging
     """Why decode's cache of ``pool`` blocks, sized by what the prefill engines offered (a
     sender's larger blocks take more of ours than decode's own block size let it foresee),
     needs more memory than is left, or None: said before it is allocated."""
-    needed = model.token_bytes() * pool * shape.block_size * (2 if staging else 1)
-    available = memory_available()
-    if available is None or needed <= available:
+    needed = cache_bytes(model, pool, shape.block_size, staging=staging)
+    available = _short_of(needed)
+    if available is None:
         return None
     return (
         f"the offered requests take {pool:,} blocks of {shape.block_size} tokens here, {needed / 1e9:,.1f} GB "
         f"for the caches, more than the {available / 1e9:,.1f} GB of memory available"
     )
+
+
+def _short_of(needed: int) -> int | None:
+    """The memory left, where it is less than ``needed`` bytes; None where it is enough (or unknown)."""
+    available = memory_available()
+    return available if available is not None and needed > available else None
 
 
 def memory_available() -> int | None:
