@@ -338,6 +338,36 @@ def test_ranks_and_sizes_that_are_not_ints_are_refused_naming_them(call, name, v
     assert head_shares(np.int64(1), np.int32(2), 1, 8) == [HeadShare(0, 0, 4, 4)]  # numpy ints are ints
 
 
+class Liar(int):
+    """An int whose comparisons and arithmetic's answers say nothing of its value."""
+
+    def __lt__(self, other):
+        return False
+
+    __gt__ = __ge__ = __le__ = __lt__
+
+    def __mod__(self, other):
+        return 0
+
+    def __floordiv__(self, other):
+        return 0
+
+
+def test_an_int_subclass_counts_by_its_own_value_not_its_methods():
+    """A rank or size given as an int subclass is read as the number it holds: its own
+    comparisons would have let rank 5 of 2 through, its ``%`` any head count."""
+    with pytest.raises(LayoutError, match="local rank 5 is not one of 2 ranks"):
+        head_shares(Liar(5), 2, 1, 8)
+    with pytest.raises(LayoutError, match="7 KV heads cannot be shared evenly by local TP 2"):
+        head_shares(0, 2, 1, Liar(7))
+    with pytest.raises(LayoutError, match="local rank 3 of 2, remote TP 1"):
+        latent_source(Liar(3), 2, 1)
+    shares = head_shares(Liar(1), Liar(2), Liar(1), Liar(8))
+    assert shares == [HeadShare(0, 0, 4, 4)]
+    assert all(type(value) is int for share in shares for value in vars(share).values())
+    assert type(latent_source(Liar(1), 2, Liar(2))) is int
+
+
 @pytest.mark.parametrize("sizes_name", SIZES)
 def test_a_plan_knows_r_g_and_the_remote_order(sizes_name):
     remote_size, local_size, _ = SIZES[sizes_name]

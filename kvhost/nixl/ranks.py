@@ -42,7 +42,7 @@ from typing import Literal, NamedTuple, TypeVar
 import numpy as np
 
 from kvhost.errors import LayoutError
-from kvhost.ids import Ids, is_integer
+from kvhost.ids import Ids, integer_value
 from kvhost.nixl.agent import (
     Agent,
     Transfer,
@@ -77,7 +77,9 @@ class HeadShare:
 
 def head_shares(local_rank: int, local_tp: int, remote_tp: int, kv_heads: int) -> list[HeadShare]:
     """The remote ranks that hold some of this local rank's heads, and which, in head order."""
-    _check_counts(local_rank=local_rank, local_tp=local_tp, remote_tp=remote_tp, kv_heads=kv_heads)
+    local_rank, local_tp, remote_tp, kv_heads = _counts(
+        local_rank=local_rank, local_tp=local_tp, remote_tp=remote_tp, kv_heads=kv_heads
+    )
     for name, tp in (("local", local_tp), ("remote", remote_tp)):
         if tp < 1 or kv_heads % tp:
             raise LayoutError(f"{kv_heads} KV heads cannot be shared evenly by {name} TP {tp}")
@@ -95,17 +97,22 @@ def head_shares(local_rank: int, local_tp: int, remote_tp: int, kv_heads: int) -
 def latent_source(local_rank: int, local_tp: int, remote_tp: int) -> int:
     """The remote rank a local rank reads an MLA latent from: each reads it once, the local
     ranks spread over the remote ones."""
-    _check_counts(local_rank=local_rank, local_tp=local_tp, remote_tp=remote_tp)
+    local_rank, local_tp, remote_tp = _counts(local_rank=local_rank, local_tp=local_tp, remote_tp=remote_tp)
     if not 0 <= local_rank < local_tp or remote_tp < 1:
         raise LayoutError(f"local rank {local_rank} of {local_tp}, remote TP {remote_tp}")
     return local_rank % remote_tp
 
 
-def _check_counts(**counts: object) -> None:
-    """Ranks and sizes are ints (``True`` is not rank 1; a float is no rank at all)."""
+def _counts(**counts: object) -> list[int]:
+    """Ranks and sizes as plain ints, in the order given (``True`` is not rank 1; a float is
+    no rank at all; an int subclass counts by its own value, not by its comparisons)."""
+    values = []
     for name, value in counts.items():
-        if not is_integer(value):
+        number = integer_value(value)
+        if number is None:
             raise LayoutError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        values.append(number)
+    return values
 
 
 @dataclass(frozen=True)
