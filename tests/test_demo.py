@@ -857,3 +857,52 @@ def test_the_demo_shows_a_decode_engines_error_once(capsys):
     engine = SimpleNamespace(name="decode-0", pid=7, output=output)
     report(SimpleNamespace(json=None), [], [engine], [2], [], [{"error": "KVHostError: x"}])
     assert capsys.readouterr().out == "  error     KVHostError: x\n  decode-0: decode: other\n"
+
+
+@pytest.mark.parametrize(
+    ("codes", "faulted", "patience"),
+    [
+        ([0, 0], False, 15.0),
+        ([0, 1], False, 15.0),
+        ([0, 2], False, 0.5),  # may have failed before it connected: prefill would wait for it
+        ([1, -9], False, 0.5),  # killed at --run-timeout: it said nothing
+        ([0, -15], False, 0.5),
+        ([0, 0], True, 0.5),
+    ],
+)
+def test_prefill_engines_are_waited_for_only_when_every_decode_engine_ran_to_its_end(codes, faulted, patience):
+    """A decode engine that failed before connecting leaves the prefill engines waiting for
+    it until their idle timeout: the demo then asks them to stop at once instead of waiting
+    15 s for an exit that cannot come."""
+    from kvhost_tools.demo.cli import prefill_patience
+
+    assert prefill_patience(codes, faulted) == patience
+
+
+@needs_nixl
+def test_prefill_closes_every_agent_made_and_its_listener_when_a_later_one_fails(tmp_path, monkeypatch, capsys):
+    """The agents are made after the cache is filled, one per rank: when the second cannot
+    start, the first (its memory registered by then or not) is closed, and so is the listener."""
+    import kvhost.nixl
+    from kvhost_tools.demo.prefill import main as prefill_main
+
+    made, listeners = [], []
+    real_agent, real_create_server = kvhost.nixl.Agent, socket.create_server
+
+    def agent(name):
+        if made:
+            raise TransferError(f"cannot start agent {name!r}")
+        made.append(real_agent(name))
+        return made[-1]
+
+    def create_server(*args, **kwargs):
+        listeners.append(real_create_server(*args, **kwargs))
+        return listeners[-1]
+
+    monkeypatch.setattr(kvhost.nixl, "Agent", agent)
+    monkeypatch.setattr(socket, "create_server", create_server)
+    argv = ["--layers", "2", "--tp", "2", "--listen", "127.0.0.1:0", "--secret-file", str(tmp_path / "s")]
+    assert prefill_main(argv) == 2
+    assert "cannot start agent" in capsys.readouterr().err
+    assert len(made) == 1 and made[0].closed
+    assert len(listeners) == 1 and listeners[0].fileno() == -1

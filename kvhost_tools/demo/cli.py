@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from kvhost_tools.demo import netenv
 from kvhost_tools.demo.config import (
     EXIT_ERROR,
+    EXIT_FAILED,
     EXIT_OK,
     LAYOUTS,
     EngineShape,
@@ -228,6 +229,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
 
 
+def prefill_patience(decode_codes: Sequence[int], faulted: bool) -> float:
+    """Seconds a prefill engine is given to exit on its own once every decode engine has ended.
+
+    It exits once each decode engine has said done or closed its connection, which those
+    that ran to the end (exit 0, or 1: requests failed) have. One that failed otherwise may
+    never have connected, and one killed said nothing: the prefill would wait for it until
+    its idle timeout, so it is asked to stop at once (as the engine a fault was put into is).
+    """
+    ran = all(code in (EXIT_OK, EXIT_FAILED) for code in decode_codes)
+    return 15.0 if ran and not faulted else 0.5
+
+
 def passed(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
     """These options as the engines take them."""
     out = []
@@ -283,9 +296,8 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
             deadline = time.monotonic() + args.run_timeout
             codes = [finish(engine, deadline, args.run_timeout) for engine in decode_engines]
             faulted = args.kill_prefill_after is not None or args.freeze_prefill_after is not None
-            killed = any(code == -9 for code in codes)  # no decode engine will say done to prefill
             prefill_codes = [
-                e.stop(patience=0.5 if killed or (faulted and i == 0) else 15) for i, e in enumerate(prefill_engines)
+                e.stop(patience=prefill_patience(codes, faulted and i == 0)) for i, e in enumerate(prefill_engines)
             ]
         finally:
             for engine in [*decode_engines, *prefill_engines]:

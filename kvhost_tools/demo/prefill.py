@@ -169,47 +169,44 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
     # UCX kept on the interface of the address bound (a host name given is resolved by now),
     # before any NIXL agent starts.
     netenv.set_defaults(os.environ, [args.advertise or host])
-    try:
+    with contextlib.ExitStack() as held_open:  # whatever fails, each agent and the listener are closed
+        held_open.callback(listener.close)
         if args.secret_file != "-" and not os.path.exists(args.secret_file):
             secret = write_secret_file(args.secret_file)
             say(f"wrote a new secret to {args.secret_file} (mode 600): copy it to the decode hosts")
         else:
             secret = read_secret_file(args.secret_file, timeout=args.connect_timeout)
-    except BaseException:
-        listener.close()
-        raise
 
-    started = time.perf_counter()
-    lengths = workload.lengths()
-    numbers = workload.numbers(share)
-    counts = [blocks_for(lengths[n], shape.block_size) for n in numbers]
-    pool = pool_for(counts)
-    ids, _ = allocate_blocks(pool, counts, workload, stream=100 + share.index)
-    per_rank = model.heads // shape.tp
-    rank_caches = [model.caches(shape, pool) for _ in range(shape.tp)]
-    axes = model.axes_for(shape)
-    cache_sets = [CacheSet(caches, axes) for caches in rank_caches]
-    for cache_set in cache_sets:
-        for member in cache_set.members:
-            raw(member.tensor).zero_()
-    rank_layers = [layer_views(cache_set) for cache_set in cache_sets]
-    held = []
-    for number, block_ids in zip(numbers, ids):
-        tokens = lengths[number]
-        held.append(RemoteRequest(f"req-{number:03d}", number, tokens, block_ids))
-        for layer in range(model.layers):
-            whole = token_values(
-                workload.seed, number, layer, tokens, model.heads, model.head_dim, model.itemsize, kv=model.kv
-            )
-            for rank, layers in enumerate(rank_layers):
-                values = whole.narrow(2, rank * per_rank, per_rank) if model.kind == "mha" else whole
-                _, tensor, layer_axes = layers[layer]
-                write_tokens(tensor, layer_axes, block_ids, values)
-    fill_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        lengths = workload.lengths()
+        numbers = workload.numbers(share)
+        counts = [blocks_for(lengths[n], shape.block_size) for n in numbers]
+        pool = pool_for(counts)
+        ids, _ = allocate_blocks(pool, counts, workload, stream=100 + share.index)
+        per_rank = model.heads // shape.tp
+        rank_caches = [model.caches(shape, pool) for _ in range(shape.tp)]
+        axes = model.axes_for(shape)
+        cache_sets = [CacheSet(caches, axes) for caches in rank_caches]
+        for cache_set in cache_sets:
+            for member in cache_set.members:
+                raw(member.tensor).zero_()
+        rank_layers = [layer_views(cache_set) for cache_set in cache_sets]
+        held = []
+        for number, block_ids in zip(numbers, ids):
+            tokens = lengths[number]
+            held.append(RemoteRequest(f"req-{number:03d}", number, tokens, block_ids))
+            for layer in range(model.layers):
+                whole = token_values(
+                    workload.seed, number, layer, tokens, model.heads, model.head_dim, model.itemsize, kv=model.kv
+                )
+                for rank, layers in enumerate(rank_layers):
+                    values = whole.narrow(2, rank * per_rank, per_rank) if model.kind == "mha" else whole
+                    _, tensor, layer_axes = layers[layer]
+                    write_tokens(tensor, layer_axes, block_ids, values)
+        fill_seconds = time.perf_counter() - started
 
-    tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-    agents = [Agent(f"prefill-{tag}-r{rank}") for rank in range(shape.tp)]
-    try:
+        tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+        agents = [held_open.enter_context(Agent(f"prefill-{tag}-r{rank}")) for rank in range(shape.tp)]
         tables = [agent.register(caches, axes) for agent, caches in zip(agents, rank_caches)]
         metadata = [agent.metadata() for agent in agents]
 
@@ -237,10 +234,6 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
         )
         server = Server(listener, secret, spec, offer, release=release, peer_timeout=args.peer_timeout, log=say)
         server.serve(peers=args.serve or None, idle_timeout=args.idle_timeout)
-    finally:
-        listener.close()
-        for agent in agents:
-            agent.close()
     let_go = time.monotonic() - last_release[0]
     say(
         f"deregistered the cache {let_go:.2f} s after the last decode engine let go; "
