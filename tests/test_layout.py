@@ -127,3 +127,28 @@ def test_checked_letter_strings_are_remembered_only_as_plain_strings():
         check_letters("HXQ", what="order")
     check_letters("CHN", what="order")
     assert "CHN" in _good_letters and "HXQ" not in _good_letters
+
+
+@pytest.mark.parametrize("sizes", [(2, 4, 2, 8), (1, 4, 2, 8), (2, 1, 2, 8), (2, 4, 1, 8), (1, 1, 1, 8), (2, 4, 2, 1)])
+def test_a_one_block_cache_reads_as_its_many_block_twin_in_every_allocation_order(sizes):
+    """A size-1 ``B`` has a stride that ties with a neighbour's: in whatever order the cache
+    was allocated (then viewed as ``KBNHC``), one block reads as the same physical order
+    of its sized axes and the same region as two blocks do, and is refused only where two
+    blocks are."""
+    import itertools
+
+    from kvhost.errors import LayoutError
+
+    k, n, h, c = sizes
+    for allocated in map("".join, itertools.permutations("KBNHC")):
+        read = {}
+        for blocks in (1, 2):
+            size = dict(K=k, B=blocks, N=n, H=h, C=c)
+            tensor = torch.zeros([size[a] for a in allocated]).permute([allocated.index(a) for a in "KBNHC"])
+            try:
+                layout = Layout.of(tensor, "KBNHC")
+                sized = "".join(a for a in layout.physical if a == "B" or layout.size(a) > 1)
+                read[blocks] = (sized, layout.region_bytes)  # where a size-1 axis sits is no fact
+            except LayoutError:
+                read[blocks] = None
+        assert read[1] == read[2] or (read[2] is None and read[1] is not None), (allocated, read)
