@@ -113,6 +113,34 @@ def test_an_int_subclass_is_checked_by_its_own_value_not_its_comparisons():
             kvhost.receive(caches, {"a": request}, axes="KBNHC", remote_order="HNC", **extra)
 
 
+class PosingId(np.int64):
+    """A numpy integer whose ``__index__``, ``__int__`` and ``item`` say another number."""
+
+    def __index__(self):
+        return 1
+
+    def __int__(self):
+        return 2
+
+    def item(self):
+        return 3
+
+
+def test_a_numpy_integer_subclass_is_read_by_its_stored_value():
+    """numpy builds an int64 array of it through ``__int__`` and ``operator.index`` asks
+    ``__index__``: neither is the number it holds, which is what is checked and copied."""
+    from kvhost.ids import integer_value
+
+    assert integer_value(PosingId(7)) == 7 and type(integer_value(PosingId(7))) is int
+    assert checked_ids([PosingId(7), np.int64(2)], "a", 8).tolist() == [7, 2]
+    with pytest.raises(kvhost.RequestError, match="a: block id 9 at position 0 is out of range"):
+        checked_ids([PosingId(9)], "a", 8)
+    src = {"l": torch.arange(2 * 8 * 4 * 2 * 4, dtype=torch.float32).reshape(2, 8, 4, 2, 4)}
+    dst = {"l": torch.zeros(2, 8, 4, 2, 4)}
+    kvhost.copy_blocks(src, dst, [PosingId(7)], [0], axes="KBNHC")
+    assert torch.equal(dst["l"][:, 0], src["l"][:, 7])
+
+
 def test_ids_must_be_unique_unless_told_otherwise():
     for unique in (True, False):
         batch = IdBatch(4, unique=unique)
