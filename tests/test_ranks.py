@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import re
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -980,3 +981,43 @@ def test_ranks_read_head_by_head_are_counted_exactly_up_to_the_stream_budget(mon
         plan_ranks(local, 0, 1, remotes)
     monkeypatch.setattr(ranks, "MAX_STREAMS", 2 * 8)  # two ranks feed a decode rank of TP 2
     assert [source.rank for source in plan_ranks(decode_table("KHBNC", 4), 1, 2, remotes).sources] == [2, 3]
+
+
+class BlockByBlockNixl:
+    """NIXL's ``prep_xfer_dlist`` where this agent registered its memory whole and the peer
+    block by block: a peer's row outside one of its blocks is refused, as NIXL refuses it."""
+
+    def __init__(self, remote_tables):
+        self.blocks = {}
+        for table in remote_tables:
+            for stream in table.streams:
+                for block in range(table.num_blocks):
+                    self.blocks[stream.address + block * stream.block_stride] = table.run_bytes
+        self.starts = np.array(sorted(self.blocks), dtype=np.uint64)
+        self.refused = 0
+
+    def prep_xfer_dlist(self, owner, rows, memory):
+        if owner != "NIXL_INIT_AGENT":
+            for address, length, _ in rows.tolist():
+                i = int(np.searchsorted(self.starts, np.uint64(address), side="right")) - 1
+                if i < 0 or address + length > int(self.starts[i]) + self.blocks[int(self.starts[i])]:
+                    self.refused += 1
+                    raise RuntimeError("NIXL_ERR_NOT_FOUND")
+        return SimpleNamespace(release=lambda: None)
+
+
+def test_a_rank_reader_s_refused_probes_are_bounded_whatever_the_parts_a_peer_s_block_size_makes():
+    """One part of a plan per local block of a group: a peer of blocks of 16,384 tokens makes
+    1,024 of them. Their probes of a peer that registered block by block share one bound
+    (each refusal is an error line in NIXL's log): 64 in all, not 64 a part."""
+    from kvhost.nixl.agent import MAX_REFUSED_PROBES
+    from kvhost.nixl.ranks import RankReader
+
+    local = decode_table("KBNHC", 4, blocks=4096)
+    remotes = [dataclasses.replace(t, num_blocks=4) for t in peer_tables("NHC", 8, 16384, 1)]
+    plan = plan_ranks(local, 0, 2, remotes)
+    assert sum(len(source.parts) for source in plan.sources) == 1024
+    nixl = BlockByBlockNixl(remotes)
+    reader = RankReader(SimpleNamespace(nixl=nixl), plan, {0: "prefill-r0"})
+    assert nixl.refused == MAX_REFUSED_PROBES
+    assert all((remote == -1).all() for _, remote in reader.domains[0][1:])  # given up on: they merge less

@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from types import ModuleType
 from typing import Any
 
@@ -563,7 +563,25 @@ def check_descriptor_bound(max_descriptor_bytes: int | None) -> None:
         raise TransferError(f"max_descriptor_bytes must be a positive integer or None, got {max_descriptor_bytes!r}")
 
 
-def merge_domains(nixl: Any, owner: str, table: RegionTable) -> np.ndarray:
+class Probes:
+    """The refused NIXL probes ``merge_domains`` calls may still make: one count shared by
+    every call of a reader towards one owner, whose count of calls (one per part of a plan)
+    a peer's block size sets."""
+
+    def __init__(self, refusals: int = MAX_REFUSED_PROBES) -> None:
+        self.left = refusals
+
+    def registered(self, nixl: Any, owner: str, rows: np.ndarray, memory: str) -> bool:
+        """Whether NIXL accepts ``rows`` in one region of ``owner``'s; False, untried, once
+        the refusals are spent."""
+        if self.left <= 0:
+            return False
+        accepted = _registered(nixl, owner, rows, memory)
+        self.left -= not accepted
+        return accepted
+
+
+def merge_domains(nixl: Any, owner: str, table: RegionTable, probes: Probes | None = None) -> np.ndarray:
     """Per stream of ``table``, a label: streams with one label lie in one region NIXL has
     registered for ``owner`` (``NIXL_INIT_AGENT``: this agent), so one descriptor may span
     them; -1 where not even the stream's own blocks do (memory registered block by block).
@@ -571,10 +589,13 @@ def merge_domains(nixl: Any, owner: str, table: RegionTable) -> np.ndarray:
     Streams whose extents meet are tried together first (one descriptor covering them
     all), then, where that is refused, each stream on its own: one NIXL call when every
     cluster is registered whole, one per cluster and stream where it is not. Each refusal
-    costs NIXL an error line in its log and some 20 us, so after ``MAX_REFUSED_PROBES`` the
-    streams left are labelled -1 (a peer that registered its memory block by block would
-    otherwise cost one of each per stream, up to 65,536): they only merge less.
+    costs NIXL an error line in its log and some 20 us, so after ``MAX_REFUSED_PROBES`` of
+    them (counted by ``probes``, which the calls towards one owner share; None: this call's
+    own) the streams left are labelled -1 (a peer that registered its memory block by block
+    would otherwise cost one of each per stream, up to 65,536, and per part of a plan):
+    they only merge less.
     """
+    probes = Probes() if probes is None else probes
     extents = stream_extents(table)
     count = extents.shape[0]
     order = np.argsort(extents[:, 0], kind="stable")
@@ -588,19 +609,10 @@ def merge_domains(nixl: Any, owner: str, table: RegionTable) -> np.ndarray:
     spans[:, 1] = np.maximum.reduceat(ends, first) - spans[:, 0]
     spans[:, 2] = table.device_id
     labels = np.full(count, -1, dtype=np.int64)
-    if _registered(nixl, owner, spans, table.memory):
+    registered = partial(probes.registered, nixl, owner, memory=table.memory)
+    if registered(spans):
         labels[order] = cluster_of
         return labels
-    refused = 0
-
-    def registered(rows: np.ndarray) -> bool:
-        nonlocal refused
-        if refused >= MAX_REFUSED_PROBES:
-            return False
-        accepted = _registered(nixl, owner, rows, table.memory)
-        refused += not accepted
-        return accepted
-
     for cluster in range(clusters):
         members = order[cluster_of == cluster]
         if members.size > 1 and registered(spans[cluster : cluster + 1]):

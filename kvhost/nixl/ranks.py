@@ -45,6 +45,7 @@ from kvhost.errors import LayoutError
 from kvhost.ids import Ids, integer_value
 from kvhost.nixl.agent import (
     Agent,
+    Probes,
     Transfer,
     check_descriptor_bound,
     check_registered,
@@ -632,11 +633,14 @@ class RankReader:
         self.max_descriptor_bytes = max_descriptor_bytes
         self.domains: dict[int, list[Domains]] = {}
         if max_descriptor_bytes is not None:
+            # One count of refused probes per owner: the parts are as many as a peer's block size makes them.
+            mine = Probes()
             for source in plan.sources:
+                theirs = Probes()
                 self.domains[source.rank] = [
                     (
-                        merge_domains(agent.nixl, "NIXL_INIT_AGENT", part.plan.local),
-                        merge_domains(agent.nixl, self.peers[source.rank], part.plan.remote),
+                        merge_domains(agent.nixl, "NIXL_INIT_AGENT", part.plan.local, mine),
+                        merge_domains(agent.nixl, self.peers[source.rank], part.plan.remote, theirs),
                     )
                     for part in source.parts
                 ]
