@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from kvhost.caches import CacheSet, CopyGroup, Member, MemberList, ReceiveGroup
-from kvhost.errors import ArgumentError, KVHostError, RequestError
+from kvhost.errors import ArgumentError, KVHostError, RequestError, shown, shown_name
 from kvhost.ids import IdBatch, Ids, find_runs, integer_value
-from kvhost.layout import Layout, check_letters
+from kvhost.layout import Layout, checked_letters
 from kvhost.memory import first_shared
 from kvhost.transform import CopyPlan, Rearrangement
 
@@ -153,20 +153,25 @@ def plan_receive_batch(
         call_groups: tuple[ReceiveGroup, ...] | None = caches.receive_groups(*call_key)
     except KVHostError:
         call_groups = None  # the checked path words the error, naming a request
-    if call_groups == () and set(map(type, requests.values())) <= _PLAIN_ID_LISTS:
-        # Every request takes the call's transform, the identity: only the id containers
-        # are looked at (an Incoming, a tensor or anything odd takes the checked path, and
-        # so does a container this cannot count: it words the error).
+    if call_groups == () and set(map(type, requests.values())) <= _PLAIN_ID_LISTS and set(map(type, requests)) <= _STR:
+        # Every request takes the call's transform, the identity: only the names and id
+        # containers are looked at (an Incoming, a tensor or anything odd takes the checked
+        # path, and so does a container this cannot count, or a count that is not whole
+        # groups: it words the error).
         counts = list(map(_plain_count, requests.values()))  # type: ignore[arg-type]  # no Incoming: just checked
         if None not in counts:
-            blocks = sum(counts)  # type: ignore[arg-type]  # no None: just checked
-            return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
+            owed = call_key[1] // local.block_size  # ids a sender block spans
+            if owed <= 1 or not any(count % owed for count in counts):  # type: ignore[operator]  # no None
+                blocks = sum(counts)  # type: ignore[arg-type]  # no None: just checked
+                return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
     batch = IdBatch(caches.num_blocks)
     keys: dict[tuple[str | None, int], int] = {}  # (remote order, None: each layout's own; block size)
     key_of_request: list[int] = []
     arrived: dict[int, int] = {}  # request index -> tokens that arrived, for requests that say
     for name, request in requests.items():
-        subject = f"request {name!r}"
+        if not isinstance(name, str):
+            raise RequestError(f"request ids must be strings, got {shown(name)} ({type(name).__name__})")
+        subject = f"request {shown_name(name)}"
         if isinstance(request, Incoming):
             key = (
                 _remote_order(request.remote_order, call_key[0], f"{subject}: remote_order"),
@@ -374,6 +379,7 @@ def _check_reads_apart_from_writes(meeting: list[tuple[Member, Member]], source:
 
 
 _PLAIN_ID_LISTS = {list, tuple, range, np.ndarray}
+_STR = {str}
 
 
 def _plain_count(ids: Sequence[int] | np.ndarray) -> int | None:
@@ -391,8 +397,7 @@ def _remote_order(order: object, default: str | None, what: str) -> str | None:
     """A sender's region order as given (None: ``default``); anything but letters is refused."""
     if order is None:
         return default
-    check_letters(order, what=what, error=RequestError)  # type: ignore[arg-type]
-    return order  # type: ignore[return-value]
+    return checked_letters(order, what=what, error=RequestError)
 
 
 def _tokens(tokens: object, what: str) -> int:

@@ -16,7 +16,7 @@ from operator import attrgetter, is_
 import numpy as np
 import torch
 
-from kvhost.errors import KVHostError, LayoutError, RequestError
+from kvhost.errors import KVHostError, LayoutError, RequestError, shown, shown_name
 from kvhost.layout import Layout
 from kvhost.lru import LRU
 from kvhost.memory import find_overlap
@@ -54,7 +54,7 @@ class Member:
 
     @property
     def name(self) -> str:
-        return f"layer {self.layer!r}[{self.index}]"
+        return f"layer {shown_name(self.layer)}[{self.index}]"
 
     def check_backed(self, role: str) -> None:
         """Raise unless the tensor's storage holds every byte its view spans: a freed or shrunk
@@ -117,13 +117,14 @@ class CacheSet:
         if not caches:
             raise LayoutError(f"{role}: no layers given")
         if not isinstance(axes, str):
-            raise LayoutError(f"{role}: axes must be a string of axis letters, got {axes!r}")
+            raise LayoutError(f"{role}: axes must be a string of axis letters, got {shown(axes)}")
+        axes = str.__str__(axes)  # its own characters: a subclass's hash and == key the known layouts
         self.role = role
         self.axes = axes
         self.layers: dict[str, tuple[Member, ...]] = {}
         for name, layer in caches.items():
             if not isinstance(name, str):
-                raise LayoutError(f"{role}: layer names must be strings, got {name!r}")
+                raise LayoutError(f"{role}: layer names must be strings, got {shown(name)}")
             if isinstance(layer, torch.Tensor):
                 tensors: tuple[torch.Tensor, ...] = (layer,)
                 member_axes = axes
@@ -132,7 +133,8 @@ class CacheSet:
                 member_axes = _tuple_member_axes(axes, tensors)
             else:
                 raise LayoutError(
-                    f"{role}: layer {name!r} must be a tensor or a tuple of tensors, got {type(layer).__name__}"
+                    f"{role}: layer {shown_name(name)} must be a tensor or a tuple of tensors, "
+                    f"got {type(layer).__name__}"
                 )
             members = tuple(Member(name, i, t, _layout(t, member_axes, role, name, i)) for i, t in enumerate(tensors))
             for member in members:
@@ -145,13 +147,13 @@ class CacheSet:
             layout = member.layout
             if layout is not first.layout and (layout.shape != first.layout.shape or layout.axes != first.layout.axes):
                 raise LayoutError(
-                    f"{role}: layer {member.layer!r} has shape {layout.shape} ({layout.axes}) but layer "
-                    f"{first.layer!r} has {first.layout.shape} ({first.layout.axes}); all layers must match"
+                    f"{role}: {member.name} has shape {layout.shape} ({layout.axes}) but "
+                    f"{first.name} has {first.layout.shape} ({first.layout.axes}); all layers must match"
                 )
             if layout.itemsize != first.layout.itemsize:
                 raise LayoutError(
-                    f"{role}: layer {member.layer!r} has dtype {member.tensor.dtype} but layer "
-                    f"{first.layer!r} has {first.tensor.dtype}; item sizes must match"
+                    f"{role}: {member.name} has dtype {member.tensor.dtype} but "
+                    f"{first.name} has {first.tensor.dtype}; item sizes must match"
                 )
             if member.tensor.device != first_device:
                 raise _devices_differ(role, member.layer, member.tensor.device, first.layer, first_device)

@@ -17,6 +17,12 @@ def shown(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def shown_name(name: object) -> str:
+    """A name (a request's, a layer's) for a message: whole up to 200 characters (an
+    engine's request ids are some 50), cut past that."""
+    return shown(name, 200)
+
+
 class KVHostError(Exception):
     """Base class of every error kvhost raises on purpose."""
 

@@ -18,7 +18,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from kvhost.errors import LayoutError
+from kvhost.errors import LayoutError, shown
 from kvhost.lru import LRU
 from kvhost.memory import Lane, find_overlap
 
@@ -26,22 +26,25 @@ AXIS_LETTERS = "LKBNHC"
 REQUIRED_LETTERS = "BNC"
 
 
-def check_letters(letters: str, *, what: str, error: type[Exception] = LayoutError) -> None:
-    """Reject anything but a string of known, distinct letters; ``what`` says where they came from."""
+def checked_letters(letters: object, *, what: str, error: type[Exception] = LayoutError) -> str:
+    """``letters`` as a plain string of known, distinct letters, or an error; ``what`` says
+    where they came from. A str subclass is read by its characters (``str.__str__``), not
+    by its methods, which may say anything (its hash and ``==`` key plan caches)."""
     if type(letters) is str and letters in _good_letters:  # a set lookup: this runs on every receive
-        return
-    if not isinstance(letters, str) or not letters:
-        raise error(f"{what} must be a non-empty string of axis letters from {AXIS_LETTERS!r}, got {letters!r}")
-    unknown = sorted(set(letters) - set(AXIS_LETTERS))
+        return letters
+    plain = str.__str__(letters) if isinstance(letters, str) else None  # its own characters
+    if not plain:
+        raise error(f"{what} must be a non-empty string of axis letters from {AXIS_LETTERS!r}, got {shown(letters)}")
+    unknown = sorted(set(plain) - set(AXIS_LETTERS))
     if unknown:
         raise error(
-            f"{what} {letters!r} has unknown letter(s) {''.join(unknown)!r}; known letters are {AXIS_LETTERS!r}"
+            f"{what} {shown(plain)} has unknown letter(s) {shown(''.join(unknown))}; known letters are {AXIS_LETTERS!r}"
         )
-    repeated = sorted({a for a in letters if letters.count(a) > 1})
+    repeated = sorted({a for a in plain if plain.count(a) > 1})
     if repeated:
-        raise error(f"{what} {letters!r} repeats letter(s) {''.join(repeated)!r}")
-    if type(letters) is str:
-        _good_letters.add(letters)
+        raise error(f"{what} {shown(plain)} repeats letter(s) {''.join(repeated)!r}")
+    _good_letters.add(plain)
+    return plain
 
 
 # Letter strings that passed: bounded without an eviction rule, since each is an ordered
@@ -80,7 +83,7 @@ class Layout:
             raise LayoutError(f"{name}: {problem}")
         if tensor.element_size() not in (1, 2, 4, 8):
             raise LayoutError(f"{name}: item size {tensor.element_size()} of {tensor.dtype} is not 1, 2, 4 or 8 bytes")
-        check_letters(axes, what=f"{name}: axes")
+        axes = checked_letters(axes, what=f"{name}: axes")
         key = _key(tensor, axes)
         layout = _known.get(key)
         if layout is None:

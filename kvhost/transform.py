@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvhost.errors import LayoutError, RequestError
-from kvhost.layout import Layout, check_letters, contiguous_strides
+from kvhost.layout import Layout, checked_letters, contiguous_strides
 
 # Region letters (L K H N C) with N split in two: no loop nest a plan makes is deeper.
 # Kernels that take loop shapes in fixed-size arrays pad them to this many dims.
@@ -186,7 +186,7 @@ class ChunkCycles(NamedTuple):
 def plan_receive(layout: Layout, remote_order: str, remote_block_size: int) -> Rearrangement | None:
     """The rearrangement from the sender's bytes to ``layout``; None when nothing changes."""
     region = layout.region
-    check_letters(remote_order, what="remote order")
+    remote_order = checked_letters(remote_order, what="remote order")
     # A letter of size 1 here (one head per rank, say) may lie inside the sender's region and
     # outside ours, or the other way round: its place moves no byte. N never: block sizes differ.
     single = {a for a in layout.axes if a not in "BN" and layout.size(a) == 1}

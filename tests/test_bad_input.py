@@ -100,6 +100,11 @@ def nested(*rows: torch.Tensor) -> torch.Tensor:
         return torch.nested.nested_tensor(list(rows))
 
 
+class Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
 def gen() -> Any:
     return (i for i in [3, 4])
 
@@ -176,6 +181,30 @@ ROWS: dict[str, Row] = {
         receive({"a": range(2**64)}, remote_order="NHC", remote_block_size=8),
         kvhost.RequestError,
         "block id 8 at position 8",
+    ),
+    # ... and whole groups of a sender's block, as the checked path owes them.
+    "identity ids not whole groups": (
+        receive({"a": [1, 2], "b": [3]}, remote_order="NHC", remote_block_size=16),
+        kvhost.RequestError,
+        "request 'b': 1 block ids are not whole groups of 2",
+    ),
+    # Request ids are names: strings, shown in part where they are huge.
+    "request id int": (receive(GOOD | {7: [3]}), kvhost.RequestError, "request ids must be strings, got 7 (int)"),
+    "request id None": (receive(GOOD | {None: [3]}), kvhost.RequestError, "got None (NoneType)"),
+    "identity request id int": (
+        receive({"a": [1], 7: [3]}, remote_order="NHC", remote_block_size=8),
+        kvhost.RequestError,
+        "request ids must be strings, got 7 (int)",
+    ),
+    "request id unprintable": (
+        receive(GOOD | {Unprintable(): [3]}),
+        kvhost.RequestError,
+        "got a Unprintable (Unprintable)",
+    ),
+    "request id huge": (
+        receive(GOOD | {"x" * 10**6: [3, 8]}),
+        kvhost.RequestError,
+        f"request '{'x' * 196}...: block id 8 at position 1 is out of range",
     ),
     # The call's own remote spec is checked even when every request brings its own.
     "call size bad, requests their own": (

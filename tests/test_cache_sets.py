@@ -41,8 +41,16 @@ def test_no_layers_is_refused():
 @pytest.mark.parametrize("odd", ["shape", "dtype"])
 def test_the_second_of_two_layers_is_checked_against_the_first(odd):
     other = make_cache("KBNHC", "KBNHC", dict(SIZES, H=4)) if odd == "shape" else cache().float()
-    with pytest.raises(kvhost.LayoutError, match=r"layer 'b' has .* but layer 'a' has"):
+    with pytest.raises(kvhost.LayoutError, match=r"layer 'b'\[0\] has .* but layer 'a'\[0\] has"):
         CacheSet({"a": cache(), "b": other}, "KBNHC")
+
+
+def test_the_two_tensors_of_one_layer_are_named_apart_when_they_differ():
+    """K and V kept apart in one layer: the message says which member differs, not the
+    layer's name twice."""
+    k, v = cache()[0], make_cache("KBNHC", "KBNHC", dict(SIZES, H=4))[0]
+    with pytest.raises(kvhost.LayoutError, match=r"caches: layer 'a'\[1\] has shape .* but layer 'a'\[0\] has"):
+        CacheSet({"a": (k, v)}, "KBNHC")
 
 
 def test_one_set_lives_on_one_device():

@@ -108,12 +108,12 @@ def test_copy_plan_merges_whole_blocks_when_layouts_agree():
     assert not plan_copy(layout, other).merge_blocks
 
 
-def test_checked_letter_strings_are_remembered_only_as_plain_strings():
-    # A string that passed is remembered so the next call is a set lookup; a str subclass
-    # could pass by lying about its letters, so it is checked every time and never
-    # remembered: the plain string it spells must still be refused.
+def test_checked_letter_strings_are_read_by_their_own_characters_and_remembered_as_plain_strings():
+    # A string that passed is remembered so the next call is a set lookup. A str subclass
+    # may lie about its letters, its hash and ==: it is read by its own characters
+    # (str.__str__), refused as what it spells, and what passes is a plain string.
     from kvhost.errors import LayoutError
-    from kvhost.layout import _good_letters, check_letters
+    from kvhost.layout import _good_letters, checked_letters
 
     class Lying(str):
         def __iter__(self):  # type: ignore[no-untyped-def]
@@ -122,11 +122,43 @@ def test_checked_letter_strings_are_remembered_only_as_plain_strings():
         def count(self, *args):  # type: ignore[no-untyped-def]
             return 1
 
-    check_letters(Lying("HXQ"), what="order")  # passes by its lies
+        def __len__(self):  # type: ignore[no-untyped-def]
+            return 0
+
     with pytest.raises(LayoutError, match="order 'HXQ' has unknown letter"):
-        check_letters("HXQ", what="order")
-    check_letters("CHN", what="order")
-    assert "CHN" in _good_letters and "HXQ" not in _good_letters
+        checked_letters(Lying("HXQ"), what="order")
+    with pytest.raises(LayoutError, match="order 'HXQ' has unknown letter"):
+        checked_letters("HXQ", what="order")
+    letters = checked_letters(Lying("CHN"), what="order")
+    assert type(letters) is str and letters == "CHN" and "CHN" in _good_letters and "HXQ" not in _good_letters
+    refusal = r"must be a non-empty string of axis letters from 'LKBNHC', got \['ab', .*\.\.\.$"
+    with pytest.raises(LayoutError, match=refusal):
+        checked_letters(["ab"] * 100, what="order")
+    with pytest.raises(LayoutError, match=r"order 'XXXX.*\.\.\. has unknown letter\(s\) 'X'; known") as refused:
+        checked_letters("X" * 10**6, what="order")
+    assert len(str(refused.value)) < 200
+
+
+def test_a_str_subclass_that_hashes_as_another_order_is_received_as_what_it_spells():
+    """Plans are cached by order: a subclass hashing and comparing equal to a cached order
+    (the identity, here) was handed that order's plan, and its blocks were left unrearranged."""
+    import kvhost
+    from kvhost.testing import ReceiveCase
+
+    class Posing(str):
+        def __hash__(self):  # type: ignore[no-untyped-def]
+            return hash("NHC")
+
+        def __eq__(self, other):  # type: ignore[no-untyped-def]
+            return True
+
+    case = ReceiveCase({"l": make_cache("KBNHC", "KBNHC", dict(SIZES, B=8, N=8))}, "KBNHC")
+    case.send("a", [1, 2], "HNC", 8)
+    host = kvhost.KVHost(case.caches, axes="KBNHC")
+    host.receive({}, remote_order="NHC", remote_block_size=8)  # the identity's plan, cached
+    stats = host.receive({"a": kvhost.Incoming([1, 2], Posing("HNC"), 8)})
+    assert stats.bytes_moved > 0 and stats.skipped_blocks == 0
+    case.check()
 
 
 @pytest.mark.parametrize("sizes", [(2, 4, 2, 8), (1, 4, 2, 8), (2, 1, 2, 8), (2, 4, 1, 8), (1, 1, 1, 8), (2, 4, 2, 1)])

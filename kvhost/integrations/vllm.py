@@ -39,7 +39,7 @@ from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
 from kvhost.errors import ArgumentError, KVHostError, LayoutError, RequestError
 from kvhost.ids import IdBatch, integer_value
-from kvhost.layout import Layout, check_letters
+from kvhost.layout import Layout, checked_letters
 from kvhost.stats import CopyResult, ReceiveStats
 
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -101,8 +101,8 @@ def remote_order(axes: str, physical: str, remote_layout: str) -> str:
     that keeps layers apart and, inside a layer, our memory order with tokens or heads
     first. A region sees the sender's order of its own letters only.
     """
-    check_letters(axes, what="axes")
-    check_letters(physical, what="physical order")
+    axes = checked_letters(axes, what="axes")
+    physical = checked_letters(physical, what="physical order")
     if "B" not in physical or set(axes) - set(physical) - {"K"} or set(physical) - set(axes):
         # A tuple layer's tensors lack K (the tuple's index stands for it): their order may too.
         raise LayoutError(f"physical order {physical!r} must be the letters of axes {axes!r} (K may be left out)")

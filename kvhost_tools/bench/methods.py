@@ -29,8 +29,8 @@ METHODS = {
     KVHOST: "kvhost.KVHost registered once: .receive / .copy_to / .copy_from",
     KVHOST_FN: "module-level kvhost.receive / kvhost.copy_blocks (the caches validated on every call)",
     "empty": "KVHost.receive with no requests (identity scenario)",
-    "visit": "len() and type() of every request of the batch's mapping: the least a call handed it can do and still "
-    "refuse a container it cannot count (identity)",
+    "visit": "type() of every request id, len() and type() of every request's ids: the least a call handed the "
+    "batch can do and still refuse a name that is no string or a container it cannot count (identity)",
     "front end": "kvhost.batch.plan_receive_batch alone: validation, grouping, concatenation (front-end scenario)",
     "transform": "the backend's work for the batch the front end prepared (front-end scenario)",
 }
@@ -129,8 +129,13 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
         return Prepared(
             {
                 "empty": lambda: host.receive({}, remote_order=order, remote_block_size=size),
-                # Two passes at C speed: counting alone would take a string or a 2-D tensor at its len().
-                "visit": lambda: (set(map(type, requests.values())), sum(map(len, requests.values()))),
+                # Three passes at C speed: counting alone would take a string or a 2-D tensor at its
+                # len(), and a name that is no string.
+                "visit": lambda: (
+                    set(map(type, requests)),
+                    set(map(type, requests.values())),
+                    sum(map(len, requests.values())),
+                ),
                 KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
                 KVHOST_FN: lambda: kvhost.receive(
                     caches, requests, axes=geometry.axes, remote_order=order, remote_block_size=size
