@@ -61,7 +61,7 @@ from kvhost.layout import Layout
 from kvhost.memory import byte_extent
 from kvhost.torch_backend import TorchBackend
 from kvhost.transform import plan_copy
-from kvhost_accelerator.launch import Limits, ReceiveLaunch, plan_copy_launch, plan_receive_launch
+from kvhost_accelerator.launch import Limits, plan_copy_launch, plan_receive_launch
 from kvhost_accelerator.runtime import DeviceRuntime
 
 
@@ -165,10 +165,14 @@ class AcceleratorBackend(Backend):
     # --- receive -------------------------------------------------------------------------
 
     def check_receive(self, job: ReceiveJob) -> None:
-        if self.kernels is not None:  # what the kernels cannot index is refused here; the plan kept for receive
-            job.derived["accelerator"] = self._plan_receive(job)
+        if self.kernels is not None:
+            # What the kernels cannot index is refused here, and what the launches need (the
+            # tables on the device, the scratch) is made here: called for every job of a
+            # call before any runs, so a device short of memory for one job's scratch (a
+            # cache sized to fill the device) leaves the call unwritten, not half rearranged.
+            job.derived["accelerator"] = self._prepare_receive(job)
 
-    def _plan_receive(self, job: ReceiveJob) -> _PlannedReceive:
+    def _prepare_receive(self, job: ReceiveJob) -> _PreparedReceive:
         layout = job.layout
         bases = np.array([m.tensor.data_ptr() for m in job.members], dtype=np.int64)
         outer = layout.outer_offsets_bytes
@@ -181,40 +185,39 @@ class AcceleratorBackend(Backend):
             alignment=alignment,
             limits=self.limits_for(job.device),
         )
-        return _PlannedReceive(launch, bases)
-
-    def receive(self, job: ReceiveJob) -> None:
         kernels = self.kernels
-        if kernels is None:
-            return self.torch_path.receive(job)
-        planned = job.derived.get("accelerator")
-        if not isinstance(planned, _PlannedReceive):  # a receive its check did not precede (called directly)
-            planned = self._plan_receive(job)
-        launch, bases = planned
-        layout = job.layout
-        outer = layout.outer_offsets_bytes
-        units = int(job.unit_ids.shape[0])
+        assert kernels is not None  # only with kernels
         with self.runtime.guard(job.device):
-            # Dropping these after the launch is safe. The tables and the scratch are made
-            # on the current stream, the one the kernel runs on: a device block freed without
-            # record_stream goes only to later allocations on its own stream, whose work
-            # queues behind the kernel. The pinned staging buffer: a non-blocking copy records
-            # an event for it, and the caching host allocator hands it out again only after.
+            # Made on the current stream, the one the kernels run on (the same call's): a
+            # device block freed without record_stream goes only to later allocations on its
+            # own stream, whose work queues behind the kernels, so dropping these with the
+            # job is safe. The pinned staging buffer: a non-blocking copy records an event
+            # for it, and the caching host allocator hands it out again only after.
             keep: list[torch.Tensor] = []
             base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.ravel()], job.device, keep)
             scratch = torch.empty(
                 max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes], device=job.device
             )
-            calls = kernels.receive_calls(
-                launch,
-                bases=base_table,
-                outer_offsets=outer_table,
-                ids=ids,
-                scratch=scratch,
-                units=units,
-                block_stride=layout.block_stride_bytes,
-            )
-            for call in calls:
+            keep.append(scratch)
+        calls = kernels.receive_calls(
+            launch,
+            bases=base_table,
+            outer_offsets=outer_table,
+            ids=ids,
+            scratch=scratch,
+            units=int(job.unit_ids.shape[0]),
+            block_stride=layout.block_stride_bytes,
+        )
+        return _PreparedReceive(calls, keep)
+
+    def receive(self, job: ReceiveJob) -> None:
+        if self.kernels is None:
+            return self.torch_path.receive(job)
+        prepared = job.derived.get("accelerator")
+        if not isinstance(prepared, _PreparedReceive):  # a receive its check did not precede (called directly)
+            prepared = self._prepare_receive(job)
+        with self.runtime.guard(job.device):
+            for call in prepared.calls:
                 self.launch(call)
         return None
 
@@ -477,11 +480,11 @@ class _HostSides(NamedTuple):
         return cls(dests, sources, job.dst_ids, job.src_ids, job.src_device, False)
 
 
-class _PlannedReceive(NamedTuple):
-    """A receive job's launch and its members' base addresses, planned once per call."""
+class _PreparedReceive(NamedTuple):
+    """A receive job's launches, and the device tables and scratch they read (held with the job)."""
 
-    launch: ReceiveLaunch
-    bases: np.ndarray
+    calls: list[Any]  # kernels.KernelCall
+    keep: list[torch.Tensor]
 
 
 def _job(pairs: list[tuple[Member, Member]], src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyJob:
