@@ -955,6 +955,45 @@ def test_receive_on_the_torch_path_matches_the_sender():
     assert stats.backend == "accelerator-on-cpu"
 
 
+def test_a_device_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_before_any_job_runs(monkeypatch):
+    """Every job's tables and scratch are made before any job launches (kernels stood in
+    for: their launches recorded): a device out of memory for the second job's scratch is
+    a BackendError with nothing launched and no byte written. It had left the first job
+    rearranged in place, which a second try would have rearranged again."""
+    import kvhost_accelerator.backend as accelerator
+
+    cache = caches("KBNHC", "KBNHC", 12, 9)
+    before = [raw(t).clone() for t in cache.values()]
+    backend, launched, scratches = CpuStandIn(), [], []
+    backend.__dict__["kernels"] = types.SimpleNamespace(
+        TORCH_WORDS={1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
+        receive_calls=lambda launch, **tables: [types.SimpleNamespace(launch=lambda: launched.append(launch))],
+    )
+
+    class ShortOfMemory:
+        """torch, whose second ``empty`` finds the device full."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty(self, *args, **kwargs):
+            scratches.append(args)
+            if len(scratches) == 2:
+                raise torch.OutOfMemoryError("out of memory: tried to allocate 256.00 MiB")
+            return torch.empty(*args, **kwargs)
+
+    monkeypatch.setattr(accelerator, "torch", ShortOfMemory())
+    requests = {"a": kvhost.Incoming([1, 2], "HNC", 16), "b": kvhost.Incoming([5], "HNC", 4)}  # two transforms
+    refusal = r"cpu: out of memory for a receive's tables and scratch .*256\.00 MiB"
+    with pytest.raises(kvhost.BackendError, match=refusal):
+        kvhost.receive(cache, requests, axes="KBNHC", backend=backend)
+    assert len(scratches) == 2 and launched == []
+    assert all(torch.equal(raw(t), b) for t, b in zip(cache.values(), before))
+    monkeypatch.undo()
+    stats = kvhost.receive(cache, requests, axes="KBNHC", backend=backend)  # room again: both jobs launch
+    assert stats.groups == 2 and len(launched) == 2
+
+
 def test_the_kernels_bounds_do_not_refuse_what_the_torch_path_does(monkeypatch):
     """Without kernels a unit past their 32-bit offsets is the torch path's, which has no such
     bound: the check before a batch refuses nothing then (the bound is lowered here so

@@ -56,6 +56,7 @@ import torch
 from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.caches import CopyGroup, Member
+from kvhost.errors import BackendError
 from kvhost.ids import find_runs
 from kvhost.layout import Layout
 from kvhost.memory import byte_extent
@@ -194,10 +195,16 @@ class AcceleratorBackend(Backend):
             # job is safe. The pinned staging buffer: a non-blocking copy records an event
             # for it, and the caching host allocator hands it out again only after.
             keep: list[torch.Tensor] = []
-            base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.ravel()], job.device, keep)
-            scratch = torch.empty(
-                max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes], device=job.device
-            )
+            try:
+                base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.ravel()], job.device, keep)
+                scratch = torch.empty(
+                    max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes], device=job.device
+                )
+            except OUT_OF_MEMORY as err:  # refused before any byte moves: a smaller call may fit
+                raise BackendError(
+                    f"{job.device}: out of memory for a receive's tables and scratch "
+                    f"({launch.scratch_words * launch.word_bytes} bytes of scratch): {str(err).splitlines()[0]}"
+                ) from None
             keep.append(scratch)
         calls = kernels.receive_calls(
             launch,
@@ -478,6 +485,10 @@ class _HostSides(NamedTuple):
         if to_device:
             return cls(sources, dests, job.src_ids, job.dst_ids, job.dst_device, True)
         return cls(dests, sources, job.dst_ids, job.src_ids, job.src_device, False)
+
+
+# A device allocator's refusal (torch.OutOfMemoryError from torch 2.5, its CUDA name before).
+OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class _PreparedReceive(NamedTuple):
