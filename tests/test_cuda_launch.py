@@ -586,11 +586,16 @@ def test_launches_too_large_for_int32_items_are_refused():
         plan_receive_launch(plan, members=1 << 12, outer=2, units=1 << 20, alignment=256, limits=Limits())
 
 
-def test_launches_of_up_to_2_31_minus_1_items_are_planned():
-    """The kernels count items in int32: 2^31 - 1 is the last count they can hold."""
+def test_launches_of_up_to_2_31_minus_1_less_the_programs_items_are_planned():
+    """The kernels count items in int32, each program stepping by the grid: a count within
+    the grid's size of 2^31 - 1 would wrap on the last step (a negative item, wild addresses)."""
     plan = staging_copy_plan()
-    most = plan_copy_launch(plan, pairs=1, blocks=(1 << 31) - 1, alignment=256, limits=Limits())
-    assert most.items == (1 << 31) - 1
+    most = (1 << 31) - 1 - Limits().programs
+    assert plan_copy_launch(plan, pairs=1, blocks=most, alignment=256, limits=Limits()).items == most
+    with pytest.raises(kvhost.BackendError, match=f"{most + 1} work items in one launch; .* up to {most} with 1024"):
+        plan_copy_launch(plan, pairs=1, blocks=most + 1, alignment=256, limits=Limits())
+    fewer = Limits(programs=8)  # fewer programs, fewer steps past the count
+    assert plan_copy_launch(plan, pairs=1, blocks=(1 << 31) - 9, alignment=256, limits=fewer).items == (1 << 31) - 9
     with pytest.raises(kvhost.BackendError, match="2147483648 work items in one launch"):
         plan_copy_launch(plan, pairs=2, blocks=1 << 30, alignment=256, limits=Limits())
 

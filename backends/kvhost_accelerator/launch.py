@@ -184,10 +184,14 @@ def _tile(rows: Rows, word: int, align: int, limits: Limits) -> Tile:
     return tile
 
 
-def _items(count: int) -> int:
-    """Work items are counted in int32 by the kernels."""
-    if count >= 1 << 31:
-        raise BackendError(f"{count} work items in one launch; the kernels count items in int32 (split the call)")
+def _items(count: int, limits: Limits) -> int:
+    """Work items are counted in int32 by the kernels, each program stepping by the grid's
+    size: the last step past the count (up to ``limits.programs`` past it) must not wrap."""
+    if count > (1 << 31) - 1 - limits.programs:
+        raise BackendError(
+            f"{count} work items in one launch; the kernels count items in int32, up to "
+            f"{(1 << 31) - 1 - limits.programs} with {limits.programs} programs (split the call)"
+        )
     return count
 
 
@@ -331,7 +335,7 @@ def plan_receive_launch(
     the word may not be wider than its lowest set bit.
     """
     pieces = _pieces(plan, alignment, limits)
-    items = _items(members * outer * units * pieces.count)
+    items = _items(members * outer * units * pieces.count, limits)
     if pieces.mode == "split":
         schedule = _schedule(items, pieces.round_pieces, pieces.halves)
         programs = limits.programs  # each launch: as many as its round's chunks, up to this
@@ -444,7 +448,7 @@ def plan_copy_launch(plan: CopyPlan, *, pairs: int, blocks: int, alignment: int,
     )
     align = widest_word(alignment, *strides, most=16)
     tile = _tile(rows, word, align, limits)
-    items = _items(pairs * blocks)
+    items = _items(pairs * blocks, limits)
     return CopyLaunch(
         word_bytes=word,
         align_bytes=align,
