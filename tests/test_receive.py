@@ -321,6 +321,13 @@ def test_identity_batches_are_counted_not_read():
     with pytest.raises(kvhost.RequestError, match="request 'a': block id 99"):  # the call's transform has work
         kvhost.receive(caches, odd, axes="KBNHC", remote_order="HNC", remote_block_size=8, backend=recorder)
     assert recorder.jobs == [] and case.same_as(before)
+    # A larger sender's blocks span 2 of ours: whole groups are counted, not read, alike...
+    pairs = {"a": [99, 99], "b": (-1, -1), "d": np.array([7, 8])}
+    stats = kvhost.receive(caches, pairs, axes="KBNHC", remote_order="NHC", remote_block_size=16, backend=recorder)
+    assert (stats.requests, stats.blocks, stats.skipped_blocks) == (3, 6, 6) and recorder.jobs == []
+    # ... and a count that is not whole groups takes the checked path, which says so.
+    with pytest.raises(kvhost.RequestError, match="request 'b': 1 block ids are not whole groups of 2"):
+        kvhost.receive(caches, {"a": [1, 2], "b": [3]}, axes="KBNHC", remote_order="NHC", remote_block_size=16)
     with pytest.raises(TypeError):  # the identity count relies on this
         len(kvhost.Incoming([1]))
 
