@@ -142,8 +142,9 @@ class Backend(ABC):
 
     def check_receive(self, job: ReceiveJob) -> None:
         """Refuse (a BackendError) a job this backend cannot do. Called for every job of a
-        batch before any runs, so that a refusal known in advance leaves nothing written;
-        by default every job can be done."""
+        batch before any runs, so that a refusal known in advance leaves nothing written
+        (the place, too, to make what a launch needs: a device without room for it is a
+        refusal then, not a failure after earlier jobs ran); by default every job can be done."""
         return None
 
     @abstractmethod
