@@ -410,6 +410,51 @@ def test_done_without_prefills_word_that_it_held_the_blocks_is_a_lost_hold(answe
 
 
 @pytest.mark.timeout(20)
+def test_done_while_a_beat_holds_the_socket_past_its_timeout_is_a_lost_hold_and_takes_no_lock_it_lacks():
+    """A beat being sent to a prefill that does not read holds the socket: ``done`` waits
+    for it no longer than its timeout, says so, and leaves the lock to the beat."""
+    session, theirs = _session(beat_seconds=5.0)
+    held, release = threading.Event(), threading.Event()
+
+    def beat_sending():
+        with session._lock:
+            held.set()
+            release.wait(10)
+
+    beat = threading.Thread(target=beat_sending)
+    with theirs, contextlib.closing(session):
+        beat.start()
+        held.wait(5)
+        try:
+            started = time.monotonic()
+            why = "could not send 'done' within 0.3 s: a beat being sent held the socket"
+            with pytest.raises(HoldLostError, match=why):
+                session.done(ok=True, timeout=0.3)
+            assert time.monotonic() - started < 1.0
+            assert session._lock.locked()  # still the beat's: done let go of nothing it did not take
+        finally:
+            release.set()
+            beat.join(5)
+        assert not session._lock.locked()
+
+
+@pytest.mark.timeout(20)
+def test_done_to_a_prefill_that_does_not_read_ends_at_its_timeout_however_full_the_socket():
+    """Its send has what is left of the timeout, not more: a prefill frozen with the
+    socket's buffers full (no byte of 'done' can go) is a lost hold within the timeout."""
+    session, theirs = _session(beat_seconds=5.0)
+    with theirs, contextlib.closing(session):
+        session.sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:  # fill both buffers: prefill reads nothing
+                session.sock.send(b"x" * 65536)
+        started = time.monotonic()
+        with pytest.raises(HoldLostError, match=r"could not send 'done' within 0\.\d+ s: the peer does not read"):
+            session.done(ok=True, timeout=0.5)
+        assert time.monotonic() - started < 1.5
+
+
+@pytest.mark.timeout(20)
 def test_a_read_is_confirmed_only_by_an_answer_to_a_beat_sent_after_it():
     """Before prefill answers, nothing is confirmed; an answer to an earlier beat confirms
     only the reads asked for before that beat went out."""
@@ -1246,6 +1291,7 @@ REASONS = {
     "escape and surrogate": ("\x1b[2J\ud800 gone", "\\x1b[2J\\ud800 gone"),
     "empty": ("", "no reason given"),
     "escapes past 400": ("\n" * 300, "\\n" * 200),
+    "printable beyond ASCII": ("café déjà vu: 块", "café déjà vu: 块"),  # kept as written, not escaped
 }
 
 
