@@ -387,12 +387,19 @@ def test_views_of_one_xla_buffer_are_refused_before_a_byte_moves(device):
     assert torch.equal(device_bytes(cache), before)
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["", "inference mode"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2, torch.float16])
-def test_an_xla_view_of_a_larger_buffer_is_not_written_and_keeps_every_byte(device, dtype):
+def test_an_xla_view_of_a_larger_buffer_is_not_written_and_keeps_every_byte(device, dtype, inference):
     """torch_xla writes a view back through its base in the base's element type: the whole
     buffer rewritten (NaN payloads of bf16 and fp8 changed, blocks not named too), and not
     in place. A receive into a slice, or a copy into K taken off a K dim, is refused before a
-    byte moves, naming the layer; reading such a view (a copy from it) is taken."""
+    byte moves, naming the layer; reading such a view (a copy from it) is taken. Alike under
+    inference mode, as vLLM runs, where a view has no ``_base`` (it was taken there)."""
+    with torch.inference_mode(inference):
+        _check_a_view_of_a_larger_buffer(device, dtype)
+
+
+def _check_a_view_of_a_larger_buffer(device, dtype):
     big = kv_cache(32, dtype, 24, device)
     before = device_bytes(big)
     refused = r"layer 'l'(\[0\])?: an XLA view of a larger buffer .* cannot be written in place"

@@ -262,8 +262,9 @@ def _check_members(members: list[Member], *, written: bool) -> None:
             continue
         xla.check_dtype(tensor.dtype, member.name)
         block_dim(member.layout)
-        base = tensor._base
-        if written and base is not None and base.nbytes != tensor.nbytes:  # a view of all of it writes as itself
+        # A view of all of it writes as itself. The storage's size, not ``_base``: a view
+        # made under inference mode (as vLLM runs) has no ``_base`` and writes back alike.
+        if written and tensor.untyped_storage().nbytes() != tensor.nbytes:
             # torch_xla writes a view back through its base in the base's element type: the
             # whole buffer is rewritten (NaN payloads of bf16/fp8 changed, blocks not named
             # too) and not in place.
