@@ -80,6 +80,31 @@ def executions() -> int:
 # --- graphs ------------------------------------------------------------------------------
 
 
+def test_a_call_runs_its_own_graph_and_leaves_an_engines_pending_work_pending(device):
+    """An engine's lazy tensors are not pulled into kvhost's graph: with a different one
+    pending before each call, no call compiles a graph (each did, the engine's work taken
+    in), the engine's work is still pending after, and the cache is written in place."""
+    cache = kv_cache(64, torch.bfloat16, 31, device)
+    host = kvhost.KVHost({"l": cache}, axes="KBNHC", backend="tpu")
+    staging = {"l": random_bytes([2, 16, 8, 2, 16], torch.bfloat16, 32)}
+    calls = [
+        lambda: host.receive({"r": [3, 9]}, remote_order="HNC", remote_block_size=4),
+        lambda: host.copy_from(staging, [0, 1], [5, 7]),
+        lambda: host.copy_to(staging, [5, 7], [2, 3]),
+        lambda: host.receive({"p": kvhost.Incoming([11, 12], "HNC", 4, tokens=9)}),
+    ]
+    for call in calls:  # each call's graph once
+        call()
+    address, before = xla.buffer_address(cache), xla.compile_count()
+    engine = []
+    for step, call in enumerate(calls * 2):
+        engine.append(torch.arange(8 + step, device=device, dtype=torch.float32) * 3.0)  # the engine's, pending
+        call()
+    assert xla.compile_count() == before, "a call compiled the engine's pending work into its graph"
+    assert xla.buffer_address(cache) == address
+    assert [t.cpu().tolist() for t in engine[:2]] == [[3.0 * i for i in range(8)], [3.0 * i for i in range(9)]]
+
+
 def test_compile_count_over_200_random_batches_stays_within_the_buckets(device):
     """Receive (whole prompts, and prompts ending mid-block), both copies, 200 random batches
     each: compiles grow with log(batch), not per batch or per prompt length."""

@@ -98,9 +98,10 @@ class TpuBackend(Backend):
             )
             cuts = pad_rows(cuts, bucket_size(cuts.shape[0], self.min_bucket))
             ids, first_zeroed = _upload(cuts[:, 0], job.device), _upload(cuts[:, 1], job.device)
-            for member in job.members:
-                _zero_tails(_writable(member.tensor), job.layout, ids, first_zeroed)
-            xla.sync()
+            written = [_writable(member.tensor) for member in job.members]
+            for cache in written:
+                _zero_tails(cache, job.layout, ids, first_zeroed)
+            xla.sync_tensors(written)
 
     def raw(self, tensor: torch.Tensor) -> torch.Tensor:
         """XLA tensors have no byte views: the bytes are a copy, bitcast on the device
@@ -121,15 +122,18 @@ class TpuBackend(Backend):
         floor = next_power_of_two(-(-self.min_bucket // units.shape[1]))
         padded = pad_rows(units, bucket_size(units.shape[0], floor)).reshape(-1)
         ids = _upload(padded, job.device)
+        written = []
         for member in job.members:
-            _rearrange(_writable(member.tensor), block_dim(member.layout), job.rearrangement, ids)
-        xla.sync()
+            written.append(_writable(member.tensor))
+            _rearrange(written[-1], block_dim(member.layout), job.rearrangement, ids)
+        xla.sync_tensors(written)  # this job's graph alone: an engine's pending work is left as it was
 
     def _copy(self, job: CopyJob) -> Completion:
         count = job.src_ids.size
         size = bucket_size(count, self.min_bucket)
         src_ids, dst_ids = pad_rows(job.src_ids, size), pad_rows(job.dst_ids, size)
         to_host: list[tuple[Member, torch.Tensor]] = []
+        written: list[torch.Tensor] = []
         dst_index: torch.Tensor | None = None  # uploaded once: every destination is on one device
         for src, dst in job.pairs:
             # Gather first, permute after: a permute of the whole cache would copy it.
@@ -139,9 +143,11 @@ class TpuBackend(Backend):
                 dst_index = _upload(dst_ids, dst.tensor.device) if dst_index is None else dst_index
                 cache = _writable(dst.tensor)
                 _write_rows(cache, block_dim(dst.layout), dst_index, _moved_to(picked, cache))
+                written.append(cache)
             else:
                 to_host.append((dst, _as_integers(picked)))
-        xla.sync()  # everything above is one graph: gathers, permutes, writes
+        # Everything above is one graph (gathers, permutes, writes), and nothing else pending.
+        xla.sync_tensors([*written, *(picked for _, picked in to_host)])
         for dst, picked in to_host:
             b = dst.layout.axes.index("B")
             rows = picked.cpu().numpy()[(slice(None),) * b + (slice(0, count),)]  # the real rows

@@ -16,6 +16,7 @@ as integers.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from functools import cache
 from types import ModuleType
 from typing import Any
@@ -93,6 +94,18 @@ def sync(wait: bool = True) -> None:
     to the graph's outputs, so an indexed update rewrites the cache where it lies.
     """
     module().sync(wait=wait)
+
+
+def sync_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """Compile (or reuse) and run what ``tensors`` are pending on, as one graph, and wait:
+    a step barrier for them alone, on whichever device they lie.
+
+    ``sync`` would take everything pending on the default device: an engine's lazy work
+    pulled into kvhost's graph (a new graph to compile each time it differs, the engine's
+    graph cut where kvhost's call came), and nothing of a cache on another device. Their
+    buffers updated in place are donated to the graph's outputs as at a step barrier.
+    """
+    module()._XLAC._xla_sync_multi(list(tensors), devices=[], wait=True)
 
 
 def wait() -> None:
