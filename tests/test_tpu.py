@@ -490,6 +490,16 @@ for dtype in (torch.bfloat16, torch.float16, torch.float8_e5m2, torch.int8):
     assert torch.equal(got[:, [7, 0]], device_bytes(source)[:, [1, 6]]), dtype
     assert torch.equal(got[:, 1:7], before[:, 1:7]), dtype
 assert xla.compile_count() > 0
+# A receive into a cache on the second device runs before it returns (a sync of the default
+# device's pending work ran none of it: its graph was left pending).
+from test_tpu import executions
+cache = kv_cache(8, torch.float32, 23, torch.device("xla:1"))
+expected = cache.cpu()
+kvhost.receive({"l": expected}, {"r": [3, 4]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend="torch")
+before = executions()
+kvhost.receive({"l": cache}, {"r": [3, 4]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend="tpu")
+assert executions() - before == 1, executions() - before
+assert torch.equal(device_bytes(cache), expected.view(torch.int32))  # bytes: NaN payloads too
 print("ok")
 """
 
@@ -497,7 +507,8 @@ print("ok")
 @pytest.mark.skipif(not ON_CPU, reason="two XLA devices made on the CPU (CPU_NUM_DEVICES)")
 def test_copies_between_two_xla_devices():
     """A host with several chips: blocks move from one device's cache to another's, byte for
-    byte (a fresh process: the runtime's device count is fixed when it starts)."""
+    byte, and a receive on the second device is done on return (a fresh process: the
+    runtime's device count is fixed when it starts)."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
     root = Path(__file__).parent.parent
     done = subprocess.run(
