@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_ids import Liar as IdLiar
 from test_nixl import (
     LOCAL_IDS,
     LOCAL_RUNS,
@@ -339,13 +340,8 @@ def test_ranks_and_sizes_that_are_not_ints_are_refused_naming_them(call, name, v
     assert head_shares(np.int64(1), np.int32(2), 1, 8) == [HeadShare(0, 0, 4, 4)]  # numpy ints are ints
 
 
-class Liar(int):
-    """An int whose comparisons and arithmetic's answers say nothing of its value."""
-
-    def __lt__(self, other):
-        return False
-
-    __gt__ = __ge__ = __le__ = __lt__
+class Liar(IdLiar):
+    """test_ids' int whose comparisons, hash and ``__index__`` lie, its arithmetic too."""
 
     def __mod__(self, other):
         return 0

@@ -122,10 +122,9 @@ class TpuBackend(Backend):
         floor = next_power_of_two(-(-self.min_bucket // units.shape[1]))
         padded = pad_rows(units, bucket_size(units.shape[0], floor)).reshape(-1)
         ids = _upload(padded, job.device)
-        written = []
-        for member in job.members:
-            written.append(_writable(member.tensor))
-            _rearrange(written[-1], block_dim(member.layout), job.rearrangement, ids)
+        written = [_writable(member.tensor) for member in job.members]
+        for member, cache in zip(job.members, written):
+            _rearrange(cache, block_dim(member.layout), job.rearrangement, ids)
         xla.sync_tensors(written)  # this job's graph alone: an engine's pending work is left as it was
 
     def _copy(self, job: CopyJob) -> Completion:
