@@ -967,7 +967,9 @@ def test_a_device_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_bef
     backend, launched, scratches = CpuStandIn(), [], []
     backend.__dict__["kernels"] = types.SimpleNamespace(
         TORCH_WORDS={1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
-        receive_calls=lambda launch, **tables: [types.SimpleNamespace(launch=lambda: launched.append(launch))],
+        receive_calls=lambda launch, **tables: [
+            types.SimpleNamespace(launch=lambda: launched.append(launch), compile=lambda: None, compile_key=lambda: ())
+        ],
     )
 
     class ShortOfMemory:
@@ -992,6 +994,45 @@ def test_a_device_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_bef
     monkeypatch.undo()
     stats = kvhost.receive(cache, requests, axes="KBNHC", backend=backend)  # room again: both jobs launch
     assert stats.groups == 2 and len(launched) == 2
+
+
+def test_a_kernel_that_does_not_compile_for_a_later_job_refuses_the_call_before_any_job_runs():
+    """Every job's kernels are compiled and loaded (Triton's warmup) before any launches: a
+    compile or load failure for the second job's kernel (here the stand-in's, as Triton's
+    OutOfResources for shared memory would be) is a BackendError with nothing launched and
+    no byte written; the kernels it had already compiled are not compiled again."""
+    cache = caches("KBNHC", "KBNHC", 12, 9)
+    before = [raw(t).clone() for t in cache.values()]
+    backend, launched, compiled = CpuStandIn(), [], []
+    broken = {"parts": 1}  # the r = 2 job's kernel (the g = 2 job's, first, has two parts)
+
+    def compile_call(launch):
+        if launch.parts == broken.get("parts"):
+            raise RuntimeError("out of resource: shared memory, Required: 264192, Hardware limit: 232448\nmore")
+        compiled.append(launch.parts)
+
+    backend.__dict__["kernels"] = types.SimpleNamespace(
+        TORCH_WORDS={1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
+        receive_calls=lambda launch, **tables: [
+            types.SimpleNamespace(
+                launch=lambda: launched.append(launch.parts),
+                compile=lambda: compile_call(launch),
+                compile_key=lambda: (launch.parts,),
+                kernel=types.SimpleNamespace(__name__="receive_kernel"),
+            )
+        ],
+    )
+    requests = {"a": kvhost.Incoming([1, 2], "HNC", 16), "b": kvhost.Incoming([5], "HNC", 4)}  # two transforms
+    refusal = r"cpu: the kernel receive_kernel for this receive cannot run here: RuntimeError: out of .*: 232448$"
+    with pytest.raises(kvhost.BackendError, match=refusal):
+        kvhost.receive(cache, requests, axes="KBNHC", backend=backend)
+    assert compiled == [2] and launched == []
+    assert all(torch.equal(raw(t), b) for t, b in zip(cache.values(), before))
+    broken.clear()
+    for _ in range(3):
+        stats = kvhost.receive(cache, requests, axes="KBNHC", backend=backend)
+        assert stats.groups == 2
+    assert compiled == [2, 1] and sorted(launched) == [1, 1, 1, 2, 2, 2]
 
 
 def test_the_kernels_bounds_do_not_refuse_what_the_torch_path_does(monkeypatch):

@@ -10,6 +10,8 @@ to turn the backend's exact arguments into a compile. Skipped under TRITON_INTER
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import re
 
 import pytest
@@ -277,3 +279,49 @@ def test_batches_of_1_to_1000_blocks_compile_one_kernel_per_transform(barrier):
     finally:
         torch.set_num_threads(threads)
     assert len(counts) == 7 and all(count == 1 for count in counts.values()), counts
+
+
+def test_the_backend_s_compile_key_separates_every_kernel_triton_compiles_apart():
+    """The backend compiles a receive's kernels before any launches, once per
+    ``KernelCall.compile_key``: that key must tell apart every two calls that Triton's
+    launcher compiles apart (else a kernel would first compile at its launch, after other
+    jobs ran), and be no finer than it across batch sizes (else every call compiles again).
+    Over the flows' receives and copies, batches of 1 to 300 blocks, both receive modes
+    (copies' block strides are values in ours, classes in Triton's: finer across layouts)."""
+    target = aot.gpu_target("sm_90")
+    pairs: set[tuple[object, str]] = set()
+
+    class Recorder(aot.CompileCounter):
+        def launch(self, call):
+            pairs.add((call.compile_key(), aot.compile_key(call, target)))
+
+    every: set[tuple[object, str]] = set()
+    for barrier in (True, False):
+        recorder = Recorder(target, Limits(programs=528, barrier=barrier))
+        for name, flow in aot.batch_flows(recorder).items():
+            pairs.clear()
+            for n in (1, 2, 3, 16, 17, 32, 255, 300):
+                flow(n)
+            assert len({key for key, _ in pairs}) == len({key for _, key in pairs}) == 1, name
+            every |= pairs
+    assert len({key for key, _ in every}) == len(every) >= 7  # each of our keys names one of Triton's
+
+
+def test_the_backend_s_compile_key_follows_triton_s_specialization_of_each_argument():
+    """Calls that differ in one argument: a pointer off 16 bytes, a specialized integer of
+    another class (1, a multiple of 16, past 2**31) or value, a run-time count of another
+    value (one kernel) or width (another): ours equal exactly where Triton's are."""
+    target = aot.gpu_target("sm_90")
+    _, call = receive_call("KBNHC", 64, "HNC", 16, Limits())
+    names = call.kernel.arg_names
+    ids, items, stride = names.index("ids"), names.index("items"), names.index("block_stride")
+    variants = [call]
+    for index, value in [(ids, int64(9)[1:]), (stride, 1), (stride, 32), (stride, 48), (stride, 24), (stride, 1 << 40),
+                         (items, 5), (items, 1), (items, 1 << 40)]:  # fmt: skip
+        args = list(call.args)
+        args[index] = value
+        variants.append(dataclasses.replace(call, args=tuple(args)))
+    for a, b in itertools.combinations(variants, 2):
+        same = aot.compile_key(a, target) == aot.compile_key(b, target)
+        assert (a.compile_key() == b.compile_key()) == same or (same and a.args[stride] != b.args[stride])
+    assert len({v.compile_key() for v in variants}) == 8  # items 5 and 1 as the call's; strides 32, 48 apart

@@ -320,6 +320,9 @@ class CompileCounter(AcceleratorBackend):
     def launch(self, call: Any) -> None:
         self.keys.add(compile_key(call, self.target))
 
+    def compile(self, call: Any) -> None:
+        """Nothing: there is no device to load a kernel onto; its launch records its key."""
+
 
 def batch_flows(counter: CompileCounter) -> dict[str, Callable[[int], None]]:
     """Each flow serves ``n`` blocks: receives (r = 4, g = 4), staged host copies both ways and routes, device copies.

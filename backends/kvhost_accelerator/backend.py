@@ -7,7 +7,9 @@ and the Triton compiler that targets it. Everything device-specific goes through
 - Receive runs on the caller's current stream: one Triton launch per job (every layer of
   the group at once), or the torch path's gather -> permute -> scatter where Triton is
   not usable here. No host round trip: addresses and ids go up in one non-blocking copy
-  from pinned memory.
+  from pinned memory. Before any job of a call launches, every job's tables and scratch
+  are made and its kernels compiled and loaded (``check_receive``), so neither a device
+  out of memory nor a kernel that cannot compile or load leaves a call half rearranged.
 - Copies run on a side stream that first waits for the caller's stream, and
   complete through an event. Contiguous runs with the same block bytes on both sides are
   one ``copy_(non_blocking=True)`` each (the *direct* way). Otherwise a host <-> device
@@ -96,6 +98,8 @@ class AcceleratorBackend(Backend):
         self.torch_path = TorchBackend(device_chunk_bytes=64 << 20, max_run_copies=self.max_run_copies)
         # limits_for's answers: device -> (the limits it was derived from, the answer).
         self._device_limits: dict[torch.device, tuple[Limits, Limits]] = {}
+        # (device, KernelCall.compile_key()) of every kernel compiled and loaded for a receive.
+        self._compiled: set[tuple[Any, ...]] = set()
 
     def triton_compilers(self) -> tuple[str, ...]:
         """Names of the Triton compiler backends (``triton.backends``) that target this device."""
@@ -215,7 +219,29 @@ class AcceleratorBackend(Backend):
             units=int(job.unit_ids.shape[0]),
             block_stride=layout.block_stride_bytes,
         )
+        self._compile(calls, job.device)
         return _PreparedReceive(calls, keep)
+
+    def _compile(self, calls: list[Any], device: torch.device) -> None:
+        """Compile every kernel ``calls`` launch, before any launches: a receive of several
+        jobs (senders of several layouts) would otherwise compile the second job's kernel
+        after the first was rearranged in place, and a kernel that fails to compile then
+        leaves the call half done. Once per compiled kernel (``compile_key``), so a call
+        whose kernels are known pays a dictionary lookup, not Triton's binding."""
+        with self.runtime.guard(device):
+            for call in calls:
+                key = (device, call.compile_key())
+                if key in self._compiled:
+                    continue
+                try:
+                    self.compile(call)
+                except Exception as err:  # Triton's compile and load errors have no common base
+                    name = getattr(call.kernel, "__name__", type(call.kernel).__name__)
+                    raise BackendError(
+                        f"{device}: the kernel {name} for this receive cannot run here: "
+                        f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+                    ) from err
+                self._compiled.add(key)
 
     def receive(self, job: ReceiveJob) -> None:
         if self.kernels is None:
@@ -231,6 +257,10 @@ class AcceleratorBackend(Backend):
     def launch(self, call: Any) -> None:
         """Launch one kernel call (``kernels.KernelCall``) on the current stream and device."""
         call.launch()
+
+    def compile(self, call: Any) -> None:
+        """Compile and load one kernel call's kernel for the current device, launching nothing."""
+        call.compile()
 
     # --- copies --------------------------------------------------------------------------
 

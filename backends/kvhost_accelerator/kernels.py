@@ -19,6 +19,7 @@ divisible by 16), so a new batch size never compiles a new kernel. Id tables sta
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -268,6 +269,32 @@ class KernelCall:
 
     def launch(self) -> None:
         self.kernel[self.grid](*self.args, **self.constants)
+
+    def compile(self) -> None:
+        """Compile the kernel for this call and load it onto the current device, launching
+        nothing (Triton's ``warmup``; a no-op in the interpreter): a kernel that does not
+        compile, or needs more than the device has, fails here, before any byte moves."""
+        compiled = self.kernel.warmup(*self.args, grid=self.grid, **self.constants)
+        load = getattr(compiled, "_init_handles", None)  # where Triton checks shared memory and threads
+        if load is not None:
+            load()
+
+    def compile_key(self) -> tuple[Any, ...]:
+        """What this call's compiled kernel depends on, at least as finely as Triton's own
+        key: the constants, each tensor's dtype and 16-byte alignment, each run-time count's
+        width (``do_not_specialize``) and every other argument's value. Calls with equal keys
+        launch the same compiled kernel."""
+        unspecialized = set(getattr(self.kernel, "do_not_specialize", ()) or ())
+        names = getattr(self.kernel, "arg_names", ())[: len(self.args)]  # the constants follow
+        arguments: list[Any] = []
+        for name, arg in itertools.zip_longest(names, self.args):
+            if isinstance(arg, torch.Tensor):
+                arguments.append((arg.dtype, arg.data_ptr() % 16 == 0))
+            elif name in unspecialized and type(arg) is int:
+                arguments.append("i32" if -(1 << 31) <= arg < 1 << 31 else "u64" if arg >= 1 << 63 else "i64")
+            else:
+                arguments.append(arg)
+        return (self.kernel, tuple(arguments), tuple(sorted(self.constants.items())))
 
 
 def receive_calls(
