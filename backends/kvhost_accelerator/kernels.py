@@ -294,7 +294,7 @@ class KernelCall:
                 arguments.append("i32" if -(1 << 31) <= arg < 1 << 31 else "u64" if arg >= 1 << 63 else "i64")
             else:
                 arguments.append(arg)
-        return (self.kernel, tuple(arguments), tuple(sorted(self.constants.items())))
+        return (self.kernel, tuple(arguments), *self.constants.items())  # in the order made: one per call site
 
 
 def receive_calls(
