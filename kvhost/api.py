@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from kvhost.backend import Backend, Completion
-from kvhost.batch import Ids, Incoming, plan_copy_batch, plan_receive_batch
+from kvhost.batch import CopyJob, Ids, Incoming, ReceiveJob, plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet, Layer, check_one_device
-from kvhost.errors import ArgumentError, BackendError, LayoutError, RequestError
+from kvhost.errors import ArgumentError, BackendError, KVHostError, LayoutError, RequestError, failure
 from kvhost.lru import LRU
 from kvhost.registry import get_backend
 from kvhost.stats import CopyResult, ReceiveStats
@@ -20,6 +21,7 @@ Requests = Mapping[str, Sequence[int] | np.ndarray | Incoming]
 # Sets of some registered layers a KVHost keeps (``receive(layers=...)``): one per layer of
 # the largest models, and a few more.
 MAX_LAYER_SETS = 512
+_Job = TypeVar("_Job", ReceiveJob, CopyJob)
 
 
 def receive(
@@ -40,7 +42,7 @@ def receive(
     sharing a transform are done in one backend call.
     """
     chosen = _backend(backend, _device_of(caches, axes, "caches"), (caches, "caches"))
-    with chosen.exclusive():  # from the first read of a tensor's facts (XLA cannot read them mid-update)
+    with _Exclusive(chosen):  # from the first read of a tensor's facts (XLA cannot read them mid-update)
         return _receive(CacheSet(caches, axes), requests, remote_order, remote_block_size, chosen)
 
 
@@ -63,7 +65,7 @@ def copy_blocks(
     dst_axes = axes if dst_axes is None else dst_axes
     device = _copy_device(_device_of(src, axes, "src"), _device_of(dst, dst_axes, "dst"))
     chosen = _backend(backend, device, (src, "src"), (dst, "dst"))
-    with chosen.exclusive():
+    with _Exclusive(chosen):
         source = CacheSet(src, axes, role="src")
         dest = CacheSet(dst, dst_axes, role="dst")
         return _copy(source, dest, src_ids, dst_ids, non_blocking, chosen)
@@ -78,7 +80,7 @@ class KVHost:
 
     def __init__(self, caches: Mapping[str, Layer], *, axes: str, backend: str | Backend | None = None) -> None:
         self.backend = _backend(backend, _device_of(caches, axes, "caches"), (caches, "caches"))
-        with self.backend.exclusive():
+        with _Exclusive(self.backend):
             self.caches = CacheSet(caches, axes)
         # The layers as given (a list's tensors as a tuple), to make sets of some of them.
         self._given = {name: tuple(layer) if isinstance(layer, list) else layer for name, layer in caches.items()}
@@ -103,7 +105,7 @@ class KVHost:
         layer can then be done as soon as its bytes have landed, while later layers are
         still arriving (``kvhost.nixl.Reader.read_layers``).
         """
-        with self.backend.exclusive():
+        with _Exclusive(self.backend):
             if layers is None:
                 return _receive(self.caches, requests, remote_order, remote_block_size, self.backend, registered=True)
             key, caches = self._layers(layers)
@@ -169,7 +171,7 @@ class KVHost:
         """
         axes = self.caches.axes if axes is None else axes
         backend = self._peer_backend(peer, axes, role)
-        with backend.exclusive():
+        with _Exclusive(backend):
             self.caches.check_current()
             key = (id(peer), axes, role)
             known = self._peers.get(key) if isinstance(axes, str) else None  # other axes: the set words them
@@ -207,7 +209,7 @@ def _receive(
     if registered and (batch.jobs or batch.zero_jobs):  # bytes will move: the caches must still be where they were
         caches.check_current()
     for job in batch.jobs:  # all of them before any byte moves
-        backend.check_receive(job)
+        _check(backend, backend.check_receive, job)
     for job in batch.jobs:
         backend.receive(job)
     for zero in batch.zero_jobs:  # after the rearrangement: a block partly received is rearranged, then cut
@@ -235,7 +237,7 @@ def _copy(
         )
     batch = plan_copy_batch(source, dest, src_ids, dst_ids, non_blocking)
     for job in batch.jobs:  # every refusal known in advance, before any job writes
-        backend.check_copy(job)
+        _check(backend, backend.check_copy, job)
     completions = [_completion(backend, backend.copy(job)) for job in batch.jobs]
     return CopyResult(
         blocks=batch.blocks,
@@ -244,6 +246,45 @@ def _copy(
         completion=completions[0] if len(completions) == 1 else _AllOf(completions),
         job=batch.jobs[0] if batch.jobs else None,
     )
+
+
+def _check(backend: Backend, check: Callable[[_Job], None], job: _Job) -> None:
+    """A backend's check of a job, before any byte moves: whatever it raises is a refusal,
+    a KVHostError (a plugin's own exception becomes a BackendError naming it)."""
+    try:
+        check(job)
+    except KVHostError:
+        raise
+    except Exception as err:
+        raise BackendError(
+            f"backend {backend.name!r}: {check.__name__} failed (nothing was moved): {failure(err)}"
+        ) from err
+
+
+class _Exclusive:
+    """``backend.exclusive()`` held around a call. A lock the backend cannot give (its
+    ``exclusive`` raises, or returns no context manager, or entering it raises) is a
+    BackendError naming it: nothing was read or moved yet. What the work raises inside, and
+    the lock's own exit, pass through as they are."""
+
+    __slots__ = ("backend", "lock")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def __enter__(self) -> None:
+        try:
+            self.lock = self.backend.exclusive()
+            type(self.lock).__enter__(self.lock)  # as ``with`` looks it up: on the type
+        except KVHostError:
+            raise
+        except Exception as err:
+            raise BackendError(
+                f"backend {self.backend.name!r}: exclusive() gave no lock to hold (nothing was moved): {failure(err)}"
+            ) from err
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return type(self.lock).__exit__(self.lock, *exc)
 
 
 def _completion(backend: Backend, completion: object) -> Completion:

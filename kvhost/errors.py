@@ -23,6 +23,16 @@ def shown_name(name: object) -> str:
     return shown(name, 200)
 
 
+def failure(err: BaseException) -> str:
+    """``Type: message`` of someone else's exception (a plugin's), even one whose message
+    cannot be made."""
+    try:
+        text = str(err)
+    except Exception:
+        text = "(its message could not be read)"
+    return f"{type(err).__name__}: {text}"
+
+
 class KVHostError(Exception):
     """Base class of every error kvhost raises on purpose."""
 

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 
 from kvhost.backend import Backend
-from kvhost.errors import BackendError, shown
+from kvhost.errors import BackendError, failure, shown
 
 ENTRY_POINT_GROUP = "kvhost.backends"
 ENV_OVERRIDE = "KVHOST_BACKEND"
@@ -52,6 +52,8 @@ class Registry:
         self._starting: dict[str, threading.RLock] = {}
         self._classes: dict[str, type[Backend]] | None = None
         self._load_errors: dict[str, tuple[str, str]] = {}  # entry point name -> (its value, why)
+        self._refused: dict[str, tuple[str, str]] = {}  # a refused class's backend name -> (its source, why)
+        self._own: set[str] = set()  # names of kvhost's own backends (first among equal priorities)
         self._sources: dict[str, str] = {}  # backend name -> the value of the entry point kept
         self._instances: dict[str, Backend] = {}
         self._start_failures: dict[str, str] = {}  # backend name -> why its constructor raised
@@ -68,33 +70,52 @@ class Registry:
                 classes: dict[str, type[Backend]] = {}
                 kept_by: dict[str, EntryPoint] = {}  # backend name -> the entry point that holds it
                 errors: dict[str, tuple[str, str]] = {}
-                for point in sorted(entry_points(group=self._group), key=_load_order):
+                refused: dict[str, tuple[str, str]] = {}  # backend name -> (entry point, why), where it loaded
+                try:
+                    points = sorted(entry_points(group=self._group), key=_load_order)
+                except Exception as err:  # metadata no reader can parse: no backend can be known
+                    raise BackendError(
+                        f"the installed packages' {self._group!r} entry points cannot be read: {failure(err)}"
+                    ) from err
+                for point in points:
                     # A broken plugin must not break the others: anything wrong with one entry
                     # point is recorded against it and the loop goes on.
+                    cls: object = None
                     try:
                         cls = point.load()
                         problem = _class_problem(point, cls)
                     except KeyboardInterrupt:
                         raise
                     except BaseException as err:  # a plugin that calls sys.exit on import ends no one's program
-                        problem = f"failed to load: {_failure(err)}"
-                    if problem is None and cls.name in kept_by:
-                        holder = kept_by[cls.name]
+                        problem = f"failed to load: {failure(err)}"
+                    name = getattr(cls, "name", None) if isinstance(cls, type) else None
+                    if problem is None and name in kept_by:
+                        holder = kept_by[name]
                         problem = (
-                            f"backend name {cls.name!r} is already used by entry point {holder.name!r} "
+                            f"backend name {name!r} is already used by entry point {holder.name!r} "
                             f"({holder.value}); entry point {point.name!r} ({point.value}) is not registered"
                         )
                     if problem is not None:
                         errors[point.name] = (point.value, problem)
+                        if isinstance(name, str):
+                            refused.setdefault(name, (point.value, f"(entry point {point.name!r}) {problem}"))
                         continue
                     # Keyed by the backend's name, which need not be the entry point's.
-                    classes[cls.name] = cls
-                    kept_by[cls.name] = point
+                    classes[name] = cls  # type: ignore[assignment,index]
+                    kept_by[name] = point  # type: ignore[index]
                 # Published whole, so a lookup never sees a registry loaded halfway.
                 self._sources = {name: point.value for name, point in kept_by.items()}
+                self._own = {name for name, point in kept_by.items() if _distribution(point) == DISTRIBUTION}
                 self._load_errors = errors
+                self._refused = {name: why for name, why in refused.items() if name not in classes}
                 self._classes = classes
             return self._classes
+
+    def _why_unknown(self, name: str) -> str | None:
+        """Why no backend ``name`` is registered (to follow "backend 'name' "), where an
+        entry point of that name, or one that loaded a class of that name, was refused; else None."""
+        why = self._load_errors.get(name) or self._refused.get(name)
+        return why[1] if why else None
 
     def info(self) -> list[BackendInfo]:
         rows = []
@@ -112,7 +133,7 @@ class Registry:
         classes = self.classes()
         if name not in classes:
             known = ", ".join(sorted(classes)) or "none"
-            why = self._load_errors.get(name, ("", "is not registered"))[1]
+            why = self._why_unknown(name) or "is not registered"
             raise BackendError(f"backend {name!r} {why} (registered: {known})")
         reason = _reason(classes[name])
         if reason is not None:
@@ -152,7 +173,7 @@ class Registry:
                 except KeyboardInterrupt:
                     raise
                 except BaseException as err:  # an abstract class, or a device runtime that will not start
-                    self._start_failures[name] = f"failed to start: {_failure(err)}"
+                    self._start_failures[name] = f"failed to start: {failure(err)}"
             if name in self._instances:
                 return self._instances[name]
             return self._start_failures[name]
@@ -161,16 +182,16 @@ class Registry:
         classes = self.classes()
         if override is not None:
             if override not in classes:
-                why = self._load_errors.get(override)  # an entry point of that name that did not load
+                why = self._why_unknown(override)  # an entry point or class of that name that did not load
                 raise BackendError(
                     f"{ENV_OVERRIDE}={override!r} names no registered backend ({', '.join(sorted(classes))})"
-                    + (f": entry point {override!r} {why[1]}" if why else "")
+                    + (f": backend {override!r} {why}" if why else "")
                 )
             if _serves(classes[override], device_type):
                 return self.instance(override)
         candidates = sorted(
             (cls for cls in classes.values() if _serves(cls, device_type)),
-            key=lambda cls: (-cls.priority, "*" in cls.device_types, cls.name),
+            key=lambda cls: (-cls.priority, "*" in cls.device_types, cls.name not in self._own, cls.name),
         )
         reasons = []
         for cls in candidates:
@@ -196,8 +217,14 @@ class Registry:
 
 def _load_order(point: EntryPoint) -> tuple[bool, str, str]:
     """kvhost's own entry points first, then by distribution name and entry point name."""
-    dist = point.dist.name.lower() if point.dist is not None else ""
-    return (dist != DISTRIBUTION, dist, point.name)
+    return (_distribution(point) != DISTRIBUTION, _distribution(point), point.name)
+
+
+def _distribution(point: EntryPoint) -> str:
+    """The lower-case name of the distribution declaring ``point``; empty where it has none
+    (a dist-info whose METADATA is gone, as an interrupted install leaves it)."""
+    name = getattr(point.dist, "name", None)
+    return name.lower() if isinstance(name, str) else ""
 
 
 def _class_problem(point: EntryPoint, cls: object) -> str | None:
@@ -243,7 +270,7 @@ def _reason(cls: type[Backend]) -> str | None:
     except KeyboardInterrupt:
         raise
     except BaseException as err:
-        return f"availability check failed: {_failure(err)}"
+        return f"availability check failed: {failure(err)}"
     if reason is None or (isinstance(reason, str) and reason):
         return reason
     return f"availability check returned {shown(reason)}, not None (usable) or a reason (a non-empty str)"
@@ -258,15 +285,6 @@ def _serves(cls: type[Backend], device_type: str) -> bool:
         raise
     except BaseException:
         return False
-
-
-def _failure(err: BaseException) -> str:
-    """``Type: message`` of a plugin's exception, even one whose message cannot be made."""
-    try:
-        text = str(err)
-    except Exception:
-        text = "(its message could not be read)"
-    return f"{type(err).__name__}: {text}"
 
 
 registry = Registry()

@@ -13,15 +13,19 @@ import sys
 from collections.abc import Sequence
 
 
-def visible_devices() -> list[str]:
-    """Devices torch can see here, one per accelerator index, the host first."""
+def visible_devices(device_types: Sequence[str] = ()) -> list[str]:
+    """Devices torch can see here, one per accelerator index, the host first: CUDA, XPU,
+    and any other ``device_types`` (a plugin's, such as ``hpu``) whose torch module says so."""
     import torch
 
     devices = ["cpu"]
-    for device_type in ("cuda", "xpu"):
+    for device_type in dict.fromkeys(("cuda", "xpu", *device_types)):
         module = getattr(torch, device_type, None)
-        if module is not None and module.is_available():
-            devices += [f"{device_type}:{i}" for i in range(module.device_count())]
+        try:  # a plugin's device module: one that fails to answer shows no device
+            count = module.device_count() if module is not None and module.is_available() else 0
+        except Exception:
+            count = 0
+        devices += [f"{device_type}:{i}" for i in range(count)]
     if "torch_xla" in sys.modules:
         import torch_xla.core.xla_model as xm
 
@@ -35,28 +39,37 @@ def info(args: argparse.Namespace) -> int:
     from kvhost.errors import KVHostError
     from kvhost.registry import registry
 
-    rows = registry.info()
-    print(f"kvhost backends (torch {torch.__version__})")
-    print(f"  {'name':<10} {'devices':<12} {'priority':>8}  status")
-    for row in rows:
-        status = "available" if row.available else f"unavailable: {row.unavailable}"
-        print(f"  {row.name:<10} {','.join(row.device_types) or '-':<12} {row.priority:>8}  {status}")
-    override = os.environ.get("KVHOST_BACKEND")
-    where = f" (KVHOST_BACKEND={override!r}, for the device types that backend serves)" if override else ""
-    print(f"chosen per visible device{where}:")
+    # Chosen first, so that the table shows a backend whose constructor failed as such.
+    served = {t for row in registry.info() for t in row.device_types} - {"*", "cpu", "meta"}
+    chosen: list[tuple[str, str]] = []
     unserved = 0
-    for device in visible_devices():
+    for device in visible_devices(sorted(served)):
         try:
             backend = registry.for_device(device)
         except KVHostError as err:
-            print(f"  {device:<10} -> none: {err}")
+            chosen.append((device, f"none: {err}"))
             unserved += 1
             continue
         try:  # a plugin's own words: one that fails or says no text must not end the listing
             detail = backend.describe()
         except Exception as err:
             detail = f"describe() failed: {type(err).__name__}: {err}"
-        print(f"  {device:<10} -> {backend.name}" + (f" ({detail})" if detail else ""))
+        chosen.append((device, backend.name + (f" ({detail})" if detail else "")))
+    rows = registry.info()
+    name_width = max([10, *(len(row.name) for row in rows)])
+    types_width = max([12, *(len(",".join(row.device_types)) for row in rows)])
+    print(f"kvhost backends (torch {torch.__version__})")
+    print(f"  {'name':<{name_width}} {'devices':<{types_width}} {'priority':>8}  status")
+    for row in rows:
+        status = "available" if row.available else f"unavailable: {row.unavailable}"
+        types = ",".join(row.device_types) or "-"
+        print(f"  {row.name:<{name_width}} {types:<{types_width}} {row.priority:>8}  {status}")
+    override = os.environ.get("KVHOST_BACKEND")
+    where = f" (KVHOST_BACKEND={override!r}, for the device types that backend serves)" if override else ""
+    print(f"chosen per visible device{where}:")
+    device_width = max([10, *(len(device) for device, _ in chosen)])
+    for device, what in chosen:
+        print(f"  {device:<{device_width}} -> {what}")
     return 1 if unserved else 0  # a device no backend serves (a per-backend CI job's check)
 
 

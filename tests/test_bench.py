@@ -535,3 +535,20 @@ def test_a_ratio_spread_comes_only_from_enough_rounds_both_calls_count_in():
     four = measured([True, False, True, True, True, True])  # 0.5, 1.5, 2, 2.5
     assert timing.per_round(four, "top", "bottom") == [1.25, 2.125]
     assert timing.per_round(measured([False, False, True, True, True, True]), "top", "bottom") == []  # 3 shared
+
+
+def test_a_full_run_writes_the_committed_results_only_in_the_repository(tmp_path, monkeypatch):
+    """Run from an installed kvhost (no docs/bench.json where it runs), a full run writes to
+    bench-results/, as a quick one does, not into a docs/ it makes there."""
+    from pathlib import Path
+
+    from kvhost_tools.bench import cli
+
+    monkeypatch.chdir(tmp_path)
+    args = cli.parse([])
+    assert (args.json, args.png) == (Path("bench-results/bench.json"), Path("bench-results/bench.png"))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "bench.json").write_text("{}")
+    args = cli.parse([])
+    assert (args.json, args.png) == (Path("docs/bench.json"), Path("docs/bench.png"))
+    assert cli.parse(["--quick"]).json == Path("bench-results/bench-quick.json")

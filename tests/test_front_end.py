@@ -285,6 +285,86 @@ def test_a_copy_job_the_backend_refuses_stops_the_copy_before_any_job_runs():
     assert not any(t.any() for t in dst.values())
 
 
+class PluginFailures(Recorder):
+    """A plugin whose checks or lock raise exceptions of its own (``fails`` names which)."""
+
+    name = "plugin-failures"
+
+    def __init__(self, fails: str) -> None:
+        super().__init__()
+        self.fails = fails
+
+    def check_receive(self, job):  # type: ignore[no-untyped-def]
+        if self.fails == "check_receive":
+            raise ValueError("unit too large")
+
+    def check_copy(self, job):  # type: ignore[no-untyped-def]
+        if self.fails == "check_copy":
+            raise ValueError("copy too large")
+
+    def exclusive(self):  # type: ignore[no-untyped-def]
+        if self.fails == "exclusive":
+            raise OSError("lock file gone")
+        if self.fails == "no lock":
+            return None
+        if self.fails == "lock raises":
+            return RefusingLock()
+        return super().exclusive()
+
+    def receive(self, job):  # type: ignore[no-untyped-def]
+        if self.fails == "receive":
+            raise ZeroDivisionError("device fault")
+        super().receive(job)
+
+
+class RefusingLock:
+    def __enter__(self) -> None:
+        raise TimeoutError("lock busy")
+
+    def __exit__(self, *exc: object) -> None:
+        raise AssertionError("never entered")
+
+
+@pytest.mark.parametrize(
+    ("fails", "message"),
+    [
+        ("check_receive", r"check_receive failed \(nothing was moved\): ValueError: unit too large$"),
+        ("check_copy", r"check_copy failed \(nothing was moved\): ValueError: copy too large$"),
+        ("exclusive", r"exclusive\(\) gave no lock to hold \(nothing was moved\): OSError: lock file gone$"),
+        ("no lock", r"exclusive\(\) gave no lock to hold \(nothing was moved\): AttributeError: .*__enter__"),
+        ("lock raises", r"exclusive\(\) gave no lock to hold \(nothing was moved\): TimeoutError: lock busy$"),
+    ],
+)
+def test_a_plugin_s_own_exception_before_any_byte_moves_is_a_backend_error_naming_it(fails, message):
+    """Checks and the lock run before any byte moves: what a plugin raises there is a
+    refusal, a BackendError naming the plugin, with no byte changed (receive and copy)."""
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(SIZES, B=12))}
+    case = ReceiveCase(caches, "KBNHC", seed=7)
+    case.send("a", [1, 2], "HNC", 8)
+    wire = case.snapshot()
+    backend = PluginFailures(fails)
+    dst = {"l": torch.zeros(tuple(caches["l"].shape), dtype=caches["l"].dtype)}
+    calls = {
+        "receive": lambda: kvhost.receive(
+            caches, {"a": [1, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=8, backend=backend
+        ),
+        "copy": lambda: kvhost.copy_blocks(caches, dst, [1, 2], [3, 4], axes="KBNHC", backend=backend),
+    }
+    refused = [name for name in calls if fails not in ("check_receive", "check_copy") or name in fails]
+    for name in refused:
+        with pytest.raises(kvhost.BackendError, match=f"^backend 'plugin-failures': {message}"):
+            calls[name]()
+    assert backend.jobs == [] and case.same_as(wire) and not dst["l"].any()
+
+
+def test_a_plugin_s_own_exception_during_the_work_reaches_the_caller_as_it_is():
+    """Raised from ``receive`` (bytes may have moved): not worded as a refusal."""
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(SIZES, B=12))}
+    with pytest.raises(ZeroDivisionError, match="device fault"):
+        kvhost.receive(caches, {"a": [1, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=8,
+                       backend=PluginFailures("receive"))  # fmt: skip
+
+
 def test_caches_that_moved_are_told_before_any_backend_refusal(target):
     """Memory first: a registered cache re-pointed since registration is the error a call
     gets, whatever its backend would have said of the batch."""

@@ -724,9 +724,7 @@ def test_a_hostile_plugin_is_passed_over_and_named_and_ends_no_program(install, 
     assert _serves(hostile.ServesRaise, "cpu") is False and _serves(hostile.Fine, "cpu") is True
     assert why["probe-fine"] is None
     monkeypatch.setenv("KVHOST_BACKEND", "exits-on-import")
-    with pytest.raises(
-        kvhost.BackendError, match=r"names no registered backend .*: entry point 'exits-on-import' failed"
-    ):
+    with pytest.raises(kvhost.BackendError, match=r"names no registered backend .*: backend 'exits-on-import' failed"):
         probe.for_device("cpu")
     with pytest.raises(kvhost.BackendError, match=r"'probe-false-check' cannot run here: availability check returned"):
         probe.instance("probe-false-check")
@@ -809,3 +807,111 @@ def test_kvhost_info_lists_every_device_when_a_backend_cannot_describe_itself(mo
     monkeypatch.setattr(type(registry.for_device("cpu")), "describe", broken)
     assert cli.main(["info"]) == 0
     assert "  cpu        -> cpu (describe() failed: RuntimeError: no words)" in capsys.readouterr().out
+
+
+def test_a_distribution_without_metadata_breaks_no_lookup(install, tmp_path, monkeypatch):
+    """A dist-info whose METADATA is gone (an interrupted install) has no name: its entry
+    points are loaded after the named ones, and every other backend is found as before.
+    The sort that orders them had raised an AttributeError on every lookup, cpu's too."""
+    from importlib.metadata import entry_points
+
+    from kvhost.registry import Registry
+
+    site = tmp_path / "nameless"
+    (site / "kvhost_nameless-0.1.dist-info").mkdir(parents=True)
+    (site / "kvhost_nameless-0.1.dist-info" / "entry_points.txt").write_text(
+        "[kvhost.backends]\nnameless = kvhost_nameless_missing:Backend\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    nameless = [p for p in entry_points(group="kvhost.backends") if p.name == "nameless"]
+    assert len(nameless) == 1 and nameless[0].dist is not None and nameless[0].dist.name is None
+    probe = Registry()
+    assert probe.for_device("cpu").name == "cpu" and probe.for_device("meta").name == "torch"
+    rows = {row.name: row for row in probe.info()}
+    assert rows["nameless"].unavailable.startswith("failed to load: ModuleNotFoundError")
+
+
+def test_entry_points_that_cannot_be_read_are_a_backend_error(monkeypatch):
+    from kvhost import registry as registry_module
+
+    def unreadable(group):
+        raise ValueError("malformed entry_points.txt")
+
+    monkeypatch.setattr(registry_module, "entry_points", unreadable)
+    with pytest.raises(
+        kvhost.BackendError,
+        match=r"^the installed packages' 'kvhost.backends' entry points cannot be read: ValueError: malformed",
+    ):
+        registry_module.Registry().for_device("cpu")
+
+
+def test_at_equal_priority_kvhost_s_own_backend_is_chosen_before_a_plugin_s(install):
+    """A plugin at cpu's priority whose name sorts first does not silently take cpu tensors
+    from kvhost's own backend (a higher priority does); among plugins, the name decides."""
+    from kvhost.registry import Registry
+
+    source = """
+from kvhost.torch_backend import TorchBackend
+
+
+class Same(TorchBackend):
+    name, device_types, priority = "aaa-host", ("cpu",), 0
+
+
+class Higher(TorchBackend):
+    name, device_types, priority = "zzz-host", ("cpu",), 1
+
+
+class HpuA(TorchBackend):
+    name, device_types, priority = "aaa-hpu", ("hpu",), 7
+
+
+class HpuB(HpuA):
+    name = "bbb-hpu"
+"""
+    points = "[kvhost.backends]\nsame = kvhost_registry_ties:Same\nhpu-b = kvhost_registry_ties:HpuB\n"
+    install("kvhost_registry_ties", source, points + "hpu-a = kvhost_registry_ties:HpuA\n")
+    probe = Registry()
+    assert probe.for_device("cpu").name == "cpu"
+    assert probe.for_device("hpu").name == "aaa-hpu"
+    install("kvhost_registry_ties_higher", "from kvhost_registry_ties import Higher\n",
+            "[kvhost.backends]\nhigher = kvhost_registry_ties_higher:Higher\n")  # fmt: skip
+    assert Registry().for_device("cpu").name == "zzz-host"
+
+
+def test_a_backend_refused_at_load_is_explained_when_asked_for_by_its_own_name(probes, monkeypatch):
+    """The backend's name need not be its entry point's: asked for by either, the refusal says why."""
+    from kvhost.registry import Registry
+
+    probe = Registry("kvhost.probe-malformed")
+    why = r"\(entry point 'bad-text-priority'\) kvhost_registry_probe:TextPriority: priority must be an int, got '10'"
+    with pytest.raises(kvhost.BackendError, match=rf"^backend 'probe-text-priority' {why} \(registered: "):
+        probe.instance("probe-text-priority")
+    monkeypatch.setenv("KVHOST_BACKEND", "probe-text-priority")
+    with pytest.raises(
+        kvhost.BackendError, match=rf"names no registered backend .*: backend 'probe-text-priority' {why}$"
+    ):
+        probe.for_device("cpu")
+
+
+def test_kvhost_info_shows_a_backend_that_failed_to_start_and_a_plugin_s_devices(probes, install, monkeypatch, capsys):
+    """The table is printed after the choice, so a backend whose constructor raised while
+    it was chosen is not listed as available; a plugin's device type whose torch module
+    says it has devices is listed with them."""
+    import types
+
+    from kvhost import registry as registry_module
+    from kvhost_tools import cli
+
+    source = "from kvhost_registry_probe import Low\n\n\nclass Device(Low):\n"
+    source += '    name, device_types = "probe-device", ("hpu",)\n'
+    points = "[kvhost.probe-info]\nbroken-start = kvhost_registry_probe:BrokenStart\nlow = kvhost_registry_probe:Low\n"
+    install("kvhost_registry_info", source, points + "device = kvhost_registry_info:Device\n")
+    monkeypatch.setattr(registry_module, "registry", registry_module.Registry("kvhost.probe-info"))
+    devices = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 2)
+    monkeypatch.setattr(torch, "hpu", devices, raising=False)
+    assert cli.main(["info"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert rows["probe-broken-start"].endswith("unavailable: failed to start: RuntimeError: device runtime init failed")
+    assert rows["cpu"] == "  cpu        -> probe"
+    assert rows["hpu:0"] == rows["hpu:1"].replace(":1", ":0") == "  hpu:0      -> probe-device"

@@ -74,8 +74,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--no-sweeps", action="store_true", help="only the target scenarios")
     quick = "with --quick bench-results/bench-quick"
-    parser.add_argument("--json", type=Path, help=f"where to write the results (default docs/bench.json; {quick}.json)")
-    parser.add_argument("--png", type=Path, help=f"where to write the plot (default docs/bench.png; {quick}.png)")
+    inside = "docs/bench.{} in the repository, else bench-results/bench.{}"
+    parser.add_argument(
+        "--json", type=Path, help=f"where to write the results (default {inside.format('json', 'json')}; {quick}.json)"
+    )
+    parser.add_argument(
+        "--png", type=Path, help=f"where to write the plot (default {inside.format('png', 'png')}; {quick}.png)"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     parser.add_argument(
         "--xla-scaling", action="store_true", help="also run kvhost_tpu.scaling.measure_scaling() where present"
@@ -179,7 +184,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if args.demo is None:
         args.demo = QUICK_DEMO if args.quick else ""
     args.argv = [a for a in argv if a != "--in-process"]
-    default_dir = Path("bench-results") if args.quick else Path("docs")
+    # A full run updates the committed results where it runs in the repository; elsewhere
+    # (an installed kvhost) it writes next to the quick run's, never a docs/ of its own.
+    committed = Path("docs") / "bench.json"
+    default_dir = Path("docs") if not args.quick and committed.is_file() else Path("bench-results")
     stem = "bench-quick" if args.quick else "bench"
     args.json = args.json or default_dir / f"{stem}.json"
     args.png = args.png or default_dir / f"{stem}.png"
