@@ -3,14 +3,18 @@
 For every workload point the methods run in one process on the same bytes, interleaved
 in a random order per round, each call starting with the bytes the methods touch out of
 every cache (``--cache data``, see ``machine.Device``: small batches would otherwise be
-served from this machine's 32 MiB L3 for one method and not another). Results are medians
+served from the last-level cache for one method and not another). Results are medians
 over rounds, leaving out calls that waited for a core another process held (see
-``timing.disturbed``).
+``timing.disturbed``; where some method has too few calls left, every method counts every
+round, and the point says so).
 
 - ``memcpy``: one plain copy of the same number of bytes between two buffers, on the
-  same device(s) and threads: an in-place rearrangement needs one read and one write of
-  every byte, the traffic of a copy. A plain copy also fetches each destination line
-  before writing it, which an in-place rewrite need not, so kvhost can pass 1.0.
+  same device(s), by torch's ``copy_`` on its threads, and (``memcpy-1t``, host to host)
+  by the C library's ``memcpy`` on one thread: the roofline is the faster of the two at
+  each point. An in-place rearrangement needs one read and one write of every byte, the
+  traffic of a copy. A plain copy also fetches each destination line before writing it,
+  which an in-place rewrite need not (nor a copy with streaming stores, as kvhost's large
+  ones are), so kvhost can pass 1.0.
 - ``baseline``: ``baseline.py``, the engines' per-request path, with torch's threads;
   ``baseline-1t`` the same on one thread (its many small ops can be faster so). Speedups
   are over the faster of the two at each point.

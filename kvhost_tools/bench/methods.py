@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +18,14 @@ from kvhost_tools.bench.verify import same_copy, same_result
 from kvhost_tools.bench.workloads import Geometry, Point, allocator_ids
 
 ROOFLINE = "memcpy"
+ROOFLINE_1T = "memcpy-1t"
 BASELINE = "baseline"
 BASELINE_1T = "baseline-1t"
 KVHOST = "kvhost"
 KVHOST_FN = "kvhost-fn"
 METHODS = {
-    ROOFLINE: "a plain copy of the same bytes between two buffers (the roofline)",
+    ROOFLINE: "a plain copy of the same bytes between two buffers, torch's copy_ on its threads",
+    ROOFLINE_1T: "the same copy by C's memcpy on one thread (host to host); the roofline is the faster of the two",
     BASELINE: "per request, per layer, per K/V half: gather -> permute copy -> scatter (staging: index, assign)",
     BASELINE_1T: "the baseline with torch on one thread (its small ops gain nothing from waking a second one)",
     KVHOST: "kvhost.KVHost registered once: .receive / .copy_to / .copy_from",
@@ -83,6 +85,23 @@ class Workspace:
                 dest[:count].copy_(source[:count])
 
         return copy
+
+    def memcpy_methods(self, nbytes: int, src: torch.device, dst: torch.device) -> dict[str, Callable[[], None]]:
+        """The roofline's copies of ``nbytes`` from ``src`` to ``dst``: torch's ``copy_`` and,
+        host to host, the C library's ``memcpy`` on one thread (numpy's copy of contiguous
+        bytes), which a busy or small machine can run faster than two threads. Each point's
+        roofline is the faster of them (``roofline_best``)."""
+        methods = {ROOFLINE: self.memcpy(nbytes, src, dst)}
+        if src.type == dst.type == "cpu":
+            source, dest = (t.numpy() for t in self._ring(src, dst))
+
+            def copy() -> None:
+                for start in range(0, nbytes, self.RING):
+                    count = min(self.RING, nbytes - start)
+                    np.copyto(dest[:count], source[:count])
+
+            methods[ROOFLINE_1T] = copy
+        return methods
 
     def memcpy_ranges(self, nbytes: int, src: torch.device, dst: torch.device) -> np.ndarray:
         """(address, bytes) of what ``memcpy(nbytes, src, dst)`` reads and writes (host buffers only)."""
@@ -165,7 +184,7 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
         )
     baseline = PerRequestReceiver(caches, geometry.axes)
     methods: dict[str, Callable[[], object]] = {
-        ROOFLINE: space.memcpy(point.blocks * geometry.block_bytes, space.device.device, space.device.device),
+        **space.memcpy_methods(point.blocks * geometry.block_bytes, space.device.device, space.device.device),
         BASELINE: lambda: baseline.receive(requests, remote_order=order, remote_block_size=size),
         KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
         KVHOST_FN: lambda: kvhost.receive(
@@ -185,6 +204,12 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
     here = space.device.device
     touched = np.concatenate([touched, space.memcpy_ranges(point.blocks * geometry.block_bytes, here, here)])
     return Prepared(methods, nbytes=stats.bytes_moved, verify=verify, stats={"groups": stats.groups}, touched=touched)
+
+
+def roofline_best(samples: Mapping[str, Any]) -> str | None:
+    """The faster roofline copy of a point's samples (``Sample``s, by median), or None without one."""
+    roofs = [name for name in (ROOFLINE, ROOFLINE_1T) if name in samples]
+    return min(roofs, key=lambda name: samples[name].median) if roofs else None
 
 
 def _add_single_threaded(methods: dict[str, Callable[[], object]], device: Device) -> None:
@@ -237,7 +262,7 @@ def _prepare_stage(
         return lambda: registered.copy_from(buffer, src_list, dst_list).wait()
 
     methods: dict[str, Callable[[], object]] = {
-        ROOFLINE: space.memcpy(point.blocks * geometry.block_bytes, *(devices if save else devices[::-1])),
+        **space.memcpy_methods(point.blocks * geometry.block_bytes, *(devices if save else devices[::-1])),
         BASELINE: lambda: baseline.copy(per_request),
         KVHOST: connector(host),
         KVHOST_FN: lambda: kvhost.copy_blocks(src, dst, src_list, dst_list, axes=axes).wait(),

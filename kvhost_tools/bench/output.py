@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhost_tools.bench.machine import MiB
-from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, KVHOST, KVHOST_FN, ROOFLINE
+from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, KVHOST, KVHOST_FN, ROOFLINE, ROOFLINE_1T
 from kvhost_tools.bench.targets import front_end_share, worst
 
 TABLE_COLUMNS = (
@@ -49,14 +49,17 @@ def table(rows: list[dict[str, Any]], extra_methods: Sequence[str] = ()) -> str:
 
         best = row["baseline_best"] or BASELINE
         mark = "*" if best == BASELINE_1T else ""
+        roof = row.get("roofline_best") or ROOFLINE
+        roof_mark = "*" if roof == ROOFLINE_1T else ""
+        every = "~" if row.get("every_round") else ""
 
         cells = [
             row["scenario"],
-            row["label"],
+            row["label"] + every,
             str(row["requests"]),
             str(row["blocks"]),
             f"{row['bytes'] / MiB:.0f}",
-            gbps(ROOFLINE),
+            gbps(roof) + roof_mark,
             gbps(best) + mark,
             gbps(KVHOST),
             gbps(KVHOST_FN),
@@ -67,7 +70,10 @@ def table(rows: list[dict[str, Any]], extra_methods: Sequence[str] = ()) -> str:
             f"{methods[KVHOST]['speedup']:.1f}x",
         ]
         lines.append(cells)
-    note = "baseline: the faster of torch's threads and one thread (*: one thread); speedup: baseline / kvhost"
+    note = (
+        "memcpy and baseline: the faster of torch's threads and one thread (*: one thread; memcpy on one thread is "
+        "C's memcpy); speedup: baseline / kvhost; ~: too few calls undisturbed by other processes, every round counted"
+    )
     return format_table(lines) + "\n" + note
 
 
@@ -157,12 +163,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     figure, axes_grid = plt.subplots(rows_n, columns, figsize=(12, 4.2 * rows_n), squeeze=False)
     for ax, scenario in zip(axes_grid.flat, panels):
         rows = [r for r in result["points"] if r["scenario"] == scenario["name"]]
-        methods = [m for m in rows[0]["methods"] if m != ROOFLINE] if rows else []
+        methods = [m for m in rows[0]["methods"] if m not in (ROOFLINE, ROOFLINE_1T)] if rows else []
         for method in methods:
             xs = [r["requests"] for r in rows]
             ys = [r["methods"][method]["fraction"] for r in rows]
             ax.plot(xs, ys, marker="o", label=method)
-        ax.axhline(1.0, color="black", linewidth=1, label="memcpy (roofline)")
+        ax.axhline(1.0, color="black", linewidth=1, label="memcpy (roofline: the faster copy)")
         target = scenario.get("target") or {}
         if target.get("min_fraction") is not None:
             ax.axhline(target["min_fraction"], color="grey", linestyle="--", linewidth=1, label="target")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvhost_tools.bench.machine import Device
-from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, ROOFLINE, Prepared
+from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, Prepared, roofline_best
 from kvhost_tools.bench.workloads import Point, Preset
 
 
@@ -37,6 +37,7 @@ class Measured:
 
     samples: dict[str, Sample]
     used: dict[str, list[bool]]  # per method and round: undisturbed (or every round, when too few were)
+    every_round: bool = False  # some method had too few undisturbed calls: every method counts every round
 
     def used_parts(self, name: str, parts: Sequence[float]) -> list[float]:
         """Timings of a part of ``name``'s calls, one per call in the order made (its warm-up
@@ -81,7 +82,8 @@ def measure(
 
     While some method has fewer undisturbed calls than the rounds planned, rounds go on,
     up to three times the plan. Each method's median uses its undisturbed calls when
-    there are at least half the planned number, else all of them.
+    every method has at least half the planned number of them, else every method's uses
+    all of its calls.
     """
     estimate = 0.0
     for method in methods.values():  # warm up (compile, plan caches), and time a call to plan the rounds
@@ -118,11 +120,13 @@ def measure(
         fewest = min(run - sum(disturbed(sample)) for sample in samples.values())
         if fewest >= rounds or run >= 3 * rounds or time.perf_counter() - began > 3 * preset.seconds_per_point:
             break
-    used = {}
-    for name, sample in samples.items():
-        clean = [not flag for flag in disturbed(sample)]
-        used[name] = clean if sum(clean) >= max(3, rounds // 2) else [True] * run
-    return Measured(samples, used)
+    clean = {name: [not flag for flag in disturbed(sample)] for name, sample in samples.items()}
+    if all(sum(flags) >= max(3, rounds // 2) for flags in clean.values()):
+        return Measured(samples, clean)
+    # Too few undisturbed calls of some method: every method's figures use every round
+    # (one method's clean calls against another's disturbed ones would skew their ratio),
+    # and the point says so (``Measured.every_round``).
+    return Measured(samples, {name: [True] * run for name in samples}, every_round=True)
 
 
 def run_queue_wait() -> float:
@@ -199,14 +203,17 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
     baselines = [name for name in samples if name in (BASELINE, BASELINE_1T)]
     best = min(baselines, key=lambda name: samples[name].median) if baselines else None
     row["baseline_best"] = best
+    roof = roofline_best(samples)
+    row["roofline_best"] = roof
+    row["every_round"] = measured.every_round
 
     for name, sample in samples.items():
         entry = sample_entry(measured, name, sample)
         if prepared.nbytes:
             entry["gbps"] = prepared.nbytes / sample.median / 1e9
-        if ROOFLINE in samples:
-            entry["fraction"] = samples[ROOFLINE].median / sample.median
-            entry["fraction_rounds_p25_p75"] = per_round(measured, ROOFLINE, name)
+        if roof is not None:
+            entry["fraction"] = samples[roof].median / sample.median
+            entry["fraction_rounds_p25_p75"] = per_round(measured, roof, name)
         if best is not None:
             entry["speedup"] = samples[best].median / sample.median
             entry["speedup_rounds_p25_p75"] = per_round(measured, best, name)

@@ -77,7 +77,7 @@ from kvhost.nixl import Agent, Reader, TransferPlan, plan_transfer
 from kvhost.nixl.hugepages import back_with_huge_pages
 from kvhost.testing import raw, read_tokens
 from kvhost_tools.bench.machine import Device, block_ranges
-from kvhost_tools.bench.methods import ROOFLINE, Workspace
+from kvhost_tools.bench.methods import Workspace
 from kvhost_tools.bench.sender import TIMEOUT_S, Batch, Peer, Setting
 from kvhost_tools.bench.timing import measure
 from kvhost_tools.bench.transfer_report import summarise
@@ -422,7 +422,7 @@ def measure_all(args: argparse.Namespace, setup: Setup, load_before: float) -> d
         parts["packed_read"].append(landed - sent)
 
     transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PACKED, *(bound_name(b) for b in args.bounds)]
-    methods: dict[str, Callable[[], object]] = {ROOFLINE: space.memcpy(nbytes, device.device, device.device)}
+    methods: dict[str, Callable[[], object]] = {**space.memcpy_methods(nbytes, device.device, device.device)}
     if args.huge_pages == "on":  # the roofline's memory as the caches'
         ring = space.memcpy_ranges(nbytes, device.device, device.device)
         back_with_huge_pages([(int(address), int(length)) for address, length in ring])
