@@ -95,19 +95,22 @@ class PerRequestReceiver:
             ids = request.block_ids if isinstance(request, Incoming) else request
             order = getattr(request, "remote_order", None) or remote_order
             size = getattr(request, "remote_block_size", None) or remote_block_size
+            if len(ids) == 0:
+                continue
+            # One index tensor per request, as an engine makes it, shared by every layer.
+            index = torch.tensor(list(ids), dtype=torch.int64, device=self.caches.device)
             for member in self.caches.members:
-                moved += _receive_member(member, ids, order, size)
+                moved += _receive_member(member, index, order, size)
         return moved
 
 
-def _receive_member(member: Member, ids: Ids, remote_order: str | None, remote_block_size: int | None) -> int:
+def _receive_member(
+    member: Member, index: torch.Tensor, remote_order: str | None, remote_block_size: int | None
+) -> int:
     layout = member.layout
     region = layout.region
     sizes = {a: layout.size(a) for a in region}
     view = wire_view(region, sizes, remote_order or region, remote_block_size or layout.block_size)
-    if len(ids) == 0:
-        return 0
-    index = torch.tensor(list(ids), dtype=torch.int64, device=member.tensor.device)
     physical = as_raw(member.tensor).permute([layout.axes.index(a) for a in layout.physical])
     region_shape = [sizes[a] for a in region]
     outer = [range(layout.size(a)) for a in layout.outer]
@@ -115,9 +118,9 @@ def _receive_member(member: Member, ids: Ids, remote_order: str | None, remote_b
         blocks = physical[outer_index]  # [B, *region]
         gathered = blocks.index_select(0, index)
         wire = gathered.view(-1, *view.wire_shape)
-        local = wire.permute(0, *[1 + p for p in view.perm]).reshape(len(ids), *region_shape)
+        local = wire.permute(0, *[1 + p for p in view.perm]).reshape(len(index), *region_shape)
         blocks.index_copy_(0, index, local)
-    return len(ids) * layout.outer_count * layout.region_bytes
+    return len(index) * layout.outer_count * layout.region_bytes
 
 
 class PerRequestStager:
@@ -143,17 +146,18 @@ class PerRequestStager:
         for src_ids, dst_ids in requests:
             if len(src_ids) == 0:
                 continue
+            # One pair of index tensors per request, as an engine makes them, for every layer.
+            src_index = torch.tensor(list(src_ids), dtype=torch.int64, device=self.pairs[0][0].tensor.device)
+            dst_index = torch.tensor(list(dst_ids), dtype=torch.int64, device=self.pairs[0][1].tensor.device)
             for src, dst in self.pairs:
-                moved += _stage_member(src, dst, src_ids, dst_ids)
+                moved += _stage_member(src, dst, src_index, dst_index)
         return moved
 
 
-def _stage_member(src: Member, dst: Member, src_ids: Ids, dst_ids: Ids) -> int:
+def _stage_member(src: Member, dst: Member, src_index: torch.Tensor, dst_index: torch.Tensor) -> int:
     # Both sides seen in src's shape order; one index-and-assign along B takes every other
     # letter with it (K and V together, where K is a dim).
     dest = as_raw(dst.tensor).permute([dst.layout.axes.index(a) for a in src.layout.axes])
-    src_index = torch.tensor(list(src_ids), dtype=torch.int64, device=src.tensor.device)
-    dst_index = torch.tensor(list(dst_ids), dtype=torch.int64, device=dst.tensor.device)
     b = src.layout.axes.index("B")
     dest[(slice(None),) * b + (dst_index,)] = as_raw(src.tensor)[(slice(None),) * b + (src_index,)].to(dest.device)
-    return len(src_ids) * src.layout.region_numel * src.layout.outer_count * src.layout.itemsize
+    return len(src_index) * src.layout.region_numel * src.layout.outer_count * src.layout.itemsize
