@@ -36,7 +36,7 @@ def test_env_override(monkeypatch):
     monkeypatch.setenv("KVHOST_BACKEND", "torch")
     assert kvhost.get_backend("cpu").name == "torch"
     monkeypatch.setenv("KVHOST_BACKEND", "nonesuch")
-    with pytest.raises(kvhost.BackendError, match="KVHOST_BACKEND='nonesuch' names no registered backend"):
+    with pytest.raises(kvhost.BackendError, match=r"^KVHOST_BACKEND='nonesuch' names no registered backend \([^)]*\)$"):
         kvhost.get_backend("cpu")
 
 
@@ -879,9 +879,24 @@ class HpuB(HpuA):
     assert Registry().for_device("cpu").name == "zzz-host"
 
 
-def test_a_backend_refused_at_load_is_explained_when_asked_for_by_its_own_name(probes, monkeypatch):
-    """The backend's name need not be its entry point's: asked for by either, the refusal says why."""
+def test_a_backend_refused_at_load_is_explained_when_asked_for_by_its_own_name(probes, install, monkeypatch):
+    """The backend's name need not be its entry point's: asked for by either, the refusal says
+    why. Only a class is a backend by its name: an instance's, or a name that is no str (a
+    list, which no table could be keyed by), explains nothing and breaks no lookup."""
     from kvhost.registry import Registry
+
+    source = "from kvhost_registry_probe import Low\n\n\nclass ListName(Low):\n    name = ['probe-listed']\n\n\n"
+    source += "INSTANCE = Low()\nINSTANCE.name = 'probe-instance'\n"
+    points = (
+        "[kvhost.probe-odd-names]\nlisted = kvhost_registry_odd:ListName\ninstance = kvhost_registry_odd:INSTANCE\n"
+    )
+    install("kvhost_registry_odd", source, points + "low = kvhost_registry_probe:Low\n")
+    odd = Registry("kvhost.probe-odd-names")
+    assert odd.for_device("cpu").name == "probe"
+    with pytest.raises(
+        kvhost.BackendError, match=r"^backend 'probe-instance' is not registered \(registered: probe\)$"
+    ):
+        odd.instance("probe-instance")
 
     probe = Registry("kvhost.probe-malformed")
     why = r"\(entry point 'bad-text-priority'\) kvhost_registry_probe:TextPriority: priority must be an int, got '10'"
