@@ -309,6 +309,8 @@ class PluginFailures(Recorder):
             return None
         if self.fails == "lock raises":
             return RefusingLock()
+        if self.fails == "own refusal":
+            raise kvhost.BackendError("plugin-failures: the device is being reset")
         return super().exclusive()
 
     def receive(self, job):  # type: ignore[no-untyped-def]
@@ -333,6 +335,7 @@ class RefusingLock:
         ("exclusive", r"exclusive\(\) gave no lock to hold \(nothing was moved\): OSError: lock file gone$"),
         ("no lock", r"exclusive\(\) gave no lock to hold \(nothing was moved\): AttributeError: .*__enter__"),
         ("lock raises", r"exclusive\(\) gave no lock to hold \(nothing was moved\): TimeoutError: lock busy$"),
+        ("own refusal", None),  # a KVHostError of its own goes as it is
     ],
 )
 def test_a_plugin_s_own_exception_before_any_byte_moves_is_a_backend_error_naming_it(fails, message):
@@ -352,7 +355,10 @@ def test_a_plugin_s_own_exception_before_any_byte_moves_is_a_backend_error_namin
     }
     refused = [name for name in calls if fails not in ("check_receive", "check_copy") or name in fails]
     for name in refused:
-        with pytest.raises(kvhost.BackendError, match=f"^backend 'plugin-failures': {message}"):
+        expected = (
+            f"^backend 'plugin-failures': {message}" if message else "^plugin-failures: the device is being reset$"
+        )
+        with pytest.raises(kvhost.BackendError, match=expected):
             calls[name]()
     assert backend.jobs == [] and case.same_as(wire) and not dst["l"].any()
 
