@@ -1374,3 +1374,22 @@ def test_handoff_check_fails_when_the_receive_leaves_wire_bytes(monkeypatch):
     monkeypatch.setattr(kvhost.KVHost, "receive", lambda self, *args, **kwargs: None)
     with pytest.raises(AssertionError, match="do not hold the sender's tokens"):
         handoff(torch.device("cpu"), SMALL_BATCH, repeats=1)
+
+
+def test_a_kernel_call_s_compile_warms_up_its_kernel_and_loads_it_onto_the_device():
+    """Triton's warmup compiles without launching; its kernel is loaded (``_init_handles``,
+    where Triton checks shared memory and threads) before any launch. The interpreter's
+    warmup returns nothing to load."""
+    from kvhost_accelerator.kernels import KernelCall
+
+    seen, loaded = [], []
+    compiled = types.SimpleNamespace(_init_handles=lambda: loaded.append(True))
+
+    def warmup(*args, grid, **constants):
+        seen.append((args, grid, constants))
+        return compiled
+
+    call = KernelCall(types.SimpleNamespace(warmup=warmup), (4,), (1, 2), {"TILE": 8})
+    call.compile()
+    assert seen == [((1, 2), (4,), {"TILE": 8})] and loaded == [True]
+    KernelCall(types.SimpleNamespace(warmup=lambda *a, grid, **c: None), (4,), (1,), {}).compile()
