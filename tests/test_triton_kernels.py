@@ -159,6 +159,29 @@ def test_misaligned_caches_move_narrow_words(dtype, skip, word):
     assert launch.word_bytes == word
 
 
+@pytest.mark.parametrize("limits", [None, TINY, SPLIT], ids=["default", "tiny", "split"])
+@pytest.mark.parametrize(("order", "remote"), [("NCH", 4), ("CNH", 8), ("HNC", 2)])
+@pytest.mark.parametrize("offset", [1, 2])
+def test_items_at_addresses_their_size_does_not_divide_move_as_narrower_words(offset, order, remote, limits):
+    """fp32 from imported memory at 1 or 2 bytes past a 4-byte boundary, in a transform
+    whose last dim is not kept (NCH, CNH): each item is its own run of 1- or 2-byte words.
+    The launch plan had counted the piece in items, not words, and refused the receive."""
+    count = 6 * 4 * 2 * 3
+    memory = bytearray(count * 4 + 8)
+    cache = torch.frombuffer(memory, dtype=torch.float32, count=count, offset=offset).view(6, 4, 2, 3)
+    caches = {"l": cache}  # BNHC, token-major blocks of 4 tokens
+    case = ReceiveCase(caches, "BNHC", seed=offset)
+    ids = [4, 1] if remote <= 4 else [4, 5]
+    case.send("r", ids, order, remote)
+    backend = TritonInterpretBackend(limits)
+    kvhost.receive(caches, {"r": ids}, axes="BNHC", remote_order=order, remote_block_size=remote, backend=backend)
+    case.check()
+    job = plan_receive_batch(CacheSet(caches, "BNHC"), {"r": ids}, order, remote).jobs[0]
+    launch = plan_receive_launch(job.rearrangement, members=1, outer=1, units=1, alignment=cache.data_ptr(),
+                                 limits=Limits())  # fmt: skip
+    assert launch.word_bytes == offset
+
+
 @pytest.mark.parametrize("limits", [None, TINY], ids=["default", "tiny"])
 def test_blocks_padded_to_a_stride_the_words_do_not_divide(monkeypatch, limits):
     """The conformance case of blocks 66 bytes apart with 64-byte regions: the block stride,

@@ -364,8 +364,12 @@ def plan_receive_launch(
 @lru_cache(maxsize=256)
 def _pieces(plan: Rearrangement, alignment: int, limits: Limits) -> _Pieces:
     """Words, pieces, tile and mode: worked out once per transform, alignment and device (tens of us)."""
-    shape = list(plan.src_shape)
-    keeps_run = plan.perm[-1] == len(shape) - 1  # the last dim is contiguous on both sides
+    shape, perm = list(plan.src_shape), plan.perm
+    keeps_run = perm[-1] == len(shape) - 1  # the last dim is contiguous on both sides
+    if not keeps_run and widest_word(alignment, plan.itemsize) < plan.itemsize:
+        # Items at addresses their size does not divide (imported memory) move as narrower
+        # words: each item is then a last dim of its own, kept on both sides.
+        shape, perm, keeps_run = [*shape, 1], (*perm, len(perm)), True
     run_bytes = shape[-1] * plan.itemsize if keeps_run else plan.itemsize
     word = widest_word(alignment, run_bytes, plan.region_bytes)
     if plan.unit_bytes // word > MAX_UNIT_WORDS:
@@ -376,11 +380,11 @@ def _pieces(plan: Rearrangement, alignment: int, limits: Limits) -> _Pieces:
     if keeps_run:
         shape[-1] = run_bytes // word
     common = 0
-    while common < len(shape) - 1 and plan.perm[common] == common:  # shared leading dims: independent pieces
+    while common < len(shape) - 1 and perm[common] == common:  # shared leading dims: independent pieces
         common += 1
     # Fewest pieces whose piece fits in registers; failing that, the smallest pieces (least scratch).
     for cut in range(common + 1):
-        rows = _piece_rows(shape, plan.perm, cut, keeps_run)
+        rows = _piece_rows(shape, perm, cut, keeps_run)
         # Rows start at multiples of the run (row strides are), so alignment is shared.
         align = widest_word(alignment, rows.run * word, plan.region_bytes, most=16)
         whole = Tile(next_power_of_two(rows.rows), next_power_of_two(rows.run))
