@@ -19,7 +19,6 @@ divisible by 16), so a new batch size never compiles a new kernel. Id tables sta
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -285,9 +284,9 @@ class KernelCall:
         width (``do_not_specialize``) and every other argument's value. Calls with equal keys
         launch the same compiled kernel."""
         unspecialized = set(getattr(self.kernel, "do_not_specialize", ()) or ())
-        names = getattr(self.kernel, "arg_names", ())[: len(self.args)]  # the constants follow
+        names = getattr(self.kernel, "arg_names", None) or [None] * len(self.args)
         arguments: list[Any] = []
-        for name, arg in itertools.zip_longest(names, self.args):
+        for name, arg in zip(names, self.args):  # the constants' names follow the arguments
             if isinstance(arg, torch.Tensor):
                 arguments.append((arg.dtype, arg.data_ptr() % 16 == 0))
             elif name in unspecialized and type(arg) is int:
