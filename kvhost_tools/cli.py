@@ -40,7 +40,7 @@ def info(args: argparse.Namespace) -> int:
     from kvhost.registry import registry
 
     # Chosen first, so that the table shows a backend whose constructor failed as such.
-    served = {t for row in registry.info() for t in row.device_types} - {"*", "cpu", "meta"}
+    served = {t for cls in registry.classes().values() for t in cls.device_types} - {"*", "cpu", "meta"}
     chosen: list[tuple[str, str]] = []
     unserved = 0
     for device in visible_devices(sorted(served)):
