@@ -1393,3 +1393,21 @@ def test_a_kernel_call_s_compile_warms_up_its_kernel_and_loads_it_onto_the_devic
     call.compile()
     assert seen == [((1, 2), (4,), {"TILE": 8})] and loaded == [True]
     KernelCall(types.SimpleNamespace(warmup=lambda *a, grid, **c: None), (4,), (1,), {}).compile()
+
+
+def test_a_kernel_call_without_argument_names_keys_every_argument_by_its_value():
+    """A kernel that does not name its arguments (no ``arg_names``): no argument is taken
+    for a run-time count, so every one keys by its value (tensors by dtype and alignment)."""
+    from kvhost_accelerator.kernels import KernelCall
+
+    kernel = type("Unnamed", (), {"do_not_specialize": ["n"]})()
+    aligned, shifted = torch.zeros(4, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)[1:]
+    keys = {
+        KernelCall(kernel, (1,), (table, n), {"T": 8}).compile_key() for table in (aligned, shifted) for n in (3, 4)
+    }
+    assert len(keys) == 4
+    assert KernelCall(kernel, (1,), (aligned, 3), {"T": 8}).compile_key() == (
+        kernel,
+        ((torch.int64, True), 3),
+        ("T", 8),
+    )

@@ -180,6 +180,8 @@ def test_items_at_addresses_their_size_does_not_divide_move_as_narrower_words(of
     launch = plan_receive_launch(job.rearrangement, members=1, outer=1, units=1, alignment=cache.data_ptr(),
                                  limits=Limits())  # fmt: skip
     assert launch.word_bytes == offset
+    # A kept last dim stays one run (C items); only an item the order moves alone is split.
+    assert launch.rows.run * launch.word_bytes == (3 * 4 if order == "HNC" else 4)
 
 
 @pytest.mark.parametrize("limits", [None, TINY], ids=["default", "tiny"])
