@@ -310,18 +310,21 @@ def test_the_backend_s_compile_key_separates_every_kernel_triton_compiles_apart(
 def test_the_backend_s_compile_key_follows_triton_s_specialization_of_each_argument():
     """Calls that differ in one argument: a pointer off 16 bytes, a specialized integer of
     another class (1, a multiple of 16, past 2**31) or value, a run-time count of another
-    value (one kernel) or width (another): ours equal exactly where Triton's are."""
+    value (one kernel) or width (another, at each edge of i32, i64 and u64): ours equal
+    exactly where Triton's are."""
     target = aot.gpu_target("sm_90")
     _, call = receive_call("KBNHC", 64, "HNC", 16, Limits())
     names = call.kernel.arg_names
     ids, items, stride = names.index("ids"), names.index("items"), names.index("block_stride")
     variants = [call]
-    for index, value in [(ids, int64(9)[1:]), (stride, 1), (stride, 32), (stride, 48), (stride, 24), (stride, 1 << 40),
-                         (items, 5), (items, 1), (items, 1 << 40)]:  # fmt: skip
+    edges = [(1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1, (1 << 63) - 1, 1 << 63]
+    changes = [(ids, int64(9)[1:]), *((stride, v) for v in (1, 32, 48, 24, 1 << 40))]
+    for index, value in changes + [(items, v) for v in (5, 1, 1 << 40, *edges)]:
         args = list(call.args)
         args[index] = value
         variants.append(dataclasses.replace(call, args=tuple(args)))
     for a, b in itertools.combinations(variants, 2):
         same = aot.compile_key(a, target) == aot.compile_key(b, target)
         assert (a.compile_key() == b.compile_key()) == same or (same and a.args[stride] != b.args[stride])
-    assert len({v.compile_key() for v in variants}) == 8  # items 5 and 1 as the call's; strides 32, 48 apart
+    # items 5, 1, 2**31 - 1 and -2**31 as the call's (i32); the other widths i64 (four) or u64 (2**63)
+    assert len({v.compile_key() for v in variants}) == 9
