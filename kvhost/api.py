@@ -256,9 +256,12 @@ def _check(backend: Backend, check: Callable[[_Job], None], job: _Job) -> None:
     except KVHostError:
         raise
     except Exception as err:
-        raise BackendError(
-            f"backend {backend.name!r}: {check.__name__} failed (nothing was moved): {failure(err)}"
-        ) from err
+        raise _refusal(backend, f"{check.__name__} failed", err) from err
+
+
+def _refusal(backend: Backend, what: str, err: Exception) -> BackendError:
+    """A plugin's own exception where no byte has moved yet, as the refusal it is."""
+    return BackendError(f"backend {backend.name!r}: {what} (nothing was moved): {failure(err)}")
 
 
 class _Exclusive:
@@ -279,9 +282,7 @@ class _Exclusive:
         except KVHostError:
             raise
         except Exception as err:
-            raise BackendError(
-                f"backend {self.backend.name!r}: exclusive() gave no lock to hold (nothing was moved): {failure(err)}"
-            ) from err
+            raise _refusal(self.backend, "exclusive() gave no lock to hold", err) from err
 
     def __exit__(self, *exc: Any) -> bool | None:
         return type(self.lock).__exit__(self.lock, *exc)

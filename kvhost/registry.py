@@ -217,7 +217,8 @@ class Registry:
 
 def _load_order(point: EntryPoint) -> tuple[bool, str, str]:
     """kvhost's own entry points first, then by distribution name and entry point name."""
-    return (_distribution(point) != DISTRIBUTION, _distribution(point), point.name)
+    dist = _distribution(point)
+    return (dist != DISTRIBUTION, dist, point.name)
 
 
 def _distribution(point: EntryPoint) -> str:

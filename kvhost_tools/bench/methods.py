@@ -78,11 +78,14 @@ class Workspace:
     def memcpy(self, nbytes: int, src: torch.device, dst: torch.device) -> Callable[[], None]:
         """A plain copy of ``nbytes`` from a buffer on ``src`` to one on ``dst``, in ring-sized pieces."""
         source, dest = self._ring(src, dst)
+        return self._in_pieces(nbytes, lambda count: dest[:count].copy_(source[:count]))
+
+    def _in_pieces(self, nbytes: int, copy_piece: Callable[[int], object]) -> Callable[[], None]:
+        """A copy of ``nbytes`` through the ring: ``copy_piece(count)`` copies its first ``count`` bytes."""
 
         def copy() -> None:
             for start in range(0, nbytes, self.RING):
-                count = min(self.RING, nbytes - start)
-                dest[:count].copy_(source[:count])
+                copy_piece(min(self.RING, nbytes - start))
 
         return copy
 
@@ -94,13 +97,7 @@ class Workspace:
         methods = {ROOFLINE: self.memcpy(nbytes, src, dst)}
         if src.type == dst.type == "cpu":
             source, dest = (t.numpy() for t in self._ring(src, dst))
-
-            def copy() -> None:
-                for start in range(0, nbytes, self.RING):
-                    count = min(self.RING, nbytes - start)
-                    np.copyto(dest[:count], source[:count])
-
-            methods[ROOFLINE_1T] = copy
+            methods[ROOFLINE_1T] = self._in_pieces(nbytes, lambda count: np.copyto(dest[:count], source[:count]))
         return methods
 
     def memcpy_ranges(self, nbytes: int, src: torch.device, dst: torch.device) -> np.ndarray:
@@ -206,10 +203,16 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
     return Prepared(methods, nbytes=stats.bytes_moved, verify=verify, stats={"groups": stats.groups}, touched=touched)
 
 
+def fastest(samples: Mapping[str, Any], names: Sequence[str]) -> str | None:
+    """Which of ``names`` has the least median among a point's samples (``Sample``s), or None
+    where none was timed: the roofline of the two copies, the baseline of its two ways."""
+    timed = [name for name in names if name in samples]
+    return min(timed, key=lambda name: samples[name].median) if timed else None
+
+
 def roofline_best(samples: Mapping[str, Any]) -> str | None:
-    """The faster roofline copy of a point's samples (``Sample``s, by median), or None without one."""
-    roofs = [name for name in (ROOFLINE, ROOFLINE_1T) if name in samples]
-    return min(roofs, key=lambda name: samples[name].median) if roofs else None
+    """The faster roofline copy of a point's samples, or None without one."""
+    return fastest(samples, (ROOFLINE, ROOFLINE_1T))
 
 
 def _add_single_threaded(methods: dict[str, Callable[[], object]], device: Device) -> None:

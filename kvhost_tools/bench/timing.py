@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvhost_tools.bench.machine import Device
-from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, Prepared, roofline_best
+from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, Prepared, fastest, roofline_best
 from kvhost_tools.bench.workloads import Point, Preset
 
 
@@ -200,8 +200,7 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
         **prepared.stats,
         "methods": {},
     }
-    baselines = [name for name in samples if name in (BASELINE, BASELINE_1T)]
-    best = min(baselines, key=lambda name: samples[name].median) if baselines else None
+    best = fastest(samples, (BASELINE, BASELINE_1T))
     row["baseline_best"] = best
     roof = roofline_best(samples)
     row["roofline_best"] = roof
