@@ -955,6 +955,15 @@ def test_receive_on_the_torch_path_matches_the_sender():
     assert stats.backend == "accelerator-on-cpu"
 
 
+def kernels_standing_in(call_for):
+    """The kernels module as the backend uses it for a receive: its word types, and one
+    launch per job, ``call_for(launch)`` (a stand-in that records instead of launching)."""
+    return types.SimpleNamespace(
+        TORCH_WORDS={1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
+        receive_calls=lambda launch, **tables: [call_for(launch)],
+    )
+
+
 def test_a_device_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_before_any_job_runs(monkeypatch):
     """Every job's tables and scratch are made before any job launches (kernels stood in
     for: their launches recorded): a device out of memory for the second job's scratch is
@@ -965,11 +974,10 @@ def test_a_device_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_bef
     cache = caches("KBNHC", "KBNHC", 12, 9)
     before = [raw(t).clone() for t in cache.values()]
     backend, launched, scratches = CpuStandIn(), [], []
-    backend.__dict__["kernels"] = types.SimpleNamespace(
-        TORCH_WORDS={1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
-        receive_calls=lambda launch, **tables: [
-            types.SimpleNamespace(launch=lambda: launched.append(launch), compile=lambda: None, compile_key=lambda: ())
-        ],
+    backend.__dict__["kernels"] = kernels_standing_in(
+        lambda launch: types.SimpleNamespace(
+            launch=lambda: launched.append(launch), compile=lambda: None, compile_key=lambda: ()
+        )
     )
 
     class ShortOfMemory:
@@ -1011,16 +1019,13 @@ def test_a_kernel_that_does_not_compile_for_a_later_job_refuses_the_call_before_
             raise RuntimeError("out of resource: shared memory, Required: 264192, Hardware limit: 232448\nmore")
         compiled.append(launch.parts)
 
-    backend.__dict__["kernels"] = types.SimpleNamespace(
-        TORCH_WORDS={1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
-        receive_calls=lambda launch, **tables: [
-            types.SimpleNamespace(
-                launch=lambda: launched.append(launch.parts),
-                compile=lambda: compile_call(launch),
-                compile_key=lambda: (launch.parts,),
-                kernel=types.SimpleNamespace(__name__="receive_kernel"),
-            )
-        ],
+    backend.__dict__["kernels"] = kernels_standing_in(
+        lambda launch: types.SimpleNamespace(
+            launch=lambda: launched.append(launch.parts),
+            compile=lambda: compile_call(launch),
+            compile_key=lambda: (launch.parts,),
+            kernel=types.SimpleNamespace(__name__="receive_kernel"),
+        )
     )
     requests = {"a": kvhost.Incoming([1, 2], "HNC", 16), "b": kvhost.Incoming([5], "HNC", 4)}  # two transforms
     refusal = r"cpu: the kernel receive_kernel for this receive cannot run here: RuntimeError: out of .*: 232448$"
