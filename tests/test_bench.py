@@ -155,6 +155,7 @@ def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--transfer", "--demo", "--layers 0"], "--demo '--layers 0': --layers must be in [1, "),
         (["--demo", "--bogus x"], "--demo '--bogus x': unrecognized arguments: --bogus x"),
         (["--transfer", "--demo", "--prefill-block-size 24"], "--decode-block-size 64 must divide one another"),
+        (["--quick", "--check"], "--check holds the full shapes to their targets, which --quick's tiny ones"),
         (["--png", "plot"], "--png plot: the plot is a PNG file: give a name ending in .png, such as plot.png"),
         *[(["--backend", "cuda"], "--backend 'cuda': backend 'cuda' cannot run here")][: not torch.cuda.is_available()],
     ],

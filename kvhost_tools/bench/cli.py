@@ -135,6 +135,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--requests {given!r}: give batch sizes as integers separated by commas")
         if min(args.requests) < 1:
             parser.error(f"--requests {given!r}: batch sizes must be at least 1")
+    if args.check and args.quick:  # a check that --quick's shapes would fail every time tells nothing
+        parser.error("--check holds the full shapes to their targets, which --quick's tiny ones are not set for")
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
     if args.seed < 0:  # numpy's generators take none below 0
