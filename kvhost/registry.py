@@ -51,6 +51,7 @@ class Registry:
         self._choosing: dict[tuple[str, str | None], threading.RLock] = {}
         self._starting: dict[str, threading.RLock] = {}
         self._classes: dict[str, type[Backend]] | None = None
+        self._loading = False  # the entry points are being imported (by this thread: it holds the lock)
         self._load_errors: dict[str, tuple[str, str]] = {}  # entry point name -> (its value, why)
         self._refused: dict[str, tuple[str, str]] = {}  # a refused class's backend name -> (its source, why)
         self._own: set[str] = set()  # names of kvhost's own backends (first among equal priorities)
@@ -67,49 +68,64 @@ class Registry:
         """
         with self._lock:
             if self._classes is None:
-                classes: dict[str, type[Backend]] = {}
-                kept_by: dict[str, EntryPoint] = {}  # backend name -> the entry point that holds it
-                errors: dict[str, tuple[str, str]] = {}
-                refused: dict[str, tuple[str, str]] = {}  # backend name -> (entry point, why), where it loaded
-                try:
-                    points = sorted(entry_points(group=self._group), key=_load_order)
-                except Exception as err:  # metadata no reader can parse: no backend can be known
+                if self._loading:
+                    # A plugin that looks a backend up as it is imported would see (and
+                    # choose from) a registry without itself and the plugins after it.
                     raise BackendError(
-                        f"the installed packages' {self._group!r} entry points cannot be read: {failure(err)}"
-                    ) from err
-                for point in points:
-                    # A broken plugin must not break the others: anything wrong with one entry
-                    # point is recorded against it and the loop goes on.
-                    cls: object = None
-                    try:
-                        cls = point.load()
-                        problem = _class_problem(point, cls)
-                    except KeyboardInterrupt:
-                        raise
-                    except BaseException as err:  # a plugin that calls sys.exit on import ends no one's program
-                        problem = f"failed to load: {failure(err)}"
-                    name = getattr(cls, "name", None) if isinstance(cls, type) else None
-                    if problem is None and name in kept_by:
-                        holder = kept_by[name]
-                        problem = (
-                            f"backend name {name!r} is already used by entry point {holder.name!r} "
-                            f"({holder.value}); entry point {point.name!r} ({point.value}) is not registered"
-                        )
-                    if problem is not None:
-                        errors[point.name] = (point.value, problem)
-                        if isinstance(name, str):
-                            refused.setdefault(name, (point.value, f"(entry point {point.name!r}) {problem}"))
-                        continue
-                    # Keyed by the backend's name, which need not be the entry point's.
-                    classes[name] = cls  # type: ignore[assignment,index]
-                    kept_by[name] = point  # type: ignore[index]
-                # Published whole, so a lookup never sees a registry loaded halfway.
-                self._sources = {name: point.value for name, point in kept_by.items()}
-                self._own = {name for name, point in kept_by.items() if _distribution(point) == DISTRIBUTION}
-                self._load_errors = errors
-                self._refused = {name: why for name, why in refused.items() if name not in classes}
-                self._classes = classes
+                        "a backend was looked up while kvhost imports the backends' entry points "
+                        "(from a plugin's import): look it up after the import, when one is needed"
+                    )
+                self._loading = True
+                try:
+                    self._classes = self._load()
+                finally:
+                    self._loading = False
             return self._classes
+
+    def _load(self) -> dict[str, type[Backend]]:
+        """The classes the entry points name; the tables of what failed are set with them."""
+        classes: dict[str, type[Backend]] = {}
+        kept_by: dict[str, EntryPoint] = {}  # backend name -> the entry point that holds it
+        errors: dict[str, tuple[str, str]] = {}
+        refused: dict[str, tuple[str, str]] = {}  # backend name -> (entry point, why), where it loaded
+        try:
+            points = sorted(entry_points(group=self._group), key=_load_order)
+        except Exception as err:  # metadata no reader can parse: no backend can be known
+            raise BackendError(
+                f"the installed packages' {self._group!r} entry points cannot be read: {failure(err)}"
+            ) from err
+        for point in points:
+            # A broken plugin must not break the others: anything wrong with one entry
+            # point is recorded against it and the loop goes on.
+            cls: object = None
+            try:
+                cls = point.load()
+                problem = _class_problem(point, cls)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as err:  # a plugin that calls sys.exit on import ends no one's program
+                problem = f"failed to load: {failure(err)}"
+            name = getattr(cls, "name", None) if isinstance(cls, type) else None
+            if problem is None and name in kept_by:
+                holder = kept_by[name]
+                problem = (
+                    f"backend name {name!r} is already used by entry point {holder.name!r} "
+                    f"({holder.value}); entry point {point.name!r} ({point.value}) is not registered"
+                )
+            if problem is not None:
+                errors[point.name] = (point.value, problem)
+                if isinstance(name, str):
+                    refused.setdefault(name, (point.value, f"(entry point {point.name!r}) {problem}"))
+                continue
+            # Keyed by the backend's name, which need not be the entry point's.
+            classes[name] = cls  # type: ignore[assignment,index]
+            kept_by[name] = point  # type: ignore[index]
+        # Published whole, so a lookup never sees a registry loaded halfway.
+        self._sources = {name: point.value for name, point in kept_by.items()}
+        self._own = {name for name, point in kept_by.items() if _distribution(point) == DISTRIBUTION}
+        self._load_errors = errors
+        self._refused = {name: why for name, why in refused.items() if name not in classes}
+        return classes
 
     def _why_unknown(self, name: str) -> str | None:
         """Why no backend ``name`` is registered (to follow "backend 'name' "), where an

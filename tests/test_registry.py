@@ -930,3 +930,32 @@ def test_kvhost_info_shows_a_backend_that_failed_to_start_and_a_plugin_s_devices
     assert rows["probe-broken-start"].endswith("unavailable: failed to start: RuntimeError: device runtime init failed")
     assert rows["cpu"] == "  cpu        -> probe"
     assert rows["hpu:0"] == rows["hpu:1"].replace(":1", ":0") == "  hpu:0      -> probe-device"
+
+
+def test_a_plugin_that_looks_a_backend_up_as_it_is_imported_is_refused_and_the_choice_is_kept_whole(
+    probes, install, monkeypatch
+):
+    """Looked up during the entry points' import, a registry would hold only the plugins before
+    the caller, and a choice made then (a device's best backend, cached) could miss a better one
+    loaded after. The lookup is refused with a reason the plugin's row shows; the plugin after
+    it (the higher priority) is chosen, and the next lookup loads nothing again."""
+    from kvhost import registry as registry_module
+    from kvhost.registry import Registry
+
+    source = (
+        "import kvhost\nfrom kvhost_registry_probe import Low\n\nFOUND = kvhost.get_backend('cpu')\n\n\n"
+        "class Eager(Low):\n    name, priority = 'probe-eager', 3\n"
+    )
+    install("kvhost_registry_eager", source, "[kvhost.probe-eager]\na-eager = kvhost_registry_eager:Eager\n")
+    install("kvhost_registry_later", "", "[kvhost.probe-eager]\nb-high = kvhost_registry_probe:High\n")
+    probe = Registry("kvhost.probe-eager")
+    monkeypatch.setattr(registry_module, "registry", probe)  # what kvhost.get_backend asks
+    assert kvhost.get_backend("cpu").name == "probe" and kvhost.get_backend("cpu").priority == 5
+    why = {row.name: row.unavailable for row in probe.info()}
+    assert why == {
+        "a-eager": "failed to load: BackendError: a backend was looked up while kvhost imports the backends' "
+        "entry points (from a plugin's import): look it up after the import, when one is needed",
+        "probe": None,
+    }
+    assert "kvhost_registry_eager" not in sys.modules or not hasattr(sys.modules["kvhost_registry_eager"], "Eager")
+    assert probe.classes() is probe.classes()  # loaded once: a later lookup imports nothing again
