@@ -53,6 +53,8 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         ways.UNMERGED,
         ways.KVHOST,
         ways.BATCH,
+        ways.PER_PIECE_BATCH,
+        ways.PREPPED_BATCH,
         ways.PACKED,
         "kvhost<=2KiB",
         ways.HANDOFF,
@@ -61,6 +63,8 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
         *(f"build {name}" for name in (ways.PER_PIECE, ways.PREPPED, ways.UNMERGED, ways.KVHOST)),
         *(f"plan {name}" for name in (ways.PER_PIECE, ways.PREPPED, ways.KVHOST)),
         f"build {ways.BATCH}",
+        f"build {ways.PER_PIECE_BATCH}",
+        f"build {ways.PREPPED_BATCH}",
         f"plan {ways.BATCH}",
         "span/4KiB",
         "span/layer",
@@ -72,6 +76,11 @@ def test_transfer_section_measures_every_way_side_by_side(tmp_path, capfd):
     # (two pieces of 1 KiB) lies between; NIXL joins prepared neighbours without a bound.
     pieces = section["pieces"]
     assert methods[ways.PER_PIECE]["descriptors"] == methods[ways.UNMERGED]["descriptors"] == pieces
+    # The batch's control: one transfer, as kvhost-batch, but a descriptor per piece.
+    assert methods[ways.PER_PIECE_BATCH]["descriptors"] == methods[f"build {ways.PER_PIECE_BATCH}"]["descriptors"]
+    assert methods[ways.PER_PIECE_BATCH]["descriptors"] == pieces
+    # vLLM's way batched: NIXL joins the batch's neighbouring indices, across requests too.
+    assert methods[ways.PREPPED_BATCH]["descriptors"] <= methods[ways.PREPPED]["descriptors"]
     merged = methods[ways.KVHOST]["descriptors"]
     assert methods[ways.PREPPED]["descriptors"] <= merged
     assert 0 < merged < methods["kvhost<=2KiB"]["descriptors"] < pieces
@@ -386,3 +395,18 @@ def test_a_bench_request_timed_out_under_a_frozen_sender_is_kept_until_it_lands(
         request.free()
         agent.close()
         assert agent.posted == set() and agent.uncancelled == []
+
+
+def test_nixl_s_merge_of_prepared_neighbours_is_counted_pair_by_pair():
+    """A pair joins the one before it only where both sides continue it, each in one domain
+    (a negative label joins nothing): the count the bench reports for NIXL's merge."""
+    local = np.array([[0, 4, 0], [4, 4, 0], [8, 4, 0], [20, 4, 0], [24, 4, 0], [28, 4, 0]], dtype=np.uint64)
+    remote = np.array([[100, 4, 0], [104, 4, 0], [200, 4, 0], [204, 4, 0], [208, 4, 0], [212, 4, 0]], dtype=np.uint64)
+    same = np.zeros(6, dtype=np.int64)
+    # Joins: 0-1 (both continue); 1-2 local only; 2-3 remote only; 3-4 and 4-5 both.
+    assert ways.neighbours_joined(local, remote, same, same) == 3
+    assert ways.neighbours_joined(local, remote, np.array([0, 0, 0, 0, 1, 1]), same) == 4
+    assert ways.neighbours_joined(local, remote, same, np.array([0, -1, 0, 0, 0, 0])) == 4
+    assert ways.neighbours_joined(local, remote, -np.ones(6, dtype=np.int64), same) == 6
+    assert ways.neighbours_joined(local[:1], remote[:1], same[:1], same[:1]) == 1
+    assert ways.neighbours_joined(local[:0], remote[:0], same[:0], same[:0]) == 0

@@ -29,6 +29,11 @@ order per round, medians over rounds (``timing.measure``):
 - ``kvhost-batch``: the same descriptors, the whole batch planned at once
   (``TransferPlan.merged_batch``) and read as one transfer (``Reader.read_batch``): what a
   decode step that takes every request ready from one peer together posts;
+- ``per-piece-batch``: the control of ``kvhost-batch``: the whole batch as one transfer, but
+  one descriptor per piece, as ``per-piece`` posts them: what posting the batch at once
+  gains without merging, and so what merging adds to it; ``per-piece-prepped-batch``: the
+  prepared lists' indices of the whole batch as one transfer (vLLM's way, batched), which
+  NIXL merges within each request as kvhost does: what kvhost's merge adds to the batch;
 - ``hand-off``: ``kvhost-batch``'s transfer, then one ``kvhost.receive`` of the batch (a
   ``KVHost`` registered once): everything on the critical path from the first read to
   blocks attention can read;
@@ -89,7 +94,9 @@ from kvhost_tools.bench.ways import (
     LAYERED,
     PACKED,
     PER_PIECE,
+    PER_PIECE_BATCH,
     PREPPED,
+    PREPPED_BATCH,
     UNMERGED,
     Batched,
     Prepared,
@@ -169,7 +176,11 @@ class Setup:
 
         def build() -> None:
             if isinstance(reader, Batched):
-                self.request(reader.reader.batch_descriptors(reader.pairs), reader.peer).release()
+                inner = reader.reader
+                if isinstance(inner, Prepared):
+                    inner.make_batch(reader.pairs).release()
+                else:
+                    self.request(inner.batch_descriptors(reader.pairs), reader.peer).release()
                 return
             for local_ids, remote_ids in pairs:
                 make(local_ids, remote_ids).release()
@@ -189,10 +200,11 @@ class Setup:
         pairs = self.batch.pairs()
 
         def plan() -> None:
-            if isinstance(reader, Batched):
-                reader.reader.batch_descriptors(reader.pairs)
+            inner = reader.reader if isinstance(reader, Batched) else reader
+            if isinstance(reader, Batched) and isinstance(inner, Reader):
+                inner.batch_descriptors(reader.pairs)
                 return
-            rows = reader.indices if isinstance(reader, Prepared) else reader.descriptors
+            rows = inner.indices if isinstance(inner, Prepared) else inner.descriptors
             for local_ids, remote_ids in pairs:
                 rows(local_ids, remote_ids)
 
@@ -224,23 +236,14 @@ class Setup:
     def descriptors(self, name: str) -> int:
         """Descriptors the transport is handed for the whole batch. For the prepared way as
         NIXL merges it: neighbouring indices joined where they continue one another in one
-        registered region on both sides, without a bound (kvhost's rule, unbounded)."""
+        registered region on both sides, without a bound (``ways.neighbours_joined``)."""
         reader, batch = self.readers[name], self.batch
-        if isinstance(reader, Prepared) and reader.nixl_merges:
-            merged = self.readers[KVHOST]
-            return sum(
-                self.plan.merged_pairs(
-                    lo,
-                    re,
-                    max_bytes=1 << 62,
-                    local_domains=merged.local_domains,
-                    remote_domains=merged.remote_domains,
-                )[0].shape[0]
-                for lo, re in zip(batch.local_ids, batch.remote_ids)
-            )
-        if isinstance(reader, Prepared):
-            return sum(len(reader.indices(lo, re)[0]) for lo, re in zip(batch.local_ids, batch.remote_ids))
-        if isinstance(reader, Batched):
+        domains = self.readers[KVHOST].local_domains, self.readers[KVHOST].remote_domains
+        if isinstance(reader, Batched) and isinstance(reader.reader, Prepared):
+            return reader.reader.posted(reader.pairs, *domains)
+        if isinstance(reader, Prepared):  # a transfer per request
+            return sum(reader.posted([pair], *domains) for pair in batch.pairs())
+        if isinstance(reader, Batched) and isinstance(reader.reader, Reader):
             return int(reader.reader.batch_descriptors(reader.pairs)[0].shape[0])
         return sum(reader.descriptors(lo, re)[0].shape[0] for lo, re in zip(batch.local_ids, batch.remote_ids))
 
@@ -267,6 +270,8 @@ def connect(args: argparse.Namespace) -> Setup:
         setup.readers[UNMERGED] = Prepared(agent, plan, name, nixl_merges=False)
         setup.readers[KVHOST] = agent.reader(plan, name)
         setup.readers[BATCH] = Batched(setup.readers[KVHOST], batch.pairs())
+        setup.readers[PER_PIECE_BATCH] = Batched(setup.readers[PER_PIECE], batch.pairs())
+        setup.readers[PREPPED_BATCH] = Batched(setup.readers[PREPPED], batch.pairs())
         assert peer.pack_table is not None
         packed = agent.reader(plan_transfer(local_table, peer.pack_table), name)
         setup.readers[PACKED] = Batched(packed, batch.packed_pairs(), first=peer.pack)
@@ -281,7 +286,8 @@ def verify(setup: Setup, inflight: int) -> None:
     the sender's tokens, bit for bit; blocks no request names keep the sentinel."""
     axes = setup.batch.setting.axes
     local_set = CacheSet(setup.local, axes)
-    ways = [setup.transfer(name, inflight) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PACKED)]
+    names = (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PER_PIECE_BATCH, PREPPED_BATCH, PACKED)
+    ways = [setup.transfer(name, inflight) for name in names]
     same_landing(setup.local, ways)
     post_process(setup)
     truth = CacheSet(setup.batch.sender_caches(), axes)
@@ -421,7 +427,8 @@ def measure_all(args: argparse.Namespace, setup: Setup, load_before: float) -> d
         parts["pack"].append(sent - started)
         parts["packed_read"].append(landed - sent)
 
-    transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PACKED, *(bound_name(b) for b in args.bounds)]
+    transfers = [PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PER_PIECE_BATCH, PREPPED_BATCH, PACKED]
+    transfers += [bound_name(b) for b in args.bounds]
     methods: dict[str, Callable[[], object]] = {**space.memcpy_methods(nbytes, device.device, device.device)}
     if args.huge_pages == "on":  # the roofline's memory as the caches'
         ring = space.memcpy_ranges(nbytes, device.device, device.device)
@@ -430,7 +437,8 @@ def measure_all(args: argparse.Namespace, setup: Setup, load_before: float) -> d
     methods[HANDOFF] = handoff
     methods[HANDOFF_PACKED] = handoff_packed
     methods[LAYERED] = layered(setup, host, parts["tail"])
-    methods |= {f"build {name}": setup.build(name) for name in (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH)}
+    built = (PER_PIECE, PREPPED, UNMERGED, KVHOST, BATCH, PER_PIECE_BATCH, PREPPED_BATCH)
+    methods |= {f"build {name}": setup.build(name) for name in built}
     methods |= {f"plan {name}": setup.plan_only(name) for name in (PER_PIECE, PREPPED, KVHOST, BATCH)}
     spans = {span_name(size): setup.span(size, nbytes) for size in args.sweep}
     setup.requests += spans.values()

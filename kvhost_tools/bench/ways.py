@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from kvhost_tools.bench.sender import Batch
 
 PER_PIECE = "per-piece"
+PER_PIECE_BATCH = "per-piece-batch"
 PREPPED = "per-piece-prepped"
+PREPPED_BATCH = "per-piece-prepped-batch"
 UNMERGED = "per-piece-prepped-unmerged"
 KVHOST = "kvhost"
 BATCH = "kvhost-batch"
@@ -39,13 +41,13 @@ Pair = tuple[Sequence[int], Sequence[int]]  # a request's local ids and remote i
 
 
 class Batched:
-    """kvhost's reader, posting the whole batch (``pairs``) as one transfer
-    (``Reader.read_batch``); ``first``, when given, runs before each transfer is made (the
-    sender packing the batch's blocks, for ``kvhost-packed``)."""
+    """A reader posting the whole batch (``pairs``) as one transfer (``read_batch``): kvhost's
+    ``Reader``, or the prepared lists (``Prepared``); ``first``, when given, runs before each
+    transfer is made (the sender packing the batch's blocks, for ``kvhost-packed``)."""
 
     def __init__(
         self,
-        reader: Reader,
+        reader: Reader | Prepared,
         pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
         first: Callable[[], object] | None = None,
     ) -> None:
@@ -72,12 +74,10 @@ class Prepared:
         self.agent, self.nixl, self.plan, self.peer = agent, agent.nixl, plan, peer
         self.nixl_merges = nixl_merges
         remote_streams = [plan.remote.streams[i] for i in plan.remote_streams]
-        self.local = self.nixl.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _every_piece(plan.local, plan.local.streams, plan), plan.local.memory
-        )
-        self.remote = self.nixl.prep_xfer_dlist(
-            peer, _every_piece(plan.remote, remote_streams, plan), plan.remote.memory
-        )
+        self.local_rows = _every_piece(plan.local, plan.local.streams, plan)
+        self.remote_rows = _every_piece(plan.remote, remote_streams, plan)
+        self.local = self.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", self.local_rows, plan.local.memory)
+        self.remote = self.nixl.prep_xfer_dlist(peer, self.remote_rows, plan.remote.memory)
 
     def indices(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Indices of a request's pieces in the prepared lists, in ``descriptor_pairs``' order."""
@@ -94,23 +94,68 @@ class Prepared:
             out.append((streams + within[None, :]).reshape(-1).astype(np.int32))
         return out[0], out[1]
 
+    def batch_indices(self, pairs: Sequence[Pair]) -> tuple[np.ndarray, np.ndarray]:
+        """``indices`` of the requests, request after request."""
+        indices = [self.indices(local_ids, remote_ids) for local_ids, remote_ids in pairs]
+        local, remote = (np.concatenate(side) for side in zip(*indices))
+        return local, remote
+
+    def posted(self, pairs: Sequence[Pair], local_domains: np.ndarray, remote_domains: np.ndarray) -> int:
+        """Descriptors ``make_batch(pairs)`` hands the transport: one per piece, or, where NIXL
+        merges, what its joins of neighbouring indices leave (NIXL does not report the count).
+        ``local_domains``/``remote_domains`` label the plan's streams as ``Reader`` does."""
+        local, remote = self.batch_indices(pairs)
+        if not self.nixl_merges:
+            return int(local.size)
+        plan = self.plan
+        local_labels = local_domains[local // (plan.local.num_blocks * plan.local_parts)]
+        partners = np.asarray(plan.remote_streams, dtype=np.int64)
+        remote_labels = remote_domains[partners[remote // (plan.remote.num_blocks * plan.remote_parts)]]
+        return neighbours_joined(self.local_rows[local], self.remote_rows[remote], local_labels, remote_labels)
+
     def make(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> Any:
-        local, remote = self.indices(local_ids, remote_ids)
+        return self.make_batch([(local_ids, remote_ids)])
+
+    def make_batch(self, pairs: Sequence[Pair]) -> Any:
+        """One transfer of the requests' pieces, request after request (what one request's
+        transfer posts, for each in turn): NIXL joins neighbours within a request as it
+        would in that request's own transfer."""
+        local, remote = self.batch_indices(pairs)
         return self.nixl.make_prepped_xfer(
             "READ", self.local, local, self.remote, remote, skip_desc_merge=not self.nixl_merges
         )
 
     def read(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> Transfer:
-        handle = self.make(local_ids, remote_ids)
-        pieces = len(remote_ids) * self.plan.remote_parts * len(self.plan.local.streams)
-        nbytes = self.plan.bytes_for(len(remote_ids))
-        return Transfer.post(Link(self.agent, self.peer), handle, nbytes, "READ", descriptors=pieces)
+        return self.read_batch([(local_ids, remote_ids)])
+
+    def read_batch(self, pairs: Sequence[Pair]) -> Transfer:
+        handle = self.make_batch(pairs)
+        blocks = sum(len(remote_ids) for _, remote_ids in pairs)
+        pieces = blocks * self.plan.remote_parts * len(self.plan.local.streams)
+        link = Link(self.agent, self.peer)
+        return Transfer.post(link, handle, self.plan.bytes_for(blocks), "READ", descriptors=pieces)
 
     def close(self) -> None:
         """Free both prepared lists, unless a transfer of the agent may still be using them."""
         if not self.agent.in_flight():
             self.local.release()
             self.remote.release()
+
+
+def neighbours_joined(
+    local: np.ndarray, remote: np.ndarray, local_labels: np.ndarray, remote_labels: np.ndarray
+) -> int:
+    """Descriptors left of the rows ``local``/``remote`` (address, length, device; pair by pair)
+    once each pair is joined to the one before it where both sides start where that one ends,
+    in one merge domain on each side (labels; a negative one joins nothing): NIXL's merge of a
+    prepared transfer's neighbouring indices, which has no bound."""
+    if local.shape[0] == 0:
+        return 0
+    continues = np.ones(local.shape[0] - 1, dtype=bool)
+    for rows, labels in ((local, local_labels), (remote, remote_labels)):
+        continues &= rows[1:, 0] == rows[:-1, 0] + rows[:-1, 1]
+        continues &= (labels[1:] == labels[:-1]) & (labels[1:] >= 0)
+    return int(local.shape[0] - continues.sum())
 
 
 def _every_piece(table: RegionTable, streams: Sequence[Any], plan: TransferPlan) -> np.ndarray:
