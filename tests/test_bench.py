@@ -19,7 +19,7 @@ import kvhost
 from kvhost.testing import ReceiveCase, fill_random, make_cache, raw
 from kvhost_tools.bench import cli, footprint, machine, output, targets, timing, workloads
 from kvhost_tools.bench.baseline import PerRequestReceiver, PerRequestStager, wire_view
-from kvhost_tools.bench.methods import BASELINE, KVHOST, KVHOST_FN, ROOFLINE, ROOFLINE_1T
+from kvhost_tools.bench.methods import BASELINE, IN_PLACE, IN_PLACE_1T, KVHOST, KVHOST_FN, ROOFLINE, ROOFLINE_1T
 from kvhost_tools.bench.output import ROUNDING_TOLERANCE
 
 TARGET_SCENARIOS = {"receive-r4", "receive-g4", "stage-runs", "stage-scattered", "identity", "front-end"}
@@ -50,6 +50,13 @@ def test_quick_bench_writes_json_png_and_table(tmp_path, capfd):
         assert roof["median_s"] == min(methods[name]["median_s"] for name in (ROOFLINE, ROOFLINE_1T))
         assert roof["fraction"] == pytest.approx(1.0) and methods[ROOFLINE]["fraction"] <= 1.0
         assert methods[KVHOST]["fraction"] == pytest.approx(roof["median_s"] / methods[KVHOST]["median_s"], rel=1e-3)
+        # A receive is also held to its own floor: its bytes rewritten where they lie.
+        receive = row["kind"] == "receive"
+        assert (IN_PLACE in methods) is receive and ("in_place" in methods[KVHOST]) is receive
+        if receive:
+            floor = min(methods[name]["median_s"] for name in (IN_PLACE, IN_PLACE_1T))
+            assert methods[row["in_place_best"]]["median_s"] == floor
+            assert methods[KVHOST]["in_place"] == pytest.approx(floor / methods[KVHOST]["median_s"], rel=1e-3)
         for entry in methods.values():
             assert len(entry["samples_s"]) == len(entry["run_queue_wait_s"]) == len(entry["used"]) == row["rounds_run"]
             used = [t for t, keep in zip(entry["samples_s"], entry["used"]) if keep]

@@ -19,6 +19,8 @@ from kvhost_tools.bench.workloads import Geometry, Point, allocator_ids
 
 ROOFLINE = "memcpy"
 ROOFLINE_1T = "memcpy-1t"
+IN_PLACE = "in-place"
+IN_PLACE_1T = "in-place-1t"
 BASELINE = "baseline"
 BASELINE_1T = "baseline-1t"
 KVHOST = "kvhost"
@@ -26,6 +28,9 @@ KVHOST_FN = "kvhost-fn"
 METHODS = {
     ROOFLINE: "a plain copy of the same bytes between two buffers, torch's copy_ on its threads",
     ROOFLINE_1T: "the same copy by C's memcpy on one thread (host to host); the roofline is the faster of the two",
+    IN_PLACE: "a receive's own floor: the same bytes rewritten where they lie, in one pass (torch's add_ of 0 on "
+    "its threads), as an in-place receive reads and writes every byte in place; kvhost's share of it is in_place",
+    IN_PLACE_1T: "the same pass by numpy on one thread (host only); a receive's floor is the faster of the two",
     BASELINE: "per request, per layer, per K/V half: gather -> permute copy -> scatter (staging: index, assign)",
     BASELINE_1T: "the baseline with torch on one thread (its small ops gain nothing from waking a second one)",
     KVHOST: "kvhost.KVHost registered once: .receive / .copy_to / .copy_from",
@@ -79,6 +84,19 @@ class Workspace:
         """A plain copy of ``nbytes`` from a buffer on ``src`` to one on ``dst``, in ring-sized pieces."""
         source, dest = self._ring(src, dst)
         return self._in_pieces(nbytes, lambda count: dest[:count].copy_(source[:count]))
+
+    def in_place_methods(self, nbytes: int, device: torch.device) -> dict[str, Callable[[], None]]:
+        """``nbytes`` of a buffer on ``device`` read and written back where they lie, in ring-sized
+        pieces: the least an in-place rewrite of that many bytes costs (half a copy's footprint).
+        By torch on its threads and, on the host, by numpy on one (``in_place_best``)."""
+        _, buffer = self._ring(device, device)
+        methods = {IN_PLACE: self._in_pieces(nbytes, lambda count: buffer[:count].add_(0))}
+        if device.type == "cpu":
+            array = buffer.numpy()
+            methods[IN_PLACE_1T] = self._in_pieces(
+                nbytes, lambda count: np.bitwise_or(array[:count], 0, out=array[:count])
+            )
+        return methods
 
     def _in_pieces(self, nbytes: int, copy_piece: Callable[[int], object]) -> Callable[[], None]:
         """A copy of ``nbytes`` through the ring: ``copy_piece(count)`` copies its first ``count`` bytes."""
@@ -180,8 +198,10 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
             touched=touched,
         )
     baseline = PerRequestReceiver(caches, geometry.axes)
+    here = space.device.device
     methods: dict[str, Callable[[], object]] = {
-        **space.memcpy_methods(point.blocks * geometry.block_bytes, space.device.device, space.device.device),
+        **space.memcpy_methods(point.blocks * geometry.block_bytes, here, here),
+        **space.in_place_methods(point.blocks * geometry.block_bytes, here),
         BASELINE: lambda: baseline.receive(requests, remote_order=order, remote_block_size=size),
         KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
         KVHOST_FN: lambda: kvhost.receive(
@@ -198,7 +218,6 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
             caches, geometry.axes, ids, methods[BASELINE], [methods[KVHOST], methods[KVHOST_FN]], seed=seed
         )
 
-    here = space.device.device
     touched = np.concatenate([touched, space.memcpy_ranges(point.blocks * geometry.block_bytes, here, here)])
     return Prepared(methods, nbytes=stats.bytes_moved, verify=verify, stats={"groups": stats.groups}, touched=touched)
 
@@ -213,6 +232,11 @@ def fastest(samples: Mapping[str, Any], names: Sequence[str]) -> str | None:
 def roofline_best(samples: Mapping[str, Any]) -> str | None:
     """The faster roofline copy of a point's samples, or None without one."""
     return fastest(samples, (ROOFLINE, ROOFLINE_1T))
+
+
+def in_place_best(samples: Mapping[str, Any]) -> str | None:
+    """The faster in-place pass of a receive's samples, or None where there is none."""
+    return fastest(samples, (IN_PLACE, IN_PLACE_1T))
 
 
 def _add_single_threaded(methods: dict[str, Callable[[], object]], device: Device) -> None:

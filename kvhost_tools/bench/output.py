@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from kvhost_tools.bench.machine import MiB
-from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, KVHOST, KVHOST_FN, ROOFLINE, ROOFLINE_1T
+from kvhost_tools.bench.methods import (
+    BASELINE,
+    BASELINE_1T,
+    IN_PLACE_1T,
+    KVHOST,
+    KVHOST_FN,
+    ROOFLINE,
+    ROOFLINE_1T,
+)
 from kvhost_tools.bench.targets import front_end_share, worst
 
 TABLE_COLUMNS = (
@@ -26,6 +34,7 @@ TABLE_COLUMNS = (
     "baseline/roof",
     "kvhost/roof",
     "kvhost-fn/roof",
+    "kvhost/in-place",
     "speedup",
 )
 
@@ -34,7 +43,7 @@ def table(rows: list[dict[str, Any]], extra_methods: Sequence[str] = ()) -> str:
     """The side-by-side table of every point with a roofline: GB/s, fraction of memcpy, speedup."""
     columns = list(TABLE_COLUMNS)
     for name in extra_methods:
-        columns.insert(-1, f"{name}/roof")
+        columns.insert(-2, f"{name}/roof")
     lines = [columns]
     for row in rows:
         methods = row["methods"]
@@ -67,12 +76,14 @@ def table(rows: list[dict[str, Any]], extra_methods: Sequence[str] = ()) -> str:
             frac(KVHOST),
             frac(KVHOST_FN),
             *[frac(name) for name in extra_methods],
+            f"{methods[KVHOST]['in_place']:.2f}" if "in_place" in methods[KVHOST] else "-",
             f"{methods[KVHOST]['speedup']:.1f}x",
         ]
         lines.append(cells)
     note = (
         "memcpy and baseline: the faster of torch's threads and one thread (*: one thread; memcpy on one thread is "
-        "C's memcpy); speedup: baseline / kvhost; ~: too few calls undisturbed by other processes, every round counted"
+        "C's memcpy); in-place: a receive's bytes rewritten where they lie, its own floor (receives only); "
+        "speedup: baseline / kvhost; ~: too few calls undisturbed by other processes, every round counted"
     )
     return format_table(lines) + "\n" + note
 
@@ -163,7 +174,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     figure, axes_grid = plt.subplots(rows_n, columns, figsize=(12, 4.2 * rows_n), squeeze=False)
     for ax, scenario in zip(axes_grid.flat, panels):
         rows = [r for r in result["points"] if r["scenario"] == scenario["name"]]
-        methods = [m for m in rows[0]["methods"] if m not in (ROOFLINE, ROOFLINE_1T)] if rows else []
+        methods = [m for m in rows[0]["methods"] if m not in (ROOFLINE, ROOFLINE_1T, IN_PLACE_1T)] if rows else []
         for method in methods:
             xs = [r["requests"] for r in rows]
             ys = [r["methods"][method]["fraction"] for r in rows]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvhost_tools.bench.machine import Device
-from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, Prepared, fastest, roofline_best
+from kvhost_tools.bench.methods import BASELINE, BASELINE_1T, Prepared, fastest, in_place_best, roofline_best
 from kvhost_tools.bench.workloads import Point, Preset
 
 
@@ -205,6 +205,8 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
     roof = roofline_best(samples)
     row["roofline_best"] = roof
     row["every_round"] = measured.every_round
+    floor = in_place_best(samples)
+    row["in_place_best"] = floor
 
     for name, sample in samples.items():
         entry = sample_entry(measured, name, sample)
@@ -213,6 +215,8 @@ def summarise(point: Point, prepared: Prepared, measured: Measured) -> dict[str,
         if roof is not None:
             entry["fraction"] = samples[roof].median / sample.median
             entry["fraction_rounds_p25_p75"] = per_round(measured, roof, name)
+        if floor is not None:  # a receive: its own floor beside the copy's
+            entry["in_place"] = samples[floor].median / sample.median
         if best is not None:
             entry["speedup"] = samples[best].median / sample.median
             entry["speedup_rounds_p25_p75"] = per_round(measured, best, name)
