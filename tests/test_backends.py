@@ -795,17 +795,74 @@ def test_the_receive_scratch_is_kept_grown_and_let_go():
     first = scratch.rows(2, 100)
     assert first.shape == (2, 100) and first.dtype == np.uint8
     assert scratch.rows(2, 100) is first  # fits exactly: kept
-    assert scratch.rows(1, 10) is first  # needs less, but not much memory: kept
+    assert scratch.rows(1, 10) is first  # needs less: kept
     assert scratch.rows(4, 100).shape == (4, 100)  # more threads: grown
-    assert scratch.rows(4, 300).shape == (4, 300)  # longer rows: grown
-    # Up to 64 MiB is kept whatever a call needs; beyond, kept while a call needs a quarter.
-    kept = scratch.rows(1, 64 * mib)
-    assert scratch.rows(1, 10) is kept
-    over = scratch.rows(1, 64 * mib + 1)
+    assert scratch.rows(2, 300).shape == (4, 300)  # longer rows: grown, the rows it had kept
+    # While calls are under way it only grows: what a call reserved before its first job
+    # is there for its last, whatever another call under way asks for in between.
+    scratch = _Scratch()
+    with scratch.call():
+        big = scratch.rows(2, 50 * mib)  # 100 MiB
+        with scratch.call():
+            assert scratch.rows(1, 10) is big
+        assert scratch.rows(1, 10) is big  # the other call ended; this one is still under way
+    assert scratch.rows(1, 10) is big  # the calls needed all of it: kept
+    # The last call under way to end lets go of a buffer over 64 MiB and over 4 times what
+    # the calls needed.
+    with scratch.call():
+        scratch.rows(2, 50 * mib // 4)  # 4 x 2 x 12.5 MiB = 100 MiB: kept
+    assert scratch.rows(1, 1) is big
+    with scratch.call():
+        scratch.rows(2, 50 * mib // 4 - 1)
+    assert scratch.rows(1, 1).shape == (1, 1)  # just under a quarter: let go, made anew as asked
+    scratch = _Scratch()
+    with scratch.call():
+        kept = scratch.rows(1, 64 * mib)
+    with scratch.call():
+        scratch.rows(1, 10)
+    assert scratch.rows(1, 10) is kept  # up to 64 MiB is kept whatever the calls needed
+    with scratch.call():
+        over = scratch.rows(1, 64 * mib + 1)
+    with scratch.call():
+        scratch.rows(1, 10)
     assert scratch.rows(1, 10) is not over
-    big = scratch.rows(2, 50 * mib)  # 100 MiB
-    assert scratch.rows(2, 50 * mib // 4) is big  # 4 x 2 x 12.5 MiB = 100 MiB: kept
-    assert scratch.rows(2, 50 * mib // 4 - 1).shape == (2, 50 * mib // 4 - 1)  # just under: let go
+
+
+def test_a_machine_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_before_any_job_runs(monkeypatch):
+    """Every job's scratch is reserved before any job runs: no room for the second job's
+    (2 x 1 MiB) is a BackendError with no byte written. It had left the first job rearranged
+    in place, and a MemoryError, not a KVHostError; a second try rearranged it again."""
+    import kvhost_cpu.backend as cpu
+
+    monkeypatch.setattr(cpu, "_scratch", cpu._Scratch())
+    caches = {"l0": make_cache("BNHC", "BNHC", dict(B=16, N=256, H=16, C=128), torch.bfloat16)}
+    case = ReceiveCase(caches, "BNHC")
+    case.send("a", [0, 1], "HNC", 64)  # r = 4: pieces of 256 KiB
+    case.send("b", [2, 3], "HNC", 256)  # pieces of 1 MiB
+    requests = {
+        name: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size) for name, w in case.requests.items()
+    }
+    saved, asked = case.snapshot(), []
+
+    class ShortOfMemory:
+        """numpy, whose ``empty`` finds no room for more than 1.5 MiB."""
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def empty(self, shape, dtype=float):
+            asked.append(shape)
+            if np.prod(shape) > 1.5 * (1 << 20):
+                raise MemoryError(f"Unable to allocate an array with shape {shape}")
+            return np.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(cpu, "np", ShortOfMemory())
+    with pytest.raises(kvhost.BackendError, match=r"no memory for a receive's scratch of \d+ x [\d,]+ bytes .*nothing"):
+        kvhost.receive(caches, requests, axes="BNHC", backend="cpu")
+    assert len(asked) == 2 and case.same_as(saved)
+    monkeypatch.setattr(cpu, "np", np)
+    kvhost.receive(caches, requests, axes="BNHC", backend="cpu")
+    case.check()
 
 
 def test_jobs_under_1_mib_run_on_the_calling_thread(monkeypatch):
@@ -837,12 +894,13 @@ def test_each_launch_is_sized_by_the_bytes_it_moves(monkeypatch):
     two = host.receive({"a": [1, 2]}, remote_order="HNC", remote_block_size=4)
     five = host.receive({"a": [3, 4, 5], "b": [6, 0]}, remote_order="HNC", remote_block_size=4)
     assert two.bytes_moved == 2 * 2 * 2 * (8 * 2 * 4 * 2)  # blocks x layers x K/V x block bytes
-    assert asked == [("rearrange_units", two.bytes_moved), ("rearrange_units", five.bytes_moved)]
+    # Each asked twice: the check that reserves the scratch before any job runs, then the launch.
+    assert asked == [("rearrange_units", two.bytes_moved)] * 2 + [("rearrange_units", five.bytes_moved)] * 2
     assert five.bytes_moved == two.bytes_moved * 5 // 2
     buffer = {name: torch.zeros_like(t) for name, t in caches.items()}
     saved = host.copy_to(buffer, [1, 2, 7], [0, 1, 2]).wait()
     assert saved.bytes_moved == 3 * 2 * 2 * (8 * 2 * 4 * 2)
-    assert asked[2:] == [("copy_runs", saved.bytes_moved)]
+    assert asked[4:] == [("copy_runs", saved.bytes_moved)]
 
 
 def test_copy_work_items_hold_at_most_2_mib_of_blocks_and_at_least_one_block():

@@ -8,7 +8,10 @@ use, not with kvhost.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -16,7 +19,7 @@ import numpy as np
 
 from kvhost.backend import Backend, Completion, OptionalKernels, check_sizes
 from kvhost.batch import CopyJob, ReceiveJob
-from kvhost.errors import ArgumentError
+from kvhost.errors import ArgumentError, BackendError
 from kvhost.torch_backend import TorchBackend
 from kvhost.transform import ChunkCycles, CopyPlan, Loops
 
@@ -78,10 +81,26 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         return "numba kernels" if KERNELS.module is not None else f"torch ops (numba unavailable: {KERNELS.reason})"
 
+    def exclusive(self) -> AbstractContextManager[object]:
+        return _scratch.call()  # the scratch a call reserved stays until its last job has run
+
+    def check_receive(self, job: ReceiveJob) -> None:
+        """Reserve the job's scratch before any job of the call runs: a machine without room
+        for it refuses the call with nothing written, not after earlier jobs rearranged theirs."""
+        launch = self._receive_launch_of(job)
+        if not isinstance(launch, _ReceiveLaunch):
+            return
+        _, threads = launch.kernels.launcher("rearrange_units", job.unit_ids.shape[0] * launch.unit_bytes)
+        try:
+            _scratch.rows(threads, launch.scratch_bytes)
+        except MemoryError as err:
+            raise BackendError(
+                f"no memory for a receive's scratch of {threads} x {launch.scratch_bytes:,} bytes "
+                f"({job.group.unit_bytes:,}-byte units; nothing was moved): {err}"
+            ) from err
+
     def receive(self, job: ReceiveJob) -> None:
-        launch = job.group.derived.get(self._derived)
-        if launch is None:
-            launch = job.group.derived[self._derived] = self._receive_launch(job)
+        launch = self._receive_launch_of(job)
         if not isinstance(launch, _ReceiveLaunch):  # the kernels need numba and host addresses
             return self.torch_path.receive(job)
         kernel, threads = launch.kernels.launcher("rearrange_units", job.unit_ids.shape[0] * launch.unit_bytes)
@@ -89,6 +108,12 @@ class CpuBackend(Backend):
             scratch = _scratch.rows(threads, launch.scratch_bytes)
             kernel(launch.addresses, launch.outer, job.unit_ids, launch.params, *launch.cycles, scratch, threads)
         return None
+
+    def _receive_launch_of(self, job: ReceiveJob) -> _ReceiveLaunch | bool:
+        launch = job.group.derived.get(self._derived)
+        if launch is None:
+            launch = job.group.derived[self._derived] = self._receive_launch(job)
+        return launch  # type: ignore[return-value]
 
     def _receive_launch(self, job: ReceiveJob) -> _ReceiveLaunch | bool:
         kernels = KERNELS.module
@@ -174,25 +199,46 @@ class _CopyLaunch:
 class _Scratch:
     """The receive kernels' scratch: one row per thread, owned here for the whole call.
 
-    Kept between calls (launches are serialised by ``_launch``), so that a steady stream
-    of calls does not fault in fresh pages each time; grown when a call needs more, and
-    let go when one needs much less, so a single huge piece does not pin memory for ever.
+    Reserved before a call's first job runs (``CpuBackend.check_receive``) and only grown
+    while calls are under way (``call``), so no job of a call meets an allocation that can
+    fail. Kept between calls (launches are serialised by ``_launch``), so that a steady
+    stream of calls does not fault in fresh pages each time; let go when the last call under
+    way ends having needed much less, so a single huge piece does not pin memory for ever.
     """
 
     KEEP_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self._buffer = np.empty((0, 0), dtype=np.uint8)
+        self._lock = threading.Lock()
+        self._calls = 0  # calls under way
+        self._needed = 0  # the most bytes a call under way, or a launch since the last let go, asked for
 
     def rows(self, threads: int, row_bytes: int) -> np.ndarray:
-        buffer = self._buffer
-        if (
-            buffer.shape[0] < threads
-            or buffer.shape[1] < row_bytes
-            or buffer.size > max(self.KEEP_BYTES, 4 * threads * row_bytes)
-        ):
-            buffer = self._buffer = np.empty((threads, row_bytes), dtype=np.uint8)
-        return buffer
+        """At least ``threads`` rows of at least ``row_bytes`` (the buffer grown to hold them)."""
+        with self._lock:
+            buffer = self._buffer
+            self._needed = max(self._needed, threads * row_bytes)
+            if buffer.shape[0] < threads or buffer.shape[1] < row_bytes:
+                shape = (max(threads, buffer.shape[0]), max(row_bytes, buffer.shape[1]))
+                buffer = self._buffer = np.empty(shape, dtype=np.uint8)
+            return buffer
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Held around a call: the last call under way to end lets go of a buffer more than
+        four times what the calls needed (and more than ``KEEP_BYTES``)."""
+        with self._lock:
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls -= 1
+                if self._calls == 0:
+                    if self._buffer.size > max(self.KEEP_BYTES, 4 * self._needed):
+                        self._buffer = np.empty((0, 0), dtype=np.uint8)  # a kernel running holds its own reference
+                    self._needed = 0
 
 
 _scratch = _Scratch()
