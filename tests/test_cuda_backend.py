@@ -239,6 +239,16 @@ def test_kernels_run_where_this_triton_compiles_for_the_device():
         AcceleratorBackend().triton_compilers()  # a device says which compilers target it
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+def test_a_cuda_device_runs_the_triton_kernels():
+    """Where a CUDA device is, the device tests are of the Triton kernels: a backend fallen
+    back to torch ops (no C compiler or Python headers for Triton's launcher, a Triton
+    without a CUDA compiler) fails here, not as a quiet pass of every cuda test."""
+    backend = kvhost.get_backend(torch.device("cuda"))
+    assert backend.name == "cuda" and backend.kernels_missing == "" and backend.kernels is not None
+
+
 def test_cuda_and_xpu_share_one_runtime_and_differ_only_in_names():
     """Same class, same device-generic calls; only the device type and the Triton compiler differ."""
     assert type(CudaBackend()).__mro__[1] is AcceleratorBackend is type(XpuBackend()).__mro__[1]
@@ -992,7 +1002,20 @@ def test_a_device_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_bef
                 raise torch.OutOfMemoryError("out of memory: tried to allocate 256.00 MiB")
             return torch.empty(*args, **kwargs)
 
+    class Larger:
+        """A job's launch, asking for more scratch than the job's before it (which it cannot share)."""
+
+        def __init__(self, launch, words):
+            self.launch, self.scratch_words = launch, words
+
+        def __getattr__(self, name):
+            return getattr(self.launch, name)
+
+    planned = accelerator.plan_receive_launch
     monkeypatch.setattr(accelerator, "torch", ShortOfMemory())
+    monkeypatch.setattr(
+        accelerator, "plan_receive_launch", lambda *a, **k: Larger(planned(*a, **k), 64 * (len(scratches) + 1))
+    )
     requests = {"a": kvhost.Incoming([1, 2], "HNC", 16), "b": kvhost.Incoming([5], "HNC", 4)}  # two transforms
     refusal = r"cpu: out of memory for a receive's tables and scratch .*256\.00 MiB"
     with pytest.raises(kvhost.BackendError, match=refusal):
@@ -1038,6 +1061,86 @@ def test_a_kernel_that_does_not_compile_for_a_later_job_refuses_the_call_before_
         stats = kvhost.receive(cache, requests, axes="KBNHC", backend=backend)
         assert stats.groups == 2
     assert compiled == [2, 1] and sorted(launched) == [1, 1, 1, 2, 2, 2]
+
+
+def test_the_jobs_of_one_call_share_one_scratch():
+    """Every job's scratch is made before any job launches; the jobs launch in turn on one
+    stream, so within a call (``exclusive``) a job takes the scratch an earlier one made
+    where it is large enough: a call holds one scratch at a time, not one per job."""
+    backend, cpu = CpuStandIn(), torch.device("cpu")
+    assert backend._scratch(cpu, 8, torch.int64) is not backend._scratch(cpu, 8, torch.int64)  # no call: its own
+    with backend.exclusive():
+        first = backend._scratch(cpu, 8, torch.int64)
+        assert first.numel() == 8 and first.dtype == torch.int64
+        assert backend._scratch(cpu, 8, torch.int64) is first and backend._scratch(cpu, 3, torch.int64) is first
+        assert backend._scratch(cpu, 3, torch.int32) is not first  # another word: another scratch
+        grown = backend._scratch(cpu, 9, torch.int64)
+        assert grown.numel() == 9 and backend._scratch(cpu, 8, torch.int64) is grown
+        with backend.exclusive():  # a call made inside another: a scratch of its own
+            assert backend._scratch(cpu, 2, torch.int64) is not grown
+        assert backend._scratch(cpu, 2, torch.int64) is grown
+    with backend.exclusive():  # the next call: the last one's is let go
+        assert backend._scratch(cpu, 2, torch.int64) is not grown
+
+
+def test_a_call_while_the_stream_captures_a_graph_is_refused_before_anything_moves(monkeypatch):
+    """A CUDA graph captured around a call would replay launches on tables and scratch the
+    call freed when it ended: refused, nothing written, and the same call runs once capture ends."""
+    backend = CpuStandIn()
+    capturing = [True]
+    monkeypatch.setattr(SynchronousRuntime, "capturing", lambda self: capturing[0])
+    cache = caches("KBNHC", "KBNHC", 12, 9)
+    other = {name: torch.zeros_like(t) for name, t in cache.items()}
+    before = [raw(t).clone() for t in cache.values()]
+    requests = {"a": kvhost.Incoming([1, 2], "HNC", 16)}
+    for call in (
+        lambda: kvhost.receive(cache, requests, axes="KBNHC", backend=backend),
+        lambda: kvhost.copy_blocks(cache, other, [1, 3], [0, 2], axes="KBNHC", backend=backend),
+    ):
+        with pytest.raises(kvhost.BackendError, match=r"while the current stream captures a graph.*freed memory"):
+            call()
+    assert all(torch.equal(raw(t), b) for t, b in zip(cache.values(), before))
+    assert not any(t.any() for t in other.values())
+    capturing[0] = False
+    assert kvhost.receive(cache, requests, axes="KBNHC", backend=backend).blocks == 2
+    assert kvhost.copy_blocks(cache, other, [1, 3], [0, 2], axes="KBNHC", backend=backend).wait().blocks == 2
+
+
+def test_a_copy_kernel_that_does_not_compile_is_a_backend_error_with_nothing_launched():
+    """A copy's kernel is compiled and loaded before it launches: one that cannot be here
+    (the stand-in's, as Triton's OutOfResources would be) is a BackendError naming it, not
+    Triton's own exception, and a device short of memory for its tables one too."""
+    import kvhost_accelerator.backend as accelerator
+
+    src, launched = caches("KBNHC", "KBNHC", 12, 9), []
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    backend = CpuStandIn()
+    backend.max_run_copies = 0  # every copy on the device by a kernel
+
+    def fails() -> None:
+        raise RuntimeError("out of resource: shared memory, Required: 264192, Hardware limit: 232448\nmore")
+
+    backend.__dict__["kernels"] = types.SimpleNamespace(
+        TORCH_WORDS={8: torch.int64},
+        copy_call=lambda launch, **tables: types.SimpleNamespace(
+            launch=lambda: launched.append(launch),
+            compile=fails,
+            compile_key=lambda: (),
+            kernel=types.SimpleNamespace(__name__="copy_kernel"),
+        ),
+    )
+    refusal = r"^cpu: the kernel copy_kernel for this copy cannot run here: RuntimeError: out of .*: 232448$"
+    with pytest.raises(kvhost.BackendError, match=refusal):
+        kvhost.copy_blocks(src, dst, [1, 3, 5], [0, 2, 4], axes="KBNHC", backend=backend)
+    assert launched == [] and all(not t.any() for t in dst.values())
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory: tried to allocate 2.00 MiB\nmore")
+
+    backend._upload = no_room  # type: ignore[method-assign]
+    with pytest.raises(kvhost.BackendError, match=r"^cpu: out of memory for a copy's tables: out of memory: tried"):
+        kvhost.copy_blocks(src, dst, [1, 3, 5], [0, 2, 4], axes="KBNHC", backend=backend)
+    assert accelerator.OUT_OF_MEMORY is torch.OutOfMemoryError and launched == []
 
 
 def test_the_kernels_bounds_do_not_refuse_what_the_torch_path_does(monkeypatch):
@@ -1225,7 +1328,9 @@ def test_a_kernel_copy_uploads_the_id_table_only_of_a_side_not_0_to_n_minus_1(sr
     job = host_job(src, dst, "KBNHC", "KBNHC", src_ids, dst_ids, non_blocking=False)
     backend, launched, uploaded = CpuStandIn(), [], []
     backend.__dict__["kernels"] = types.SimpleNamespace(
-        copy_call=lambda launch, **args: types.SimpleNamespace(launch=lambda: launched.append(args))
+        copy_call=lambda launch, **args: types.SimpleNamespace(
+            launch=lambda: launched.append(args), compile=lambda: None, compile_key=lambda: ()
+        )
     )
     upload = backend._upload
     backend._upload = lambda arrays, device, keep: uploaded.append(arrays) or upload(arrays, device, keep)  # type: ignore[method-assign]

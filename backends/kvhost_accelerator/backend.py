@@ -42,11 +42,13 @@ Streams and lifetimes, the contract:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import sysconfig
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import cached_property
 from types import ModuleType
@@ -100,6 +102,9 @@ class AcceleratorBackend(Backend):
         self._device_limits: dict[torch.device, tuple[Limits, Limits]] = {}
         # (device, KernelCall.compile_key()) of every kernel compiled and loaded for a receive.
         self._compiled: set[tuple[Any, ...]] = set()
+        # The receive scratch of the call under way on this thread (``exclusive``), by device and
+        # word: the call's jobs launch in turn on one stream, so one scratch serves them all.
+        self._call = threading.local()
 
     def triton_compilers(self) -> tuple[str, ...]:
         """Names of the Triton compiler backends (``triton.backends``) that target this device."""
@@ -167,6 +172,35 @@ class AcceleratorBackend(Backend):
         self._device_limits[device] = (self.limits, fitted)
         return fitted
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Around a call: the scratch its receive jobs share, let go of at its end. A call
+        while the stream captures a graph is refused: a replay would run launches whose tables
+        and scratch, and copies whose staging buffers, the call let go of when it ended."""
+        if self.runtime.capturing():
+            raise BackendError(
+                f"backend {self.name!r}: called while the current stream captures a graph; kvhost's calls "
+                "free their tables and buffers when they end, so a replay would use freed memory: call it outside"
+            )
+        outer = getattr(self._call, "scratch", None)  # a call made inside another (a plugin's): its own
+        self._call.scratch = {}
+        try:
+            yield
+        finally:
+            self._call.scratch = outer
+
+    def _scratch(self, device: torch.device, words: int, dtype: torch.dtype) -> torch.Tensor:
+        """A receive's scratch of at least ``words``: the call's (``exclusive``) where it is as
+        large, so that a call of several jobs holds one scratch, not one per job, until it runs."""
+        shared = getattr(self._call, "scratch", None)  # None: a receive not inside a call (called directly)
+        held = shared.get((device, dtype)) if shared is not None else None
+        if held is not None and held.numel() >= words:
+            return held  # type: ignore[no-any-return]
+        scratch = torch.empty(words, dtype=dtype, device=device)
+        if shared is not None:
+            shared[device, dtype] = scratch
+        return scratch
+
     # --- receive -------------------------------------------------------------------------
 
     def check_receive(self, job: ReceiveJob) -> None:
@@ -201,8 +235,8 @@ class AcceleratorBackend(Backend):
             keep: list[torch.Tensor] = []
             try:
                 base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.ravel()], job.device, keep)
-                scratch = torch.empty(
-                    max(launch.scratch_words, 1), dtype=kernels.TORCH_WORDS[launch.word_bytes], device=job.device
+                scratch = self._scratch(
+                    job.device, max(launch.scratch_words, 1), kernels.TORCH_WORDS[launch.word_bytes]
                 )
             except OUT_OF_MEMORY as err:  # refused before any byte moves: a smaller call may fit
                 raise BackendError(
@@ -219,10 +253,10 @@ class AcceleratorBackend(Backend):
             units=int(job.unit_ids.shape[0]),
             block_stride=layout.block_stride_bytes,
         )
-        self._compile(calls, job.device)
+        self._compile(calls, job.device, "receive")
         return _PreparedReceive(calls, keep)
 
-    def _compile(self, calls: list[Any], device: torch.device) -> None:
+    def _compile(self, calls: list[Any], device: torch.device, what: str) -> None:
         """Compile every kernel ``calls`` launch, before any launches: a receive of several
         jobs (senders of several layouts) would otherwise compile the second job's kernel
         after the first was rearranged in place, and a kernel that fails to compile then
@@ -238,7 +272,7 @@ class AcceleratorBackend(Backend):
                 except Exception as err:  # Triton's compile and load errors have no common base
                     name = getattr(call.kernel, "__name__", type(call.kernel).__name__)
                     raise BackendError(
-                        f"{device}: the kernel {name} for this receive cannot run here: "
+                        f"{device}: the kernel {name} for this {what} cannot run here: "
                         f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
                     ) from err
                 self._compiled.add(key)
@@ -314,7 +348,10 @@ class AcceleratorBackend(Backend):
         arrays = [src_bases, dst_bases]
         arrays += [job.src_ids] if src_indexed else []
         arrays += [job.dst_ids] if dst_indexed else []
-        tables = self._upload(arrays, device, keep)
+        try:
+            tables = self._upload(arrays, device, keep)
+        except OUT_OF_MEMORY as err:
+            raise BackendError(f"{device}: out of memory for a copy's tables: {str(err).splitlines()[0]}") from None
         call = kernels.copy_call(
             launch,
             src_bases=tables[0],
@@ -325,6 +362,9 @@ class AcceleratorBackend(Backend):
             src_block_stride=job.plan.src_block_stride,
             dst_block_stride=job.plan.dst_block_stride,
         )
+        # A kernel that cannot compile or load here is a KVHostError, not Triton's own; a copy
+        # of several jobs may have issued the earlier ones, which a retry copies again, alike.
+        self._compile([call], device, "copy")
         self.launch(call)
 
     def copy_host(self, job: CopyJob, *, to_device: bool, keep: list[Any]) -> Callable[[], None] | None:

@@ -65,6 +65,12 @@ class DeviceRuntime:
         finally:
             torch.accelerator.set_stream(previous)
 
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a graph (CUDA graphs; a device module
+        without them never does)."""
+        query = getattr(self.module, "is_current_stream_capturing", None)
+        return bool(query()) if query is not None else False
+
     def wait(self, waiter: Any, producer: Any) -> None:
         """``waiter`` runs nothing more until ``producer``'s work so far is done (no host wait)."""
         waiter.wait_stream(producer)
@@ -129,6 +135,9 @@ class SynchronousRuntime(DeviceRuntime):
     @contextlib.contextmanager
     def using(self, stream: Any) -> Iterator[None]:
         yield
+
+    def capturing(self) -> bool:
+        return False
 
     def wait(self, waiter: Any, producer: Any) -> None:
         return None
