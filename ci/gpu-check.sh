@@ -212,13 +212,15 @@ if suite.exists():
     print(f"cuda-marked suite: {verdict or 'no result (see suite.txt)'}")
 handoff = out / "handoff.txt"
 ways = {"batch:", "way", "memcpy", "per-piece", "merged", "receive", "hand-off", "packed", "hand-off-packed"}
-ways |= {"hand-off-layered", "span/layer"}
+ways.add("hand-off-layered")
 said = handoff.read_text().splitlines() if handoff.exists() else []
-table = [line for line in said if line.split()[:1] and line.split()[0] in ways]
+table = [line for line in said if line.split()[:1] and (line.split()[0] in ways or line.startswith("span/"))]
 if table:
     print("NIXL hand-off into device memory (x memcpy = device copy time / this time):")
     print("\n".join(f"  {line}" for line in table))
 machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
+if machine:
+    print(f"backend: {machine.get('backend')}")  # Triton kernels, or (a failed check) the torch path
 sms = machine.get("multiprocessors")
 figures = out / "figures.jsonl"
 rows = [json.loads(line) for line in figures.read_text().splitlines()] if figures.exists() else []

@@ -505,6 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     if chosen.name != device.type:
         print(f"gpucheck: the {device.type} backend cannot run here (kvhost picked {chosen.name!r})", file=sys.stderr)
         return 1
+    if chosen.kernels is None:  # type: ignore[attr-defined]
+        # Every "triton" row would be the torch path's, agreeing with itself: a pass that checked nothing.
+        why = chosen.kernels_missing  # type: ignore[attr-defined]
+        print(f"gpucheck: the {device.type} backend runs no Triton kernels here ({why})", file=sys.stderr)
+        return 1
     backends = {"triton": chosen, "torch": type(chosen)(use_triton=False)}  # type: ignore[call-arg]
     sizes = QUICK if args.quick else Sizes()
     info = machine(device, chosen, sizes)
