@@ -23,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from types import ModuleType
 
+import kvhost_accelerator.backend as accelerator_backend
 import numpy as np
 import pytest
 import torch
@@ -237,6 +238,40 @@ def test_kernels_run_where_this_triton_compiles_for_the_device():
     assert backend.describe().startswith("receive and scattered copies: Triton kernels;")
     with pytest.raises(NotImplementedError):
         AcceleratorBackend().triton_compilers()  # a device says which compilers target it
+
+
+def test_a_device_where_triton_cannot_build_or_load_a_kernel_gets_the_torch_path(monkeypatch):
+    """Every check of the toolchain passes (the compilers, a C compiler, Python's headers),
+    but the probe kernel cannot be built or loaded on the device (Triton's own assertion
+    where it finds no libcuda, stood in for; the device too): the torch path runs, and says
+    why, instead of every receive failing at its first launch. Where the probe loads, the
+    kernels run; where no device is, nothing is tried."""
+    import contextlib
+
+    kernels = load_kernels()
+    if kernels is None or kernels.interpreted():
+        pytest.skip("needs compiled Triton kernels")
+    if not set(CudaBackend().triton_compilers()) & set(kernels.compiler_targets()):
+        pytest.skip("this Triton has no compiler for CUDA")
+    monkeypatch.setattr(accelerator_backend, "launcher_build_missing", lambda: None)
+    tried: list[torch.device] = []
+
+    def no_libcuda(device: torch.device) -> None:
+        tried.append(device)
+        raise AssertionError("libcuda.so cannot found!\nPossible files are located at []")
+
+    monkeypatch.setattr(kernels, "probe", no_libcuda)
+    assert CudaBackend().kernels_missing == "" and tried == []  # no device here: nothing to try on
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    backend = CudaBackend()
+    why = "Triton cannot build or load a kernel on cuda:1: AssertionError: libcuda.so cannot found!"
+    assert backend.kernels_missing == why and backend.kernels is None and tried == [torch.device("cuda", 1)]
+    assert f"torch ops ({why})" in backend.describe()
+    monkeypatch.setattr(kernels, "probe", tried.append)
+    loads = CudaBackend()
+    assert loads.kernels_missing == "" and loads.kernels is kernels and len(tried) == 2
 
 
 @pytest.mark.cuda

@@ -104,6 +104,14 @@ def test_scratch_mode_has_a_barrier_between_its_phases():
         assert not any(".nc" in op for op in ops)
 
 
+def test_the_probe_kernel_compiles_to_one_load_and_one_store():
+    """The kernel the backend builds and loads before any real one (its launcher and the
+    driver checked by doing) compiles, and does no more than it says."""
+    call = kernels.KernelCall(kernels._probe_kernel, (1,), (torch.zeros(1, dtype=torch.int32),))
+    ops = memory_ops(compile_call(call, "cuda", 90, 32).asm["ptx"])
+    assert [op.split(".")[0] for op in ops] == ["ld", "st"]
+
+
 @pytest.mark.parametrize("staging", [None, "dst", "src"], ids=["indexed", "into-staging", "from-staging"])
 def test_copy_kernel_compiles_with_wide_accesses(staging):
     """Either side may be a staging buffer (its id table None: block ``i``); the kernel is

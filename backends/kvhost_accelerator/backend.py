@@ -60,7 +60,7 @@ import torch
 from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.caches import CopyGroup, Member
-from kvhost.errors import BackendError
+from kvhost.errors import BackendError, failure
 from kvhost.ids import find_runs
 from kvhost.layout import Layout
 from kvhost.memory import byte_extent
@@ -141,7 +141,23 @@ class AcceleratorBackend(Backend):
         compilers, wanted = kernels.compiler_targets(), self.triton_compilers()
         if not set(wanted) & set(compilers):
             return f"triton here compiles for {', '.join(compilers)}, not {' or '.join(wanted)}"
-        return launcher_build_missing() or ""
+        return launcher_build_missing() or self._probe(kernels)
+
+    def _probe(self, kernels: ModuleType) -> str:
+        """Why Triton cannot build and load a kernel on this device type's current device, or
+        '' where it can (or no device is here to try it on): a machine short of what Triton
+        needs (the driver's library where Triton looks for it, a compiler) gets the torch
+        path, not a receive that fails at every call."""
+        device_type = self.device_types[0]
+        if not self.runtime.module.is_available():
+            return ""
+        device = torch.device(device_type, self.runtime.index(torch.device(device_type)))
+        try:
+            with self.runtime.guard(device):
+                kernels.probe(device)
+        except Exception as err:  # Triton's build, load and driver errors have no common base
+            return f"Triton cannot build or load a kernel on {device}: {failure(err).strip().splitlines()[0]}"
+        return ""
 
     def describe(self) -> str:
         path = "Triton kernels" if self.kernels is not None else f"torch ops ({self.kernels_missing})"

@@ -394,6 +394,19 @@ def _tiling(launch: ReceiveLaunch | CopyLaunch) -> dict[str, Any]:
     )
 
 
+@triton.jit
+def _probe_kernel(out):
+    tl.store(out, tl.load(out) + 1)
+
+
+def probe(device: torch.device) -> None:
+    """Compile a kernel of one load and store, build Triton's launcher for it and load it onto
+    ``device`` (the current one), launching nothing: what every kernel here needs of the
+    machine (a C compiler and Python's headers for the launcher, the driver's library, the
+    device's compiler), tried by doing it before any real kernel is."""
+    KernelCall(_probe_kernel, (1,), (torch.zeros(1, dtype=torch.int32, device=device),)).compile()
+
+
 def _each(prefix: str, values: tuple[int, ...]) -> dict[str, int]:
     """A per-dim tuple as the kernels' scalar constants: D0..D5 and so on."""
     return {f"{prefix}{i}": value for i, value in enumerate(values)}
