@@ -118,8 +118,8 @@ class Prepared:
 
     def make_batch(self, pairs: Sequence[Pair]) -> Any:
         """One transfer of the requests' pieces, request after request (what one request's
-        transfer posts, for each in turn): NIXL joins neighbours within a request as it
-        would in that request's own transfer."""
+        transfer posts, for each in turn): NIXL joins neighbours within a request as in its
+        own transfer, and across two requests where one's last piece continues into the next's."""
         local, remote = self.batch_indices(pairs)
         return self.nixl.make_prepped_xfer(
             "READ", self.local, local, self.remote, remote, skip_desc_merge=not self.nixl_merges
