@@ -531,6 +531,17 @@ def test_progress_bar_draws_on_a_terminal_only():
         (["--backend", "nosuch"], "--backend 'nosuch': backend 'nosuch' is not registered"),
         (["--peer-timeout", "0.1"], "--peer-timeout must be at least 0.2 s"),
         (["--freeze-decode-after", "1", "--kill-prefill-after", "1"], "not allowed with argument"),
+        # Faults that would never run (the run passed as if they had), offers no decode could take.
+        (["--requests", "2", "--kill-prefill-after", "3"], "--kill-prefill-after 3: the first decode engine takes 2"),
+        (["--requests", "4", "--decodes", "2", "--freeze-decode-after", "3"], "takes 2 requests, so the fault"),
+        (
+            [
+                *["--requests", "16384", "--min-tokens", "2048", "--max-tokens", "2048", "--prefill-block-size", "1"],
+                *["--layers", "1", "--heads", "1", "--head-dim", "1", "--dtype", "uint8"],
+            ],
+            "prefill would offer decode 0 33,554,432 block ids, past what one message carries (8,388,608)",
+        ),
+        (["--layers", "16385", "--heads", "2", "--prefill-tp", "2"], "x --prefill-tp 2: 65540 cache streams, past"),
     ],
 )
 def test_bad_options_are_refused(argv, message, capsys):
@@ -635,6 +646,25 @@ def test_prefill_says_in_the_resolvers_words_that_its_listen_host_does_not_resol
     assert code == 2 and err.startswith("prefill: --listen nosuchhost.invalid:7600: ") and err.count("\n") == 1
     assert "Unknown error" not in err and "while attempting" not in err, err  # was "Unknown error -2"
     assert not secret.exists()
+
+
+@needs_nixl
+def test_decode_says_in_one_line_that_its_json_cannot_be_written_and_exits_2(tmp_path, capsys):
+    """A results file that cannot be written (a full device) after a run that failed to
+    connect: one line each, exit 2; it was a traceback and exit 1, the status of failed requests."""
+    from kvhost.nixl.peers import write_secret_file
+    from kvhost_tools.demo.decode import main as decode_main
+
+    secret = tmp_path / "s"
+    write_secret_file(str(secret))
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]  # nothing listens there once closed
+    argv = ["--layers", "2", "--prefill", f"127.0.0.1:{port}", "--secret-file", str(secret)]
+    code = decode_main([*argv, "--connect-timeout", "1", "--no-progress", "--json", "/dev/full"])
+    _, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert lines[-1] == "decode: --json /dev/full: No space left on device" and lines[-2].startswith("decode: ")
 
 
 def test_prefill_says_its_port_is_taken_in_one_line_and_leaves_no_secret_file(tmp_path, capsys):

@@ -26,11 +26,13 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from test_nixl import needs_nixl
@@ -116,6 +118,18 @@ def bring_up(ns: str, interface: str, address: str | None) -> None:
     run_ip("-n", ns, "link", "set", "lo", "up")
 
 
+def sweep_leftovers() -> None:
+    """Delete the namespaces an earlier run left (a pytest killed before its fixture's
+    cleanup): named as these tests name theirs, made over an hour ago, no process in them."""
+    for path in Path("/run/netns").glob("kv*"):
+        if not re.fullmatch(r"kv(hp|hd|sw|h\d)\d+", path.name):
+            continue
+        with contextlib.suppress(OSError):
+            old = time.time() - path.stat().st_mtime > 3600
+            if old and not run_ip("netns", "pids", path.name, check=False).stdout.strip():
+                remove([path.name], [])
+
+
 def remove(namespaces: list[str], interfaces: list[str]) -> None:
     """Delete the namespaces (and with them their veth ends), then any veth that never reached one."""
     for ns in namespaces:
@@ -129,6 +143,7 @@ def pair():
     reason = why_no_namespaces()
     if reason:
         pytest.skip(reason)
+    sweep_leftovers()
     tag, subnet = fresh_names()
     made = Pair(f"kvhp{tag}", f"kvhd{tag}", f"kvp{tag}", f"kvd{tag}", f"10.77.{subnet}.1", f"10.77.{subnet}.2")
     try:
@@ -149,6 +164,7 @@ def star():
     reason = why_no_namespaces()
     if reason:
         pytest.skip(reason)
+    sweep_leftovers()
     tag, subnet = fresh_names()
     switch, bridge = f"kvsw{tag}", f"kvbr{tag}"
     hosts = [Host(f"kvh{i}{tag}", f"kve{i}{tag}", f"10.77.{subnet}.{i + 1}") for i in range(3)]

@@ -57,11 +57,14 @@ from kvhost_tools.demo.config import (
     EXIT_OK,
     LAYOUTS,
     EngineShape,
+    Model,
+    Workload,
     memory_needed,
     memory_refusal,
     model_refusal,
 )
 from kvhost_tools.demo.options import (
+    MAX_WAIT_SECONDS,
     HelpFormatter,
     Parser,
     add_model,
@@ -180,6 +183,14 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
         least = 0 if "after" in name else 1
         if value is not None and not least <= value <= most:
             return f"{name} must be in [{least}, {most}], got {value}"
+    taken = len(range(0, workload.requests, args.decodes)) if args.decodes >= 1 else 0  # decode 0's requests
+    for name, value in (
+        ("--kill-prefill-after", args.kill_prefill_after),
+        ("--freeze-prefill-after", args.freeze_prefill_after),
+        ("--freeze-decode-after", args.freeze_decode_after),
+    ):
+        if value is not None and value > taken:  # the fault would never run, and the run pass as if it had
+            return f"{name} {value}: the first decode engine takes {taken} requests, so the fault would never run"
     problem = peer_timeout_refusal(args.peer_timeout)
     if problem:
         return problem
@@ -194,8 +205,44 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
         problem = backend_refusal(args.backend)
         if problem:
             return problem
+    problem = offer_refusal(args, model, workload, prefills)
+    if problem:
+        return problem
     needed = sum(memory_needed(model, workload, shape, decode, staging=args.via_host) for shape in prefills)
     return memory_refusal(needed, model, workload)
+
+
+def offer_refusal(
+    args: argparse.Namespace, model: Model, workload: Workload, prefills: list[EngineShape]
+) -> str | None:
+    """Why a prefill engine's offer to a decode engine could not be sent (one line), or None:
+    more cache streams (layers x K/V x TP) than an offer may carry, or the requests' block
+    ids (32-bit) past a message's arrays, with room left for the tables. Found before any
+    engine fills its cache, not as every decode refused after."""
+    import numpy as np
+
+    from kvhost.nixl.fields import MAX_ARRAY_BYTES
+    from kvhost.nixl.tables import MAX_STREAMS
+
+    lengths = np.array(workload.lengths(), dtype=np.int64)
+    numbers = np.arange(workload.requests)
+    for index, shape in enumerate(prefills):
+        streams = model.layers * model.kv * shape.tp
+        if not shape.cross_layer and streams > MAX_STREAMS:
+            tp = f"--prefill-tp {shape.tp}"
+            return f"--layers {model.layers} x K/V x {tp}: {streams} cache streams, past {MAX_STREAMS}"
+        held = numbers % len(prefills) == index  # this prefill's requests, each offered to one decode
+        decodes = numbers[held] % args.decodes
+        ids = np.bincount(decodes, weights=-(-lengths[held] // shape.block_size), minlength=args.decodes)
+        sizes = 4 * ids + 8 * np.bincount(decodes, minlength=args.decodes)
+        worst = int(np.argmax(sizes))
+        if sizes[worst] > MAX_ARRAY_BYTES // 2:
+            name = f"prefill {index}" if len(prefills) > 1 else "prefill"
+            return (
+                f"{name} would offer decode {worst} {int(ids[worst]):,} block ids, past what one message carries "
+                f"({MAX_ARRAY_BYTES // 8:,}): ask for fewer or shorter requests, or larger --prefill-block-size"
+            )
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -271,7 +318,12 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
                         *(["--cross-layer"] if shape.cross_layer else []),
                         *["--share", f"{index}/{len(prefills)}", "--serve", str(args.decodes)],
                         *["--listen", f"127.0.0.1:{port}", "--listen-fd", str(listener.fileno())],
-                        *["--secret-file", "-", "--idle-timeout", str(args.connect_timeout + 60)],
+                        *[
+                            "--secret-file",
+                            "-",
+                            "--idle-timeout",
+                            str(min(args.connect_timeout + 60, MAX_WAIT_SECONDS)),
+                        ],
                         *["--peer-timeout", str(args.peer_timeout)],
                     ]
                     prefill_engines.append(
@@ -306,7 +358,8 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
             if progress_fd is not None:
                 os.close(progress_fd)
         outcomes = [read_json(os.path.join(scratch, f"decode-{i}.json")) for i in range(len(decode_engines))]
-    report(args, prefill_engines, decode_engines, codes, prefill_codes, outcomes)
+    if not report(args, prefill_engines, decode_engines, codes, prefill_codes, outcomes):
+        return EXIT_ERROR
     return max(codes) if all(c in (0, 1, 2) for c in codes) else EXIT_ERROR
 
 
@@ -323,14 +376,22 @@ def finish(engine: Engine, deadline: float, limit: float) -> int:
 
 def fault_options(args: argparse.Namespace, prefill: Engine) -> list[str]:
     pid = prefill.pid
+    status = f"/proc/{pid}/status"
     if args.kill_prefill_after is not None:
-        after, command, label = args.kill_prefill_after, f"kill -KILL {pid}", "killed"
+        # Decode goes on once the process is gone (a zombie, or reaped): until its memory is
+        # torn down, reads already posted, and new ones, may still be answered (a loaded
+        # machine took long enough for every request to land).
+        gone = f'while [ -r {status} ] && ! grep -qs "^State:.Z" {status}; do sleep 0.01; done'
+        after, command, label = args.kill_prefill_after, f"kill -KILL {pid} && {gone}", "killed"
     elif args.freeze_prefill_after is not None:
         # A stop takes effect once every thread of the process has stopped; decode goes on
         # only then (where /proc shows it), or its next transfers may still be answered.
-        status = f"/proc/{pid}/status"
         wait = f'while [ -r {status} ] && ! grep -qs "^State:.T" {status}; do sleep 0.01; done'
-        after, command, label = args.freeze_prefill_after, f"kill -STOP {pid} && {wait}", "froze (SIGSTOP)"
+        # Resumed once this demo is gone, whatever ends it: a stopped process never acts on the
+        # SIGTERM its parent's death sends it, and would be left stopped, holding its memory.
+        watch = f"(while kill -0 {os.getpid()} 2>/dev/null; do sleep 0.5; done; kill -CONT {pid}) >/dev/null 2>&1 &"
+        command = f"{watch} kill -STOP {pid} && {wait}"
+        after, label = args.freeze_prefill_after, "froze (SIGSTOP)"
     elif args.freeze_decode_after is not None:
         # Decode (the shell's parent) stops itself; a child the stop does not reach wakes it.
         resume = args.peer_timeout + 1
@@ -361,8 +422,9 @@ def report(
     codes: list[int],
     prefill_codes: list[int],
     outcomes: list[dict[str, object] | None],
-) -> None:
-    """Each decode engine's report as it printed it, what the prefill engines said, the noise summed up."""
+) -> bool:
+    """Each decode engine's report as it printed it, what the prefill engines said, the noise
+    summed up; False where ``--json`` could not be written (said in one line)."""
     out = sys.stdout
     for engine, code, outcome in zip(decodes, codes, outcomes):
         if len(decodes) > 1:
@@ -395,4 +457,9 @@ def report(
             data = {**outcomes[0], "prefills": prefill_info}
         else:
             data = {"ok": all(c == EXIT_OK for c in codes), "decodes": outcomes, "prefills": prefill_info}
-        write_json_file(args.json, data)
+        try:
+            write_json_file(args.json, data)
+        except OSError as err:
+            print(f"kvhost demo: --json {args.json}: {os.strerror(err.errno) if err.errno else err}", file=sys.stderr)
+            return False
+    return True

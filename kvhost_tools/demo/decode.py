@@ -29,13 +29,14 @@ import secrets
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import TextIO
 
 import torch
 
 import kvhost
-from kvhost.errors import KVHostError
+from kvhost.errors import KVHostError, failure
 from kvhost.nixl import Agent, ProtocolError, RankReader, Session, TransferError, connect, load_nixl, plan_ranks
 from kvhost.nixl.peers import parse_address, read_secret_file
 from kvhost.testing import raw
@@ -131,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--prefill: {args.prefill!r}: port 0 is no prefill engine's"
     if problem:
         p.error(problem)
-    own = args.advertise or netenv.route_source(*addresses[0]) or addresses[0][0]
-    netenv.set_defaults(os.environ, [own])
+    own = args.advertise or netenv.route_source(*addresses[0])  # None for a host name: set once connected
+    netenv.set_defaults(os.environ, [own] if own else [])
     outcome = Outcome()
     progress: TextIO | None = None
     if args.progress_fd is not None:
@@ -153,15 +154,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome.error = str(err)
     except MemoryError:
         outcome.error = "out of memory for the caches"
-    except RuntimeError as err:
-        if "allocate" not in str(err):  # torch's allocator: "DefaultCPUAllocator: can't allocate memory"
-            raise
-        outcome.error = f"out of memory: {str(err).splitlines()[0]}"
+    except Exception as err:
+        if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's: "can't allocate memory"
+            outcome.error = f"out of memory: {str(err).splitlines()[0]}"
+        else:  # a bug: say where, but never exit 1, which means only that requests failed
+            traceback.print_exc()
+            outcome.error = f"failed: {failure(err).splitlines()[0]}"
     print_report(outcome, sys.stdout)
     if outcome.error:  # where an operator looks first, as prefill says its own
         print(f"decode: {outcome.error}", file=sys.stderr, flush=True)
     if args.json:
-        write_json(args.json, outcome)
+        try:
+            write_json(args.json, outcome)
+        except OSError as err:
+            print(f"decode: --json {args.json}: {os.strerror(err.errno) if err.errno else err}", file=sys.stderr)
+            return stopped or EXIT_ERROR
     if stopped:
         return stopped
     if outcome.error:
@@ -182,7 +189,7 @@ def run(
     load_nixl()  # before a prefill engine is asked to hold memory for us
     begun = time.perf_counter()
     figures = outcome.figures
-    figures.update(network=netenv.describe_network(), decode_pid=os.getpid())
+    figures.update(decode_pid=os.getpid())
     secret = read_secret_file(args.secret_file, timeout=args.connect_timeout)
     spec = model.spec(shape)
     share = args.share
@@ -198,6 +205,10 @@ def run(
             sessions.append(connect(address, secret, spec, timeout=left, extra=extra))
             sessions[-1].start_beats()  # from now on this prefill holds memory for us: say we are here
         figures["hello_seconds"] = time.perf_counter() - begun
+        # UCX on the interface the first connection left from (where no address said it before),
+        # set before the agents that read it start.
+        netenv.set_defaults(os.environ, [str(sessions[0].sock.getsockname()[0])])
+        figures["network"] = netenv.describe_network()
         engines = [Engine(i, session) for i, session in enumerate(sessions)]
         requests = offered(workload, share, engines)
         counts = [

@@ -67,7 +67,12 @@ def advertise_refusal(address: str | None) -> str | None:
 
 
 def route_source(host: str, port: int) -> str | None:
-    """The local address this host would reach ``host`` from (no packet is sent), or None."""
+    """The local address this host would reach ``host`` from (no packet is sent), or None;
+    None for a host name too: its lookup has no deadline here (the connect looks it up under one)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, port))
         return str(probe.getsockname()[0])

@@ -26,6 +26,7 @@ import secrets
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 
 from kvhost_tools.demo import netenv
@@ -127,9 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"prefill: out of memory: {memory_options(args)}: {str(err).splitlines()[0]}", file=sys.stderr)
         elif isinstance(err, (KVHostError, OSError)):
             print(f"prefill: {err}", file=sys.stderr)
-        else:
-            raise
+        else:  # a bug: say where, with the status of an error (1 means requests failed)
+            traceback.print_exc()
     return EXIT_ERROR
+
+
+LISTEN_LOOKUP_SECONDS = 30.0  # a --listen host name's lookup, at most
 
 
 def memory_options(args: argparse.Namespace) -> str:
@@ -148,7 +152,7 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
     from kvhost.nixl.agent import load_nixl
 
     load_nixl()  # before anything is bound, filled or written: without NIXL nothing can be served
-    from kvhost.nixl.peers import read_secret_file, write_secret_file
+    from kvhost.nixl.peers import _resolve, read_secret_file, write_secret_file
     from kvhost.testing import raw
     from kvhost_tools.demo.values import layer_views, token_values, write_tokens
 
@@ -159,10 +163,14 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
         listener = socket.socket(fileno=args.listen_fd)
     else:  # bound first: a port in use leaves no new secret file behind
         try:
-            socket.getaddrinfo(host, port)  # a name that does not resolve, in the resolver's words
-            listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            # A name that does not resolve, in the resolver's words; looked up on a thread, by a
+            # deadline (getaddrinfo has none) that a SIGTERM does not wait for.
+            family, _, _, _, where = _resolve((host, port), time.monotonic() + LISTEN_LOOKUP_SECONDS)[0]
+            listener = socket.create_server(where[:2], family=family)  # the address found: no second lookup
         except socket.gaierror as err:
             raise DemoError(f"--listen {args.listen}: {err.strerror}") from None
+        except TimeoutError:
+            raise DemoError(f"--listen {args.listen}: not resolved within {LISTEN_LOOKUP_SECONDS:g} s") from None
         except OSError as err:
             raise DemoError(f"--listen {args.listen}: {os.strerror(err.errno) if err.errno else err}") from None
     host, port = listener.getsockname()[:2]
