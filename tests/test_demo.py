@@ -541,7 +541,13 @@ def test_progress_bar_draws_on_a_terminal_only():
             ],
             "prefill would offer decode 0 33,554,432 block ids, past what one message carries (8,388,608)",
         ),
-        (["--layers", "16385", "--heads", "2", "--prefill-tp", "2"], "x --prefill-tp 2: 65540 cache streams, past"),
+        (
+            [
+                *["--layers", "16385", "--heads", "2", "--head-dim", "1", "--dtype", "uint8", "--prefill-tp", "2"],
+                *["--requests", "2", "--min-tokens", "16", "--max-tokens", "16"],
+            ],
+            "x --prefill-tp 2: 65540 cache streams, past",
+        ),
     ],
 )
 def test_bad_options_are_refused(argv, message, capsys):

@@ -205,11 +205,8 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
         problem = backend_refusal(args.backend)
         if problem:
             return problem
-    problem = offer_refusal(args, model, workload, prefills)
-    if problem:
-        return problem
     needed = sum(memory_needed(model, workload, shape, decode, staging=args.via_host) for shape in prefills)
-    return memory_refusal(needed, model, workload)
+    return memory_refusal(needed, model, workload) or offer_refusal(args, model, workload, prefills)
 
 
 def offer_refusal(
