@@ -98,14 +98,14 @@ class Workspace:
             )
         return methods
 
-    def _in_pieces(self, nbytes: int, copy_piece: Callable[[int], object]) -> Callable[[], None]:
-        """A copy of ``nbytes`` through the ring: ``copy_piece(count)`` copies its first ``count`` bytes."""
+    def _in_pieces(self, nbytes: int, piece: Callable[[int], object]) -> Callable[[], None]:
+        """A pass over ``nbytes`` through the ring: ``piece(count)`` copies or rewrites its first ``count`` bytes."""
 
-        def copy() -> None:
+        def run() -> None:
             for start in range(0, nbytes, self.RING):
-                copy_piece(min(self.RING, nbytes - start))
+                piece(min(self.RING, nbytes - start))
 
-        return copy
+        return run
 
     def memcpy_methods(self, nbytes: int, src: torch.device, dst: torch.device) -> dict[str, Callable[[], None]]:
         """The roofline's copies of ``nbytes`` from ``src`` to ``dst``: torch's ``copy_`` and,
@@ -198,10 +198,10 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
             touched=touched,
         )
     baseline = PerRequestReceiver(caches, geometry.axes)
-    here = space.device.device
+    here, copied = space.device.device, point.blocks * geometry.block_bytes  # what the roofline moves
     methods: dict[str, Callable[[], object]] = {
-        **space.memcpy_methods(point.blocks * geometry.block_bytes, here, here),
-        **space.in_place_methods(point.blocks * geometry.block_bytes, here),
+        **space.memcpy_methods(copied, here, here),
+        **space.in_place_methods(copied, here),
         BASELINE: lambda: baseline.receive(requests, remote_order=order, remote_block_size=size),
         KVHOST: lambda: host.receive(requests, remote_order=order, remote_block_size=size),
         KVHOST_FN: lambda: kvhost.receive(
@@ -218,7 +218,7 @@ def prepare(point: Point, space: Workspace, extra_backends: Sequence[str], num_b
             caches, geometry.axes, ids, methods[BASELINE], [methods[KVHOST], methods[KVHOST_FN]], seed=seed
         )
 
-    touched = np.concatenate([touched, space.memcpy_ranges(point.blocks * geometry.block_bytes, here, here)])
+    touched = np.concatenate([touched, space.memcpy_ranges(copied, here, here)])
     return Prepared(methods, nbytes=stats.bytes_moved, verify=verify, stats={"groups": stats.groups}, touched=touched)
 
 

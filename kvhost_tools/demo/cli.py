@@ -62,6 +62,7 @@ from kvhost_tools.demo.config import (
     memory_needed,
     memory_refusal,
     model_refusal,
+    os_reason,
 )
 from kvhost_tools.demo.options import (
     MAX_WAIT_SECONDS,
@@ -183,7 +184,7 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
         least = 0 if "after" in name else 1
         if value is not None and not least <= value <= most:
             return f"{name} must be in [{least}, {most}], got {value}"
-    taken = len(range(0, workload.requests, args.decodes)) if args.decodes >= 1 else 0  # decode 0's requests
+    taken = len(range(0, workload.requests, args.decodes))  # decode 0's requests (--decodes checked above)
     for name, value in (
         ("--kill-prefill-after", args.kill_prefill_after),
         ("--freeze-prefill-after", args.freeze_prefill_after),
@@ -304,6 +305,7 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
     decode_engines: list[Engine] = []
     addresses = []
     progress_fd = os.dup(2) if sys.stderr.isatty() and not args.no_progress else None
+    idle = min(args.connect_timeout + 60, MAX_WAIT_SECONDS)  # a prefill's wait for its decodes, within the cap
     with tempfile.TemporaryDirectory(prefix="kvhost-demo-") as scratch:
         try:
             for index, shape in enumerate(prefills):
@@ -315,12 +317,7 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
                         *(["--cross-layer"] if shape.cross_layer else []),
                         *["--share", f"{index}/{len(prefills)}", "--serve", str(args.decodes)],
                         *["--listen", f"127.0.0.1:{port}", "--listen-fd", str(listener.fileno())],
-                        *[
-                            "--secret-file",
-                            "-",
-                            "--idle-timeout",
-                            str(min(args.connect_timeout + 60, MAX_WAIT_SECONDS)),
-                        ],
+                        *["--secret-file", "-", "--idle-timeout", str(idle)],
                         *["--peer-timeout", str(args.peer_timeout)],
                     ]
                     prefill_engines.append(
@@ -371,19 +368,25 @@ def finish(engine: Engine, deadline: float, limit: float) -> int:
         return -9
 
 
+def until_state(pid: int, state: str) -> str:
+    """A shell loop that ends once process ``pid`` shows ``state`` in /proc (T stopped, Z a
+    zombie), or is gone."""
+    status = f"/proc/{pid}/status"
+    return f'while [ -r {status} ] && ! grep -qs "^State:.{state}" {status}; do sleep 0.01; done'
+
+
 def fault_options(args: argparse.Namespace, prefill: Engine) -> list[str]:
     pid = prefill.pid
-    status = f"/proc/{pid}/status"
     if args.kill_prefill_after is not None:
         # Decode goes on once the process is gone (a zombie, or reaped): until its memory is
         # torn down, reads already posted, and new ones, may still be answered (a loaded
         # machine took long enough for every request to land).
-        gone = f'while [ -r {status} ] && ! grep -qs "^State:.Z" {status}; do sleep 0.01; done'
+        gone = until_state(pid, "Z")
         after, command, label = args.kill_prefill_after, f"kill -KILL {pid} && {gone}", "killed"
     elif args.freeze_prefill_after is not None:
         # A stop takes effect once every thread of the process has stopped; decode goes on
         # only then (where /proc shows it), or its next transfers may still be answered.
-        wait = f'while [ -r {status} ] && ! grep -qs "^State:.T" {status}; do sleep 0.01; done'
+        wait = until_state(pid, "T")
         # Resumed once this demo is gone, whatever ends it: a stopped process never acts on the
         # SIGTERM its parent's death sends it, and would be left stopped, holding its memory.
         watch = f"(while kill -0 {os.getpid()} 2>/dev/null; do sleep 0.5; done; kill -CONT {pid}) >/dev/null 2>&1 &"
@@ -457,6 +460,6 @@ def report(
         try:
             write_json_file(args.json, data)
         except OSError as err:
-            print(f"kvhost demo: --json {args.json}: {os.strerror(err.errno) if err.errno else err}", file=sys.stderr)
+            print(f"kvhost demo: --json {args.json}: {os_reason(err)}", file=sys.stderr)
             return False
     return True

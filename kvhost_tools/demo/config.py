@@ -54,6 +54,11 @@ class DemoError(RuntimeError):
     """The hand-off could not run: an engine failed to start, or a pool is too small."""
 
 
+def os_reason(err: OSError) -> str:
+    """An OSError in the system's words (``No space left on device``), else as it says itself."""
+    return os.strerror(err.errno) if err.errno else str(err)
+
+
 @dataclass(frozen=True)
 class Model:
     """What every engine must agree on (the handshake refuses engines that do not)."""

@@ -56,6 +56,7 @@ from kvhost_tools.demo.config import (
     memory_refusal,
     model_refusal,
     offer_memory_refusal,
+    os_reason,
     pool_for,
 )
 from kvhost_tools.demo.options import (
@@ -167,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             write_json(args.json, outcome)
         except OSError as err:
-            print(f"decode: --json {args.json}: {os.strerror(err.errno) if err.errno else err}", file=sys.stderr)
+            print(f"decode: --json {args.json}: {os_reason(err)}", file=sys.stderr)
             return stopped or EXIT_ERROR
     if stopped:
         return stopped

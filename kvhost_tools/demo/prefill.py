@@ -38,6 +38,7 @@ from kvhost_tools.demo.config import (
     allocate_blocks,
     blocks_for,
     memory_refusal,
+    os_reason,
     pool_for,
     prefill_memory,
 )
@@ -172,7 +173,7 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
         except TimeoutError:
             raise DemoError(f"--listen {args.listen}: not resolved within {LISTEN_LOOKUP_SECONDS:g} s") from None
         except OSError as err:
-            raise DemoError(f"--listen {args.listen}: {os.strerror(err.errno) if err.errno else err}") from None
+            raise DemoError(f"--listen {args.listen}: {os_reason(err)}") from None
     host, port = listener.getsockname()[:2]
     # UCX kept on the interface of the address bound (a host name given is resolved by now),
     # before any NIXL agent starts.
