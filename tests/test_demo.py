@@ -942,3 +942,30 @@ def test_prefill_closes_every_agent_made_and_its_listener_when_a_later_one_fails
     assert "cannot start agent" in capsys.readouterr().err
     assert len(made) == 1 and made[0].closed
     assert len(listeners) == 1 and listeners[0].fileno() == -1
+
+
+@pytest.mark.parametrize(
+    ("command", "limit", "said"), [("sleep 2", 0.3, " (did not finish within 0.3 s)"), ("true", 5, "")]
+)
+def test_a_fault_command_is_given_its_own_deadline(command, limit, said):
+    from kvhost_tools.demo.pull import Fault
+
+    settings = Settings(1, 1.0, 0.05, "NHD", None, None, 1, command, "ran it", limit)
+    outcome = Outcome()
+    fault = Fault(settings, outcome)
+    fault.maybe(0)
+    assert outcome.lines == []  # not before --fault-after requests arrived
+    fault.maybe(1)
+    assert outcome.lines == [f"fault     ran it after 1 requests had arrived{said}"]
+
+
+def test_decode_frozen_past_a_long_peer_timeout_gives_its_fault_command_until_it_resumes():
+    """The command stops decode, and its deadline runs on while decode is stopped: with a
+    peer timeout of 9 s or more the resume came after the 10 s a fault had, and the report
+    said the freeze did not finish."""
+    from kvhost_tools.demo.cli import fault_options, parser
+
+    args = parser().parse_args([*SMALL, "--freeze-decode-after", "2", "--peer-timeout", "9.5"])
+    options = fault_options(args, SimpleNamespace(pid=1))
+    assert options[options.index("--fault-timeout") + 1] == "20.5"
+    assert "sleep 10.5;" in options[options.index("--fault-command") + 1]

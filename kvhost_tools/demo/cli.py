@@ -399,6 +399,8 @@ def fault_options(args: argparse.Namespace, prefill: Engine) -> list[str]:
         return [
             *["--fault-after", str(after), "--fault-command", command],
             *["--fault-label", f"froze (SIGSTOP) decode 0 for {resume:g} s"],
+            # The command's deadline runs on while decode is stopped: it ends once decode resumes.
+            *["--fault-timeout", f"{min(resume + 10, MAX_WAIT_SECONDS):g}"],
         ]
     else:
         return []

@@ -97,6 +97,9 @@ def parser() -> Parser:
     faults.add_argument("--fault-after", type=int, metavar="N", help="run --fault-command once N requests arrived")
     faults.add_argument("--fault-command", metavar="CMD", help="a shell command (kill a prefill, take a link down)")
     faults.add_argument("--fault-label", metavar="TEXT", help="what the report says the fault was")
+    faults.add_argument(
+        "--fault-timeout", type=seconds, default=10.0, help="seconds --fault-command may take (wall clock)"
+    )
     add_model(p)
     add_workload(p)
     add_engine(p, "NHD", 64)
@@ -269,6 +272,7 @@ def run(
             args.fault_after,
             args.fault_command,
             args.fault_label,
+            args.fault_timeout,
         )
         warm_up(settings, model, shape, engines, outcome, staging=args.via_host)
         yardstick = Yardstick(figures["tokens"] * model.token_bytes())  # the batch's size

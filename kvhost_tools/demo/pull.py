@@ -89,6 +89,7 @@ class Settings:
     fault_after: int | None = None
     fault_command: str | None = None
     fault_label: str | None = None
+    fault_timeout: float = 10.0  # wall clock: a command that stops this process uses it up while it is stopped
 
 
 @dataclass
@@ -231,10 +232,11 @@ class Fault:
         command = self.settings.fault_command
         started = time.perf_counter()
         try:
-            result = subprocess.run(command or "", shell=True, capture_output=True, text=True, timeout=10)
+            limit = self.settings.fault_timeout
+            result = subprocess.run(command or "", shell=True, capture_output=True, text=True, timeout=limit)
             failed = f" (exit {result.returncode}: {result.stderr.strip()[:200]})" if result.returncode else ""
         except subprocess.TimeoutExpired:
-            failed = " (did not finish within 10 s)"
+            failed = f" (did not finish within {limit:g} s)"
         label = self.settings.fault_label or f"ran `{command}`"
         self.outcome.figures.update(fault_after=arrived, fault_seconds=time.perf_counter() - started)
         self.outcome.figures["fault_at"] = time.time()
