@@ -969,3 +969,26 @@ def test_decode_frozen_past_a_long_peer_timeout_gives_its_fault_command_until_it
     options = fault_options(args, SimpleNamespace(pid=1))
     assert options[options.index("--fault-timeout") + 1] == "20.5"
     assert "sleep 10.5;" in options[options.index("--fault-command") + 1]
+
+
+@needs_nixl
+@pytest.mark.timeout(200)
+def test_a_prefill_that_dies_as_it_starts_ends_the_run_long_before_the_connect_timeout(tmp_path):
+    """Decode retries a prefill it cannot reach until ``--connect-timeout`` (240 s here);
+    the demo sees the prefill's exit and stops decode ``--timeout`` + 5 s after it."""
+    started = time.monotonic()
+    run = DemoRun("dies", [*SMALL, "--requests", "4", "--timeout", "2"], tmp_path, 180)
+    prefill = None
+    while prefill is None and run.process.poll() is None and time.monotonic() - started < 60:
+        for pid in process_tree(run.process.pid):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline") as cmdline:
+                if "prefill" in cmdline.read().split("\0"):
+                    prefill = pid
+        time.sleep(0.005)
+    assert prefill is not None, "no prefill engine started"
+    os.kill(prefill, 9)
+    code, outcome, text = run.result()
+    assert code == 2 and not outcome["ok"], text
+    assert "decode 0: prefill 0 exited (-9) before this engine ended: stopped 7 s later" in text
+    assert "prefill 0: exit -9" in text
+    assert time.monotonic() - started < 120

@@ -30,7 +30,10 @@ than the prefill engines' ``--peer-timeout``: they hear no beat, let go of its b
 however its bytes look.
 
 The demo waits for its decode engines ``--run-timeout`` seconds at most (then kills
-them); prefill engines are stopped once the decode engines are done.
+them); prefill engines are stopped once the decode engines are done. A prefill engine that
+fails while they run (it died as it started, or crashed) leaves them ``--timeout`` + 5 s to
+see it, then they are stopped (one still connecting to it would retry until
+``--connect-timeout``).
 
 Exit status: 0 when every request verified, 1 only when requests failed (did not arrive,
 or did not verify), 2 for anything else (impossible options, a hand-off that could not run).
@@ -339,9 +342,8 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
                 ]
                 fds = [progress_fd] if progress_fd is not None else []
                 decode_engines.append(Engine(f"decode {index}", "decode", argv, secret, pass_fds=fds, env=env))
-            deadline = time.monotonic() + args.run_timeout
-            codes = [finish(engine, deadline, args.run_timeout) for engine in decode_engines]
             faulted = args.kill_prefill_after is not None or args.freeze_prefill_after is not None
+            codes = finish(decode_engines, prefill_engines[1:] if faulted else prefill_engines, args)
             prefill_codes = [
                 e.stop(patience=prefill_patience(codes, faulted and i == 0)) for i, e in enumerate(prefill_engines)
             ]
@@ -357,15 +359,38 @@ def run(args: argparse.Namespace, prefills: list[EngineShape], decode: EngineSha
     return max(codes) if all(c in (0, 1, 2) for c in codes) else EXIT_ERROR
 
 
-def finish(engine: Engine, deadline: float, limit: float) -> int:
-    """A decode engine's exit status, waiting until ``deadline`` at most: then it is killed
-    (and said so: a status of its own, never 1)."""
-    try:
-        return engine.wait(timeout=max(deadline - time.monotonic(), 0.01))
-    except subprocess.TimeoutExpired:
-        engine.output.shown.append(f"did not finish within --run-timeout {limit:g} s: killed")
-        engine.stop(patience=0)
-        return -9
+def finish(decodes: Sequence[Engine], prefills: Sequence[Engine], args: argparse.Namespace) -> list[int]:
+    """The decode engines' exit statuses, within ``--run-timeout``: then they are killed (and
+    said so: a status of their own, never 1).
+
+    A prefill engine that exits with a failure while they run (it died as it started, or
+    crashed) is watched for: the decode engines get ``--timeout`` and 5 s more to see it
+    themselves (a lost peer fails their requests) and are then stopped, since one still
+    connecting to it would retry until ``--connect-timeout``.
+    """
+    limit = args.run_timeout
+    deadline = time.monotonic() + limit
+    why = f"did not finish within --run-timeout {limit:g} s: killed"
+    lost: str | None = None
+    while any(engine.process.poll() is None for engine in decodes) and time.monotonic() < deadline:
+        if lost is None:
+            gone = next(((e, code) for e in prefills if (code := e.process.poll()) not in (None, 0)), None)
+            if gone is not None:
+                engine, code = gone
+                grace = args.timeout + 5
+                lost = f"{engine.name} exited ({code}) before this engine ended: stopped {grace:g} s later"
+                deadline = min(deadline, time.monotonic() + grace)
+                why = lost
+        time.sleep(0.05)
+    codes = []
+    for engine in decodes:
+        try:
+            codes.append(engine.wait(timeout=max(deadline - time.monotonic(), 0.01)))
+        except subprocess.TimeoutExpired:
+            engine.output.shown.append(why)
+            code = engine.stop(patience=0)
+            codes.append(code if lost else -9)
+    return codes
 
 
 def until_state(pid: int, state: str) -> str:

@@ -145,10 +145,8 @@ def print_report(outcome: Outcome, stream: TextIO) -> None:
     f = outcome.figures
     engines = len(f.get("prefill_pids", [])) or "the"
     plural = "s" if engines != 1 else ""
-    stream.write(
-        f"kvhost decode: {engines} prefill engine{plural} -> this decode engine over NIXL "
-        f"(UCX, {f.get('network', '')})\n"
-    )
+    network = f", {f['network']}" if f.get("network") else ""  # none before a connection was made
+    stream.write(f"kvhost decode: {engines} prefill engine{plural} -> this decode engine over NIXL (UCX{network})\n")
     for line in outcome.lines:
         stream.write(f"  {line}\n")
     if "transfer_seconds" in f:
