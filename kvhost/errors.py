@@ -33,6 +33,16 @@ def failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message, or "" where it has none: compilers' and
+    allocators' messages run to pages, and some exceptions carry no message at all."""
+    try:
+        lines = str(err).strip().splitlines()
+    except Exception:
+        return "(its message could not be read)"
+    return lines[0] if lines else ""
+
+
 class KVHostError(Exception):
     """Base class of every error kvhost raises on purpose."""
 

@@ -1177,6 +1177,14 @@ def test_a_copy_kernel_that_does_not_compile_is_a_backend_error_with_nothing_lau
         kvhost.copy_blocks(src, dst, [1, 3, 5], [0, 2, 4], axes="KBNHC", backend=backend)
     assert accelerator.OUT_OF_MEMORY is torch.OutOfMemoryError and launched == []
 
+    def no_room_unsaid(*args, **kwargs):  # an allocator's error with no message is still said
+        raise torch.OutOfMemoryError()
+
+    backend._upload = no_room_unsaid  # type: ignore[method-assign]
+    with pytest.raises(kvhost.BackendError, match=r"^cpu: out of memory for a copy's tables: $"):
+        kvhost.copy_blocks(src, dst, [1, 3, 5], [0, 2, 4], axes="KBNHC", backend=backend)
+    assert launched == []
+
 
 def test_the_kernels_bounds_do_not_refuse_what_the_torch_path_does(monkeypatch):
     """Without kernels a unit past their 32-bit offsets is the torch path's, which has no such

@@ -173,3 +173,15 @@ def test_copy_within_one_cache_must_not_overlap():
 def test_backend_errors():
     with pytest.raises(kvhost.BackendError, match=r"'nonesuch'.*registered"):
         kvhost.receive(hnd_caches(), {"r": [1]}, axes="KBNHC", backend="nonesuch")
+
+
+def test_first_line_is_an_exceptions_first_line_or_nothing():
+    from kvhost.errors import first_line
+
+    class Unreadable(Exception):
+        def __str__(self):
+            raise ValueError("no")
+
+    assert first_line(RuntimeError("  out of memory\nTried to allocate 2 MiB\n")) == "out of memory"
+    assert first_line(MemoryError()) == "" and first_line(RuntimeError("\n \n")) == ""
+    assert first_line(Unreadable()) == "(its message could not be read)"

@@ -60,7 +60,7 @@ import torch
 from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.caches import CopyGroup, Member
-from kvhost.errors import BackendError, failure
+from kvhost.errors import BackendError, first_line
 from kvhost.ids import find_runs
 from kvhost.layout import Layout
 from kvhost.memory import byte_extent
@@ -156,7 +156,7 @@ class AcceleratorBackend(Backend):
             with self.runtime.guard(device):
                 kernels.probe(device)
         except Exception as err:  # Triton's build, load and driver errors have no common base
-            return f"Triton cannot build or load a kernel on {device}: {failure(err).strip().splitlines()[0]}"
+            return f"Triton cannot build or load a kernel on {device}: {type(err).__name__}: {first_line(err)}"
         return ""
 
     def describe(self) -> str:
@@ -257,7 +257,7 @@ class AcceleratorBackend(Backend):
             except OUT_OF_MEMORY as err:  # refused before any byte moves: a smaller call may fit
                 raise BackendError(
                     f"{job.device}: out of memory for a receive's tables and scratch "
-                    f"({launch.scratch_words * launch.word_bytes} bytes of scratch): {str(err).splitlines()[0]}"
+                    f"({launch.scratch_words * launch.word_bytes} bytes of scratch): {first_line(err)}"
                 ) from None
             keep.append(scratch)
         calls = kernels.receive_calls(
@@ -289,7 +289,7 @@ class AcceleratorBackend(Backend):
                     name = getattr(call.kernel, "__name__", type(call.kernel).__name__)
                     raise BackendError(
                         f"{device}: the kernel {name} for this {what} cannot run here: "
-                        f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+                        f"{type(err).__name__}: {first_line(err)}"
                     ) from err
                 self._compiled.add(key)
 
@@ -367,7 +367,7 @@ class AcceleratorBackend(Backend):
         try:
             tables = self._upload(arrays, device, keep)
         except OUT_OF_MEMORY as err:
-            raise BackendError(f"{device}: out of memory for a copy's tables: {str(err).splitlines()[0]}") from None
+            raise BackendError(f"{device}: out of memory for a copy's tables: {first_line(err)}") from None
         call = kernels.copy_call(
             launch,
             src_bases=tables[0],

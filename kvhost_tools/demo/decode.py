@@ -36,7 +36,7 @@ from typing import TextIO
 import torch
 
 import kvhost
-from kvhost.errors import KVHostError, failure
+from kvhost.errors import KVHostError, failure, first_line
 from kvhost.nixl import Agent, ProtocolError, RankReader, Session, TransferError, connect, load_nixl, plan_ranks
 from kvhost.nixl.peers import parse_address, read_secret_file
 from kvhost.testing import raw
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome.error = "out of memory for the caches"
     except Exception as err:
         if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's: "can't allocate memory"
-            outcome.error = f"out of memory: {str(err).splitlines()[0]}"
+            outcome.error = f"out of memory: {first_line(err)}"
         else:  # a bug: say where, but never exit 1, which means only that requests failed
             traceback.print_exc()
             outcome.error = f"failed: {failure(err).splitlines()[0]}"

@@ -123,10 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoryError:
         print(f"prefill: out of memory: {memory_options(args)}", file=sys.stderr)
     except Exception as err:
-        from kvhost.errors import KVHostError
+        from kvhost.errors import KVHostError, first_line
 
         if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's allocator
-            print(f"prefill: out of memory: {memory_options(args)}: {str(err).splitlines()[0]}", file=sys.stderr)
+            print(f"prefill: out of memory: {memory_options(args)}: {first_line(err)}", file=sys.stderr)
         elif isinstance(err, (KVHostError, OSError)):
             print(f"prefill: {err}", file=sys.stderr)
         else:  # a bug: say where, with the status of an error (1 means requests failed)
