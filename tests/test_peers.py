@@ -757,10 +757,10 @@ def test_a_server_serves_until_its_number_of_peers_have_ended_refusals_not_count
     assert [r.outcome for r in records] == ["refused", "done", "done"]
 
 
-def _knocked(port):
+def _knocked(port, source="127.0.0.1"):
     """A connection the server has taken in: it knocked and was challenged, and proved nothing
     yet. Returns the socket and the nonces (its own, the server's) a proof is made over."""
-    sock = socket.create_connection(("127.0.0.1", port))
+    sock = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
     mine = os.urandom(16)
     send(sock, KNOCK, {"nonce": mine.hex()}, timeout=5)
     theirs = bytes.fromhex(receive(sock, timeout=5, expect=CHALLENGE).fields().text("nonce"))
@@ -872,6 +872,26 @@ def test_a_challenged_decode_outlasts_strays_that_never_knock():
         for stray in strays:
             stray.close()
     assert [r.outcome for r in running.finish()] == ["done"]
+
+
+def test_a_flood_from_one_host_churns_its_own_connections_not_a_decodes_from_another():
+    """Strays from one address that knock and are challenged, as a decode is: past the bound
+    the server drops theirs (the host holding the most unproven), never the decode's, which
+    was the oldest and, by age alone, would go first."""
+    running = Running(peers=1, idle=5.0, auth_timeout=30.0, peer_timeout=5.0)
+    decode_sock, nonces = _knocked(running.port, source="127.0.0.2")
+    strays = [_knocked(running.port)[0] for _ in range(MAX_CONNECTIONS + 8)]
+    try:
+        assert sum(_closed_by_listener(stray, within=0.5) for stray in strays[:12]) == 9
+        assert not _closed_by_listener(decode_sock, within=0.2)
+        send(decode_sock, ENGINE, {"proof": proof(SECRET, "decode", nonces), "engine": DECODE.to_dict()}, timeout=5)
+        assert receive(decode_sock, timeout=5).kind == "offer"
+        send(decode_sock, DONE, {"ok": True}, timeout=5)
+    finally:
+        decode_sock.close()
+        for stray in strays:
+            stray.close()
+    assert [(r.outcome, r.address.split(":")[0]) for r in running.finish()] == [("done", "127.0.0.2")]
 
 
 def test_a_decode_turned_away_before_its_challenge_connects_again(monkeypatch):
@@ -1250,7 +1270,9 @@ def test_a_done_that_cannot_be_answered_ends_the_hold_once_as_failed():
     writer, reader = _full_pair()  # prefill's end, whose peer reads nothing
     with socket.create_server(("127.0.0.1", 0)) as listener, reader, selectors.DefaultSelector() as selector:
         server = Server(listener, SECRET, PREFILL, lambda peer: None, release=released.append)  # type: ignore[arg-type,return-value]
-        conn = server_module._Connection(writer, "127.0.0.1:1", time.monotonic() + 5.0, stage=BEAT, offered=True)
+        conn = server_module._Connection(
+            writer, "127.0.0.1:1", "127.0.0.1", time.monotonic() + 5.0, stage=BEAT, offered=True
+        )
         conn.record = server_module.PeerRecord(conn.address)
         server._connections[writer] = conn
         selector.register(writer, selectors.EVENT_READ)

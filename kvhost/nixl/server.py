@@ -10,8 +10,9 @@ called at once, so the application lets go of what it held for that peer.
 Nothing a peer does is trusted: before it proves the secret a connection may send one
 frame of at most ``AUTH_FRAME_BYTES`` (its engine message at most ``ENGINE_FRAME_BYTES``)
 within ``auth_timeout`` seconds; at most ``MAX_CONNECTIONS`` connections are held, an
-unproven one dropped for a new one (the oldest not yet challenged, which ``connect``
-tries again, else the oldest); frames are read only up to their
+unproven one dropped for a new one (one of the address holding the most unproven ones, so
+that a flood from one host churns its own; of those the oldest not yet challenged, which
+``connect`` tries again, else the oldest); frames are read only up to their
 end, and a held peer may send only small frames. Only proven peers keep the server from
 its idle stop, and a peer the application's ``offer`` fails for is refused alone.
 Everything runs on the calling thread and nothing blocks it: an offer (megabytes of agent
@@ -95,6 +96,7 @@ class PeerRecord:
 class _Connection:
     sock: socket.socket
     address: str
+    host: str  # the address without its port: connections are weighed by the host they come from
     deadline: float
     # What it must send next: knock, engine, nothing while its offer goes out (offer), beats and done.
     stage: str = KNOCK
@@ -268,11 +270,15 @@ class Server:
                     sock.close()
                     self.dropped += 1
                     continue
-                # The oldest not yet challenged (``connect`` tries again), else the oldest: a
-                # decode that was challenged goes last.
-                self._end(selector, min(unproven, key=lambda c: c.stage != KNOCK), "", "")
+                # One of the host that holds the most (a flood from one address churns its own
+                # connections, not a decode's from elsewhere); of its, the oldest not yet
+                # challenged (``connect`` tries again), else the oldest.
+                held = Counter(c.host for c in unproven)
+                busiest = max(held, key=held.__getitem__)  # of a tie, the host seen first
+                theirs = [c for c in unproven if c.host == busiest]
+                self._end(selector, min(theirs, key=lambda c: c.stage != KNOCK), "", "")
             sock.setblocking(False)
-            conn = _Connection(sock, f"{address[0]}:{address[1]}", time.monotonic() + self.auth_timeout)
+            conn = _Connection(sock, f"{address[0]}:{address[1]}", address[0], time.monotonic() + self.auth_timeout)
             conn.away_at_accept = self._away
             self._connections[sock] = conn
             selector.register(sock, selectors.EVENT_READ)
