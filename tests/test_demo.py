@@ -992,3 +992,17 @@ def test_a_prefill_that_dies_as_it_starts_ends_the_run_long_before_the_connect_t
     assert "decode 0: prefill 0 exited (-9) before this engine ended: stopped 7 s later" in text
     assert "prefill 0: exit -9" in text
     assert time.monotonic() - started < 120
+
+
+def test_the_demo_process_itself_loads_neither_torch_nor_kvhost():
+    """Only its engines need them: loading torch made the demo itself a 240 MB process that
+    spent a second and more before starting any engine (its JSON writer lived beside the
+    report's torch yardstick)."""
+    code = (
+        "import sys\n"
+        "from kvhost_tools import cli\n"
+        "from kvhost_tools.demo import cli as demo\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kvhost')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -82,9 +82,9 @@ from kvhost_tools.demo.options import (
     peer_timeout_refusal,
     seconds,
     workload_of,
+    write_json_file,
 )
 from kvhost_tools.demo.processes import Engine
-from kvhost_tools.demo.report import write_json_file
 from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
 
 # What the engines of the demo pass on unchanged.

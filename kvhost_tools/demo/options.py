@@ -7,6 +7,7 @@ Impossible options end the command with status 2 and one line naming the option
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import tempfile
@@ -169,6 +170,17 @@ def json_path(text: str) -> str:
     if problem:
         raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return text
+
+
+def write_json_file(path: str, data: object) -> None:
+    """``data`` as JSON at ``path``, whole or not at all where it is a file."""
+    as_it_is = os.path.exists(path) and not os.path.isfile(path)  # /dev/stdout, a pipe
+    target = os.path.realpath(path)  # a link's file is written, and the link kept
+    written = path if as_it_is else f"{target}.partial"  # else whole or not at all: never half an outcome
+    with open(written, "w") as out:
+        json.dump(data, out, indent=1)
+    if not as_it_is:
+        os.replace(written, target)
 
 
 def folder_refusal(folder: str) -> str | None:

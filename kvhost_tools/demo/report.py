@@ -8,7 +8,6 @@ absolute figures mean little.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from kvhost_tools.demo.config import EngineShape, Model, yardstick_bytes
+from kvhost_tools.demo.options import write_json_file
 
 if TYPE_CHECKING:
     from kvhost.nixl.peers import Offer
@@ -209,17 +209,6 @@ def write_json(path: str, outcome: Outcome) -> None:
         "mismatched": outcome.mismatched,
     }
     write_json_file(path, data)
-
-
-def write_json_file(path: str, data: object) -> None:
-    """``data`` as JSON at ``path``, whole or not at all where it is a file."""
-    as_it_is = os.path.exists(path) and not os.path.isfile(path)  # /dev/stdout, a pipe
-    target = os.path.realpath(path)  # a link's file is written, and the link kept
-    written = path if as_it_is else f"{target}.partial"  # else whole or not at all: never half an outcome
-    with open(written, "w") as out:
-        json.dump(data, out, indent=1)
-    if not as_it_is:
-        os.replace(written, target)
 
 
 def _names(names: list[str]) -> str:
