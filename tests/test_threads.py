@@ -163,3 +163,76 @@ def test_layers_on_two_devices_are_named_without_reading_a_tensor_outside_a_lock
     with pytest.raises(kvhost.LayoutError, match=r"dst: layer 'l0' is on cpu but layer 'zz' is on meta"):
         kvhost.copy_blocks({"l0": caches["l0"]}, caches, [0], [1], axes="KBNHC", backend="cpu")
     assert built == []
+
+
+COLLECTOR_IN_THE_SCRATCH = """
+import gc, os, sys, threading
+import torch
+import kvhost
+from kvhost.backend import EventCompletion
+from kvhost.batch import plan_copy_batch
+from kvhost.caches import CacheSet
+from kvhost.testing import make_cache
+
+cpu = kvhost.get_backend("cpu")
+sizes = dict(K=2, B=8, N=16, H=2, C=8)
+pair = [CacheSet({"l0": make_cache("KBNHC", "KBNHC", sizes)}, "KBNHC", role=role) for role in ("src", "dst")]
+into_host = plan_copy_batch(*pair, [0], [1], False).jobs[0]  # a bounced save's last step: a CPU copy
+
+def collected_in_rows(phase, info):
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "rows" and "kvhost_cpu" in frame.f_code.co_filename):
+        frame = frame.f_back
+    if phase == "start" and threading.current_thread().name == "growing" and frame is not None:
+        hits.append(1)
+        save = EventCompletion(type("Fired", (), {"query": lambda s: True, "synchronize": lambda s: None})(),
+                               [], lambda: cpu.copy(into_host).wait())
+        cycle = {"result": save}
+        cycle["self"] = cycle  # dropped in a cycle: the collector finishes it, in this thread
+        del save, cycle
+
+hits = []
+big = dict(K=2, B=64, N=64, H=8, C=128)
+two_groups = {f"l{i}": make_cache("KBNHC", "KBNHC", big, torch.bfloat16) for i in range(2)}
+requests = {"a": [0, 1, 2, 3], "b": kvhost.Incoming([8, 9, 10, 11], "HNC", 32)}
+stop = threading.Event()
+
+def two_launches_a_call():
+    while not stop.is_set():
+        kvhost.receive(two_groups, requests, axes="KBNHC", remote_order="HNC", remote_block_size=16)
+
+def growing():  # its scratch grows each call: an allocation under the scratch's lock
+    for k in range(6):
+        caches = {"l0": make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=64, H=8, C=128 * (k + 2)), torch.bfloat16)}
+        kvhost.receive(caches, {"r": [0, 1]}, axes="KBNHC", remote_order="HNC", remote_block_size=16)
+    stop.set()
+
+kvhost.receive(two_groups, requests, axes="KBNHC", remote_order="HNC", remote_block_size=16)  # compiled first
+gc.callbacks.append(collected_in_rows)
+gc.set_threshold(1)
+threads = [threading.Thread(target=f, name=f.__name__, daemon=True) for f in (two_launches_a_call, growing)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(30)
+gc.callbacks.clear()
+print("alive", sum(t.is_alive() for t in threads), "collections in rows", len(hits), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_dropped_save_finished_by_the_collector_inside_the_scratch_deadlocks_no_thread():
+    """The collector runs at any allocation, the CPU scratch's (under its lock) included, and
+    finishes a dropped staged save there with a CPU copy (which takes the launch lock); a
+    receive of two groups takes the launch lock, then the scratch's. With two locks the two
+    threads deadlocked; the scratch now uses the launch lock."""
+    import subprocess
+    import sys
+
+    if kvhost.get_backend("cpu").describe() != "numba kernels":
+        pytest.skip("the scratch belongs to the numba kernels")
+    run = subprocess.run([sys.executable, "-c", COLLECTOR_IN_THE_SCRATCH], capture_output=True, text=True, timeout=180)
+    words = run.stdout.split()
+    assert run.returncode == 0 and words[:2] == ["alive", "0"], run.stdout + run.stderr[-2000:]
+    assert int(words[-1]) >= 1  # the collector did start inside the scratch's allocation

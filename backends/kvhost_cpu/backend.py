@@ -210,7 +210,10 @@ class _Scratch:
 
     def __init__(self) -> None:
         self._buffer = np.empty((0, 0), dtype=np.uint8)
-        self._lock = threading.Lock()
+        # The launches' lock, not one of its own: the collector may run at any allocation
+        # made under it and finish a dropped save with a copy, which takes ``_launch``; a
+        # second lock, taken in the other order by a receive's launch, deadlocked two threads.
+        self._lock = _launch
         self._calls = 0  # calls under way
         self._needed = 0  # the most bytes a call under way, or a launch since the last let go, asked for
 
