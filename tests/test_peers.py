@@ -2611,3 +2611,30 @@ def test_connect_takes_the_first_and_last_port_as_addresses(port):
 def test_parse_address_refuses_control_characters_and_digits_that_are_not_ascii(text):
     with pytest.raises(ArgumentError):
         parse_address(text)
+
+
+def test_a_session_closed_while_done_waits_for_the_answer_ends_done_with_the_hold_lost():
+    """``close`` on another thread while ``done`` waits: the next wait met a closed socket and
+    raised a ValueError (poll of descriptor -1), not a KVHostError."""
+    mine, theirs = socket.socketpair()
+    session = Session(mine, "pair", Offer(PREFILL, [], [], [], beat_seconds=5.0))
+    outcome: list[BaseException | None] = []
+
+    def finish() -> None:
+        try:
+            session.done(ok=True, timeout=3.0)
+            outcome.append(None)
+        except BaseException as err:  # looked at below
+            outcome.append(err)
+
+    waiting = threading.Thread(target=finish)
+    waiting.start()
+    try:
+        assert theirs.recv(4096)  # its 'done': it waits for the answer now
+        time.sleep(0.05)
+        session.close()
+        theirs.send(b"x")  # wakes its wait on the socket closed under it
+        waiting.join(5)
+    finally:
+        theirs.close()
+    assert isinstance(outcome[0], HoldLostError) and "closed on this side" in str(outcome[0])

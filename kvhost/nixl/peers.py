@@ -421,6 +421,8 @@ def _readable(socks: Sequence[socket.socket], seconds: float) -> list[socket.soc
     ``select``: a serving process's descriptors run past select's 1024."""
     poller = select.poll()
     for sock in socks:
+        if sock.fileno() < 0:  # closed here (``close`` on another thread): nothing more will come
+            raise PeerClosedError("the connection was closed on this side")
         poller.register(sock, select.POLLIN)
     ready = {descriptor for descriptor, _ in poller.poll(math.ceil(max(seconds, 0.0) * 1000))}
     return [sock for sock in socks if sock.fileno() in ready]
