@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from kvhost.errors import ArgumentError
+from kvhost.errors import ArgumentError, failure
 from kvhost.raw import as_raw
 
 if TYPE_CHECKING:
@@ -238,6 +238,8 @@ class OptionalKernels:
             module = importlib.import_module(self.module_name)
         except ImportError as err:
             return None, f"{err}"
+        except Exception as err:  # a compiler's library that cannot load (no memory to map it): said, and kept
+            return None, failure(err)
         why = self._check(module) if self._check is not None else None
         return (None, why) if why else (module, "")
 

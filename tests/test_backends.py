@@ -1358,3 +1358,15 @@ def test_optional_kernels_say_why_they_are_missing_or_refused():
     accepted = OptionalKernels("json", check=lambda module: None)
     assert accepted.module is not None and accepted.module.__name__ == "json" and accepted.reason == ""
     assert OptionalKernels("json").module is not None
+
+
+def test_kernels_whose_import_fails_otherwise_are_missing_for_good_with_the_reason(tmp_path, monkeypatch):
+    """numba's llvmlite failing to map its library (an OSError, under a memory limit) left
+    numba half imported: the first call said why, every later one raised AttributeError."""
+    (tmp_path / "kvhost_unloadable_kernels.py").write_text(
+        "imports = []\nimports.append(1)\nraise OSError('cannot map libllvmlite.so')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kernels = OptionalKernels("kvhost_unloadable_kernels")
+    assert kernels.module is None and kernels.reason == "OSError: cannot map libllvmlite.so"
+    assert kernels.module is None and kernels.reason == "OSError: cannot map libllvmlite.so"  # kept, not retried
