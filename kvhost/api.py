@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -12,7 +13,16 @@ import torch
 from kvhost.backend import Backend, Completion
 from kvhost.batch import CopyJob, Ids, Incoming, ReceiveJob, plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet, Layer, check_one_device
-from kvhost.errors import ArgumentError, BackendError, KVHostError, LayoutError, RequestError, failure
+from kvhost.errors import (
+    ArgumentError,
+    BackendError,
+    KVHostError,
+    LayoutError,
+    RequestError,
+    brief,
+    failure,
+    shown,
+)
 from kvhost.lru import LRU
 from kvhost.registry import get_backend
 from kvhost.stats import CopyResult, ReceiveStats
@@ -210,10 +220,17 @@ def _receive(
         caches.check_current()
     for job in batch.jobs:  # all of them before any byte moves
         _check(backend, backend.check_receive, job)
-    for job in batch.jobs:
-        backend.receive(job)
-    for zero in batch.zero_jobs:  # after the rearrangement: a block partly received is rearranged, then cut
-        backend.zero(zero)
+    ran = 0
+    try:
+        for job in batch.jobs:
+            backend.receive(job)
+            ran += 1
+        for zero in batch.zero_jobs:  # after the rearrangement: a block partly received is rearranged, then cut
+            backend.zero(zero)
+    except Exception as err:
+        if ran == 0 and isinstance(err, KVHostError):
+            raise  # the backend's own error, before any job of this call had run
+        raise BackendError(_receive_failed(backend, batch.jobs, ran, err)) from err
     return ReceiveStats(
         blocks=batch.blocks,
         bytes_moved=batch.bytes_moved,
@@ -238,7 +255,21 @@ def _copy(
     batch = plan_copy_batch(source, dest, src_ids, dst_ids, non_blocking)
     for job in batch.jobs:  # every refusal known in advance, before any job writes
         _check(backend, backend.check_copy, job)
-    completions = [_completion(backend, backend.copy(job)) for job in batch.jobs]
+    completions: list[Completion] = []
+    try:
+        for job in batch.jobs:
+            completions.append(_completion(backend, backend.copy(job)))
+    except Exception as err:
+        for issued in completions:  # what they hold is let go of once they are done, without a warning
+            with contextlib.suppress(Exception):
+                issued.wait()
+        if not completions and isinstance(err, KVHostError):
+            raise  # the backend's own error, before any job of this call had run
+        raise BackendError(
+            f"backend {backend.name!r} failed in job {len(completions) + 1} of {len(batch.jobs)} of a copy: "
+            f"{brief(err)}; the jobs before it were done (a copy retried moves the "
+            "same bytes again)"
+        ) from err
     return CopyResult(
         blocks=batch.blocks,
         bytes_moved=batch.bytes_moved,
@@ -257,6 +288,27 @@ def _check(backend: Backend, check: Callable[[_Job], None], job: _Job) -> None:
         raise
     except Exception as err:
         raise _refusal(backend, f"{check.__name__} failed", err) from err
+
+
+def _receive_failed(backend: Backend, jobs: list[ReceiveJob], ran: int, err: Exception) -> str:
+    """What a receive that failed while its jobs ran left behind: a request rearranged must
+    not be received again (a second rearrangement scrambles it), so the message says which."""
+
+    def which(some: list[ReceiveJob]) -> str:
+        subjects = list(dict.fromkeys(s for job in some for s in job.subjects))
+        layers = list(dict.fromkeys(m.layer for job in some for m in job.members))
+        more = f" and {len(subjects) - 8} more" if len(subjects) > 8 else ""
+        return f"{', '.join(subjects[:8])}{more} (layers {shown(layers, 120)})"
+
+    if ran == len(jobs):
+        return (
+            f"backend {backend.name!r} failed zeroing the ends of blocks that arrived in part: {brief(err)}; "
+            "every block that needed rearranging was rearranged before it"
+        )
+    done = f"{which(jobs[ran : ran + 1])} may be rearranged in part"
+    if ran:
+        done = f"{which(jobs[:ran])} were rearranged before it (do not receive them again); {done}"
+    return f"backend {backend.name!r} failed in job {ran + 1} of {len(jobs)} of a receive: {brief(err)}; {done}"
 
 
 def _refusal(backend: Backend, what: str, err: Exception) -> BackendError:

@@ -70,6 +70,7 @@ class ReceiveJob:
     unit_ids: np.ndarray
     device: torch.device
     derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+    subjects: Sequence[str] = field(default=(), repr=False, compare=False)  # its requests, for messages
 
     @property
     def members(self) -> MemberList:
@@ -230,8 +231,12 @@ def plan_receive_batch(
         if not group_ids.size:
             continue
         groups += 1
+        subjects = (
+            batch.subjects if request_key is None else [s for s, key in zip(batch.subjects, key_of_request) if key == k]
+        )
         for group in groups_of_key[k]:
-            jobs.append(ReceiveJob(group, group_ids.reshape(-1, group.rearrangement.parts), caches.device))
+            unit_ids = group_ids.reshape(-1, group.rearrangement.parts)
+            jobs.append(ReceiveJob(group, unit_ids, caches.device, subjects=subjects))
     zero_jobs = []
     if partial is not None and partial.blocks:
         assert ids is not None

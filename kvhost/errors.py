@@ -43,6 +43,12 @@ def first_line(err: BaseException) -> str:
     return lines[0] if lines else ""
 
 
+def brief(err: BaseException) -> str:
+    """``Type: first line`` of an exception (``Type`` alone where it has no message)."""
+    line = first_line(err)
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__
+
+
 class KVHostError(Exception):
     """Base class of every error kvhost raises on purpose."""
 

@@ -363,12 +363,69 @@ def test_a_plugin_s_own_exception_before_any_byte_moves_is_a_backend_error_namin
     assert backend.jobs == [] and case.same_as(wire) and not dst["l"].any()
 
 
-def test_a_plugin_s_own_exception_during_the_work_reaches_the_caller_as_it_is():
-    """Raised from ``receive`` (bytes may have moved): not worded as a refusal."""
+def test_a_plugin_s_own_exception_during_the_work_is_a_backend_error_saying_what_may_have_moved():
+    """Raised from ``receive`` (bytes may have moved): a BackendError, its cause the plugin's
+    own exception, not worded as a refusal."""
     caches = {"l": make_cache("KBNHC", "KBNHC", dict(SIZES, B=12))}
-    with pytest.raises(ZeroDivisionError, match="device fault"):
+    failing = r"^backend 'plugin-failures' failed in job 1 of 1 of a receive: ZeroDivisionError: device fault; "
+    with pytest.raises(
+        kvhost.BackendError, match=failing + r"request 'a' \(layers \['l'\]\) may be rearranged in part$"
+    ) as caught:
         kvhost.receive(caches, {"a": [1, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=8,
                        backend=PluginFailures("receive"))  # fmt: skip
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+
+class FailsOnItsSecondJob(Recorder):
+    """Its second job of a call (receive or copy) raises; the first ran."""
+
+    name = "fails-second"
+
+    def receive(self, job):  # type: ignore[no-untyped-def]
+        if self.jobs:
+            raise MemoryError()
+        super().receive(job)
+
+    def copy(self, job):  # type: ignore[no-untyped-def]
+        if self.jobs:
+            raise RuntimeError("out of memory\nin detail")
+        return super().copy(job)
+
+    def zero(self, job):  # type: ignore[no-untyped-def]
+        raise OSError("zeroing failed")
+
+
+def test_a_receive_that_fails_after_a_job_ran_names_the_requests_rearranged_and_those_in_doubt():
+    """A request rearranged must not be received again (it would be scrambled): the error
+    names them, the requests of the failing job, and nothing else; a copy's says a retry
+    is safe; a failure zeroing tails says every request was rearranged."""
+    caches = {
+        "l0": make_cache("KBNHC", "KBNHC", dict(SIZES, B=12)),
+        "l1": make_cache("KBNHC", "KBHNC", dict(SIZES, B=12)),
+    }
+    requests = {"a": [0, 1], "b": kvhost.Incoming([2, 3], "HNC", 8), "c": [4, 5]}
+    backend = FailsOnItsSecondJob()
+    with pytest.raises(kvhost.BackendError) as caught:
+        kvhost.receive(caches, requests, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend=backend)
+    assert str(caught.value) == (
+        "backend 'fails-second' failed in job 2 of 3 of a receive: MemoryError; request 'a', request 'c' "
+        "(layers ['l0']) were rearranged before it (do not receive them again); request 'a', request 'c' "
+        "(layers ['l1']) may be rearranged in part"
+    )
+    assert len(backend.jobs) == 1
+    backend = FailsOnItsSecondJob()
+    dst = {name: torch.zeros_like(t) for name, t in caches.items()}
+    with pytest.raises(
+        kvhost.BackendError, match=r"in job 2 of 2 of a copy: RuntimeError: out of memory; the jobs before"
+    ):
+        kvhost.copy_blocks(caches, dst, [1, 2], [3, 4], axes="KBNHC", backend=backend)
+    backend = FailsOnItsSecondJob()
+    partial = {"a": kvhost.Incoming([0, 1], "NHC", 8, tokens=12)}
+    with pytest.raises(
+        kvhost.BackendError,
+        match=r"failed zeroing the ends of blocks that arrived in part: OSError: zeroing failed; every block",
+    ):
+        kvhost.receive({"l0": caches["l0"]}, partial, axes="KBNHC", backend=backend)
 
 
 def test_caches_that_moved_are_told_before_any_backend_refusal(target):

@@ -60,7 +60,7 @@ import torch
 from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.caches import CopyGroup, Member
-from kvhost.errors import BackendError, first_line
+from kvhost.errors import BackendError, brief, first_line
 from kvhost.ids import find_runs
 from kvhost.layout import Layout
 from kvhost.memory import byte_extent
@@ -156,7 +156,7 @@ class AcceleratorBackend(Backend):
             with self.runtime.guard(device):
                 kernels.probe(device)
         except Exception as err:  # Triton's build, load and driver errors have no common base
-            return f"Triton cannot build or load a kernel on {device}: {type(err).__name__}: {first_line(err)}"
+            return f"Triton cannot build or load a kernel on {device}: {brief(err)}"
         return ""
 
     def describe(self) -> str:
@@ -288,8 +288,7 @@ class AcceleratorBackend(Backend):
                 except Exception as err:  # Triton's compile and load errors have no common base
                     name = getattr(call.kernel, "__name__", type(call.kernel).__name__)
                     raise BackendError(
-                        f"{device}: the kernel {name} for this {what} cannot run here: "
-                        f"{type(err).__name__}: {first_line(err)}"
+                        f"{device}: the kernel {name} for this {what} cannot run here: {brief(err)}"
                     ) from err
                 self._compiled.add(key)
 
