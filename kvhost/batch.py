@@ -71,6 +71,9 @@ class ReceiveJob:
     device: torch.device
     derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
     subjects: Sequence[str] = field(default=(), repr=False, compare=False)  # its requests, for messages
+    # What a backend keeps for all the jobs of one call (one dict for them all): a scratch
+    # they take in turn, made in their checks as large as the largest needs.
+    shared: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def members(self) -> MemberList:
@@ -215,6 +218,7 @@ def plan_receive_batch(
     partial = _Partial(arrived, batch, key_of_request, parts, local.block_size) if arrived else None
 
     jobs: list[ReceiveJob] = []
+    shared: dict[object, object] = {}
     groups = skipped = 0
     with_work = [k for k, planned in enumerate(groups_of_key) if planned]
     ids = batch.array() if with_work or partial else None
@@ -236,7 +240,7 @@ def plan_receive_batch(
         )
         for group in groups_of_key[k]:
             unit_ids = group_ids.reshape(-1, group.rearrangement.parts)
-            jobs.append(ReceiveJob(group, unit_ids, caches.device, subjects=subjects))
+            jobs.append(ReceiveJob(group, unit_ids, caches.device, subjects=subjects, shared=shared))
     zero_jobs = []
     if partial is not None and partial.blocks:
         assert ids is not None

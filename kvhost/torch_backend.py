@@ -15,6 +15,7 @@ run (they hold one, configured for their device: composition, not inheritance).
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable
 from functools import cached_property
@@ -25,6 +26,7 @@ import torch
 
 from kvhost.backend import Backend, Completion, EventCompletion, check_sizes, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
+from kvhost.errors import BackendError, brief
 from kvhost.ids import find_runs_list
 from kvhost.layout import Layout, contiguous_strides
 from kvhost.raw import as_raw
@@ -134,36 +136,91 @@ class TorchBackend(Backend):
     def index_buffers(self) -> IndexBuffers:
         return IndexBuffers()
 
+    def check_receive(self, job: ReceiveJob) -> None:
+        """Make the scratch the job's passes need before any job of the call runs (one for
+        the call's jobs, as large as the largest needs): a machine without room for it
+        refuses the call with nothing written, not after earlier jobs rearranged theirs."""
+        self._receive_scratch(job)
+
+    def _receive_scratch(self, job: ReceiveJob) -> torch.Tensor:
+        """Bytes for two passes of the job (a pass's wire bytes, then its rearranged ones),
+        the call's scratch where it is as large; each member views it in its own dtype."""
+        plan, layout = job.rearrangement, job.layout
+        pass_bytes = plan.unit_bytes * layout.outer_count * self._units_a_pass(job)
+        needed = -(-2 * pass_bytes // 8) * 8  # whole words: a member may view it as 8-byte integers
+        key = ("torch receive", job.device)
+        held = job.shared.get(key)
+        if isinstance(held, torch.Tensor) and held.numel() >= needed:
+            return held
+        try:
+            scratch = torch.empty(needed, dtype=torch.uint8, device=job.device)
+        except RuntimeError as err:  # torch's allocators (the host's, OutOfMemoryError on devices)
+            raise BackendError(
+                f"{job.device}: no memory for a receive's scratch of {needed:,} bytes "
+                f"({plan.unit_bytes:,}-byte units; nothing was moved): {brief(err)}"
+            ) from None
+        job.shared[key] = scratch
+        return scratch
+
+    def _units_a_pass(self, job: ReceiveJob) -> int:
+        """Units a pass of the job moves: one at a time on the host's numpy way, else as many
+        as the host's or the device's chunk holds (all, where the device's is unbounded)."""
+        per_unit = job.rearrangement.unit_bytes * job.layout.outer_count
+        units = int(job.unit_ids.shape[0])
+        if job.device.type == "cpu":
+            if per_unit < self.host_thread_bytes:
+                return 1
+            pass_bytes: int | None = self.host_chunk_bytes
+        else:
+            pass_bytes = self.device_chunk_bytes
+        return units if pass_bytes is None else min(units, max(1, pass_bytes // per_unit))
+
     def receive(self, job: ReceiveJob) -> None:
-        """Gather each pass's units, permute, scatter them back, in torch ops. On the host,
-        units of fewer than ``host_thread_bytes`` (over the dims outside a block) go one by
-        one through two scratch arrays that stay in cache, in numpy on the calling thread:
-        torch's ops there wake its threads three times a pass, and the bench's receive ran
-        at 0.15 of memcpy, slower than vLLM's per-request way on one thread."""
+        """Gather each pass's units, permute, scatter them back, in torch ops, through the
+        scratch ``check_receive`` made. On the host, units of fewer than ``host_thread_bytes``
+        (over the dims outside a block) go one by one through two halves of the scratch that
+        stay in cache, in numpy on the calling thread: torch's ops there wake its threads
+        three times a pass, and the bench's receive ran at 0.15 of memcpy, slower than
+        vLLM's per-request way on one thread."""
         plan = job.rearrangement
         layout = job.layout
         outer = len(layout.outer)
         host = job.device.type == "cpu"
         per_unit = plan.unit_bytes * layout.outer_count
+        scratch = self._receive_scratch(job)
         if host and per_unit < self.host_thread_bytes:  # numpy's calls: no index tensor to make
+            halves = scratch.numpy()
             for member in job.members:
                 view, src_shape, region_shape = _receive_view(member.tensor, layout, plan, widen=True)
-                _receive_units(view.detach().numpy(), job.unit_ids, outer, src_shape, plan.perm, region_shape)
+                blocks = view.detach().numpy()
+                _receive_units(
+                    blocks, job.unit_ids, outer, src_shape, plan.perm, region_shape, halves.view(blocks.dtype)
+                )
             return
         ids = self.index_buffers(job.unit_ids.reshape(-1), job.device)
         units = job.unit_ids.shape[0]
-        pass_bytes = self.host_chunk_bytes if host else self.device_chunk_bytes
-        step = units if pass_bytes is None else max(1, pass_bytes // per_unit)
+        step = self._units_a_pass(job)
+        dims = list(range(outer + 1)) + [outer + 1 + p for p in plan.perm]
+        passes: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for member in job.members:
             view, src_shape, region_shape = _receive_view(member.tensor, layout, plan, widen=host)
-            outer_shape = list(view.shape[:outer])
             for start in range(0, units, step):
                 count = min(step, units - start)
                 chunk = ids[start * plan.parts : (start + count) * plan.parts]
-                wire = view.index_select(outer, chunk).reshape(*outer_shape, count, *src_shape)
-                dims = list(range(outer + 1)) + [outer + 1 + p for p in plan.perm]
-                local = wire.permute(dims).reshape(*outer_shape, count * plan.parts, *region_shape)
-                view.index_copy_(outer, chunk, local)
+                shape = (count, view.dtype, *view.shape)  # a member may not widen where another does
+                if shape not in passes:  # views of the scratch, made once a shape
+                    outer_shape = view.shape[:outer]
+                    gathered = (*outer_shape, count * plan.parts, *view.shape[outer + 1 :])
+                    size = math.prod(gathered)
+                    typed = scratch.view(view.dtype)
+                    wire = typed[:size].view(gathered)
+                    permuted = wire.view(*outer_shape, count, *src_shape).permute(dims)
+                    local = typed[size : 2 * size].view(permuted.shape)
+                    passes[shape] = wire, permuted, local, local.view(*outer_shape, count * plan.parts, *region_shape)
+                wire, permuted, local, rearranged = passes[shape]
+                torch.index_select(view, outer, chunk, out=wire)
+                local.copy_(permuted)
+                view.index_copy_(outer, chunk, rearranged)
 
     def copy(self, job: CopyJob) -> Completion:
         """The fewest calls that move every block in one pass (``_index_runs`` says which).
@@ -327,14 +384,17 @@ def _receive_units(
     src_shape: tuple[int, ...],
     perm: tuple[int, ...],
     region_shape: tuple[int, ...],
+    scratch: np.ndarray,
 ) -> None:
-    """Each unit: its blocks' wire bytes copied out to a scratch, rearranged into a second,
-    copied back; ``blocks`` is ``[outer..., B, *region]``, a unit's wire bytes are its
-    blocks' regions back to back under each outer index."""
+    """Each unit: its blocks' wire bytes copied out to one half of ``scratch`` (a unit's
+    elements twice over, of ``blocks``' dtype), rearranged into the other, copied back;
+    ``blocks`` is ``[outer..., B, *region]``, a unit's wire bytes are its blocks' regions
+    back to back under each outer index."""
     outer_shape = blocks.shape[:outer]
     parts = unit_ids.shape[1]
-    wire = np.empty((*outer_shape, parts, *region_shape), blocks.dtype)
-    local = np.empty_like(wire)
+    shape = (*outer_shape, parts, *region_shape)
+    size = math.prod(shape)
+    wire, local = scratch[:size].reshape(shape), scratch[size : 2 * size].reshape(shape)
     rearranged = wire.reshape(*outer_shape, *src_shape).transpose(*range(outer), *(outer + p for p in perm))
     local_groups = local.reshape(rearranged.shape)  # both dense: views, never copies
     for row in unit_ids.tolist():

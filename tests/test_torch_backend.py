@@ -236,3 +236,45 @@ def test_without_an_event_for_the_device_the_copy_is_waited_for_before_returning
     completion = kvhost.torch_backend._completion(meta_copy_job(torch.device("cpu"), device))
     assert type(completion) is Completion and completion.done()
     assert synchronized == [device] and recorded == []
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(host_thread_bytes=8 << 20), dict(host_thread_bytes=1, host_chunk_bytes=1 << 20)],
+    ids=["numpy-unit-at-a-time", "torch-passes"],
+)
+def test_a_machine_short_of_memory_for_a_later_job_s_scratch_refuses_the_torch_path_s_call_first(monkeypatch, options):
+    """The torch path's passes go through one scratch the call's jobs share, made in their
+    checks: no room for the second job's is a BackendError with no byte written. Its passes
+    had allocated as they ran, leaving the first job rearranged and a RuntimeError; a second
+    try rearranged it again."""
+    from kvhost.testing import ReceiveCase
+
+    caches = {"l0": make_cache("BNHC", "BNHC", dict(B=16, N=256, H=16, C=128), torch.bfloat16)}  # blocks of 1 MiB
+    case = ReceiveCase(caches, "BNHC")
+    case.send("a", [0, 1], "HNC", 64)  # r = 4: units of a block, a scratch of 2 MiB
+    case.send("b", [2, 3], "HNC", 512)  # g = 2: units of two blocks, a scratch of 4 MiB
+    requests = {n: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size) for n, w in case.requests.items()}
+    saved, asked = case.snapshot(), []
+    backend = kvhost.torch_backend.TorchBackend(**options)
+
+    class ShortOfMemory:
+        """torch, whose ``empty`` finds no room for more than 3 MiB."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty(self, *shape, **kwargs):
+            asked.append(shape)
+            if np.prod(shape) > 3 << 20:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+            return torch.empty(*shape, **kwargs)
+
+    monkeypatch.setattr(kvhost.torch_backend, "torch", ShortOfMemory())
+    refusal = r"^cpu: no memory for a receive's scratch of 4,194,304 bytes .*nothing was moved\): RuntimeError: Default"
+    with pytest.raises(kvhost.BackendError, match=refusal):
+        kvhost.receive(caches, requests, axes="BNHC", backend=backend)
+    assert asked == [(2 << 20,), (4 << 20,)] and case.same_as(saved)
+    monkeypatch.setattr(kvhost.torch_backend, "torch", torch)
+    kvhost.receive(caches, requests, axes="BNHC", backend=backend)
+    case.check()

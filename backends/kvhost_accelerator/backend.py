@@ -226,6 +226,8 @@ class AcceleratorBackend(Backend):
             # call before any runs, so a device short of memory for one job's scratch (a
             # cache sized to fill the device) leaves the call unwritten, not half rearranged.
             job.derived["accelerator"] = self._prepare_receive(job)
+        else:
+            self.torch_path.check_receive(job)
 
     def _prepare_receive(self, job: ReceiveJob) -> _PreparedReceive:
         layout = job.layout
