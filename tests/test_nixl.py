@@ -224,7 +224,16 @@ def test_merged_descriptors_follow_runs_up_to_the_bound():
     # Streams never merge by default; a negative domain merges nothing.
     assert plan.merged_pairs([3, 4], list(range(8, 16)), local_domains=np.full(4, -1))[0].shape[0] == 8 * streams
     with pytest.raises(ArgumentError, match="one label for each of 4 streams"):
-        plan.merged_pairs([3, 4], list(range(8, 16)), remote_domains=np.zeros(3))
+        plan.merged_pairs([3, 4], list(range(8, 16)), remote_domains=np.zeros(3, dtype=np.int64))
+    # Labels are integers, never coerced: 0.4 and 0.6 were both domain 0, and merged.
+    for labels in (np.array([0.4, 0.6, 1.4, 1.6]), [True, False, True, False], ["0", "1", "2", "3"], [None, 0, 1, 2]):
+        with pytest.raises(ArgumentError, match="local_domains: expected integer labels"):
+            plan.merged_pairs([3, 4], list(range(8, 16)), local_domains=labels)
+    with pytest.raises(ArgumentError, match=r"remote_domains: expected integer labels \(64-bit\)"):
+        plan.merged_pairs([3, 4], list(range(8, 16)), remote_domains=[2**70, 0, 0, 0])
+    with pytest.raises(ArgumentError, match=r"remote_domains: expected integer labels \(64-bit\)"):
+        plan.merged_pairs([3, 4], list(range(8, 16)), remote_domains=np.full(4, 1 << 63, dtype=np.uint64))
+    assert plan.merged_pairs([3, 4], list(range(8, 16)), local_domains=(5, 5, 5, 5))[0].shape[0] == streams
     with pytest.raises(ArgumentError, match="at least 1"):
         plan.merged_pairs([3, 4], list(range(8, 16)), max_bytes=0)
     with pytest.raises(ArgumentError, match="one length"):
@@ -1276,10 +1285,14 @@ def test_domains_split_interleaved_streams():
     local = fake_table([0, 64, 128], 192, 4)
     remote = fake_table([10_000, 10_064, 10_128], 192, 4)
     plan = plan_transfer(local, remote)
-    got = plan.merged_pairs([1, 2], [1, 2], local_domains=np.array([0, 0, 1]), remote_domains=np.zeros(3))
+    got = plan.merged_pairs(
+        [1, 2], [1, 2], local_domains=np.array([0, 0, 1]), remote_domains=np.zeros(3, dtype=np.int64)
+    )
     assert rows_of(got) == [
         [[192, 128, 0], [320, 64, 0], [384, 128, 0], [512, 64, 0]],
         [[10_192, 128, 0], [10_320, 64, 0], [10_384, 128, 0], [10_512, 64, 0]],
     ]
-    got = plan.merged_pairs([1, 2], [1, 2], local_domains=np.zeros(3), remote_domains=np.zeros(3))
+    got = plan.merged_pairs(
+        [1, 2], [1, 2], local_domains=np.zeros(3, dtype=np.int64), remote_domains=np.zeros(3, dtype=np.int64)
+    )
     assert rows_of(got) == [[[192, 384, 0]], [[10_192, 384, 0]]]

@@ -28,7 +28,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kvhost.errors import ArgumentError, LayoutError, RequestError
+from kvhost.errors import ArgumentError, LayoutError, RequestError, shown
 from kvhost.ids import Ids, checked_ids
 from kvhost.nixl.tables import RegionTable, Stream
 
@@ -626,7 +626,14 @@ def _labels(domains: np.ndarray | None, streams: int, name: str) -> np.ndarray:
     """Per-stream merge domains: as given (one per stream), or each stream its own."""
     if domains is None:
         return np.arange(streams, dtype=np.int64)
-    labels = np.asarray(domains, dtype=np.int64)
+    try:
+        given = np.asarray(domains)
+    except (ValueError, TypeError) as err:  # ragged, or what numpy cannot hold
+        raise ArgumentError(f"{name}: expected integer labels, got {shown(domains)}: {err}") from None
+    # Integers only, never coerced: 0.4 and 0.6 are not one domain, nor True a label.
+    if given.dtype.kind not in "iu" or (given.dtype.kind == "u" and given.size and int(given.max()) >= 1 << 63):
+        raise ArgumentError(f"{name}: expected integer labels (64-bit), got {shown(domains)} ({given.dtype})")
+    labels = given.astype(np.int64, copy=False)
     if labels.shape != (streams,):
         raise ArgumentError(f"{name}: expected one label for each of {streams} streams, got shape {labels.shape}")
     return labels
