@@ -395,6 +395,72 @@ class FailsOnItsSecondJob(Recorder):
         raise OSError("zeroing failed")
 
 
+class OwnErrorOnJob(Recorder):
+    """Raises a BackendError of its own on job ``failing`` (1 the first) of a call."""
+
+    name = "own-error"
+
+    def __init__(self, failing: int) -> None:
+        super().__init__()
+        self.failing, self.waited = failing, []
+
+    def receive(self, job):  # type: ignore[no-untyped-def]
+        if len(self.jobs) + 1 == self.failing:
+            raise kvhost.BackendError("the device is being reset")
+        super().receive(job)
+
+    def copy(self, job):  # type: ignore[no-untyped-def]
+        if len(self.jobs) + 1 == self.failing:
+            raise kvhost.BackendError("the device is being reset")
+        super().copy(job)
+        return _Tracked(self.waited, f"job{len(self.jobs)}")
+
+
+@pytest.mark.parametrize("call", ["receive", "copy"])
+def test_a_backend_s_own_error_goes_as_it_is_before_any_job_ran_and_is_told_apart_after(call):
+    """Before any job of the call ran, the backend's own KVHostError is the caller's, the
+    same object; after one ran it is wrapped, naming what ran. A copy's issued jobs are
+    waited for first (their buffers go once they are done)."""
+    caches = {
+        "l0": make_cache("KBNHC", "KBNHC", dict(SIZES, B=12)),
+        "l1": make_cache("KBNHC", "KBHNC", dict(SIZES, B=12)),
+    }
+    dst = {name: torch.zeros_like(t) for name, t in caches.items()}
+
+    def run(backend):
+        if call == "copy":
+            return kvhost.copy_blocks(caches, dst, [1, 2], [3, 4], axes="KBNHC", backend=backend)
+        return kvhost.receive(
+            caches, {"a": [0, 1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend=backend
+        )
+
+    first = OwnErrorOnJob(1)
+    with pytest.raises(kvhost.BackendError, match=r"^the device is being reset$"):
+        run(first)
+    assert first.jobs == [] and first.waited == []
+    second = OwnErrorOnJob(2)
+    with pytest.raises(
+        kvhost.BackendError, match=f"^backend 'own-error' failed in job 2 of 2 of a {call}: BackendError: "
+    ):
+        run(second)
+    assert len(second.jobs) == 1 and second.waited == (["job1"] if call == "copy" else [])
+
+
+def test_a_failure_names_eight_requests_and_counts_the_rest():
+    caches = {"l0": make_cache("KBNHC", "KBNHC", dict(SIZES, B=24))}
+    requests = {f"r{i}": [2 * i, 2 * i + 1] for i in range(9)}
+    with pytest.raises(kvhost.BackendError) as caught:
+        kvhost.receive(
+            caches, requests, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend=PluginFailures("receive")
+        )
+    names = ", ".join(f"request 'r{i}'" for i in range(8))
+    assert str(caught.value).endswith(f"{names} and 1 more (layers ['l0']) may be rearranged in part")
+    with pytest.raises(kvhost.BackendError) as caught:
+        kvhost.receive(caches, {k: requests[k] for k in list(requests)[:8]}, axes="KBNHC", remote_order="HNC",
+                       remote_block_size=4, backend=PluginFailures("receive"))  # fmt: skip
+    assert str(caught.value).endswith(f"{names} (layers ['l0']) may be rearranged in part")
+
+
 def test_a_receive_that_fails_after_a_job_ran_names_the_requests_rearranged_and_those_in_doubt():
     """A request rearranged must not be received again (it would be scrambled): the error
     names them, the requests of the failing job, and nothing else; a copy's says a retry
