@@ -1006,3 +1006,25 @@ def test_the_demo_process_itself_loads_neither_torch_nor_kvhost():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--decodes", "64", "--requests", "64"], "and 27.3 GB for 65 engine processes, more than the 20.0 GB"),
+        (["--heads", "512", "--prefill-tp", "512", "--decode-tp", "512"], "and 27.6 GB for 2 engine processes"),
+    ],
+)
+def test_the_demo_counts_each_engine_process_s_own_memory_before_it_starts_one(argv, message, monkeypatch, capsys):
+    """Each engine is a process of its own (Python, torch, NIXL, UCX: some 400 MB, and 25 MB
+    a further rank): 64 decode engines, or ranks by the hundred, passed the check of the
+    caches alone on a machine they would exhaust."""
+    from kvhost_tools.demo import config
+
+    monkeypatch.setattr(config, "memory_available", lambda: 20_000_000_000)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*SMALL, "--head-dim", "8", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert config.engines_memory([EngineShape("HND", 16, 1)] * 2) == 2 * config.ENGINE_BYTES
+    assert config.engines_memory([EngineShape("HND", 16, 3)]) == config.ENGINE_BYTES + 2 * config.RANK_BYTES

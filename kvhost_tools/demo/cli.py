@@ -210,7 +210,8 @@ def refusal(args: argparse.Namespace, prefills: list[EngineShape], decode: Engin
         if problem:
             return problem
     needed = sum(memory_needed(model, workload, shape, decode, staging=args.via_host) for shape in prefills)
-    return memory_refusal(needed, model, workload) or offer_refusal(args, model, workload, prefills)
+    engines = [*prefills, *[decode] * args.decodes]
+    return memory_refusal(needed, model, workload, engines=engines) or offer_refusal(args, model, workload, prefills)
 
 
 def offer_refusal(

@@ -349,16 +349,31 @@ def yardstick_bytes(batch_bytes: int) -> int:
     return min(max(batch_bytes, 1 << 20), 64 << 20)
 
 
-def memory_refusal(needed: int, model: Model, workload: Workload) -> str | None:
+# An engine process's own memory, measured here (its peak VmRSS with a tiny cache): Python,
+# torch, numpy, NIXL and UCX take 275-380 MB, and each further tensor-parallel rank (its
+# agents, UCX's threads) some 24 MB more (TP 32: 1.03-1.14 GB).
+ENGINE_BYTES = 400 << 20
+RANK_BYTES = 25 << 20
+
+
+def engines_memory(shapes: Sequence[EngineShape]) -> int:
+    """The engine processes' own memory, beyond their caches: one per shape."""
+    return sum(ENGINE_BYTES + RANK_BYTES * (shape.tp - 1) for shape in shapes)
+
+
+def memory_refusal(needed: int, model: Model, workload: Workload, *, engines: Sequence[EngineShape] = ()) -> str | None:
     """Why the options need more memory than this machine has left (one line naming the
-    options that size it), or None: said before anything is allocated."""
-    available = _short_of(needed)
+    options that size it), or None: said before anything is allocated. ``engines``: the
+    processes still to start (the demo's), whose own memory counts too."""
+    processes = engines_memory(engines)
+    available = _short_of(needed + processes)
     if available is None:
         return None
+    started = f" and {processes / 1e9:,.1f} GB for {len(engines)} engine processes" if engines else ""
     return (
         f"--layers {model.layers} x --heads {model.heads} x --head-dim {model.head_dim} x --dtype "
         f"{model.dtype_name}, --requests {workload.requests} of --min-tokens {workload.min_tokens} to "
-        f"--max-tokens {workload.max_tokens} need {needed / 1e9:,.1f} GB for the caches, more than the "
+        f"--max-tokens {workload.max_tokens} need {needed / 1e9:,.1f} GB for the caches{started}, more than the "
         f"{available / 1e9:,.1f} GB of memory available"
     )
 
