@@ -62,7 +62,14 @@ def _no_stand_in_agent_held():
 MINE = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory (kvhost.nixl.agent.NIXL_LOCAL_AGENT)
 
 
+def ended(agent):
+    """Whether ``close`` ended the NIXL agent itself: its UCX worker, threads and connections,
+    and with them all it had registered and loaded."""
+    return not hasattr(agent.nixl, "agent")
+
+
 def nixl_accepts(agent, owner, rows, memory="DRAM"):
+    assert not ended(agent), "a NIXL agent that close ended was asked"
     try:
         agent.nixl.prep_xfer_dlist(owner, rows, memory).release()
     except Exception:
@@ -137,8 +144,9 @@ def test_close_waits_for_a_post_under_way_on_another_thread_and_refuses_later_on
     poster.start()
     assert entered.wait(10)
     monkeypatch.setattr(agent_module, "CLOSE_WAIT_SECONDS", 0.2)
-    with pytest.raises(TransferError, match=r"'closing-under-a-post': 1 post\(s\) still under way after 0.2 s"):
+    with pytest.raises(TransferError, match=r"'closing-under-a-post': 1 post\(s\) still under way after 0.2 s") as late:
         agent.close()
+    assert late.value.timed_out
     assert nixl_accepts(agent, MINE, extent_rows(table)), "the memory was deregistered under a post"
     monkeypatch.setattr(agent_module, "CLOSE_WAIT_SECONDS", 30.0)
     threading.Timer(0.3, go_on.set).start()
@@ -302,7 +310,7 @@ def test_a_read_in_flight_is_never_freed_and_lands_in_memory_kept_for_it(tmp_pat
         del landed
         agent.close()
         assert transfer.released and agent.posted == set() and agent.uncancelled == [] and id(agent) not in _HOLDING
-        assert not nixl_accepts(agent, MINE, extent_rows(run.local)), "the memory is still registered"
+        assert ended(agent), "the NIXL agent outlived close"
         gc.collect()
         assert all(ref() is None for ref in run.alive)
 
@@ -329,7 +337,7 @@ def test_a_read_in_flight_from_a_peer_that_dies_fails_and_then_close_lets_go(tmp
         del read, second
         agent.close()
         assert transfer.released and agent.uncancelled == [] and id(agent) not in _HOLDING
-        assert not nixl_accepts(agent, MINE, extent_rows(run.local)), "the memory is still registered"
+        assert ended(agent), "the NIXL agent outlived close"
         held = weakref.ref(agent)
         del agent, transfer, run.agent, run.transfer
         gc.collect()
@@ -388,7 +396,7 @@ def test_registered_memory_that_moved_is_refused_before_any_read_or_offer(change
 
 @needs_nixl
 @pytest.mark.timeout(60)
-def test_close_lets_go_of_readers_peers_memory_and_tensors():
+def test_close_lets_go_of_readers_peers_memory_and_tensors(monkeypatch):
     """An agent keeps what it registered alive until it closes (NIXL reads that memory); closing
     (here by leaving ``with``) closes its readers, drops its peers from NIXL and deregisters."""
     sender = Agent("closing-sender")
@@ -404,6 +412,8 @@ def test_close_lets_go_of_readers_peers_memory_and_tensors():
         reader = receiver.reader(plan_transfer(local_table, remote_table), peer)
         assert receiver.nixl.check_remote_metadata(peer)
         assert nixl_accepts(receiver, MINE, extent_rows(local_table))
+        removed = Spy(monkeypatch, receiver.nixl, "remove_remote_agent")
+        deregistered = Spy(monkeypatch, receiver.nixl, "deregister_memory")
     assert receiver.closed
     with pytest.raises(TransferError, match=f"reader towards {peer!r} is closed"):
         reader.read([0], [0, 1, 2, 3])
@@ -411,8 +421,8 @@ def test_close_lets_go_of_readers_peers_memory_and_tensors():
         reader.read_batch([([0], [0, 1, 2, 3])])
     with pytest.raises(TransferError, match="is closed"):
         reader.read_layers([([0], [0, 1, 2, 3])], timeout=1)
-    assert not receiver.nixl.check_remote_metadata(peer), "the peer is still loaded in NIXL"
-    assert not nixl_accepts(receiver, MINE, extent_rows(local_table)), "the memory is still registered"
+    assert [call[0] for call in removed.calls] == [peer] and len(deregistered.calls) == 1
+    assert ended(receiver), "the NIXL agent (its worker and threads) outlived close"
     sender.close()
     gc.collect()
     assert all(ref() is None for ref in alive), "a closed agent still holds the tensors it registered"
@@ -1111,7 +1121,7 @@ def test_an_agent_keeps_memory_a_transfer_may_still_write_registered():
     assert all(ref() is not None for ref in alive) and nixl_accepts(agent, MINE, extent_rows(table))
     stuck.finished = time.perf_counter()  # a poll found it landed
     agent.close()  # the transfer lets go now: so does the agent
-    assert handle.released == 1 and agent.uncancelled == [] and not nixl_accepts(agent, MINE, extent_rows(table))
+    assert handle.released == 1 and agent.uncancelled == [] and ended(agent)
     gc.collect()
     assert all(ref() is None for ref in alive)
 
@@ -1144,3 +1154,52 @@ def test_a_wait_polls_at_its_interval_until_its_deadline():
     transfer, _, _ = posted("PROC", "DONE")
     transfer.wait(timeout=5, interval=1)  # at most a second between polls
     assert transfer.finished is not None  # (intervals out of range: test_peer_limits.py)
+
+
+CLOSED_UNDER_A_PEERS_READ = """
+import gc, os, sys, torch
+from test_nixl import caches_for
+from kvhost.nixl import Agent, TransferError, plan_transfer
+
+sizes = dict(K=2, N=256, H=8, C=128)  # blocks of 1 MiB a layer
+sender, reader = Agent("closes-under-a-read"), Agent("reads-from-a-closing-one")
+theirs = {f"l{i}": torch.full((2, 128, 256, 8, 128), i + 7, dtype=torch.bfloat16) for i in range(2)}
+remote = sender.register(theirs, "KBNHC")
+mine = {f"l{i}": torch.zeros((2, 128, 256, 8, 128), dtype=torch.bfloat16) for i in range(2)}
+local = reader.register(mine, "KBNHC")
+read = reader.reader(plan_transfer(local, remote), reader.add_peer(sender.metadata())).read(range(128), range(128))
+threads = len(os.listdir("/proc/self/task"))
+sender.close()
+print("threads", threads, "->", len(os.listdir("/proc/self/task")), flush=True)
+del theirs
+gc.collect()
+reused = [torch.full((64 << 20,), 3, dtype=torch.int64) for _ in range(2)]  # where the sender's tensors were
+try:
+    read.wait(30)
+    print("landed", flush=True)
+except TransferError as err:
+    print("failed", "NIXL_ERR_REMOTE_DISCONNECT" in str(err), flush=True)
+read.release()
+reader.close()
+print("closed", flush=True)
+"""
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_an_agent_closed_while_a_peer_reads_its_memory_ends_nixl_before_the_tensors_go():
+    """Deregistering does not stop a peer's read under way: over TCP it read on from the
+    tensors close let go of, and the process crashed (SIGSEGV). close now ends the NIXL agent
+    (its UCX worker and threads) first, and the peer's read fails."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, UCX_TLS="tcp", UCX_LOG_LEVEL="error", NIXL_LOG_LEVEL="ERROR")
+    run = subprocess.run(
+        [sys.executable, "-c", CLOSED_UNDER_A_PEERS_READ], capture_output=True, text=True, env=env, timeout=100
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    lines = run.stdout.split("\n")
+    before, after = (int(n) for n in lines[0].split()[1::2])
+    assert after < before, "the closed agent's threads are still running"
+    assert lines[1] in ("failed True", "landed") and lines[2] == "closed", run.stdout

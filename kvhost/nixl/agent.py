@@ -394,7 +394,8 @@ class Agent:
             if not self._lock.wait_for(lambda: self._posts == 0, timeout=CLOSE_WAIT_SECONDS):
                 raise TransferError(
                     f"agent {self.name!r}: {self._posts} post(s) still under way after {CLOSE_WAIT_SECONDS:g} s: "
-                    "its memory stays registered"
+                    "its memory stays registered",
+                    timed_out=True,
                 )
             self._close()
 
@@ -415,6 +416,11 @@ class Agent:
         for descs, _ in self._registered:
             with contextlib.suppress(Exception):  # nothing more to undo if this fails
                 self._nixl.deregister_memory(descs)
+        # A peer's read under way is not stopped by deregistering: over TCP it went on
+        # reading the tensors let go of next, and this process crashed. The NIXL agent (its
+        # UCX worker, threads and connections) ends first; the peer's read then fails.
+        with contextlib.suppress(AttributeError):  # ended by an earlier close
+            del self._nixl.agent
         self._registered.clear()
 
     def __enter__(self) -> Agent:
