@@ -234,6 +234,10 @@ def test_merged_descriptors_follow_runs_up_to_the_bound():
     with pytest.raises(ArgumentError, match=r"remote_domains: expected integer labels \(64-bit\)"):
         plan.merged_pairs([3, 4], list(range(8, 16)), remote_domains=np.full(4, 1 << 63, dtype=np.uint64))
     assert plan.merged_pairs([3, 4], list(range(8, 16)), local_domains=(5, 5, 5, 5))[0].shape[0] == streams
+    for labels in (np.array([3, 3, 3, 3], dtype=np.uint8), np.full(4, (1 << 63) - 1, dtype=np.uint64)):
+        assert plan.merged_pairs([3, 4], list(range(8, 16)), remote_domains=labels)[0].shape[0] == streams
+    with pytest.raises(ArgumentError, match=r"local_domains: expected integer labels, got \[\[0\], \[1, 2\], 0, 0\]"):
+        plan.merged_pairs([3, 4], list(range(8, 16)), local_domains=[[0], [1, 2], 0, 0])  # ragged
     with pytest.raises(ArgumentError, match="at least 1"):
         plan.merged_pairs([3, 4], list(range(8, 16)), max_bytes=0)
     with pytest.raises(ArgumentError, match="one length"):

@@ -278,3 +278,40 @@ def test_a_machine_short_of_memory_for_a_later_job_s_scratch_refuses_the_torch_p
     monkeypatch.setattr(kvhost.torch_backend, "torch", torch)
     kvhost.receive(caches, requests, axes="BNHC", backend=backend)
     case.check()
+
+
+def test_the_jobs_of_a_call_share_one_scratch_made_in_their_checks(monkeypatch):
+    """Made once, as large as the largest job needs (two passes: a unit at a time on numpy's
+    way), in the checks; the runs ask for none. A job run without its check makes its own."""
+    from kvhost.batch import plan_receive_batch
+    from kvhost.caches import CacheSet
+    from kvhost.testing import ReceiveCase
+
+    caches = {"l0": make_cache("BNHC", "BNHC", dict(B=40, N=64, H=16, C=64), torch.bfloat16)}  # blocks of 128 KiB
+    case = ReceiveCase(caches, "BNHC")
+    case.send("a", list(range(8)), "HNC", 16)  # r = 4: units of a block, one at a time
+    case.send("b", list(range(8, 16)), "HNC", 32)  # r = 2: as large
+    case.send("c", list(range(16, 24)), "HNC", 128)  # g = 2: units of two blocks
+    case.send("d", list(range(24, 32)), "HNC", 16)
+    case.send("e", list(range(32, 40)), "HNC", 16)
+    requests = {n: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size) for n, w in case.requests.items()}
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kwargs):
+        asked.append(shape)
+        return real_empty(*shape, **kwargs)
+
+    backend = kvhost.torch_backend.TorchBackend()
+    monkeypatch.setattr(kvhost.torch_backend.torch, "empty", empty)
+    kvhost.receive(caches, {"a": requests["a"], "b": requests["b"]}, axes="BNHC", backend=backend)
+    assert asked == [(2 * 128 << 10,)]  # a's two units' worth; b's, as large, took it
+    asked.clear()
+    kvhost.receive(caches, {"c": requests["c"], "d": requests["d"]}, axes="BNHC", backend=backend)
+    assert asked == [(2 * 256 << 10,)]  # c's, larger than d's
+    asked.clear()
+    job = plan_receive_batch(CacheSet(caches, "BNHC"), {"e": requests["e"]}, None, None).jobs[0]
+    backend.receive(job)  # no check before it: it makes its own scratch
+    assert asked == [(2 * 128 << 10,)]
+    monkeypatch.setattr(kvhost.torch_backend.torch, "empty", real_empty)
+    case.check()

@@ -229,10 +229,10 @@ class TransferPlan:
         and missing that merge moves the same bytes in one more descriptor. Kept per pair
         of domain lists (a reader asks with the same two every time).
         """
-        key = (_key(local_domains), _key(remote_domains))
+        local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)  # checked first
+        key = (local_labels.tobytes(), remote_labels.tobytes())
         if key in self._kinds_cache:
             return self._kinds_cache[key]
-        local_labels, remote_labels = self._stream_labels(local_domains, remote_domains)
         (local_bases, local_strides), (remote_bases, remote_strides) = self._local_streams, self._remote_streams
         kinds: list[_Kind] | None = None
         if not (
@@ -599,14 +599,6 @@ class _Kind:
     local_dense: bool
     remote_dense: bool
     merges: bool
-
-
-def _key(domains: np.ndarray | None) -> tuple[str, tuple[int, ...], bytes] | None:
-    """A list of domains as a dictionary key (its dtype, shape and bytes)."""
-    if domains is None:
-        return None
-    array = np.asarray(domains)
-    return array.dtype.str, array.shape, array.tobytes()
 
 
 def _interleave(labels: np.ndarray, bases: np.ndarray, strides: np.ndarray, table: RegionTable) -> bool:
