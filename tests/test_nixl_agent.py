@@ -1203,3 +1203,29 @@ def test_an_agent_closed_while_a_peer_reads_its_memory_ends_nixl_before_the_tens
     before, after = (int(n) for n in lines[0].split()[1::2])
     assert after < before, "the closed agent's threads are still running"
     assert lines[1] in ("failed True", "landed") and lines[2] == "closed", run.stdout
+
+
+@needs_nixl
+def test_a_peer_plan_or_request_of_the_wrong_kind_is_refused_naming_it():
+    """They raised TypeError and AttributeError (an unhashable list for a peer, None for a
+    plan, a request of one list)."""
+    from kvhost.errors import RequestError
+    from kvhost.nixl import RankReader
+
+    with Agent("wrong-kinds-sender") as sender, Agent("wrong-kinds") as receiver:
+        remote = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=2), "KBNHC")
+        local = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=3), "KBNHC")
+        peer = receiver.add_peer(sender.metadata())
+        for wrong in (["x"], None, b"x"):
+            with pytest.raises(ArgumentError, match="a peer is named by the text add_peer returned"):
+                receiver.remove_peer(wrong)
+            with pytest.raises(ArgumentError, match="a peer is named by the text add_peer returned"):
+                receiver.reader(plan_transfer(local, remote), wrong)
+        with pytest.raises(ArgumentError, match=r"plan must be a TransferPlan \(plan_transfer's\), got None"):
+            receiver.reader(None, peer)
+        reader = receiver.reader(plan_transfer(local, remote), peer)
+        with pytest.raises(RequestError, match=r"request 0 of 1: expected \(local ids, remote ids\), got \(\[0\],\)"):
+            reader.read_batch([([0],)])
+        reader.read_batch([[[0], [0, 1, 2, 3]]]).wait(10)  # a pair as a list is a pair
+        with pytest.raises(ArgumentError, match=r"a RankReader takes a RankPlan \(plan_ranks'\) and a mapping"):
+            RankReader(receiver, None, {})

@@ -102,6 +102,11 @@ def _keep_agents_holding_transfers_past_exit() -> None:
             keep_past_exit(agent)
 
 
+def _check_peer_name(peer: object) -> None:
+    if type(peer) is not str:
+        raise ArgumentError(f"a peer is named by the text add_peer returned, got {show(peer)}")
+
+
 def keep_past_exit(owner: object) -> None:
     """Never free ``owner`` (nor what it holds: a NIXL agent, registered memory), however
     its references go, the interpreter's exit included: where a transfer may still write
@@ -322,6 +327,7 @@ class Agent:
     def remove_peer(self, peer: str) -> None:
         """Let go of a peer NIXL has loaded. Refused (TransferError) while a transfer towards
         it is being posted, or posted and not released: it uses the keys NIXL holds for the peer."""
+        _check_peer_name(peer)
         with self._lock:
             self._check_unused(peer)
             if peer in self._peers:
@@ -344,6 +350,9 @@ class Agent:
         for ``max_descriptor_bytes``."""
         with self._lock:
             self._check_open()
+            if not isinstance(plan, TransferPlan):
+                raise ArgumentError(f"plan must be a TransferPlan (plan_transfer's), got {show(plan)}")
+            _check_peer_name(peer)
             if peer not in self._peers:
                 raise TransferError(f"agent {self.name!r} has no peer {peer!r}: add_peer its metadata first")
             reader = Reader(self, plan, peer, max_descriptor_bytes=max_descriptor_bytes)

@@ -409,6 +409,11 @@ def checked_batch(
     Requests are named by their index in the batch (a batch of one needs no name)."""
     if not requests:
         raise RequestError("a transfer needs at least one request")
+    for index, request in enumerate(requests):
+        if not isinstance(request, (tuple, list)) or len(request) != 2:
+            raise RequestError(
+                f"request {index} of {len(requests)}: expected (local ids, remote ids), got {shown(request)}"
+            )
     if len(requests) == 1:
         checked = [check(*requests[0])]
         return checked, checked[0][0]

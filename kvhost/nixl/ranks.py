@@ -41,7 +41,7 @@ from typing import Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from kvhost.errors import LayoutError
+from kvhost.errors import ArgumentError, LayoutError
 from kvhost.ids import Ids, integer_value
 from kvhost.nixl.agent import (
     Agent,
@@ -620,6 +620,11 @@ class RankReader:
         max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES,
     ) -> None:
         check_descriptor_bound(max_descriptor_bytes)
+        if not isinstance(plan, RankPlan) or not isinstance(peers, Mapping):
+            raise ArgumentError(
+                f"a RankReader takes a RankPlan (plan_ranks') and a mapping of rank to peer, got "
+                f"{type(plan).__name__} and {type(peers).__name__}"
+            )
         self.agent = agent
         self.plan = plan
         missing = [s.rank for s in plan.sources if s.rank not in peers]
