@@ -995,9 +995,9 @@ def test_a_prefill_that_dies_as_it_starts_ends_the_run_long_before_the_connect_t
 
 
 def test_the_demo_s_modules_load_neither_torch_nor_kvhost_on_import():
-    """``kvhost demo --help`` and a refusal of its options need neither (its JSON writer had
-    lived beside the report's torch yardstick, a second of torch's import); the checks before
-    the engines start load kvhost for its bounds and NIXL."""
+    """``kvhost demo --help`` needs neither (its JSON writer had lived beside the report's
+    torch yardstick: a second of torch's import); the checks of its options load kvhost, for
+    its bounds and NIXL."""
     code = (
         "import sys\n"
         "from kvhost_tools import cli\n"
