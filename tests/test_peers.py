@@ -23,6 +23,8 @@ import select
 import selectors
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from typing import ClassVar
@@ -2636,3 +2638,20 @@ def test_a_session_closed_while_done_waits_for_the_answer_ends_done_with_the_hol
     finally:
         theirs.close()
     assert isinstance(outcome[0], HoldLostError) and "closed on this side" in str(outcome[0])
+
+
+def test_a_socket_on_descriptor_0_is_waited_on_like_any_other():
+    """Only a closed socket (descriptor -1) is refused: one that took descriptor 0 (a process
+    started with stdin closed) is polled."""
+    code = (
+        "import os, socket\n"
+        "from kvhost.nixl.peers import _readable\n"
+        "os.close(0)\n"
+        "mine, theirs = socket.socketpair()\n"
+        "assert mine.fileno() == 0, mine.fileno()\n"
+        "print(_readable([mine], 0.01) == [])\n"
+        "theirs.send(b'x')\n"
+        "print(_readable([mine], 1.0) == [mine])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.stdout.split() == ["True", "True"], run.stdout + run.stderr[-2000:]
