@@ -1370,3 +1370,18 @@ def test_kernels_whose_import_fails_otherwise_are_missing_for_good_with_the_reas
     kernels = OptionalKernels("kvhost_unloadable_kernels")
     assert kernels.module is None and kernels.reason == "OSError: cannot map libllvmlite.so"
     assert kernels.module is None and kernels.reason == "OSError: cannot map libllvmlite.so"  # kept, not retried
+
+
+def test_without_numba_the_cpu_backend_s_check_makes_the_torch_path_s_scratch(monkeypatch):
+    """The torch path reserves its scratch in its check: the CPU backend without kernels asks
+    it, so that no room for it refuses the call before any job runs."""
+    import kvhost_cpu.backend as cpu
+
+    from kvhost.batch import plan_receive_batch
+    from kvhost.caches import CacheSet
+
+    monkeypatch.setattr(cpu, "KERNELS", OptionalKernels("kvhost_cpu.no_such_kernels"))
+    caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
+    job = plan_receive_batch(CacheSet(caches, "KBNHC"), {"r": kvhost.Incoming([2, 5], "HNC", 2)}, None, None).jobs[0]
+    cpu.CpuBackend().check_receive(job)
+    assert list(job.shared) == [("torch receive", torch.device("cpu"))]
