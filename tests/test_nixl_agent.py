@@ -1158,10 +1158,8 @@ def test_a_wait_polls_at_its_interval_until_its_deadline():
 
 CLOSED_UNDER_A_PEERS_READ = """
 import gc, os, sys, torch
-from test_nixl import caches_for
 from kvhost.nixl import Agent, TransferError, plan_transfer
 
-sizes = dict(K=2, N=256, H=8, C=128)  # blocks of 1 MiB a layer
 sender, reader = Agent("closes-under-a-read"), Agent("reads-from-a-closing-one")
 theirs = {f"l{i}": torch.full((2, 128, 256, 8, 128), i + 7, dtype=torch.bfloat16) for i in range(2)}
 remote = sender.register(theirs, "KBNHC")
