@@ -369,10 +369,8 @@ def finish(decodes: Sequence[Engine], prefills: Sequence[Engine], args: argparse
     themselves (a lost peer fails their requests) and are then stopped, since one still
     connecting to it would retry until ``--connect-timeout``.
     """
-    limit = args.run_timeout
-    deadline = time.monotonic() + limit
-    why = f"did not finish within --run-timeout {limit:g} s: killed"
-    lost: str | None = None
+    deadline = time.monotonic() + args.run_timeout
+    lost: str | None = None  # why the decode engines are stopped early, once a prefill engine failed
     while any(engine.process.poll() is None for engine in decodes) and time.monotonic() < deadline:
         if lost is None:
             gone = next(((e, code) for e in prefills if (code := e.process.poll()) not in (None, 0)), None)
@@ -381,14 +379,13 @@ def finish(decodes: Sequence[Engine], prefills: Sequence[Engine], args: argparse
                 grace = args.timeout + 5
                 lost = f"{engine.name} exited ({code}) before this engine ended: stopped {grace:g} s later"
                 deadline = min(deadline, time.monotonic() + grace)
-                why = lost
         time.sleep(0.05)
     codes = []
     for engine in decodes:
         try:
             codes.append(engine.wait(timeout=max(deadline - time.monotonic(), 0.01)))
         except subprocess.TimeoutExpired:
-            engine.output.shown.append(why)
+            engine.output.shown.append(lost or f"did not finish within --run-timeout {args.run_timeout:g} s: killed")
             code = engine.stop(patience=0)
             codes.append(code if lost else -9)
     return codes
