@@ -197,6 +197,48 @@ def test_token_runs_land_in_the_local_layout(memory, remote_size, local_size, co
         assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
 
 
+# (axes, remote memory order, local memory order, sizes but B and N): a letter of size 1
+# placed apart on the two sides, outside the blocks on one and inside on the other.
+UNIT_LETTERS_APART = {
+    "K of one latent outer->inner": ("KBNC", "KBNC", "BKNC", dict(K=1, C=8)),
+    "K of one latent inner->outer": ("KBNC", "BNKC", "KBNC", dict(K=1, C=8)),
+    "one head per-head->NHD": ("BNHC", "HBNC", "BNHC", dict(H=1, C=8)),
+    "one head HND->per-head": ("BNHC", "BHNC", "HBNC", dict(H=1, C=8)),
+    "one head per-head->KBNHC": ("KBNHC", "HKBNC", "KBNHC", dict(K=2, H=1, C=8)),
+}
+
+
+@pytest.mark.parametrize("runs", [False, True], ids=["regions", "token-runs"])
+@pytest.mark.parametrize(("remote_size", "local_size", "count"), [(4, 16, 5), (16, 4, 2), (8, 8, 3)])
+@pytest.mark.parametrize("pair", UNIT_LETTERS_APART)
+def test_letters_of_size_1_placed_apart_pair_and_land(pair, remote_size, local_size, count, runs):
+    """Tables that differ only in where a letter of size 1 sits describe the same bytes: the
+    plan pairs them, names no such letter in its remote order, and the sender's tokens land
+    (token runs: as they are; regions: once ``kvhost.receive`` has rearranged them)."""
+    axes, remote_memory, local_memory, sizes = UNIT_LETTERS_APART[pair]
+    remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=4)
+    local = caches_for(axes, local_memory, sizes, local_size, 24, seed=40)
+    before = {name: raw(t).clone() for name, t in local.items()}
+    local_table, remote_table = region_table(local, axes), region_table(remote, axes)
+    assert local_table.order != remote_table.order or local_table.coordinates != remote_table.coordinates
+    if runs:
+        local_table, remote_table = local_table.token_runs(), remote_table.token_runs()
+    plan = plan_transfer(local_table, remote_table)
+    assert not {a for a, n in sizes.items() if n == 1} & set(plan.remote_order)
+    local_ids, remote_ids = LOCAL_IDS[: plan.local_blocks_for(count)], REMOTE_IDS[:count]
+    memmove_rows(*plan.merged_pairs(local_ids, remote_ids))
+    if not runs:
+        order, size = plan.remote_order, remote_size
+        kvhost.receive(local, {"x": local_ids}, axes=axes, remote_order=order, remote_block_size=size)
+    tokens = count * remote_size
+    for r, lo in zip(CacheSet(remote, axes).members, CacheSet(local, axes).members):
+        got = read_tokens(lo.tensor, lo.layout, local_ids)
+        assert torch.equal(got[:tokens], read_tokens(r.tensor, r.layout, remote_ids))
+        if runs:  # nothing past the sender's tokens is written
+            assert torch.equal(got[tokens:], read_tokens(before[lo.layer], lo.layout, local_ids)[tokens:])
+        assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
+
+
 def test_merged_descriptors_follow_runs_up_to_the_bound():
     """HND 4 -> NHD 16 (r = 4), 2 layers x K/V: 8 consecutive sender blocks into 2 consecutive
     receiver blocks are 8 pieces per stream that continue one another on both sides."""

@@ -261,6 +261,30 @@ def test_an_mla_latent_is_read_once_from_one_remote_rank(sizes_name, tp):
     assert set(readers) == set(range(min(remote_tp, local_tp)))  # spread over the remote ranks
 
 
+@pytest.mark.parametrize("remote_memory", ["BKNC", "KBNC"])
+@pytest.mark.parametrize("sizes_name", ["r4", "g2"])
+def test_an_mla_latent_with_a_k_of_size_1_is_read_into_a_cache_without_k(sizes_name, remote_memory):
+    """A sender whose latent carries a K of size 1 (inside its blocks or outside) and a
+    receiver whose cache has no K: the handshake's engine check accepts them, and so must the
+    plan; the order ``kvhost.receive`` is told names no K (it would refuse a letter the cache lacks)."""
+    remote_size, local_size, count = SIZES[sizes_name]
+    sizes = dict(K=1, B=16, N=remote_size, C=12)
+    remote = {f"l{i}": fill_random(make_cache("KBNC", remote_memory, sizes), 7 + i) for i in range(2)}
+    local = {f"l{i}": fill_random(make_cache("BNC", "BNC", dict(B=24, N=local_size, C=12)), 50 + i) for i in range(2)}
+    before = {name: raw(t).clone() for name, t in local.items()}
+    plan = plan_ranks(region_table(local, "BNC"), 0, 1, [region_table(remote, "KBNC")])
+    assert plan.remote_order == "NC"
+    local_ids = LOCAL_IDS[: plan.local_blocks_for(count)]
+    memmove_rows(*plan.rows(plan.sources[0], local_ids, REMOTE_IDS[:count]))
+    kvhost.receive(local, {"x": local_ids}, axes="BNC", remote_order=plan.remote_order, remote_block_size=remote_size)
+    remote_layout = CacheSet(remote, "KBNC").members[0].layout
+    layout = CacheSet(local, "BNC").members[0].layout
+    for name in local:
+        got = read_tokens(local[name], layout, local_ids)[: count * remote_size]
+        assert torch.equal(got, read_tokens(remote[name], remote_layout, REMOTE_IDS[:count]).reshape(got.shape))
+        assert untouched_blocks_same(local[name], before[name], layout, local_ids)
+
+
 def test_head_shares_cover_every_head_once():
     for remote_tp in (1, 2, 4, 8):
         for local_tp in (1, 2, 4, 8):

@@ -453,7 +453,10 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
 
     With region tables the bytes land as wire bytes (``kvhost.receive`` finishes the job);
     with ``token_runs()`` tables in one order they land in the local layout itself.
+    Letters of size 1 (but ``N``) may sit anywhere on either side: they are left out
+    (``RegionTable.without_unit_letters``), and so out of the plan's ``remote_order``.
     """
+    local, remote = local.without_unit_letters(), remote.without_unit_letters()
     if local.itemsize != remote.itemsize:
         raise LayoutError(f"local item size {local.itemsize} != remote item size {remote.itemsize}")
     others = {a: n for a, n in local.sizes.items() if a != "N"}

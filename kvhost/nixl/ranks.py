@@ -323,8 +323,9 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
     remote_tp = len(remotes)
     if "H" not in local.sizes and "H" not in first.sizes:
         rank = latent_source(local_rank, local_tp, remote_tp)
-        latent = Source(rank, None, (Part(plan_transfer(local, remotes[rank])),))
-        return RankPlan(local, tuple(remotes), (latent,), first.order, first.block_size)
+        plan = plan_transfer(local, remotes[rank])  # its remote order names no letter of size 1
+        latent = Source(rank, None, (Part(plan),))
+        return RankPlan(local, tuple(remotes), (latent,), plan.remote_order, first.block_size)
     if "H" not in local.sizes or "H" not in first.sizes:
         raise LayoutError("one side's tables have heads (H) and the other's do not")
     kv_heads = local.sizes["H"] * local_tp

@@ -116,6 +116,29 @@ class RegionTable:
     def by_key(self) -> dict[tuple[str, tuple[tuple[str, int], ...]], int]:
         return {stream.key: i for i, stream in enumerate(self.streams)}
 
+    def without_unit_letters(self) -> RegionTable:
+        """The same memory with the letters of size 1 but ``N`` left out of its order, cut
+        and stream coordinates: such a letter moves no byte wherever it sits (a K of one
+        latent outside the blocks on one side and inside on the other, one head per rank
+        token-major here and head-major there), so two tables that differ only in where
+        they put one describe the same bytes. ``N`` stays: block sizes may differ."""
+        units = {a for a, n in self.sizes.items() if n == 1 and a != "N"}
+        if not units:
+            return self
+        streams = self.streams
+        if units & set(self.coordinates if streams else ""):
+            streams = tuple(replace(s, coords=tuple(c for c in s.coords if c[0] not in units)) for s in streams)
+        return RegionTable(
+            self.memory,
+            self.device_id,
+            "".join(a for a in self.order if a not in units),
+            "".join(a for a in self.split if a not in units),
+            {a: n for a, n in self.sizes.items() if a not in units},
+            self.itemsize,
+            self.num_blocks,
+            streams,
+        )
+
     def token_runs(self) -> RegionTable:
         """The same memory with the letters before ``N`` in the region made into streams.
 
