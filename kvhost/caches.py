@@ -428,9 +428,14 @@ class ReceiveGroup:
     derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property
+    def member_unit_bytes(self) -> int:
+        """Bytes one unit rewrites in one member, over its outer indices."""
+        return self.rearrangement.unit_bytes * self.layout.outer_count
+
+    @cached_property
     def unit_bytes(self) -> int:
         """Bytes one unit rewrites, over every member and outer index."""
-        return self.rearrangement.unit_bytes * self.layout.outer_count * len(self.members)
+        return self.member_unit_bytes * len(self.members)
 
 
 def check_owned_once(members: list[Member], role: str, *, split: bool) -> None:

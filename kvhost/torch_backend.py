@@ -145,8 +145,8 @@ class TorchBackend(Backend):
     def _receive_scratch(self, job: ReceiveJob) -> torch.Tensor:
         """Bytes for two passes of the job (a pass's wire bytes, then its rearranged ones),
         the call's scratch where it is as large; each member views it in its own dtype."""
-        plan, layout = job.rearrangement, job.layout
-        pass_bytes = plan.unit_bytes * layout.outer_count * self._units_a_pass(job)
+        plan = job.rearrangement
+        pass_bytes = job.group.member_unit_bytes * self._units_a_pass(job)
         needed = -(-2 * pass_bytes // 8) * 8  # whole words: a member may view it as 8-byte integers
         key = ("torch receive", job.device)
         held = job.shared.get(key)
@@ -165,15 +165,16 @@ class TorchBackend(Backend):
     def _units_a_pass(self, job: ReceiveJob) -> int:
         """Units a pass of the job moves: one at a time on the host's numpy way, else as many
         as the host's or the device's chunk holds (all, where the device's is unbounded)."""
-        per_unit = job.rearrangement.unit_bytes * job.layout.outer_count
+        if self._numpy_way(job):
+            return 1
         units = int(job.unit_ids.shape[0])
-        if job.device.type == "cpu":
-            if per_unit < self.host_thread_bytes:
-                return 1
-            pass_bytes: int | None = self.host_chunk_bytes
-        else:
-            pass_bytes = self.device_chunk_bytes
-        return units if pass_bytes is None else min(units, max(1, pass_bytes // per_unit))
+        pass_bytes = self.host_chunk_bytes if job.device.type == "cpu" else self.device_chunk_bytes
+        return units if pass_bytes is None else min(units, max(1, pass_bytes // job.group.member_unit_bytes))
+
+    def _numpy_way(self, job: ReceiveJob) -> bool:
+        """Whether the job's units go one by one through numpy on the calling thread: host
+        units of fewer than ``host_thread_bytes`` (over the dims outside a block)."""
+        return job.device.type == "cpu" and job.group.member_unit_bytes < self.host_thread_bytes
 
     def receive(self, job: ReceiveJob) -> None:
         """Gather each pass's units, permute, scatter them back, in torch ops, through the
@@ -186,9 +187,8 @@ class TorchBackend(Backend):
         layout = job.layout
         outer = len(layout.outer)
         host = job.device.type == "cpu"
-        per_unit = plan.unit_bytes * layout.outer_count
         scratch = self._receive_scratch(job)
-        if host and per_unit < self.host_thread_bytes:  # numpy's calls: no index tensor to make
+        if self._numpy_way(job):  # numpy's calls: no index tensor to make
             halves = scratch.numpy()
             for member in job.members:
                 view, src_shape, region_shape = _receive_view(member.tensor, layout, plan, widen=True)
