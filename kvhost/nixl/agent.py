@@ -18,6 +18,7 @@ import importlib
 import threading
 import time
 import weakref
+from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -57,6 +58,12 @@ MAX_REFUSED_PROBES = 64  # NIXL calls merge_domains may see refused (each logs a
 # freed memory. At exit they are never freed (the OS takes back the memory, not UCX's
 # teardown, which corrupted the heap here when it ran under such a read).
 _HOLDING: dict[int, Agent] = {}  # by id
+# By the id of each agent held: its transfers posted and not yet over (neither landed nor
+# failed) nor released, so that a transfer's end settles its agent without a look at the
+# others it posted (those landed and never released made every later landing cost as
+# many). Kept here, not on the agent, like ``_HOLDING``: which agents may be written into
+# is the module's to know.
+_WRITING: dict[int, set[Transfer]] = {}
 _holding_lock = threading.RLock()
 _exiting = False
 
@@ -69,6 +76,7 @@ def _hold(agent: Agent, transfer: Transfer) -> None:
         if id(agent) not in _HOLDING and _exiting:  # posted on a thread still running at exit
             keep_past_exit(agent)
         _HOLDING[id(agent)] = agent
+        _WRITING.setdefault(id(agent), set()).add(transfer)
 
 
 def _let_go(agent: Agent, transfer: Transfer) -> None:
@@ -76,15 +84,20 @@ def _let_go(agent: Agent, transfer: Transfer) -> None:
         agent.posted.discard(transfer)
         if transfer in agent.uncancelled:
             agent.uncancelled.remove(transfer)
-    _settle(agent)
+    _settle(agent, transfer)
 
 
-def _settle(agent: Agent) -> None:
-    """Let the module go of ``agent`` once every transfer it has posted is over (one landed
-    and never released holds nothing: its agent may be freed, and NIXL frees its handle)."""
+def _settle(agent: Agent, transfer: Transfer) -> None:
+    """``transfer`` is over (landed, failed) or released: let the module go of ``agent``
+    once no transfer it posted may still write (one landed and never released holds
+    nothing: its agent may be freed, and NIXL frees its handle)."""
     with _holding_lock:
-        if not _in_flight(agent.posted):
+        writing = _WRITING.get(id(agent))
+        if writing is not None:
+            writing.discard(transfer)
+        if not writing:
             _HOLDING.pop(id(agent), None)
+            _WRITING.pop(id(agent), None)
 
 
 def _in_flight(posted: Iterable[Transfer]) -> list[Transfer]:
@@ -209,6 +222,9 @@ class Agent:
             raise NixlUnavailableError(f"NIXL backend(s) {missing} unavailable (plugins: {plugins})")
         self.name = name
         self._registered: list[tuple[Any, CacheSet]] = []
+        # The (start, end) of every span registered, sorted, by NIXL memory type and device:
+        # none overlaps another (``_check_unregistered``).
+        self._registered_spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
         self._peers: dict[str, bytes] = {}  # each peer's metadata as last loaded
         # Its readers while anyone holds them, to close them with it: a long-lived agent
         # that makes a reader per peer or plan keeps none it was given back.
@@ -245,12 +261,17 @@ class Agent:
         transparent huge pages first, which lets a peer on the same machine read it near
         memcpy speed (see ``kvhost.nixl.hugepages``); what the kernel did adds to
         ``self.huge_pages``. Advice only: it never fails a registration.
+
+        Memory that overlaps memory this agent registered before (the same caches again
+        among it) is refused, an ArgumentError naming the layer, before NIXL is asked.
         """
         cache_set = as_cache_set(caches, axes)
         table = region_table(cache_set)
         tensors = [m.tensor for m in cache_set.members]
         with self._lock:
             self._check_open()
+            where = (table.memory, table.device_id)
+            self._check_unregistered(cache_set, self._registered_spans.get(where, []))
             if huge_pages:
                 self.huge_pages += back_host_tensors_with_huge_pages(tensors)
             spans = memory_spans(tensors)
@@ -263,7 +284,25 @@ class Agent:
             # The set, not only its tensors: its members hold the storages, so memory a tensor
             # re-pointed (set_) lets go of stays ours while NIXL may still move bytes there.
             self._registered.append((descs, cache_set))
+            registered = self._registered_spans.setdefault(where, [])
+            for start, length in spans:
+                insort(registered, (start, start + length))
         return table
+
+    def _check_unregistered(self, cache_set: CacheSet, registered: list[tuple[int, int]]) -> None:
+        """An ArgumentError, naming the layer, where a tensor of ``cache_set`` overlaps memory
+        this agent registered before (``registered``: sorted, none overlapping another): NIXL
+        would hold both registrations, its metadata grow with each, and a peer's NIXL refuse
+        descriptors where they overlap (see ``add_peer``). Layers of one set may share memory."""
+        for member in cache_set.members:
+            for start, length in memory_spans([member.tensor]):
+                before = bisect_left(registered, (start + length,)) - 1  # the last span to start before its end
+                if before >= 0 and registered[before][1] > start:
+                    first, end = registered[before]
+                    raise ArgumentError(
+                        f"agent {self.name!r}: {member.name} (bytes {start:#x} to {start + length:#x}) overlaps "
+                        f"memory it registered before ({first:#x} to {end:#x}): register memory once"
+                    )
 
     def check_memory(self) -> None:
         """Raise unless every registered tensor is still where, and what, it was when it was
@@ -431,6 +470,7 @@ class Agent:
         with contextlib.suppress(AttributeError):  # ended by an earlier close
             del self._nixl.agent
         self._registered.clear()
+        self._registered_spans.clear()
 
     def __enter__(self) -> Agent:
         return self
@@ -818,7 +858,7 @@ class Transfer:
             state = link.agent.nixl.transfer(handle)
         except Exception as err:
             message = f"{op} from {link.peer!r}: posting the transfer failed: {err}"
-            transfer.failed = peer_gone(err)
+            transfer._fail(over=peer_gone(err))
             try:
                 transfer.release()
             except TransferError:
@@ -847,7 +887,7 @@ class Transfer:
         try:
             state = self.link.agent.nixl.check_xfer_state(self.handle)
         except Exception as err:
-            self.failed = peer_gone(err)
+            self._fail(over=peer_gone(err))
             raise TransferError(f"{self.op} from {self.link.peer!r} failed: {err}") from None
         return self._note(state)
 
@@ -913,13 +953,20 @@ class Transfer:
     def _note(self, state: str) -> bool:
         if state == "DONE":
             self.finished = time.perf_counter()
-            _settle(self.link.agent)
+            _settle(self.link.agent, self)
             return True
         if state == "PROC":
             return False
-        self.failed = state == "ERR"
-        _settle(self.link.agent)
+        self._fail(over=state == "ERR")
         raise TransferError(f"{self.op} from {self.link.peer!r} failed: transport state {state!r}")
+
+    def _fail(self, *, over: bool) -> None:
+        """NIXL said the transfer failed; ``over``: in a way that lands nothing more (on the
+        wire, or its peer gone). Once over it stays so, whatever NIXL says when asked again,
+        and its agent may be let go of; otherwise it counts as in flight."""
+        if over:
+            self.failed = True
+            _settle(self.link.agent, self)
 
 
 def peer_gone(err: Exception) -> bool:
