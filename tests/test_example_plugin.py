@@ -48,6 +48,12 @@ def engine_caches(seed: int, blocks: int = BLOCKS) -> dict[str, tuple[torch.Tens
     }
 
 
+def blocks_of(engine: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The engine's own tensors seen as ``[B, N, H, C]`` blocks (axes ``KBNHC``, K the tuple):
+    written here, not by the example, so that the checks read the engine's memory itself."""
+    return {name: tuple(t.view(-1, BLOCK_SIZE, HEADS, HEAD_DIM) for t in pair) for name, pair in engine.items()}
+
+
 def flash_attn_fp8(order: str, block_size: int, seed: int) -> dict[str, torch.Tensor]:
     """A CUDA-style sender: FlashAttention [2, B, N, H, C] in float8_e4m3fn, NHD or HND memory."""
     physical = "KBHNC" if order == "HND" else "KBNHC"
@@ -61,6 +67,7 @@ def flash_attn_fp8(order: str, block_size: int, seed: int) -> dict[str, torch.Te
 def test_block_views_are_views_of_the_engine_memory(example):
     engine = engine_caches(seed=1)
     views = example.block_views(engine, BLOCK_SIZE)
+    assert list(views) == list(engine)
     for name, (key, value) in views.items():
         assert key.shape == value.shape == (BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
         assert key.data_ptr() == engine[name][0].data_ptr() and value.data_ptr() == engine[name][1].data_ptr()
@@ -76,9 +83,10 @@ def test_block_views_are_views_of_the_engine_memory(example):
 def test_post_process_senders_of_other_layouts_sizes_and_dtypes(example):
     """Three senders, one call: fp8 FlashAttention HND/2 and NHD/16, and a Gaudi-style peer."""
     backend = example.GaudiStyleBackend()
-    decode = example.GaudiStyleCaches(engine_caches(seed=2), BLOCK_SIZE, backend=backend)
+    engine = engine_caches(seed=2)
+    decode = example.GaudiStyleCaches(engine, BLOCK_SIZE, backend=backend)
     assert decode.axes == "KBNHC" and decode.caches.layout.axes == "BNHC"
-    case = ReceiveCase(decode.views, decode.axes, seed=3)  # random sentinels in every block
+    case = ReceiveCase(blocks_of(engine), decode.axes, seed=3)  # random sentinels in every block
 
     peer = example.GaudiStyleCaches(engine_caches(seed=4, blocks=6), BLOCK_SIZE)
     senders = {
@@ -96,9 +104,9 @@ def test_post_process_senders_of_other_layouts_sizes_and_dtypes(example):
     assert stats.backend == "gaudi-style" and stats.requests == 4 and stats.blocks == 7
     # HND/2 needs a transform; NHD senders are token-major like us: identity, nothing copied.
     assert stats.groups == 1 and stats.skipped_blocks == 5
-    for caches, axes, requests in senders.values():
+    for caches, axes, requests in senders.values():  # read in the engine's memory, not the example's views
         for local_ids, remote_ids in requests.values():
-            assert_same_tokens(decode.views, decode.axes, local_ids, caches, axes, remote_ids)
+            assert_same_tokens(blocks_of(engine), decode.axes, local_ids, caches, axes, remote_ids)
     claimed = {b for _, _, requests in senders.values() for ids, _ in requests.values() for b in ids}
     for i in range(len(case.set.members)):
         case.check_untouched(i, claimed)
@@ -109,25 +117,26 @@ def test_post_process_senders_of_other_layouts_sizes_and_dtypes(example):
 
 def test_staging_copy_to_a_heads_first_float8_host_buffer_and_back(example):
     backend = example.GaudiStyleBackend()
-    prefill = example.GaudiStyleCaches(engine_caches(seed=7), BLOCK_SIZE, backend=backend)
+    prefill_engine, decode_engine = engine_caches(seed=7), engine_caches(seed=8)
+    prefill = example.GaudiStyleCaches(prefill_engine, BLOCK_SIZE, backend=backend)
     host = {
         name: tuple(t.view(torch.float8_e4m3fn) for t in pair)  # the host keeps the same bytes as float8
         for name, pair in prefill.host_buffers(physical="KBHNC").items()
     }
     assert kvhost.Layout.of(host["layers.0"][0], "BNHC").physical == "BHNC"
     requests = {"r1": [3, 4, 5, 9], "r2": [3, 4, 17]}  # a shared prefix is copied once
-    saving = CopyCase(prefill.views, host, prefill.axes, prefill.axes)  # both sides as they were
+    saving = CopyCase(blocks_of(prefill_engine), host, prefill.axes, prefill.axes)  # both sides as they were
     saved = prefill.save_to_host(host, requests).wait()
     assert saved.backend == "gaudi-style" and saved.blocks == 5 and saved.runs == 3
     blocks = [3, 4, 5, 9, 17]
     saving.check(blocks, blocks)
 
-    decode = example.GaudiStyleCaches(engine_caches(seed=8), BLOCK_SIZE, backend=backend)
-    loading = CopyCase(host, decode.views, decode.axes, decode.axes)
+    decode = example.GaudiStyleCaches(decode_engine, BLOCK_SIZE, backend=backend)
+    loading = CopyCase(host, blocks_of(decode_engine), decode.axes, decode.axes)
     loaded = decode.load_from_host(host, requests).wait()
     assert loaded.blocks == 5
     loading.check(blocks, blocks)
-    assert_same_tokens(decode.views, decode.axes, blocks, prefill.views, prefill.axes, blocks)
+    assert_same_tokens(blocks_of(decode_engine), decode.axes, blocks, blocks_of(prefill_engine), prefill.axes, blocks)
 
 
 def test_the_backend_says_where_it_can_run(example):

@@ -336,10 +336,15 @@ def row_pairs(rows):
     return sorted(zip(map(tuple, rows[0].tolist()), map(tuple, rows[1].tolist())))
 
 
+# The layout pairs, and layers laid out block by block in one buffer on both sides, whose
+# streams interleave where they share a merge domain.
+BATCH_PAIRS = [*LAYOUT_PAIRS, "cross-layer"]
+
+
 @pytest.mark.parametrize("bound", [None, 1, 3, 1 << 40])
 @pytest.mark.parametrize("domains", ["own", "shared", "mixed"])
 @pytest.mark.parametrize("sizes_name", SIZES)
-@pytest.mark.parametrize("pair", LAYOUT_PAIRS)
+@pytest.mark.parametrize("pair", BATCH_PAIRS)
 def test_a_batch_plans_what_its_requests_plan_one_by_one(pair, sizes_name, domains, bound):
     """``merged_batch`` (and ``descriptor_batch``) of several requests, each with its own count
     of blocks (partial local blocks included), make exactly the rows of each request planned
@@ -367,7 +372,7 @@ def test_a_batch_plans_what_its_requests_plan_one_by_one(pair, sizes_name, domai
 @pytest.mark.parametrize("bound", [1, 3, 1 << 40])
 @pytest.mark.parametrize("domains", ["own", "shared", "mixed"])
 @pytest.mark.parametrize("sizes_name", SIZES)
-@pytest.mark.parametrize("pair", LAYOUT_PAIRS)
+@pytest.mark.parametrize("pair", BATCH_PAIRS)
 def test_layer_by_layer_moves_what_the_batch_moves(pair, sizes_name, domains, bound):
     """``merged_layers`` gives every local layer, in the table's order, rows that land in that
     layer alone; together they move each piece ``merged_batch`` moves, once, and where no
@@ -396,10 +401,15 @@ def batch_of_six(pair, sizes_name, domains):
     """A plan of ``LAYOUT_PAIRS[pair]`` at ``SIZES[sizes_name]``, merge domains as ``domains``
     says (each stream its own, one for all, or every other stream merging nothing), and a
     batch of six requests of 1 to 5 remote blocks."""
-    axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
     remote_size, local_size, _ = SIZES[sizes_name]
-    remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
-    local = caches_for(axes, local_memory, sizes, local_size, 80, seed=50)
+    if pair == "cross-layer":
+        axes = "KBNHC"
+        remote = layer_views(fill_random(torch.empty(16, 2, 2, remote_size, 2, 4, dtype=torch.bfloat16), 1))
+        local = layer_views(fill_random(torch.empty(80, 2, 2, local_size, 2, 4, dtype=torch.bfloat16), 50))
+    else:
+        axes, remote_memory, local_memory, sizes = LAYOUT_PAIRS[pair]
+        remote = caches_for(axes, remote_memory, sizes, remote_size, 16, seed=1)
+        local = caches_for(axes, local_memory, sizes, local_size, 80, seed=50)
     plan = plan_transfer(region_table(local, axes), region_table(remote, axes))
     streams = len(plan.local.streams)
     labels = {

@@ -296,7 +296,8 @@ def test_threads_with_many_peers_never_collide():
     race likely)."""
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
-    caches = {f"l{i}": cache() for i in range(2)}
+    caches = {f"l{i}": fill_random(make_cache("KBNHC", "KBNHC", SIZES), 1 + i) for i in range(2)}
+    before = {name: raw(t).clone() for name, t in caches.items()}
     host = kvhost.KVHost(caches, axes="KBNHC")
     peers = [{name: torch.zeros_like(t) for name, t in caches.items()} for _ in range(16)]  # the caches keep 4
     threads_count = 6
@@ -322,9 +323,13 @@ def test_threads_with_many_peers_never_collide():
     finally:
         sys.setswitchinterval(old_interval)
     assert errors == []
-    for peer, thread in itertools.product(peers, range(threads_count)):
-        if raw(peer["l0"][:, thread]).any():
-            assert torch.equal(raw(peer["l0"][:, thread]), raw(caches["l0"][:, thread]))
+    # Each thread went round every peer: each holds every thread's block, copied and back
+    # unchanged, and no other block (a copy dropped, or landed in another's block, shows).
+    blocks = list(range(threads_count))
+    for peer, name in itertools.product(peers, caches):
+        assert torch.equal(raw(caches[name]), before[name])
+        assert torch.equal(raw(peer[name][:, blocks]), before[name][:, blocks])
+        assert not raw(peer[name][:, threads_count:]).any()
 
 
 # --- the overlap arithmetic against listing every block -------------------------------------

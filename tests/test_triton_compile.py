@@ -215,6 +215,7 @@ def test_the_barrier_orders_global_memory_on_nvidia_and_amd():
         assert 'fence syncscope("workgroup") acquire' in after and "!mmra" not in after
 
 
+@pytest.mark.xpu  # Intel's Triton comes with torch's XPU wheels: ci/xpu.sh runs it (compiled only, no device needed)
 @pytest.mark.skipif(kernels is None or "intel" not in kernels.compiler_targets(), reason="no Intel Triton backend")
 def test_intel_barrier_fences_global_memory_exactly_when_the_backend_says():
     """Intel's Triton lowers ``tl.debug_barrier`` to OpenCL ``barrier(flags)``: 1 = local memory, 2 = global.
