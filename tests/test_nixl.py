@@ -239,6 +239,22 @@ def test_letters_of_size_1_placed_apart_pair_and_land(pair, remote_size, local_s
         assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
 
 
+def test_leaving_out_letters_of_size_1_rebuilds_only_what_names_them():
+    """Every plan leaves them out: a table without such letters is itself, and one whose
+    streams do not name them keeps its streams (a peer's table may hold 2^16); a table
+    without streams has no coordinates to look at."""
+    caches = caches_for("KBNHC", "KBHNC", dict(K=2, H=2, C=8), 4, 6, seed=1)
+    table = region_table(caches, "KBNHC")
+    assert table.without_unit_letters() is table
+    one_head = region_table(caches_for("KBNHC", "KBHNC", dict(K=2, H=1, C=8), 4, 6, seed=1), "KBNHC")
+    left = one_head.without_unit_letters()
+    assert (left.order, left.sizes) == ("NC", dict(K=2, N=4, C=8)) and left.streams is one_head.streams
+    per_head = region_table(caches_for("BNHC", "HBNC", dict(H=1, C=8), 4, 6, seed=1), "BNHC")
+    assert per_head.coordinates == "H" and per_head.without_unit_letters().coordinates == ""
+    empty = replace(one_head, streams=()).without_unit_letters()
+    assert (empty.order, empty.streams) == ("NC", ())
+
+
 def test_merged_descriptors_follow_runs_up_to_the_bound():
     """HND 4 -> NHD 16 (r = 4), 2 layers x K/V: 8 consecutive sender blocks into 2 consecutive
     receiver blocks are 8 pieces per stream that continue one another on both sides."""
