@@ -175,11 +175,18 @@ MANY_RUNS = {
 }
 
 
+# On the host, calls under ``host_thread_bytes`` take numpy's way on the calling thread;
+# 0 sends these small caches through torch's ops.
+HOST_WAYS = {"numpy": {}, "torch-ops": {"host_thread_bytes": 0}}
+
+
+@pytest.mark.parametrize("way", list(HOST_WAYS))
 @pytest.mark.parametrize("ids", list(MANY_RUNS))
 @pytest.mark.parametrize("pair", list(PAIRS), ids=list(PAIRS))
-def test_torch_copy_gathers_or_scatters_straight_when_one_side_runs(pair, ids):
+def test_torch_copy_gathers_or_scatters_straight_when_one_side_runs(pair, ids, way):
     """More runs than ``max_run_copies``: the torch path gathers straight into destination
-    runs, scatters straight from source runs, or gathers then scatters; the same bytes."""
+    runs, scatters straight from source runs, or gathers then scatters; the same bytes, by
+    numpy's calls or torch's."""
     from kvhost.torch_backend import TorchBackend
 
     (src_axes, src_phys), (dst_axes, dst_phys) = PAIRS[pair]
@@ -187,13 +194,14 @@ def test_torch_copy_gathers_or_scatters_straight_when_one_side_runs(pair, ids):
     dst = build(dst_axes, dst_phys, 10, "cpu", 100)
     case = CopyCase(src, dst, src_axes, dst_axes)
     src_ids, dst_ids = MANY_RUNS[ids]
-    backend = TorchBackend(max_run_copies=1)
+    backend = TorchBackend(max_run_copies=1, **HOST_WAYS[way])
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=src_axes, dst_axes=dst_axes, backend=backend).wait()
     case.check(src_ids, dst_ids)
 
 
+@pytest.mark.parametrize("way", list(HOST_WAYS))
 @pytest.mark.parametrize("ids", list(MANY_RUNS))
-def test_torch_copy_within_one_cache(ids):
+def test_torch_copy_within_one_cache(ids, way):
     """Source and destination in one cache (blocks apart): the torch path keeps such copies
     off its one-pass index ops, and lands the same bytes."""
     from kvhost.torch_backend import TorchBackend
@@ -203,9 +211,8 @@ def test_torch_copy_within_one_cache(ids):
     for max_run_copies in (1, 64):  # a gather then a scatter; a copy_ per run
         cache = build("KBNHC", "KBHNC", 24, "cpu", 1)  # anew: each copy must land its own bytes
         case = CopyCase(cache, cache, "KBNHC", "KBNHC")
-        kvhost.copy_blocks(
-            cache, cache, src_ids, dst_ids, axes="KBNHC", backend=TorchBackend(max_run_copies=max_run_copies)
-        ).wait()
+        backend = TorchBackend(max_run_copies=max_run_copies, **HOST_WAYS[way])
+        kvhost.copy_blocks(cache, cache, src_ids, dst_ids, axes="KBNHC", backend=backend).wait()
         case.check(src_ids, dst_ids)
 
 
