@@ -586,6 +586,10 @@ def test_memory_an_agent_registered_is_refused_again_before_nixl_is_asked(monkey
         apart = agent.register(caches_for("KBNHC", "KBNHC", SIZES, 4, 4, seed=2), "KBNHC")
         assert len(asked.calls) == 1 and len(agent.metadata()) > len(metadata)
         assert nixl_accepts(agent, MINE, extent_rows(apart))
+    with Agent("registers-one-span", progress_thread=False) as agent:  # the span met is its first
+        agent.register({"only": pair[0]}, "KBNHC")
+        with pytest.raises(ArgumentError, match="layer 'again'"):
+            agent.register({"again": pair[0]}, "KBNHC")
 
 
 @needs_nixl
@@ -1055,7 +1059,7 @@ def test_a_transfer_that_ends_settles_its_agent_without_a_look_at_those_landed_b
     """Transfers that landed and were never released stay posted until released: were each
     landing, failure or release to look at them, every one would cost as many as its
     callers left (3,000 unreleased reads took 3.3 s against 2.0 s released)."""
-    from kvhost.nixl.agent import _HOLDING
+    from kvhost.nixl.agent import _HOLDING, _WRITING
 
     agent = SimpleNamespace(nixl=ScriptedNixl(*["DONE"] * 1000), uncancelled=[], posted=LookedAt())
     link = Link(agent, "prefill")  # type: ignore[arg-type]
@@ -1069,7 +1073,7 @@ def test_a_transfer_that_ends_settles_its_agent_without_a_look_at_those_landed_b
         failing.poll()
     assert id(agent) in _HOLDING
     released.release()  # landed when asked
-    assert id(agent) not in _HOLDING and agent.posted.looked == 0
+    assert id(agent) not in _HOLDING and id(agent) not in _WRITING and agent.posted.looked == 0
     assert Agent.in_flight(agent) == [] and len(agent.posted) == 1002  # type: ignore[arg-type]
 
 
