@@ -76,7 +76,7 @@ def find_overlap(lanes: Sequence[Lane]) -> Overlap | None:
     for i in order:
         lane = lanes[i]
         if lane.start >= reach and cluster:
-            found = _overlap_in_cluster(cluster)
+            found = _overlap_in_cluster(cluster) if len(cluster) > 1 else None  # one lane: checked above
             if found is not None:
                 return found
             cluster = []

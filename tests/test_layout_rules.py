@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvhost
+from kvhost import memory
 from kvhost.layout import Layout, contiguous_strides
 from kvhost.memory import MAX_LISTED_BLOCKS, Lane, byte_extent, find_overlap, first_shared
 from kvhost.testing import ReceiveCase, make_cache
@@ -213,6 +214,21 @@ def test_an_earlier_cluster_is_settled_before_a_later_one():
     found = find_overlap([d, c, b, a])
     assert found is not None
     assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("a", 1, "b", 2)
+
+
+def test_lanes_that_only_touch_are_compared_with_nothing(monkeypatch):
+    """Lanes laid end to end (each layer's K, then each layer's V, of one buffer: the
+    layers' spans all meet) are clusters of one: nothing to compare, so none is compared
+    (each comparison was some 90 us: a copy into 96 layer views of one buffer took 9.3 ms
+    against 2.9 ms once they were not)."""
+    compared: list[int] = []
+    real = memory._overlap_in_cluster
+    monkeypatch.setattr(memory, "_overlap_in_cluster", lambda cluster: compared.append(len(cluster)) or real(cluster))
+    touching = [Lane(i * 160, 10, 16, 10, f"l{i}") for i in range(64)]
+    assert find_overlap(touching[::-1]) is None and compared == []
+    found = find_overlap([*touching, Lane(5 * 160 + 150, 10, 2, 10, "across")])  # l5's last block and l6's first
+    assert found is not None and compared == [3]  # l5, across and l6: one cluster
+    assert (found.first.owner, found.first_block, found.second.owner, found.second_block) == ("l5", 15, "across", 0)
 
 
 def test_within_a_cluster_pairs_with_one_stride_are_settled_before_any_is_listed():
