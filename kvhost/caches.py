@@ -146,9 +146,13 @@ class CacheSet:
         for member in self.members[1:]:
             layout = member.layout
             if layout is not first.layout and (layout.shape != first.layout.shape or layout.axes != first.layout.axes):
+                # A layer's K and V of two shapes (another head dim for V, say) are two sets
+                # of caches to the planner: one call each.
+                same_layer = member.layer == first.layer
+                hint = "; members of two shapes (K and V of two head dims) go in two calls" if same_layer else ""
                 raise LayoutError(
                     f"{role}: {member.name} has shape {layout.shape} ({layout.axes}) but "
-                    f"{first.name} has {first.layout.shape} ({first.layout.axes}); all layers must match"
+                    f"{first.name} has {first.layout.shape} ({first.layout.axes}); all layers must match{hint}"
                 )
             if layout.itemsize != first.layout.itemsize:
                 raise LayoutError(

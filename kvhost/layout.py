@@ -37,8 +37,11 @@ def checked_letters(letters: object, *, what: str, error: type[Exception] = Layo
         raise error(f"{what} must be a non-empty string of axis letters from {AXIS_LETTERS!r}, got {shown(letters)}")
     unknown = sorted(set(plain) - set(AXIS_LETTERS))
     if unknown:
+        # vLLM's names for the layouts spell the head dim D: HND is HNC here.
+        named = f" (the head dim is C here: {plain.replace('D', 'C')!r})" if unknown == ["D"] else ""
         raise error(
-            f"{what} {shown(plain)} has unknown letter(s) {shown(''.join(unknown))}; known letters are {AXIS_LETTERS!r}"
+            f"{what} {shown(plain)} has unknown letter(s) {shown(''.join(unknown))}; known letters are "
+            f"{AXIS_LETTERS!r}{named}"
         )
     repeated = sorted({a for a in plain if plain.count(a) > 1})
     if repeated:

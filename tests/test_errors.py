@@ -69,8 +69,12 @@ def test_receive_rejects_bad_batch_and_changes_nothing(target, name):
 def test_layers_of_different_shapes():
     caches = hnd_caches()
     caches["odd"] = make_cache("KBNHC", "KBNHC", dict(SIZES, H=4))
-    with pytest.raises(kvhost.LayoutError, match=r"'odd'.*all layers must match"):
+    with pytest.raises(kvhost.LayoutError, match=r"'odd'.*all layers must match$"):
         kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    # K and V of one layer with two head dims: the message says how such a layer is passed.
+    split = {"l": tuple(make_cache("BNHC", "BNHC", dict(B=8, N=16, H=2, C=c)) for c in (8, 4))}
+    with pytest.raises(kvhost.LayoutError, match=r"'l'\[1\].*all layers must match; .*two head dims\) go in two calls"):
+        kvhost.receive(split, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
 
 
 def test_layers_on_different_devices_or_dtypes():

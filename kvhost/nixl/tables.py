@@ -190,7 +190,8 @@ class RegionTable:
         else:
             raise LayoutError(
                 f"a share of the heads of a {self.run_order!r} region is scattered over its tokens: "
-                "a sender that shares out its heads must keep them apart (head-major blocks, HND)"
+                "a table narrows only to heads kept apart (head-major blocks, HND); plan_ranks reads such a "
+                "share as byte windows"
             )
         return replace(self, sizes=self.sizes | {"H": count}, streams=streams)
 
