@@ -242,10 +242,13 @@ class Layout:
             if self.size(letter) == 1:
                 continue
             if self.stride(letter) != dense:
+                # Tokens apart from one another (a host buffer whose token index comes before
+                # its layer, say) still make blocks of one token each.
+                tokens = " (tokens that lie apart can be blocks of one token: N of 1, an id per token)"
                 raise LayoutError(
                     f"{name}: block region {self.region!r} is not contiguous: axis {letter} "
                     f"has stride {self.stride(letter)}, a dense region needs {dense} "
-                    f"(shape {self.shape}, strides {self.strides})"
+                    f"(shape {self.shape}, strides {self.strides})" + (tokens if letter == "N" else "")
                 )
             dense *= self.size(letter)
         if self.num_blocks > 1 and self.stride("B") < dense:

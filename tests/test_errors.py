@@ -108,8 +108,13 @@ def test_bad_axes(axes, shape, words):
 def test_region_not_contiguous():
     # Every other channel: the region has holes.
     holey = torch.zeros(2, 8, 8, 2, 8)[..., ::2]
-    with pytest.raises(kvhost.LayoutError, match=r"not contiguous.*axis C"):
+    with pytest.raises(kvhost.LayoutError, match=r"not contiguous.*axis C.*strides \(.*\)$"):
         kvhost.receive({"l": holey}, {"r": [1]}, axes="KBNHC")
+    # Tokens apart from one another (a host buffer [2, tokens, L, H, C] seen layer by layer):
+    # the message says how such memory is described.
+    page_first = {"l0": torch.zeros(2, 8 * 16, 4, 2, 8)[:, :, 0].unflatten(1, (8, 16))}
+    with pytest.raises(kvhost.LayoutError, match=r"axis N has stride 64.*blocks of one token: N of 1, an id per token"):
+        kvhost.receive(page_first, {"r": [1]}, axes="KBNHC")
     # Tokens outside the block region: N before B in memory.
     n_outer = torch.zeros(8, 2, 8, 2, 4).permute(1, 2, 0, 3, 4)
     with pytest.raises(kvhost.LayoutError, match=r"tokens"):
