@@ -326,8 +326,8 @@ def test_threads_with_many_peers_never_collide():
     # Each thread went round every peer: each holds every thread's block, copied and back
     # unchanged, and no other block (a copy dropped, or landed in another's block, shows).
     blocks = list(range(threads_count))
+    assert all(torch.equal(raw(caches[name]), before[name]) for name in caches)
     for peer, name in itertools.product(peers, caches):
-        assert torch.equal(raw(caches[name]), before[name])
         assert torch.equal(raw(peer[name][:, blocks]), before[name][:, blocks])
         assert not raw(peer[name][:, threads_count:]).any()
 

@@ -128,15 +128,12 @@ class RegionTable:
         streams = self.streams
         if units & set(self.coordinates if streams else ""):
             streams = tuple(replace(s, coords=tuple(c for c in s.coords if c[0] not in units)) for s in streams)
-        return RegionTable(
-            self.memory,
-            self.device_id,
-            "".join(a for a in self.order if a not in units),
-            "".join(a for a in self.split if a not in units),
-            {a: n for a, n in self.sizes.items() if a not in units},
-            self.itemsize,
-            self.num_blocks,
-            streams,
+        return replace(
+            self,
+            order="".join(a for a in self.order if a not in units),
+            split="".join(a for a in self.split if a not in units),
+            sizes={a: n for a, n in self.sizes.items() if a not in units},
+            streams=streams,
         )
 
     def token_runs(self) -> RegionTable:
