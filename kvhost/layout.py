@@ -264,6 +264,22 @@ class Layout:
             )
 
 
+def view_as_letters(tensor: torch.Tensor, axes: str, letters: str) -> torch.Tensor:
+    """``tensor``, whose dims are ``axes``, as a view whose dims are ``letters`` in that order.
+
+    The two may differ by letters of size 1 (a head dim of one head, a K of one member): such
+    a letter moves no byte, so one ``axes`` has and ``letters`` lacks is indexed away, and
+    one ``letters`` has and ``axes`` lacks becomes a dim of size 1.
+    """
+    picked = tensor[tuple(slice(None) if a in letters else 0 for a in axes)]
+    kept = [a for a in axes if a in letters]
+    view = picked.permute([kept.index(a) for a in letters if a in kept])
+    for dim, letter in enumerate(letters):
+        if letter not in kept:
+            view = view.unsqueeze(dim)
+    return view
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides, in elements, of a dense array of ``shape``."""
     strides, step = [], 1

@@ -28,7 +28,7 @@ from kvhost.backend import Backend, Completion, EventCompletion, check_sizes, ne
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.errors import BackendError, brief
 from kvhost.ids import find_runs_list
-from kvhost.layout import Layout, contiguous_strides
+from kvhost.layout import Layout, contiguous_strides, view_as_letters
 from kvhost.raw import as_raw
 from kvhost.transform import Rearrangement
 
@@ -337,7 +337,7 @@ def _pair_views(job: CopyJob) -> list[_PairViews]:
     host = job.src_device.type == job.dst_device.type == "cpu"
     views = []
     for src, dst in job.pairs:
-        source = as_raw(src.tensor).permute([src.layout.axes.index(a) for a in dst.layout.physical])
+        source = view_as_letters(as_raw(src.tensor), src.layout.axes, dst.layout.physical)
         dest = physical_view(as_raw(dst.tensor), dst.layout)
         # A copy within one cache reads and writes one storage: kept off the one-pass index
         # ops (whose behaviour on shared memory torch does not promise).

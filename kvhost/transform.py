@@ -256,7 +256,6 @@ class CopyPlan:
     src_block_stride: int
     dst_block_stride: int
     merge_blocks: bool
-    src_to_dst: tuple[int, ...]  # dims of the source, permuted into the destination's shape order
 
     @property
     def block_bytes(self) -> int:
@@ -266,10 +265,10 @@ class CopyPlan:
 @lru_cache(maxsize=1024)
 def plan_copy(src: Layout, dst: Layout) -> CopyPlan:
     """The copy from blocks in layout ``src`` to blocks in layout ``dst``."""
-    if src.logical_sizes() != dst.logical_sizes():
+    if _moving_sizes(src) != _moving_sizes(dst):
         raise LayoutError(
             f"source axes {src.axes!r} sizes {src.logical_sizes()} do not match destination "
-            f"axes {dst.axes!r} sizes {dst.logical_sizes()}"
+            f"axes {dst.axes!r} sizes {dst.logical_sizes()} (letters of size 1 may be left out)"
         )
     if src.itemsize != dst.itemsize:
         raise LayoutError(f"source item size {src.itemsize} != destination item size {dst.itemsize}")
@@ -301,5 +300,10 @@ def plan_copy(src: Layout, dst: Layout) -> CopyPlan:
         src_block_stride=src_block,
         dst_block_stride=dst_block,
         merge_blocks=merge,
-        src_to_dst=tuple(src.axes.index(a) for a in dst.axes),
     )
+
+
+def _moving_sizes(layout: Layout) -> dict[str, int]:
+    """A block's letters that move bytes, with their sizes: a letter of size 1 (one head, say)
+    has no place to move, so two layouts may differ by such letters and copy alike."""
+    return {a: n for a, n in layout.logical_sizes().items() if n > 1}

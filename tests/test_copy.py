@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -63,6 +65,52 @@ def test_copy_between_layouts_and_devices(target, pair, ids, direction):
     assert result.blocks == len(src_ids)
     assert result.bytes_moved == len(src_ids) * block_bytes * 2  # two layers
     assert result.backend == target.name
+
+
+# Layouts that differ by letters of size 1 (an MLA latent with or without a head dim of
+# one, K of one member, a group of one layer): (axes, physical, sizes) per side.
+UNIT_PAIRS = {
+    "BNHC(H=1)->BNC": (("BNHC", "BNHC", dict(H=1)), ("BNC", "BNC", {})),
+    "HBNC(H=1 outer)->BNC": (("HBNC", "HBNC", dict(H=1)), ("BNC", "BNC", {})),
+    "BNC->BHNC(H=1)": (("BNC", "BNC", {}), ("BNHC", "BHNC", dict(H=1))),
+    "KBNC(K=1)->BNHC(H=1)": (("KBNC", "KBNC", dict(K=1)), ("BNHC", "BNHC", dict(H=1))),
+    "LKBNHC(L=1)->KBNHC(HND)": (("LKBNHC", "LKBNHC", dict(L=1)), ("KBNHC", "KBHNC", {})),
+}
+
+
+@pytest.mark.parametrize("ids", ["runs", "scattered"])
+@pytest.mark.parametrize("pair", list(UNIT_PAIRS), ids=list(UNIT_PAIRS))
+@pytest.mark.parametrize("direction", ["host->device", "device->host"])
+def test_copy_between_layouts_that_differ_by_letters_of_size_1(target, pair, ids, direction):
+    (src_axes, src_phys, src_units), (dst_axes, dst_phys, dst_units) = UNIT_PAIRS[pair]
+    src_dev, dst_dev = ("cpu", target.device) if direction == "host->device" else (target.device, "cpu")
+
+    def side(axes, physical, units, blocks, device, seed):
+        sizes = {a: n for a, n in (sizes_for(axes, blocks) | units).items() if a in axes}
+        caches = {f"layer{i}": make_cache(axes, physical, sizes, torch.bfloat16, device) for i in range(2)}
+        for i, t in enumerate(caches.values()):
+            fill_random(t, seed + i)
+        return caches
+
+    src = side(src_axes, src_phys, src_units, 12, src_dev, 1)
+    dst = side(dst_axes, dst_phys, dst_units, 10, dst_dev, 100)
+    case = CopyCase(src, dst, src_axes, dst_axes)
+    src_ids, dst_ids = IDS[ids]
+    result = kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=src_axes, dst_axes=dst_axes, backend=target.backend)
+    result.wait()
+    case.check(src_ids, dst_ids)
+    block_bytes = 2 * math.prod(n for a, n in (sizes_for(dst_axes, 10) | dst_units).items() if a != "B")  # bf16
+    assert result.blocks == len(src_ids) and result.bytes_moved == len(src_ids) * block_bytes * 2
+
+
+def test_layouts_that_differ_by_a_letter_of_more_than_one_are_refused_unchanged():
+    src = {"layer0": make_cache("BNHC", "BNHC", dict(B=4, N=8, H=2, C=16))}
+    dst = {"layer0": make_cache("BNC", "BNC", dict(B=4, N=8, C=32))}
+    fill_random(dst["layer0"], 5)
+    before = dst["layer0"].clone()
+    with pytest.raises(kvhost.LayoutError, match=r"'H': 2.*letters of size 1 may be left out"):
+        kvhost.copy_blocks(src, dst, [0], [1], axes="BNHC", dst_axes="BNC")
+    assert torch.equal(raw(dst["layer0"]), raw(before))
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,7 @@ from kvhost.backend import Backend, Completion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob, ZeroJob
 from kvhost.caches import Member
 from kvhost.errors import LayoutError
-from kvhost.layout import Layout
+from kvhost.layout import Layout, view_as_letters
 from kvhost.transform import Rearrangement
 from kvhost_tpu import xla
 from kvhost_tpu.buckets import MIN_BUCKET, bucket_size, pad_rows
@@ -136,7 +136,7 @@ class TpuBackend(Backend):
         dst_index: torch.Tensor | None = None  # uploaded once: every destination is on one device
         for src, dst in job.pairs:
             # Gather first, permute after: a permute of the whole cache would copy it.
-            picked = _gather(src, src_ids).permute(job.plan.src_to_dst)
+            picked = view_as_letters(_gather(src, src_ids), src.layout.axes, dst.layout.axes)
             if dst.tensor.device.type == "xla":
                 # The padded rows repeat the last real pair, byte for byte.
                 dst_index = _upload(dst_ids, dst.tensor.device) if dst_index is None else dst_index
