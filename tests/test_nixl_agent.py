@@ -430,6 +430,32 @@ def test_close_lets_go_of_readers_peers_memory_and_tensors(monkeypatch):
     assert all(ref() is None for ref in alive), "a closed agent still holds the tensors it registered"
 
 
+def os_threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+@needs_nixl
+def test_close_ends_the_nixl_agent_while_its_caller_keeps_a_released_transfer():
+    """A connector that keeps a transfer it released (a list of the step's transfers, a
+    local still in scope) must not keep the NIXL agent alive past ``close``: its UCX worker
+    threads and connections end with it. A released transfer holds no NIXL handle."""
+    before = os_threads()
+    sender, receiver = Agent("kept-transfer-sender"), Agent("kept-transfer-receiver")
+    remote_table = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=2), "KBNHC")
+    local_table = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=3), "KBNHC")
+    reader = receiver.reader(plan_transfer(local_table, remote_table), receiver.add_peer(sender.metadata()))
+    transfer = reader.read([0], [0, 1, 2, 3])
+    transfer.wait(timeout=20)
+    transfer.release()
+    assert transfer.handle is None
+    assert os_threads() > before
+    sender.close()
+    receiver.close()
+    gc.collect()
+    assert os_threads() == before, "a released transfer kept a closed agent's NIXL threads alive"
+    assert transfer.released and transfer.poll()  # what it says of itself stays true
+
+
 @needs_nixl
 @pytest.mark.timeout(60)
 def test_peers_are_removed_and_the_same_metadata_again_keeps_them(monkeypatch):

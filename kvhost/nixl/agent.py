@@ -947,6 +947,9 @@ class Transfer:
         if self.owns_handle:
             with contextlib.suppress(Exception):  # over: whatever NIXL says of its handle, nothing more lands
                 self.handle.release()
+        # NIXL's handle object keeps its agent alive (UCX's worker threads, connections): a
+        # caller that keeps the released transfer must not keep the agent past its close.
+        self.handle = None
         self.released = True
         _let_go(self.link.agent, self)
 
