@@ -182,7 +182,13 @@ class ChunkCycles(NamedTuple):
         return cls(chunk_bytes, np.array(order, dtype=np.int64), np.array(starts, dtype=np.int64))
 
 
-@lru_cache(maxsize=1024)
+# Plans kept for the process: an engine meets a few (layout, sender order, sender size)
+# keys, and a plan for a sender whose blocks span thousands of ours holds its write-back
+# cycles (up to a few MiB), so the bound is counted in those.
+RECEIVE_PLANS_KEPT = 64
+
+
+@lru_cache(maxsize=RECEIVE_PLANS_KEPT)
 def plan_receive(layout: Layout, remote_order: str, remote_block_size: int) -> Rearrangement | None:
     """The rearrangement from the sender's bytes to ``layout``; None when nothing changes."""
     region = layout.region
