@@ -176,6 +176,40 @@ def allocate(layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, dtype=t
     return config, dict(zip(LAYER_NAMES, views))
 
 
+WINDOW = 64  # a hybrid model's sliding window, in tokens
+
+
+HYBRID_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def hybrid_specs(block_size: int = BLOCK, window: int = WINDOW):
+    """Layers 0 and 2 full attention, 1 and 3 a sliding window: a hybrid model of two groups."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    shape = {"block_size": block_size, "num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.bfloat16}
+    full, sliding = FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=window)
+    return {name: sliding if i % 2 else full for i, name in enumerate(HYBRID_LAYERS)}
+
+
+def allocate_hybrid(config, layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, specs=None):
+    """(kv_cache_config, per-layer views) of a hybrid model as vLLM plans and allocates them:
+    one group per kind of layer, the groups laid over shared memory (the i-th layer of each
+    group one tensor) and their blocks drawn from one pool of ``blocks``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    specs = hybrid_specs(block_size) if specs is None else specs
+    with set_current_vllm_config(config):
+        groups = get_kv_cache_groups(config, dict(specs))
+        page = max(spec.page_size_bytes for spec in specs.values())
+        kv_cache_config = get_kv_cache_config_from_groups(config, groups, page * blocks * len(specs) // len(groups))
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout])
+    assert kv_cache_config.num_blocks == blocks, kv_cache_config.num_blocks
+    return kv_cache_config, caches
+
+
 def make_worker(
     model: str,
     layout: str,
@@ -185,16 +219,21 @@ def make_worker(
     blocks: int = BLOCKS,
     wrapper: type = FakeNixlWrapper,
     heads: int = HEADS,
+    hybrid: bool = False,
 ):
     """kvhost's connector, built by vLLM's connector factory, its worker registered (a model
-    of ``heads`` KV heads: ``model`` must be written with as many)."""
+    of ``heads`` KV heads: ``model`` must be written with as many); ``hybrid``: caches of
+    full and sliding-window layers (``allocate_hybrid``)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.platforms import current_platform
 
     config = make_config(model, layout, block_size)
-    kv_cache_config, caches = allocate(layout, block_size, blocks, heads=heads)
+    if hybrid:
+        kv_cache_config, caches = allocate_hybrid(config, layout, block_size, blocks)
+    else:
+        kv_cache_config, caches = allocate(layout, block_size, blocks, heads=heads)
     base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
     with (
         set_current_vllm_config(config),
@@ -694,8 +733,10 @@ def drive(connector, worker, requests, computed=None):
 
     metadata = NixlConnectorMetadata()
     for req_id, (local_ids, remote_ids, engine) in requests.items():
+        # A tuple of lists is a hybrid model's ids, a list per group; else one group's ids.
+        local_groups = local_ids if isinstance(local_ids, tuple) else (list(local_ids),)
         params = {
-            "remote_block_ids": (list(remote_ids),),
+            "remote_block_ids": remote_ids if isinstance(remote_ids, tuple) else (list(remote_ids),),
             "remote_engine_id": engine,
             "remote_request_id": req_id,
             "remote_host": "localhost",
@@ -703,7 +744,9 @@ def drive(connector, worker, requests, computed=None):
             "remote_tp_size": 1,
         }
         hit = (computed or {}).get(req_id, 0)
-        metadata.add_new_req_to_recv(req_id, (list(local_ids),), params, local_num_computed_blocks=(hit,))
+        metadata.add_new_req_to_recv(
+            req_id, local_groups, params, local_num_computed_blocks=tuple(hit for _ in local_groups)
+        )
     calls = spy(worker)
     steps, done = [], set()
     for step in range(200):
@@ -1176,7 +1219,8 @@ def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copyi
     # A sliding-window model: vLLM sends each side's last blocks of the window, lists that
     # start at other tokens on the two sides.
     worker._is_hma_required = True
-    with pytest.raises(LayoutError, match=r"engine 'big': .* with a cache vLLM clips to a window"):
+    clipped = r"engine 'big': blocks of 128 tokens, ours 64: a cache vLLM clips to a window"
+    with pytest.raises(LayoutError, match=clipped):
         worker.add_remote_agent(payloads["big"], 0, 1, 1)
     worker._is_hma_required = False
     worker.add_remote_agent(payloads["big"], 0, 1, 1)
@@ -1540,53 +1584,116 @@ def test_a_sender_of_another_tp_size_in_our_region_order_lands_each_ranks_heads(
         assert torch.equal(got[untouched], before[name][untouched]), name
 
 
-def test_several_kv_cache_groups_are_refused_at_registration(vllm_env):
-    """A hybrid model (full and sliding-window attention) has two transfer groups: refused
-    when the caches are registered, naming both, before anything is described or registered."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        SlidingWindowSpec,
-        compute_layout_strides,
-        create_kv_cache_views,
-    )
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+HYBRID_CASES = {  # sender layout, decode layout, decode in host-buffer mode
+    "LBHNC->LBNHC": ("LBHNC", "LBNHC", False),  # rearranged (vLLM refuses another layout with HMA)
+    "LBNHC->LBHNC": ("LBNHC", "LBHNC", False),
+    "BHLNC->BHLNC": ("BHLNC", "BHLNC", False),  # rows of every layer, one layout: nothing to rearrange
+    "LBHNC->LBNHC-host-buffer": ("LBHNC", "LBNHC", True),
+}
 
-    shape = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.bfloat16}
-    specs = (FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=64))
-    tensors, caches = [], {}
-    for name, spec in zip(LAYER_NAMES, specs):
-        strides = compute_layout_strides(spec, BLOCKS, 1, KVCacheLayout["LBNHC"])
-        tensor = KVCacheTensor(spec.page_size_bytes * BLOCKS, [name], strides[0], strides[1])
-        memory = torch.zeros(tensor.size, dtype=torch.int8)
-        caches[name] = create_kv_cache_views(memory, spec, BLOCKS, KVCacheLayout["LBNHC"], tensor)[0]
-        tensors.append(tensor)
-    groups = [KVCacheGroupSpec([name], spec) for name, spec in zip(LAYER_NAMES, specs)]
-    kv_cache_config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups)
-    config = make_config(vllm_env, "LBNHC")
-    base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
-    with (
-        set_current_vllm_config(config),
-        patch(f"{base}.NixlWrapper", FakeNixlWrapper),
-        patch(f"{base}.check_nixl_version", lambda version: None),
-        patch.object(current_platform, "discover_numa_topology", lambda: []),
+
+@pytest.mark.parametrize("case", list(HYBRID_CASES))
+def test_a_hybrid_models_groups_are_read_and_post_processed_as_one_pool(vllm_env, copying, case):
+    """A hybrid model (layer 0 full attention, layer 1 a sliding window of 64 tokens), as
+    vLLM plans and allocates it: the groups share memory and draw blocks from one pool. A
+    request reads every block of the full layer and the window's last blocks of the other,
+    each group a list; kvhost describes each memory once, and one post-process (and in
+    host-buffer mode one load) a step rearranges every group's blocks from the sender's
+    layout. Every token sent lands as the sender held it; no other block changes."""
+    import random
+
+    sender_layout, decode_layout, host_buffer = HYBRID_CASES[case]
+    _, prefill, prefill_caches = make_worker(vllm_env, sender_layout, blocks=48, wrapper=copying, hybrid=True)
+    connector, worker, caches = make_worker(
+        vllm_env, decode_layout, blocks=24, wrapper=copying, hybrid=True, host_buffer=host_buffer
+    )
+    assert len(worker.kv_cache_config.transfer_groups) == 2 and worker._is_hma_required
+    memories = {view.data_ptr() for view in caches.values()}  # a full layer and a sliding one each
+    assert len(memories) == len(set(worker._memories.values())) == 2  # each described once
+    for i, view in enumerate(prefill_caches.values()):
+        fill_random(view, 10 + i)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 20 + i)
+    if host_buffer:
+        worker.copy_blocks = forbid_vllm_copies
+        for i, view in enumerate(worker.host_xfer_buffers.values()):
+            fill_random(view, 30 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    fake_handshakes(worker, {"p": handshake_payload(prefill, "p")})
+    tokens, window_blocks = 320, -(-WINDOW // BLOCK) + 1  # vLLM's blocks of a window: the last 3 of 10
+    rng = random.Random(5)
+    sent, ours = rng.sample(range(48), 10 + window_blocks), rng.sample(range(24), 10 + window_blocks)
+    remote = (sent[:10], sent[10:])
+    local = (ours[:10], ours[10:])
+    steps = drive(connector, worker, {"r": (local, remote, "p")})
+    assert not set().union(*(f for _, f, _ in steps))
+    assert_one_call_per_step(steps, "post_process")
+    if host_buffer:
+        assert_one_call_per_step(steps, "load_from_host")
+    assert tokens == 10 * BLOCK
+    for i, name in enumerate(HYBRID_LAYERS):  # full layers: every block; sliding ones: the window's
+        got = tokens_of({name: caches[name]}, local[i % 2], BLOCK)
+        want = tokens_of({name: prefill_caches[name]}, remote[i % 2], BLOCK)
+        assert torch.equal(got, want), name
+    untouched = [b for b in range(24) if b not in ours]
+    for name, view in caches.items():
+        assert torch.equal(raw(view)[untouched], before[name][untouched]), name
+    posted = [args for _, _, calls in steps for called, args in calls if called == "post_process"]
+    assert sorted(posted[0][0]["p"]["r"]) == sorted(ours)  # every group's blocks, in one request
+
+
+def test_hybrid_models_kvhost_cannot_serve_are_refused(vllm_env, copying):
+    """Refused at registration, before anything is described or registered, naming the
+    groups: a group of other state (chunked local attention), and groups whose pages differ.
+    Refused at the handshake, before anything of it is noted: a sender of another block
+    size (vLLM's lists of a window's last blocks, counted in each side's blocks, would start
+    at other tokens)."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec
+
+    shape = {"num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.bfloat16}
+    full, local = (
+        FullAttentionSpec(block_size=BLOCK, **shape),
+        ChunkedLocalAttentionSpec(block_size=BLOCK, attention_chunk_size=64, **shape),
+    )
+    chunked = {name: local if i % 2 else full for i, name in enumerate(HYBRID_LAYERS)}
+    fewer_heads = hybrid_specs()
+    for name in HYBRID_LAYERS[1::2]:
+        fewer_heads[name] = dataclasses.replace(fewer_heads[name], num_kv_heads=1)
+    for specs, refusal in (
+        (
+            chunked,
+            r"only of full and sliding-window attention .*got 2: group 0: FullAttentionSpec of 2 layers "
+            r"\('model.layers.0.self_attn.attn', 'model.layers.2.self_attn.attn'\); group 1: ChunkedLocalAttentionSpec",
+        ),
+        (fewer_heads, r"only where their pages are alike .*\(32, 2, 8.*\(64, 1, 8"),
     ):
-        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-        worker = connector.connector_worker
-        with pytest.raises(
-            LayoutError,
-            match=r"takes one KV cache group that transfers, got 2: group 0: FullAttentionSpec of 1 layers "
-            r"\('model.layers.0.self_attn.attn'\); group 1: SlidingWindowSpec of 1 layers "
-            r"\('model.layers.1.self_attn.attn'\)",
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.platforms import current_platform
+
+        config = make_config(vllm_env, "LBNHC")
+        kv_cache_config, caches = allocate_hybrid(config, "LBNHC", specs=specs)
+        base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+        with (
+            set_current_vllm_config(config),
+            patch(f"{base}.NixlWrapper", FakeNixlWrapper),
+            patch(f"{base}.check_nixl_version", lambda version: None),
+            patch.object(current_platform, "discover_numa_topology", lambda: []),
         ):
-            connector.register_kv_caches(caches)
-    assert worker.kvhost is None and not worker.device_kv_caches and worker.num_regions == 0
+            connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+            worker = connector.connector_worker
+            with pytest.raises(LayoutError, match=refusal):
+                connector.register_kv_caches(caches)
+        assert worker.kvhost is None and not worker.device_kv_caches and worker.num_regions == 0
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=12, wrapper=copying, hybrid=True)
+    _, larger, _ = make_worker(vllm_env, "LBNHC", block_size=128, blocks=6, wrapper=copying, hybrid=True)
+    _, smaller, _ = make_worker(vllm_env, "LBNHC", wrapper=copying, hybrid=True)
+    for engine, sender in (("p-128", larger), ("p-32", smaller)):
+        with pytest.raises(LayoutError, match=rf"engine '{engine}': blocks of {sender.block_size} tokens, ours 64: "):
+            worker.add_remote_agent(handshake_payload(sender, engine), 0, 1)
+        assert engine not in worker.remote_engines and engine not in worker._remote_agents
 
 
 @pytest.mark.parametrize("fails", ["post_process", "load_from_host"])

@@ -22,7 +22,10 @@ kvhost, one call per step each, and reads what vLLM cannot:
   sender block is read as units
   (``LargerRemoteBlocks``: chunks of ``kvhost.nixl.plan_transfer``, one per block of
   ours, cut once more per run of the sender's tokens), so that the bytes land as
-  kvhost's wire model says, whole sender blocks and sender blocks read in part alike.
+  kvhost's wire model says, whole sender blocks and sender blocks read in part alike;
+- hybrid models of full and sliding-window attention: vLLM's groups share memory and one
+  pool of blocks, so each memory is described once and a request's blocks of every group
+  go in the step's one call (``_memories``, ``_all_groups``).
 
 docs/integrations.md lists every method the worker overrides, and why.
 
@@ -49,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPullConnectorWorker,
 )
 from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
 
 from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
@@ -60,6 +64,9 @@ from kvhost.stats import ReceiveStats
 
 logger = init_logger(__name__)
 NOT_POSTED = "NIXL_ERR_NOT_POSTED"  # what NIXL raises when asked of a read it never posted
+# The kinds of KV cache group a hybrid model may bring (each block a page of tokens, the
+# window's only clipped): full and sliding-window attention, MHA or MLA.
+HYBRID_SPECS = frozenset({FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec})
 
 __all__ = ["KvhostNixlConnector", "KvhostNixlWorker", "LargerRemoteBlocks", "sender_blocks_touched"]
 
@@ -160,6 +167,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         give_ucx_defaults()  # before vLLM's __init__ starts its NIXL agent (and UCX reads them)
         super().__init__(*args, **kwargs)
         self.kvhost: VllmCaches | None = None  # the device caches, once registered
+        self._memories: dict[str, str] = {}  # layer name -> the layer whose memory kvhost describes for it
         # engine -> (its KVCacheLayout, its block size), from its last handshake vLLM accepted.
         self.remote_engines: dict[str, RemoteEngine] = {}
         # engine -> how its blocks are read, for senders whose blocks hold g > 1 of ours.
@@ -181,22 +189,46 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's, with caches in host memory first backed by huge pages, which lets a peer
-        on the same machine read them near memcpy speed (``kvhost.nixl.hugepages``). Several
-        transfer groups (hybrid models) are refused first: a request's blocks would come in one
-        list per group, each of its own block size, which the post-process does not cover."""
-        groups = self.kv_cache_config.transfer_groups
-        if len(groups) != 1:
-            named = "; ".join(
-                f"group {i}: {type(group.kv_cache_spec).__name__} of {len(group.layer_names)} layers "
-                f"({', '.join(map(repr, group.layer_names[:2]))}{', ...' if len(group.layer_names) > 2 else ''})"
-                for i, group in enumerate(groups)
-            )
-            raise LayoutError(
-                f"KvhostNixlConnector takes one KV cache group that transfers, got {len(groups)}: {named or 'none'}"
-            )
-        self.kvhost = VllmCaches(kv_caches, self.kv_cache_layout, group=_registered_as_rows(kv_caches))
+        on the same machine read them near memcpy speed (``kvhost.nixl.hugepages``).
+
+        A hybrid model (full and sliding-window attention) has several transfer groups,
+        which vLLM lays over the same memory: the i-th layer of each group is one tensor,
+        and a block id, drawn from one pool, is one group's block in every such tensor. So
+        kvhost describes each memory once (``_memories``) and a request's blocks are those
+        of all its groups. Groups whose pages differ, or that hold other state (Mamba,
+        chunked local attention), are refused first, naming them."""
+        self._check_transfer_groups()
+        self._memories = _memories(kv_caches)
+        described = {name: kv_caches[name] for name in dict.fromkeys(self._memories.values())}
+        self.kvhost = VllmCaches(described, self.kv_cache_layout, group=_registered_as_rows(described))
         self.kvhost_huge_pages = back_host_tensors_with_huge_pages(m.tensor for m in self.kvhost.caches.members)
         super().register_kv_caches(kv_caches)  # in host-buffer mode, calls initialize_host_xfer_buffer
+
+    def _check_transfer_groups(self) -> None:
+        """Several transfer groups are taken where each is full or sliding-window attention
+        and all have one page: block size, heads, head size, dtype, and no padding."""
+        groups = self.kv_cache_config.transfer_groups
+        if len(groups) == 1:
+            return
+        named = "; ".join(
+            f"group {i}: {type(group.kv_cache_spec).__name__} of {len(group.layer_names)} layers "
+            f"({', '.join(map(repr, group.layer_names[:2]))}{', ...' if len(group.layer_names) > 2 else ''})"
+            for i, group in enumerate(groups)
+        )
+        specs = [group.kv_cache_spec for group in groups]
+        if not groups or any(type(spec) not in HYBRID_SPECS for spec in specs):
+            raise LayoutError(
+                f"KvhostNixlConnector takes several KV cache groups only of full and sliding-window attention "
+                f"({', '.join(sorted(kind.__name__ for kind in HYBRID_SPECS))}), got {len(groups)}: {named or 'none'}"
+            )
+        pages = {
+            (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, spec.page_size_padded) for spec in specs
+        }
+        if len(pages) != 1:
+            raise LayoutError(
+                "KvhostNixlConnector takes several KV cache groups only where their pages are alike (block size, "
+                f"KV heads, head size, dtype, no padding), got {sorted(map(str, pages))}: {named}"
+            )
 
     def unregister_kv_caches(self) -> None:
         """vLLM's (sleep mode), refused while a read may still write into the caches."""
@@ -243,11 +275,16 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         the device's are), so a save or a load is a plain block copy, and what the
         handshake says of our layout is true of the host buffer too."""
         assert self.kvhost is not None  # made from these very caches by register_kv_caches, just before
-        self.host_xfer_buffers = self.kvhost.host_buffers()
+        buffers = self.kvhost.host_buffers()  # one per memory; vLLM's are by layer name, its groups' too
+        self.host_xfer_buffers = {name: buffers[self._memories.get(name, name)] for name in kv_caches}
         self.host_buffer_kv_cache_layout = self.kv_cache_layout
         self.kvhost_huge_pages += back_host_tensors_with_huge_pages(
-            t for layer in self.host_xfer_buffers.values() for t in (layer if isinstance(layer, tuple) else (layer,))
+            t for layer in buffers.values() for t in (layer if isinstance(layer, tuple) else (layer,))
         )
+
+    def _host_buffers(self) -> dict[str, Any]:
+        """vLLM's host buffers as kvhost describes them: each memory once."""
+        return {name: self.host_xfer_buffers[name] for name in self._memories.values()}
 
     # --- handshake ---------------------------------------------------------------------
 
@@ -260,6 +297,13 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         if (0, remote_tp_rank) in self._remote_agents.get(engine, {}):
             return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
         larger = None  # refused here, before anything is noted
+        if self._is_hma_required and nixl_agent_meta.block_size != self.block_size:
+            # vLLM sends each side's last blocks of a window, counted in each side's blocks:
+            # lists that start at other tokens where block sizes differ.
+            raise LayoutError(
+                f"engine {engine!r}: blocks of {nixl_agent_meta.block_size} tokens, ours {self.block_size}: a cache "
+                "vLLM clips to a window (a group that is not full attention) takes only senders of our block size"
+            )
         if nixl_agent_meta.block_size > self.block_size:
             larger = self._plan_larger_remote_blocks(nixl_agent_meta, remote_tp_size, remote_dcp_size)
         self._check_post_process(nixl_agent_meta)
@@ -381,10 +425,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             "decode context parallelism": self.dcp_size > 1 or remote_dcp_size > 1,
             "mamba state": self._has_mamba,
             "layer-name routing (pipeline parallelism)": bool(self._transfer_layer_region_indices),
-            # vLLM then sends each side's last blocks of the window only, lists that start at
-            # other tokens on the two sides; the units are placed from token 0.
-            "a cache vLLM clips to a window (a group that is not full attention)": self._is_hma_required,
-        }
+        }  # a cache vLLM clips to a window takes no other block size at all (add_remote_agent)
         for what, present in unsupported.items():
             if present:
                 raise LayoutError(
@@ -572,7 +613,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             )
             batch[req_id] = [b for group in meta.local_physical_block_ids for b in group]
         if batch:
-            self.kvhost.save_to_host(self.host_xfer_buffers, batch).wait()
+            self.kvhost.save_to_host(self._host_buffers(), batch).wait()
 
     def sync_recved_kv_to_device(self, req_id: str, meta: Any) -> None:
         """Collected here; loaded for every request of the step in one copy."""
@@ -602,7 +643,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             failed: set[str] = set()
             if self._loads:
                 try:
-                    self.kvhost.load_from_host(self.host_xfer_buffers, self._loads).wait()
+                    self.kvhost.load_from_host(self._host_buffers(), self._loads).wait()
                 except Exception as err:  # any error: the requests must still be reported
                     failed = self._fail_receives(set(self._loads), "host_load_failed", err)
             done = set(results.finished_recving) - set(results.failed_recving) - failed
@@ -618,7 +659,12 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 failed |= self._post_process_alone(pending, named, err)
             except Exception as err:  # bytes may have moved: none can be tried again
                 failed |= self._fail_receives(named, "post_process_failed", err)
-            stale = {b for r in failed if r in self._receiving for b in self._receiving[r].local_physical_block_ids[0]}
+            stale = {
+                block
+                for req_id in failed
+                if req_id in self._receiving
+                for block in _all_groups(self._receiving[req_id].local_physical_block_ids)
+            }
             for block_ids in self._packs:
                 if stale.isdisjoint(block_ids):
                     super().post_process_device_kv_on_receive_heterogeneous_attn(block_ids)
@@ -635,7 +681,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         """Post-process each of ``named`` on its own, after the batch was refused; returns
         those that failed. A block two of them name fails both untried: the batch refuses
         it, and two calls alone would rearrange it twice."""
-        blocks = {req_id: set(pending[req_id].local_physical_block_ids[0]) for req_id in named}
+        blocks = {req_id: set(_all_groups(pending[req_id].local_physical_block_ids)) for req_id in named}
         seen: set[int] = set()
         shared: set[int] = set()
         for ids in blocks.values():
@@ -692,7 +738,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if meta.region_blocks_to_zero is not None or meta.remote is None:
                 continue  # vLLM zeroed its read plan's padding itself
             engine = meta.remote.engine_id
-            (local_ids,) = meta.local_physical_block_ids  # one transfer group (register_kv_caches)
+            local_ids = _all_groups(meta.local_physical_block_ids)  # a hybrid model's groups: one pool's ids
             if not local_ids:
                 continue
             named.add(req_id)
@@ -712,13 +758,35 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     received.setdefault(name, {})[request] = list(local_ids[offset : offset + length])
                 continue
             name = sender(engine, remote_engine)
-            (remote_ids,) = meta.remote.block_ids
+            remote_ids = _all_groups(meta.remote.block_ids)
             received.setdefault(name, {})[req_id] = list(local_ids)
             sent = len(remote_ids) * remote_size - skipped  # what it holds from our first position on
             arrived = max(min(len(local_ids) * local_size, sent), 0)
             if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
         return received, engines, tokens, named
+
+
+def _all_groups(block_ids: Sequence[Sequence[int]]) -> list[int]:
+    """A request's block ids of every transfer group, in group order. A hybrid model's groups
+    draw their blocks from one pool, and a block of ours holds one sender block whatever its
+    group (``add_remote_agent`` takes no other block size), so one list serves them all."""
+    return [block for group in block_ids for block in group]
+
+
+def _memories(kv_caches: Mapping[str, Any]) -> dict[str, str]:
+    """Layer name -> the name of the first layer whose view is the same memory, shape and
+    strides (a hybrid model's groups share their layers' tensors); a layer of its own maps to
+    itself. Keys in the caches' order; the values are the memories kvhost describes."""
+    first: dict[tuple[Any, ...], str] = {}
+    memories = {}
+    for name, view in kv_caches.items():
+        if isinstance(view, torch.Tensor):
+            key: tuple[Any, ...] = (view.device, view.data_ptr(), tuple(view.shape), view.stride(), view.dtype)
+        else:
+            key = (id(view),)
+        memories[name] = first.setdefault(key, name)
+    return memories
 
 
 def _summed(stats: Sequence[ReceiveStats]) -> ReceiveStats | None:
