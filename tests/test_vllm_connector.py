@@ -295,12 +295,14 @@ def test_the_scheduler_side_is_vllms_own(vllm_env):
     assert type(connector.connector_scheduler) is NixlPullConnectorScheduler and connector.connector_worker is None
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "hybrid"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_cache_registration_for_every_layout(vllm_env, layout):
+def test_cache_registration_for_every_layout(vllm_env, layout, hybrid):
     """vLLM registers its regions with NIXL; kvhost describes the same views, as their group
     where vLLM registers rows of every layer (BLNHC, BHLNC): kvhost's block regions are
-    vLLM's NIXL regions, one for one, at the same addresses and of the same length."""
-    _, worker, caches = make_worker(vllm_env, layout)
+    vLLM's NIXL regions, one for one, at the same addresses and of the same length. A
+    hybrid model's groups share memory: each memory is one region to both."""
+    _, worker, caches = make_worker(vllm_env, layout, hybrid=hybrid)
     kv = worker.kvhost
     assert kv.axes == ("LBHNC" if layout in ("BLNHC", "BHLNC") else "BHNC")
     assert worker.num_regions >= 1 and worker.xfer_handshake_metadata is not None
