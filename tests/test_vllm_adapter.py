@@ -725,7 +725,9 @@ def test_cross_layer_view_names_what_is_wrong_and_takes_any_even_spacing():
 
 def test_bhlnc_layer_views_need_their_group():
     """A BHLNC layer view of more than one head has no block region of its own: one alone is
-    refused, two are seen as their group, and a name kvhost does not know is refused either way."""
+    refused, two are seen as their group, and a name kvhost does not know is refused either way.
+    The view of a buffer of one layer (a hybrid model's memory shared by groups of one layer
+    each) has nothing between its heads: it is described alone."""
     assert kv_cache_axes("BHLNC", (4, 1, BLOCK, 16)) == "BHNC"
     with pytest.raises(kvhost.LayoutError, match="no contiguous block region"):
         kv_cache_axes("BHLNC", (4, 2, BLOCK, 16))
@@ -738,6 +740,9 @@ def test_bhlnc_layer_views_need_their_group():
     assert two.layer_names == tuple(pair) and two.axes == "LBHNC" and two.layout_name == "BHLNC"
     with pytest.raises(kvhost.LayoutError, match="unknown vLLM cache layout 'bogus'"):
         VllmCaches(views, "bogus")
+    alone, _ = kv_layout_group("BHLNC", blocks=4, block_size=BLOCK, heads=2, layers=1)
+    one = VllmCaches(alone, "BHLNC")
+    assert one.axes == "BHNC" and one.layer_names is None and one.caches.layout.region == "HNC"
 
 
 def test_caches_of_one_head_read_either_kv_cache_layout_name():

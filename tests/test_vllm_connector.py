@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -182,16 +183,17 @@ WINDOW = 64  # a hybrid model's sliding window, in tokens
 HYBRID_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
-def hybrid_specs(block_size: int = BLOCK, window: int = WINDOW):
-    """Layers 0 and 2 full attention, 1 and 3 a sliding window: a hybrid model of two groups."""
+def hybrid_specs(block_size: int = BLOCK, window: int = WINDOW, kinds: str = "fsfs"):
+    """A layer of full attention for each ``f`` of ``kinds``, of a sliding window for each
+    ``s``: by default layers 0 and 2 full, 1 and 3 sliding, a hybrid model of two groups."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     shape = {"block_size": block_size, "num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.bfloat16}
     full, sliding = FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=window)
-    return {name: sliding if i % 2 else full for i, name in enumerate(HYBRID_LAYERS)}
+    return {f"model.layers.{i}.self_attn.attn": sliding if kind == "s" else full for i, kind in enumerate(kinds)}
 
 
-def allocate_hybrid(config, layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, specs=None):
+def allocate_hybrid(config, layout: str, block_size: int = BLOCK, blocks: int = BLOCKS, specs=None, kinds="fsfs"):
     """(kv_cache_config, per-layer views) of a hybrid model as vLLM plans and allocates them:
     one group per kind of layer, the groups laid over shared memory (the i-th layer of each
     group one tensor) and their blocks drawn from one pool of ``blocks``."""
@@ -200,11 +202,12 @@ def allocate_hybrid(config, layout: str, block_size: int = BLOCK, blocks: int = 
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    specs = hybrid_specs(block_size) if specs is None else specs
+    specs = hybrid_specs(block_size, kinds=kinds) if specs is None else specs
     with set_current_vllm_config(config):
         groups = get_kv_cache_groups(config, dict(specs))
         page = max(spec.page_size_bytes for spec in specs.values())
-        kv_cache_config = get_kv_cache_config_from_groups(config, groups, page * blocks * len(specs) // len(groups))
+        tensors = max(len(group.layer_names) for group in groups)  # each a memory every group shares
+        kv_cache_config = get_kv_cache_config_from_groups(config, groups, page * blocks * tensors)
         caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout])
     assert kv_cache_config.num_blocks == blocks, kv_cache_config.num_blocks
     return kv_cache_config, caches
@@ -219,11 +222,11 @@ def make_worker(
     blocks: int = BLOCKS,
     wrapper: type = FakeNixlWrapper,
     heads: int = HEADS,
-    hybrid: bool = False,
+    hybrid: str | None = None,
 ):
     """kvhost's connector, built by vLLM's connector factory, its worker registered (a model
     of ``heads`` KV heads: ``model`` must be written with as many); ``hybrid``: caches of
-    full and sliding-window layers (``allocate_hybrid``)."""
+    full and sliding-window layers, their kinds (``allocate_hybrid``)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -231,7 +234,7 @@ def make_worker(
 
     config = make_config(model, layout, block_size)
     if hybrid:
-        kv_cache_config, caches = allocate_hybrid(config, layout, block_size, blocks)
+        kv_cache_config, caches = allocate_hybrid(config, layout, block_size, blocks, kinds=hybrid)
     else:
         kv_cache_config, caches = allocate(layout, block_size, blocks, heads=heads)
     base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
@@ -295,7 +298,7 @@ def test_the_scheduler_side_is_vllms_own(vllm_env):
     assert type(connector.connector_scheduler) is NixlPullConnectorScheduler and connector.connector_worker is None
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "hybrid"])
+@pytest.mark.parametrize("hybrid", [None, "fsfs"], ids=["one-group", "hybrid"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cache_registration_for_every_layout(vllm_env, layout, hybrid):
     """vLLM registers its regions with NIXL; kvhost describes the same views, as their group
@@ -1221,7 +1224,7 @@ def test_larger_senders_the_connector_does_not_cover_are_refused(vllm_env, copyi
     # A sliding-window model: vLLM sends each side's last blocks of the window, lists that
     # start at other tokens on the two sides.
     worker._is_hma_required = True
-    clipped = r"engine 'big': blocks of 128 tokens, ours 64: a cache vLLM clips to a window"
+    clipped = r"engine 'big': blocks of 128 tokens, 1 a logical block; ours 64, 1: a cache vLLM clips to a window"
     with pytest.raises(LayoutError, match=clipped):
         worker.add_remote_agent(payloads["big"], 0, 1, 1)
     worker._is_hma_required = False
@@ -1377,6 +1380,29 @@ def test_the_post_process_names_only_requests_whose_bytes_kvhost_finishes(vllm_e
     assert named == {"b", "b/2", "c"}
     stats = post_process(worker, step)
     assert stats is not None and stats.requests == 4 and stats.skipped_blocks == 1  # token-major: nothing to do
+
+
+@pytest.mark.parametrize("hit", [0, 2])
+def test_a_sender_of_our_kernel_blocks_in_larger_logical_blocks_lands_from_its_first_token(vllm_env, copying, hit):
+    """A sender whose logical blocks hold two of its kernel blocks of our size: a prompt of
+    280 tokens is 5 logical blocks to it, 10 kernel blocks, the last past the prompt; 9 to
+    us. vLLM pairs our blocks with its last kernel blocks, each of ours a block late; the
+    connector pairs them from the request's first position (after a prefix-cache hit of
+    ``hit`` blocks, too), and nothing is zeroed: every block of ours arrived whole."""
+    _, prefill, prefill_caches = make_worker(vllm_env, "LBHNC", blocks=48, wrapper=copying)
+    for i, view in enumerate(prefill_caches.values()):
+        fill_random(view, 40 + i)
+    connector, worker, caches = make_worker(vllm_env, "LBNHC", blocks=48, wrapper=copying)
+    payload = dataclasses.replace(handshake_payload(prefill, "p"), physical_blocks_per_logical_kv_block=2)
+    fake_handshakes(worker, {"p": payload})
+    logical = [3, 7, 11, 15, 19]
+    kernel = [2 * block + k for block in logical for k in (0, 1)]
+    ours = list(range(20, 29))[hit:]
+    steps = drive(connector, worker, {"r": (ours, logical, "p")}, computed={"r": hit})
+    assert not set().union(*(f for _, f, _ in steps))
+    for name in caches:
+        want = tokens_of({name: prefill_caches[name]}, kernel[hit:9], BLOCK)
+        assert torch.equal(tokens_of({name: caches[name]}, ours, BLOCK), want), name
 
 
 def test_first_position_counts_kernel_blocks_of_the_prefix_hit(vllm_env):
@@ -1586,32 +1612,37 @@ def test_a_sender_of_another_tp_size_in_our_region_order_lands_each_ranks_heads(
         assert torch.equal(got[untouched], before[name][untouched]), name
 
 
-HYBRID_CASES = {  # sender layout, decode layout, decode in host-buffer mode
-    "LBHNC->LBNHC": ("LBHNC", "LBNHC", False),  # rearranged (vLLM refuses another layout with HMA)
-    "LBNHC->LBHNC": ("LBNHC", "LBHNC", False),
-    "BHLNC->BHLNC": ("BHLNC", "BHLNC", False),  # rows of every layer, one layout: nothing to rearrange
-    "LBHNC->LBNHC-host-buffer": ("LBHNC", "LBNHC", True),
+HYBRID_CASES = {  # sender layout, decode layout, decode in host-buffer mode, layer kinds (f full, s sliding)
+    "LBHNC->LBNHC": ("LBHNC", "LBNHC", False, "fsfs"),  # rearranged (vLLM refuses another layout with HMA)
+    "LBNHC->LBHNC": ("LBNHC", "LBHNC", False, "fsfs"),
+    "BHLNC->BHLNC": ("BHLNC", "BHLNC", False, "fsfs"),  # rows of every layer, one layout: nothing to rearrange
+    "LBHNC->LBNHC-host-buffer": ("LBHNC", "LBNHC", True, "fsfs"),
+    "LBHNC->LBNHC-uneven": ("LBHNC", "LBNHC", False, "ffffsss"),  # groups of 4 and 3 (one padded)
+    "BHLNC->BHLNC-one-layer-each": ("BHLNC", "BHLNC", False, "fss"),  # three groups of one layer: one memory
 }
 
 
 @pytest.mark.parametrize("case", list(HYBRID_CASES))
 def test_a_hybrid_models_groups_are_read_and_post_processed_as_one_pool(vllm_env, copying, case):
-    """A hybrid model (layer 0 full attention, layer 1 a sliding window of 64 tokens), as
-    vLLM plans and allocates it: the groups share memory and draw blocks from one pool. A
-    request reads every block of the full layer and the window's last blocks of the other,
-    each group a list; kvhost describes each memory once, and one post-process (and in
-    host-buffer mode one load) a step rearranges every group's blocks from the sender's
-    layout. Every token sent lands as the sender held it; no other block changes."""
+    """A hybrid model (full attention and a sliding window of 64 tokens), as vLLM plans and
+    allocates it: the groups share memory and draw blocks from one pool. A request reads
+    every block of a full group and the window's last blocks of a sliding one, each group a
+    list; kvhost describes each memory once, and one post-process (and in host-buffer mode
+    one load) a step rearranges every group's blocks from the sender's layout. Every token
+    sent lands as the sender held it; no other block changes."""
     import random
 
-    sender_layout, decode_layout, host_buffer = HYBRID_CASES[case]
-    _, prefill, prefill_caches = make_worker(vllm_env, sender_layout, blocks=48, wrapper=copying, hybrid=True)
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    sender_layout, decode_layout, host_buffer, kinds = HYBRID_CASES[case]
+    _, prefill, prefill_caches = make_worker(vllm_env, sender_layout, blocks=48, wrapper=copying, hybrid=kinds)
     connector, worker, caches = make_worker(
-        vllm_env, decode_layout, blocks=24, wrapper=copying, hybrid=True, host_buffer=host_buffer
+        vllm_env, decode_layout, blocks=24, wrapper=copying, hybrid=kinds, host_buffer=host_buffer
     )
-    assert len(worker.kv_cache_config.transfer_groups) == 2 and worker._is_hma_required
-    memories = {view.data_ptr() for view in caches.values()}  # a full layer and a sliding one each
-    assert len(memories) == len(set(worker._memories.values())) == 2  # each described once
+    groups = worker.kv_cache_config.transfer_groups
+    assert len(groups) > 1 and worker._is_hma_required
+    memories = {view.data_ptr() for view in caches.values()}  # each shared by a layer of every group
+    assert len(memories) == len(set(worker._memories.values())) == max(len(g.layer_names) for g in groups)
     for i, view in enumerate(prefill_caches.values()):
         fill_random(view, 10 + i)
     for i, view in enumerate(caches.values()):
@@ -1622,21 +1653,23 @@ def test_a_hybrid_models_groups_are_read_and_post_processed_as_one_pool(vllm_env
             fill_random(view, 30 + i)
     before = {name: raw(view).clone() for name, view in caches.items()}
     fake_handshakes(worker, {"p": handshake_payload(prefill, "p")})
-    tokens, window_blocks = 320, -(-WINDOW // BLOCK) + 1  # vLLM's blocks of a window: the last 3 of 10
+    # A prompt of 10 blocks: a full group reads them all, a sliding one the window's last 3.
+    counts = [3 if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 10 for g in groups]
     rng = random.Random(5)
-    sent, ours = rng.sample(range(48), 10 + window_blocks), rng.sample(range(24), 10 + window_blocks)
-    remote = (sent[:10], sent[10:])
-    local = (ours[:10], ours[10:])
+    sent, ours = rng.sample(range(48), sum(counts)), rng.sample(range(24), sum(counts))
+    spans = list(itertools.pairwise(np.cumsum([0, *counts])))
+    remote = tuple(sent[a:b] for a, b in spans)
+    local = tuple(ours[a:b] for a, b in spans)
     steps = drive(connector, worker, {"r": (local, remote, "p")})
     assert not set().union(*(f for _, f, _ in steps))
     assert_one_call_per_step(steps, "post_process")
     if host_buffer:
         assert_one_call_per_step(steps, "load_from_host")
-    assert tokens == 10 * BLOCK
-    for i, name in enumerate(HYBRID_LAYERS):  # full layers: every block; sliding ones: the window's
-        got = tokens_of({name: caches[name]}, local[i % 2], BLOCK)
-        want = tokens_of({name: prefill_caches[name]}, remote[i % 2], BLOCK)
-        assert torch.equal(got, want), name
+    for g, group in enumerate(groups):
+        for name in group.layer_names:
+            if name in caches:  # vLLM pads a group of fewer layers with names of no layer
+                got = tokens_of({name: caches[name]}, local[g], BLOCK)
+                assert torch.equal(got, tokens_of({name: prefill_caches[name]}, remote[g], BLOCK)), name
     untouched = [b for b in range(24) if b not in ours]
     for name, view in caches.items():
         assert torch.equal(raw(view)[untouched], before[name][untouched]), name
@@ -1689,13 +1722,30 @@ def test_hybrid_models_kvhost_cannot_serve_are_refused(vllm_env, copying):
                 connector.register_kv_caches(caches)
         assert worker.kvhost is None and not worker.device_kv_caches and worker.num_regions == 0
 
-    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=12, wrapper=copying, hybrid=True)
-    _, larger, _ = make_worker(vllm_env, "LBNHC", block_size=128, blocks=6, wrapper=copying, hybrid=True)
-    _, smaller, _ = make_worker(vllm_env, "LBNHC", wrapper=copying, hybrid=True)
-    for engine, sender in (("p-128", larger), ("p-32", smaller)):
-        with pytest.raises(LayoutError, match=rf"engine '{engine}': blocks of {sender.block_size} tokens, ours 64: "):
-            worker.add_remote_agent(handshake_payload(sender, engine), 0, 1)
+    _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=12, wrapper=copying, hybrid="fsfs")
+    _, larger, _ = make_worker(vllm_env, "LBNHC", block_size=128, blocks=6, wrapper=copying, hybrid="fsfs")
+    _, smaller, _ = make_worker(vllm_env, "LBNHC", wrapper=copying, hybrid="fsfs")
+    _, alike, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=12, wrapper=copying, hybrid="fsfs")
+    two_kernel_blocks = dataclasses.replace(handshake_payload(alike, "p-64x2"), physical_blocks_per_logical_kv_block=2)
+    for engine, payload, sizes in (
+        ("p-128", handshake_payload(larger, "p-128"), "128 tokens, 1"),
+        ("p-32", handshake_payload(smaller, "p-32"), "32 tokens, 1"),
+        ("p-64x2", two_kernel_blocks, "64 tokens, 2"),  # our kernel blocks, logical blocks of two
+    ):
+        with pytest.raises(LayoutError, match=rf"engine '{engine}': blocks of {sizes} a logical block; ours 64, 1: "):
+            worker.add_remote_agent(payload, 0, 1)
         assert engine not in worker.remote_engines and engine not in worker._remote_agents
+    worker.add_remote_agent(handshake_payload(alike, "p-64"), 0, 1)  # our sizes: taken
+    assert "p-64" in worker.remote_engines
+
+    # BHLNC groups of 4 and 3 layers: vLLM cuts the shared buffer for each group by its own
+    # layer count, so one memory is viewed in two layouts.
+    with pytest.raises(
+        LayoutError,
+        match=r"layers 'model.layers.0.self_attn.attn' and 'model.layers.4.self_attn.attn' "
+        r"view one memory in two ways .*unequal layer counts .*\(BHLNC\)",
+    ):
+        make_worker(vllm_env, "BHLNC", wrapper=copying, hybrid="ffffsss")
 
 
 @pytest.mark.parametrize("fails", ["post_process", "load_from_host"])

@@ -213,6 +213,8 @@ class VllmCaches:
                 self.layer_names = tuple(kv_caches)
                 kv_caches = {GROUP_NAME: cross_layer_view(cast(Mapping[str, torch.Tensor], kv_caches))}
                 axes = GROUP_AXES
+            elif layout == "BHLNC" and first.dim() == len(GROUP_AXES) - 1 and _block_is_one_run(first):
+                axes = GROUP_AXES[1:]  # a buffer of one layer (no other layers between its heads)
             else:
                 axes = kv_cache_axes(layout, first.shape)
         assert axes is not None

@@ -297,12 +297,15 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         if (0, remote_tp_rank) in self._remote_agents.get(engine, {}):
             return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
         larger = None  # refused here, before anything is noted
-        if self._is_hma_required and nixl_agent_meta.block_size != self.block_size:
-            # vLLM sends each side's last blocks of a window, counted in each side's blocks:
-            # lists that start at other tokens where block sizes differ.
+        theirs = (nixl_agent_meta.block_size, nixl_agent_meta.physical_blocks_per_logical_kv_block)
+        if self._is_hma_required and theirs != (self.block_size, self._physical_blocks_per_logical_kv_block):
+            # vLLM sends each side's last blocks of a window, counted in each side's blocks
+            # (logical ones, each of kernel blocks): lists that start at other tokens where
+            # either size differs.
             raise LayoutError(
-                f"engine {engine!r}: blocks of {nixl_agent_meta.block_size} tokens, ours {self.block_size}: a cache "
-                "vLLM clips to a window (a group that is not full attention) takes only senders of our block size"
+                f"engine {engine!r}: blocks of {theirs[0]} tokens, {theirs[1]} a logical block; ours "
+                f"{self.block_size}, {self._physical_blocks_per_logical_kv_block}: a cache vLLM clips to a window "
+                "(a group that is not full attention) takes only senders of our block sizes"
             )
         if nixl_agent_meta.block_size > self.block_size:
             larger = self._plan_larger_remote_blocks(nixl_agent_meta, remote_tp_size, remote_dcp_size)
@@ -539,15 +542,17 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     # --- reads ---------------------------------------------------------------------------
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> bool:
-        """vLLM's read, its sender noted for the post-process; from a larger or a smaller
-        sender, the sender's blocks that land in our blocks as the wire model says, from the
-        request's first position on (vLLM would pair the last ``len(ours)`` of them, or of
-        its split of ours: after a prefix-cache hit, a smaller sender's blocks before ours)."""
+        """vLLM's read, its sender noted for the post-process; the sender's blocks that land in
+        our blocks as the wire model says, from the request's first position on. vLLM pairs
+        the last ``len(ours)`` of them, or of its split of ours: after a prefix-cache hit, a
+        smaller sender's blocks before ours; and a sender of our block size whose logical
+        blocks are larger (more kernel blocks each) lists blocks past the prompt, so its
+        last ones are every one of ours shifted by a block."""
         if dst_engine_id not in self.remote_engines:  # vLLM reads only after a handshake here
             return self._read_failed(request_id, dst_engine_id, "no handshake with its engine is noted here")
         larger = self._note_read(request_id, dst_engine_id)
         ratio = self.block_size // self.remote_engines[dst_engine_id].block_size
-        if ratio > 1 and any(read_spec.local_block_ids) and self._lists_start_at_token_zero(dst_engine_id, read_spec):
+        if ratio >= 1 and any(read_spec.local_block_ids) and self._lists_start_at_token_zero(dst_engine_id, read_spec):
             first = self._first_position(self._recving_metadata.get(request_id)) * ratio
             skipped = first * self.remote_engines[dst_engine_id].block_size
             self._read_from[request_id] = self._read_from[request_id]._replace(skipped=skipped)
@@ -777,15 +782,30 @@ def _all_groups(block_ids: Sequence[Sequence[int]]) -> list[int]:
 def _memories(kv_caches: Mapping[str, Any]) -> dict[str, str]:
     """Layer name -> the name of the first layer whose view is the same memory, shape and
     strides (a hybrid model's groups share their layers' tensors); a layer of its own maps to
-    itself. Keys in the caches' order; the values are the memories kvhost describes."""
+    itself. Keys in the caches' order; the values are the memories kvhost describes.
+
+    Two views that start at one address but differ in shape or strides are refused: vLLM
+    cuts a ``BHLNC`` buffer for each group by that group's own layer count, so groups of
+    unequal counts read each other's blocks in two layouts, and no one description of the
+    memory serves both."""
     first: dict[tuple[Any, ...], str] = {}
+    at: dict[tuple[Any, ...], str] = {}  # (device, address) -> the first layer there
     memories = {}
     for name, view in kv_caches.items():
-        if isinstance(view, torch.Tensor):
-            key: tuple[Any, ...] = (view.device, view.data_ptr(), tuple(view.shape), view.stride(), view.dtype)
-        else:
-            key = (id(view),)
+        if not isinstance(view, torch.Tensor):
+            memories[name] = first.setdefault((id(view),), name)
+            continue
+        key = (view.device, view.data_ptr(), tuple(view.shape), view.stride(), view.dtype)
         memories[name] = first.setdefault(key, name)
+        there = at.setdefault(key[:2], name)
+        seen = kv_caches[there]
+        if (seen.shape, seen.stride(), seen.dtype) != (view.shape, view.stride(), view.dtype):
+            raise LayoutError(
+                f"layers {there!r} and {name!r} view one memory in two ways ({tuple(seen.shape)} with strides "
+                f"{seen.stride()}, and {tuple(view.shape)} with strides {view.stride()}): a hybrid model whose KV "
+                "cache groups hold unequal layer counts in a layout that puts layers inside blocks (BHLNC) is "
+                "not supported; a layout with layers outside blocks (LBNHC, LBHNC, LHBNC) serves it"
+            )
     return memories
 
 
