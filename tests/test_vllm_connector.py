@@ -1677,6 +1677,21 @@ def test_a_hybrid_models_groups_are_read_and_post_processed_as_one_pool(vllm_env
     assert sorted(posted[0][0]["p"]["r"]) == sorted(ours)  # every group's blocks, in one request
 
 
+def test_one_group_of_any_kind_is_vllms_to_judge(vllm_env, copying):
+    """The kinds a hybrid model's groups may be are asked of several groups only: one group
+    of another kind (chunked local attention alone) registers as vLLM's own connector would."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    shape = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.bfloat16}
+    specs = {name: ChunkedLocalAttentionSpec(attention_chunk_size=64, **shape) for name in HYBRID_LAYERS}
+    config = make_config(vllm_env, "LBNHC")
+    kv_cache_config, caches = allocate_hybrid(config, "LBNHC", specs=specs)
+    assert len(kv_cache_config.transfer_groups) == 1
+    with patch(f"{__name__}.allocate_hybrid", lambda *args, **kwargs: (kv_cache_config, caches)):
+        _, worker, _ = make_worker(vllm_env, "LBNHC", wrapper=copying, hybrid="chunked")
+    assert worker.kvhost is not None and len(worker._memories) == len(HYBRID_LAYERS)
+
+
 def test_hybrid_models_kvhost_cannot_serve_are_refused(vllm_env, copying):
     """Refused at registration, before anything is described or registered, naming the
     groups: a group of other state (chunked local attention), and groups whose pages differ.

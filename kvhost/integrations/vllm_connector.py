@@ -40,7 +40,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -278,9 +278,8 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         buffers = self.kvhost.host_buffers()  # one per memory; vLLM's are by layer name, its groups' too
         self.host_xfer_buffers = {name: buffers[self._memories.get(name, name)] for name in kv_caches}
         self.host_buffer_kv_cache_layout = self.kv_cache_layout
-        self.kvhost_huge_pages += back_host_tensors_with_huge_pages(
-            t for layer in buffers.values() for t in (layer if isinstance(layer, tuple) else (layer,))
-        )
+        views = cast("dict[str, torch.Tensor]", buffers)  # vLLM's layers are tensors, so are their host buffers
+        self.kvhost_huge_pages += back_host_tensors_with_huge_pages(views.values())
 
     def _host_buffers(self) -> dict[str, Any]:
         """vLLM's host buffers as kvhost describes them: each memory once."""
