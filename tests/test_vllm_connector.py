@@ -1453,6 +1453,40 @@ def test_the_tail_is_zeroed_only_where_vllm_converts(vllm_env, copying_worker):
     assert not tokens_of(caches, [13], 64).any() and not tokens_of(caches, [15], 64)[:, 32:].any()
 
 
+def test_a_sender_that_sent_nothing_past_our_first_position_leaves_every_token_zeroed(vllm_env, copying_worker):
+    """Where a smaller sender's blocks end before our first position (its tokens before our
+    prefix-cache hit were skipped), no token of ours arrived: all are zeroed, from token 0."""
+    _, worker, _ = copying_worker
+    _, payloads = sender_workers(vllm_env, {"small": ("LBNHC", 32)})
+    worker.add_remote_agent(payloads["small"], 0, 1)
+    finished = {"r": received_request([14, 15], [1, 2], "small")}
+    read_posted(worker, finished)
+    worker._read_from["r"] = worker._read_from["r"]._replace(skipped=3 * 32)  # past the 2 blocks it sent
+    received, _, tokens, named = worker._post_process_batch(finished)
+    assert received == {"small": {"r": [14, 15]}} and tokens == {"r": 0} and named == {"r"}
+
+
+def test_memories_are_told_apart_by_address_and_view():
+    """Layers that view one memory alike are one memory, named by the first; views of other
+    memories are their own whatever their shapes; two views of one address that differ in
+    shape or strides are refused, naming both; a layer that is no tensor is refused."""
+    from kvhost.integrations.vllm_connector import _memories
+
+    buffer = torch.zeros(4096, dtype=torch.bfloat16)
+    a = buffer[:1024].view(4, 2, 8, 16)
+    elsewhere = buffer[2048:3072].view(8, 2, 4, 16)  # another memory, another shape: fine
+    assert _memories({"a": a, "a again": buffer[:1024].view(4, 2, 8, 16), "b": elsewhere}) == {
+        "a": "a",
+        "a again": "a",
+        "b": "b",
+    }
+    for other in (buffer[:1024].view(8, 2, 4, 16), a.transpose(1, 2)):  # one address: another shape, strides
+        with pytest.raises(LayoutError, match=r"layers 'a' and 'x' view one memory in two ways"):
+            _memories({"a": a, "x": other})
+    with pytest.raises(LayoutError, match=r"layer 'pair' is a tuple, not a tensor view"):
+        _memories({"a": a, "pair": (a, a)})
+
+
 def test_a_save_step_copies_kernel_blocks_and_an_empty_step_copies_nothing(vllm_env):
     """Host-buffer mode, kernel blocks half a logical block: a step's saves are one kvhost
     copy of the kernel blocks of every request to save (vLLM's metadata is given them

@@ -792,8 +792,7 @@ def _memories(kv_caches: Mapping[str, Any]) -> dict[str, str]:
     memories = {}
     for name, view in kv_caches.items():
         if not isinstance(view, torch.Tensor):
-            memories[name] = first.setdefault((id(view),), name)
-            continue
+            raise LayoutError(f"layer {name!r} is a {type(view).__name__}, not a tensor view")
         key = (view.device, view.data_ptr(), tuple(view.shape), view.stride(), view.dtype)
         memories[name] = first.setdefault(key, name)
         there = at.setdefault(key[:2], name)
