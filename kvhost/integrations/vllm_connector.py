@@ -206,7 +206,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _check_transfer_groups(self) -> None:
         """Several transfer groups are taken where each is full or sliding-window attention
-        and all have one page: block size, heads, head size, dtype, and no padding."""
+        and all have one page: block size, heads, head size, dtype and padding."""
         groups = self.kv_cache_config.transfer_groups
         if len(groups) == 1:
             return
@@ -227,7 +227,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         if len(pages) != 1:
             raise LayoutError(
                 "KvhostNixlConnector takes several KV cache groups only where their pages are alike (block size, "
-                f"KV heads, head size, dtype, no padding), got {sorted(map(str, pages))}: {named}"
+                f"KV heads, head size, dtype, padding), got {sorted(map(str, pages))}: {named}"
             )
 
     def unregister_kv_caches(self) -> None:
