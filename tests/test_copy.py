@@ -34,8 +34,10 @@ def sizes_for(axes: str, blocks: int) -> dict[str, int]:
     return {a: sizes[a] for a in axes}
 
 
-def build(axes, physical, blocks, device, seed, dtype=torch.bfloat16):
-    caches = {f"layer{i}": make_cache(axes, physical, sizes_for(axes, blocks), dtype, device) for i in range(2)}
+def build(axes, physical, blocks, device, seed, dtype=torch.bfloat16, units=None):
+    """Two layers of random bytes; ``units`` sets letters to other sizes (of 1, say)."""
+    sizes = {a: n for a, n in (sizes_for(axes, blocks) | (units or {})).items() if a in axes}
+    caches = {f"layer{i}": make_cache(axes, physical, sizes, dtype, device) for i in range(2)}
     for i, t in enumerate(caches.values()):
         fill_random(t, seed + i)
     return caches
@@ -85,15 +87,8 @@ def test_copy_between_layouts_that_differ_by_letters_of_size_1(target, pair, ids
     (src_axes, src_phys, src_units), (dst_axes, dst_phys, dst_units) = UNIT_PAIRS[pair]
     src_dev, dst_dev = ("cpu", target.device) if direction == "host->device" else (target.device, "cpu")
 
-    def side(axes, physical, units, blocks, device, seed):
-        sizes = {a: n for a, n in (sizes_for(axes, blocks) | units).items() if a in axes}
-        caches = {f"layer{i}": make_cache(axes, physical, sizes, torch.bfloat16, device) for i in range(2)}
-        for i, t in enumerate(caches.values()):
-            fill_random(t, seed + i)
-        return caches
-
-    src = side(src_axes, src_phys, src_units, 12, src_dev, 1)
-    dst = side(dst_axes, dst_phys, dst_units, 10, dst_dev, 100)
+    src = build(src_axes, src_phys, 12, src_dev, 1, units=src_units)
+    dst = build(dst_axes, dst_phys, 10, dst_dev, 100, units=dst_units)
     case = CopyCase(src, dst, src_axes, dst_axes)
     src_ids, dst_ids = IDS[ids]
     result = kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=src_axes, dst_axes=dst_axes, backend=target.backend)

@@ -24,7 +24,8 @@ import re
 import threading
 import time
 import uuid
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 from unittest.mock import patch
 
 import numpy as np
@@ -222,11 +223,11 @@ def make_worker(
     blocks: int = BLOCKS,
     wrapper: type = FakeNixlWrapper,
     heads: int = HEADS,
-    hybrid: str | None = None,
+    hybrid: str | Mapping[str, Any] | None = None,
 ):
     """kvhost's connector, built by vLLM's connector factory, its worker registered (a model
     of ``heads`` KV heads: ``model`` must be written with as many); ``hybrid``: caches of
-    full and sliding-window layers, their kinds (``allocate_hybrid``)."""
+    full and sliding-window layers, their kinds or vLLM's specs by layer (``allocate_hybrid``)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -234,7 +235,9 @@ def make_worker(
 
     config = make_config(model, layout, block_size)
     if hybrid:
-        kv_cache_config, caches = allocate_hybrid(config, layout, block_size, blocks, kinds=hybrid)
+        specs = None if isinstance(hybrid, str) else hybrid
+        kinds = hybrid if isinstance(hybrid, str) else "fsfs"
+        kv_cache_config, caches = allocate_hybrid(config, layout, block_size, blocks, specs=specs, kinds=kinds)
     else:
         kv_cache_config, caches = allocate(layout, block_size, blocks, heads=heads)
     base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
@@ -1718,11 +1721,8 @@ def test_one_group_of_any_kind_is_vllms_to_judge(vllm_env, copying):
 
     shape = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.bfloat16}
     specs = {name: ChunkedLocalAttentionSpec(attention_chunk_size=64, **shape) for name in HYBRID_LAYERS}
-    config = make_config(vllm_env, "LBNHC")
-    kv_cache_config, caches = allocate_hybrid(config, "LBNHC", specs=specs)
-    assert len(kv_cache_config.transfer_groups) == 1
-    with patch(f"{__name__}.allocate_hybrid", lambda *args, **kwargs: (kv_cache_config, caches)):
-        _, worker, _ = make_worker(vllm_env, "LBNHC", wrapper=copying, hybrid="chunked")
+    _, worker, _ = make_worker(vllm_env, "LBNHC", wrapper=copying, hybrid=specs)
+    assert len(worker.kv_cache_config.transfer_groups) == 1
     assert worker.kvhost is not None and len(worker._memories) == len(HYBRID_LAYERS)
 
 

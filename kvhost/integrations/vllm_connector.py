@@ -276,7 +276,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         handshake says of our layout is true of the host buffer too."""
         assert self.kvhost is not None  # made from these very caches by register_kv_caches, just before
         buffers = self.kvhost.host_buffers()  # one per memory; vLLM's are by layer name, its groups' too
-        self.host_xfer_buffers = {name: buffers[self._memories.get(name, name)] for name in kv_caches}
+        self.host_xfer_buffers = {name: buffers[self._memories[name]] for name in kv_caches}
         self.host_buffer_kv_cache_layout = self.kv_cache_layout
         views = cast("dict[str, torch.Tensor]", buffers)  # vLLM's layers are tensors, so are their host buffers
         self.kvhost_huge_pages += back_host_tensors_with_huge_pages(views.values())
@@ -787,15 +787,12 @@ def _memories(kv_caches: Mapping[str, Any]) -> dict[str, str]:
     cuts a ``BHLNC`` buffer for each group by that group's own layer count, so groups of
     unequal counts read each other's blocks in two layouts, and no one description of the
     memory serves both."""
-    first: dict[tuple[Any, ...], str] = {}
-    at: dict[tuple[Any, ...], str] = {}  # (device, address) -> the first layer there
+    at: dict[tuple[torch.device, int], str] = {}  # (device, address) -> the first layer there
     memories = {}
     for name, view in kv_caches.items():
         if not isinstance(view, torch.Tensor):
             raise LayoutError(f"layer {name!r} is a {type(view).__name__}, not a tensor view")
-        key = (view.device, view.data_ptr(), tuple(view.shape), view.stride(), view.dtype)
-        memories[name] = first.setdefault(key, name)
-        there = at.setdefault(key[:2], name)
+        there = memories[name] = at.setdefault((view.device, view.data_ptr()), name)
         seen = kv_caches[there]
         if (seen.shape, seen.stride(), seen.dtype) != (view.shape, view.stride(), view.dtype):
             raise LayoutError(
