@@ -14,6 +14,7 @@ tokens.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import importlib.util
@@ -24,7 +25,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 from unittest.mock import patch
 
@@ -214,6 +215,32 @@ def allocate_hybrid(config, layout: str, block_size: int = BLOCK, blocks: int = 
     return kv_cache_config, caches
 
 
+@contextlib.contextmanager
+def vllm_worker_made(config: Any, wrapper: type = FakeNixlWrapper) -> Iterator[None]:
+    """What a worker is built and registered under: vLLM's config current, NIXL's agent
+    ``wrapper``, and this process's cores left alone."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+
+    base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+    with (
+        set_current_vllm_config(config),
+        patch(f"{base}.NixlWrapper", wrapper),
+        patch(f"{base}.check_nixl_version", lambda version: None),
+        patch.object(current_platform, "discover_numa_topology", lambda: []),  # keep this process's cores
+    ):
+        yield
+
+
+def make_connector(config: Any, kv_cache_config: Any, wrapper: type = FakeNixlWrapper) -> Any:
+    """kvhost's connector as vLLM's connector factory builds it for a worker (not registered)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with vllm_worker_made(config, wrapper):
+        return KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+
+
 def make_worker(
     model: str,
     layout: str,
@@ -228,11 +255,6 @@ def make_worker(
     """kvhost's connector, built by vLLM's connector factory, its worker registered (a model
     of ``heads`` KV heads: ``model`` must be written with as many); ``hybrid``: caches of
     full and sliding-window layers, their kinds or vLLM's specs by layer (``allocate_hybrid``)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.platforms import current_platform
-
     config = make_config(model, layout, block_size)
     if hybrid:
         specs = None if isinstance(hybrid, str) else hybrid
@@ -240,18 +262,12 @@ def make_worker(
         kv_cache_config, caches = allocate_hybrid(config, layout, block_size, blocks, specs=specs, kinds=kinds)
     else:
         kv_cache_config, caches = allocate(layout, block_size, blocks, heads=heads)
-    base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
-    with (
-        set_current_vllm_config(config),
-        patch(f"{base}.NixlWrapper", wrapper),
-        patch(f"{base}.check_nixl_version", lambda version: None),
-        patch.object(current_platform, "discover_numa_topology", lambda: []),  # keep this process's cores
-    ):
-        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-        worker = connector.connector_worker
-        if host_buffer:  # what TPU, XPU and plugin platforms set up: NIXL sees host buffers only
-            worker.use_host_buffer = True
-            worker.kv_buffer_device = "cpu"
+    connector = make_connector(config, kv_cache_config, wrapper)
+    worker = connector.connector_worker
+    if host_buffer:  # what TPU, XPU and plugin platforms set up: NIXL sees host buffers only
+        worker.use_host_buffer = True
+        worker.kv_buffer_device = "cpu"
+    with vllm_worker_made(config, wrapper):
         connector.register_kv_caches(caches)
     return connector, worker, caches
 
@@ -1751,24 +1767,12 @@ def test_hybrid_models_kvhost_cannot_serve_are_refused(vllm_env, copying):
         ),
         (fewer_heads, r"only where their pages are alike .*\(32, 2, 8.*\(64, 1, 8"),
     ):
-        from vllm.config import set_current_vllm_config
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.platforms import current_platform
-
         config = make_config(vllm_env, "LBNHC")
         kv_cache_config, caches = allocate_hybrid(config, "LBNHC", specs=specs)
-        base = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
-        with (
-            set_current_vllm_config(config),
-            patch(f"{base}.NixlWrapper", FakeNixlWrapper),
-            patch(f"{base}.check_nixl_version", lambda version: None),
-            patch.object(current_platform, "discover_numa_topology", lambda: []),
-        ):
-            connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-            worker = connector.connector_worker
-            with pytest.raises(LayoutError, match=refusal):
-                connector.register_kv_caches(caches)
+        connector = make_connector(config, kv_cache_config)
+        worker = connector.connector_worker
+        with vllm_worker_made(config), pytest.raises(LayoutError, match=refusal):
+            connector.register_kv_caches(caches)
         assert worker.kvhost is None and not worker.device_kv_caches and worker.num_regions == 0
 
     _, worker, _ = make_worker(vllm_env, "LBNHC", block_size=64, blocks=12, wrapper=copying, hybrid="fsfs")
