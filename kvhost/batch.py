@@ -9,7 +9,7 @@ with the contiguous runs of ids found once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -157,16 +157,17 @@ def plan_receive_batch(
         call_groups: tuple[ReceiveGroup, ...] | None = caches.receive_groups(*call_key)
     except KVHostError:
         call_groups = None  # the checked path words the error, naming a request
-    if call_groups == () and set(map(type, requests.values())) <= _PLAIN_ID_LISTS and set(map(type, requests)) <= _STR:
+    kinds = set(map(type, requests.values())) if call_groups == () else None
+    if kinds is not None and kinds <= _PLAIN_ID_LISTS and set(map(type, requests)) <= _STR:
         # Every request takes the call's transform, the identity: only the names and id
         # containers are looked at (an Incoming, a tensor or anything odd takes the checked
         # path, and so does a container this cannot count, or a count that is not whole
         # groups: it words the error).
-        counts = list(map(_plain_count, requests.values()))  # type: ignore[arg-type]  # no Incoming: just checked
-        if None not in counts:
+        counts = _plain_counts(requests.values(), kinds)  # type: ignore[arg-type]  # no Incoming: just checked
+        if counts is not None:
             owed = call_key[1] // local.block_size  # ids a sender block spans
-            if owed <= 1 or not any(count % owed for count in counts):  # type: ignore[operator]  # no None
-                blocks = sum(counts)  # type: ignore[arg-type]  # no None: just checked
+            if owed <= 1 or not any(count % owed for count in counts):
+                blocks = sum(counts)
                 return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
     batch = IdBatch(caches.num_blocks)
     keys: dict[tuple[str | None, int], int] = {}  # (remote order, None: each layout's own; block size)
@@ -388,7 +389,17 @@ def _check_reads_apart_from_writes(meeting: list[tuple[Member, Member]], source:
 
 
 _PLAIN_ID_LISTS = {list, tuple, range, np.ndarray}
+_LISTS = {list, tuple}  # plain id containers whose len() is their count, never refused
 _STR = {str}
+
+
+def _plain_counts(containers: Iterable[Sequence[int] | np.ndarray], kinds: set[type]) -> list[int] | None:
+    """How many ids each container of ``_PLAIN_ID_LISTS`` holds (``kinds``: their types), or
+    None where one cannot be counted as a list of ids (``_plain_count``)."""
+    if kinds <= _LISTS:
+        return list(map(len, containers))  # lists and tuples: len() at C speed
+    counts = list(map(_plain_count, containers))
+    return None if None in counts else counts  # type: ignore[return-value]  # no None: just checked
 
 
 def _plain_count(ids: Sequence[int] | np.ndarray) -> int | None:
