@@ -2,8 +2,9 @@
 
 A backend is a class registered in the ``kvhost.backends`` entry-point group. It names the
 torch device types it serves and a priority (highest usable wins), says whether it can run
-here, and does two things with validated work from the front end, one job per group:
-rearrange blocks in place (``receive``) and copy blocks (``copy``). It knows nothing of
+here, and does three things with validated work from the front end, one job per group:
+rearrange blocks in place (``receive``), copy blocks (``copy``) and zero the tokens a
+partial block did not receive (``zero``). It knows nothing of
 requests. It also answers for its device the facts the core and the conformance oracle
 must not guess from a device's name: how a tensor's bytes are read and written (``raw``,
 ``write_raw``; a view on most devices, a bitcast on XLA).
@@ -173,7 +174,8 @@ class Backend(ABC):
         """Held around every call this backend does the work of, from the first read of a
         tensor's facts (registering, checking the caches are in place) to the end: a backend
         whose device cannot read them while another thread updates a tensor (torch_xla)
-        returns its lock; by default nothing is held."""
+        returns its lock, one that keeps a scratch for the call's jobs (the CPU and
+        accelerator backends) the scratch's scope; by default nothing is held."""
         return nullcontext()
 
     # --- facts about the device's tensors --------------------------------------------------
@@ -213,7 +215,7 @@ class ZeroIndices:
         """Zero the named tokens of ``tensor`` (a cache of ``layout``, or its bytes), in place."""
         b = len(layout.outer)  # the block dim of the view
         n = b + 1 + layout.region.index("N")  # the token dim
-        view = tensor.permute([layout.axes.index(a) for a in layout.physical])
+        view = layout.physical_view(tensor)
         if self.whole is not None:
             view.index_fill_(b, self.whole, 0)
         for first, ids in self.partial:

@@ -48,7 +48,7 @@ class Member:
         storage = self.tensor.untyped_storage()
         pointer = self.tensor.data_ptr()
         object.__setattr__(self, "data_ptr", pointer)
-        object.__setattr__(self, "address", pointer if _host_memory(storage) else 0)
+        object.__setattr__(self, "address", pointer if _has_address(storage) else 0)
         object.__setattr__(self, "storage", storage)
         object.__setattr__(self, "storage_bytes", storage.nbytes())
 
@@ -87,7 +87,7 @@ class Member:
 _shape = attrgetter("shape")
 
 
-def _host_memory(storage: torch.UntypedStorage) -> bool:
+def _has_address(storage: torch.UntypedStorage) -> bool:
     """Whether a storage is memory with an address (not so for meta storages, or XLA's,
     which refuse to give one)."""
     try:

@@ -111,9 +111,9 @@ class IdBatch:
         return self.subjects[owner], position - sum(self.lengths[:owner])
 
 
-def checked_ids(ids: Any, subject: str, limit: int, *, unique: bool = True, allow_empty: bool = True) -> np.ndarray:
-    """One id list, checked as an ``IdBatch`` of one, as an int64 array."""
-    batch = IdBatch(limit, unique=unique)
+def checked_ids(ids: Any, subject: str, limit: int, *, allow_empty: bool = True) -> np.ndarray:
+    """One id list of unique ids, checked as an ``IdBatch`` of one, as an int64 array."""
+    batch = IdBatch(limit)
     batch.add(subject, ids)
     if not batch.flat and not allow_empty:
         raise RequestError(f"{subject}: empty (no block ids)")

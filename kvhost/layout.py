@@ -20,7 +20,7 @@ import torch
 
 from kvhost.errors import LayoutError, shown
 from kvhost.lru import LRU
-from kvhost.memory import Lane, find_overlap
+from kvhost.memory import Lane, find_overlap, strided_extent
 
 AXIS_LETTERS = "LKBNHC"
 REQUIRED_LETTERS = "BNC"
@@ -143,6 +143,16 @@ class Layout:
         return outer + "B" + stray + letters[b + 1 :]
 
     @cached_property
+    def physical_dims(self) -> tuple[int, ...]:
+        """The dims of ``axes`` in memory order (``physical``)."""
+        return tuple(self.axes.index(a) for a in self.physical)
+
+    def physical_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (of this layout, or its bytes) with its dims in memory order: outer
+        letters, then ``B``, then the region."""
+        return tensor.permute(self.physical_dims)
+
+    @cached_property
     def outer(self) -> str:
         """Letters physically before ``B``: each index of them has its own region per block."""
         return self.physical[: self.physical.index("B")]
@@ -188,8 +198,7 @@ class Layout:
     @cached_property
     def extent_bytes(self) -> int:
         """Bytes from the first element to the end of the last: what the tensor spans."""
-        last = sum((size - 1) * stride for size, stride in zip(self.shape, self.strides))
-        return (last + 1) * self.itemsize
+        return strided_extent(self.shape, self.strides, self.itemsize)
 
     def lanes(self, address: int, owner: str) -> list[Lane]:
         """The tensor's block regions at ``address``: one lane per outer index (kvhost.memory)."""

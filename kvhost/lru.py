@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from kvhost.errors import ArgumentError
@@ -47,11 +46,6 @@ class LRU(Generic[K, V]):
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
         return value
-
-    def get_or_make(self, key: K, make: Callable[[], V]) -> V:
-        """The entry for ``key``, made (outside the lock) and kept when missing."""
-        value = self.get(key)
-        return value if value is not None else self.put(key, make())
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -28,10 +28,15 @@ MAX_LISTED_BLOCKS = 1 << 22
 
 def byte_extent(tensor: torch.Tensor) -> int:
     """Bytes from a tensor's first element to the end of its last (0 when it is empty)."""
-    if tensor.numel() == 0:
+    return strided_extent(tensor.shape, tensor.stride(), tensor.element_size())
+
+
+def strided_extent(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
+    """Bytes from the first element of a strided array to the end of its last (0 when empty)."""
+    if 0 in shape:
         return 0
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return (last + 1) * tensor.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(shape, strides))
+    return (last + 1) * itemsize
 
 
 @dataclass(frozen=True)
@@ -126,19 +131,21 @@ def _listed_overlap(x: Lane, y: Lane) -> Overlap | None:
             f"bytes) over {x.count + y.count} blocks: too irregular to check that no two blocks share memory"
         )
     return first_shared(
-        x, np.arange(x.count, dtype=np.int64), y, np.arange(y.count, dtype=np.int64), same_lane_ok=False
+        x, np.arange(x.count, dtype=np.int64), y, np.arange(y.count, dtype=np.int64), same_lane_by_ids=False
     )
 
 
 def first_shared(
-    x: Lane, x_blocks: np.ndarray, y: Lane, y_blocks: np.ndarray, *, same_lane_ok: bool = True
+    x: Lane, x_blocks: np.ndarray, y: Lane, y_blocks: np.ndarray, *, same_lane_by_ids: bool = True
 ) -> Overlap | None:
     """The first block of ``x_blocks`` in lane x that shares a byte with one of ``y_blocks`` in lane y.
 
     Blocks are listed (the cost is proportional to the blocks named): used for the blocks
     a copy reads against those it writes, where only the named blocks matter.
+    ``same_lane_by_ids``: where x and y are one lane, whose blocks lie apart (a layout
+    checked), two blocks share bytes only where their ids are equal.
     """
-    if x == y and same_lane_ok:
+    if x == y and same_lane_by_ids:
         common = np.intersect1d(x_blocks, y_blocks)
         return Overlap(x, int(common[0]), y, int(common[0])) if common.size else None
     if x.end <= y.start or y.end <= x.start or not x_blocks.size or not y_blocks.size:

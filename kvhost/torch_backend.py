@@ -33,11 +33,6 @@ from kvhost.raw import as_raw
 from kvhost.transform import Rearrangement
 
 
-def physical_view(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """``tensor`` with its dims in memory order: outer axes, then ``B``, then the region."""
-    return tensor.permute([layout.axes.index(a) for a in layout.physical])
-
-
 def current_stream(device: torch.device) -> object:
     """The stream that work for ``device`` queues on now; None where torch gives it no streams."""
     accelerator = getattr(torch, "accelerator", None)
@@ -92,8 +87,8 @@ class TorchBackend(Backend):
     ``index_copy_`` from a source run, ``copy_`` where both run alike),
     beyond it one gather/scatter; ``host_thread_bytes``: on the host, a gather of packed
     blocks, a scatter, a ``copy_`` or a receive unit of fewer bytes runs on the calling
-    thread, through numpy (torch's op would wake its parked threads, 70-300 us on the VMs
-    measured, more than a second thread saves below 1-8 MiB; a small gather then makes no
+    thread, through numpy (torch's op would wake its parked threads, 50-300 us on the VMs
+    measured (docs/design.md), more than a second thread saves below 1-8 MiB; a small gather then makes no
     torch call at all, each 10-35 us cold); ``host_split_bytes``: on the host, a gather whose
     slices under the dims before ``B`` are dense goes one call per index of those dims where
     each such call moves at least this many bytes (a ``memcpy`` per id, where a gather along
@@ -338,7 +333,7 @@ def _pair_views(job: CopyJob) -> list[_PairViews]:
     views = []
     for src, dst in job.pairs:
         source = view_as_letters(as_raw(src.tensor), src.layout.axes, dst.layout.physical)
-        dest = physical_view(as_raw(dst.tensor), dst.layout)
+        dest = dst.layout.physical_view(as_raw(dst.tensor))
         # A copy within one cache reads and writes one storage: kept off the one-pass index
         # ops (whose behaviour on shared memory torch does not promise).
         apart = src.tensor.untyped_storage().data_ptr() != dst.tensor.untyped_storage().data_ptr()
@@ -362,7 +357,7 @@ def _receive_view(
     """A member as a raw view in memory order ``[outer..., B, *region]``, with a unit's wire
     shape and the region's shape in its elements: 8-byte integers where ``widen``, the
     innermost dim stays innermost and torch can view it so (as ``_widened``)."""
-    view = physical_view(as_raw(tensor), layout)
+    view = layout.physical_view(as_raw(tensor))
     src_shape = plan.src_shape
     region_shape = tuple(layout.size(a) for a in layout.region)
     width = 8 // layout.itemsize

@@ -5,18 +5,21 @@ and the Triton compiler that targets it. Everything device-specific goes through
 ``DeviceRuntime`` (torch's device-generic streams and events).
 
 - Receive runs on the caller's current stream: one Triton launch per job (every layer of
-  the group at once), or the torch path's gather -> permute -> scatter where Triton is
-  not usable here. No host round trip: addresses and ids go up in one non-blocking copy
-  from pinned memory. Before any job of a call launches, every job's tables and scratch
-  are made and its kernels compiled and loaded (``check_receive``), so neither a device
-  out of memory nor a kernel that cannot compile or load leaves a call half rearranged.
+  the group at once; one per round where a job is split in rounds), or the torch path's
+  gather -> permute -> scatter where Triton is not usable here. No host round trip:
+  addresses and ids go up in one non-blocking copy from pinned memory. Before any job of
+  a call launches, every job's tables and scratch are made and its kernels compiled and
+  loaded (``check_receive``), so neither a device out of memory nor a kernel that cannot
+  compile or load leaves a call half rearranged.
 - Copies run on a side stream that first waits for the caller's stream, and
   complete through an event. Contiguous runs with the same block bytes on both sides are
   one ``copy_(non_blocking=True)`` each (the *direct* way). Otherwise a host <-> device
   copy is *staged*: the device side is gathered or scattered on the device into a compact
-  staging buffer in the host's letters, which crosses the bus as one copy to or from a
-  pinned bounce buffer, and the CPU backend moves the host side between the bounce buffer
-  and the host blocks (for a save, once the event has fired: on ``done()``/``wait()``).
+  staging buffer in the host's letters, which crosses the bus as one copy per run of host
+  ids where those are few (*host spans*), or else as one copy to or from a pinned bounce
+  buffer, the CPU backend moving the host side between the bounce buffer and the host
+  blocks (for a save, once the event has fired: on ``done()``/``wait()``). ``copy_host``
+  chooses.
 
 Streams and lifetimes, the contract:
 

@@ -340,12 +340,6 @@ def receive_calls(
     ]
 
 
-def receive_call(launch: ReceiveLaunch, **tables: Any) -> KernelCall:
-    """The one launch of a receive in registers or slots mode (``receive_calls`` takes every mode)."""
-    (call,) = receive_calls(launch, **tables)
-    return call
-
-
 def copy_call(
     launch: CopyLaunch,
     *,

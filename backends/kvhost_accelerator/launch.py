@@ -210,9 +210,6 @@ def _piece_rows(shape: list[int], perm: tuple[int, ...], cut: int, keeps_run: bo
     return _rows(dims, src, [d * run for d in dst], run)
 
 
-MODES = ("registers", "slots", "split")
-
-
 @dataclass(frozen=True)
 class Round:
     """One launch of a split receive: two independent sets of work, no barrier between them.
@@ -266,8 +263,8 @@ class ReceiveLaunch:
     Offsets are words into a unit's regions back to back (region ``k`` of a unit is its
     ``k``-th block); a piece is ``rows.words`` consecutive words of it, moved in place
     from the wire order to the local order. Row ``r`` of a piece is written at
-    ``r * run`` and read from ``rows.offsets(r)[0]``. ``mode`` is one of ``MODES``
-    (module docstring). Split: a chunk is ``tile.rows`` rows of a piece (``chunks`` per
+    ``r * run`` and read from ``rows.offsets(r)[0]``. ``mode`` is "registers", "slots"
+    or "split" (module docstring). Split: a chunk is ``tile.rows`` rows of a piece (``chunks`` per
     piece), a round ``round_pieces`` pieces, ``schedule`` the launches, each of at most
     ``programs`` programs.
     """

@@ -1,8 +1,9 @@
 """The CPU backend: compiled kernels where numba is installed, torch ops where it is not.
 
-The kernels (``kernels.py``) make one call per group for every layer at once and move
-each byte once; where numba is missing, or a job's tensors are not host memory, the torch
-path runs (docs/design.md: on the host, in cache-sized chunks). numba is imported on first
+The kernels (``kernels.py``) make one call per group for every layer at once, with a
+memcpy's memory traffic while their scratch stays in cache; where numba is missing, or a
+job's tensors are not host memory, the torch path runs (docs/design.md: on the host, in
+cache-sized chunks). numba is imported on first
 use, not with kvhost.
 """
 

@@ -1,4 +1,4 @@
-"""Compiled CPU kernels (numba): one pass over memory, work shared by all cores.
+"""Compiled CPU kernels (numba): a memcpy's memory traffic, work shared by all cores.
 
 Kernels work on raw bytes at absolute addresses (each tensor's base address, its outer
 offsets, block ids times the block stride), so one call serves every tensor of every
@@ -6,10 +6,10 @@ layer and any dtype. Receive copies a piece of a unit into a small per-thread sc
 stays in cache) and writes it back rearranged: one read and one write of every byte, the
 traffic of a memcpy; a piece whose runs are long, or which is too large for a core's
 cache (a block region holding every layer), is rewritten in place cycle by cycle instead
-(``kvhost.transform.ChunkCycles``), with one run of scratch. Copies of 1 MiB and more
-write with stores that bypass the caches (``STREAM_BYTES``), which a plain memcpy of that
-size does not. Ids come validated from the front end and the caller keeps the tensors
-alive.
+(``kvhost.transform.ChunkCycles``), with one run of scratch. On x86, copies of 1 MiB and
+more write their runs of ``STREAM_RUN`` bytes or more with stores that bypass the caches
+(``STREAM_BYTES``), which a plain memcpy of that size does not. Ids come validated from
+the front end and the caller keeps the tensors alive.
 
 Each kernel takes its integer parameters packed in one int64 array (``receive_params``,
 ``copy_params``): a call then costs one dispatch over a handful of arrays, which matters
@@ -406,6 +406,13 @@ def threads() -> int:
     return int(numba.get_num_threads())
 
 
+# Each kernel a backend launches by name: its parallel form and its form for the calling thread.
+KERNELS = {
+    "rearrange_units": (rearrange_units, rearrange_units_serial),
+    "copy_runs": (copy_runs, copy_runs_serial),
+}
+
+
 def launcher(kernel_name: str, nbytes: int) -> tuple[object, int]:
     """The kernel for a job of ``nbytes`` and its thread count.
 
@@ -413,9 +420,10 @@ def launcher(kernel_name: str, nbytes: int) -> tuple[object, int]:
     machine and up to a scheduler time slice (milliseconds) on a busy one, more than the
     copy itself.
     """
+    parallel, serial = KERNELS[kernel_name]
     if nbytes < SERIAL_BYTES or threads() == 1:
-        return globals()[kernel_name + "_serial"], 1
-    return globals()[kernel_name], threads()
+        return serial, 1
+    return parallel, threads()
 
 
 def receive_params(

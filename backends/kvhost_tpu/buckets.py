@@ -3,7 +3,7 @@
 XLA compiles one graph per distinct set of shapes. An index tensor of every new length
 would compile a new graph, so index lists are padded up to the next bucket: a power of
 two, at least ``MIN_BUCKET``. Batches of 1 to n entries then need at most
-``ceil(log2(n / MIN_BUCKET)) + 1`` graphs (``len(buckets_up_to(n))``).
+``max(0, ceil(log2(n / MIN_BUCKET))) + 1`` graphs (``len(buckets_up_to(n))``).
 
 Padding repeats the last real entry (the last row, for index pairs and groups). A
 padded entry therefore reads the same blocks as that real entry and writes the same

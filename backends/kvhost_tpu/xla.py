@@ -87,13 +87,13 @@ def module() -> ModuleType:
     return loaded
 
 
-def sync(wait: bool = True) -> None:
+def sync() -> None:
     """Compile (or reuse) and run everything pending as one graph: a step barrier.
 
     A step barrier is where torch_xla donates the buffers of tensors updated in place
     to the graph's outputs, so an indexed update rewrites the cache where it lies.
     """
-    module().sync(wait=wait)
+    module().sync(wait=True)
 
 
 def sync_tensors(tensors: Sequence[torch.Tensor]) -> None:

@@ -69,7 +69,8 @@ SECRET_BYTES = 32  # at least; a secret file holds it as hex
 MAX_SECRET_DIGITS = 4096  # hex digits a secret may have: a longer one is refused, not cut
 RETRY_SECONDS = 0.2  # between tries to connect, or to shake hands again
 ENGINE_FRAME_BYTES = 64 << 10  # an engine message: a spec and the application's few fields
-# How often decode must beat, as the prefill tells it: between these.
+# How often decode must beat, as the prefill tells it: between these (a quarter of the
+# prefill's peer timeout, so its shortest timeout is four of the shortest beats).
 MIN_BEAT_SECONDS, MAX_BEAT_SECONDS = 0.05, 60.0
 # Prefill's answers read at one go: it sends one per beat, so a few at most; one that floods
 # them must not keep the reader (and the socket's lock, which ``done`` waits for) past its deadline.

@@ -47,7 +47,9 @@ from kvhost.nixl.peers import (
     ENGINE_FRAME_BYTES,
     HELD,
     KNOCK,
+    MAX_BEAT_SECONDS,
     MAX_REASON_CHARACTERS,
+    MIN_BEAT_SECONDS,
     NONCE_BYTES,
     OFFER,
     REFUSE,
@@ -61,7 +63,6 @@ from kvhost.nixl.peers import (
 
 MAX_CONNECTIONS = 64  # proven or not, held at once
 ACCEPT_PAUSE = 0.1  # seconds the listener waits when the process is out of file descriptors
-MIN_BEAT_SECONDS = 0.05  # the shortest beat a decode is told to send: a quarter of the shortest peer timeout
 MAX_RECORDS = 1024  # the latest proven peers' records kept (a server may run for months); counts keep all
 
 
@@ -167,7 +168,7 @@ class Server:
     @property
     def beat_seconds(self) -> float:
         """How often peers are told to beat: four beats fit in ``peer_timeout``."""
-        return min(max(self.peer_timeout / 4, MIN_BEAT_SECONDS), 60.0)
+        return min(max(self.peer_timeout / 4, MIN_BEAT_SECONDS), MAX_BEAT_SECONDS)
 
     def serve(self, *, peers: int | None, idle_timeout: float, stop: Callable[[], bool] | None = None) -> None:
         """Serve until ``peers`` holds have ended (None: until ``stop`` says so), or until no

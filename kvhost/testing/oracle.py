@@ -106,7 +106,7 @@ def write_wire(
         truth = truth[: -(-tokens // remote_block_size) * remote_block_size]
     letters = block_letters(layout)
     host = raw(tensor).cpu() if tensor.device.type != "cpu" else raw(tensor)
-    physical = host.permute([layout.axes.index(a) for a in layout.physical])
+    physical = layout.physical_view(host)
     outer_sizes = [layout.size(a) for a in layout.outer]
     for outer_index in _indices(outer_sizes):
         picked = truth

@@ -111,7 +111,7 @@ def _receive_member(
     region = layout.region
     sizes = {a: layout.size(a) for a in region}
     view = wire_view(region, sizes, remote_order or region, remote_block_size or layout.block_size)
-    physical = as_raw(member.tensor).permute([layout.axes.index(a) for a in layout.physical])
+    physical = layout.physical_view(as_raw(member.tensor))
     region_shape = [sizes[a] for a in region]
     outer = [range(layout.size(a)) for a in layout.outer]
     for outer_index in itertools.product(*outer):

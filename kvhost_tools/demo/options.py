@@ -51,7 +51,7 @@ def seconds(text: str) -> float:
 def peer_timeout_refusal(seconds: float) -> str | None:
     """Why prefill's ``--peer-timeout`` cannot be kept (four of the shortest beats a decode
     is told to send must fit in it), or None."""
-    from kvhost.nixl.server import MIN_BEAT_SECONDS
+    from kvhost.nixl.peers import MIN_BEAT_SECONDS
 
     if seconds >= 4 * MIN_BEAT_SECONDS:
         return None
