@@ -1801,6 +1801,131 @@ def test_hybrid_models_kvhost_cannot_serve_are_refused(vllm_env, copying):
         make_worker(vllm_env, "BHLNC", wrapper=copying, hybrid="ffffsss")
 
 
+def mamba_specs(kinds: str, block_size: int = BLOCK):
+    """vLLM's specs of a hybrid model: a layer of full attention for each ``f`` of ``kinds``,
+    of Mamba2 state for each ``m``, its page padded to the attention's (as vLLM's platform
+    pads it) and its state smaller than a page."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8, state_size=4, conv_kernel=4
+    )
+    mamba = MambaSpec(
+        shapes=shapes,
+        dtypes=(torch.bfloat16, torch.float32),
+        block_size=block_size,
+        page_size_padded=full.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+    )
+    assert mamba.real_page_size_bytes < full.page_size_bytes
+    return {
+        f"model.layers.{i}.mixer" if kind == "m" else f"model.layers.{i}.self_attn.attn": mamba if kind == "m" else full
+        for i, kind in enumerate(kinds)
+    }
+
+
+@pytest.fixture
+def mamba_conv_state(monkeypatch):
+    """vLLM's NIXL worker reads Mamba state in the conv layout it names DS (dim first): asked
+    of an environment variable it reads once."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    get_conv_state_layout.cache_clear()
+    yield
+    get_conv_state_layout.cache_clear()
+
+
+@pytest.mark.parametrize("layouts", ["LBHNC->LBNHC", "LBNHC->LBHNC", "LBNHC->LBNHC"])
+@pytest.mark.parametrize("kinds", ["mfmf", "mmmfmmmf", "fmfmm"])
+def test_a_mamba_hybrids_attention_is_post_processed_and_its_state_read_as_it_lies(
+    vllm_env, copying, mamba_conv_state, layouts, kinds
+):
+    """A model of attention and Mamba state, as vLLM plans and allocates it: a state block is
+    a page of the memory an attention block of that id uses in each tensor. vLLM reads both
+    (its own descriptors for the state); kvhost rearranges the attention groups' blocks from
+    the sender's layout and never touches a state block. Every token and every state byte
+    sent lands as the sender held it; no other block changes."""
+    import random
+
+    sender_layout, decode_layout = layouts.split("->")
+    specs = mamba_specs(kinds)
+    _, prefill, prefill_caches = make_worker(vllm_env, sender_layout, blocks=48, wrapper=copying, hybrid=specs)
+    connector, worker, caches = make_worker(vllm_env, decode_layout, blocks=24, wrapper=copying, hybrid=specs)
+    groups = worker.kv_cache_config.transfer_groups
+    assert worker._has_mamba and worker._state_groups and len(worker._state_groups) < len(groups)
+    assert all("mixer" not in name for name in worker._memories)
+    for i, view in enumerate(prefill_caches.values()):
+        fill_random(view, 10 + i)
+    for i, view in enumerate(caches.values()):
+        fill_random(view, 20 + i)
+    before = {name: raw(view).clone() for name, view in caches.items()}
+    fake_handshakes(worker, {"p": handshake_payload(prefill, "p")})
+    counts = [1 if g in worker._state_groups else 5 for g in range(len(groups))]  # a state block, a prompt's 5
+    rng = random.Random(5)
+    sent, ours = rng.sample(range(48), sum(counts)), rng.sample(range(24), sum(counts))
+    spans = list(itertools.pairwise(np.cumsum([0, *counts])))
+    remote = tuple(sent[a:b] for a, b in spans)
+    local = tuple(ours[a:b] for a, b in spans)
+    steps = drive(connector, worker, {"r": (local, remote, "p")})
+    assert not set().union(*(f for _, f, _ in steps))
+    state_bytes = next(spec for spec in specs.values() if "Mamba" in type(spec).__name__).real_page_size_bytes
+    for g, group in enumerate(groups):
+        for name in group.layer_names:
+            if name not in caches:  # vLLM pads a group of fewer layers with names of no layer
+                continue
+            if g in worker._state_groups:
+                got, want = raw(caches[name])[local[g]], raw(prefill_caches[name])[remote[g]]
+                assert torch.equal(got.flatten(1)[:, :state_bytes], want.flatten(1)[:, :state_bytes]), name
+            else:
+                got = tokens_of({name: caches[name]}, local[g], BLOCK)
+                assert torch.equal(got, tokens_of({name: prefill_caches[name]}, remote[g], BLOCK)), name
+    untouched = [b for b in range(24) if b not in ours]
+    for name, view in caches.items():
+        assert torch.equal(raw(view)[untouched], before[name][untouched]), name
+    attention = sorted(b for g, ids in enumerate(local) if g not in worker._state_groups for b in ids)
+    posted = [args for _, _, calls in steps for called, args in calls if called == "post_process"]
+    assert_one_call_per_step(steps, "post_process")  # of the same layout too: it moves nothing
+    assert sorted(posted[0][0]["p"]["r"]) == attention  # every attention group's, no state block
+
+
+def test_mamba_hybrids_kvhost_cannot_serve_are_refused(vllm_env, copying, mamba_conv_state):
+    """Refused at registration, before anything is described or registered: Mamba state
+    without attention (nothing of kvhost's to do), in a layout whose state vLLM registers
+    at the wrong stride or places apart from the attention's blocks, in host-buffer mode,
+    or beside MLA. Refused at the handshake: a sender of such a layout."""
+    config = make_config(vllm_env, "LBNHC")
+    for layout, specs, change, refusal in (
+        ("LBNHC", mamba_specs("mm"), None, r"only of full and sliding-window attention .*got 1: group 0: MambaSpec"),
+        ("BLNHC", mamba_specs("mfmf"), None, r"Mamba state, but not with a BLNHC KV cache \(one of LBNHC, LBHNC"),
+        ("LHBNC", mamba_specs("mfmf"), None, r"Mamba state, but not with a LHBNC KV cache"),
+        ("LBNHC", mamba_specs("mfmf"), "use_host_buffer", r"Mamba state, but not with host buffers"),
+        ("LBNHC", mamba_specs("mfmf"), "use_mla", r"Mamba state, but not with MLA attention"),
+    ):
+        config = make_config(vllm_env, layout)
+        kv_cache_config, caches = allocate_hybrid(config, layout, specs=specs)
+        connector = make_connector(config, kv_cache_config)
+        worker = connector.connector_worker
+        if change is not None:
+            setattr(worker, change, True)
+        with vllm_worker_made(config), pytest.raises(LayoutError, match=refusal):
+            connector.register_kv_caches(caches)
+        assert worker.kvhost is None and not worker.device_kv_caches and worker.num_regions == 0
+
+    _, worker, _ = make_worker(vllm_env, "LBNHC", wrapper=copying, hybrid=mamba_specs("mfmf"))
+    _, alike, _ = make_worker(vllm_env, "LBHNC", wrapper=copying, hybrid=mamba_specs("mfmf"))
+    for layout in ("BLNHC", "BLHNC", "LHBNC", "BHLNC"):
+        payload = dataclasses.replace(handshake_payload(alike, f"p-{layout}"), kv_cache_layout=layout)
+        with pytest.raises(LayoutError, match=rf"engine 'p-{layout}': a {layout} KV cache; with Mamba state"):
+            worker.add_remote_agent(payload, 0, 1)
+        assert f"p-{layout}" not in worker.remote_engines and f"p-{layout}" not in worker._remote_agents
+    worker.add_remote_agent(handshake_payload(alike, "p"), 0, 1)  # LBHNC: taken, rearranged
+    assert "p" in worker.remote_engines
+
+
 @pytest.mark.parametrize("fails", ["post_process", "load_from_host"])
 def test_a_step_whose_kvhost_work_fails_reports_its_requests_failed(vllm_env, copying, fails):
     """When kvhost's post-process or host load raises for a step, the requests it was for

@@ -24,8 +24,9 @@ kvhost, one call per step each, and reads what vLLM cannot:
   ours, cut once more per run of the sender's tokens), so that the bytes land as
   kvhost's wire model says, whole sender blocks and sender blocks read in part alike;
 - hybrid models of full and sliding-window attention: vLLM's groups share memory and one
-  pool of blocks, so each memory is described once and a request's blocks of every group
-  go in the step's one call (``_memories``, ``_all_groups``).
+  pool of blocks, so each memory is described once and a request's blocks of every
+  attention group go in the step's one call (``_memories``, ``_kvhost_ids``); Mamba
+  state beside them is vLLM's to read and never kvhost's to touch (``_state_groups``).
 
 docs/integrations.md lists every method the worker overrides, and why.
 
@@ -52,7 +53,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPullConnectorWorker,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 
 from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.integrations.vllm import RemoteEngine, VllmCaches
@@ -67,6 +74,11 @@ NOT_POSTED = "NIXL_ERR_NOT_POSTED"  # what NIXL raises when asked of a read it n
 # The kinds of KV cache group a hybrid model may bring (each block a page of tokens, the
 # window's only clipped): full and sliding-window attention, MHA or MLA.
 HYBRID_SPECS = frozenset({FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec})
+# The layouts of a model with Mamba state beside its attention, on either side: layers
+# outside blocks, a block one page of attention or of state. vLLM 0.33 registers a Mamba
+# region of a layout with layers inside blocks at the page's stride, not the block's, and
+# in LHBNC an attention block and a state block of one id lie at different strides.
+MAMBA_LAYOUTS = ("LBNHC", "LBHNC")
 
 __all__ = ["KvhostNixlConnector", "KvhostNixlWorker", "LargerRemoteBlocks", "sender_blocks_touched"]
 
@@ -166,6 +178,10 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._use_host_buffer = False
         give_ucx_defaults()  # before vLLM's __init__ starts its NIXL agent (and UCX reads them)
         super().__init__(*args, **kwargs)
+        # The transfer groups of Mamba state (vLLM's own kinds of its groups): vLLM reads
+        # them as they lie; their ids are logical blocks of another kind, never kvhost's.
+        kinds = self._group_spec_types
+        self._state_groups = frozenset(i for i, kind in enumerate(kinds) if issubclass(kind, MambaSpec))
         self.kvhost: VllmCaches | None = None  # the device caches, once registered
         self._memories: dict[str, str] = {}  # layer name -> the layer whose memory kvhost describes for it
         # engine -> (its KVCacheLayout, its block size), from its last handshake vLLM accepted.
@@ -195,31 +211,38 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         which vLLM lays over the same memory: the i-th layer of each group is one tensor,
         and a block id, drawn from one pool, is one group's block in every such tensor. So
         kvhost describes each memory once (``_memories``) and a request's blocks are those
-        of all its groups. Groups whose pages differ, or that hold other state (Mamba,
-        chunked local attention), are refused first, naming them."""
+        of all its attention groups. Mamba state lies in the same memory, a block of it a
+        page as large as an attention block: kvhost describes the attention layers' views
+        alone, and vLLM reads the state's blocks as they lie. Groups whose pages differ, or
+        that hold other state (chunked local attention), are refused first, naming them."""
         self._check_transfer_groups()
-        self._memories = _memories(kv_caches)
+        groups = self.kv_cache_config.transfer_groups
+        states = self._state_groups
+        attention = {name for i, group in enumerate(groups) if i not in states for name in group.layer_names}
+        self._memories = _memories({name: view for name, view in kv_caches.items() if name in attention})
         described = {name: kv_caches[name] for name in dict.fromkeys(self._memories.values())}
         self.kvhost = VllmCaches(described, self.kv_cache_layout, group=_registered_as_rows(described))
         self.kvhost_huge_pages = back_host_tensors_with_huge_pages(m.tensor for m in self.kvhost.caches.members)
         super().register_kv_caches(kv_caches)  # in host-buffer mode, calls initialize_host_xfer_buffer
 
     def _check_transfer_groups(self) -> None:
-        """Several transfer groups are taken where each is full or sliding-window attention
-        and all have one page: block size, heads, head size, dtype and padding."""
+        """Several transfer groups are taken where each is full or sliding-window attention,
+        all of one page (block size, heads, head size, dtype and padding), or Mamba state
+        beside such attention in a layout of ``MAMBA_LAYOUTS``, of device memory and no MLA."""
         groups = self.kv_cache_config.transfer_groups
-        if len(groups) == 1:
+        if len(groups) == 1 and not self._state_groups:
             return
         named = "; ".join(
             f"group {i}: {type(group.kv_cache_spec).__name__} of {len(group.layer_names)} layers "
             f"({', '.join(map(repr, group.layer_names[:2]))}{', ...' if len(group.layer_names) > 2 else ''})"
             for i, group in enumerate(groups)
         )
-        specs = [group.kv_cache_spec for group in groups]
-        if not groups or any(type(spec) not in HYBRID_SPECS for spec in specs):
+        specs = [group.kv_cache_spec for i, group in enumerate(groups) if i not in self._state_groups]
+        if not specs or any(type(spec) not in HYBRID_SPECS for spec in specs):
             raise LayoutError(
                 f"KvhostNixlConnector takes several KV cache groups only of full and sliding-window attention "
-                f"({', '.join(sorted(kind.__name__ for kind in HYBRID_SPECS))}), got {len(groups)}: {named or 'none'}"
+                f"({', '.join(sorted(kind.__name__ for kind in HYBRID_SPECS))}), with or without Mamba state "
+                f"beside them, got {len(groups)}: {named or 'none'}"
             )
         pages = {
             (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, spec.page_size_padded) for spec in specs
@@ -229,6 +252,16 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 "KvhostNixlConnector takes several KV cache groups only where their pages are alike (block size, "
                 f"KV heads, head size, dtype, padding), got {sorted(map(str, pages))}: {named}"
             )
+        if not self._state_groups:
+            return
+        layout = self.kv_cache_layout
+        for refused, what in (
+            (layout not in MAMBA_LAYOUTS, f"a {layout} KV cache (one of {', '.join(MAMBA_LAYOUTS)} is taken)"),
+            (self.use_host_buffer, "host buffers (vLLM 0.33 registers host regions larger than its state buffers)"),
+            (self.use_mla, "MLA attention (vLLM splits its blocks in reads of their own, not tried here)"),
+        ):
+            if refused:
+                raise LayoutError(f"KvhostNixlConnector takes a model with Mamba state, but not with {what}: {named}")
 
     def unregister_kv_caches(self) -> None:
         """vLLM's (sleep mode), refused while a read may still write into the caches."""
@@ -305,6 +338,12 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 f"engine {engine!r}: blocks of {theirs[0]} tokens, {theirs[1]} a logical block; ours "
                 f"{self.block_size}, {self._physical_blocks_per_logical_kv_block}: a cache vLLM clips to a window "
                 "(a group that is not full attention) takes only senders of our block sizes"
+            )
+        if self._state_groups and nixl_agent_meta.kv_cache_layout not in MAMBA_LAYOUTS:
+            raise LayoutError(
+                f"engine {engine!r}: a {nixl_agent_meta.kv_cache_layout} KV cache; with Mamba state beside the "
+                f"attention only {' and '.join(MAMBA_LAYOUTS)} senders are taken (vLLM 0.33 registers others' "
+                "Mamba regions at the page's stride, not the block's)"
             )
         if nixl_agent_meta.block_size > self.block_size:
             larger = self._plan_larger_remote_blocks(nixl_agent_meta, remote_tp_size, remote_dcp_size)
@@ -615,13 +654,13 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
                 meta.local_block_ids, self._physical_blocks_per_logical_kv_block
             )
-            batch[req_id] = [b for group in meta.local_physical_block_ids for b in group]
+            batch[req_id] = self._kvhost_ids(meta.local_physical_block_ids)
         if batch:
             self.kvhost.save_to_host(self._host_buffers(), batch).wait()
 
     def sync_recved_kv_to_device(self, req_id: str, meta: Any) -> None:
         """Collected here; loaded for every request of the step in one copy."""
-        self._loads[req_id] = [b for group in meta.local_physical_block_ids for b in group]
+        self._loads[req_id] = self._kvhost_ids(meta.local_physical_block_ids)
 
     # --- post-process --------------------------------------------------------------------
 
@@ -667,7 +706,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 block
                 for req_id in failed
                 if req_id in self._receiving
-                for block in _all_groups(self._receiving[req_id].local_physical_block_ids)
+                for block in self._kvhost_ids(self._receiving[req_id].local_physical_block_ids)
             }
             for block_ids in self._packs:
                 if stale.isdisjoint(block_ids):
@@ -685,7 +724,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         """Post-process each of ``named`` on its own, after the batch was refused; returns
         those that failed. A block two of them name fails both untried: the batch refuses
         it, and two calls alone would rearrange it twice."""
-        blocks = {req_id: set(_all_groups(pending[req_id].local_physical_block_ids)) for req_id in named}
+        blocks = {req_id: set(self._kvhost_ids(pending[req_id].local_physical_block_ids)) for req_id in named}
         seen: set[int] = set()
         shared: set[int] = set()
         for ids in blocks.values():
@@ -717,6 +756,14 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 self._invalid_block_ids.put(set(meta.local_block_ids[0]))
         return requests
 
+    def _kvhost_ids(self, block_ids: Sequence[Sequence[int]]) -> list[int]:
+        """A request's block ids of every attention group, in group order: kvhost's to move and
+        rearrange. A hybrid model's groups draw their blocks from one pool, and a block of
+        ours holds one sender block whatever its group (``add_remote_agent`` takes no other
+        block size), so one list serves them all. A Mamba group's ids are left out: vLLM
+        reads its state as it lies, and its ids count logical blocks, not kernel blocks."""
+        return [block for i, group in enumerate(block_ids) if i not in self._state_groups for block in group]
+
     def _post_process_batch(
         self, finished: Mapping[str, Any]
     ) -> tuple[dict[str, dict[str, list[int]]], dict[str, RemoteEngine], dict[str, int], set[str]]:
@@ -742,7 +789,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if meta.region_blocks_to_zero is not None or meta.remote is None:
                 continue  # vLLM zeroed its read plan's padding itself
             engine = meta.remote.engine_id
-            local_ids = _all_groups(meta.local_physical_block_ids)  # a hybrid model's groups: one pool's ids
+            local_ids = self._kvhost_ids(meta.local_physical_block_ids)
             if not local_ids:
                 continue
             named.add(req_id)
@@ -762,20 +809,13 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     received.setdefault(name, {})[request] = list(local_ids[offset : offset + length])
                 continue
             name = sender(engine, remote_engine)
-            remote_ids = _all_groups(meta.remote.block_ids)
+            remote_ids = self._kvhost_ids(meta.remote.block_ids)
             received.setdefault(name, {})[req_id] = list(local_ids)
             sent = len(remote_ids) * remote_size - skipped  # what it holds from our first position on
             arrived = max(min(len(local_ids) * local_size, sent), 0)
             if arrived < len(local_ids) * local_size and (remote_size != local_size or layout != self.kv_cache_layout):
                 tokens[req_id] = arrived  # vLLM's covered sub-blocks, in tokens
         return received, engines, tokens, named
-
-
-def _all_groups(block_ids: Sequence[Sequence[int]]) -> list[int]:
-    """A request's block ids of every transfer group, in group order. A hybrid model's groups
-    draw their blocks from one pool, and a block of ours holds one sender block whatever its
-    group (``add_remote_agent`` takes no other block size), so one list serves them all."""
-    return [block for group in block_ids for block in group]
 
 
 def _memories(kv_caches: Mapping[str, Any]) -> dict[str, str]:
