@@ -29,6 +29,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvhost.transform import MAX_LOOP_DIMS, Loops
+from kvhost_cpu.cache_dir import ensure_writable_cache
+
+ensure_writable_cache(__file__)  # before the first decorator: a read-only install caches elsewhere
 
 SHORT_RUN = 1024  # runs up to this many bytes are copied inline
 # Copies of at least STREAM_BYTES write their runs of at least STREAM_RUN bytes with stores
