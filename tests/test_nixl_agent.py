@@ -13,6 +13,8 @@ import contextlib
 import ctypes
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -193,6 +195,31 @@ def test_an_agent_gives_ucx_cuda_ipc_reads_unless_the_environment_says_otherwise
     monkeypatch.setenv(key, "off")
     with Agent("ucx-operator", progress_thread=False):
         assert os.environ[key] == "off"
+
+
+@needs_nixl
+@pytest.mark.parametrize("operator", [None, "1"])
+def test_an_agent_leaves_sighup_to_the_process_unless_the_operator_gives_it_to_ucx(operator):
+    """UCX catches SIGHUP for its debug mode by default when a worker starts (a hang-up then
+    leaves the engine running, logging at DEBUG level); an Agent tells it not to, unless the
+    environment names a signal for it."""
+    env = {k: v for k, v in os.environ.items() if k != "UCX_DEBUG_SIGNO"}
+    if operator is not None:
+        env["UCX_DEBUG_SIGNO"] = operator
+    script = """
+import signal
+from kvhost.nixl import Agent
+def caught():
+    line = next(l for l in open("/proc/self/status") if l.startswith("SigCgt:"))
+    return bool(int(line.split()[1], 16) >> (signal.SIGHUP - 1) & 1)
+before = caught()
+with Agent("sighup", progress_thread=False):
+    print("SIGHUP caught:", before, caught())
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (said,) = [line for line in done.stdout.splitlines() if line.startswith("SIGHUP caught:")]  # NIXL says more
+    assert said.split()[2:] == ["False", "True" if operator else "False"]
 
 
 def test_the_cuda_driver_probe_answers_what_loading_it_does(monkeypatch):

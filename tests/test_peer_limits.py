@@ -830,10 +830,11 @@ WITH_SIGINT = (
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stopped_engine_says_so_in_one_line_and_exits_128_plus_the_signal(stop, tmp_path):
-    """A supervisor's SIGTERM ends an engine as Ctrl-C does: its cleanup runs (decode's JSON
-    is written), one line says what stopped it, no traceback, 128 + the signal's number."""
+    """A supervisor's SIGTERM (or a hang-up) ends an engine as Ctrl-C does: its cleanup runs
+    (decode's JSON is written), one line says what stopped it, no traceback, 128 + the
+    signal's number. (UCX would take SIGHUP for itself, were it not told otherwise.)"""
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
@@ -873,6 +874,46 @@ def test_a_stopped_engine_says_so_in_one_line_and_exits_128_plus_the_signal(stop
     assert f"error     stopped by {stop.name}" in out and "Traceback" not in out
     data = json.loads(report.read_text())
     assert data["ok"] is False and data["error"] == f"stopped by {stop.name}"
+
+
+def test_a_stop_raises_once_and_later_ones_are_said_while_the_command_finishes(capfd):
+    """The first SIGTERM or SIGHUP raises ``Stopped``, which names it; a later one, or any
+    once the command says it is finishing, is said on stderr and left alone (a second stop
+    lost decode's report and JSON); the handlers before are back after the block."""
+    from kvhost_tools.demo.stopping import Stopped, stop_on_sigterm, stopped_by
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    for first in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        with stop_on_sigterm() as stops:
+            with pytest.raises(KeyboardInterrupt) as raised:
+                os.kill(os.getpid(), first)
+                time.sleep(1)  # the handler runs before this returns
+            assert stopped_by(raised.value) == (first.name, 128 + first) and stops.stopping
+            assert isinstance(raised.value, Stopped) == (first != signal.SIGINT)
+            for later in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                os.kill(os.getpid(), later)  # said, not raised
+        assert capfd.readouterr().err.splitlines() == [
+            f"{s}: already stopping" for s in ("SIGTERM", "SIGHUP", "SIGINT")
+        ]
+        assert {signum: signal.getsignal(signum) for signum in before} == before
+    with stop_on_sigterm() as stops:
+        stops.quiet()  # finishing: a first stop is said too
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert capfd.readouterr().err == "SIGTERM: already stopping\n"
+
+
+def test_sigint_ignored_as_the_command_started_is_left_ignored():
+    """A non-interactive shell starts a background job with SIGINT ignored, so that Ctrl-C
+    does not reach it: kept so (SIGTERM stops it)."""
+    from kvhost_tools.demo.stopping import stop_on_sigterm
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stop_on_sigterm() as stops:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.SIGINT not in stops.handled
+            os.kill(os.getpid(), signal.SIGINT)  # nothing happens
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _state_and_parent(pid):

@@ -22,10 +22,18 @@ from functools import cache
 UCX_CUDA_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 
 
+# Settings an Agent gives UCX itself unless the environment names them. UCX takes SIGHUP
+# for its own (UCX_DEBUG_SIGNO, SIGHUP by default) when a worker starts: a hang-up then no
+# longer stops the process, and UCX logs at DEBUG level from then on, thousands of lines a
+# hand-off. 0 leaves SIGHUP to the process (which the kvhost commands take as a stop).
+UCX_DEFAULTS = {"UCX_DEBUG_SIGNO": "0"}
+
+
 def ucx_defaults() -> dict[str, str]:
-    """``UCX_CUDA_DEFAULTS`` where UCX would read them: its CUDA transports load only where
-    the CUDA driver does (elsewhere UCX warns of every variable it did not use)."""
-    return dict(UCX_CUDA_DEFAULTS) if _cuda_driver_loads() else {}
+    """``UCX_DEFAULTS``, and ``UCX_CUDA_DEFAULTS`` where UCX would read them: its CUDA
+    transports load only where the CUDA driver does (elsewhere UCX warns of every variable
+    it did not use)."""
+    return {**UCX_DEFAULTS, **(UCX_CUDA_DEFAULTS if _cuda_driver_loads() else {})}
 
 
 def give_ucx_defaults() -> None:

@@ -266,16 +266,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NixlUnavailableError as err:
         print(f"kvhost demo: {err}", file=sys.stderr)
         return EXIT_ERROR
-    try:
-        with stop_on_sigterm():
+    with stop_on_sigterm() as stops:
+        try:
             return run(args, prefills, decode)
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: the engines were stopped on the way out
-        name, status = stopped_by(err)
-        print(f"kvhost demo: stopped by {name}", file=sys.stderr)
-        return status
-    except Exception:  # a bug: say where, but never exit 1, which means only that requests failed
-        traceback.print_exc()
-        return EXIT_ERROR
+        except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM or SIGHUP: the engines were stopped on the way out
+            stops.quiet()
+            name, status = stopped_by(err)
+            print(f"kvhost demo: stopped by {name}", file=sys.stderr)
+            return status
+        except Exception:  # a bug: say where, but never exit 1, which means only that requests failed
+            traceback.print_exc()
+            return EXIT_ERROR
 
 
 def prefill_patience(decode_codes: Sequence[int], faulted: bool) -> float:

@@ -148,31 +148,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not args.no_progress and sys.stderr.isatty():
         progress = sys.stderr
     stopped = 0
-    try:
-        with stop_on_sigterm():
-            run(args, model, workload, shape, addresses, outcome, progress)
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: the sessions were closed on the way out
-        name, stopped = stopped_by(err)
-        outcome.error = f"stopped by {name}"
-    except (KVHostError, DemoError) as err:  # each says what is wrong: the class name adds nothing
-        outcome.error = str(err)
-    except MemoryError:
-        outcome.error = "out of memory for the caches"
-    except Exception as err:
-        if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's: "can't allocate memory"
-            outcome.error = f"out of memory: {first_line(err)}"
-        else:  # a bug: say where, but never exit 1, which means only that requests failed
-            traceback.print_exc()
-            outcome.error = f"failed: {failure(err).splitlines()[0]}"
-    print_report(outcome, sys.stdout)
-    if outcome.error:  # where an operator looks first, as prefill says its own
-        print(f"decode: {outcome.error}", file=sys.stderr, flush=True)
-    if args.json:
+    with stop_on_sigterm() as stops:  # over the report and the JSON too: a later stop must not lose them
         try:
-            write_json(args.json, outcome)
-        except OSError as err:
-            print(f"decode: --json {args.json}: {os_reason(err)}", file=sys.stderr)
-            return stopped or EXIT_ERROR
+            run(args, model, workload, shape, addresses, outcome, progress)
+        except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: the sessions were closed on the way out
+            name, stopped = stopped_by(err)
+            outcome.error = f"stopped by {name}"
+        except (KVHostError, DemoError) as err:  # each says what is wrong: the class name adds nothing
+            outcome.error = str(err)
+        except MemoryError:
+            outcome.error = "out of memory for the caches"
+        except Exception as err:
+            if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's: "can't allocate memory"
+                outcome.error = f"out of memory: {first_line(err)}"
+            else:  # a bug: say where, but never exit 1, which means only that requests failed
+                traceback.print_exc()
+                outcome.error = f"failed: {failure(err).splitlines()[0]}"
+        stops.quiet()
+        print_report(outcome, sys.stdout)
+        if outcome.error:  # where an operator looks first, as prefill says its own
+            print(f"decode: {outcome.error}", file=sys.stderr, flush=True)
+        if args.json:
+            try:
+                write_json(args.json, outcome)
+            except OSError as err:
+                print(f"decode: --json {args.json}: {os_reason(err)}", file=sys.stderr)
+                return stopped or EXIT_ERROR
     if stopped:
         return stopped
     if outcome.error:

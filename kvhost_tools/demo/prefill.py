@@ -111,26 +111,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(problem)
     # Quiet before NIXL loads (it reads its log level then); UCX's devices once bound (serve).
     netenv.set_defaults(os.environ, [])
-    try:
-        with stop_on_sigterm():
+    with stop_on_sigterm() as stops:
+        try:
             return serve(args, host, port)
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM: serve's own cleanup has run
-        name, status = stopped_by(err)
-        print(f"prefill: stopped by {name}", file=sys.stderr)
-        return status
-    except DemoError as err:
-        print(f"prefill: {err}", file=sys.stderr)
-    except MemoryError:
-        print(f"prefill: out of memory: {memory_options(args)}", file=sys.stderr)
-    except Exception as err:
-        from kvhost.errors import KVHostError, first_line
-
-        if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's allocator
-            print(f"prefill: out of memory: {memory_options(args)}: {first_line(err)}", file=sys.stderr)
-        elif isinstance(err, (KVHostError, OSError)):
+        except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM or SIGHUP: serve's own cleanup has run
+            stops.quiet()
+            name, status = stopped_by(err)
+            print(f"prefill: stopped by {name}", file=sys.stderr)
+            return status
+        except DemoError as err:
             print(f"prefill: {err}", file=sys.stderr)
-        else:  # a bug: say where, with the status of an error (1 means requests failed)
-            traceback.print_exc()
+        except MemoryError:
+            print(f"prefill: out of memory: {memory_options(args)}", file=sys.stderr)
+        except Exception as err:
+            from kvhost.errors import KVHostError, first_line
+
+            if isinstance(err, RuntimeError) and "allocate" in str(err):  # torch's allocator
+                print(f"prefill: out of memory: {memory_options(args)}: {first_line(err)}", file=sys.stderr)
+            elif isinstance(err, (KVHostError, OSError)):
+                print(f"prefill: {err}", file=sys.stderr)
+            else:  # a bug: say where, with the status of an error (1 means requests failed)
+                traceback.print_exc()
     return EXIT_ERROR
 
 
