@@ -81,6 +81,20 @@ DELEGATED = {
     "bench": ("kvhost_tools.bench.cli", "memcpy roofline, the per-request baseline and kvhost, side by side"),
 }
 ENGINES = ("demo", "prefill", "decode")  # commands that run engines (the bench parks its workers itself)
+DESCRIPTION = (
+    "kvhost moves and rearranges KV-cache blocks for disaggregated LLM serving: batched host "
+    "staging and the receive-side post-process, one call per batch. Each command's --help "
+    "says more; README.md says all."
+)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvhost")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             park_workers(os.environ)  # before the engine imports torch (netenv says why)
         module = importlib.import_module(DELEGATED[argv[0]][0])
         return int(module.main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="kvhost", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvhost", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kvhost {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="backends, their availability, and the choice per device").set_defaults(run=info)
     for name, (_, summary) in DELEGATED.items():

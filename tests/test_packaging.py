@@ -38,3 +38,25 @@ def test_numba_is_a_default_dependency_where_it_has_wheels(platform, machine, wa
 
 def test_the_other_defaults_hold_no_device_stack():
     assert set(default_requirements()) == {"torch", "numpy", "numba"}
+
+
+def test_the_command_says_its_version_and_what_it_is(capsys):
+    from importlib.metadata import version
+
+    from kvhost_tools import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"kvhost {version('kvhost')}\n"
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    said = capsys.readouterr().out
+    assert "moves and rearranges KV-cache blocks" in said and "``" not in said  # no docstring markup
+
+
+def test_a_license_and_type_hints_ship():
+    """pyproject names the Apache-2.0 license and its file; the package says it is typed."""
+    pyproject = tomllib.loads(PYPROJECT.read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0" and pyproject["project"]["license-files"] == ["LICENSE"]
+    assert "Apache License" in (PYPROJECT.parent / "LICENSE").read_text()
+    assert (PYPROJECT.parent / "kvhost" / "py.typed").exists()

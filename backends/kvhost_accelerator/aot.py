@@ -21,6 +21,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+try:
+    import triton  # noqa: F401  # the compiler this tool drives, imported by the kernels below too
+except ImportError as err:
+    if __name__ == "__main__":
+        raise SystemExit(
+            f"python -m kvhost_accelerator.aot needs Triton: pip install 'kvhost[triton]' ({err})"
+        ) from None
+    raise
+
 from kvhost_accelerator.backend import AcceleratorBackend
 from kvhost_accelerator.kernels import KernelCall
 from kvhost_accelerator.launch import Limits
