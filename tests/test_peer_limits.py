@@ -876,6 +876,45 @@ def test_a_stopped_engine_says_so_in_one_line_and_exits_128_plus_the_signal(stop
     assert data["ok"] is False and data["error"] == f"stopped by {stop.name}"
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stops", [1, 2])
+def test_a_sigterm_drains_prefill_and_a_second_stops_it_at_once(stops, tmp_path):
+    """A rolling restart: prefill's first SIGTERM (sent by decode once 2 of 8 requests
+    arrived) takes no new decode and lets the one it holds finish its reads: every request
+    verifies, and prefill exits as stopped. A second SIGTERM stops it at once: decode's
+    reads fail."""
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    small = ["--layers", "2", "--requests", "8", "--secret-file", str(secret)]
+    command = [sys.executable, "-m", "kvhost_tools.demo"]
+    prefill = subprocess.Popen(
+        [*command, "prefill", *small, "--listen", "127.0.0.1:0", "--serve", "0", "--drain-timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert prefill.stdout is not None
+        listening = prefill.stdout.readline()
+        address = listening.split("listening ", 1)[1].split(" ", 1)[0]
+        kill = "; sleep 0.5; ".join([f"kill -TERM {prefill.pid}"] * stops)
+        decode = subprocess.run(
+            [*command, "decode", *small, "--prefill", address, "--fault-after", "2", "--fault-command", kill],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        out, err = prefill.communicate(timeout=60)
+    finally:
+        prefill.kill()
+        prefill.wait()
+    assert prefill.returncode == 128 + signal.SIGTERM and err == "prefill: stopped by SIGTERM\n", (out, err)
+    if stops == 1:
+        assert decode.returncode == 0 and "verify    8/8 requests" in decode.stdout, decode.stdout + decode.stderr
+        assert "prefill: draining: no new decode engine; 1 held finish their reads" in out
+        assert "prefill: drained: every hold ended" in out and "1 served, 0 refused" in out
+    else:
+        assert decode.returncode == 1 and "verify    8/8" not in decode.stdout, decode.stdout
+        assert "drained" not in out
+
+
 def test_a_stop_raises_once_and_later_ones_are_said_while_the_command_finishes(capfd):
     """The first SIGTERM or SIGHUP raises ``Stopped``, which names it; a later one, or any
     once the command says it is finishing, is said on stderr and left alone (a second stop

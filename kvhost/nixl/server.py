@@ -156,6 +156,7 @@ class Server:
         self._connections: dict[socket.socket, _Connection] = {}
         self._accept_paused_until = 0.0  # out of file descriptors: the listener waits until then
         self._short_of_descriptors = False  # told once an episode, not every pause
+        self._drain_until: float | None = None  # draining (``drain``): serve returns by then at the latest
         # Seconds this loop spent in the application's steps (an offer, a release, a log line):
         # an offer being sent meanwhile was not written, and its send deadline does not count them.
         self._away = 0.0
@@ -170,10 +171,21 @@ class Server:
         """How often peers are told to beat: four beats fit in ``peer_timeout``."""
         return min(max(self.peer_timeout / 4, MIN_BEAT_SECONDS), MAX_BEAT_SECONDS)
 
+    def drain(self, seconds: float) -> None:
+        """Stop serving gently (a rolling restart): ``serve`` takes no new peer, ends those it
+        has not offered blocks yet, and returns once every hold has ended (its decode read
+        and said done) or after ``seconds``. A signal handler may call it while ``serve`` runs."""
+        limit = time.monotonic() + check_seconds(seconds, "drain timeout")
+        self._drain_until = limit if self._drain_until is None else min(self._drain_until, limit)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_until is not None
+
     def serve(self, *, peers: int | None, idle_timeout: float, stop: Callable[[], bool] | None = None) -> None:
-        """Serve until ``peers`` holds have ended (None: until ``stop`` says so), or until no
-        proven peer has been held for ``idle_timeout`` seconds. Every connection still open
-        when it returns is closed (and a hold released)."""
+        """Serve until ``peers`` holds have ended (None: until ``stop`` says so, or a ``drain``
+        ends), or until no proven peer has been held for ``idle_timeout`` seconds. Every
+        connection still open when it returns is closed (and a hold released)."""
         idle = check_seconds(idle_timeout, "idle timeout", positive=True)
         if peers is not None and (type(peers) is not int or peers < 1):  # a bool, 2.5 or NaN is no count of peers
             raise ArgumentError(f"peers: expected None or an int of at least 1, got {show(peers)}")
@@ -187,12 +199,14 @@ class Server:
                     if (peers is not None and self.served >= peers and not self._holding()) or (stop and stop()):
                         return
                     now = time.monotonic()
+                    if self._drain_until is not None and self._drained(selector, self._drain_until, now):
+                        return
                     if any(c.record is not None for c in self._connections.values()):
                         quiet_since = now  # strays that never prove the secret do not keep the cache served
                     elif now - quiet_since > idle:
                         self._tell(f"no decode engine for {idle:g} s: stopping")
                         return
-                    if self._accept_paused_until and now >= self._accept_paused_until:
+                    if self._accept_paused_until and now >= self._accept_paused_until and not self.draining:
                         self._accept_paused_until = 0.0
                         selector.register(self.listener, selectors.EVENT_READ)
                     for key, events in selector.select(timeout=0.05):
@@ -209,6 +223,20 @@ class Server:
             finally:
                 for conn in list(self._connections.values()):
                     self._end(selector, conn, "closed", "the server stopped")
+
+    def _drained(self, selector: selectors.BaseSelector, until: float, now: float) -> bool:
+        """While draining (until ``until``): no new peer, none but those held; True once none
+        is held or the drain's time is up."""
+        held = sum(c.offered for c in self._connections.values())
+        if self.listener in selector.get_map():
+            selector.unregister(self.listener)
+            self._tell(f"draining: no new decode engine; {held} held finish their reads, {until - now:.3g} s at most")
+        for conn in [c for c in self._connections.values() if not c.offered]:
+            self._end(selector, conn, "closed", "the server is stopping")
+        if held and now <= until:
+            return False
+        self._tell(f"drained: {f'{held} hold(s) still open at the drain timeout' if held else 'every hold ended'}")
+        return True
 
     def _tell(self, line: str) -> None:
         """``log``'s line; a log that fails (stdout's reader gone) must not end the serving."""

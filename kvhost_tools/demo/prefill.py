@@ -14,7 +14,9 @@ says done, closes its connection, or stops beating for ``--peer-timeout`` second
 host or the link gone). After ``--serve`` decode engines (0: no limit), or
 ``--idle-timeout`` seconds without one, it deregisters everything and exits: 0 when every
 decode engine said done and all was well, 1 when one went away or failed, 2 for anything
-else.
+else. A SIGTERM drains (a rolling restart): no new decode engine is taken, and those it
+holds finish their reads, for ``--drain-timeout`` seconds at most; then it exits as
+stopped (143). A second SIGTERM, Ctrl-C or SIGHUP stops it at once.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from kvhost_tools.demo.options import (
     share_refusal,
     workload_of,
 )
-from kvhost_tools.demo.stopping import stop_on_sigterm, stopped_by
+from kvhost_tools.demo.stopping import Stopped, StopSignals, stop_on_sigterm, stopped_by
 
 
 def parser() -> Parser:
@@ -67,6 +69,9 @@ def parser() -> Parser:
     p.add_argument("--serve", type=int, default=1, metavar="D", help="decode engines to serve, then exit (0: no limit)")
     p.add_argument("--peer-timeout", type=seconds, default=5.0, help="seconds without a beat before a decode is gone")
     p.add_argument("--idle-timeout", type=seconds, default=600.0, help="seconds without any decode engine: exit")
+    p.add_argument(
+        "--drain-timeout", type=seconds, default=10.0, help="after a SIGTERM, seconds held decodes have to finish"
+    )
     add_model(p)
     add_workload(p)
     add_engine(p, "HND", 16)
@@ -113,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     netenv.set_defaults(os.environ, [])
     with stop_on_sigterm() as stops:
         try:
-            return serve(args, host, port)
+            return serve(args, host, port, stops)
         except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM or SIGHUP: serve's own cleanup has run
             stops.quiet()
             name, status = stopped_by(err)
@@ -147,7 +152,7 @@ def memory_options(args: argparse.Namespace) -> str:
     )
 
 
-def serve(args: argparse.Namespace, host: str, port: int) -> int:
+def serve(args: argparse.Namespace, host: str, port: int, stops: StopSignals) -> int:
     """Fill, register, serve, let go; the exit status."""
     from kvhost.caches import CacheSet
     from kvhost.nixl import Agent, HugePages, Offer, PeerHello, PeerRecord, ProtocolError, RemoteRequest, Server
@@ -243,12 +248,15 @@ def serve(args: argparse.Namespace, host: str, port: int) -> int:
             f"{sum((agent.huge_pages for agent in agents), HugePages()).describe()}"
         )
         server = Server(listener, secret, spec, offer, release=release, peer_timeout=args.peer_timeout, log=say)
+        stops.drain = lambda: server.drain(args.drain_timeout)
         server.serve(peers=args.serve or None, idle_timeout=args.idle_timeout)
     let_go = time.monotonic() - last_release[0]
     say(
         f"deregistered the cache {let_go:.2f} s after the last decode engine let go; "
         f"{server.served} served, {server.ended['refused']} refused, {server.dropped} stray connection(s)"
     )
+    if stops.drained_by is not None:
+        raise Stopped(stops.drained_by)  # drained, and stopped all the same (128 + the signal)
     if not server.served:
         return EXIT_ERROR
     return EXIT_OK if server.done_ok == server.served else EXIT_FAILED

@@ -13,7 +13,7 @@ import ctypes
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # Set by ``kvhost demo`` for its engines: the demo's pid. An engine whose demo is gone (killed,
 # or stopped while it was starting this one) is stopped too, never left running alone.
@@ -36,8 +36,16 @@ class StopSignals:
     def __init__(self, handled: tuple[int, ...]) -> None:
         self.handled = handled
         self.stopping = False  # a stop was raised (or the command said it is finishing)
+        # What a first SIGTERM does instead of raising, where the command says (prefill
+        # drains: its held decodes finish); a second stop then raises.
+        self.drain: Callable[[], None] | None = None
+        self.drained_by: signal.Signals | None = None
 
     def first(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGTERM and self.drain is not None and self.drained_by is None:
+            self.drained_by = signal.Signals(signum)
+            self.drain()
+            return
         self.quiet()
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
