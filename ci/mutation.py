@@ -134,6 +134,10 @@ MODULES = [
     ),
     Module("backends/kvhost_cpu/backend.py", tuple(BACKENDS)),
     Module("backends/kvhost_cpu/kernels.py", tuple(BACKENDS)),
+    # Where numba caches the kernels when it finds no place (a read-only install).
+    Module("backends/kvhost_cpu/cache_dir.py", ("tests/test_cpu_cache_dir.py",)),
+    # How the commands stop: once, a prefill drained first (the commands run as processes).
+    Module("kvhost_tools/demo/stopping.py", ("tests/test_peer_limits.py",)),
     Module("kvhost/nixl/plans.py", ("tests/test_nixl.py",)),
     Module("kvhost/nixl/ranks.py", ("tests/test_ranks.py", "tests/test_nixl.py")),
     # What a peer sends is read here first: frames and their fields, every size bounded.
