@@ -956,7 +956,7 @@ def test_a_fault_command_is_given_its_own_deadline(command, limit, said):
     fault.maybe(0)
     assert outcome.lines == []  # not before --fault-after requests arrived
     fault.maybe(1)
-    assert outcome.lines == [f"fault     ran it after 1 requests had arrived{said}"]
+    assert outcome.lines == [f"fault     ran it after 1 requests had landed{said}"]
 
 
 def test_decode_frozen_past_a_long_peer_timeout_gives_its_fault_command_until_it_resumes():

@@ -240,4 +240,4 @@ class Fault:
         label = self.settings.fault_label or f"ran `{command}`"
         self.outcome.figures.update(fault_after=arrived, fault_seconds=time.perf_counter() - started)
         self.outcome.figures["fault_at"] = time.time()
-        self.outcome.lines.append(f"fault     {label} after {arrived} requests had arrived{failed}")
+        self.outcome.lines.append(f"fault     {label} after {arrived} requests had landed{failed}")

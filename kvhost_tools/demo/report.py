@@ -160,7 +160,8 @@ def print_report(outcome: Outcome, stream: TextIO) -> None:
             f"  post      {f['post_steps']} step(s), each one call per rank for what had arrived: {f['post_what']}, "
             f"backend {f['backend'] or '-'}: {_gb(f['post_bytes'])} in {f['post_seconds']:.3f} s = "
             f"{_rate(f['post_bytes'], f['post_seconds'])}{_ratio(f, 'post')} "
-            f"(first calls on scratch blocks before: {f.get('warm_up_seconds', 0):.2f} s)\n"
+            f"(kernels loaded before the hello: {f.get('compile_seconds', 0):.2f} s; first calls on scratch "
+            f"blocks: {f.get('warm_up_seconds', 0):.2f} s)\n"
         )
     if "memcpy_gbps" in f:
         stream.write(
