@@ -915,6 +915,38 @@ def test_a_sigterm_drains_prefill_and_a_second_stops_it_at_once(stops, tmp_path)
         assert "drained" not in out
 
 
+@pytest.mark.timeout(180)
+def test_a_decode_stopped_mid_read_reports_what_had_arrived(tmp_path):
+    """A decode stopped once 2 of 8 requests arrived (its fault command signals decode
+    itself) says so in its report and its JSON, not that the hand-off never ran."""
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    small = ["--layers", "2", "--requests", "8", "--secret-file", str(secret)]
+    command = [sys.executable, "-m", "kvhost_tools.demo"]
+    prefill = subprocess.Popen(
+        [*command, "prefill", *small, "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    report = tmp_path / "decode.json"
+    try:
+        assert prefill.stdout is not None
+        address = prefill.stdout.readline().split("listening ", 1)[1].split(" ", 1)[0]
+        decode = subprocess.run(
+            [*command, "decode", *small, "--prefill", address, "--json", str(report),
+             "--fault-after", "2", "--fault-command", "kill -TERM $PPID"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        prefill.communicate(timeout=60)
+    finally:
+        prefill.kill()
+        prefill.wait()
+    assert decode.returncode == 128 + signal.SIGTERM, decode.stdout + decode.stderr
+    received = json.loads(report.read_text())["received"]
+    assert 2 <= len(received) < 8, received
+    assert f"result    FAILED: the hand-off stopped after {len(received)} request(s) arrived" in decode.stdout
+
+
 def test_a_stop_raises_once_and_later_ones_are_said_while_the_command_finishes(capfd):
     """The first SIGTERM or SIGHUP raises ``Stopped``, which names it; a later one, or any
     once the command says it is finishing, is said on stderr and left alone (a second stop

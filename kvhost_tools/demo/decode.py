@@ -279,7 +279,10 @@ def run(
         yardstick = Yardstick(figures["tokens"] * model.token_bytes())  # the batch's size
         yardstick.time()
         steps = Steps()
-        pull(settings, [r for r in requests if r.engine is not None], ranks, outcome, steps, staging=args.via_host)
+        try:
+            pull(settings, [r for r in requests if r.engine is not None], ranks, outcome, steps, staging=args.via_host)
+        finally:  # a stop or an error midway: the report says what had arrived by then
+            outcome.received = [r.name for r in requests if r.arrived]
         for engine in engines:  # prefill may let go of its memory now, once it says it held it until here
             try:
                 engine.session.done(ok=engine.lost is None, timeout=min(args.timeout, 5.0))
