@@ -492,8 +492,10 @@ def _check_distinct_buffers(members: list[Member], role: str) -> None:
 
 
 def _check_dtypes(layer: str, src: torch.dtype, dst: torch.dtype) -> None:
+    """Bytes move between tensors of one dtype, or between a dtype of one byte and raw bytes
+    (an fp8 cache kept as uint8); not into a bool, whose bytes must be 0 or 1."""
     raw = (torch.uint8, torch.int8)
-    if src != dst and not (src.itemsize == dst.itemsize and (src in raw or dst in raw)):
+    if src != dst and (dst == torch.bool or not (src.itemsize == dst.itemsize and (src in raw or dst in raw))):
         raise LayoutError(f"layer {layer!r}: source dtype {src} != destination dtype {dst}")
 
 

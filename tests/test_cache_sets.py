@@ -237,6 +237,13 @@ def test_bytes_stand_in_for_a_dtype_of_their_size_and_no_other():
     wide = {"l": torch.zeros(2, 8, 8, 2, 4, dtype=torch.int16)}
     with pytest.raises(kvhost.LayoutError, match=r"'l': source dtype torch.uint8 != destination dtype torch.int16"):
         kvhost.copy_blocks(host, wide, [2], [3], axes="KBNHC")
+    flags = {"l": torch.zeros(2, 8, 8, 2, 4, dtype=torch.bool)}  # a bool's byte is 0 or 1: no raw bytes into it
+    for source in (host, {"l": host["l"].view(torch.int8)}):
+        with pytest.raises(kvhost.LayoutError, match=r"'l': source dtype torch.u?int8 != destination dtype torch.bool"):
+            kvhost.copy_blocks(source, flags, [2], [3], axes="KBNHC")
+    assert not flags["l"].any()
+    kvhost.copy_blocks(flags, host, [3], [2], axes="KBNHC")  # out of a bool, its bytes are bytes
+    assert not host["l"][:, 2].any()
 
 
 def test_a_tuple_of_tensors_that_each_have_every_letter_is_a_layer_of_several_members():

@@ -219,20 +219,20 @@ def test_unsigned_caches_are_received_and_copied_byte_for_byte(device, dtype):
     assert torch.equal(device_bytes(caches["l"])[:, 9:11], host_bytes(host["l"])[:, 1:3])
 
 
-def test_a_complex_cache_is_refused_before_any_byte_moves(device):
-    caches = {"l": make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=4), torch.complex64, device)}
-    before = caches["l"].cpu().clone()  # XLA has no bitcast of complex: its values, compared as such
-    refused = r"layer 'l'\[0\]: torch.complex64 has no XLA bitcast to integers"
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool], ids=str)
+def test_a_cache_of_no_xla_bitcast_is_refused_before_any_byte_moves(device, dtype):
+    """complex (a pair of floats to XLA) and bool (a bit, XLA's pred, to its bitcast: a bool
+    block copied as bytes changed shape, and crashed the process) are refused as such."""
+    caches = {"l": make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=8), dtype, device)}
+    before = caches["l"].cpu().clone()  # XLA has no bitcast of these: their values, compared as such
+    refused = rf"layer 'l'\[0\]: {dtype} has no XLA bitcast to integers"
+    host = torch.zeros(2, 2, 8, 2, 8, dtype=dtype)
     with pytest.raises(kvhost.LayoutError, match=refused):
         kvhost.receive(caches, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=4, backend="tpu")
     with pytest.raises(kvhost.LayoutError, match=refused):
-        kvhost.copy_blocks(
-            {"l": torch.zeros(2, 2, 8, 2, 4, dtype=torch.complex64)}, caches, [0], [3], axes="KBNHC", backend="tpu"
-        )
+        kvhost.copy_blocks({"l": host}, caches, [0], [3], axes="KBNHC", backend="tpu")
     with pytest.raises(kvhost.LayoutError, match=refused):  # read from the device: its bits are asked for too
-        kvhost.copy_blocks(
-            caches, {"l": torch.zeros(2, 2, 8, 2, 4, dtype=torch.complex64)}, [3], [0], axes="KBNHC", backend="tpu"
-        )
+        kvhost.copy_blocks(caches, {"l": host}, [3], [0], axes="KBNHC", backend="tpu")
     with pytest.raises(kvhost.LayoutError, match=refused):  # the identity with a prompt cut short: zeroing alone
         kvhost.receive(
             caches,
@@ -242,6 +242,8 @@ def test_a_complex_cache_is_refused_before_any_byte_moves(device):
             remote_block_size=8,
             backend="tpu",
         )
+    with pytest.raises(kvhost.LayoutError, match=rf"an XLA tensor: {dtype} has no XLA bitcast"):
+        kvhost.get_backend(caches["l"].device).raw(caches["l"])  # its bytes, as the oracle asks for them
     assert torch.equal(caches["l"].cpu(), before)
 
 

@@ -106,6 +106,7 @@ class TpuBackend(Backend):
     def raw(self, tensor: torch.Tensor) -> torch.Tensor:
         """XLA tensors have no byte views: the bytes are a copy, bitcast on the device
         (``view(dtype)`` would move fp16 through f32 and rewrite NaN payloads)."""
+        xla.check_dtype(tensor.dtype, "an XLA tensor")
         return xla.bitcast(tensor, xla.raw_dtype(tensor.dtype))
 
     def write_raw(self, tensor: torch.Tensor, values: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ import torch
 from kvhost.errors import LayoutError
 from kvhost.raw import raw_dtype as raw_dtype  # kvhost_tpu callers use xla.raw_dtype
 
-INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool})
+INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 # Element types each device kind scatters in place and bit for bit, by torch_xla's
 # hardware name. CPU: measured (tests/test_tpu.py); bf16 and fp8 are upcast there.
@@ -38,9 +38,9 @@ NATIVE_WRITES: dict[str, frozenset[torch.dtype]] = {
 }
 DEFAULT_NATIVE_WRITES = INTEGER_DTYPES | {torch.float32}
 
-# XLA's names of element types, for BitcastConvert.
+# XLA's names of element types, for BitcastConvert. Not bool: XLA's pred is a bit to
+# BitcastConvert, so a bool block would change shape as bytes (and crashed the process).
 _XLA_TYPE_NAMES = {
-    torch.bool: "pred",
     torch.uint8: "u8",
     torch.uint16: "u16",
     torch.uint32: "u32",
