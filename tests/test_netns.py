@@ -418,7 +418,7 @@ def test_the_transfer_bench_runs_its_sender_across_the_link_over_tcp(pair, tmp_p
     )
     assert done.returncode in (0, 1), done.stdout + done.stderr  # 1: a target missed, as measured
     section = next(iter(json.loads(results.read_text())["transfer"].values()))
-    assert section["ucx"] == {"UCX_NET_DEVICES": pair.decode_if, "UCX_TLS": "tcp"}
+    assert section["ucx"] == {"UCX_DEBUG_SIGNO": "0", "UCX_NET_DEVICES": pair.decode_if, "UCX_TLS": "tcp"}
     assert section["peer_env"] == [f"UCX_NET_DEVICES={pair.prefill_if}", "UCX_TLS=tcp"]
     assert pair.counter("decode", "rx_bytes") - before > 4 * 2 * 2**20  # rounds of the batch's bytes
     refused = subprocess.run(

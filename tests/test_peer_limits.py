@@ -953,24 +953,29 @@ def test_a_stop_raises_once_and_later_ones_are_said_while_the_command_finishes(c
     lost decode's report and JSON); the handlers before are back after the block."""
     from kvhost_tools.demo.stopping import Stopped, stop_on_sigterm, stopped_by
 
-    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    for first in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    # As a terminal starts a command: a background job of a script (CI's) has SIGINT ignored.
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+        for first in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            with stop_on_sigterm() as stops:
+                with pytest.raises(KeyboardInterrupt) as raised:
+                    os.kill(os.getpid(), first)
+                    time.sleep(1)  # the handler runs before this returns
+                assert stopped_by(raised.value) == (first.name, 128 + first) and stops.stopping
+                assert isinstance(raised.value, Stopped) == (first != signal.SIGINT)
+                for later in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                    os.kill(os.getpid(), later)  # said, not raised
+            assert capfd.readouterr().err.splitlines() == [
+                f"{s}: already stopping" for s in ("SIGTERM", "SIGHUP", "SIGINT")
+            ]
+            assert {signum: signal.getsignal(signum) for signum in before} == before
         with stop_on_sigterm() as stops:
-            with pytest.raises(KeyboardInterrupt) as raised:
-                os.kill(os.getpid(), first)
-                time.sleep(1)  # the handler runs before this returns
-            assert stopped_by(raised.value) == (first.name, 128 + first) and stops.stopping
-            assert isinstance(raised.value, Stopped) == (first != signal.SIGINT)
-            for later in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-                os.kill(os.getpid(), later)  # said, not raised
-        assert capfd.readouterr().err.splitlines() == [
-            f"{s}: already stopping" for s in ("SIGTERM", "SIGHUP", "SIGINT")
-        ]
-        assert {signum: signal.getsignal(signum) for signum in before} == before
-    with stop_on_sigterm() as stops:
-        stops.quiet()  # finishing: a first stop is said too
-        os.kill(os.getpid(), signal.SIGTERM)
-    assert capfd.readouterr().err == "SIGTERM: already stopping\n"
+            stops.quiet()  # finishing: a first stop is said too
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert capfd.readouterr().err == "SIGTERM: already stopping\n"
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
 
 
 def test_sigint_ignored_as_the_command_started_is_left_ignored():
