@@ -100,3 +100,36 @@ def test_a_directory_others_could_write_into_is_not_taken(tmp_path):
         tmp_path / "other",
     )
     assert done.stdout.startswith("None ") and "may be written by others" in done.stdout, done.stderr
+
+
+def test_the_private_directory_is_taken_only_where_numba_finds_no_place(monkeypatch, tmp_path):
+    """In this process, as the kernels' import asks it: an operator's NUMBA_CACHE_DIR is kept,
+    a place numba has (beside the source) is kept, none gives the private directory, and any
+    other refusal of numba's is raised as it came."""
+    import tempfile
+
+    import kvhost_cpu.kernels as kernels
+    import numba
+    from kvhost_cpu.cache_dir import ensure_writable_cache
+    from numba.core import caching, config
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(config, "CACHE_DIR", "/an/operators/choice")
+    monkeypatch.setattr(caching.CacheImpl, "_locator_classes", [caching.UserProvidedCacheLocator])
+    ensure_writable_cache(kernels.__file__)
+    assert config.CACHE_DIR == "/an/operators/choice"
+    monkeypatch.setattr(config, "CACHE_DIR", "")
+    ensure_writable_cache(kernels.__file__)
+    place = str(tmp_path / f"kvhost-numba-{os.getuid()}")
+    assert place == config.CACHE_DIR
+    monkeypatch.undo()
+    monkeypatch.setattr(config, "CACHE_DIR", "")
+    ensure_writable_cache(kernels.__file__)  # beside the source, as numba found it
+    assert config.CACHE_DIR == ""
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("numba says something else")
+
+    monkeypatch.setattr(numba, "njit", lambda **options: refuses)
+    with pytest.raises(RuntimeError, match="numba says something else"):
+        ensure_writable_cache(kernels.__file__)

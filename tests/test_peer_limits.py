@@ -18,6 +18,7 @@ makes has a deadline, and every resource a peer can make it allocate is bounded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -974,6 +975,30 @@ def test_a_stop_raises_once_and_later_ones_are_said_while_the_command_finishes(c
             stops.quiet()  # finishing: a first stop is said too
             os.kill(os.getpid(), signal.SIGTERM)
         assert capfd.readouterr().err == "SIGTERM: already stopping\n"
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+
+
+def test_a_command_that_drains_takes_its_first_sigterm_as_a_drain_and_its_second_as_a_stop():
+    """Where the command says how it drains (prefill), a first SIGTERM drains and raises
+    nothing; a second SIGTERM stops it. SIGINT and SIGHUP stop it at once, drain or not."""
+    from kvhost_tools.demo.stopping import Stopped, stop_on_sigterm
+
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for first, drains in ((signal.SIGTERM, True), (signal.SIGINT, False), (signal.SIGHUP, False)):
+            drained: list[int] = []
+            with stop_on_sigterm() as stops:
+                stops.drain = functools.partial(drained.append, 1)
+                if drains:
+                    os.kill(os.getpid(), first)
+                    time.sleep(0.2)
+                    assert drained == [1] and stops.drained_by == first and not stops.stopping
+                with pytest.raises(KeyboardInterrupt) as raised:
+                    os.kill(os.getpid(), first)
+                    time.sleep(1)
+                assert isinstance(raised.value, Stopped) == (first != signal.SIGINT) and stops.stopping
+                assert drained == ([1] if drains else []) and (stops.drained_by is not None) == drains
     finally:
         signal.signal(signal.SIGINT, interrupt)
 
