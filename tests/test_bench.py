@@ -581,7 +581,10 @@ def test_a_full_run_writes_the_committed_results_only_in_the_repository(tmp_path
     args = cli.parse([])
     assert (args.json, args.png) == (Path("bench-results/bench.json"), Path("bench-results/bench.png"))
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "bench.json").write_text("{}")
+    for others in ("{}", '{"results": 1}', "not json", "[1]"):  # another project's docs/bench.json: left alone
+        (tmp_path / "docs" / "bench.json").write_text(others)
+        assert cli.parse([]).json == Path("bench-results/bench.json")
+    (tmp_path / "docs" / "bench.json").write_text('{"kvhost_bench": 1}')
     args = cli.parse([])
     assert (args.json, args.png) == (Path("docs/bench.json"), Path("docs/bench.png"))
     assert cli.parse(["--quick"]).json == Path("bench-results/bench-quick.json")

@@ -58,6 +58,16 @@ BACKENDS_HINT = "`kvhost info` lists the backends and whether each can run here"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+def _kvhost_results(path: Path) -> bool:
+    """Whether ``path`` holds a ``kvhost bench`` run's results (a JSON object it wrote)."""
+    try:
+        with path.open() as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "kvhost_bench" in data
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = Parser(prog="kvhost bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few rounds, for CI (a few seconds)")
@@ -186,10 +196,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if args.demo is None:
         args.demo = QUICK_DEMO if args.quick else ""
     args.argv = [a for a in argv if a != "--in-process"]
-    # A full run updates the committed results where it runs in the repository; elsewhere
-    # (an installed kvhost) it writes next to the quick run's, never a docs/ of its own.
+    # A full run updates the committed results where it runs in the repository (a
+    # docs/bench.json of kvhost's own); elsewhere (an installed kvhost, another project's
+    # docs/) it writes next to the quick run's, never over a file that is not kvhost's.
     committed = Path("docs") / "bench.json"
-    default_dir = Path("docs") if not args.quick and committed.is_file() else Path("bench-results")
+    default_dir = Path("docs") if not args.quick and _kvhost_results(committed) else Path("bench-results")
     stem = "bench-quick" if args.quick else "bench"
     args.json = args.json or default_dir / f"{stem}.json"
     args.png = args.png or default_dir / f"{stem}.png"
