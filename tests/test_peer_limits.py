@@ -877,6 +877,15 @@ def test_a_stopped_engine_says_so_in_one_line_and_exits_128_plus_the_signal(stop
     assert data["ok"] is False and data["error"] == f"stopped by {stop.name}"
 
 
+def small_engines(tmp_path):
+    """Options of small engines sharing a secret (8 requests of 2 layers), and how to start one."""
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    options = ["--layers", "2", "--requests", "8", "--secret-file", str(secret)]
+    return options, [sys.executable, "-m", "kvhost_tools.demo"]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stops", [1, 2])
 def test_a_sigterm_drains_prefill_and_a_second_stops_it_at_once(stops, tmp_path):
@@ -884,11 +893,7 @@ def test_a_sigterm_drains_prefill_and_a_second_stops_it_at_once(stops, tmp_path)
     arrived) takes no new decode and lets the one it holds finish its reads: every request
     verifies, and prefill exits as stopped. A second SIGTERM stops it at once: decode's
     reads fail."""
-    secret = tmp_path / "secret"
-    secret.write_text(os.urandom(32).hex())
-    secret.chmod(0o600)
-    small = ["--layers", "2", "--requests", "8", "--secret-file", str(secret)]
-    command = [sys.executable, "-m", "kvhost_tools.demo"]
+    small, command = small_engines(tmp_path)
     prefill = subprocess.Popen(
         [*command, "prefill", *small, "--listen", "127.0.0.1:0", "--serve", "0", "--drain-timeout", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -920,11 +925,7 @@ def test_a_sigterm_drains_prefill_and_a_second_stops_it_at_once(stops, tmp_path)
 def test_a_decode_stopped_mid_read_reports_what_had_arrived(tmp_path):
     """A decode stopped once 2 of 8 requests arrived (its fault command signals decode
     itself) says so in its report and its JSON, not that the hand-off never ran."""
-    secret = tmp_path / "secret"
-    secret.write_text(os.urandom(32).hex())
-    secret.chmod(0o600)
-    small = ["--layers", "2", "--requests", "8", "--secret-file", str(secret)]
-    command = [sys.executable, "-m", "kvhost_tools.demo"]
+    small, command = small_engines(tmp_path)
     prefill = subprocess.Popen(
         [*command, "prefill", *small, "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -1665,6 +1665,22 @@ def test_a_sender_of_another_tp_size_in_our_region_order_lands_each_ranks_heads(
         assert torch.equal(got[untouched], before[name][untouched]), name
 
 
+def read_one_request(connector, worker, counts, sender_blocks=48, blocks=24):
+    """Request ``r`` from engine ``p``, ``counts[g]`` blocks of group ``g`` (a hybrid model's
+    lists), its sender's and our blocks drawn at random (seeded) from ``sender_blocks`` and
+    ``blocks``: (local ids, remote ids, the steps ``drive`` took), every request landed."""
+    import random
+
+    rng = random.Random(5)
+    sent, ours = rng.sample(range(sender_blocks), sum(counts)), rng.sample(range(blocks), sum(counts))
+    spans = list(itertools.pairwise(np.cumsum([0, *counts])))
+    remote = tuple(sent[a:b] for a, b in spans)
+    local = tuple(ours[a:b] for a, b in spans)
+    steps = drive(connector, worker, {"r": (local, remote, "p")})
+    assert not set().union(*(f for _, f, _ in steps))
+    return local, remote, steps
+
+
 HYBRID_CASES = {  # sender layout, decode layout, decode in host-buffer mode, layer kinds (f full, s sliding)
     "LBHNC->LBNHC": ("LBHNC", "LBNHC", False, "fsfs"),  # rearranged (vLLM refuses another layout with HMA)
     "LBNHC->LBHNC": ("LBNHC", "LBHNC", False, "fsfs"),
@@ -1683,7 +1699,6 @@ def test_a_hybrid_models_groups_are_read_and_post_processed_as_one_pool(vllm_env
     list; kvhost describes each memory once, and one post-process (and in host-buffer mode
     one load) a step rearranges every group's blocks from the sender's layout. Every token
     sent lands as the sender held it; no other block changes."""
-    import random
 
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
@@ -1708,13 +1723,8 @@ def test_a_hybrid_models_groups_are_read_and_post_processed_as_one_pool(vllm_env
     fake_handshakes(worker, {"p": handshake_payload(prefill, "p")})
     # A prompt of 10 blocks: a full group reads them all, a sliding one the window's last 3.
     counts = [3 if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 10 for g in groups]
-    rng = random.Random(5)
-    sent, ours = rng.sample(range(48), sum(counts)), rng.sample(range(24), sum(counts))
-    spans = list(itertools.pairwise(np.cumsum([0, *counts])))
-    remote = tuple(sent[a:b] for a, b in spans)
-    local = tuple(ours[a:b] for a, b in spans)
-    steps = drive(connector, worker, {"r": (local, remote, "p")})
-    assert not set().union(*(f for _, f, _ in steps))
+    local, remote, steps = read_one_request(connector, worker, counts)
+    ours = [block for ids in local for block in ids]
     assert_one_call_per_step(steps, "post_process")
     if host_buffer:
         assert_one_call_per_step(steps, "load_from_host")
@@ -1849,7 +1859,6 @@ def test_a_mamba_hybrids_attention_is_post_processed_and_its_state_read_as_it_li
     (its own descriptors for the state); kvhost rearranges the attention groups' blocks from
     the sender's layout and never touches a state block. Every token and every state byte
     sent lands as the sender held it; no other block changes."""
-    import random
 
     sender_layout, decode_layout = layouts.split("->")
     specs = mamba_specs(kinds)
@@ -1865,13 +1874,8 @@ def test_a_mamba_hybrids_attention_is_post_processed_and_its_state_read_as_it_li
     before = {name: raw(view).clone() for name, view in caches.items()}
     fake_handshakes(worker, {"p": handshake_payload(prefill, "p")})
     counts = [1 if g in worker._state_groups else 5 for g in range(len(groups))]  # a state block, a prompt's 5
-    rng = random.Random(5)
-    sent, ours = rng.sample(range(48), sum(counts)), rng.sample(range(24), sum(counts))
-    spans = list(itertools.pairwise(np.cumsum([0, *counts])))
-    remote = tuple(sent[a:b] for a, b in spans)
-    local = tuple(ours[a:b] for a, b in spans)
-    steps = drive(connector, worker, {"r": (local, remote, "p")})
-    assert not set().union(*(f for _, f, _ in steps))
+    local, remote, steps = read_one_request(connector, worker, counts)
+    ours = [block for ids in local for block in ids]
     state_bytes = next(spec for spec in specs.values() if "Mamba" in type(spec).__name__).real_page_size_bytes
     for g, group in enumerate(groups):
         for name in group.layer_names:
