@@ -742,6 +742,25 @@ def test_serve_refuses_a_number_of_peers_that_is_not_an_int_of_at_least_one(valu
         assert time.monotonic() - started < 0.4 and listener.getblocking()  # refused before anything was set up
 
 
+def test_a_drain_with_nothing_held_ends_serve_at_once():
+    """A drain takes no new peer and waits for held ones only: with none held, serve says
+    so and returns at once, whatever time the drain was given; a drain's time is seconds."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        lines: list[str] = []
+        server = Server(listener, SECRET, PREFILL, lambda peer: None, log=lines.append)  # type: ignore[arg-type,return-value]
+        assert server.draining is False
+        with pytest.raises(KVHostError, match=r"^drain timeout: expected a number of seconds"):
+            server.drain(float("nan"))
+        assert server.draining is False
+        server.drain(30)
+        assert server.draining is True
+        started = time.monotonic()
+        server.serve(peers=None, idle_timeout=60)
+        assert time.monotonic() - started < 5
+        assert lines[0].startswith("draining: no new decode engine; 0 held finish their reads, ")
+        assert lines[1:] == ["drained: every hold ended"]
+
+
 def test_a_server_serves_until_its_number_of_peers_have_ended_refusals_not_counted():
     running = Running(peers=2, peer_timeout=2.0)
     address = ("127.0.0.1", running.port)

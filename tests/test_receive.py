@@ -328,6 +328,9 @@ def test_identity_batches_are_counted_not_read():
     # ... and a count that is not whole groups takes the checked path, which says so.
     with pytest.raises(kvhost.RequestError, match="request 'b': 1 block ids are not whole groups of 2"):
         kvhost.receive(caches, {"a": [1, 2], "b": [3]}, axes="KBNHC", remote_order="NHC", remote_block_size=16)
+    lists = {"a": [99, 99], "b": (-1,)}  # counted by len() alone
+    stats = kvhost.receive(caches, lists, axes="KBNHC", remote_order="NHC", remote_block_size=8, backend=recorder)
+    assert (stats.requests, stats.blocks, stats.skipped_blocks) == (2, 3, 3) and recorder.jobs == []
     with pytest.raises(TypeError):  # the identity count relies on this
         len(kvhost.Incoming([1]))
 

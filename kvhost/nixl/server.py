@@ -174,9 +174,9 @@ class Server:
     def drain(self, seconds: float) -> None:
         """Stop serving gently (a rolling restart): ``serve`` takes no new peer, ends those it
         has not offered blocks yet, and returns once every hold has ended (its decode read
-        and said done) or after ``seconds``. A signal handler may call it while ``serve`` runs."""
-        limit = time.monotonic() + check_seconds(seconds, "drain timeout")
-        self._drain_until = limit if self._drain_until is None else min(self._drain_until, limit)
+        and said done) or after ``seconds`` (counted from this call, whatever an earlier one
+        said). A signal handler may call it while ``serve`` runs."""
+        self._drain_until = time.monotonic() + check_seconds(seconds, "drain timeout")
 
     @property
     def draining(self) -> bool:
