@@ -761,6 +761,49 @@ def test_a_drain_with_nothing_held_ends_serve_at_once():
         assert lines[1:] == ["drained: every hold ended"]
 
 
+def test_a_drain_lets_a_held_decode_finish_and_takes_no_other():
+    """Draining: the held decode beats and says done as before; a connection still proving
+    itself is closed at once; a new one is not taken (its handshake finds no answer); the
+    drain is said once, and serve returns once the hold ends."""
+    running = Running(peers=None, idle=30.0, peer_timeout=1.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    try:
+        session.start_beats()
+        with socket.create_connection(("127.0.0.1", running.port)) as stray:  # says nothing yet
+            time.sleep(0.3)  # accepted
+            running.server.drain(30)
+            stray.settimeout(3)
+            assert stray.recv(64) == b""  # closed by the drain, not left until its proof's deadline
+        with pytest.raises(KVHostError):
+            connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=1.0)
+        time.sleep(1.5)  # past the peer timeout: the held decode's beats still answered
+        assert running.thread.is_alive() and not running.released
+        session.done(ok=True, timeout=5)
+    finally:
+        session.close()
+    [record] = running.finish()
+    assert record.outcome == "done" and running.server.dropped == 1
+    draining = [line for line in running.lines if line.startswith("draining:")]
+    assert draining == [draining[0]] and "1 held finish their reads" in draining[0]
+    assert running.lines[-2:] == [f"decode at {record.address}: done", "drained: every hold ended"]
+
+
+def test_a_drain_ends_at_its_time_with_a_hold_still_open():
+    running = Running(peers=None, idle=30.0, peer_timeout=5.0)
+    session = connect(("127.0.0.1", running.port), SECRET, DECODE, timeout=10)
+    try:
+        session.start_beats()
+        started = time.monotonic()
+        running.server.drain(0.5)
+        running.thread.join(10)
+        assert 0.4 < time.monotonic() - started < 5 and not running.thread.is_alive()
+    finally:
+        session.close()
+    [record] = running.finish()
+    assert "drained: 1 hold(s) still open at the drain timeout" in running.lines
+    assert record.outcome == "closed" and running.released == [record]
+
+
 def test_a_server_serves_until_its_number_of_peers_have_ended_refusals_not_counted():
     running = Running(peers=2, peer_timeout=2.0)
     address = ("127.0.0.1", running.port)
