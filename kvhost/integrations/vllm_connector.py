@@ -214,7 +214,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         of all its attention groups. Mamba state lies in the same memory, a block of it a
         page as large as an attention block: kvhost describes the attention layers' views
         alone, and vLLM reads the state's blocks as they lie. Groups whose pages differ, or
-        that hold other state (chunked local attention), are refused first, naming them."""
+        of other kinds (chunked local attention), are refused first, naming them."""
         self._check_transfer_groups()
         groups = self.kv_cache_config.transfer_groups
         states = self._state_groups
@@ -227,8 +227,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _check_transfer_groups(self) -> None:
         """Several transfer groups are taken where each is full or sliding-window attention,
-        all of one page (block size, heads, head size, dtype and padding), or Mamba state
-        beside such attention in a layout of ``MAMBA_LAYOUTS``, of device memory and no MLA."""
+        all of one page (block size, heads, head size, dtype and padding); Mamba state beside
+        such attention too, in a layout of ``MAMBA_LAYOUTS``, read from device memory (no host
+        buffers) and beside no MLA."""
         groups = self.kv_cache_config.transfer_groups
         if len(groups) == 1 and not self._state_groups:
             return
