@@ -254,10 +254,17 @@ class Layout:
                 # Tokens apart from one another (a host buffer whose token index comes before
                 # its layer, say) still make blocks of one token each.
                 tokens = " (tokens that lie apart can be blocks of one token: N of 1, an id per token)"
+                inner = [a for a in self.region[self.region.index(letter) + 1 :] if self.size(a) > 1]
+                between = (
+                    f"; {', '.join(inner)} inside it fill {dense} of those {self.stride(letter)} elements: other "
+                    "data lies between (another layer's, or heads of another rank sliced off)"
+                    if inner and self.stride(letter) > dense
+                    else ""
+                )
                 raise LayoutError(
                     f"{name}: block region {self.region!r} is not contiguous: axis {letter} "
                     f"has stride {self.stride(letter)}, a dense region needs {dense} "
-                    f"(shape {self.shape}, strides {self.strides})" + (tokens if letter == "N" else "")
+                    f"(shape {self.shape}, strides {self.strides}){between}" + (tokens if letter == "N" else "")
                 )
             dense *= self.size(letter)
         if self.num_blocks > 1 and self.stride("B") < dense:

@@ -111,11 +111,20 @@ def test_region_not_contiguous():
     with pytest.raises(kvhost.LayoutError, match=r"not contiguous.*axis C") as refused:
         kvhost.receive({"l": holey}, {"r": [1]}, axes="KBNHC")
     assert "one token" not in str(refused.value)  # holes in a token's channels: no blocks of one token mend them
+    assert "inside it" not in str(refused.value)  # nothing lies inside C
     # Tokens apart from one another (a host buffer [2, tokens, L, H, C] seen layer by layer):
     # the message says how such memory is described.
     page_first = {"l0": torch.zeros(2, 8 * 16, 4, 2, 8)[:, :, 0].unflatten(1, (8, 16))}
     with pytest.raises(kvhost.LayoutError, match=r"axis N has stride 64.*blocks of one token: N of 1, an id per token"):
         kvhost.receive(page_first, {"r": [1]}, axes="KBNHC")
+    # A rank's share of heads sliced off a larger cache: what lies between is said.
+    share = torch.zeros(2, 8, 8, 3, 8)[:, :, :, :2]
+    with pytest.raises(
+        kvhost.LayoutError,
+        match=r"axis N has stride 24, a dense region needs 16 .*; H, C inside it "
+        r"fill 16 of those 24 elements: other data lies between .*heads of another rank sliced off",
+    ):
+        kvhost.receive({"l": share}, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=8)
     # Tokens outside the block region: N before B in memory.
     n_outer = torch.zeros(8, 2, 8, 2, 4).permute(1, 2, 0, 3, 4)
     with pytest.raises(kvhost.LayoutError, match=r"tokens"):
