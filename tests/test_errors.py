@@ -117,6 +117,9 @@ def test_region_not_contiguous():
     page_first = {"l0": torch.zeros(2, 8 * 16, 4, 2, 8)[:, :, 0].unflatten(1, (8, 16))}
     with pytest.raises(kvhost.LayoutError, match=r"axis N has stride 64.*blocks of one token: N of 1, an id per token"):
         kvhost.receive(page_first, {"r": [1]}, axes="KBNHC")
+    one_head = {"l0": torch.zeros(2, 8 * 16, 4, 1, 8)[:, :, 0].unflatten(1, (8, 16))}  # a head of one: not named
+    with pytest.raises(kvhost.LayoutError, match=r"axis N has stride 32, .*; C inside it fill 8 of those 32 elements"):
+        kvhost.receive(one_head, {"r": [1]}, axes="KBNHC", remote_order="NHC", remote_block_size=32)
     # A rank's share of heads sliced off a larger cache: what lies between is said.
     share = torch.zeros(2, 8, 8, 3, 8)[:, :, :, :2]
     with pytest.raises(
