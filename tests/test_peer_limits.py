@@ -949,59 +949,59 @@ def test_a_decode_stopped_mid_read_reports_what_had_arrived(tmp_path):
     assert f"result    FAILED: the hand-off stopped after {len(received)} request(s) arrived" in decode.stdout
 
 
-def test_a_stop_raises_once_and_later_ones_are_said_while_the_command_finishes(capfd):
+@pytest.fixture
+def sigint_interrupts():
+    """SIGINT raising KeyboardInterrupt, as a terminal starts a command (a background job of
+    a script, CI's, has it ignored), and left as it was after the test."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_stop_raises_once_and_later_ones_are_said_while_the_command_finishes(capfd, sigint_interrupts):
     """The first SIGTERM or SIGHUP raises ``Stopped``, which names it; a later one, or any
     once the command says it is finishing, is said on stderr and left alone (a second stop
     lost decode's report and JSON); the handlers before are back after the block."""
     from kvhost_tools.demo.stopping import Stopped, stop_on_sigterm, stopped_by
 
-    # As a terminal starts a command: a background job of a script (CI's) has SIGINT ignored.
-    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-        for first in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            with stop_on_sigterm() as stops:
-                with pytest.raises(KeyboardInterrupt) as raised:
-                    os.kill(os.getpid(), first)
-                    time.sleep(1)  # the handler runs before this returns
-                assert stopped_by(raised.value) == (first.name, 128 + first) and stops.stopping
-                assert isinstance(raised.value, Stopped) == (first != signal.SIGINT)
-                for later in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-                    os.kill(os.getpid(), later)  # said, not raised
-            assert capfd.readouterr().err.splitlines() == [
-                f"{s}: already stopping" for s in ("SIGTERM", "SIGHUP", "SIGINT")
-            ]
-            assert {signum: signal.getsignal(signum) for signum in before} == before
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    for first in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         with stop_on_sigterm() as stops:
-            stops.quiet()  # finishing: a first stop is said too
-            os.kill(os.getpid(), signal.SIGTERM)
-        assert capfd.readouterr().err == "SIGTERM: already stopping\n"
-    finally:
-        signal.signal(signal.SIGINT, interrupt)
+            with pytest.raises(KeyboardInterrupt) as raised:
+                os.kill(os.getpid(), first)
+                time.sleep(1)  # the handler runs before this returns
+            assert stopped_by(raised.value) == (first.name, 128 + first) and stops.stopping
+            assert isinstance(raised.value, Stopped) == (first != signal.SIGINT)
+            for later in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                os.kill(os.getpid(), later)  # said, not raised
+        assert capfd.readouterr().err.splitlines() == [
+            f"{s}: already stopping" for s in ("SIGTERM", "SIGHUP", "SIGINT")
+        ]
+        assert {signum: signal.getsignal(signum) for signum in before} == before
+    with stop_on_sigterm() as stops:
+        stops.quiet()  # finishing: a first stop is said too
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert capfd.readouterr().err == "SIGTERM: already stopping\n"
 
 
-def test_a_command_that_drains_takes_its_first_sigterm_as_a_drain_and_its_second_as_a_stop():
+def test_a_command_that_drains_takes_its_first_sigterm_as_a_drain_and_its_second_as_a_stop(sigint_interrupts):
     """Where the command says how it drains (prefill), a first SIGTERM drains and raises
     nothing; a second SIGTERM stops it. SIGINT and SIGHUP stop it at once, drain or not."""
     from kvhost_tools.demo.stopping import Stopped, stop_on_sigterm
 
-    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        for first, drains in ((signal.SIGTERM, True), (signal.SIGINT, False), (signal.SIGHUP, False)):
-            drained: list[int] = []
-            with stop_on_sigterm() as stops:
-                stops.drain = functools.partial(drained.append, 1)
-                if drains:
-                    os.kill(os.getpid(), first)
-                    time.sleep(0.2)
-                    assert drained == [1] and stops.drained_by == first and not stops.stopping
-                with pytest.raises(KeyboardInterrupt) as raised:
-                    os.kill(os.getpid(), first)
-                    time.sleep(1)
-                assert isinstance(raised.value, Stopped) == (first != signal.SIGINT) and stops.stopping
-                assert drained == ([1] if drains else []) and (stops.drained_by is not None) == drains
-    finally:
-        signal.signal(signal.SIGINT, interrupt)
+    for first, drains in ((signal.SIGTERM, True), (signal.SIGINT, False), (signal.SIGHUP, False)):
+        drained: list[int] = []
+        with stop_on_sigterm() as stops:
+            stops.drain = functools.partial(drained.append, 1)
+            if drains:
+                os.kill(os.getpid(), first)
+                time.sleep(0.2)
+                assert drained == [1] and stops.drained_by == first and not stops.stopping
+            with pytest.raises(KeyboardInterrupt) as raised:
+                os.kill(os.getpid(), first)
+                time.sleep(1)
+            assert isinstance(raised.value, Stopped) == (first != signal.SIGINT) and stops.stopping
+            assert drained == ([1] if drains else []) and (stops.drained_by is not None) == drains
 
 
 def test_sigint_ignored_as_the_command_started_is_left_ignored():

@@ -216,9 +216,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         alone, and vLLM reads the state's blocks as they lie. Groups whose pages differ, or
         of other kinds (chunked local attention), are refused first, naming them."""
         self._check_transfer_groups()
-        groups = self.kv_cache_config.transfer_groups
-        states = self._state_groups
-        attention = {name for i, group in enumerate(groups) if i not in states for name in group.layer_names}
+        attention = {name for group in self._attention_groups() for name in group.layer_names}
         self._memories = _memories({name: view for name, view in kv_caches.items() if name in attention})
         described = {name: kv_caches[name] for name in dict.fromkeys(self._memories.values())}
         self.kvhost = VllmCaches(described, self.kv_cache_layout, group=_registered_as_rows(described))
@@ -238,7 +236,7 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             f"({', '.join(map(repr, group.layer_names[:2]))}{', ...' if len(group.layer_names) > 2 else ''})"
             for i, group in enumerate(groups)
         )
-        specs = [group.kv_cache_spec for i, group in enumerate(groups) if i not in self._state_groups]
+        specs = [group.kv_cache_spec for group in self._attention_groups()]
         if not specs or any(type(spec) not in HYBRID_SPECS for spec in specs):
             raise LayoutError(
                 f"KvhostNixlConnector takes several KV cache groups only of full and sliding-window attention "
@@ -263,6 +261,11 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         ):
             if refused:
                 raise LayoutError(f"KvhostNixlConnector takes a model with Mamba state, but not with {what}: {named}")
+
+    def _attention_groups(self) -> list[Any]:
+        """vLLM's transfer groups kvhost describes: all but those of Mamba state."""
+        groups = self.kv_cache_config.transfer_groups
+        return [group for i, group in enumerate(groups) if i not in self._state_groups]
 
     def unregister_kv_caches(self) -> None:
         """vLLM's (sleep mode), refused while a read may still write into the caches."""
