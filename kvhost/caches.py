@@ -389,7 +389,14 @@ def _meeting_pairs(sources: list[Member], destinations: list[Member]) -> list[tu
             if other != side
         ]
         open_spans.append((end, side, index))
-    pairs += [(s, d) for s in sources for d in destinations if not s.address and s.tensor is d.tensor]
+    unplaced = [s for s in sources if not s.address]
+    if unplaced:
+        by_tensor: dict[int, list[Member]] = {}
+        for d in destinations:
+            by_tensor.setdefault(id(d.tensor), []).append(d)
+        pairs += [(s, d) for s in unplaced for d in by_tensor.get(id(s.tensor), ())]
+    if not pairs:
+        return pairs
     order = {id(m): i for i, m in enumerate(sources + destinations)}
     return sorted(pairs, key=lambda pair: (order[id(pair[0])], order[id(pair[1])]))
 
