@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvhost.backend import Backend, Completion
-from kvhost.batch import CopyJob, Ids, Incoming, ReceiveJob, plan_copy_batch, plan_receive_batch
+from kvhost.batch import CopyJob, Ids, Incoming, ReceiveBatch, ReceiveJob, plan_copy_batch, plan_receive_batch
 from kvhost.caches import CacheSet, Layer, check_one_device
 from kvhost.errors import (
     ArgumentError,
@@ -230,7 +230,7 @@ def _receive(
     except Exception as err:
         if ran == 0 and isinstance(err, KVHostError):
             raise  # the backend's own error, before any job of this call had run
-        raise BackendError(_receive_failed(backend, batch.jobs, ran, err)) from err
+        raise BackendError(_receive_failed(backend, batch, ran, err)) from err
     return ReceiveStats(
         blocks=batch.blocks,
         bytes_moved=batch.bytes_moved,
@@ -290,13 +290,14 @@ def _check(backend: Backend, check: Callable[[_Job], None], job: _Job) -> None:
         raise _refusal(backend, f"{check.__name__} failed", err) from err
 
 
-def _receive_failed(backend: Backend, jobs: list[ReceiveJob], ran: int, err: Exception) -> str:
+def _receive_failed(backend: Backend, batch: ReceiveBatch, ran: int, err: Exception) -> str:
     """What a receive that failed while its jobs ran left behind: a request rearranged must
     not be received again (a second rearrangement scrambles it), so the message says which."""
+    jobs = batch.jobs
 
-    def which(some: list[ReceiveJob]) -> str:
-        subjects = list(dict.fromkeys(s for job in some for s in job.subjects))
-        layers = list(dict.fromkeys(m.layer for job in some for m in job.members))
+    def which(first: int, end: int) -> str:
+        subjects = list(dict.fromkeys(s for of_job in batch.subjects_of_jobs[first:end] for s in of_job))
+        layers = list(dict.fromkeys(m.layer for job in jobs[first:end] for m in job.members))
         more = f" and {len(subjects) - 8} more" if len(subjects) > 8 else ""
         return f"{', '.join(subjects[:8])}{more} (layers {shown(layers, 120)})"
 
@@ -305,9 +306,9 @@ def _receive_failed(backend: Backend, jobs: list[ReceiveJob], ran: int, err: Exc
             f"backend {backend.name!r} failed zeroing the ends of blocks that arrived in part: {brief(err)}; "
             "every block that needed rearranging was rearranged before it"
         )
-    done = f"{which(jobs[ran : ran + 1])} may be rearranged in part"
+    done = f"{which(ran, ran + 1)} may be rearranged in part"
     if ran:
-        done = f"{which(jobs[:ran])} were rearranged before it (do not receive them again); {done}"
+        done = f"{which(0, ran)} were rearranged before it (do not receive them again); {done}"
     return f"backend {backend.name!r} failed in job {ran + 1} of {len(jobs)} of a receive: {brief(err)}; {done}"
 
 

@@ -70,7 +70,6 @@ class ReceiveJob:
     unit_ids: np.ndarray
     device: torch.device
     derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
-    subjects: Sequence[str] = field(default=(), repr=False, compare=False)  # its requests, for messages
     # What a backend keeps for all the jobs of one call (one dict for them all): a scratch
     # they take in turn, made in their checks as large as the largest needs.
     shared: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
@@ -124,6 +123,9 @@ class ReceiveBatch:
     groups: int  # transform groups with work to do
     skipped_blocks: int  # blocks whose transform is the identity: nothing copied
     zero_jobs: list[ZeroJob] = field(default_factory=list)
+    # The requests of each job, for the message of a job that fails: kept here, since
+    # backends see blocks, never requests.
+    subjects_of_jobs: list[Sequence[str]] = field(default_factory=list)
 
     @property
     def zeroed_blocks(self) -> int:
@@ -219,6 +221,7 @@ def plan_receive_batch(
     partial = _Partial(arrived, batch, key_of_request, parts, local.block_size) if arrived else None
 
     jobs: list[ReceiveJob] = []
+    subjects_of_jobs: list[Sequence[str]] = []
     shared: dict[object, object] = {}
     groups = skipped = 0
     with_work = [k for k, planned in enumerate(groups_of_key) if planned]
@@ -241,7 +244,8 @@ def plan_receive_batch(
         )
         for group in groups_of_key[k]:
             unit_ids = group_ids.reshape(-1, group.rearrangement.parts)
-            jobs.append(ReceiveJob(group, unit_ids, caches.device, subjects=subjects, shared=shared))
+            jobs.append(ReceiveJob(group, unit_ids, caches.device, shared=shared))
+            subjects_of_jobs.append(subjects)
     zero_jobs = []
     if partial is not None and partial.blocks:
         assert ids is not None
@@ -255,6 +259,7 @@ def plan_receive_batch(
         groups=groups,
         skipped_blocks=skipped,
         zero_jobs=zero_jobs,
+        subjects_of_jobs=subjects_of_jobs,
     )
 
 
