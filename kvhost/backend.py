@@ -142,7 +142,7 @@ class Backend(ABC):
         """Rearrange, in place, every unit of ``job`` in every member tensor."""
 
     def check_receive(self, job: ReceiveJob) -> None:
-        """Refuse (a BackendError) a job this backend cannot do. Called for every job of a
+        """Refuse (raise a KVHostError) a job this backend cannot do. Called for every job of a
         batch before any runs, so that a refusal known in advance leaves nothing written
         (the place, too, to make what a launch needs: a device without room for it is a
         refusal then, not a failure after earlier jobs ran); by default every job can be done."""
@@ -153,7 +153,7 @@ class Backend(ABC):
         """Copy every block pair of ``job``; complete on return unless ``job.non_blocking``."""
 
     def check_copy(self, job: CopyJob) -> None:
-        """Refuse (a KVHostError) a copy job this backend cannot do: ``check_receive``'s
+        """Refuse (raise a KVHostError) a copy job this backend cannot do: ``check_receive``'s
         counterpart, called for every job of a copy before any runs; by default every job
         can be done."""
         return None

@@ -45,9 +45,7 @@ class Incoming:
     like the caches, whose layers may differ in strides). ``tokens``, when given, is how many of the
     request's tokens arrived: sender blocks that hold none of them are not rearranged,
     and every token from ``tokens`` on, to the end of the request's blocks, is zeroed
-    (what vLLM does to a prompt that does not end on a block boundary). It has no
-    length, on purpose: the identity check counts a batch's ids with ``len()`` and an
-    Incoming must fail that count.
+    (what vLLM does to a prompt that does not end on a block boundary).
     """
 
     block_ids: Sequence[int] | np.ndarray

@@ -111,7 +111,9 @@ class MemberList(list[Member]):
 class CacheSet:
     """Layers by name, validated: one device, every member the same shape and letters."""
 
-    def __init__(self, caches: Mapping[str, Layer], axes: str, *, role: str = "caches", split: bool = False) -> None:
+    def __init__(
+        self, caches: Mapping[str, Layer], axes: str, *, role: str = "caches", own_slices: bool = False
+    ) -> None:
         if not isinstance(caches, Mapping):
             raise LayoutError(f"{role}: expected a mapping of layer name to tensor, got {type(caches).__name__}")
         if not caches:
@@ -167,7 +169,7 @@ class CacheSet:
         self._by_layout: list[tuple[Layout, MemberList]] | None = None
         self._copy_groups: LRU[int, tuple[CacheSet, CopyGroups]] = LRU(4)
         self._receive_groups: LRU[tuple[str | None, int], tuple[ReceiveGroup, ...]] = LRU(16)
-        check_owned_once(self.members, role, split=split)
+        check_owned_once(self.members, role, own_slices=own_slices)
         self._tensors = tuple(m.tensor for m in self.members)
         self._data_ptrs = tuple(m.data_ptr for m in self.members)
         self._shapes = tuple(m.layout.shape for m in self.members)
@@ -334,7 +336,7 @@ class CacheSet:
         split = {
             name: tuple(t for m in members for t in m.tensor.unbind(k_dim)) for name, members in self.layers.items()
         }
-        return CacheSet(split, self.member_axes, role=self.role, split=True)
+        return CacheSet(split, self.member_axes, role=self.role, own_slices=True)
 
 
 @dataclass
@@ -449,13 +451,13 @@ class ReceiveGroup:
         return self.member_unit_bytes * len(self.members)
 
 
-def check_owned_once(members: list[Member], role: str, *, split: bool) -> None:
+def check_owned_once(members: list[Member], role: str, *, own_slices: bool) -> None:
     """Raise unless every block region of every member is memory no other region shares.
 
     Two names for one tensor, a tuple holding one tensor twice, two tensors over one
     buffer: each would be rewritten twice by one call. Members whose spans do not meet
     (the usual case: a tensor per layer) are told apart without listing their blocks.
-    ``split``: the members are kvhost's own disjoint slices of a set already checked.
+    ``own_slices``: the members are kvhost's own disjoint slices of a set already checked.
     """
     placed = sorted((m.address, m.address + m.layout.extent_bytes, i) for i, m in enumerate(members) if m.address)
     meeting = _spans_that_meet(placed)
@@ -464,7 +466,7 @@ def check_owned_once(members: list[Member], role: str, *, split: bool) -> None:
         overlap = find_overlap([lane for m in chosen for lane in m.layout.lanes(m.address, m.name)])
         if overlap is not None:
             raise LayoutError(f"{role}: {overlap.describe()} share memory: a call would rewrite it twice")
-    if len(placed) < len(members) and not split:  # no addresses (XLA): only buffers can be told apart
+    if len(placed) < len(members) and not own_slices:  # no addresses (XLA): only buffers can be told apart
         _check_distinct_buffers([m for m in members if not m.address], role)
 
 

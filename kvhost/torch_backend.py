@@ -82,7 +82,8 @@ class TorchBackend(Backend):
 
     ``host_chunk_bytes``/``device_chunk_bytes``: bytes per gather/scatter pass of a receive
     (on the host a whole-batch temporary falls out of cache, docs/design.md "Backends";
-    None takes a group in one pass); ``max_run_copies``: up to this many runs of ids on one
+    the device's default, None, takes a group in one pass; None given here keeps the
+    default); ``max_run_copies``: up to this many runs of ids on one
     side, a copy is one call per run and layer (``index_select`` into a destination run,
     ``index_copy_`` from a source run, ``copy_`` where both run alike),
     beyond it one gather/scatter; ``host_thread_bytes``: on the host, a gather of packed

@@ -62,8 +62,7 @@ def release(version: str) -> tuple[int, ...]:
 
 
 def _native_xpu() -> bool:
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return (major, minor) >= NATIVE_XPU
+    return release(torch.__version__)[:2] >= NATIVE_XPU
 
 
 def load_ipex_if_needed() -> bool:

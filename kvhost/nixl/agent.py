@@ -519,7 +519,7 @@ class Reader:
         self.max_descriptor_bytes = max_descriptor_bytes
         self.local_domains = self.remote_domains = None
         if max_descriptor_bytes is not None:
-            self.local_domains = merge_domains(agent.nixl, "NIXL_INIT_AGENT", plan.local)
+            self.local_domains = merge_domains(agent.nixl, NIXL_LOCAL_AGENT, plan.local)
             self.remote_domains = merge_domains(agent.nixl, peer, plan.remote)
         self.closed = False
 
@@ -638,7 +638,7 @@ class Probes:
 
 def merge_domains(nixl: Any, owner: str, table: RegionTable, probes: Probes | None = None) -> np.ndarray:
     """Per stream of ``table``, a label: streams with one label lie in one region NIXL has
-    registered for ``owner`` (``NIXL_INIT_AGENT``: this agent), so one descriptor may span
+    registered for ``owner`` (``NIXL_LOCAL_AGENT``: this agent), so one descriptor may span
     them; -1 where not even the stream's own blocks do (memory registered block by block).
 
     Streams whose extents meet are tried together first (one descriptor covering them
@@ -691,7 +691,7 @@ def _registered(nixl: Any, owner: str, rows: np.ndarray, memory: str) -> bool:
 def check_registered(agent: Agent, table: RegionTable, peer: str | None) -> None:
     """NIXL must accept the first and last block of every stream of ``table``: this agent's
     (``peer`` None) or ``peer``'s registered memory. A TransferError names the side at fault."""
-    owner = "NIXL_INIT_AGENT" if peer is None else peer
+    owner = NIXL_LOCAL_AGENT if peer is None else peer
     try:
         agent.nixl.prep_xfer_dlist(owner, extent_rows(table), table.memory).release()
     except Exception as err:

@@ -309,14 +309,14 @@ class TransferPlan:
                 starts[total] = True
                 for side, dense in zip(sides, (kind.local_dense, kind.remote_dense)):
                     ids = side.ids
-                    blocks = np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1 if dense else np.arange(1, ids.size)
-                    if side.first_block is None:
-                        starts[side.parts * blocks] = True
+                    breaks = np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1 if dense else np.arange(1, ids.size)
+                    if side.request_starts is None:
+                        starts[side.parts * breaks] = True
                         continue
                     # A block's first piece: its request's first piece, then parts per block
                     # before it in the request (every block of a request holds a piece of it).
-                    request = np.searchsorted(side.first_block, blocks, side="right") - 1
-                    starts[first_piece[request] + side.parts * (blocks - side.first_block[request])] = True
+                    request = np.searchsorted(side.request_starts, breaks, side="right") - 1
+                    starts[first_piece[request] + side.parts * (breaks - side.request_starts[request])] = True
                 bounds = np.flatnonzero(starts)
             else:
                 bounds = np.arange(total + 1, dtype=np.int64)
@@ -327,8 +327,8 @@ class TransferPlan:
             for index, (side, (bases, strides)) in enumerate(zip(sides, (kind.local, kind.remote))):
                 # Each row's first piece as a chunk of its side: block, then part of the block.
                 at = first
-                if row_request is not None and side.first_block is not None:
-                    at = first - first_piece[row_request] + side.parts * side.first_block[row_request]
+                if row_request is not None and side.request_starts is not None:
+                    at = first - first_piece[row_request] + side.parts * side.request_starts[row_request]
                 address = bases + side.ids[at if side.parts == 1 else at // side.parts].astype(np.uint64) * strides
                 if side.parts > 1:
                     address += (at % side.parts).astype(np.uint64) * np.uint64(chunk)
@@ -587,7 +587,7 @@ class _Side:
     table: RegionTable
     ids: np.ndarray
     parts: int
-    first_block: np.ndarray | None  # None: one request
+    request_starts: np.ndarray | None  # None: one request
 
 
 def _starts(counts: np.ndarray) -> np.ndarray:

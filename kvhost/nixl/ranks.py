@@ -44,6 +44,7 @@ import numpy as np
 from kvhost.errors import ArgumentError, LayoutError
 from kvhost.ids import Ids, integer_value
 from kvhost.nixl.agent import (
+    NIXL_LOCAL_AGENT,
     Agent,
     Probes,
     Transfer,
@@ -56,7 +57,7 @@ from kvhost.nixl.agent import (
 )
 from kvhost.nixl.fields import check_seconds
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch, checked_request_ids, plan_transfer
-from kvhost.nixl.tables import MAX_STREAMS, RegionTable, Stream
+from kvhost.nixl.tables import MAX_STREAMS, WINDOW_RUN, RegionTable, Stream
 
 Rows = tuple[np.ndarray, np.ndarray]  # (address, length, device id) rows: local and remote
 Domains = tuple[np.ndarray | None, np.ndarray | None]  # a part's merge domains: local and remote
@@ -597,7 +598,7 @@ def _window(table: RegionTable, offsets: Sequence[int], length: int) -> RegionTa
     offset: a table of bytes (letters ``NC``, one token of ``length`` bytes), for pairing
     with a window of the same offsets' count and length on the other side."""
     streams = tuple(
-        Stream(s.layer, (*s.coords, ("run", i)), s.address + offset, s.block_stride)
+        Stream(s.layer, (*s.coords, (WINDOW_RUN, i)), s.address + offset, s.block_stride)
         for s in table.streams
         for i, offset in enumerate(offsets)
     )
@@ -645,7 +646,7 @@ class RankReader:
                 theirs = Probes()
                 self.domains[source.rank] = [
                     (
-                        merge_domains(agent.nixl, "NIXL_INIT_AGENT", part.plan.local, mine),
+                        merge_domains(agent.nixl, NIXL_LOCAL_AGENT, part.plan.local, mine),
                         merge_domains(agent.nixl, self.peers[source.rank], part.plan.remote, theirs),
                     )
                     for part in source.parts

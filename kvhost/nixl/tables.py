@@ -34,6 +34,7 @@ from kvhost.nixl.fields import Fields
 # Letters that may index a stream: outer letters, letters cut from the region, and "#" for
 # the place in a layer's tuple when that place is not K.
 COORD_LETTERS = "#LKHNC"
+WINDOW_RUN = "W"  # the coordinate a window's streams add, after those of COORD_LETTERS
 MEMORY_OF_DEVICE = {"cpu": "DRAM", "cuda": "VRAM"}
 # Streams a peer's table may declare. Each costs a Python object here (~0.3 KB) and a
 # descriptor per block in every transfer, so the cap is what models need, not what fits:
@@ -46,7 +47,8 @@ class Stream:
     """The runs of one outer index of one layer: block ``b``'s run is at ``address + b * block_stride``.
 
     ``coords`` are ``(letter, index)`` pairs in ``COORD_LETTERS`` order; ``#`` is the place
-    in a layer's tuple when it does not stand for ``K``.
+    in a layer's tuple when it does not stand for ``K``. A window of a table (the runs at
+    some offsets of each block, ``ranks._window``) adds ``WINDOW_RUN`` last: which run.
     """
 
     layer: str

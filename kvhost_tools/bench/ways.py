@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvhost.nixl import Agent, Reader, RegionTable, Transfer, TransferError, TransferPlan
-from kvhost.nixl.agent import Link, released_on_error
+from kvhost.nixl.agent import NIXL_LOCAL_AGENT, Link, released_on_error
 from kvhost_tools.bench.sender import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class Prepared:
         remote_streams = [plan.remote.streams[i] for i in plan.remote_streams]
         self.local_rows = _every_piece(plan.local, plan.local.streams, plan)
         self.remote_rows = _every_piece(plan.remote, remote_streams, plan)
-        self.local = self.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", self.local_rows, plan.local.memory)
+        self.local = self.nixl.prep_xfer_dlist(NIXL_LOCAL_AGENT, self.local_rows, plan.local.memory)
         self.remote = self.nixl.prep_xfer_dlist(peer, self.remote_rows, plan.remote.memory)
 
     def indices(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
