@@ -125,7 +125,7 @@ MODULES = [
             *CONFORMANCE,
         ),
     ),
-    Module("kvhost/torch_backend.py", (*BACKENDS, "tests/test_torch_backend.py")),
+    Module("backends/kvhost_torch/backend.py", (*BACKENDS, "tests/test_torch_backend.py")),
     Module("kvhost/lru.py", ("tests/test_ownership.py", "tests/test_cache_sets.py", "tests/test_threads.py")),
     Module("kvhost/registry.py", ("tests/test_registry.py", "tests/test_plugin_contract.py", "tests/test_backends.py")),
     Module(

@@ -31,11 +31,11 @@ import statistics
 import sys
 
 import numpy as np
+from kvhost_torch.backend import TorchBackend, _pair_views
 
 import kvhost
 from kvhost.batch import plan_copy_batch
 from kvhost.caches import CacheSet
-from kvhost.torch_backend import TorchBackend, _pair_views
 from kvhost_tools.bench.machine import Device, block_ranges
 from kvhost_tools.bench.methods import Workspace
 from kvhost_tools.bench.timing import measure

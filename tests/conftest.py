@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from kvhost_torch.backend import TorchBackend
 
 import kvhost
-from kvhost.torch_backend import TorchBackend
 
 # The kernels only move bytes, so floating-point fusion is moot; naming it keeps Triton 3.9
 # from warning that its default will change.

@@ -11,14 +11,15 @@ from __future__ import annotations
 import re
 import threading
 
+import kvhost_torch.backend
 import numpy as np
 import pytest
 import torch
+from kvhost_torch.backend import IndexBuffers, TorchBackend, current_stream
 
 import kvhost
 from kvhost.backend import OptionalKernels, next_power_of_two
 from kvhost.testing import CopyCase, ReceiveCase, fill_random, make_cache, raw
-from kvhost.torch_backend import IndexBuffers, TorchBackend, current_stream
 
 SIZES = dict(K=2, B=8, N=8, H=2, C=4)
 META = torch.device("meta")
@@ -186,7 +187,7 @@ def test_a_host_receive_moves_8_byte_integers_where_the_innermost_dim_allows(
     """Where the wire's innermost dim stays innermost locally and a run of it is a multiple
     of 8 bytes, the rearrangement moves 8-byte elements; otherwise the raw item. The wire
     bytes land either way (local blocks of 8 tokens, r = 2 or 4)."""
-    import kvhost.torch_backend as torch_backend
+    import kvhost_torch.backend as torch_backend
 
     sizes = {a: dict(SIZES, C=channels)[a] for a in axes}
     caches = {"l": make_cache(axes, axes, sizes, dtype=dtype)}
@@ -261,7 +262,7 @@ def test_host_calls_under_host_thread_bytes_run_on_the_calling_thread(
 
 
 def test_run_ids_numpy_views_at_once_tensors_at_the_first_torch_call():
-    from kvhost.torch_backend import _RunIds
+    from kvhost_torch.backend import _RunIds
 
     ids = np.array([9, 4, 7, 2, 8], dtype=np.int64)
     runs = [(0, 10, 2), (2, 30, 3)]  # (position in ids, first id of the other side, count)
@@ -292,7 +293,7 @@ def test_run_ids_numpy_views_at_once_tensors_at_the_first_torch_call():
 )
 def test_dense_after(shape, permutation, dim, dense):
     tensor = torch.zeros(shape).permute(permutation)
-    assert kvhost.torch_backend._dense_after(tensor, dim) is dense
+    assert kvhost_torch.backend._dense_after(tensor, dim) is dense
 
 
 def _layer_of_cross_layer_buffer() -> torch.Tensor:
@@ -427,9 +428,10 @@ def test_a_registered_copy_makes_its_views_once(monkeypatch):
 
 def test_views_of_memory_without_an_address_are_made_on_every_call():
     # XLA tensors (like meta ones here) have no address; their views are not kept.
+    from kvhost_torch.backend import _pair_views
+
     from kvhost.batch import plan_copy_batch
     from kvhost.caches import CacheSet
-    from kvhost.torch_backend import _pair_views
 
     src = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES, device=META)}, "KBNHC")
     dst = CacheSet({"l": make_cache("KBNHC", "KBHNC", SIZES, device=META)}, "KBNHC")

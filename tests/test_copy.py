@@ -230,7 +230,7 @@ def test_torch_copy_gathers_or_scatters_straight_when_one_side_runs(pair, ids, w
     """More runs than ``max_run_copies``: the torch path gathers straight into destination
     runs, scatters straight from source runs, or gathers then scatters; the same bytes, by
     numpy's calls or torch's."""
-    from kvhost.torch_backend import TorchBackend
+    from kvhost_torch.backend import TorchBackend
 
     (src_axes, src_phys), (dst_axes, dst_phys) = PAIRS[pair]
     src = build(src_axes, src_phys, 12, "cpu", 1)
@@ -247,7 +247,7 @@ def test_torch_copy_gathers_or_scatters_straight_when_one_side_runs(pair, ids, w
 def test_torch_copy_within_one_cache(ids, way):
     """Source and destination in one cache (blocks apart): the torch path keeps such copies
     off its one-pass index ops, and lands the same bytes."""
-    from kvhost.torch_backend import TorchBackend
+    from kvhost_torch.backend import TorchBackend
 
     src_ids, dst_ids = MANY_RUNS[ids]
     dst_ids = [12 + d for d in dst_ids]

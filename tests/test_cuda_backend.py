@@ -33,6 +33,7 @@ from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
 from kvhost_cuda.gpucheck import Sizes, agreement, host_profile, measure, one_request_receive, relative_paths, table
 from kvhost_cuda.gpucheck import main as gpucheck_main
+from kvhost_torch.backend import IndexBuffers
 from kvhost_xpu import XpuBackend
 from kvhost_xpu.backend import load_ipex_if_needed
 from test_nixl import needs_nixl
@@ -45,7 +46,6 @@ from kvhost.layout import Layout
 from kvhost.registry import registry
 from kvhost.stats import CopyResult
 from kvhost.testing import CopyCase, fill_random, make_cache, raw
-from kvhost.torch_backend import IndexBuffers
 from kvhost.transform import plan_copy, plan_receive
 
 CUDA = torch.cuda.is_available()

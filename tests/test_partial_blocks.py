@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvhost_torch.backend import TorchBackend
 
 import kvhost
 from kvhost.testing import ReceiveCase, make_cache
-from kvhost.torch_backend import TorchBackend
 
 BLOCK = 8  # local tokens per block
 LAYOUTS = {

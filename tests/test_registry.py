@@ -93,7 +93,7 @@ def test_cli_info_prints_the_table_and_choice():
 
 PROBE_MODULE = """
 from kvhost.backend import Backend
-from kvhost.torch_backend import TorchBackend
+from kvhost_torch.backend import TorchBackend
 
 SWITCH = {"absent": "the probe device is not installed"}
 
@@ -419,7 +419,7 @@ def test_malformed_backend_classes_are_reported_and_the_others_load(probes):
 
 
 PLUGIN_MODULE = """
-from kvhost.torch_backend import TorchBackend
+from kvhost_torch.backend import TorchBackend
 
 
 class BrokenStart(TorchBackend):
@@ -451,9 +451,9 @@ my-hpu = kvhost_registry_plugin:Unnamed
 
 def test_kvhosts_own_backends_keep_their_names_and_serve_past_a_plugin_that_fails(install, monkeypatch):
     from kvhost_cpu import CpuBackend
+    from kvhost_torch.backend import TorchBackend
 
     from kvhost.registry import Registry
-    from kvhost.torch_backend import TorchBackend
 
     install("kvhost_registry_plugin", PLUGIN_MODULE, PLUGIN_ENTRY_POINTS)
     plugged = Registry()
@@ -464,7 +464,7 @@ def test_kvhosts_own_backends_keep_their_names_and_serve_past_a_plugin_that_fail
         "entry point 'my-cpu' (kvhost_registry_plugin:NamedCpu) is not registered"
     )
     assert rows["my-hpu"].unavailable == (
-        "backend name 'torch' is already used by entry point 'torch' (kvhost.torch_backend:TorchBackend); "
+        "backend name 'torch' is already used by entry point 'torch' (kvhost_torch:TorchBackend); "
         "entry point 'my-hpu' (kvhost_registry_plugin:Unnamed) is not registered"
     )
     # plugin-broken-start (20) is tried first for cpu, fails to start, and kvhost's cpu serves.
@@ -482,7 +482,7 @@ def test_of_two_plugins_with_one_name_the_first_by_distribution_is_kept_wherever
 
     from kvhost.registry import Registry
 
-    rival = "from kvhost.torch_backend import TorchBackend\n\n\nclass Rival(TorchBackend):\n"
+    rival = "from kvhost_torch.backend import TorchBackend\n\n\nclass Rival(TorchBackend):\n"
     rival += '    name, device_types, priority = "probe", ("cpu",), 99\n'
     install("kvhost_registry_probe_rival", rival, "[kvhost.probe-backends]\naaa = kvhost_registry_probe_rival:Rival\n")
     assert next(iter(entry_points(group="kvhost.probe-backends"))).name == "aaa"  # first on sys.path
@@ -530,7 +530,7 @@ def test_hand_made_entry_points_load_and_device_types_keep_their_own_order(probe
 HOSTILE_MODULE = """
 import sys
 
-from kvhost.torch_backend import TorchBackend
+from kvhost_torch.backend import TorchBackend
 
 
 class Unreadable(Exception):
@@ -855,7 +855,7 @@ def test_at_equal_priority_kvhost_s_own_backend_is_chosen_before_a_plugin_s(inst
     from kvhost.registry import Registry
 
     source = """
-from kvhost.torch_backend import TorchBackend
+from kvhost_torch.backend import TorchBackend
 
 
 class Same(TorchBackend):
@@ -963,3 +963,29 @@ def test_a_plugin_that_looks_a_backend_up_as_it_is_imported_is_refused_and_the_c
     }
     assert "kvhost_registry_eager" not in sys.modules or not hasattr(sys.modules["kvhost_registry_eager"], "Eager")
     assert probe.classes() is probe.classes()  # loaded once: a later lookup imports nothing again
+
+
+def test_the_core_imports_no_backend_and_touches_no_stream():
+    """docs/design.md: the core knows nothing of streams or devices; backends are packages it
+    finds through entry points, never imports. Read from the source, so that a stream call
+    on a path no test takes is caught too."""
+    import ast
+    from pathlib import Path
+
+    core = Path(kvhost.__file__).parent
+    device_calls = ("torch.cuda", "torch.xpu", "torch.accelerator", "torch.Stream", "torch.Event", "current_stream")
+    found = []
+    for path in sorted(core.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                modules = []
+            found += [f"{path.name}: imports {m}" for m in modules if m.startswith("kvhost_")]
+            if isinstance(node, ast.Attribute | ast.Name):
+                name = ast.unparse(node)
+                found += [f"{path.name}: {name}" for call in device_calls if name == call]
+    assert found == []

@@ -46,7 +46,7 @@ def test_a_call_on_registered_caches_holds_the_backends_exclusive_lock_throughou
     the check of the caches and the backend's work run under its lock, for every call."""
     import contextlib
 
-    from kvhost.torch_backend import TorchBackend
+    from kvhost_torch.backend import TorchBackend
 
     events: list[str] = []
 
@@ -91,9 +91,10 @@ def test_every_call_reads_the_tensors_inside_the_lock_of_the_backend_that_does_t
     that will move the bytes is held: the backend is chosen from the first tensor's device."""
     import contextlib
 
+    from kvhost_torch.backend import TorchBackend
+
     import kvhost.api
     from kvhost.caches import CacheSet
-    from kvhost.torch_backend import TorchBackend
 
     held: list[str] = []  # the locks held now, innermost last
     reads: list[tuple[str, tuple[str, ...]]] = []

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import kvhost_torch.backend
 import numpy as np
 import pytest
 import torch
 
 import kvhost
-import kvhost.torch_backend
 from kvhost.backend import Completion, EventCompletion
 from kvhost.batch import plan_copy_batch
 from kvhost.caches import CacheSet
@@ -51,7 +51,7 @@ def recorded(monkeypatch):
         def record(self, stream=None):
             recorded.append(stream)
 
-    monkeypatch.setattr(kvhost.torch_backend, "current_stream", streams)
+    monkeypatch.setattr(kvhost_torch.backend, "current_stream", streams)
     monkeypatch.setattr(torch, "Event", RecordedEvent)
     return streams, recorded
 
@@ -74,7 +74,7 @@ def meta_copy_job(src: torch.device, dst: torch.device, non_blocking: bool = Tru
 def test_a_non_blocking_copy_is_tracked_on_the_stream_of_its_device(recorded, src, dst, tracked):
     streams, events = recorded
     job = meta_copy_job(torch.device(src), torch.device(dst))
-    completion = kvhost.torch_backend._completion(job)
+    completion = kvhost_torch.backend._completion(job)
     assert streams.asked == [torch.device(tracked)]  # the index kept, not the current device's
     assert len(events) == 1 and events[0] is streams.streams[torch.device(tracked)]
     assert isinstance(completion.event, torch.Event)
@@ -96,7 +96,7 @@ def test_torch_backend_copies_record_their_event_on_the_caches_stream(recorded):
 def test_a_blocking_copy_or_one_on_the_host_needs_no_event(recorded):
     streams, events = recorded
     for job in (meta_copy_job(META, META, non_blocking=False), meta_copy_job(torch.device("cpu"), torch.device("cpu"))):
-        assert kvhost.torch_backend._completion(job).done()
+        assert kvhost_torch.backend._completion(job).done()
     assert streams.asked == [] and events == []
 
 
@@ -131,7 +131,7 @@ def test_between_host_and_device_only_copies_through_no_host_temporary_are_non_b
     monkeypatch.setattr(torch.Tensor, "to", to_told)
     src = {"l": make_cache(axes, axes, SIZES)}
     dst = {"l": make_cache(axes, axes, SIZES, device=META)}
-    backend = kvhost.torch_backend.TorchBackend(max_run_copies=2)
+    backend = kvhost_torch.backend.TorchBackend(max_run_copies=2)
     kvhost.copy_blocks(src, dst, src_ids, dst_ids, axes=axes, non_blocking=True, backend=backend)
     assert asked and set(asked) == {asynchronous}
 
@@ -179,10 +179,10 @@ def test_current_stream_asks_torch_accelerator_only_for_its_own_device_type(monk
     monkeypatch.setattr(torch, "accelerator", accelerator)
     monkeypatch.setattr(torch, "meta", types.SimpleNamespace(current_stream=lambda d: ("torch.meta", d)), raising=False)
     device = torch.device("meta", 1)
-    assert kvhost.torch_backend.current_stream(device) == (asked_of, device)  # the index passed on
+    assert kvhost_torch.backend.current_stream(device) == (asked_of, device)  # the index passed on
     monkeypatch.delattr(torch, "meta")
     expected = ("torch.accelerator", device) if asked_of == "torch.accelerator" else None  # no module: no stream
-    assert kvhost.torch_backend.current_stream(device) == expected
+    assert kvhost_torch.backend.current_stream(device) == expected
 
 
 def test_index_buffers_on_a_device_hold_the_ids_of_each_call(monkeypatch):
@@ -194,7 +194,7 @@ def test_index_buffers_on_a_device_hold_the_ids_of_each_call(monkeypatch):
         return empty(*args, **kwargs).fill_(-1) if device == META else empty(*args, device=device, **kwargs)
 
     monkeypatch.setattr(torch, "empty", on_the_host)
-    buffers = kvhost.torch_backend.IndexBuffers(lambda device: "stream")
+    buffers = kvhost_torch.backend.IndexBuffers(lambda device: "stream")
     first = buffers(np.array([5, 3, 9]), META)
     assert first.tolist() == [5, 3, 9]
     second = buffers(np.array([7, 1]), META)
@@ -213,7 +213,7 @@ def test_a_copy_between_two_devices_is_left_non_blocking_however_its_runs_lie(re
 
     monkeypatch.setattr(torch.Tensor, "copy_", copy_told)
     job = meta_copy_job(torch.device("meta", 0), torch.device("meta", 1))  # KBNHC: a run of B inside K
-    completion = kvhost.torch_backend.TorchBackend().copy(job)
+    completion = kvhost_torch.backend.TorchBackend().copy(job)
     assert asked == [(True, False)]  # one run, one layer: non-contiguous and still non-blocking
     assert isinstance(completion, EventCompletion)
 
@@ -228,12 +228,12 @@ def test_without_an_event_for_the_device_the_copy_is_waited_for_before_returning
         def record(self, stream=None):
             recorded.append(stream)
 
-    monkeypatch.setattr(kvhost.torch_backend, "current_stream", lambda device: "not a torch.Stream")
+    monkeypatch.setattr(kvhost_torch.backend, "current_stream", lambda device: "not a torch.Stream")
     monkeypatch.setattr(torch, "Event", RecordedEvent)
     monkeypatch.setattr(torch.accelerator, "synchronize", synchronized.append)
     device = torch.device("meta", 1)
-    assert kvhost.torch_backend._event_on_stream_of(device) is None and recorded == []
-    completion = kvhost.torch_backend._completion(meta_copy_job(torch.device("cpu"), device))
+    assert kvhost_torch.backend._event_on_stream_of(device) is None and recorded == []
+    completion = kvhost_torch.backend._completion(meta_copy_job(torch.device("cpu"), device))
     assert type(completion) is Completion and completion.done()
     assert synchronized == [device] and recorded == []
 
@@ -256,7 +256,7 @@ def test_a_machine_short_of_memory_for_a_later_job_s_scratch_refuses_the_torch_p
     case.send("b", [2, 3], "HNC", 512)  # g = 2: units of two blocks, a scratch of 4 MiB
     requests = {n: kvhost.Incoming(w.block_ids, w.remote_order, w.remote_block_size) for n, w in case.requests.items()}
     saved, asked = case.snapshot(), []
-    backend = kvhost.torch_backend.TorchBackend(**options)
+    backend = kvhost_torch.backend.TorchBackend(**options)
 
     class ShortOfMemory:
         """torch, whose ``empty`` finds no room for more than 3 MiB."""
@@ -270,12 +270,12 @@ def test_a_machine_short_of_memory_for_a_later_job_s_scratch_refuses_the_torch_p
                 raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
             return torch.empty(*shape, **kwargs)
 
-    monkeypatch.setattr(kvhost.torch_backend, "torch", ShortOfMemory())
+    monkeypatch.setattr(kvhost_torch.backend, "torch", ShortOfMemory())
     refusal = r"^cpu: no memory for a receive's scratch of 4,194,304 bytes .*nothing was moved\): RuntimeError: Default"
     with pytest.raises(kvhost.BackendError, match=refusal):
         kvhost.receive(caches, requests, axes="BNHC", backend=backend)
     assert asked == [(2 << 20,), (4 << 20,)] and case.same_as(saved)
-    monkeypatch.setattr(kvhost.torch_backend, "torch", torch)
+    monkeypatch.setattr(kvhost_torch.backend, "torch", torch)
     kvhost.receive(caches, requests, axes="BNHC", backend=backend)
     case.check()
 
@@ -302,8 +302,8 @@ def test_the_jobs_of_a_call_share_one_scratch_made_in_their_checks(monkeypatch):
         asked.append(shape)
         return real_empty(*shape, **kwargs)
 
-    backend = kvhost.torch_backend.TorchBackend()
-    monkeypatch.setattr(kvhost.torch_backend.torch, "empty", empty)
+    backend = kvhost_torch.backend.TorchBackend()
+    monkeypatch.setattr(kvhost_torch.backend.torch, "empty", empty)
     kvhost.receive(caches, {"a": requests["a"], "b": requests["b"]}, axes="BNHC", backend=backend)
     assert asked == [(2 * 128 << 10,)]  # a's two units' worth; b's, as large, took it
     asked.clear()
@@ -313,5 +313,5 @@ def test_the_jobs_of_a_call_share_one_scratch_made_in_their_checks(monkeypatch):
     job = plan_receive_batch(CacheSet(caches, "BNHC"), {"e": requests["e"]}, None, None).jobs[0]
     backend.receive(job)  # no check before it: it makes its own scratch
     assert asked == [(2 * 128 << 10,)]
-    monkeypatch.setattr(kvhost.torch_backend.torch, "empty", real_empty)
+    monkeypatch.setattr(kvhost_torch.backend.torch, "empty", real_empty)
     case.check()

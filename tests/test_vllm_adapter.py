@@ -16,6 +16,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from kvhost_torch.backend import TorchBackend
 
 import kvhost
 from kvhost.integrations.vllm import (
@@ -38,7 +39,6 @@ from kvhost.testing import (
     raw,
     read_tokens,
 )
-from kvhost.torch_backend import TorchBackend
 
 LAYERS, HEADS, CONTENT, BLOCK = 3, 2, 4, 4  # C holds K and V of head_dim 2; local blocks of 4 tokens
 REMOTE_BLOCK_SIZES = (2, 4, 8)  # 2 sender blocks per local block, the same size, one over 2 local blocks

@@ -59,6 +59,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
+from kvhost_torch.backend import TorchBackend
 
 from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
@@ -67,7 +68,6 @@ from kvhost.errors import BackendError, brief, first_line
 from kvhost.ids import find_runs
 from kvhost.layout import Layout
 from kvhost.memory import byte_extent
-from kvhost.torch_backend import TorchBackend
 from kvhost.transform import plan_copy
 from kvhost_accelerator.launch import Limits, plan_copy_launch, plan_receive_launch
 from kvhost_accelerator.runtime import DeviceRuntime

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
+from kvhost_torch.backend import TorchBackend
 
 from kvhost.backend import Backend, Completion, OptionalKernels, check_sizes
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.errors import ArgumentError, BackendError
-from kvhost.torch_backend import TorchBackend
 from kvhost.transform import ChunkCycles, CopyPlan, Loops
 
 MAX_ITEM_BYTES = 1 << 21  # copies are split into items of at most this much, to share cores

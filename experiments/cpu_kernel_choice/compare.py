@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 from kvhost_cpu.backend import KERNELS, CpuBackend
+from kvhost_torch.backend import TorchBackend
 
 import kvhost
 from kvhost.batch import ReceiveJob, plan_receive_batch
-from kvhost.torch_backend import TorchBackend
 from kvhost_tools.bench.machine import Device, block_ranges
 from kvhost_tools.bench.methods import Workspace
 from kvhost_tools.bench.timing import measure

@@ -12,8 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-
-from kvhost.torch_backend import TorchBackend
+from kvhost_torch import TorchBackend
 
 
 class GaudiStyleBackend(TorchBackend):

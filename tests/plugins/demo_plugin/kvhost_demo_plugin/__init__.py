@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from kvhost_torch import TorchBackend
+
 from kvhost.backend import Completion
 from kvhost.batch import CopyJob, ReceiveJob
-from kvhost.torch_backend import TorchBackend
 
 
 class DemoBackend(TorchBackend):
