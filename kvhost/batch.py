@@ -21,7 +21,7 @@ from kvhost.errors import ArgumentError, KVHostError, RequestError, shown, shown
 from kvhost.ids import IdBatch, Ids, find_runs, integer_value
 from kvhost.layout import Layout, checked_letters
 from kvhost.memory import first_shared
-from kvhost.transform import CopyPlan, Rearrangement
+from kvhost.transform import CopyPlan, Rearrangement, block_ratio
 
 __all__ = [
     "CopyBatch",
@@ -207,7 +207,7 @@ def plan_receive_batch(
             raise RequestError(f"{batch.subjects[key_of_request.index(k)]}: {err}") from None
 
     # Whole groups are owed even when the transform is the identity: a sender block spans g.
-    parts = [max(size // local.block_size, 1) for _, size in key_list]
+    parts = [block_ratio(local.block_size, size)[1] for _, size in key_list]  # g of each key: planned, so it divides
     if max(parts, default=1) > 1:
         for subject, length, k in zip(batch.subjects, batch.lengths, key_of_request):
             if length % parts[k]:

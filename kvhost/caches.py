@@ -132,7 +132,7 @@ class CacheSet:
                 member_axes = axes
             elif isinstance(layer, (tuple, list)) and layer and all(isinstance(t, torch.Tensor) for t in layer):
                 tensors = tuple(layer)
-                member_axes = _tuple_member_axes(axes, tensors)
+                member_axes = tuple_member_axes(axes, tensors)
             else:
                 raise LayoutError(
                     f"{role}: layer {shown_name(name)} must be a tensor or a tuple of tensors, "
@@ -181,6 +181,12 @@ class CacheSet:
         values = tuple(caches.values())
         self._values = values if all(isinstance(v, (torch.Tensor, tuple)) for v in values) else None
         self._names = tuple(caches)  # with the values: the same objects under other names are other caches
+
+    @property
+    def tuple_is_k(self) -> bool:
+        """Whether the layers are tuples whose index stands for ``K`` (``axes`` has a K the
+        members lack)."""
+        return "K" in self.axes and "K" not in self.member_axes
 
     def describes(self, caches: Mapping[str, Layer]) -> bool:
         """True while ``caches`` holds the very tensors this set was built from, unchanged."""
@@ -513,7 +519,7 @@ def _layout(tensor: torch.Tensor, axes: str, role: str, layer: str, index: int) 
     return known if known is not None else Layout.of(tensor, axes, name=f"{role} layer {layer!r}[{index}]")
 
 
-def _tuple_member_axes(axes: str, tensors: tuple[torch.Tensor, ...]) -> str:
+def tuple_member_axes(axes: str, tensors: tuple[torch.Tensor, ...]) -> str:
     """A tuple's index stands for K when the call's axes have a K the members lack."""
     if "K" in axes and all(t.dim() == len(axes) - 1 for t in tensors):
         return axes.replace("K", "")

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvhost.errors import LayoutError, RequestError
+from kvhost.errors import KVHostError, LayoutError, RequestError
 from kvhost.layout import Layout, checked_letters, contiguous_strides
 
 # Region letters (L K H N C) with N split in two: no loop nest a plan makes is deeper.
@@ -182,6 +182,16 @@ class ChunkCycles(NamedTuple):
         return cls(chunk_bytes, np.array(order, dtype=np.int64), np.array(starts, dtype=np.int64))
 
 
+def block_ratio(local_size: int, remote_size: int, error: type[KVHostError] = LayoutError) -> tuple[int, int]:
+    """(r, g): the remote blocks one local block holds, and the local blocks one remote block
+    spans (one of them is 1); block sizes that do not divide one another are an ``error``."""
+    if local_size % remote_size == 0:
+        return local_size // remote_size, 1
+    if remote_size % local_size == 0:
+        return 1, remote_size // local_size
+    raise error(f"block sizes {local_size} (local) and {remote_size} (remote) do not divide one another")
+
+
 # Plans kept for the process: an engine meets a few (layout, sender order, sender size)
 # keys, and a plan for a sender whose blocks span thousands of ours holds its write-back
 # cycles (up to a few MiB), so the bound is counted in those.
@@ -205,15 +215,12 @@ def plan_receive(layout: Layout, remote_order: str, remote_block_size: int) -> R
     local_size = layout.block_size
     if remote_block_size <= 0:
         raise RequestError(f"remote block size {remote_block_size} must be positive")
-    if local_size % remote_block_size == 0:
-        parts, split, tokens = 1, local_size // remote_block_size, remote_block_size
-    elif remote_block_size % local_size == 0:
-        parts = split = remote_block_size // local_size
-        tokens = local_size
+    r, g = block_ratio(local_size, remote_block_size, RequestError)
+    if g == 1:
+        parts, split, tokens = 1, r, remote_block_size
     else:
-        raise RequestError(
-            f"remote block size {remote_block_size} and local block size {local_size} do not divide one another"
-        )
+        parts = split = g
+        tokens = local_size
     sizes = {a: layout.size(a) for a in {*region, *remote_order} if a != "N"} | {PART: split, TOKENS: tokens}
 
     def with_tokens(order: str, token_axes: list[str]) -> list[str]:

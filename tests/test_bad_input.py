@@ -210,7 +210,7 @@ ROWS: dict[str, Row] = {
     "call size bad, requests their own": (
         receive({"good": kvhost.Incoming([1, 2], "HNC", 4)}, remote_block_size=3),
         kvhost.ArgumentError,
-        "remote_block_size 3: remote block size 3 and local block size 8 do not divide",
+        "remote_block_size 3: block sizes 8 (local) and 3 (remote) do not divide one another",
     ),
     "call order bad, no requests": (receive({}, remote_order="KHC"), kvhost.ArgumentError, "remote_order 'KHC'"),
     # ... and alike when requests take it: the fault is the call's, not the first request's.

@@ -400,7 +400,11 @@ def test_post_process_rejects_bad_batches_before_moving_a_byte():
         ({"p": {"a": [1, 9]}}, {"p": good}, "request 'a': block id 9 at position 1 is out of range"),
         ({"p": {"a": [1]}, "q": {"b": [1]}}, {"p": good, "q": good}, "block id 1 is claimed by request 'a'"),
         ({"p": {"a": [1]}}, {"p": RemoteEngine("HND", 8)}, "request 'a': 1 block ids are not whole groups of 2"),
-        ({"p": {"a": [1]}}, {"p": RemoteEngine("HND", 3)}, "request 'a': remote block size 3 and local"),
+        (
+            {"p": {"a": [1]}},
+            {"p": RemoteEngine("HND", 3)},
+            "request 'a': block sizes 4 \\(local\\) and 3 \\(remote\\) do not divide",
+        ),
     ]
     for received, engines, message in bad_batches:
         with pytest.raises(kvhost.RequestError, match=message):
@@ -802,7 +806,8 @@ def test_the_worker_steps_name_bad_arguments():
         with pytest.raises(kvhost.RequestError, match=wording):
             kv.post_process({"e": {"r": [1]}}, {"e": RemoteEngine("NHD", BLOCK)}, tokens=bad)
     # A step whose senders all share one spec gives it for the call: a fault in it still names them.
-    with pytest.raises(kvhost.RequestError, match="engine 'e', 'f': remote_order 'NHC', remote_block_size 3: remote"):
+    named = "engine 'e', 'f': remote_order 'NHC', remote_block_size 3: block sizes 4"
+    with pytest.raises(kvhost.RequestError, match=named):
         kv.post_process({"e": {"r": [1]}, "f": {"s": [2]}}, dict.fromkeys("ef", RemoteEngine("NHD", 3)))
 
 

@@ -373,7 +373,7 @@ class VllmCaches:
         buffers: dict[str, Layer] = {}
         for name, members in self.caches.layers.items():
             tensors = tuple(_host_tensor(member, physical, blocks) for member in members)
-            is_tuple = len(members) > 1 or _member_is_tuple(members[0], self.axes)
+            is_tuple = len(members) > 1 or self.caches.tuple_is_k
             buffers[name] = tensors if is_tuple else tensors[0]
         if self.layer_names is not None:  # layer views, as vLLM registers them, of one group buffer
             group = buffers[GROUP_NAME]
@@ -439,11 +439,6 @@ def _block_count(buffers: Mapping[str, Layer], axes: str) -> int | None:
             if isinstance(t, torch.Tensor) and t.dim() == len(letters) and "B" in letters
         )
     return min(counts) if counts else None
-
-
-def _member_is_tuple(member: Member, axes: str) -> bool:
-    """Whether ``member`` came from a tuple layer (its letters lack the caches' ``K``)."""
-    return "K" in axes and "K" not in member.layout.axes
 
 
 def _block_is_one_run(tensor: torch.Tensor) -> bool:

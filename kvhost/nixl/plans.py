@@ -31,6 +31,7 @@ import numpy as np
 from kvhost.errors import ArgumentError, LayoutError, RequestError, shown
 from kvhost.ids import Ids, checked_ids
 from kvhost.nixl.tables import RegionTable, Stream
+from kvhost.transform import block_ratio
 
 # The most bytes one merged descriptor moves. Larger descriptors save the transport's
 # per-operation cost (a few microseconds each over UCX); a bound keeps a transfer several
@@ -473,9 +474,7 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
             f"token runs pair only tables cut the same way in one order: local {local.order!r} cut "
             f"{local.split!r}, remote {remote.order!r} cut {remote.split!r}"
         )
-    big, small = max(local.block_size, remote.block_size), min(local.block_size, remote.block_size)
-    if big % small:
-        raise LayoutError(f"block sizes {local.block_size} (local) and {remote.block_size} (remote) do not divide")
+    block_ratio(local.block_size, remote.block_size)  # sizes that divide one another, or an error
     for side, table in (("local", local), ("remote", remote)):
         if len(table.by_key) != len(table.streams):  # a table made by hand; from_dict refuses it
             raise LayoutError(f"{side} {_named_twice(table).describe()} appears twice in its table")

@@ -58,6 +58,7 @@ from kvhost.nixl.agent import (
 from kvhost.nixl.fields import check_seconds
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch, checked_request_ids, plan_transfer
 from kvhost.nixl.tables import MAX_STREAMS, WINDOW_RUN, RegionTable, Stream
+from kvhost.transform import block_ratio
 
 Rows = tuple[np.ndarray, np.ndarray]  # (address, length, device id) rows: local and remote
 Domains = tuple[np.ndarray | None, np.ndarray | None]  # a part's merge domains: local and remote
@@ -166,11 +167,11 @@ class RankPlan:
 
     @property
     def r(self) -> int:
-        return max(self.local.block_size // self.sender_block_size, 1)
+        return block_ratio(self.local.block_size, self.sender_block_size)[0]
 
     @property
     def g(self) -> int:
-        return max(self.sender_block_size // self.local.block_size, 1)
+        return block_ratio(self.local.block_size, self.sender_block_size)[1]
 
     def local_blocks_for(self, remote_blocks: int) -> int:
         """Local blocks that hold ``remote_blocks`` sender blocks (whole groups when g > 1)."""
@@ -312,10 +313,7 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
                     f"remote rank {rank}'s table differs from rank 0's in {field}: "
                     f"{getattr(table, field)!r} against {getattr(first, field)!r}"
                 )
-    big, small = max(local.block_size, first.block_size), min(local.block_size, first.block_size)
-    if big % small:
-        raise LayoutError(f"block sizes {local.block_size} (local) and {first.block_size} (remote) do not divide")
-    group = first.block_size // local.block_size
+    _, group = block_ratio(local.block_size, first.block_size)
     if group > local.num_blocks:  # such a block could never be received: refused before anything is planned
         raise LayoutError(
             f"a remote block of {first.block_size} tokens spans {group} local blocks of {local.block_size} "

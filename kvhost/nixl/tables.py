@@ -412,7 +412,7 @@ def region_table(caches: Mapping[str, Layer] | CacheSet, axes: str | None = None
             f"NIXL reaches host and CUDA memory, not {device}: stage through a host buffer with kvhost.copy_blocks"
         )
     first = cache_set.layout
-    tuple_is_k = "K" in cache_set.axes and "K" not in cache_set.member_axes
+    tuple_is_k = cache_set.tuple_is_k
     sizes = first.logical_sizes()
     counts = {len(members) for members in cache_set.layers.values()}
     if len(counts) > 1:

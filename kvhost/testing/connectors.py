@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvhost.caches import CacheSet, Layer, Member
+from kvhost.caches import CacheSet, Layer, Member, tuple_member_axes
 from kvhost.layout import Layout
 from kvhost.testing.oracle import raw, read_tokens
 
@@ -83,9 +83,8 @@ def _pairs(
 
 
 def _unchecked_members(name: str, layer: Layer, axes: str) -> list[Member]:
-    tensors = layer if isinstance(layer, tuple | list) else (layer,)
-    is_tuple = isinstance(layer, tuple | list)
-    member_axes = axes.replace("K", "") if is_tuple and "K" in axes and tensors[0].dim() == len(axes) - 1 else axes
+    tensors = tuple(layer) if isinstance(layer, tuple | list) else (layer,)
+    member_axes = tuple_member_axes(axes, tensors) if isinstance(layer, tuple | list) else axes
     return [Member(name, i, t, _layout(t, member_axes)) for i, t in enumerate(tensors)]
 
 
