@@ -443,6 +443,10 @@ def test_a_batch_is_checked_whole():
     for plan_batch in (plan.merged_batch, plan.descriptor_batch):
         with pytest.raises(RequestError, match="at least one request"):
             plan_batch([])
+        one = ((1, 2), (0, 1))
+        for not_a_list in (5, (r for r in [one]), {one}, {one: one}, np.array([one]), None, object()):
+            with pytest.raises(RequestError, match=r"a batch is a list or tuple of \(local ids, remote ids\) pairs"):
+                plan_batch(not_a_list)
         with pytest.raises(RequestError, match="same local block"):
             plan_batch([([1, 2], [0, 1]), ([3, 2], [4, 5])])
         with pytest.raises(RequestError, match="out of range"):

@@ -408,6 +408,8 @@ def checked_batch(
     """Each request of a batch checked (``check``: its local and remote ids), and the local
     ids back to back: no block may be named by two requests (it would be written twice).
     Requests are named by their index in the batch (a batch of one needs no name)."""
+    if not isinstance(requests, (list, tuple)):  # a set has no order, an iterator no length
+        raise RequestError(f"a batch is a list or tuple of (local ids, remote ids) pairs, got {shown(requests)}")
     if not requests:
         raise RequestError("a transfer needs at least one request")
     for index, request in enumerate(requests):
