@@ -447,3 +447,21 @@ def test_jobs_large_enough_for_every_core(target, order, remote):
     )
     assert stats.bytes_moved > 1 << 20
     case.check()
+
+
+def test_regions_of_one_element_whose_letters_of_size_1_carry_any_stride(target):
+    # A block region of one element (N = C = 1) is one run of bytes whatever strides its
+    # letters of size 1 carry (7, 999, 0 here): kvhost takes it, and so must the oracle
+    # that writes the sender's bytes into it.
+    if target.device == "xla":
+        pytest.skip("XLA tensors have no strides: their memory order is their shape order")
+    base = torch.zeros(12, dtype=torch.bfloat16, device=target.device)
+    for strides in ((1, 7, 999), (1, 0, 0)):
+        caches = {"l": base.as_strided((12, 1, 1), strides)}
+        case = ReceiveCase(caches, "BNC", seed=5)
+        case.send("r", [3, 4, 9, 1], "NC", 2)  # g = 2: a sender block of 2 tokens over two of ours
+        stats = kvhost.receive(
+            caches, {"r": [3, 4, 9, 1]}, axes="BNC", remote_order="NC", remote_block_size=2, backend=target.backend
+        )
+        assert stats.blocks == 4
+        case.check()

@@ -120,7 +120,8 @@ def write_wire(
         for j, block in enumerate(block_ids):
             part = stream[j * region_bytes : (j + 1) * region_bytes]
             if part.numel():
-                regions[block].reshape(-1).view(torch.uint8)[: part.numel()].copy_(part)
+                region = regions[block]  # one run of bytes, whatever strides its letters of size 1 carry
+                region.as_strided((region.numel(),), (1,)).view(torch.uint8)[: part.numel()].copy_(part)
     if tensor.device.type != "cpu":
         set_raw(tensor, host)
 
