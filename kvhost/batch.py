@@ -157,18 +157,65 @@ def plan_receive_batch(
         call_groups: tuple[ReceiveGroup, ...] | None = caches.receive_groups(*call_key)
     except KVHostError:
         call_groups = None  # the checked path words the error, naming a request
-    kinds = set(map(type, requests.values())) if call_groups == () else None
-    if kinds is not None and kinds <= _PLAIN_ID_LISTS and set(map(type, requests)) <= _STR:
-        # Every request takes the call's transform, the identity: only the names and id
-        # containers are looked at (an Incoming, a tensor or anything odd takes the checked
-        # path, and so does a container this cannot count, or a count that is not whole
-        # groups: it words the error).
+    if call_groups == ():
+        counted = _identity_batch(requests, call_key[1] // local.block_size)
+        if counted is not None:
+            return counted
+    batch, key_list, key_of_request, arrived = _read_requests(caches, requests, call_key)
+    if call_groups is None:  # the call's own spec is refused as such, whether or not a request takes it
+        try:
+            caches.receive_groups(*call_key)
+        except KVHostError as err:
+            call = f"remote_order {remote_order!r}, remote_block_size {remote_block_size!r}"
+            raise ArgumentError(f"{call}: {err}") from None
+
+    # The planner validates letters and sizes, for each layout (once per key: the cache set keeps its plans).
+    groups_of_key: list[tuple[ReceiveGroup, ...]] = []
+    for k, key in enumerate(key_list):
+        try:
+            groups_of_key.append(caches.receive_groups(*key))
+        except KVHostError as err:
+            raise RequestError(f"{batch.subjects[key_of_request.index(k)]}: {err}") from None
+
+    # Whole groups are owed even when the transform is the identity: a sender block spans g.
+    parts = [block_ratio(local.block_size, size)[1] for _, size in key_list]  # g of each key: planned, so it divides
+    if max(parts, default=1) > 1:
+        for subject, length, k in zip(batch.subjects, batch.lengths, key_of_request):
+            if length % parts[k]:
+                raise RequestError(
+                    f"{subject}: {length} block ids are not whole groups of {parts[k]} "
+                    f"(remote block size {key_list[k][1]} = {parts[k]} x local block size {local.block_size})"
+                )
+
+    partial = _Partial(arrived, batch, key_of_request, parts, local.block_size) if arrived else None
+    return _receive_jobs(caches, batch, key_of_request, groups_of_key, partial)
+
+
+def _identity_batch(requests: Mapping[str, Sequence[int] | Incoming | np.ndarray], owed: int) -> ReceiveBatch | None:
+    """The batch of a call whose transform is the identity, counted without reading an id,
+    where every request takes the call's transform; None where the checked path must look.
+
+    Only the names and id containers are looked at: an Incoming, a tensor or anything odd
+    takes the checked path, and so does a container this cannot count, or a count that is
+    not whole groups of ``owed`` (the ids a sender block spans): it words the error.
+    """
+    kinds = set(map(type, requests.values()))
+    if kinds <= _PLAIN_ID_LISTS and set(map(type, requests)) <= _STR:
         counts = _plain_counts(requests.values(), kinds)  # type: ignore[arg-type]  # no Incoming: just checked
-        if counts is not None:
-            owed = call_key[1] // local.block_size  # ids a sender block spans
-            if owed <= 1 or not any(count % owed for count in counts):
-                blocks = sum(counts)
-                return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
+        if counts is not None and (owed <= 1 or not any(count % owed for count in counts)):
+            blocks = sum(counts)
+            return ReceiveBatch([], requests=len(requests), blocks=blocks, groups=0, skipped_blocks=blocks)
+    return None
+
+
+def _read_requests(
+    caches: CacheSet,
+    requests: Mapping[str, Sequence[int] | Incoming | np.ndarray],
+    call_key: tuple[str | None, int],
+) -> tuple[IdBatch, list[tuple[str | None, int]], list[int], dict[int, int]]:
+    """Every request's ids, checked as one batch, and its transform key: (the ids, the keys
+    in the order first met, each request's index into them, and the tokens that arrived by
+    request index, for the requests that say)."""
     batch = IdBatch(caches.num_blocks)
     keys: dict[tuple[str | None, int], int] = {}  # (remote order, None: each layout's own; block size)
     key_of_request: list[int] = []
@@ -190,42 +237,26 @@ def plan_receive_batch(
             batch.add(subject, request)
         key_of_request.append(keys.setdefault(key, len(keys)))
     batch.check()
-    if call_groups is None:  # the call's own spec is refused as such, whether or not a request takes it
-        try:
-            caches.receive_groups(*call_key)
-        except KVHostError as err:
-            call = f"remote_order {remote_order!r}, remote_block_size {remote_block_size!r}"
-            raise ArgumentError(f"{call}: {err}") from None
+    return batch, list(keys), key_of_request, arrived
 
-    # The planner validates letters and sizes, for each layout (once per key: the cache set keeps its plans).
-    key_list = list(keys)
-    groups_of_key: list[tuple[ReceiveGroup, ...]] = []
-    for k, key in enumerate(key_list):
-        try:
-            groups_of_key.append(caches.receive_groups(*key))
-        except KVHostError as err:
-            raise RequestError(f"{batch.subjects[key_of_request.index(k)]}: {err}") from None
 
-    # Whole groups are owed even when the transform is the identity: a sender block spans g.
-    parts = [block_ratio(local.block_size, size)[1] for _, size in key_list]  # g of each key: planned, so it divides
-    if max(parts, default=1) > 1:
-        for subject, length, k in zip(batch.subjects, batch.lengths, key_of_request):
-            if length % parts[k]:
-                raise RequestError(
-                    f"{subject}: {length} block ids are not whole groups of {parts[k]} "
-                    f"(remote block size {key_list[k][1]} = {parts[k]} x local block size {local.block_size})"
-                )
-
-    partial = _Partial(arrived, batch, key_of_request, parts, local.block_size) if arrived else None
-
+def _receive_jobs(
+    caches: CacheSet,
+    batch: IdBatch,
+    key_of_request: list[int],
+    groups_of_key: list[tuple[ReceiveGroup, ...]],
+    partial: _Partial | None,
+) -> ReceiveBatch:
+    """The checked batch as jobs: for each transform key with work, its requests' ids (those
+    that arrived) in one array, one job per layout group; then the zeroing of the tails."""
     jobs: list[ReceiveJob] = []
     subjects_of_jobs: list[Sequence[str]] = []
     shared: dict[object, object] = {}
     groups = skipped = 0
     with_work = [k for k, planned in enumerate(groups_of_key) if planned]
     ids = batch.array() if with_work or partial else None
-    request_key = np.repeat(np.array(key_of_request), batch.lengths) if len(key_list) > 1 and with_work else None
-    for k in range(len(key_list)):
+    request_key = np.repeat(np.array(key_of_request), batch.lengths) if len(groups_of_key) > 1 and with_work else None
+    for k in range(len(groups_of_key)):
         if k not in with_work:
             skipped += sum(length for length, key in zip(batch.lengths, key_of_request) if key == k)
             continue
