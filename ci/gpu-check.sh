@@ -8,11 +8,11 @@
 #
 # Steps, each under its own time limit (and all under GPU_CHECK_SECONDS, default 540):
 #   machine  (60 s)   device, multiprocessors, L2, versions, which optional packages are here
-#   figures  (240 s)  python -m kvhost_cuda.gpucheck: receive against device memcpy, staging
+#   figures  (240 s)  python -m kvhost_tools.device_checks.gpucheck: receive against device memcpy, staging
 #                     against a plain pinned copy_, each row with its launches and programs
 #                     against the multiprocessors, kvhost beside the engines' per-request
 #                     path, and whether each method's bytes equal the torch path's
-#   handoff  (150 s)  python -m kvhost_cuda.handoff: the demo's batch read over NIXL from a
+#   handoff  (150 s)  python -m kvhost_tools.device_checks.handoff: the demo's batch read over NIXL from a
 #                     sender process into device memory, per-piece, merged, and packed by
 #                     the sender first (its blocks copied into one buffer) descriptors,
 #                     then the receive, against a device copy; per-layer caches, then
@@ -161,7 +161,7 @@ quick=(--quick)
 if [[ $steps != *" figures "* ]]; then
     note "figures: not asked for (GPU_CHECK_STEPS)"
 elif has numpy; then
-    step figures 240 "$PYTHON" -m kvhost_cuda.gpucheck --device cuda "${quick[@]}" --out "$out" || status=1
+    step figures 240 "$PYTHON" -m kvhost_tools.device_checks.gpucheck --device cuda "${quick[@]}" --out "$out" || status=1
 else
     note "figures: skipped, numpy is not installed"
     status=1
@@ -176,7 +176,7 @@ elif "$PYTHON" -c "from kvhost.nixl.agent import load_nixl; load_nixl()" 2>/dev/
     if compgen -G ".whl/nixl*cu*.whl" >/dev/null && ! compgen -G ".whl/nixl*cu${cuda:-none}*.whl" >/dev/null; then
         note "handoff: torch is built for CUDA ${cuda:-?}, the carried NIXL wheel for another: $(cd .whl && echo nixl*.whl)"
     fi
-    step handoff 150 "$PYTHON" -m kvhost_cuda.handoff --device cuda --demo= --demo=--cross-layer || status=1
+    step handoff 150 "$PYTHON" -m kvhost_tools.device_checks.handoff --device cuda --demo= --demo=--cross-layer || status=1
 else
     note "handoff: skipped, NIXL does not import here (carry nixl-cu13's wheel in .whl/)"
 fi

@@ -31,8 +31,6 @@ from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _Hos
 from kvhost_accelerator.launch import Limits, plan_copy_launch
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
-from kvhost_cuda.gpucheck import Sizes, agreement, host_profile, measure, one_request_receive, relative_paths, table
-from kvhost_cuda.gpucheck import main as gpucheck_main
 from kvhost_torch.backend import IndexBuffers
 from kvhost_xpu import XpuBackend
 from kvhost_xpu.backend import load_ipex_if_needed
@@ -47,6 +45,16 @@ from kvhost.registry import registry
 from kvhost.stats import CopyResult
 from kvhost.testing import CopyCase, fill_random, make_cache, raw
 from kvhost.transform import plan_copy, plan_receive
+from kvhost_tools.device_checks.gpucheck import (
+    Sizes,
+    agreement,
+    host_profile,
+    measure,
+    one_request_receive,
+    relative_paths,
+    table,
+)
+from kvhost_tools.device_checks.gpucheck import main as gpucheck_main
 
 CUDA = torch.cuda.is_available()
 XPU = hasattr(torch, "xpu") and torch.xpu.is_available()
@@ -1433,7 +1441,7 @@ def test_only_ids_0_to_n_minus_1_go_without_a_table():
     assert not _is_arange(np.array([0, 1, 1])) and not _is_arange(np.array([], dtype=np.int64))
 
 
-# --- the hand-off check (kvhost_cuda.handoff): NIXL into the device's memory, here host memory ---
+# --- the hand-off check (kvhost_tools.device_checks.handoff): NIXL into the device's memory, here host memory ---
 
 SMALL_BATCH = "--requests 4 --layers 2 --heads 2 --head-dim 16 --min-tokens 20 --max-tokens 200"
 
@@ -1444,7 +1452,7 @@ SMALL_BATCH = "--requests 4 --layers 2 --heads 2 --head-dim 16 --min-tokens 20 -
     "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA")])]
 )
 def test_handoff_check_verifies_then_times_every_way(device):
-    from kvhost_cuda.handoff import measure as handoff
+    from kvhost_tools.device_checks.handoff import measure as handoff
 
     rows = handoff(torch.device(device), SMALL_BATCH, repeats=1)
     ways = ["memcpy", "per-piece", "merged", "receive", "hand-off", "packed", "hand-off-packed", "hand-off-layered"]
@@ -1490,9 +1498,8 @@ def test_handoff_check_reads_a_cross_layer_batch_in_runs_of_blocks(tmp_path, cap
     every layer, so per-piece is a descriptor per sender block and merging joins runs of them,
     across receiver blocks too; every token checked as before. Each ``--demo`` is its own
     batch, measured in turn, its rows in the figures under its options."""
-    from kvhost_cuda.handoff import main as handoff_main
-
     from kvhost_tools.bench.sender import Batch, Setting
+    from kvhost_tools.device_checks.handoff import main as handoff_main
 
     cross = SMALL_BATCH + " --cross-layer"
     argv = ["--device", "cpu", "--repeats", "1", "--demo", SMALL_BATCH, "--demo", cross, "--out", str(tmp_path)]
@@ -1511,7 +1518,7 @@ def test_handoff_check_reads_a_cross_layer_batch_in_runs_of_blocks(tmp_path, cap
 
 
 def test_handoff_check_refuses_no_repetitions(capsys):
-    from kvhost_cuda.handoff import main as handoff_main
+    from kvhost_tools.device_checks.handoff import main as handoff_main
 
     with pytest.raises(SystemExit):
         handoff_main(["--device", "cpu", "--repeats", "0"])
@@ -1522,7 +1529,7 @@ def test_handoff_check_refuses_no_repetitions(capsys):
 @pytest.mark.timeout(120)
 def test_handoff_check_fails_when_the_receive_leaves_wire_bytes(monkeypatch):
     """The check is the tokens, not the transfer: landed bytes never rearranged fail it."""
-    from kvhost_cuda.handoff import measure as handoff
+    from kvhost_tools.device_checks.handoff import measure as handoff
 
     monkeypatch.setattr(kvhost.KVHost, "receive", lambda self, *args, **kwargs: None)
     with pytest.raises(AssertionError, match="do not hold the sender's tokens"):
@@ -1564,3 +1571,17 @@ def test_a_kernel_call_without_argument_names_keys_every_argument_by_its_value()
         ((torch.int64, True), 3),
         ("T", 8),
     )
+
+
+def test_the_modules_ci_gpu_check_runs_are_there_and_take_their_options():
+    """ci/gpu-check.sh runs on a lent GPU, where a module it names that is not there costs
+    the device time of a whole try: each is started here with ``--help``."""
+    import re
+
+    script = (Path(__file__).resolve().parents[1] / "ci" / "gpu-check.sh").read_text()
+    modules = set(re.findall(r'"\$PYTHON" -m ([\w.]+)', script)) - {"pip", "pytest"}
+    assert modules == {"kvhost_tools.device_checks.gpucheck", "kvhost_tools.device_checks.handoff"}
+    for module in sorted(modules):
+        shown = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, (module, shown.stderr[-2000:])
+        assert "--device" in shown.stdout

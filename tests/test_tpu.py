@@ -23,10 +23,10 @@ torch_xla = pytest.importorskip("torch_xla")  # importing it also registers the 
 import torch_xla.debug.metrics as metrics  # noqa: E402
 from kvhost_tpu import TpuBackend, write_dtype, xla  # noqa: E402
 from kvhost_tpu.buckets import bucket_size, buckets_up_to  # noqa: E402
-from kvhost_tpu.scaling import growth, measure_scaling  # noqa: E402
 
 import kvhost  # noqa: E402
 from kvhost.testing import ReceiveCase, make_cache  # noqa: E402
+from kvhost_tools.device_checks.xla_scaling import growth, measure_scaling  # noqa: E402
 
 pytestmark = [pytest.mark.xla, pytest.mark.timeout(300)]
 

@@ -152,7 +152,8 @@ def test_registry_says_why_tpu_is_unavailable(monkeypatch):
 
 
 def test_importing_the_backend_does_not_import_torch_xla():
-    code = "import sys, kvhost_tpu, kvhost_tpu.buckets, kvhost_tpu.scaling; print('torch_xla' in sys.modules)"
+    modules = "kvhost_tpu, kvhost_tpu.buckets, kvhost_tools.device_checks.xla_scaling"
+    code = f"import sys, {modules}; print('torch_xla' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
 

@@ -248,7 +248,7 @@ def test_staged_host_copy_with_kernels_on_the_device_side(to_device, non_blockin
 
 def test_gpu_check_rows_count_launches_and_compare_bytes():
     """The GPU check in the interpreter: launches, programs, and bytes equal to the torch path's."""
-    from kvhost_cuda.gpucheck import Sizes, measure
+    from kvhost_tools.device_checks.gpucheck import Sizes, measure
 
     sizes = Sizes(layers=1, heads=2, channels=16, receive_units=4, staging_blocks=4, repeats=1)
     backends = {"triton": TritonInterpretBackend(), "torch": TritonInterpretBackend().torch_path}

@@ -93,7 +93,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     parser.add_argument(
-        "--xla-scaling", action="store_true", help="also run kvhost_tpu.scaling.measure_scaling() where present"
+        "--xla-scaling",
+        action="store_true",
+        help="also run kvhost_tools.device_checks.xla_scaling.measure_scaling() where torch_xla runs",
     )
     parser.add_argument("--seed", type=int, default=0)
     transfer = parser.add_argument_group(

@@ -11,15 +11,15 @@ from kvhost_tools.bench.output import Column, column_table, scaled, text
 
 
 def measure_xla_scaling() -> dict[str, Any]:
-    """``kvhost_tpu.scaling.measure_scaling()``, where the TPU backend provides it.
+    """``kvhost_tools.device_checks.xla_scaling.measure_scaling()``, where torch_xla runs.
 
     It runs on an XLA device (``PJRT_DEVICE=CPU`` on a host), so in the TPU job's
     environment; anywhere else the JSON says why it was skipped.
     """
     try:
-        from kvhost_tpu.scaling import measure_scaling
+        from kvhost_tools.device_checks.xla_scaling import measure_scaling
     except ImportError as err:
-        return {"skipped": f"kvhost_tpu.scaling is not available here: {err}"}
+        return {"skipped": f"kvhost_tools.device_checks.xla_scaling is not available here: {err}"}
     try:
         rows = measure_scaling(progress=lambda line: print(f"    xla scaling: {line}", file=sys.stderr))
     except Exception as err:  # its own environment (torch_xla) may be missing: report, do not fail the bench

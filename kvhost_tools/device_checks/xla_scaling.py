@@ -7,7 +7,7 @@ same device (the cost of one O(cache) pass). If the indexed updates rewrote the 
 cache, the times would grow with the cache like the clone does; in place, they stay flat.
 
 Every time is the median of ``repeats`` calls after one warm-up call (which compiles).
-Run it with ``python -m kvhost_tpu.scaling`` (``PJRT_DEVICE=CPU`` for the host's XLA).
+Run it with ``python -m kvhost_tools.device_checks.xla_scaling`` (``PJRT_DEVICE=CPU`` for the host's XLA).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from kvhost_tpu import xla
 
 import kvhost
 from kvhost.testing import make_cache
-from kvhost_tpu import xla
 
 OPERATIONS = ("receive", "load", "save")
 
@@ -205,7 +205,9 @@ def format_table(rows: Sequence[ScalingRow]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvhost_tpu.scaling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvhost_tools.device_checks.xla_scaling", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--cache-blocks", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--dtype", default="float16", help="torch dtype name, e.g. float16, bfloat16, float32")

@@ -1,6 +1,6 @@
 """A NIXL hand-off into a device's memory, side by side with the device's own copy.
 
-    python -m kvhost_cuda.handoff [--device cuda] [--demo="OPTIONS" ...] [--repeats N] [--out DIR]
+    python -m kvhost_tools.device_checks.handoff [--device cuda] [--demo="OPTIONS" ...] [--repeats N] [--out DIR]
 
 The demo's batch (``kvhost bench --transfer``'s: 40 requests of mixed length, block ids in
 runs as allocators hand them out, prefill's head-major blocks of 16 tokens, decode's
@@ -54,11 +54,11 @@ import kvhost
 from kvhost.caches import CacheSet
 from kvhost.nixl import Agent, Reader, plan_transfer
 from kvhost.nixl.agent import DEFAULT_THREADS
-from kvhost_cuda.gpucheck import median_seconds, memcpy_seconds
 from kvhost_tools.bench.sender import Batch, Peer, Setting
 from kvhost_tools.bench.transfer import Setup, check_tokens, fill_sentinel, hand_off_layered, same_landing
 from kvhost_tools.bench.ways import KVHOST, Pair, layered_descriptors, repost, span_name
 from kvhost_tools.demo.netenv import QUIET
+from kvhost_tools.device_checks.gpucheck import median_seconds, memcpy_seconds
 
 SPANS = (64 << 10, 1 << 20, 0)  # the transport alone: descriptors of these sizes (0: one per layer)
 TIMEOUT_S = 60.0  # one batch's transfer (Transfer.wait): a hung transport fails the check instead of hanging it
@@ -194,7 +194,9 @@ def line(row: Row) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvhost_cuda.handoff", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvhost_tools.device_checks.handoff", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--device", default="cuda", help="where both caches live (default cuda)")
     parser.add_argument(
         "--demo",

@@ -1,6 +1,6 @@
 """Figures from one run on a GPU: staging bandwidth, and the Triton kernels against the torch path and memcpy.
 
-    python -m kvhost_cuda.gpucheck [--device cuda] [--quick] [--out DIR]
+    python -m kvhost_tools.device_checks.gpucheck [--device cuda] [--quick] [--out DIR]
 
 Every figure is a ratio measured side by side in this one process (medians of several
 repetitions, the device synchronized around each): a receive or device copy against a
@@ -488,7 +488,9 @@ def machine(device: torch.device, chosen: Backend, sizes: Sizes) -> dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvhost_cuda.gpucheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvhost_tools.device_checks.gpucheck", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--device", default="cuda", help="cuda or xpu (default cuda)")
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     parser.add_argument("--out", help="write machine.json and figures.jsonl here, each row as it is measured")
