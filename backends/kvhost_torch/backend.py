@@ -233,55 +233,63 @@ class TorchBackend(Backend):
         scatters = _RunIds(job.dst_ids, job.dst_device, src_runs)
         runs: list[list[int]] | None = None  # found where a pair needs them
         indices: tuple[torch.Tensor, torch.Tensor] | None = None  # each side's ids on its device, once a job
-        thread_bytes = self.host_thread_bytes  # on the host, calls moving fewer bytes: numpy, on this thread
-        for source, dest, b, apart, arrays, block_bytes, before_b, dense, packed in _pair_views(job):
-            if apart and dst_runs:
-                for n, (_, d0, count) in enumerate(dst_runs):
-                    if arrays is not None and packed and count * block_bytes < thread_bytes:
-                        # numpy's take, a memcpy per id on this thread; "clip" because "raise" sends
-                        # the output through a temporary (the front end has checked every id)
-                        ids = gathers.array(n)
-                        for at in before_b:
-                            np.take(arrays[0][at], ids, axis=0, out=arrays[1][at][d0 : d0 + count], mode="clip")
-                    elif arrays is not None and (
-                        not dense or count * block_bytes >= self.host_split_bytes * len(before_b)
-                    ):
-                        # per index before B: a memcpy per id over the threads where the slices are
-                        # dense; where they are not, a strided copy per id, 2-3x faster than along B
-                        for at in before_b:
-                            torch.index_select(source[at], 0, gathers.tensor(n), out=dest[at].narrow(0, d0, count))
-                    else:
-                        torch.index_select(source, b, gathers.tensor(n), out=dest.narrow(b, d0, count))
-                continue
-            if apart and src_runs:
-                for n, (_, s0, count) in enumerate(src_runs):
-                    if arrays is not None and count * block_bytes < thread_bytes:
-                        arrays[1][_span(b, scatters.array(n))] = arrays[0][_span(b, s0, count)]
-                    else:
-                        dest.index_copy_(b, scatters.tensor(n), source.narrow(b, s0, count))
-                continue
-            runs = job.runs.tolist() if runs is None else runs
-            if len(runs) <= self.max_run_copies:
-                for s0, d0, count in runs:
-                    if arrays is not None and count * block_bytes < thread_bytes:
-                        np.copyto(arrays[1][_span(b, d0, count)], arrays[0][_span(b, s0, count)])
-                        continue
-                    into, out_of = dest.narrow(b, d0, count), source.narrow(b, s0, count)
-                    into.copy_(out_of, non_blocking=job.non_blocking and _no_host_temporary(job, into, out_of))
-                continue
-            if indices is None:
-                indices = (
-                    torch.from_numpy(job.src_ids).to(job.src_device),
-                    torch.from_numpy(job.dst_ids).to(job.dst_device),
-                )
-            src_index, dst_index = indices
-            # Into host memory the scatter reads the gathered bytes on this thread at once: a
-            # non-blocking copy there would still be landing (into pinned memory torch made).
-            # Out of it, the gathered bytes are a temporary freed on return (_no_host_temporary).
-            landing = job.non_blocking and "cpu" not in (job.src_device.type, job.dst_device.type)
-            gathered = source.index_select(b, src_index).to(job.dst_device, non_blocking=landing)
-            dest.index_copy_(b, dst_index, gathered)
+        for pair in _pair_views(job):
+            if pair.apart and dst_runs:
+                self._gather_into_runs(pair, dst_runs, gathers)
+            elif pair.apart and src_runs:
+                self._scatter_from_runs(pair, src_runs, scatters)
+            else:
+                runs = job.runs.tolist() if runs is None else runs
+                if len(runs) <= self.max_run_copies:
+                    self._copy_runs(job, pair, runs)
+                    continue
+                if indices is None:
+                    indices = (
+                        torch.from_numpy(job.src_ids).to(job.src_device),
+                        torch.from_numpy(job.dst_ids).to(job.dst_device),
+                    )
+                _gather_and_scatter(job, pair, *indices)
         return _completion(job)
+
+    def _gather_into_runs(self, pair: _PairViews, dst_runs: list[tuple[int, int, int]], gathers: _RunIds) -> None:
+        """Each destination run filled in order from the source blocks its ids name."""
+        source, dest, b = pair.source, pair.dest, pair.b
+        arrays, block_bytes, before_b = pair.arrays, pair.block_bytes, pair.before_b
+        for n, (_, d0, count) in enumerate(dst_runs):
+            if arrays is not None and pair.packed and count * block_bytes < self.host_thread_bytes:
+                # numpy's take, a memcpy per id on this thread; "clip" because "raise" sends
+                # the output through a temporary (the front end has checked every id)
+                ids = gathers.array(n)
+                for at in before_b:
+                    np.take(arrays[0][at], ids, axis=0, out=arrays[1][at][d0 : d0 + count], mode="clip")
+            elif arrays is not None and (
+                not pair.dense or count * block_bytes >= self.host_split_bytes * len(before_b)
+            ):
+                # per index before B: a memcpy per id over the threads where the slices are
+                # dense; where they are not, a strided copy per id, 2-3x faster than along B
+                for at in before_b:
+                    torch.index_select(source[at], 0, gathers.tensor(n), out=dest[at].narrow(0, d0, count))
+            else:
+                torch.index_select(source, b, gathers.tensor(n), out=dest.narrow(b, d0, count))
+
+    def _scatter_from_runs(self, pair: _PairViews, src_runs: list[tuple[int, int, int]], scatters: _RunIds) -> None:
+        """Each source run written, block by block, to the destination blocks its ids name."""
+        source, dest, b, arrays = pair.source, pair.dest, pair.b, pair.arrays
+        for n, (_, s0, count) in enumerate(src_runs):
+            if arrays is not None and count * pair.block_bytes < self.host_thread_bytes:
+                arrays[1][_span(b, scatters.array(n))] = arrays[0][_span(b, s0, count)]
+            else:
+                dest.index_copy_(b, scatters.tensor(n), source.narrow(b, s0, count))
+
+    def _copy_runs(self, job: CopyJob, pair: _PairViews, runs: list[list[int]]) -> None:
+        """One copy for each run of blocks consecutive on both sides."""
+        source, dest, b, arrays = pair.source, pair.dest, pair.b, pair.arrays
+        for s0, d0, count in runs:
+            if arrays is not None and count * pair.block_bytes < self.host_thread_bytes:
+                np.copyto(arrays[1][_span(b, d0, count)], arrays[0][_span(b, s0, count)])
+                continue
+            into, out_of = dest.narrow(b, d0, count), source.narrow(b, s0, count)
+            into.copy_(out_of, non_blocking=job.non_blocking and _no_host_temporary(job, into, out_of))
 
     def _index_runs(self, job: CopyJob) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """(destination runs to gather into, source runs to scatter from), at most one of
@@ -301,6 +309,16 @@ class TorchBackend(Backend):
         if len(src_runs) <= self.max_run_copies and len(src_runs) < len(job.runs):
             return [], src_runs
         return [], []
+
+
+def _gather_and_scatter(job: CopyJob, pair: _PairViews, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+    """Both sides scattered: every source block gathered, then scattered where it goes."""
+    # Into host memory the scatter reads the gathered bytes on this thread at once: a
+    # non-blocking copy there would still be landing (into pinned memory torch made).
+    # Out of it, the gathered bytes are a temporary freed on return (_no_host_temporary).
+    landing = job.non_blocking and "cpu" not in (job.src_device.type, job.dst_device.type)
+    gathered = pair.source.index_select(pair.b, src_index).to(job.dst_device, non_blocking=landing)
+    pair.dest.index_copy_(pair.b, dst_index, gathered)
 
 
 class _PairViews(NamedTuple):
