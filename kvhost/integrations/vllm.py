@@ -310,24 +310,7 @@ class VllmCaches:
                 raise RequestError(
                     f"engine {engine_id!r}: received must map request id to block ids, got {type(by_request).__name__}"
                 )
-            remote = remote_engines.get(engine_id)
-            if remote is None:
-                known = ", ".join(map(repr, remote_engines)) or "none"
-                raise RequestError(f"engine {engine_id!r} sent blocks but has no RemoteEngine (known: {known})")
-            if not isinstance(remote, RemoteEngine):
-                raise RequestError(
-                    f"engine {engine_id!r}: remote_engines gives a {type(remote).__name__}, not a RemoteEngine"
-                )
-            if not isinstance(remote.kv_cache_layout, str):
-                raise RequestError(
-                    f"engine {engine_id!r}: layout {remote.kv_cache_layout!r} must be a layout name (a str)"
-                )
-            if isinstance(remote.block_size, bool) or not isinstance(remote.block_size, int) or remote.block_size <= 0:
-                raise RequestError(f"engine {engine_id!r}: block size {remote.block_size!r} must be a positive integer")
-            try:
-                sender[engine_id] = (self.remote_order(remote.kv_cache_layout), remote.block_size)
-            except RequestError as err:
-                raise RequestError(f"engine {engine_id!r}: {err}") from None
+            sender[engine_id] = self._sender(engine_id, remote_engines)
             for request_id, ids in by_request.items():
                 if request_id in engine_of:
                     raise RequestError(
@@ -355,6 +338,26 @@ class VllmCaches:
             except ArgumentError as err:  # the senders' spec, given for the call: name the senders
                 raise RequestError(f"engine {', '.join(map(repr, received))}: {err}") from None
         return self._kvhost.receive({r: Incoming(ids, *sender[engine_of[r]]) for r, ids in requests.items()})
+
+    def _sender(self, engine_id: str, remote_engines: Mapping[str, RemoteEngine]) -> tuple[str, int]:
+        """The remote order and block size of an engine that sent blocks, from its
+        ``RemoteEngine``, checked."""
+        remote = remote_engines.get(engine_id)
+        if remote is None:
+            known = ", ".join(map(repr, remote_engines)) or "none"
+            raise RequestError(f"engine {engine_id!r} sent blocks but has no RemoteEngine (known: {known})")
+        if not isinstance(remote, RemoteEngine):
+            raise RequestError(
+                f"engine {engine_id!r}: remote_engines gives a {type(remote).__name__}, not a RemoteEngine"
+            )
+        if not isinstance(remote.kv_cache_layout, str):
+            raise RequestError(f"engine {engine_id!r}: layout {remote.kv_cache_layout!r} must be a layout name (a str)")
+        if isinstance(remote.block_size, bool) or not isinstance(remote.block_size, int) or remote.block_size <= 0:
+            raise RequestError(f"engine {engine_id!r}: block size {remote.block_size!r} must be a positive integer")
+        try:
+            return self.remote_order(remote.kv_cache_layout), remote.block_size
+        except RequestError as err:
+            raise RequestError(f"engine {engine_id!r}: {err}") from None
 
     # --- host buffers ---------------------------------------------------------------------
 
