@@ -1108,22 +1108,39 @@ def test_a_kernel_that_does_not_compile_for_a_later_job_refuses_the_call_before_
 
 def test_the_jobs_of_one_call_share_one_scratch():
     """Every job's scratch is made before any job launches; the jobs launch in turn on one
-    stream, so within a call (``exclusive``) a job takes the scratch an earlier one made
-    where it is large enough: a call holds one scratch at a time, not one per job."""
+    stream, so within a call (the jobs' ``shared`` dict) a job takes the scratch an earlier
+    one made where it is large enough: a call holds one scratch at a time, not one per job."""
     backend, cpu = CpuStandIn(), torch.device("cpu")
-    assert backend._scratch(cpu, 8, torch.int64) is not backend._scratch(cpu, 8, torch.int64)  # no call: its own
-    with backend.exclusive():
-        first = backend._scratch(cpu, 8, torch.int64)
-        assert first.numel() == 8 and first.dtype == torch.int64
-        assert backend._scratch(cpu, 8, torch.int64) is first and backend._scratch(cpu, 3, torch.int64) is first
-        assert backend._scratch(cpu, 3, torch.int32) is not first  # another word: another scratch
-        grown = backend._scratch(cpu, 9, torch.int64)
-        assert grown.numel() == 9 and backend._scratch(cpu, 8, torch.int64) is grown
-        with backend.exclusive():  # a call made inside another: a scratch of its own
-            assert backend._scratch(cpu, 2, torch.int64) is not grown
-        assert backend._scratch(cpu, 2, torch.int64) is grown
-    with backend.exclusive():  # the next call: the last one's is let go
-        assert backend._scratch(cpu, 2, torch.int64) is not grown
+    assert backend._scratch({}, cpu, 8, torch.int64) is not backend._scratch({}, cpu, 8, torch.int64)  # two calls
+    call: dict[object, object] = {}
+    first = backend._scratch(call, cpu, 8, torch.int64)
+    assert first.numel() == 8 and first.dtype == torch.int64
+    assert backend._scratch(call, cpu, 8, torch.int64) is first and backend._scratch(call, cpu, 3, torch.int64) is first
+    assert backend._scratch(call, cpu, 3, torch.int32) is not first  # another word: another scratch
+    grown = backend._scratch(call, cpu, 9, torch.int64)
+    assert grown.numel() == 9 and backend._scratch(call, cpu, 8, torch.int64) is grown
+    assert backend._scratch({}, cpu, 2, torch.int64) is not grown  # another call: a scratch of its own
+    # Through the front end: one receive call of two jobs (two layouts) makes one scratch.
+    made: list[torch.Tensor] = []
+    real = CpuStandIn._scratch
+
+    def counted(shared, device, words, dtype):
+        scratch = real(shared, device, words, dtype)
+        made.append(scratch)
+        return scratch
+
+    backend._scratch = counted  # type: ignore[method-assign]
+    backend.__dict__["kernels"] = kernels_standing_in(
+        lambda launch: types.SimpleNamespace(
+            launch=lambda: None,
+            compile=lambda: None,
+            compile_key=lambda: (launch.parts,),
+            kernel=types.SimpleNamespace(__name__="receive_kernel"),
+        )
+    )
+    requests = {"a": kvhost.Incoming([1, 2], "HNC", 16), "b": kvhost.Incoming([5], "HNC", 4)}  # two transforms
+    assert kvhost.receive(caches("KBNHC", "KBNHC", 12, 9), requests, axes="KBNHC", backend=backend).groups == 2
+    assert len(made) == 2 and made[0] is made[1]
 
 
 def test_a_call_while_the_stream_captures_a_graph_is_refused_before_anything_moves(monkeypatch):

@@ -50,7 +50,6 @@ import itertools
 import os
 import shutil
 import sysconfig
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import cached_property
@@ -105,9 +104,6 @@ class AcceleratorBackend(Backend):
         self._device_limits: dict[torch.device, tuple[Limits, Limits]] = {}
         # (device, KernelCall.compile_key()) of every kernel compiled and loaded for a receive.
         self._compiled: set[tuple[Any, ...]] = set()
-        # The receive scratch of the call under way on this thread (``exclusive``), by device and
-        # word: the call's jobs launch in turn on one stream, so one scratch serves them all.
-        self._call = threading.local()
 
     def triton_compilers(self) -> tuple[str, ...]:
         """Names of the Triton compiler backends (``triton.backends``) that target this device."""
@@ -193,31 +189,27 @@ class AcceleratorBackend(Backend):
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """Around a call: the scratch its receive jobs share, let go of at its end. A call
-        while the stream captures a graph is refused: a replay would run launches whose tables
-        and scratch, and copies whose staging buffers, the call let go of when it ended."""
+        """Around a call: a call while the stream captures a graph is refused, since a replay
+        would run launches whose tables and scratch, and copies whose staging buffers, the
+        call let go of when it ended."""
         if self.runtime.capturing():
             raise BackendError(
                 f"backend {self.name!r}: called while the current stream captures a graph; kvhost's calls "
                 "free their tables and buffers when they end, so a replay would use freed memory: call it outside"
             )
-        outer = getattr(self._call, "scratch", None)  # a call made inside another (a plugin's): its own
-        self._call.scratch = {}
-        try:
-            yield
-        finally:
-            self._call.scratch = outer
+        yield
 
-    def _scratch(self, device: torch.device, words: int, dtype: torch.dtype) -> torch.Tensor:
-        """A receive's scratch of at least ``words``: the call's (``exclusive``) where it is as
-        large, so that a call of several jobs holds one scratch, not one per job, until it runs."""
-        shared = getattr(self._call, "scratch", None)  # None: a receive not inside a call (called directly)
-        held = shared.get((device, dtype)) if shared is not None else None
-        if held is not None and held.numel() >= words:
-            return held  # type: ignore[no-any-return]
+    @staticmethod
+    def _scratch(shared: dict[object, object], device: torch.device, words: int, dtype: torch.dtype) -> torch.Tensor:
+        """A receive's scratch of at least ``words``: the call's (``shared``, its jobs' own
+        dict) where it is as large. The call's jobs launch in turn on one stream, so one
+        scratch serves them all: a call holds one, not one per job, until it runs."""
+        key = ("accelerator scratch", device, dtype)
+        held = shared.get(key)
+        if isinstance(held, torch.Tensor) and held.numel() >= words:
+            return held
         scratch = torch.empty(words, dtype=dtype, device=device)
-        if shared is not None:
-            shared[device, dtype] = scratch
+        shared[key] = scratch
         return scratch
 
     # --- receive -------------------------------------------------------------------------
@@ -257,7 +249,7 @@ class AcceleratorBackend(Backend):
             try:
                 base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.ravel()], job.device, keep)
                 scratch = self._scratch(
-                    job.device, max(launch.scratch_words, 1), kernels.TORCH_WORDS[launch.word_bytes]
+                    job.shared, job.device, max(launch.scratch_words, 1), kernels.TORCH_WORDS[launch.word_bytes]
                 )
             except OUT_OF_MEMORY as err:  # refused before any byte moves: a smaller call may fit
                 raise BackendError(
