@@ -454,11 +454,9 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 f"and block size ({self.block_size}) is taken"
             )
 
-    def _plan_larger_remote_blocks(self, meta: Any, remote_tp_size: int, remote_dcp_size: int) -> LargerRemoteBlocks:
-        """kvhost's transfer plan between our NIXL regions and a sender's whose blocks are
-        g x ours (vLLM's regions, kvhost's letters: ours from our caches, the sender's from
-        its layout name); refuses what it does not cover, naming it."""
-        assert self.kvhost is not None and self.transfer_topo is not None
+    def _refuse_what_larger_remote_blocks_miss(self, meta: Any, remote_tp_size: int, remote_dcp_size: int) -> None:
+        """Refuse, naming it, a sender of blocks g x ours that kvhost's plan does not cover."""
+        assert self.transfer_topo is not None
         engine = meta.engine_id
         if meta.block_size % self.block_size:
             raise LayoutError(
@@ -477,55 +475,42 @@ class KvhostNixlWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     f"engine {engine!r}: remote blocks larger than ours ({meta.block_size} > {self.block_size} "
                     f"tokens) with {what} are not supported"
                 )
+
+    def _plan_larger_remote_blocks(self, meta: Any, remote_tp_size: int, remote_dcp_size: int) -> LargerRemoteBlocks:
+        """kvhost's transfer plan between our NIXL regions and a sender's whose blocks are
+        g x ours (vLLM's regions, kvhost's letters: ours from our caches, the sender's from
+        its layout name); refuses what it does not cover, naming it."""
+        assert self.kvhost is not None
+        engine = meta.engine_id
+        self._refuse_what_larger_remote_blocks_miss(meta, remote_tp_size, remote_dcp_size)
         layout = self.kvhost.caches.layout
         ours = self.kvhost.caches.layout.region
         sizes = {a: n for a, n in layout.logical_sizes().items() if a in ours}
         order = self.kvhost.remote_order(meta.kv_cache_layout)
-        # Each side's regions as vLLM registered them: letters, tokens per block, then per region
-        # block length, blocks, memory type (a handshake may leave out these two), address, stride.
-        sides = {
-            "local": (
-                ours,
-                self.block_size,
-                self.block_len_per_layer,
-                self.region_num_blocks,
-                self.region_mem_types,
-                self.kv_caches_base_addr[self.engine_id][self.tp_rank],
-                self.block_stride_per_layer,
-                self.device_id,
-            ),
-            "remote": (
-                order,
-                meta.block_size,
-                meta.block_lens,
-                meta.region_num_blocks or [meta.num_blocks] * len(meta.block_lens),
-                meta.region_mem_types or self.region_mem_types,
-                meta.kv_caches_base_addr,
-                meta.block_strides,
-                meta.device_id,
-            ),
+        local = _Registered(
+            ours,
+            self.block_size,
+            self.block_len_per_layer,
+            self.region_num_blocks,
+            self.region_mem_types,
+            self.kv_caches_base_addr[self.engine_id][self.tp_rank],
+            self.block_stride_per_layer,
+            self.device_id,
+        )
+        remote = _Registered(
+            order,
+            meta.block_size,
+            meta.block_lens,
+            meta.region_num_blocks or [meta.num_blocks] * len(meta.block_lens),  # a handshake may leave these out
+            meta.region_mem_types or self.region_mem_types,
+            meta.kv_caches_base_addr,
+            meta.block_strides,
+            meta.device_id,
+        )
+        tables = {
+            side: _registered_table(engine, side, regions, ours, sizes, layout.itemsize)
+            for side, regions in (("local", local), ("remote", remote))
         }
-        tables: dict[str, RegionTable] = {}
-        for side, (letters, tokens, lengths, counts, memories, bases, strides, device) in sides.items():
-            want = prod(sizes.values()) // sizes["N"] * tokens * layout.itemsize
-            per_region = (lengths, counts, memories, bases, strides)
-            if (
-                any(length != want for length in lengths)
-                or len(set(counts)) != 1
-                or len(set(memories)) != 1
-                or len({len(facts) for facts in per_region}) != 1
-            ):
-                raise LayoutError(
-                    f"engine {engine!r}: remote blocks larger than ours need NIXL regions that are kvhost's "
-                    f"block regions ({ours!r}, {want} bytes, as many blocks in each, in one memory); the {side} "
-                    f"side registered {sorted(set(lengths))} bytes, {sorted(set(counts))} blocks, in "
-                    f"{sorted(set(memories))}, for {len(lengths)} regions ({len(bases)} addresses, "
-                    f"{len(strides)} strides)"
-                )
-            (memory,), (count,) = set(memories), set(counts)
-            tables[side] = _region_table(
-                memory, letters, sizes | {"N": tokens}, layout.itemsize, count, bases, strides, device
-            )
         plan = plan_transfer(tables["local"], tables["remote"])
         assert plan.local_parts == 1  # the sender's blocks are larger: a chunk is one of our regions
         runs = prod(sizes[a] for a in order[: order.index("N")])
@@ -883,6 +868,56 @@ def _unused(name: str, taken: set[str]) -> str:
     while name in taken:
         name += "'"
     return name
+
+
+class _Registered(NamedTuple):
+    """One side's NIXL regions as vLLM registered them: the letters of a block and its
+    tokens, then per region the block length, blocks, memory type, address and block
+    stride; and the device."""
+
+    letters: str
+    tokens: int
+    lengths: Sequence[int]
+    counts: Sequence[int]
+    memories: Sequence[str]
+    bases: Sequence[int]
+    strides: Sequence[int]
+    device: int
+
+
+def _registered_table(
+    engine: str, side: str, regions: _Registered, ours: str, sizes: dict[str, int], itemsize: int
+) -> RegionTable:
+    """A side's regions as a kvhost table, where each is one of kvhost's block regions
+    (``ours``: our region's letters; ``sizes`` without the tokens) in one memory, as many
+    blocks in each; refused, naming what was registered, where not."""
+    want = prod(sizes.values()) // sizes["N"] * regions.tokens * itemsize
+    lengths, counts, memories = regions.lengths, regions.counts, regions.memories
+    per_region = (lengths, counts, memories, regions.bases, regions.strides)
+    if (
+        any(length != want for length in lengths)
+        or len(set(counts)) != 1
+        or len(set(memories)) != 1
+        or len({len(facts) for facts in per_region}) != 1
+    ):
+        raise LayoutError(
+            f"engine {engine!r}: remote blocks larger than ours need NIXL regions that are kvhost's "
+            f"block regions ({ours!r}, {want} bytes, as many blocks in each, in one memory); the {side} "
+            f"side registered {sorted(set(lengths))} bytes, {sorted(set(counts))} blocks, in "
+            f"{sorted(set(memories))}, for {len(lengths)} regions ({len(regions.bases)} addresses, "
+            f"{len(regions.strides)} strides)"
+        )
+    (memory,), (count,) = set(memories), set(counts)
+    return _region_table(
+        memory,
+        regions.letters,
+        sizes | {"N": regions.tokens},
+        itemsize,
+        count,
+        regions.bases,
+        regions.strides,
+        regions.device,
+    )
 
 
 def _region_table(
