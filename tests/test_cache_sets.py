@@ -212,7 +212,7 @@ def test_receive_groups_are_planned_once_per_transform_and_a_few_are_kept():
     (only,) = cache_set.receive_groups("HNC", 8)
     assert [m.tensor for m in only.members] == [token_major, cache_set.members[2].tensor]
     assert CacheSet({"a": cache()}, "KBNHC").receive_groups("NHC", 8) == ()  # the identity everywhere
-    with pytest.raises(kvhost.KVHostError, match="remote block size 3"):
+    with pytest.raises(kvhost.KVHostError, match=r"block sizes 8 \(local\) and 3 \(remote\)"):
         cache_set.receive_groups("HNC", 3)
     # A peer may name many transforms: 16 are kept, the least recently used goes first.
     transforms = [(order, size) for order in ("HNC", "NHC", "HCN", "CNH") for size in (1, 2, 4, 8, 16)]
