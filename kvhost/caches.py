@@ -44,13 +44,21 @@ class Member:
     storage: torch.UntypedStorage = field(init=False, repr=False)
     storage_bytes: int = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        storage = self.tensor.untyped_storage()
-        pointer = self.tensor.data_ptr()
-        object.__setattr__(self, "data_ptr", pointer)
-        object.__setattr__(self, "address", pointer if _has_address(storage) else 0)
-        object.__setattr__(self, "storage", storage)
-        object.__setattr__(self, "storage_bytes", storage.nbytes())
+    def __init__(self, layer: str, index: int, tensor: torch.Tensor, layout: Layout) -> None:
+        # Written here, not by the dataclass's __init__ and a __post_init__: a one-off call
+        # makes one Member per tensor, and frozen fields set one by one cost a microsecond.
+        storage = tensor.untyped_storage()
+        pointer = tensor.data_ptr()
+        self.__dict__.update(
+            layer=layer,
+            index=index,
+            tensor=tensor,
+            layout=layout,
+            address=pointer if _has_address(storage) else 0,
+            data_ptr=pointer,
+            storage=storage,
+            storage_bytes=storage.nbytes(),
+        )
 
     @property
     def name(self) -> str:
@@ -124,6 +132,7 @@ class CacheSet:
         self.role = role
         self.axes = axes
         self.layers: dict[str, tuple[Member, ...]] = {}
+        last: Layout | None = None
         for name, layer in caches.items():
             if not isinstance(name, str):
                 raise LayoutError(f"{role}: layer names must be strings, got {shown(name)}")
@@ -138,10 +147,14 @@ class CacheSet:
                     f"{role}: layer {shown_name(name)} must be a tensor or a tuple of tensors, "
                     f"got {type(layer).__name__}"
                 )
-            members = tuple(Member(name, i, t, _layout(t, member_axes, role, name, i)) for i, t in enumerate(tensors))
-            for member in members:
-                member.check_backed(role)
-            self.layers[name] = members
+            members = []
+            for i, tensor in enumerate(tensors):
+                # A cache's layers mostly share one layout: the last one read is tried first.
+                if last is None or not last.describes(tensor, member_axes):
+                    last = _layout(tensor, member_axes, role, name, i)
+                members.append(Member(name, i, tensor, last))
+                members[-1].check_backed(role)
+            self.layers[name] = tuple(members)
         self.members: list[Member] = [m for ms in self.layers.values() for m in ms]
         first = self.members[0]
         first_device = first.tensor.device

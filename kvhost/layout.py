@@ -114,6 +114,17 @@ class Layout:
             return None
         return _known.get(_key(tensor, axes))
 
+    def describes(self, tensor: torch.Tensor, axes: str) -> bool:
+        """Whether this (validated) layout is ``tensor``'s, its dims named by ``axes``: the
+        same shape, strides and item size, and a tensor whose bytes are its values."""
+        return (
+            self.axes == axes
+            and tensor.shape == self.shape
+            and tensor.stride() == self.strides
+            and tensor.element_size() == self.itemsize
+            and _not_plain(tensor) is None
+        )
+
     # --- derived facts ---------------------------------------------------------------
 
     def size(self, letter: str) -> int:
