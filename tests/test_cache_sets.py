@@ -94,6 +94,15 @@ def test_a_storage_with_no_address_makes_a_member_with_address_0():
     assert (member.address, member.data_ptr, member.storage_bytes) == (0, 0x1000, 4096)
 
 
+def test_a_tuples_index_stands_for_k_where_the_axes_name_a_k_its_tensors_lack():
+    pair = tuple(cache().unbind(0))  # K and V apart: [B, N, H, C] each
+    assert CacheSet({"l": pair}, "KBNHC").tuple_is_k
+    assert CacheSet({"l": pair}, "KBNHC").member_axes == "BNHC"
+    assert not CacheSet({"l": cache()}, "KBNHC").tuple_is_k  # K is a dim of the tensor
+    assert not CacheSet({"l": (cache(),)}, "KBNHC").tuple_is_k  # a tuple of one tensor that has its K
+    assert not CacheSet({"l": pair}, "BNHC").tuple_is_k  # no K named: the tuple's index is no letter
+
+
 def test_tensors_without_addresses_are_told_apart_by_identity():
     a, b = cache(device="meta"), cache(device="meta")
     assert [m.address for m in CacheSet({"a": a, "b": b}, "KBNHC").members] == [0, 0]

@@ -447,6 +447,9 @@ def test_a_batch_is_checked_whole():
         for not_a_list in (5, (r for r in [one]), {one}, {one: one}, np.array([one]), None, object()):
             with pytest.raises(RequestError, match=r"a batch is a list or tuple of \(local ids, remote ids\) pairs"):
                 plan_batch(not_a_list)
+        for not_a_pair in (5, ((1,), (0,), (2,)), "ab"):
+            with pytest.raises(RequestError, match=r"^request 1 of 2: expected \(local ids, remote ids\), got "):
+                plan_batch([one, not_a_pair])
         with pytest.raises(RequestError, match="same local block"):
             plan_batch([([1, 2], [0, 1]), ([3, 2], [4, 5])])
         with pytest.raises(RequestError, match="out of range"):

@@ -21,7 +21,7 @@ import torch
 import kvhost
 from kvhost.layout import Layout
 from kvhost.testing import fill_random, make_cache, raw, read_tokens
-from kvhost.transform import Loops, plan_copy, plan_receive
+from kvhost.transform import Loops, block_ratio, plan_copy, plan_receive
 
 
 def layout(axes: str, physical: str, **sizes: int) -> Layout:
@@ -166,3 +166,19 @@ def test_chunk_cycles_of_a_permutation():
     two = ChunkCycles.of(4, [1, 0, 2, 4, 5, 3])  # a swap, a fixed chunk, a rotation of three
     assert two.order.tolist() == [0, 1, 3, 4, 5] and two.starts.tolist() == [0, 2, 5]
     assert two.order.dtype == two.starts.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "ratio"),
+    [(64, 16, (4, 1)), (16, 64, (1, 4)), (16, 16, (1, 1)), (1, 8, (1, 8)), (8, 1, (8, 1))],
+)
+def test_block_ratio_is_r_remote_blocks_a_local_one_holds_and_g_local_blocks_a_remote_one_spans(local, remote, ratio):
+    assert block_ratio(local, remote) == ratio
+
+
+def test_block_sizes_that_do_not_divide_are_the_error_asked_for():
+    words = r"^block sizes 8 \(local\) and 12 \(remote\) do not divide one another$"
+    with pytest.raises(kvhost.LayoutError, match=words):
+        block_ratio(8, 12)
+    with pytest.raises(kvhost.RequestError, match=r"^block sizes 12 \(local\) and 8 \(remote\)"):
+        block_ratio(12, 8, kvhost.RequestError)
