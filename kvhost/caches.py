@@ -152,8 +152,9 @@ class CacheSet:
                 # A cache's layers mostly share one layout: the last one read is tried first.
                 if last is None or not last.describes(tensor, member_axes):
                     last = _layout(tensor, member_axes, role, name, i)
-                members.append(Member(name, i, tensor, last))
-                members[-1].check_backed(role)
+                member = Member(name, i, tensor, last)
+                member.check_backed(role)
+                members.append(member)
             self.layers[name] = tuple(members)
         self.members: list[Member] = [m for ms in self.layers.values() for m in ms]
         first = self.members[0]

@@ -67,6 +67,33 @@ def test_a_view_at_an_offset_whose_storage_is_one_item_short_is_refused():
         kvhost.KVHost({"l": view}, axes="KBNC")
 
 
+def test_a_tuple_whose_second_tensor_was_shrunk_is_refused_naming_it():
+    k, v = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16), torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
+    v.untyped_storage().resize_(v.untyped_storage().nbytes() - 2)
+    with pytest.raises(kvhost.LayoutError, match=r"layer 'l'\[1\]: its storage holds 1022 bytes .*: freed or shrunk"):
+        CacheSet({"l": (k, v)}, "KBNHC")
+
+
+def test_layers_of_one_layout_but_for_their_block_count_are_refused():
+    # The same strides, another number of blocks: the layout read for the layer before does
+    # not describe it, and the set refuses it as any other shape that differs.
+    whole = cache()
+    with pytest.raises(kvhost.LayoutError, match=r"layer 'b'\[0\] has shape \(2, 6, .*all layers must match"):
+        CacheSet({"a": whole, "b": cache(seed=2)[:, :6]}, "KBNHC")
+
+
+def test_a_layout_describes_the_tensors_of_its_shape_strides_item_size_and_names():
+    tensor = cache()
+    layout = Layout.of(tensor, "KBNHC")
+    assert layout.describes(tensor, "KBNHC") and layout.describes(cache(seed=2), "KBNHC")
+    assert not layout.describes(tensor, "KBNCH")  # the same dims, named otherwise
+    assert not layout.describes(tensor[:, :6], "KBNHC")  # the same strides, fewer blocks
+    assert not layout.describes(tensor.transpose(3, 4).contiguous().transpose(3, 4), "KBNHC")  # other strides
+    assert layout.describes(tensor.view(torch.float16), "KBNHC")  # another dtype of its item size: bytes alike
+    assert not layout.describes(tensor.float(), "KBNHC")  # another item size
+    assert not layout.describes(torch._neg_view(tensor), "KBNHC")  # its bytes are not its values
+
+
 # --- tensors without a host address ---------------------------------------------------------
 
 
