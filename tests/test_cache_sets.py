@@ -82,18 +82,6 @@ def test_layers_of_one_layout_but_for_their_block_count_are_refused():
         CacheSet({"a": whole, "b": cache(seed=2)[:, :6]}, "KBNHC")
 
 
-def test_a_layout_describes_the_tensors_of_its_shape_strides_item_size_and_names():
-    tensor = cache()
-    layout = Layout.of(tensor, "KBNHC")
-    assert layout.describes(tensor, "KBNHC") and layout.describes(cache(seed=2), "KBNHC")
-    assert not layout.describes(tensor, "KBNCH")  # the same dims, named otherwise
-    assert not layout.describes(tensor[:, :6], "KBNHC")  # the same strides, fewer blocks
-    assert not layout.describes(tensor.transpose(3, 4).contiguous().transpose(3, 4), "KBNHC")  # other strides
-    assert layout.describes(tensor.view(torch.float16), "KBNHC")  # another dtype of its item size: bytes alike
-    assert not layout.describes(tensor.float(), "KBNHC")  # another item size
-    assert not layout.describes(torch._neg_view(tensor), "KBNHC")  # its bytes are not its values
-
-
 # --- tensors without a host address ---------------------------------------------------------
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvhost.layout import Layout
-from kvhost.testing import make_cache
+from kvhost.testing import fill_random, make_cache
 from kvhost.transform import plan_copy, plan_receive
 
 SIZES = dict(L=3, K=2, B=10, N=16, H=4, C=8)
@@ -184,3 +184,15 @@ def test_a_one_block_cache_reads_as_its_many_block_twin_in_every_allocation_orde
             except LayoutError:
                 read[blocks] = None
         assert read[1] == read[2] or (read[2] is None and read[1] is not None), (allocated, read)
+
+
+def test_a_layout_describes_the_tensors_of_its_shape_strides_item_size_and_names():
+    tensor = fill_random(make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=4)), 1)
+    layout = Layout.of(tensor, "KBNHC")
+    assert layout.describes(tensor, "KBNHC") and layout.describes(torch.zeros_like(tensor), "KBNHC")
+    assert not layout.describes(tensor, "KBNCH")  # the same dims, named otherwise
+    assert not layout.describes(tensor[:, :6], "KBNHC")  # the same strides, fewer blocks
+    assert not layout.describes(tensor.transpose(3, 4).contiguous().transpose(3, 4), "KBNHC")  # other strides
+    assert layout.describes(tensor.view(torch.float16), "KBNHC")  # another dtype of its item size: bytes alike
+    assert not layout.describes(tensor.float(), "KBNHC")  # another item size
+    assert not layout.describes(torch._neg_view(tensor), "KBNHC")  # its bytes are not its values
