@@ -158,7 +158,7 @@ def plan_receive_batch(
     except KVHostError:
         call_groups = None  # the checked path words the error, naming a request
     if call_groups == ():
-        counted = _identity_batch(requests, call_key[1] // local.block_size)
+        counted = _identity_batch(requests, block_ratio(local.block_size, call_key[1])[1])
         if counted is not None:
             return counted
     batch, key_list, key_of_request, arrived = _read_requests(caches, requests, call_key)
