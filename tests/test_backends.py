@@ -1386,4 +1386,4 @@ def test_without_numba_the_cpu_backend_s_check_makes_the_torch_path_s_scratch(mo
     caches = {"l": make_cache("KBNHC", "KBNHC", SIZES)}
     job = plan_receive_batch(CacheSet(caches, "KBNHC"), {"r": kvhost.Incoming([2, 5], "HNC", 2)}, None, None).jobs[0]
     cpu.CpuBackend().check_receive(job)
-    assert list(job.shared) == [("torch receive", torch.device("cpu"))]
+    assert list(job.shared) == [("torch receive", torch.device("cpu"), torch.uint8)]

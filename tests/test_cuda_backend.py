@@ -31,7 +31,7 @@ from kvhost_accelerator.backend import AcceleratorBackend, EventCompletion, _Hos
 from kvhost_accelerator.launch import Limits, plan_copy_launch
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 from kvhost_cuda import CudaBackend
-from kvhost_torch.backend import IndexBuffers
+from kvhost_torch.backend import IndexBuffers, call_scratch
 from kvhost_xpu import XpuBackend
 from kvhost_xpu.backend import load_ipex_if_needed
 from test_nixl import needs_nixl
@@ -1033,17 +1033,12 @@ def test_a_device_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_bef
         )
     )
 
-    class ShortOfMemory:
-        """torch, whose second ``empty`` finds the device full."""
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        def empty(self, *args, **kwargs):
-            scratches.append(args)
-            if len(scratches) == 2:
-                raise torch.OutOfMemoryError("out of memory: tried to allocate 256.00 MiB")
-            return torch.empty(*args, **kwargs)
+    def short_of_memory(*args):
+        """The scratch, where the second finds the device full."""
+        scratches.append(args)
+        if len(scratches) == 2:
+            raise torch.OutOfMemoryError("out of memory: tried to allocate 256.00 MiB")
+        return call_scratch(*args)
 
     class Larger:
         """A job's launch, asking for more scratch than the job's before it (which it cannot share)."""
@@ -1055,7 +1050,7 @@ def test_a_device_short_of_memory_for_a_later_job_s_scratch_refuses_the_call_bef
             return getattr(self.launch, name)
 
     planned = accelerator.plan_receive_launch
-    monkeypatch.setattr(accelerator, "torch", ShortOfMemory())
+    monkeypatch.setattr(accelerator, "call_scratch", short_of_memory)
     monkeypatch.setattr(
         accelerator, "plan_receive_launch", lambda *a, **k: Larger(planned(*a, **k), 64 * (len(scratches) + 1))
     )
@@ -1106,30 +1101,34 @@ def test_a_kernel_that_does_not_compile_for_a_later_job_refuses_the_call_before_
     assert compiled == [2, 1] and sorted(launched) == [1, 1, 1, 2, 2, 2]
 
 
-def test_the_jobs_of_one_call_share_one_scratch():
+def test_the_jobs_of_one_call_share_one_scratch(monkeypatch):
     """Every job's scratch is made before any job launches; the jobs launch in turn on one
     stream, so within a call (the jobs' ``shared`` dict) a job takes the scratch an earlier
     one made where it is large enough: a call holds one scratch at a time, not one per job."""
-    backend, cpu = CpuStandIn(), torch.device("cpu")
-    assert backend._scratch({}, cpu, 8, torch.int64) is not backend._scratch({}, cpu, 8, torch.int64)  # two calls
+    cpu = torch.device("cpu")
+
+    def scratch(shared, numel, dtype=torch.int64, name="accelerator scratch"):
+        return call_scratch(shared, name, cpu, numel, dtype)
+
+    assert scratch({}, 8) is not scratch({}, 8)  # two calls
     call: dict[object, object] = {}
-    first = backend._scratch(call, cpu, 8, torch.int64)
-    assert first.numel() == 8 and first.dtype == torch.int64
-    assert backend._scratch(call, cpu, 8, torch.int64) is first and backend._scratch(call, cpu, 3, torch.int64) is first
-    assert backend._scratch(call, cpu, 3, torch.int32) is not first  # another word: another scratch
-    grown = backend._scratch(call, cpu, 9, torch.int64)
-    assert grown.numel() == 9 and backend._scratch(call, cpu, 8, torch.int64) is grown
-    assert backend._scratch({}, cpu, 2, torch.int64) is not grown  # another call: a scratch of its own
+    first = scratch(call, 8)
+    assert first.numel() == 8 and first.dtype == torch.int64 and first.device == cpu
+    assert scratch(call, 8) is first and scratch(call, 3) is first
+    assert scratch(call, 3, torch.int32) is not first  # another word: another scratch
+    assert scratch(call, 3, name="torch receive") is not first  # another backend's: its own
+    grown = scratch(call, 9)
+    assert grown.numel() == 9 and scratch(call, 8) is grown
+    assert scratch({}, 2) is not grown  # another call: a scratch of its own
     # Through the front end: one receive call of two jobs (two layouts) makes one scratch.
     made: list[torch.Tensor] = []
-    real = CpuStandIn._scratch
 
-    def counted(shared, device, words, dtype):
-        scratch = real(shared, device, words, dtype)
-        made.append(scratch)
-        return scratch
+    def counted(*args):
+        made.append(call_scratch(*args))
+        return made[-1]
 
-    backend._scratch = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(accelerator_backend, "call_scratch", counted)
+    backend = CpuStandIn()
     backend.__dict__["kernels"] = kernels_standing_in(
         lambda launch: types.SimpleNamespace(
             launch=lambda: None,

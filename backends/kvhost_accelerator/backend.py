@@ -58,7 +58,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
-from kvhost_torch.backend import TorchBackend
+from kvhost_torch.backend import TorchBackend, call_scratch
 
 from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
@@ -199,19 +199,6 @@ class AcceleratorBackend(Backend):
             )
         yield
 
-    @staticmethod
-    def _scratch(shared: dict[object, object], device: torch.device, words: int, dtype: torch.dtype) -> torch.Tensor:
-        """A receive's scratch of at least ``words``: the call's (``shared``, its jobs' own
-        dict) where it is as large. The call's jobs launch in turn on one stream, so one
-        scratch serves them all: a call holds one, not one per job, until it runs."""
-        key = ("accelerator scratch", device, dtype)
-        held = shared.get(key)
-        if isinstance(held, torch.Tensor) and held.numel() >= words:
-            return held
-        scratch = torch.empty(words, dtype=dtype, device=device)
-        shared[key] = scratch
-        return scratch
-
     # --- receive -------------------------------------------------------------------------
 
     def check_receive(self, job: ReceiveJob) -> None:
@@ -248,8 +235,13 @@ class AcceleratorBackend(Backend):
             keep: list[torch.Tensor] = []
             try:
                 base_table, outer_table, ids = self._upload([bases, outer, job.unit_ids.ravel()], job.device, keep)
-                scratch = self._scratch(
-                    job.shared, job.device, max(launch.scratch_words, 1), kernels.TORCH_WORDS[launch.word_bytes]
+                # The call's jobs launch in turn on one stream, so they share one scratch.
+                scratch = call_scratch(
+                    job.shared,
+                    "accelerator scratch",
+                    job.device,
+                    max(launch.scratch_words, 1),
+                    kernels.TORCH_WORDS[launch.word_bytes],
                 )
             except OUT_OF_MEMORY as err:  # refused before any byte moves: a smaller call may fit
                 raise BackendError(

@@ -45,6 +45,22 @@ def current_stream(device: torch.device) -> object:
     return None
 
 
+def call_scratch(
+    shared: dict[object, object], name: str, device: torch.device, numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A receive's scratch of at least ``numel`` elements: the one the call holds under
+    ``name`` (``shared``: its jobs' own dict) where it is as large, else a new one kept there.
+    A call's jobs run in turn, so one scratch serves them all: a call holds one, not one per
+    job, until it runs."""
+    key = (name, device, dtype)
+    held = shared.get(key)
+    if isinstance(held, torch.Tensor) and held.numel() >= numel:
+        return held
+    scratch = torch.empty(numel, dtype=dtype, device=device)
+    shared[key] = scratch
+    return scratch
+
+
 class IndexBuffers:
     """Index tensors on a device: grow-only buffers, one per thread and stream, reused across calls.
 
@@ -144,19 +160,13 @@ class TorchBackend(Backend):
         plan = job.rearrangement
         pass_bytes = job.group.member_unit_bytes * self._units_a_pass(job)
         needed = -(-2 * pass_bytes // 8) * 8  # whole words: a member may view it as 8-byte integers
-        key = ("torch receive", job.device)
-        held = job.shared.get(key)
-        if isinstance(held, torch.Tensor) and held.numel() >= needed:
-            return held
         try:
-            scratch = torch.empty(needed, dtype=torch.uint8, device=job.device)
+            return call_scratch(job.shared, "torch receive", job.device, needed, torch.uint8)
         except RuntimeError as err:  # torch's allocators (the host's, OutOfMemoryError on devices)
             raise BackendError(
                 f"{job.device}: no memory for a receive's scratch of {needed:,} bytes "
                 f"({plan.unit_bytes:,}-byte units; nothing was moved): {brief(err)}"
             ) from None
-        job.shared[key] = scratch
-        return scratch
 
     def _units_a_pass(self, job: ReceiveJob) -> int:
         """Units a pass of the job moves: one at a time on the host's numpy way, else as many
