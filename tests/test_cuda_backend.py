@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import importlib
 import itertools
 import json
 import subprocess
@@ -37,7 +38,7 @@ from kvhost_xpu.backend import load_ipex_if_needed
 from test_nixl import needs_nixl
 
 import kvhost
-from kvhost.backend import Completion
+from kvhost.backend import Completion, OptionalKernels
 from kvhost.batch import plan_copy_batch
 from kvhost.caches import CacheSet
 from kvhost.layout import Layout
@@ -153,10 +154,37 @@ def test_a_triton_too_old_for_the_kernels_means_torch_ops(monkeypatch):
 def test_without_triton_the_torch_path_says_so(monkeypatch):
     import kvhost_accelerator.backend as accelerator
 
-    monkeypatch.setattr(accelerator, "load_kernels", lambda: None)
+    missing = OptionalKernels("json", check=lambda module: "No module named 'triton'")  # what the import says
+    monkeypatch.setattr(accelerator, "TRITON_KERNELS", missing)
     backend = CudaBackend()
     assert backend.kernels_missing == "triton is not installed" and backend.kernels is None
     assert "torch ops (triton is not installed)" in backend.describe()
+
+
+def test_kernels_whose_import_fails_otherwise_say_why_and_the_torch_path_runs(monkeypatch):
+    """An import that fails for another reason than a missing triton (a library of its own
+    that cannot load) is said, not raised: the backend runs its torch path."""
+    import kvhost_accelerator.backend as accelerator
+
+    def unloadable(name, *args, **kwargs):
+        if name == "kvhost_accelerator.kernels":
+            raise OSError("libtriton.so: failed to map segment from shared object")
+        return real_import(name, *args, **kwargs)
+
+    real_import = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", unloadable)
+    monkeypatch.setattr(accelerator, "TRITON_KERNELS", OptionalKernels("kvhost_accelerator.kernels"))
+    backend = CpuStandIn()
+    assert backend.kernels is None
+    assert backend.kernels_missing.startswith("the Triton kernels cannot load: OSError: libtriton.so: failed to map")
+    assert "torch ops (the Triton kernels cannot load: OSError" in CudaBackend().describe()
+    cache = caches("KBNHC", "KBNHC", 12, 9)
+    assert (
+        kvhost.receive(
+            cache, {"a": [1, 2]}, axes="KBNHC", remote_order="HNC", remote_block_size=16, backend=backend
+        ).groups
+        == 1
+    )
 
 
 @pytest.mark.parametrize("missing", ["compiler", "headers"])

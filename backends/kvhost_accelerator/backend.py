@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from kvhost_torch.backend import TorchBackend, call_scratch
 
-from kvhost.backend import Backend, Completion, EventCompletion, next_power_of_two
+from kvhost.backend import Backend, Completion, EventCompletion, OptionalKernels, next_power_of_two
 from kvhost.batch import CopyJob, ReceiveJob
 from kvhost.caches import CopyGroup, Member
 from kvhost.errors import BackendError, brief, first_line
@@ -71,14 +71,22 @@ from kvhost.transform import plan_copy
 from kvhost_accelerator.launch import Limits, plan_copy_launch, plan_receive_launch
 from kvhost_accelerator.runtime import DeviceRuntime
 
+TRITON_KERNELS = OptionalKernels("kvhost_accelerator.kernels")  # imported on first use only
+
 
 def load_kernels() -> ModuleType | None:
-    """The Triton kernels module (imported on first use only), or None where triton is missing."""
-    try:
-        from kvhost_accelerator import kernels
-    except ImportError:
-        return None
-    return kernels
+    """The Triton kernels module, or None where it cannot be imported (``unloaded_reason`` says why)."""
+    return TRITON_KERNELS.module
+
+
+def unloaded_reason() -> str:
+    """Why ``load_kernels`` gives None: triton missing, or what its import raised."""
+    reason = TRITON_KERNELS.reason
+    return (
+        "triton is not installed"
+        if reason == "No module named 'triton'"
+        else f"the Triton kernels cannot load: {reason}"
+    )
 
 
 class AcceleratorBackend(Backend):
@@ -132,7 +140,7 @@ class AcceleratorBackend(Backend):
             return "Triton switched off"
         kernels = load_kernels()
         if kernels is None:
-            return "triton is not installed"
+            return unloaded_reason()
         if kernels.interpreted():
             return "TRITON_INTERPRET=1 is set: interpreted kernels cannot reach device memory"
         if (old := kernels.too_old()) is not None:

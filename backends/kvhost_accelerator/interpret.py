@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from kvhost.backend import Completion
 from kvhost.batch import CopyJob, ReceiveJob
-from kvhost_accelerator.backend import AcceleratorBackend, load_kernels
+from kvhost_accelerator.backend import AcceleratorBackend, load_kernels, unloaded_reason
 from kvhost_accelerator.launch import Limits
 from kvhost_accelerator.runtime import DeviceRuntime, SynchronousRuntime
 
@@ -65,7 +65,7 @@ class TritonInterpretBackend(AcceleratorBackend):
     def kernels_missing(self) -> str:
         kernels = load_kernels()
         if kernels is None:
-            return "triton is not installed"
+            return unloaded_reason()
         if not kernels.interpreted():
             return f"kvhost_accelerator.kernels was imported without {INTERPRET_VARIABLE}=1: compiled for a GPU"
         return ""
