@@ -36,7 +36,7 @@ demo: setup
 bench: setup
 	$(VENV)/bin/kvhost bench
 
-# numba against the same kernel in C++ (needs g++) and torch ops; see README.
+# numba against the same kernel in C++ (needs g++) and torch ops; see docs/performance.md.
 kernel-choice: setup
 	$(PY) experiments/cpu_kernel_choice/compare.py --requests 1,4,16,64,256
 

@@ -25,7 +25,7 @@
 # A step that runs out of time is killed and the next one runs: a time-out still returns
 # what was measured. Nothing is installed into the machine's Python: kvhost's sources go on
 # PYTHONPATH and its backend entry points come from a generated dist-info; wheels carried
-# in .whl/ (NIXL's, which the machine lacks: see the README) go into a temporary folder on
+# in .whl/ (NIXL's, which the machine lacks: see docs/backends.md) go into a temporary folder on
 # PYTHONPATH. What is missing is skipped, with the reason.
 #
 # GPU_CHECK_STEPS (default "figures handoff suite") names the steps after machine;

@@ -84,7 +84,7 @@ ENGINES = ("demo", "prefill", "decode")  # commands that run engines (the bench 
 DESCRIPTION = (
     "kvhost moves and rearranges KV-cache blocks for disaggregated LLM serving: batched host "
     "staging and the receive-side post-process, one call per batch. Each command's --help "
-    "says more; README.md says all."
+    "says more; README.md and docs/ say the rest."
 )
 
 

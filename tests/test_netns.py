@@ -263,7 +263,7 @@ def hand_off(pair: Pair, tmp_path, *, prefill: list[str] = (), decode: list[str]
 
 
 def show(what: str, **figures: object) -> None:
-    """The figures the README reports (pytest -s shows them)."""
+    """The figures docs/two-hosts.md reports (pytest -s shows them)."""
     print(f"\n[netns] {what}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
 
 
