@@ -81,7 +81,7 @@ class Layout:
         """The layout of ``tensor`` whose dims, in shape order, are named by ``axes``."""
         if not isinstance(tensor, torch.Tensor):
             raise LayoutError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        problem = _not_plain(tensor)
+        problem = not_plain(tensor)
         if problem is not None:
             raise LayoutError(f"{name}: {problem}")
         if tensor.element_size() not in (1, 2, 4, 8):
@@ -110,7 +110,7 @@ class Layout:
         Only for a tensor whose own facts ``of`` checks hold (a strided tensor whose bytes
         are its values): the cache is keyed by shape and strides alone.
         """
-        if _not_plain(tensor) is not None:
+        if not_plain(tensor) is not None:
             return None
         return _known.get(_key(tensor, axes))
 
@@ -122,7 +122,7 @@ class Layout:
             and tensor.shape == self.shape
             and tensor.stride() == self.strides
             and tensor.element_size() == self.itemsize
-            and _not_plain(tensor) is None
+            and not_plain(tensor) is None
         )
 
     # --- derived facts ---------------------------------------------------------------
@@ -316,7 +316,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _not_plain(tensor: torch.Tensor) -> str | None:
+def not_plain(tensor: torch.Tensor) -> str | None:
     """Why ``tensor``'s blocks cannot be found by strides and moved as bytes, or None."""
     if tensor.is_nested:  # its layout says strided, its shape is refused by torch
         return "a nested tensor has no one shape and strides to address blocks by"

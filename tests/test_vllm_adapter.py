@@ -429,6 +429,55 @@ def test_post_process_names_the_engine_of_malformed_arguments():
         assert case.same_as(before), message
 
 
+def test_numpy_integers_are_block_sizes_and_counts_and_bools_are_not():
+    """A numpy integer is an integer wherever the adapter takes one, as in the core; a bool
+    is not, and a huge or unprintable name is cut or said by its type, never raised from."""
+    kv, case, _, _ = flash_attn_decoder(seed=5)
+    as_numpy = kv.post_process({"p": {"a": [1]}}, {"p": RemoteEngine("HND", np.int64(2))})
+    kv2, case2, _, _ = flash_attn_decoder(seed=5)
+    as_int = kv2.post_process({"p": {"a": [1]}}, {"p": RemoteEngine("HND", 2)})
+    assert as_numpy.blocks == as_int.blocks == 1 and case.same_as(case2.snapshot())
+    for bad in (True, np.True_, 2.0, -2, np.int64(0)):
+        with pytest.raises(kvhost.RequestError, match=r"engine 'p': block size .* must be a positive integer"):
+            kv.post_process({"p": {"a": [2]}}, {"p": RemoteEngine("HND", bad)})
+    assert [t.shape[1] for t in kv.host_buffers(num_blocks=np.int32(3)).values()] == [3] * LAYERS
+    for bad in (True, 3.0, np.int64(0)):
+        with pytest.raises(kvhost.LayoutError, match=r"num_blocks .* must be a positive integer"):
+            kv.host_buffers(num_blocks=bad)
+
+    class Unprintable(str):
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    snapshot = case.snapshot()
+    long_id = "r" * 100_000
+    with pytest.raises(kvhost.RequestError) as refused:
+        kv.post_process({"p": {long_id: [1, 99]}}, {"p": RemoteEngine("HND", 2)})
+    assert len(str(refused.value)) < 400 and "rrr..." in str(refused.value)
+    with pytest.raises(kvhost.RequestError, match="engine a Unprintable sent blocks but has no RemoteEngine"):
+        kv.post_process({Unprintable("q"): {"b": [1]}}, {})
+    host = kv.host_buffers()
+    with pytest.raises(kvhost.RequestError, match="request a Unprintable: block id 99"):
+        kv.save_to_host(host, {Unprintable("b"): [99]})
+    assert case.same_as(snapshot)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_layers_without_strides_are_refused_as_layout_errors():
+    """Nested and sparse layers are refused naming the layer, before their strides or
+    storage are read (torch raises from either); as the core refuses them."""
+    dense = next(iter(attention_caches("flash_attn", "NHD", blocks=4, block_size=BLOCK).values()))
+    nested = torch.nested.nested_tensor([dense[0], dense[1]])
+    sparse = dense.reshape(2, -1).to_sparse()
+    for odd, why in ((nested, "nested tensor"), (sparse, "torch.sparse_coo tensor")):
+        with pytest.raises(kvhost.LayoutError, match=f"layer 'a': a {why}"):
+            VllmCaches({"a": odd, "b": odd}, "flash_attn")
+        with pytest.raises(kvhost.LayoutError, match=f"layer 'a': a {why}"):
+            VllmCaches({"a": odd, "b": odd}, "LBHNC")
+        with pytest.raises(kvhost.LayoutError, match=f"layer 'b': a {why}"):
+            cross_layer_view({"a": dense, "b": odd})
+
+
 @pytest.mark.parametrize("remote", [("BLNHC", 2), ("BHLNC", 1), ("BLNHC", BLOCK)])
 def test_blnhc_layer_views_asked_for_as_their_group_receive_rows(remote):
     """``group=True``: BLNHC layer views (each layer's block one run) described as their

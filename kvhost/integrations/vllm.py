@@ -37,9 +37,9 @@ from kvhost.api import KVHost
 from kvhost.backend import Backend
 from kvhost.batch import Incoming
 from kvhost.caches import CacheSet, Layer, Member
-from kvhost.errors import ArgumentError, KVHostError, LayoutError, RequestError
+from kvhost.errors import ArgumentError, KVHostError, LayoutError, RequestError, shown, shown_name
 from kvhost.ids import IdBatch, integer_value
-from kvhost.layout import Layout, checked_letters
+from kvhost.layout import Layout, checked_letters, not_plain
 from kvhost.stats import CopyResult, ReceiveStats
 
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -90,7 +90,7 @@ def kv_cache_axes(layout: str, shape: Sequence[int]) -> str:
             f"shape {dims} has {len(dims)} dims"
         )
     known = ", ".join([*CACHE_FORMATS, *KV_CACHE_LAYOUTS])
-    raise LayoutError(f"unknown vLLM cache layout {layout!r}; known: {known}")
+    raise LayoutError(f"unknown vLLM cache layout {shown(layout)}; known: {known}")
 
 
 def remote_order(axes: str, physical: str, remote_layout: str) -> str:
@@ -105,7 +105,9 @@ def remote_order(axes: str, physical: str, remote_layout: str) -> str:
     physical = checked_letters(physical, what="physical order")
     if "B" not in physical or set(axes) - set(physical) - {"K"} or set(physical) - set(axes):
         # A tuple layer's tensors lack K (the tuple's index stands for it): their order may too.
-        raise LayoutError(f"physical order {physical!r} must be the letters of axes {axes!r} (K may be left out)")
+        raise LayoutError(
+            f"physical order {shown(physical)} must be the letters of axes {shown(axes)} (K may be left out)"
+        )
     _check_name(remote_layout, "remote layout", RequestError)
     region = physical[physical.index("B") + 1 :]
     if remote_layout in TOKEN_HEAD_ORDERS:
@@ -113,13 +115,13 @@ def remote_order(axes: str, physical: str, remote_layout: str) -> str:
     elif remote_layout in KV_CACHE_LAYOUTS:
         if "K" in axes:
             raise RequestError(
-                f"remote layout {remote_layout!r} keeps K and V together in C, but the local caches "
-                f"({axes!r}) keep them apart in K: such engines cannot exchange blocks"
+                f"remote layout {shown(remote_layout)} keeps K and V together in C, but the local caches "
+                f"({shown(axes)}) keep them apart in K: such engines cannot exchange blocks"
             )
         sender = remote_layout
     else:
         known = ", ".join([*TOKEN_HEAD_ORDERS, *KV_CACHE_LAYOUTS])
-        raise RequestError(f"unknown remote layout {remote_layout!r}; known: {known}")
+        raise RequestError(f"unknown remote layout {shown(remote_layout)}; known: {known}")
     return "".join(a for a in sender if a in region)
 
 
@@ -147,14 +149,17 @@ def cross_layer_view(kv_caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
     first_name, first = views[0]
     for name, view in views:
         if not isinstance(view, torch.Tensor):
-            raise LayoutError(f"layer {name!r} is a {type(view).__name__}, not a tensor view")
+            raise LayoutError(f"layer {shown_name(name)} is a {type(view).__name__}, not a tensor view")
+        _check_plain(name, view)
         if (view.shape, view.stride(), view.dtype) != (first.shape, first.stride(), first.dtype):
             raise LayoutError(
-                f"layer {name!r} is {tuple(view.shape)} {view.dtype} with strides {view.stride()}, but layer "
-                f"{first_name!r} is {tuple(first.shape)} {first.dtype} with strides {first.stride()}"
+                f"layer {shown_name(name)} is {tuple(view.shape)} {view.dtype} with strides {view.stride()}, but layer "
+                f"{shown_name(first_name)} is {tuple(first.shape)} {first.dtype} with strides {first.stride()}"
             )
         if view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            raise LayoutError(f"layer {name!r} is not a view of the buffer that holds layer {first_name!r}")
+            raise LayoutError(
+                f"layer {shown_name(name)} is not a view of the buffer that holds layer {shown_name(first_name)}"
+            )
     offsets = [view.storage_offset() for _, view in views]
     step = offsets[1] - offsets[0] if len(offsets) > 1 else 1
     uneven = [i for i in range(2, len(offsets)) if offsets[i] - offsets[i - 1] != step]  # the first gap is step
@@ -198,7 +203,7 @@ class VllmCaches:
         if (layout is None) == (axes is None):
             raise LayoutError("give exactly one of layout (a vLLM name) and axes (kvhost letters)")
         if not isinstance(group, bool):
-            raise ArgumentError(f"group must be True or False, got {group!r}")
+            raise ArgumentError(f"group must be True or False, got {shown(group)}")
         if group and layout is None:
             raise ArgumentError("group=True describes vLLM's layer views: give their layout name, not axes")
         _check_mapping(kv_caches, "kv_caches")
@@ -308,23 +313,26 @@ class VllmCaches:
         for engine_id, by_request in received.items():
             if not isinstance(by_request, Mapping):
                 raise RequestError(
-                    f"engine {engine_id!r}: received must map request id to block ids, got {type(by_request).__name__}"
+                    f"engine {shown_name(engine_id)}: received must map request id to block ids, "
+                    f"got {type(by_request).__name__}"
                 )
             sender[engine_id] = self._sender(engine_id, remote_engines)
             for request_id, ids in by_request.items():
                 if request_id in engine_of:
                     raise RequestError(
-                        f"request {request_id!r} is listed under engine {engine_of[request_id]!r} "
-                        f"and engine {engine_id!r}"
+                        f"request {shown_name(request_id)} is listed under engine {shown_name(engine_of[request_id])} "
+                        f"and engine {shown_name(engine_id)}"
                     )
                 engine_of[request_id] = engine_id
                 requests[request_id] = ids
         if tokens is not None and not isinstance(tokens, Mapping):
-            raise RequestError(f"tokens must map request id to a token count, got {type(tokens).__name__} {tokens!r}")
+            raise RequestError(
+                f"tokens must map request id to a token count, got {type(tokens).__name__} {shown(tokens)}"
+            )
         if tokens:
             unknown = [r for r in tokens if r not in engine_of]
             if unknown:
-                raise RequestError(f"tokens name request {unknown[0]!r}, which no engine sent")
+                raise RequestError(f"tokens name request {shown(unknown[0])}, which no engine sent")
             return self._kvhost.receive(
                 {r: Incoming(ids, *sender[engine_of[r]], tokens=tokens.get(r)) for r, ids in requests.items()}
             )
@@ -344,20 +352,25 @@ class VllmCaches:
         ``RemoteEngine``, checked."""
         remote = remote_engines.get(engine_id)
         if remote is None:
-            known = ", ".join(map(repr, remote_engines)) or "none"
-            raise RequestError(f"engine {engine_id!r} sent blocks but has no RemoteEngine (known: {known})")
+            known = ", ".join(map(shown_name, remote_engines)) or "none"
+            raise RequestError(f"engine {shown_name(engine_id)} sent blocks but has no RemoteEngine (known: {known})")
         if not isinstance(remote, RemoteEngine):
             raise RequestError(
-                f"engine {engine_id!r}: remote_engines gives a {type(remote).__name__}, not a RemoteEngine"
+                f"engine {shown_name(engine_id)}: remote_engines gives a {type(remote).__name__}, not a RemoteEngine"
             )
         if not isinstance(remote.kv_cache_layout, str):
-            raise RequestError(f"engine {engine_id!r}: layout {remote.kv_cache_layout!r} must be a layout name (a str)")
-        if isinstance(remote.block_size, bool) or not isinstance(remote.block_size, int) or remote.block_size <= 0:
-            raise RequestError(f"engine {engine_id!r}: block size {remote.block_size!r} must be a positive integer")
+            raise RequestError(
+                f"engine {shown_name(engine_id)}: layout {shown(remote.kv_cache_layout)} must be a layout name (a str)"
+            )
+        block_size = integer_value(remote.block_size)  # a numpy integer is one; a bool is not
+        if block_size is None or block_size <= 0:
+            raise RequestError(
+                f"engine {shown_name(engine_id)}: block size {shown(remote.block_size)} must be a positive integer"
+            )
         try:
-            return self.remote_order(remote.kv_cache_layout), remote.block_size
+            return self.remote_order(remote.kv_cache_layout), block_size
         except RequestError as err:
-            raise RequestError(f"engine {engine_id!r}: {err}") from None
+            raise RequestError(f"engine {shown_name(engine_id)}: {err}") from None
 
     # --- host buffers ---------------------------------------------------------------------
 
@@ -368,11 +381,11 @@ class VllmCaches:
         stands for it); by default each buffer keeps its cache's memory order, made dense.
         ``num_blocks`` defaults to ours, as vLLM maps host blocks one to one.
         """
-        blocks = self.num_blocks if num_blocks is None else num_blocks
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
-            raise LayoutError(f"num_blocks {num_blocks!r} must be a positive integer")
+        blocks = self.num_blocks if num_blocks is None else integer_value(num_blocks)  # a bool is no count
+        if blocks is None or blocks <= 0:
+            raise LayoutError(f"num_blocks {shown(num_blocks)} must be a positive integer")
         if physical is not None and not isinstance(physical, str):
-            raise LayoutError(f"physical must be a string of the caches' axis letters or None, got {physical!r}")
+            raise LayoutError(f"physical must be a string of the caches' axis letters or None, got {shown(physical)}")
         buffers: dict[str, Layer] = {}
         for name, members in self.caches.layers.items():
             tensors = tuple(_host_tensor(member, physical, blocks) for member in members)
@@ -396,7 +409,7 @@ class VllmCaches:
             limit, what = host_blocks, "host buffer block id"
         batch = IdBatch(limit, what=what, unique=False)  # a shared prefix names a block twice: copied once
         for request_id, ids in block_ids.items():
-            batch.add(f"request {request_id!r}", ids)
+            batch.add(f"request {shown_name(request_id)}", ids)
         batch.check()
         # Ascending ids make the longest runs of consecutive blocks: fewer, larger copies.
         return np.unique(batch.array())
@@ -421,8 +434,8 @@ class VllmCaches:
             expected = "".join(a for a in name if a in layout.axes)
             if _sized(layout, layout.physical) != _sized(layout, expected):
                 raise LayoutError(
-                    f"layer {members[0].layer!r} is stored {layout.physical} (strides {layout.strides}), "
-                    f"but layout {name!r} stores a {layout.axes} cache as {expected}"
+                    f"layer {shown(members[0].layer)} is stored {layout.physical} (strides {layout.strides}), "
+                    f"but layout {shown(name)} stores a {layout.axes} cache as {expected}"
                 )
 
 
@@ -469,7 +482,7 @@ def _check_mapping(kv_caches: object, what: str) -> None:
 
 def _check_name(name: object, what: str, error: type[KVHostError]) -> None:
     if not isinstance(name, str):
-        raise error(f"{what} must be a name (a str), got {name!r}")
+        raise error(f"{what} must be a name (a str), got {shown(name)}")
 
 
 def _dims(shape: object) -> tuple[int, ...]:
@@ -477,11 +490,11 @@ def _dims(shape: object) -> tuple[int, ...]:
     if isinstance(shape, torch.Size):
         return tuple(shape)
     if not isinstance(shape, Sequence) or isinstance(shape, str):
-        raise LayoutError(f"a cache's shape must be a sequence of integers, got {shape!r}")
+        raise LayoutError(f"a cache's shape must be a sequence of integers, got {shown(shape)}")
     dims = tuple(map(integer_value, shape))
     if None in dims:
         dim = shape[dims.index(None)]
-        raise LayoutError(f"a cache's shape must be a sequence of integers, got {dim!r} in {tuple(shape)}")
+        raise LayoutError(f"a cache's shape must be a sequence of integers, got {shown(dim)} in {tuple(shape)}")
     return dims  # type: ignore[return-value]
 
 
@@ -491,10 +504,19 @@ def _first_tensor(kv_caches: Mapping[str, Layer], layout: str) -> torch.Tensor:
     name, first = next(iter(kv_caches.items()))
     if not isinstance(first, torch.Tensor):
         raise LayoutError(
-            f"layer {name!r} is a {type(first).__name__}; layout {layout!r} describes single tensors, "
+            f"layer {shown_name(name)} is a {type(first).__name__}; layout {shown(layout)} describes single tensors, "
             "describe tuple layers with axes= (e.g. 'KBNHC' for (K, V) pairs of [B, N, H, C])"
         )
+    _check_plain(name, first)
     return first
+
+
+def _check_plain(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a layer whose blocks cannot be found by strides (nested, sparse, quantized),
+    before its strides or storage are read."""
+    why = not_plain(tensor)
+    if why is not None:
+        raise LayoutError(f"layer {shown_name(name)}: {why}")
 
 
 def _host_tensor(member: Member, physical: str | None, num_blocks: int) -> torch.Tensor:
@@ -503,7 +525,9 @@ def _host_tensor(member: Member, physical: str | None, num_blocks: int) -> torch
     if physical is not None:
         order = physical if "K" in layout.axes else physical.replace("K", "")
         if sorted(order) != sorted(layout.axes):
-            raise LayoutError(f"host layout {physical!r} must use the letters of the caches' axes ({layout.axes!r})")
+            raise LayoutError(
+                f"host layout {shown(physical)} must use the letters of the caches' axes ({shown(layout.axes)})"
+            )
     sizes = dict(zip(layout.axes, layout.shape))
     sizes["B"] = num_blocks
     try:
