@@ -54,7 +54,7 @@ class Incoming:
     tokens: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # a job is one call's work, equal to itself alone (its ids are an array)
 class ReceiveJob:
     """One transform group for one layout: what a backend runs in a single call.
 
@@ -67,10 +67,10 @@ class ReceiveJob:
     group: ReceiveGroup
     unit_ids: np.ndarray
     device: torch.device
-    derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+    derived: dict[str, object] = field(default_factory=dict, repr=False)
     # What a backend keeps for all the jobs of one call (one dict for them all): a scratch
     # they take in turn, made in their checks as large as the largest needs.
-    shared: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+    shared: dict[object, object] = field(default_factory=dict, repr=False)
 
     @property
     def members(self) -> MemberList:

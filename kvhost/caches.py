@@ -37,16 +37,17 @@ class Member:
     index: int
     tensor: torch.Tensor
     layout: Layout
-    address: int = field(init=False)
-    data_ptr: int = field(init=False, repr=False)  # as torch reports it, to see it change
+    address: int
+    data_ptr: int = field(repr=False)  # as torch reports it, to see it change
     # The storage itself, held: memory a re-pointed tensor (``set_``) let go of stays ours,
     # so no other storage can come to lie at its address; its size shows a resize in place.
-    storage: torch.UntypedStorage = field(init=False, repr=False)
-    storage_bytes: int = field(init=False, repr=False)
+    storage: torch.UntypedStorage = field(repr=False)
+    storage_bytes: int = field(repr=False)
 
     def __init__(self, layer: str, index: int, tensor: torch.Tensor, layout: Layout) -> None:
-        # Written here, not by the dataclass's __init__ and a __post_init__: a one-off call
-        # makes one Member per tensor, and frozen fields set one by one cost a microsecond.
+        # Written here (a dataclass makes no __init__ where the class has one), not by a
+        # generated __init__ and a __post_init__: a one-off call makes one Member per
+        # tensor, and frozen fields set one by one cost a microsecond.
         storage = tensor.untyped_storage()
         pointer = tensor.data_ptr()
         self.__dict__.update(

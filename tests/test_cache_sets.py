@@ -283,6 +283,7 @@ def test_a_member_s_repr_leaves_out_what_torch_reports_of_its_storage():
     member = CacheSet({"l": cache()}, "KBNHC").members[0]
     text = repr(member)
     assert "address=" in text and "data_ptr=" not in text and "storage_bytes=" not in text
+    assert "storage=" not in text  # a storage's repr lists its every byte: gigabytes for a cache
 
 
 def test_describes_answers_true_or_false():

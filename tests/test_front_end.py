@@ -506,3 +506,19 @@ def test_caches_that_moved_are_told_before_any_backend_refusal(target):
     with pytest.raises(kvhost.LayoutError, match="changed since it was registered"):
         host.receive({"a": [1, 2]}, remote_order="HNC", remote_block_size=8)
     assert backend.checked == 0
+
+
+def test_a_job_s_repr_leaves_out_what_backends_keep_and_a_job_equals_itself_alone():
+    """What a backend keeps on a job (tables, scratch: tensors of megabytes) stays out of its
+    repr; a job is one call's work, so it equals itself only, however alike two are."""
+    from kvhost.batch import plan_receive_batch
+    from kvhost.caches import CacheSet
+
+    cache_set = CacheSet({"l": make_cache("KBNHC", "KBNHC", SIZES)}, "KBNHC")
+    (job,) = plan_receive_batch(cache_set, {"r": [1, 2]}, "HNC", 4).jobs
+    job.derived["tables"], job.shared["scratch"] = "kept for the call", "shared by the call"
+    text = repr(job)
+    assert "unit_ids=" in text and "derived" not in text and "kept for" not in text and "shared" not in text
+    (twin,) = plan_receive_batch(cache_set, {"r": [1, 2]}, "HNC", 4).jobs
+    twin.derived["tables"], twin.shared["scratch"] = job.derived["tables"], job.shared["scratch"]
+    assert job == job and job != twin and len({job, twin}) == 2
