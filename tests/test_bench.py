@@ -588,3 +588,27 @@ def test_a_full_run_writes_the_committed_results_only_in_the_repository(tmp_path
     args = cli.parse([])
     assert (args.json, args.png) == (Path("docs/bench.json"), Path("docs/bench.png"))
     assert cli.parse(["--quick"]).json == Path("bench-results/bench-quick.json")
+
+
+def test_a_measuring_process_that_hangs_is_stopped_at_the_deadline(monkeypatch, tmp_path, capsys):
+    """The parent's wait for its measuring process has a deadline: past it, the process and
+    what it started are killed and the bench exits 124, saying so."""
+    monkeypatch.setattr(cli, "CHILD_DEADLINE_S", 3.0)  # time to start python and the sleeper, busy or not
+    pid_file = tmp_path / "sleeper"
+    script = (
+        "import pathlib, subprocess, sys, time; sleeper = subprocess.Popen(['sleep', '60']); "
+        "pathlib.Path(sys.argv[1]).write_text(str(sleeper.pid)); time.sleep(60)"
+    )
+    started = time.monotonic()
+    status = cli.measure_in_child([sys.executable, "-c", script, str(pid_file)], dict(os.environ), tmp_path / "r.json")
+    assert status == 124 and time.monotonic() - started < 30
+    assert "kvhost bench: stopped the measuring process after" in capsys.readouterr().err
+    sleeper = int(pid_file.read_text())
+    for _ in range(100):  # killed with its session; reaped by init once its parent is gone
+        try:
+            os.kill(sleeper, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the measuring process's own child {sleeper} outlived it")

@@ -178,6 +178,13 @@ def test_worker_threads_reach_nixl_and_bad_counts_are_refused():
     for bad in (True, -1, MAX_THREADS + 1, 2.0, "4"):
         with pytest.raises(ArgumentError, match=rf"threads {bad!r} must be an integer from 0 to {MAX_THREADS}"):
             Agent("threads-bad", threads=bad)
+    for bad in ("no", 0, None):  # flags: "no" was taken as yes
+        with pytest.raises(ArgumentError, match=rf"progress_thread must be True or False, got {bad!r}"):
+            Agent("flag-bad", progress_thread=bad)
+        with Agent("flag-register", progress_thread=False) as agent:
+            with pytest.raises(ArgumentError, match=rf"huge_pages must be True or False, got {bad!r}"):
+                agent.register({"l": torch.zeros(2, 4, 16)}, "BNC", huge_pages=bad)
+            assert not agent._registered  # refused before NIXL was asked
 
 
 @needs_nixl

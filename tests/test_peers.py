@@ -2717,3 +2717,37 @@ def test_a_socket_on_descriptor_0_is_waited_on_like_any_other():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.stdout.split() == ["True", "True"], run.stdout + run.stderr[-2000:]
+
+
+def test_the_entry_points_refuse_arguments_of_the_wrong_kind_as_kvhost_errors(tmp_path):
+    """What a caller hands the handshake's entry points is checked for its kind first: a
+    number for an address, no spec, a path with a NUL, a header or blob that is no mapping
+    or bytes raised AttributeError, TypeError, ValueError or RecursionError from inside."""
+    with pytest.raises(ArgumentError, match="an address must be a str, HOST:PORT, got int"):
+        parse_address(7600)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="spec must be an EngineSpec, got NoneType"):
+        connect(("127.0.0.1", 1), SECRET, None, timeout=0.3)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="a secret file is a path, got int"):
+        read_secret_file(5)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="embedded null byte"):
+        read_secret_file(str(tmp_path / "a\x00b"))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with pytest.raises(ArgumentError, match="spec must be an EngineSpec, got NoneType"):
+            Server(listener, SECRET, None, lambda hello: None)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentError, match=r"offer .* must be callables"):
+            Server(listener, SECRET, PREFILL, None)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="listener must be a listening socket, got str"):
+        Server("127.0.0.1:7600", SECRET, PREFILL, lambda hello: None)  # type: ignore[arg-type]
+    looped: dict[str, object] = {}
+    looped["self"] = looped
+    for kind, header, blob, message in (
+        (5, {}, b"", "a message is a kind"),
+        ("hello", [1], b"", "a message is a kind"),
+        ("hello", {}, "text", "its blob must be bytes, got str"),
+        ("hello", looped, b"", "cannot be sent as JSON"),
+    ):
+        with pytest.raises(ProtocolError, match=message):
+            encode(kind, header, blob)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="a frame is bytes, got NoneType"):
+        decode(None)  # type: ignore[arg-type]
+    assert decode(encode("hello", {"n": 1})).header["n"] == 1

@@ -328,9 +328,15 @@ def test_a_gather_costs_one_descriptor_per_remote_block_and_stream_when_heads_le
 
 
 def test_ranks_and_tp_out_of_range_are_refused():
-    for local_rank, local_tp, remote_tp in ((0, 0, 1), (0, 1, 0), (0, -2, 1), (0, 1, -2)):
-        with pytest.raises(LayoutError, match="cannot be shared evenly"):
-            head_shares(local_rank, local_tp, remote_tp, 8)
+    for local_rank, local_tp, remote_tp in ((0, 0, 1), (0, 1, 0), (0, -2, 1), (0, 1, -2), (0, 2048, 1), (0, 1, 2048)):
+        with pytest.raises(LayoutError, match=r"TP -?[0-9]+: an engine has 1 to 1024 ranks"):
+            head_shares(local_rank, local_tp, remote_tp, 1 << 16)
+    with pytest.raises(LayoutError, match="TP 3"):
+        head_shares(0, 3, 1, 8)  # in range, but not a divisor of the heads
+    assert len(head_shares(0, 1, 1024, 1 << 16)) == 1024 and len(head_shares(0, 1024, 1, 1 << 16)) == 1
+    for heads in (0, -8, (1 << 16) + 1024, 1 << 40):  # the last made a share per rank, unbounded
+        with pytest.raises(LayoutError, match="KV heads: an engine has 1 to 65536"):
+            head_shares(0, 1, 1024, heads)
     for local_rank in (-1, 2, 3):
         with pytest.raises(LayoutError, match=f"local rank {local_rank} is not one of 2 ranks"):
             head_shares(local_rank, 2, 1, 8)

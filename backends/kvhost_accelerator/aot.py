@@ -137,6 +137,9 @@ def resources(compiled: Any) -> Resources:
     return Resources(field("vgpr_count"), 4 * (field("vgpr_spill_count") + field("sgpr_spill_count")))
 
 
+PTXAS_S = 600.0  # one kernel's ptxas run (seconds, usually); a hung one fails the check
+
+
 def _ptxas_resources(ptx: str, arch: int) -> Resources:
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
@@ -146,9 +149,9 @@ def _ptxas_resources(ptx: str, arch: int) -> Resources:
         command = [get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(source)]
         command += ["-o", str(source.with_suffix(".cubin"))]
         # The allocator level Triton 3.9 passes to its ptxas 13 (older ones lack the option).
-        done = subprocess.run([*command, "--regAllocOptLevel=2"], capture_output=True, text=True)
+        done = subprocess.run([*command, "--regAllocOptLevel=2"], capture_output=True, text=True, timeout=PTXAS_S)
         if done.returncode:
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=PTXAS_S)
         log = done.stderr
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)

@@ -173,6 +173,12 @@ def load_nixl() -> ModuleType:
     )
 
 
+def _check_flag(value: object, name: str) -> None:
+    """Refuse a flag that is not a bool: "no" or 0.0 would be read as yes or no unsaid."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{name} must be True or False, got {show(value)}")
+
+
 class Agent:
     """A NIXL agent and the caches it exposes: what one engine holds for its lifetime.
 
@@ -207,6 +213,7 @@ class Agent:
     ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
             raise ArgumentError(f"threads {threads!r} must be an integer from 0 to {MAX_THREADS}")
+        _check_flag(progress_thread, "progress_thread")
         module = load_nixl()
         give_ucx_defaults()
         try:
@@ -265,6 +272,7 @@ class Agent:
         Memory that overlaps memory this agent registered before (the same caches again
         among it) is refused, an ArgumentError naming the layer, before NIXL is asked.
         """
+        _check_flag(huge_pages, "huge_pages")
         cache_set = as_cache_set(caches, axes)
         table = region_table(cache_set)
         tensors = [m.tensor for m in cache_set.members]

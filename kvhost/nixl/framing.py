@@ -63,6 +63,10 @@ def encode(kind: str, header: Mapping[str, Any], blob: bytes = b"") -> bytes:
 
     Flat unsigned numpy integer arrays anywhere in ``header`` travel as arrays.
     """
+    if not isinstance(kind, str) or not isinstance(header, Mapping):
+        raise ProtocolError(f"a message is a kind (a str) and a header (a mapping), got {show(kind)}, {show(header)}")
+    if not isinstance(blob, (bytes, bytearray)):
+        raise ProtocolError(f"message {kind!r}: its blob must be bytes, got {type(blob).__name__}")
     if "kind" in header:  # it would replace the message's own kind
         raise ProtocolError(f"message {kind!r}: its header must not name 'kind'")
     parts: list[bytes] = []
@@ -87,7 +91,7 @@ def encode(kind: str, header: Mapping[str, Any], blob: bytes = b"") -> bytes:
 
     try:
         body = json.dumps({"kind": kind, **pack(header)}, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RecursionError) as err:  # RecursionError: a header that holds itself
         raise ProtocolError(f"message {kind!r} cannot be sent as JSON: {err}") from None
     arrays = b"".join(parts)
     values = json_values(body)
@@ -152,6 +156,8 @@ def parse_body(body: bytes | bytearray, blob: bytes, crc: int, arrays: bytes | b
 
 def decode(data: bytes) -> Message:
     """One whole frame from bytes; trailing bytes are an error."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"a frame is bytes, got {type(data).__name__}")
     json_len, blob_len, array_len, crc = parse_header(data)
     total = HEADER_BYTES + json_len + blob_len + array_len
     if len(data) < total:

@@ -126,6 +126,8 @@ def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
     anything but a regular file (a FIFO with no writer would block its open forever).
     """
     most = MAX_SECRET_DIGITS + 2  # and a line end
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError(f"a secret file is a path, got {type(path).__name__}")
     if path == "-":
         where = "standard input"
         data = _read_line(sys.stdin.fileno(), check_seconds(timeout, "secret timeout"), most, where)
@@ -136,6 +138,8 @@ def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
             descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
         except OSError as err:
             raise ProtocolError(f"{where}: {err.strerror}") from None
+        except ValueError as err:  # a NUL in the path
+            raise ArgumentError(f"{where}: {err}") from None
         try:
             mode = os.fstat(descriptor).st_mode
             if not stat.S_ISREG(mode):
@@ -432,6 +436,8 @@ def _readable(socks: Sequence[socket.socket], seconds: float) -> list[socket.soc
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     """``HOST:PORT`` (``[V6]:PORT``, or ``PORT`` alone on ``default_host``) as a pair; a bad one
     is an ArgumentError (a ValueError, as argparse expects of a type)."""
+    if not isinstance(text, str):
+        raise ArgumentError(f"an address must be a str, HOST:PORT, got {type(text).__name__}")
     if text.startswith("["):  # [V6]:PORT
         host, sep, port = text[1:].partition("]:")
         if not sep or "[" in host or "]" in host:
@@ -492,6 +498,8 @@ def connect(
     seconds = check_seconds(timeout, "connect timeout")
     check_secret(secret)
     _check_address(address)
+    if not isinstance(spec, EngineSpec):
+        raise ArgumentError(f"spec must be an EngineSpec, got {type(spec).__name__}")
     _check_extra(extra or {}, ("proof", "engine"), "the engine message")
     # Its size as sent (the proof is 64 hex digits whatever the nonces): prefill would drop a
     # larger one unread, and this side would hear only that the connection was reset.

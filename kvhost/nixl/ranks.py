@@ -55,6 +55,7 @@ from kvhost.nixl.agent import (
     post_all,
     post_rows,
 )
+from kvhost.nixl.engine import MAX_HEADS, MAX_RANKS
 from kvhost.nixl.fields import check_seconds
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch, checked_request_ids, plan_transfer
 from kvhost.nixl.tables import MAX_STREAMS, WINDOW_RUN, RegionTable, Stream
@@ -83,8 +84,12 @@ def head_shares(local_rank: int, local_tp: int, remote_tp: int, kv_heads: int) -
     local_rank, local_tp, remote_tp, kv_heads = _counts(
         local_rank=local_rank, local_tp=local_tp, remote_tp=remote_tp, kv_heads=kv_heads
     )
+    if not 1 <= kv_heads <= MAX_HEADS:
+        raise LayoutError(f"{kv_heads} KV heads: an engine has 1 to {MAX_HEADS}")
     for name, tp in (("local", local_tp), ("remote", remote_tp)):
-        if tp < 1 or kv_heads % tp:
+        if not 1 <= tp <= MAX_RANKS:
+            raise LayoutError(f"{name} TP {tp}: an engine has 1 to {MAX_RANKS} ranks")
+        if kv_heads % tp:
             raise LayoutError(f"{kv_heads} KV heads cannot be shared evenly by {name} TP {tp}")
     if not 0 <= local_rank < local_tp:
         raise LayoutError(f"local rank {local_rank} is not one of {local_tp} ranks")

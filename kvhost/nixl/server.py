@@ -134,6 +134,12 @@ class Server:
         send_timeout: float = 10.0,
         log: Callable[[str], None] | None = None,
     ) -> None:
+        if not isinstance(listener, socket.socket):
+            raise ArgumentError(f"listener must be a listening socket, got {type(listener).__name__}")
+        if not isinstance(spec, EngineSpec):
+            raise ArgumentError(f"spec must be an EngineSpec, got {type(spec).__name__}")
+        if not callable(offer) or (release is not None and not callable(release)):
+            raise ArgumentError("offer (and release, where given) must be callables")
         self.listener = listener
         self.secret = check_secret(secret)
         self.spec = spec

@@ -322,6 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
 
 
+CHILD_DEADLINE_S = 12 * 3600.0  # the longest a measuring process may run (a full bench: about half an hour)
+STOP_WAIT_S = 30.0  # for a process killed to be gone
+
+
 def measure_in_child(command: list[str], env: dict[str, str], results: Path) -> int:
     """Run ``command`` (the bench, ``--in-process``) and wait for it; its exit status.
 
@@ -353,7 +357,13 @@ def measure_in_child(command: list[str], env: dict[str, str], results: Path) -> 
         child = subprocess.Popen(command, env={**env, PARENT_ENV: str(os.getpid())}, start_new_session=True)
         if received:
             child.send_signal(signal.SIGTERM)
-        returncode = child.wait()
+        try:
+            returncode = child.wait(timeout=CHILD_DEADLINE_S)
+        except subprocess.TimeoutExpired:  # hung: the full bench takes tens of minutes, not this
+            kill_session(child.pid)
+            child.wait(timeout=STOP_WAIT_S)
+            print(f"kvhost bench: stopped the measuring process after {CHILD_DEADLINE_S / 3600:g} h", file=sys.stderr)
+            return 124
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)

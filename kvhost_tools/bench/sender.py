@@ -19,6 +19,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
@@ -58,6 +59,7 @@ PROGRESS = ("poll", "thread")
 # buffers): Agent.register's default, or memory as the allocator left it.
 HUGE_PAGES = ("on", "off")
 POLL_S = 1e-4
+IDLE_S = 24 * 3600.0  # the longest the sender waits for the receiver's next message
 SEED = 1000  # the sender's layer i holds fill_random(seed SEED + i)
 
 
@@ -218,10 +220,11 @@ def peer_main(argv: Sequence[str]) -> int:
                 touched = np.concatenate([touched, block_ranges(pack, axes, every)])
         send(sock, "hello", hello, agent.metadata(), timeout=TIMEOUT_S)
         while True:
-            if not thread:  # drive the transport while no control message waits
-                while not select.select([sock], [], [], POLL_S)[0]:
+            until = time.monotonic() + IDLE_S
+            if not thread:  # drive the transport while no control message waits, up to the idle bound
+                while not select.select([sock], [], [], POLL_S)[0] and time.monotonic() < until:
                     agent.nixl.get_new_notifs()
-            message = receive(sock, timeout=24 * 3600.0)
+            message = receive(sock, timeout=max(until - time.monotonic(), 0.0))
             if message.kind == "evict":
                 if touched is None:
                     raise KVHostError(f"evict: the sender's cache is in {args.device} memory, which is not evicted")
