@@ -157,12 +157,12 @@ MODULES = [
     # vLLM's words for caches and layouts, turned into kvhost's (no vLLM needed).
     Module("kvhost/integrations/vllm.py", ("tests/test_vllm_adapter.py",)),
     # The connector itself, inside vLLM's own worker: run by ci/vllm.sh's interpreter, with
-    # VLLM_TARGET_DEVICE=cpu (README, "Testing").
+    # VLLM_TARGET_DEVICE=cpu (ci/README.md, vllm.sh).
     Module("kvhost/integrations/vllm_connector.py", ("tests/test_vllm_connector.py",), needs="vllm"),
     Module("kvhost/raw.py", ("tests/test_backends.py", "tests/test_nixl.py", *CONFORMANCE)),
     Module("kvhost/stats.py", ("tests/test_front_end.py", "tests/test_nixl.py", *CONFORMANCE)),
     # The TPU backend: its bucket sizes anywhere; the rest on a real XLA device (torch_xla on
-    # the CPU: ci/tpu.sh's interpreter, README "Testing"), judged by the xla target's tests.
+    # the CPU: ci/tpu.sh's interpreter, ci/README.md), judged by the xla target's tests.
     Module("backends/kvhost_tpu/buckets.py", ("tests/test_tpu_buckets.py",)),
     Module(
         "backends/kvhost_tpu/backend.py",

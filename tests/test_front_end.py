@@ -522,3 +522,18 @@ def test_a_job_s_repr_leaves_out_what_backends_keep_and_a_job_equals_itself_alon
     (twin,) = plan_receive_batch(cache_set, {"r": [1, 2]}, "HNC", 4).jobs
     twin.derived["tables"], twin.shared["scratch"] = job.derived["tables"], job.shared["scratch"]
     assert job == job and job != twin and len({job, twin}) == 2
+
+
+def test_the_receive_oracle_refuses_a_request_of_part_of_a_sender_block():
+    """The oracle sends whole sender blocks, as a sender does: ids that are part of one (a
+    plugin author's first try) are a RequestError saying so, not torch's error from inside."""
+    case = ReceiveCase({"l": make_cache("KBNHC", "KBNHC", SIZES)}, "KBNHC", seed=1)  # blocks of 8 tokens
+    before = case.snapshot()
+    with pytest.raises(kvhost.RequestError, match=r"request 'r': 3 block ids are not whole sender blocks.* spans 2"):
+        case.send("r", [1, 2, 3], "HNC", 16)
+    with pytest.raises(kvhost.RequestError, match=r"block sizes 8 \(local\) and 3 \(remote\) do not divide"):
+        case.send("r", [1], "HNC", 3)
+    assert case.same_as(before) and not case.requests
+    case.send("r", [1, 2], "HNC", 16)
+    kvhost.receive(case.caches, {"r": kvhost.Incoming([1, 2], "HNC", 16)}, axes="KBNHC")
+    case.check()

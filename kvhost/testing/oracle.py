@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from kvhost.caches import CacheSet, Layer, Member
+from kvhost.errors import RequestError
 from kvhost.layout import Layout
 from kvhost.raw import raw_dtype
 from kvhost.registry import get_backend
+from kvhost.transform import block_ratio
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,6 +174,13 @@ class ReceiveCase:
         remote_block_size: int,
         tokens: int | None = None,
     ) -> None:
+        # A sender block spans g local blocks where it is g times larger: a request sends whole ones.
+        g = block_ratio(self.set.layout.block_size, remote_block_size, RequestError)[1]
+        if len(block_ids) % g:
+            raise RequestError(
+                f"request {name!r}: {len(block_ids)} block ids are not whole sender blocks: a sender block "
+                f"of {remote_block_size} tokens spans {g} local blocks of {self.set.layout.block_size}"
+            )
         truths = {}
         for i, member in enumerate(self.set.members):
             layout = member.layout
