@@ -22,6 +22,7 @@ from kvhost.errors import (
     brief,
     failure,
     shown,
+    shown_name,
 )
 from kvhost.lru import LRU
 from kvhost.registry import get_backend
@@ -127,7 +128,7 @@ class KVHost:
         """The registered layers ``layers`` names, as a set of their own, and its key: a set
         kept from an earlier receive, or one made now (kept by the caller once planned)."""
         if isinstance(layers, str) or not isinstance(layers, (list, tuple)):
-            raise ArgumentError(f"layers must be a list or tuple of layer names, got {layers!r}")
+            raise ArgumentError(f"layers must be a list or tuple of layer names, got {shown(layers)}")
         key = tuple(layers)
         try:
             known = self._some_layers.get(key)
@@ -139,9 +140,11 @@ class KVHost:
             raise ArgumentError("layers: name at least one layer (None: every layer)")
         for index, name in enumerate(key):
             if not isinstance(name, str) or name not in self._given:
-                raise ArgumentError(f"layers[{index}]: {name!r} is not a registered layer ({len(self._given)} are)")
+                raise ArgumentError(
+                    f"layers[{index}]: {shown_name(name)} is not a registered layer ({len(self._given)} are)"
+                )
             if name in key[:index]:
-                raise ArgumentError(f"layers[{index}]: {name!r} is named twice")
+                raise ArgumentError(f"layers[{index}]: {shown_name(name)} is named twice")
         # Made from the tensors as they are now: only while they are where they were registered.
         self.caches.check_current()
         return key, CacheSet({name: self._given[name] for name in key}, self.caches.axes)
@@ -247,7 +250,7 @@ def _copy(
     source: CacheSet, dest: CacheSet, src_ids: Ids, dst_ids: Ids, non_blocking: bool, backend: Backend
 ) -> CopyResult:
     if not isinstance(non_blocking, bool):
-        raise RequestError(f"non_blocking must be True or False, got {non_blocking!r}")
+        raise RequestError(f"non_blocking must be True or False, got {shown(non_blocking)}")
     if source.device.type == "meta" != dest.device.type:  # meta to meta moves nothing, as it should
         raise LayoutError(
             f"src layer {next(iter(source.layers))!r} is on meta: it has no bytes to copy to {dest.device.type}"
@@ -398,7 +401,7 @@ def _backend(backend: str | Backend | None, device: torch.device, *sets: tuple[M
     if isinstance(backend, Backend):
         return backend
     if backend is not None and not isinstance(backend, str):
-        raise BackendError(f"backend must be a name, a kvhost.Backend or None, got {backend!r}")
+        raise BackendError(f"backend must be a name, a kvhost.Backend or None, got {shown(backend)}")
     try:
         return get_backend(device, backend)
     except BackendError:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from kvhost.errors import ArgumentError, failure
+from kvhost.errors import ArgumentError, failure, shown
 from kvhost.raw import as_raw
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def check_sizes(**options: object) -> None:
     is none); an ArgumentError names the first that is not."""
     for name, value in options.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ArgumentError(f"{name} must be a non-negative integer, got {value!r}")
+            raise ArgumentError(f"{name} must be a non-negative integer, got {shown(value)}")
 
 
 class Backend(ABC):

@@ -166,7 +166,7 @@ def plan_receive_batch(
         try:
             caches.receive_groups(*call_key)
         except KVHostError as err:
-            call = f"remote_order {remote_order!r}, remote_block_size {remote_block_size!r}"
+            call = f"remote_order {shown(remote_order)}, remote_block_size {shown(remote_block_size)}"
             raise ArgumentError(f"{call}: {err}") from None
 
     # The planner validates letters and sizes, for each layout (once per key: the cache set keeps its plans).
@@ -458,7 +458,7 @@ def _tokens(tokens: object, what: str) -> int:
     """A request's count of tokens that arrived: a positive integer, never coerced."""
     value = integer_value(tokens)
     if value is None or value < 1:
-        raise RequestError(f"{what} must be a positive integer, got {tokens!r}")
+        raise RequestError(f"{what} must be a positive integer, got {shown(tokens)}")
     return value
 
 
@@ -470,5 +470,5 @@ def _remote_block_size(size: object, default: int, what: str) -> int:
         return size
     value = integer_value(size)
     if value is None or value < 1:
-        raise RequestError(f"{what} must be a positive integer, got {size!r}")
+        raise RequestError(f"{what} must be a positive integer, got {shown(size)}")
     return value

@@ -79,7 +79,8 @@ class IdBatch:
             if not all(_integer_type(kind) for kind in kinds):
                 position = next(i for i, x in enumerate(flat) if not _integer_type(type(x)))
                 subject, at = self._where(position)
-                raise RequestError(f"{subject}: block ids must be integers, got {flat[position]!r} at position {at}")
+                got = shown(flat[position])
+                raise RequestError(f"{subject}: block ids must be integers, got {got} at position {at}")
             # Their own values, which the int64 array is then made of: an int subclass's
             # comparisons or hash, or a numpy integer subclass's ``__index__`` and
             # ``__int__``, may say otherwise, and the range is checked on these.

@@ -277,7 +277,7 @@ def _device_type(device: torch.device | str) -> str:
         return torch.device(device).type
     except (RuntimeError, TypeError, ValueError) as err:
         # torch's own message lists every device type it knows, or every signature of torch.device.
-        raise BackendError(f"no backend for device {device!r}: torch.device() does not accept it") from err
+        raise BackendError(f"no backend for device {shown(device)}: torch.device() does not accept it") from err
 
 
 def _reason(cls: type[Backend]) -> str | None:
@@ -313,7 +313,7 @@ def get_backend(device: torch.device | str | torch.Tensor, name: str | None = No
         device = device.device
     if name is not None:
         if not isinstance(name, str):
-            raise BackendError(f"a backend's name must be a string, got {name!r}")
+            raise BackendError(f"a backend's name must be a string, got {shown(name)}")
         device_type = _device_type(device)
         backend = registry.instance(name)
         if not _serves(type(backend), device_type):

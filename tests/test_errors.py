@@ -207,3 +207,32 @@ def test_first_line_is_an_exceptions_first_line_or_nothing():
     assert first_line(RuntimeError("  out of memory\nTried to allocate 2 MiB\n")) == "out of memory"
     assert first_line(MemoryError()) == "" and first_line(RuntimeError("\n \n")) == ""
     assert first_line(Unreadable()) == "(its message could not be read)"
+
+
+class _Unprintable:
+    """A value whose repr raises, as a caller's odd object may."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def test_a_value_whose_repr_raises_is_named_by_its_type_in_a_kvhost_error():
+    """Messages show a caller's value through ``shown``: a repr that raises once escaped as
+    that RuntimeError from inside the message, in place of the refusal."""
+    odd = _Unprintable()
+    cache = {"l": make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=4, H=2, C=4))}
+    host = kvhost.KVHost(cache, axes="KBNHC")
+    calls = [
+        (lambda: host.receive({"r": [1]}, remote_order="HNC", remote_block_size=2, layers=odd), "got a _Unprintable"),
+        (lambda: host.receive({"r": [1]}, remote_order="HNC", remote_block_size=2, layers=[odd]), "a _Unprintable"),
+        (lambda: host.copy_to(cache, [1], [2], non_blocking=odd), "got a _Unprintable"),
+        (lambda: kvhost.receive(cache, {"r": [1]}, axes="KBNHC", backend=odd), "got a _Unprintable"),
+        (lambda: kvhost.receive(cache, {"r": kvhost.Incoming([1], "HNC", 2, tokens=odd)}, axes="KBNHC"), "a _Un"),
+        (lambda: kvhost.receive(cache, {"r": [1]}, axes="KBNHC", remote_order="HNC", remote_block_size=odd), "a _Un"),
+        (lambda: kvhost.receive(cache, {"r": [1, odd]}, axes="KBNHC", remote_order="HNC", remote_block_size=2), "_Un"),
+        (lambda: kvhost.get_backend(odd), "a _Unprintable"),
+        (lambda: kvhost.get_backend("cpu", odd), "a _Unprintable"),
+    ]
+    for call, said in calls:
+        with pytest.raises(kvhost.KVHostError, match=said):
+            call()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_nixl import needs_nixl
 
+from kvhost.errors import ArgumentError
 from kvhost.nixl import hugepages
 from kvhost.nixl.hugepages import (
     HugePages,
@@ -240,3 +241,26 @@ def test_agent_registration_backs_host_caches() -> None:
         first = -(-tensor.data_ptr() // PAGE) * PAGE
         assert huge_bytes_in(first, first + PAGE) >= PAGE
         assert bool((tensor == 1).all())
+
+
+def test_spans_are_checked_before_the_kernel_is_asked() -> None:
+    """A span of 2**63 bytes was asked of the kernel a huge page at a time (a call that never
+    ended); spans that are no (address, bytes) pair of ints in the address space are refused."""
+    buffer = torch.zeros(1 << 20, dtype=torch.uint8)
+    bad = [
+        [(buffer.data_ptr(), 2**63)],
+        [(2.5, 4096)],
+        [(True, 4096)],
+        [(-4096, 4096)],
+        [(4096,)],
+        [None],
+        [(1 << 57, 1)],
+    ]
+    for spans in bad:
+        with pytest.raises(ArgumentError, match=r"span 0: .* is not \(address, bytes\) within the address space"):
+            back_with_huge_pages(spans)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="spans must be a list of"):
+        back_with_huge_pages(None)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="takes tensors"):
+        back_host_tensors_with_huge_pages([None])  # type: ignore[list-item]
+    assert back_with_huge_pages([(np.int64(buffer.data_ptr()), 4096)]).asked == 0  # inside one page: nothing asked

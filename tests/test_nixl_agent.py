@@ -185,6 +185,36 @@ def test_worker_threads_reach_nixl_and_bad_counts_are_refused():
             with pytest.raises(ArgumentError, match=rf"huge_pages must be True or False, got {bad!r}"):
                 agent.register({"l": torch.zeros(2, 4, 16)}, "BNC", huge_pages=bad)
             assert not agent._registered  # refused before NIXL was asked
+    for name in (None, b"bytes", ""):
+        with pytest.raises(ArgumentError, match="an agent's name must be a non-empty str"):
+            Agent(name, progress_thread=False)  # type: ignore[arg-type]
+    for backends in ("UCX", None, [b"UCX"]):  # a str was iterated letter by letter
+        with pytest.raises(ArgumentError, match="backends must be a list of NIXL backend names"):
+            Agent("backends-bad", backends=backends, progress_thread=False)  # type: ignore[arg-type]
+
+
+@needs_nixl
+def test_readers_refuse_what_is_no_agent_plan_or_peer_name():
+    """A Reader made directly, not by ``Agent.reader``, checks what it is given as that does:
+    wrong kinds were a TransferError quoting pybind, or an AttributeError."""
+    from kvhost.nixl import RankReader, Reader, plan_ranks
+
+    cache = {"l": torch.zeros(2, 4, 16, 2, 8)}
+    with Agent("reader-kinds", progress_thread=False) as agent:
+        table = agent.register(cache, "KBNHC", huge_pages=False)
+        plan = plan_transfer(table, table)
+        ranks = plan_ranks(table, 0, 1, [table])
+        for args, said in (
+            ((None, plan, "peer"), "a Reader takes an Agent and a TransferPlan"),
+            ((agent, None, "peer"), "a Reader takes an Agent and a TransferPlan"),
+            ((agent, plan, True), "a peer is named by the text add_peer returned, got True"),
+        ):
+            with pytest.raises(ArgumentError, match=said):
+                Reader(*args)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentError, match="a RankReader takes a RankPlan"):
+            RankReader(agent, None, {0: "peer"})  # type: ignore[arg-type]
+        with pytest.raises(ArgumentError, match="a peer is named by the text add_peer returned, got True"):
+            RankReader(agent, ranks, {0: True})  # type: ignore[dict-item]
 
 
 @needs_nixl
@@ -653,9 +683,16 @@ def test_memory_an_agent_registered_is_refused_again_before_nixl_is_asked(monkey
 
 
 @needs_nixl
-def test_nixl_refusing_an_agent_or_its_memory_is_a_kvhost_error():
-    with pytest.raises(NixlUnavailableError, match="could not start NIXL agent None: TypeError"):
-        Agent(None)  # type: ignore[arg-type]
+def test_nixl_refusing_an_agent_or_its_memory_is_a_kvhost_error(monkeypatch):
+    from kvhost.nixl.agent import load_nixl
+
+    def refuse(**config):
+        raise RuntimeError("NIXL says no")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(load_nixl(), "nixl_agent_config", refuse)
+        with pytest.raises(NixlUnavailableError, match="could not start NIXL agent 'refused': RuntimeError: NIXL says"):
+            Agent("refused")
     refused = "agent 'no-transport': registering 2 memory spans failed: NIXL_ERR_NOT_FOUND"
     with Agent("no-transport", backends=()) as bare, pytest.raises(TransferError, match=refused):
         bare.register(caches_for("KBNHC", "KBNHC", SIZES, 4, 4, seed=7), "KBNHC")

@@ -2751,3 +2751,24 @@ def test_the_entry_points_refuse_arguments_of_the_wrong_kind_as_kvhost_errors(tm
     with pytest.raises(ProtocolError, match="a frame is bytes, got NoneType"):
         decode(None)  # type: ignore[arg-type]
     assert decode(encode("hello", {"n": 1})).header["n"] == 1
+
+
+def test_done_sends_only_a_bool_and_the_server_takes_only_callables():
+    """``done(ok=)`` reaches prefill as given: "no" would have been read as a word there.
+    A log or a stop that is no callable was taken and failed later, swallowed or as a TypeError."""
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        session = Session(mine, "pair", Offer(PREFILL, [], [], [], beat_seconds=5.0))
+        for ok in ("no", None, 1):
+            with pytest.raises(ArgumentError, match="ok must be True or False"):
+                session.done(ok=ok, timeout=1)  # type: ignore[arg-type]
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1)  # nothing was sent
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with pytest.raises(ArgumentError, match="must be callables"):
+            Server(listener, SECRET, PREFILL, lambda hello: None, log=5)  # type: ignore[arg-type]
+        server = Server(listener, SECRET, PREFILL, lambda hello: None)
+        for stop in (False, True, 0):
+            with pytest.raises(ArgumentError, match="stop: expected None or a callable"):
+                server.serve(peers=None, idle_timeout=1, stop=stop)  # type: ignore[arg-type]

@@ -462,6 +462,27 @@ def test_numpy_integers_are_block_sizes_and_counts_and_bools_are_not():
     assert case.same_as(snapshot)
 
 
+def test_engine_and_request_ids_are_strings_and_odd_sizes_are_refused():
+    """Request and engine ids are strings, as kvhost.receive holds them to; a RemoteEngine
+    given as None is said to be one, not missing; a shape with a negative size and host
+    buffers past int64 are LayoutErrors."""
+    kv, case, before, good = flash_attn_decoder(seed=6)
+    with pytest.raises(kvhost.RequestError, match=r"engine ids must be strings, got None \(NoneType\)"):
+        kv.post_process({None: {"r": [1, 2]}}, {None: good})
+    with pytest.raises(kvhost.RequestError, match=r"engine 'p': request ids must be strings, got 7 \(int\)"):
+        kv.post_process({"p": {7: [1, 2]}}, {"p": good})
+    with pytest.raises(kvhost.RequestError, match="engine 'p': remote_engines gives a NoneType, not a RemoteEngine"):
+        kv.post_process({"p": {"r": [1, 2]}}, {"p": None})
+    host = kv.host_buffers()
+    with pytest.raises(kvhost.RequestError, match=r"request ids must be strings, got None \(NoneType\)"):
+        kv.save_to_host(host, {None: [1, 2]})
+    assert case.same_as(before)
+    with pytest.raises(kvhost.LayoutError, match=r"a cache's shape has a negative size: \(2, -1, 8, 2, 4\)"):
+        kv_cache_axes("flash_attn", (2, -1, 8, 2, 4))
+    with pytest.raises(kvhost.LayoutError, match="host buffers of 9223372036854775808 blocks cannot be made"):
+        kv.host_buffers(num_blocks=2**63)
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_layers_without_strides_are_refused_as_layout_errors():
     """Nested and sparse layers are refused naming the layer, before their strides or

@@ -311,6 +311,8 @@ class VllmCaches:
         engine_of: dict[str, str] = {}
         sender: dict[str, tuple[str, int]] = {}  # engine -> its remote order and block size
         for engine_id, by_request in received.items():
+            if not isinstance(engine_id, str):
+                raise RequestError(f"engine ids must be strings, got {shown(engine_id)} ({type(engine_id).__name__})")
             if not isinstance(by_request, Mapping):
                 raise RequestError(
                     f"engine {shown_name(engine_id)}: received must map request id to block ids, "
@@ -318,6 +320,11 @@ class VllmCaches:
                 )
             sender[engine_id] = self._sender(engine_id, remote_engines)
             for request_id, ids in by_request.items():
+                if not isinstance(request_id, str):
+                    raise RequestError(
+                        f"engine {shown_name(engine_id)}: request ids must be strings, got {shown(request_id)} "
+                        f"({type(request_id).__name__})"
+                    )
                 if request_id in engine_of:
                     raise RequestError(
                         f"request {shown_name(request_id)} is listed under engine {shown_name(engine_of[request_id])} "
@@ -350,10 +357,10 @@ class VllmCaches:
     def _sender(self, engine_id: str, remote_engines: Mapping[str, RemoteEngine]) -> tuple[str, int]:
         """The remote order and block size of an engine that sent blocks, from its
         ``RemoteEngine``, checked."""
-        remote = remote_engines.get(engine_id)
-        if remote is None:
+        if engine_id not in remote_engines:
             known = ", ".join(map(shown_name, remote_engines)) or "none"
             raise RequestError(f"engine {shown_name(engine_id)} sent blocks but has no RemoteEngine (known: {known})")
+        remote = remote_engines[engine_id]
         if not isinstance(remote, RemoteEngine):
             raise RequestError(
                 f"engine {shown_name(engine_id)}: remote_engines gives a {type(remote).__name__}, not a RemoteEngine"
@@ -409,6 +416,10 @@ class VllmCaches:
             limit, what = host_blocks, "host buffer block id"
         batch = IdBatch(limit, what=what, unique=False)  # a shared prefix names a block twice: copied once
         for request_id, ids in block_ids.items():
+            if not isinstance(request_id, str):
+                raise RequestError(
+                    f"request ids must be strings, got {shown(request_id)} ({type(request_id).__name__})"
+                )
             batch.add(f"request {shown_name(request_id)}", ids)
         batch.check()
         # Ascending ids make the longest runs of consecutive blocks: fewer, larger copies.
@@ -494,7 +505,9 @@ def _dims(shape: object) -> tuple[int, ...]:
     dims = tuple(map(integer_value, shape))
     if None in dims:
         dim = shape[dims.index(None)]
-        raise LayoutError(f"a cache's shape must be a sequence of integers, got {shown(dim)} in {tuple(shape)}")
+        raise LayoutError(f"a cache's shape must be a sequence of integers, got {shown(dim)} in {shown(tuple(shape))}")
+    if any(d < 0 for d in dims):  # type: ignore[operator]  # none is None
+        raise LayoutError(f"a cache's shape has a negative size: {tuple(shape)}")
     return dims  # type: ignore[return-value]
 
 
@@ -532,6 +545,6 @@ def _host_tensor(member: Member, physical: str | None, num_blocks: int) -> torch
     sizes["B"] = num_blocks
     try:
         memory = torch.empty([sizes[a] for a in order], dtype=member.tensor.dtype)
-    except RuntimeError as err:  # too large to count or to allocate
+    except (RuntimeError, TypeError, OverflowError) as err:  # too large to count (past int64) or to allocate
         raise LayoutError(f"host buffers of {num_blocks} blocks cannot be made: {err}") from None
     return memory.permute([order.index(a) for a in layout.axes])

@@ -115,7 +115,7 @@ def _keep_agents_holding_transfers_past_exit() -> None:
             keep_past_exit(agent)
 
 
-def _check_peer_name(peer: object) -> None:
+def check_peer_name(peer: object) -> None:
     if type(peer) is not str:
         raise ArgumentError(f"a peer is named by the text add_peer returned, got {show(peer)}")
 
@@ -214,6 +214,10 @@ class Agent:
         if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
             raise ArgumentError(f"threads {threads!r} must be an integer from 0 to {MAX_THREADS}")
         _check_flag(progress_thread, "progress_thread")
+        if not isinstance(name, str) or not name:
+            raise ArgumentError(f"an agent's name must be a non-empty str, got {show(name)}")
+        if not isinstance(backends, (list, tuple)) or not all(isinstance(b, str) for b in backends):
+            raise ArgumentError(f"backends must be a list of NIXL backend names, as ['UCX'], got {show(backends)}")
         module = load_nixl()
         give_ucx_defaults()
         try:
@@ -374,7 +378,7 @@ class Agent:
     def remove_peer(self, peer: str) -> None:
         """Let go of a peer NIXL has loaded. Refused (TransferError) while a transfer towards
         it is being posted, or posted and not released: it uses the keys NIXL holds for the peer."""
-        _check_peer_name(peer)
+        check_peer_name(peer)
         with self._lock:
             self._check_unused(peer)
             if peer in self._peers:
@@ -399,7 +403,7 @@ class Agent:
             self._check_open()
             if not isinstance(plan, TransferPlan):
                 raise ArgumentError(f"plan must be a TransferPlan (plan_transfer's), got {show(plan)}")
-            _check_peer_name(peer)
+            check_peer_name(peer)
             if peer not in self._peers:
                 raise TransferError(f"agent {self.name!r} has no peer {peer!r}: add_peer its metadata first")
             reader = Reader(self, plan, peer, max_descriptor_bytes=max_descriptor_bytes)
@@ -519,6 +523,12 @@ class Reader:
         self, agent: Agent, plan: TransferPlan, peer: str, *, max_descriptor_bytes: int | None = MAX_DESCRIPTOR_BYTES
     ) -> None:
         check_descriptor_bound(max_descriptor_bytes)
+        if not isinstance(agent, Agent) or not isinstance(plan, TransferPlan):
+            raise ArgumentError(
+                f"a Reader takes an Agent and a TransferPlan (plan_transfer's), got "
+                f"{type(agent).__name__} and {type(plan).__name__}"
+            )
+        check_peer_name(peer)
         self.agent = agent
         self.plan = plan
         self.peer = peer

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from kvhost.errors import ArgumentError, shown
+from kvhost.ids import integer_value
 from kvhost.nixl.tables import memory_spans
 
 MADV_HUGEPAGE = 14
@@ -59,6 +61,9 @@ class HugePages:
     def describe(self) -> str:
         text = f"huge pages: {self.collapsed >> 20} of {self.asked >> 20} MiB"
         return f"{text} ({self.reason})" if self.reason else text
+
+
+ADDRESS_SPACE = 1 << 57  # bytes a process may address (x86-64 with five-level paging)
 
 
 @cache
@@ -89,7 +94,7 @@ def back_with_huge_pages(spans: Sequence[tuple[int, int]]) -> HugePages:
     touched yet, which the kernel answers EINVAL; no free huge page) leaves the others be.
     """
     page = huge_page_bytes()
-    inner = [(first, last) for first, last in _whole_pages(spans, page) if last > first]
+    inner = [(first, last) for first, last in _whole_pages(_checked_spans(spans), page) if last > first]
     asked = sum(last - first for first, last in inner)
     if not asked:
         return HugePages()
@@ -112,8 +117,26 @@ def back_with_huge_pages(spans: Sequence[tuple[int, int]]) -> HugePages:
 def back_host_tensors_with_huge_pages(tensors: Iterable[torch.Tensor]) -> HugePages:
     """``back_with_huge_pages`` over the memory of ``tensors`` in host memory; tensors on a
     device, or pinned for one, are left as they are."""
+    tensors = list(tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ArgumentError("back_host_tensors_with_huge_pages takes tensors")
     host = [t for t in tensors if t.device.type == "cpu" and not t.is_pinned()]
     return back_with_huge_pages(memory_spans(host))
+
+
+def _checked_spans(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (address, bytes) spans as ints within a process's address space, or an ArgumentError:
+    a span of 2**63 bytes would be asked of the kernel one huge page at a time, for ever."""
+    if not isinstance(spans, (list, tuple)):
+        raise ArgumentError(f"spans must be a list of (address, bytes) pairs, got {type(spans).__name__}")
+    checked = []
+    for i, span in enumerate(spans):
+        pair = span if isinstance(span, (list, tuple)) and len(span) == 2 else (None, None)
+        address, nbytes = integer_value(pair[0]), integer_value(pair[1])
+        if address is None or nbytes is None or address < 0 or nbytes < 0 or address + nbytes > ADDRESS_SPACE:
+            raise ArgumentError(f"span {i}: {shown(span)} is not (address, bytes) within the address space")
+        checked.append((address, nbytes))
+    return checked
 
 
 def _whole_pages(spans: Sequence[tuple[int, int]], page: int) -> list[tuple[int, int]]:

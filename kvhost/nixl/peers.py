@@ -384,6 +384,8 @@ class Session:
         # Not 0: no answer can come in no time, so done(timeout=0) could only ever fail, and
         # its send would stop half-way through the frame; refused as the mistake it is.
         seconds = check_seconds(timeout, "done timeout", positive=True)
+        if not isinstance(ok, bool):  # sent to prefill as given: "no" would be read as a word, not as False
+            raise ArgumentError(f"ok must be True or False, got {show(ok)}")
         deadline = time.monotonic() + seconds
         self._stop.set()
         # The beat thread may hold the socket through a beat's send (up to a beat's interval,

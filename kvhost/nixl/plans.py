@@ -29,7 +29,7 @@ from functools import cached_property
 import numpy as np
 
 from kvhost.errors import ArgumentError, LayoutError, RequestError, shown
-from kvhost.ids import Ids, checked_ids
+from kvhost.ids import Ids, checked_ids, integer_value
 from kvhost.nixl.tables import RegionTable, Stream
 from kvhost.transform import block_ratio
 
@@ -38,6 +38,14 @@ from kvhost.transform import block_ratio
 # operations long, so a transport with several lanes or workers can still spread it, and
 # a transfer's first bytes land before its last are read.
 MAX_DESCRIPTOR_BYTES = 1 << 20
+
+
+def block_count(value: object) -> int:
+    """A count of blocks as a plain int >= 0 (not a bool, a float or a string to repeat)."""
+    count = integer_value(value)
+    if count is None or count < 0:
+        raise ArgumentError(f"a count of blocks must be an int >= 0, got {shown(value)}")
+    return count
 
 
 @dataclass(frozen=True)
@@ -68,11 +76,11 @@ class TransferPlan:
 
     def local_blocks_for(self, remote_blocks: int) -> int:
         """Local blocks that hold ``remote_blocks`` sender blocks (whole groups when g > 1)."""
-        return -(-remote_blocks * self.remote_parts // self.local_parts)
+        return -(-block_count(remote_blocks) * self.remote_parts // self.local_parts)
 
     def bytes_for(self, remote_blocks: int) -> int:
         """Bytes one request of ``remote_blocks`` sender blocks moves."""
-        return remote_blocks * self.remote_parts * self.chunk_bytes * len(self.local.streams)
+        return block_count(remote_blocks) * self.remote_parts * self.chunk_bytes * len(self.local.streams)
 
     def descriptor_pairs(self, local_ids: Ids, remote_ids: Ids) -> tuple[np.ndarray, np.ndarray]:
         """The (address, length, device id) rows that move one request: local and remote, pair by pair.

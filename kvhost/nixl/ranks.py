@@ -41,7 +41,7 @@ from typing import Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from kvhost.errors import ArgumentError, LayoutError
+from kvhost.errors import ArgumentError, LayoutError, shown
 from kvhost.ids import Ids, integer_value
 from kvhost.nixl.agent import (
     NIXL_LOCAL_AGENT,
@@ -49,6 +49,7 @@ from kvhost.nixl.agent import (
     Probes,
     Transfer,
     check_descriptor_bound,
+    check_peer_name,
     check_registered,
     layer_by_layer,
     merge_domains,
@@ -57,7 +58,14 @@ from kvhost.nixl.agent import (
 )
 from kvhost.nixl.engine import MAX_HEADS, MAX_RANKS
 from kvhost.nixl.fields import check_seconds
-from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, checked_batch, checked_request_ids, plan_transfer
+from kvhost.nixl.plans import (
+    MAX_DESCRIPTOR_BYTES,
+    TransferPlan,
+    block_count,
+    checked_batch,
+    checked_request_ids,
+    plan_transfer,
+)
 from kvhost.nixl.tables import MAX_STREAMS, WINDOW_RUN, RegionTable, Stream
 from kvhost.transform import block_ratio
 
@@ -106,8 +114,10 @@ def latent_source(local_rank: int, local_tp: int, remote_tp: int) -> int:
     """The remote rank a local rank reads an MLA latent from: each reads it once, the local
     ranks spread over the remote ones."""
     local_rank, local_tp, remote_tp = _counts(local_rank=local_rank, local_tp=local_tp, remote_tp=remote_tp)
-    if not 0 <= local_rank < local_tp or remote_tp < 1:
-        raise LayoutError(f"local rank {local_rank} of {local_tp}, remote TP {remote_tp}")
+    if not 0 <= local_rank < local_tp <= MAX_RANKS or not 1 <= remote_tp <= MAX_RANKS:
+        raise LayoutError(
+            f"local rank {local_rank} of {local_tp}, remote TP {remote_tp} (an engine has 1 to {MAX_RANKS} ranks)"
+        )
     return local_rank % remote_tp
 
 
@@ -118,7 +128,7 @@ def _counts(**counts: object) -> list[int]:
     for name, value in counts.items():
         number = integer_value(value)
         if number is None:
-            raise LayoutError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+            raise LayoutError(f"{name} must be an int, got {shown(value)} ({type(value).__name__})")
         values.append(number)
     return values
 
@@ -180,10 +190,12 @@ class RankPlan:
 
     def local_blocks_for(self, remote_blocks: int) -> int:
         """Local blocks that hold ``remote_blocks`` sender blocks (whole groups when g > 1)."""
+        remote_blocks = block_count(remote_blocks)
         return remote_blocks * self.g if self.g > 1 else -(-remote_blocks // self.r)
 
     def bytes_for(self, remote_blocks: int) -> int:
         """Bytes one request of ``remote_blocks`` sender blocks moves into this rank, from all sources."""
+        remote_blocks = block_count(remote_blocks)
         return sum(p.plan.bytes_for(self._count(p, remote_blocks)) for s in self.sources for p in s.parts)
 
     def rows(
@@ -636,6 +648,8 @@ class RankReader:
         if missing:
             raise LayoutError(f"no agent for remote rank(s) {missing}")
         self.peers = {s.rank: peers[s.rank] for s in plan.sources}
+        for peer in self.peers.values():
+            check_peer_name(peer)
         self.descriptors = 0  # rows posted so far, a side
         check_registered(agent, plan.local, None)
         for source in plan.sources:

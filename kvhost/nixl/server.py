@@ -138,8 +138,8 @@ class Server:
             raise ArgumentError(f"listener must be a listening socket, got {type(listener).__name__}")
         if not isinstance(spec, EngineSpec):
             raise ArgumentError(f"spec must be an EngineSpec, got {type(spec).__name__}")
-        if not callable(offer) or (release is not None and not callable(release)):
-            raise ArgumentError("offer (and release, where given) must be callables")
+        if not callable(offer) or any(f is not None and not callable(f) for f in (release, log)):
+            raise ArgumentError("offer (and release and log, where given) must be callables")
         self.listener = listener
         self.secret = check_secret(secret)
         self.spec = spec
@@ -195,6 +195,8 @@ class Server:
         idle = check_seconds(idle_timeout, "idle timeout", positive=True)
         if peers is not None and (type(peers) is not int or peers < 1):  # a bool, 2.5 or NaN is no count of peers
             raise ArgumentError(f"peers: expected None or an int of at least 1, got {show(peers)}")
+        if stop is not None and not callable(stop):  # stop=False would be read as "never", True as an error later
+            raise ArgumentError(f"stop: expected None or a callable, got {show(stop)}")
         self.listener.setblocking(False)
         self._accept_paused_until = 0.0  # a pause of an earlier serve ended with its selector
         quiet_since = time.monotonic()

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from kvhost.caches import CacheSet, Layer
-from kvhost.errors import LayoutError
+from kvhost.errors import LayoutError, shown
+from kvhost.ids import integer_value
 from kvhost.layout import AXIS_LETTERS
 from kvhost.memory import byte_extent
 from kvhost.nixl.errors import ProtocolError
@@ -175,6 +176,10 @@ class RegionTable:
         total = self.sizes.get("H")
         if total is None:
             raise LayoutError("this table has no heads (H) to share out")
+        first_head, head_count = integer_value(first), integer_value(count)
+        if first_head is None or head_count is None:
+            raise LayoutError(f"heads: first and count must be ints, got {shown(first)} and {shown(count)}")
+        first, count = first_head, head_count
         if count < 1 or first < 0 or first + count > total:
             raise LayoutError(f"heads {first}..{first + count - 1} are not within the {total} heads of this table")
         if "H" in self.coordinates:
