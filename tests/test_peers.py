@@ -2772,3 +2772,22 @@ def test_done_sends_only_a_bool_and_the_server_takes_only_callables():
         for stop in (False, True, 0):
             with pytest.raises(ArgumentError, match="stop: expected None or a callable"):
                 server.serve(peers=None, idle_timeout=1, stop=stop)  # type: ignore[arg-type]
+
+
+def test_bounds_a_caller_sets_are_integers_not_nan():
+    """A bound of NaN compared false with every size, so it bounded nothing: the frame limit,
+    a table's streams and a merge's bytes are integers (a bool is none)."""
+    from kvhost.nixl import RegionTable
+    from kvhost.nixl.plans import merge_rows
+
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        for limit in (float("nan"), True, -1, "64"):
+            with pytest.raises(ArgumentError, match="limit must be None or an integer >= 0"):
+                receive(mine, timeout=1, limit=limit)  # type: ignore[arg-type]
+    for bound in (float("nan"), True, -1):
+        with pytest.raises(ArgumentError, match="max_streams must be an integer >= 0"):
+            RegionTable.from_dict({}, max_streams=bound)  # type: ignore[arg-type]
+        rows = np.zeros((0, 3), dtype=np.int64)
+        with pytest.raises(ArgumentError, match="max_bytes must be an integer of at least 1"):
+            merge_rows(rows, rows, bound, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # type: ignore[arg-type]

@@ -1050,28 +1050,22 @@ def test_a_rank_reader_s_refused_probes_are_bounded_whatever_the_parts_a_peer_s_
     assert all((remote == -1).all() for _, remote in reader.domains[0][1:])  # given up on: they merge less
 
 
-def test_counts_a_plan_is_asked_of_are_ints_and_tp_is_bounded():
-    """A plan's counts of blocks are ints >= 0 (a string was repeated, -1 gave negative bytes,
-    2.5 a fraction of a block); a table's heads are ints; an MLA latent's ranks are bounded."""
+def test_counts_a_rank_plan_is_asked_of_are_ints_and_tp_is_bounded():
+    """A rank plan's counts of blocks are ints >= 0 (a string was repeated, -1 gave negative
+    bytes, 2.5 a fraction of a block); an MLA latent's ranks are bounded."""
     from kvhost.errors import ArgumentError
-    from kvhost.nixl import plan_transfer
 
     local = region_table(engine_caches("KBNHC", "KBNHC", 4, 64, 8, seed=1), "KBNHC")
     remote = region_table(engine_caches("KBNHC", "KBHNC", 4, 16, 8, seed=2), "KBNHC")
-    plans = [plan_transfer(local, remote), plan_ranks(local, 0, 1, [remote])]
-    for plan in plans:
-        assert plan.local_blocks_for(np.int64(8)) == plan.local_blocks_for(8) == 2
-        assert plan.bytes_for(0) == 0 and plan.bytes_for(8) == 2 * plan.bytes_for(4) > 0
-        for bad in ("ab", -1, 2.5, True, None):
-            with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
-                plan.bytes_for(bad)  # type: ignore[arg-type]
-            with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
-                plan.local_blocks_for(bad)  # type: ignore[arg-type]
-    for first, count in ((float("nan"), 2), (0, 2.5), (True, 1), (0, torch.tensor(2))):
-        with pytest.raises(LayoutError, match="heads: first and count must be ints"):
-            remote.heads(first, count)  # type: ignore[arg-type]
-    assert remote.heads(np.int64(2), 2).sizes["H"] == 2
+    plan = plan_ranks(local, 0, 1, [remote])
+    assert plan.local_blocks_for(np.int64(8)) == plan.local_blocks_for(8) == 2
+    assert plan.bytes_for(0) == 0 and plan.bytes_for(8) == 2 * plan.bytes_for(4) > 0
+    for bad in ("ab", -1, 2.5, True, None):
+        with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
+            plan.bytes_for(bad)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
+            plan.local_blocks_for(bad)  # type: ignore[arg-type]
     assert latent_source(3, 1024, 1024) == 3 and latent_source(1023, 1024, 1) == 0
-    for local_tp, remote_tp in ((2**63, 2), (2, 2**63), (2048, 1), (1, 2048)):
+    for local_tp, remote_tp in ((2**63, 2), (2, 2**63), (2048, 1), (1, 2048), (1025, 1), (1, 1025)):
         with pytest.raises(LayoutError, match="an engine has 1 to 1024 ranks"):
             latent_source(0, local_tp, remote_tp)

@@ -182,7 +182,7 @@ class TransferPlan:
         """Merged rows of the batch's pieces in each group of local streams (indices into
         ``local.streams``), pieces merging only with pieces of their own group."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ArgumentError(f"max_bytes must be an integer of at least 1, got {max_bytes!r}")
+            raise ArgumentError(f"max_bytes must be an integer of at least 1, got {shown(max_bytes)}")
         checked, local = checked_batch(requests, self._checked)
         remote = checked[0][1] if len(checked) == 1 else np.concatenate([c[1] for c in checked])
         kinds = self._merge_kinds(local_domains, remote_domains)
@@ -526,14 +526,14 @@ def merge_rows(
     run of mergeable pairs is cut every ``max_bytes // length`` rows. Vectorised: a few
     numpy passes over the rows.
     """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:  # NaN: merged without a bound
+        raise ArgumentError(f"max_bytes must be an integer of at least 1, got {shown(max_bytes)}")
     count = local_rows.shape[0]
     if count == 0:
         return local_rows, remote_rows
     length = int(local_rows[0, 1])
     if not ((local_rows[:, 1] == length).all() and (remote_rows[:, 1] == length).all()):
         raise ArgumentError("merge_rows takes rows of one length")
-    if max_bytes < 1:
-        raise ArgumentError(f"max_bytes must be at least 1, got {max_bytes}")
     per = max(1, max_bytes // length)
     if per == 1 or count == 1:
         return local_rows, remote_rows
