@@ -1378,20 +1378,24 @@ def test_domains_split_interleaved_streams():
     assert rows_of(got) == [[[192, 384, 0]], [[10_192, 384, 0]]]
 
 
+def check_block_counts(plan):
+    """``plan`` (a TransferPlan or a RankPlan: r = 4) takes counts of blocks as ints >= 0 alone."""
+    assert plan.local_blocks_for(np.int64(8)) == plan.local_blocks_for(8) == 2 and plan.local_blocks_for(0) == 0
+    assert plan.bytes_for(0) == 0 and plan.bytes_for(8) == 2 * plan.bytes_for(4) > 0
+    for bad in ("ab", -1, 2.5, True, None):
+        with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
+            plan.bytes_for(bad)
+        with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
+            plan.local_blocks_for(bad)
+
+
 def test_a_plan_s_counts_of_blocks_and_a_table_s_heads_are_ints():
     """A plan's counts of blocks are ints >= 0, 0 included (a string was repeated, -1 gave
     negative bytes, 2.5 a fraction of a block); a table's heads are ints (NaN made NaN addresses)."""
     sizes = dict(K=2, H=4, C=8)
     local = region_table(caches_for("KBNHC", "KBNHC", sizes, 64, 8, seed=1), "KBNHC")
     remote = region_table(caches_for("KBNHC", "KBHNC", sizes, 16, 8, seed=2), "KBNHC")
-    plan = plan_transfer(local, remote)
-    assert plan.local_blocks_for(np.int64(8)) == plan.local_blocks_for(8) == 2 and plan.local_blocks_for(0) == 0
-    assert plan.bytes_for(0) == 0 and plan.bytes_for(8) == 2 * plan.bytes_for(4) > 0
-    for bad in ("ab", -1, 2.5, True, None):
-        with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
-            plan.bytes_for(bad)  # type: ignore[arg-type]
-        with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
-            plan.local_blocks_for(bad)  # type: ignore[arg-type]
+    check_block_counts(plan_transfer(local, remote))
     heads = sizes["H"]
     for first, count in ((float("nan"), 1), (0, 1.5), (True, 1), (0, torch.tensor(1)), (None, 1)):
         with pytest.raises(LayoutError, match="heads: first and count must be ints"):

@@ -1053,18 +1053,11 @@ def test_a_rank_reader_s_refused_probes_are_bounded_whatever_the_parts_a_peer_s_
 def test_counts_a_rank_plan_is_asked_of_are_ints_and_tp_is_bounded():
     """A rank plan's counts of blocks are ints >= 0 (a string was repeated, -1 gave negative
     bytes, 2.5 a fraction of a block); an MLA latent's ranks are bounded."""
-    from kvhost.errors import ArgumentError
+    from test_nixl import check_block_counts
 
     local = region_table(engine_caches("KBNHC", "KBNHC", 4, 64, 8, seed=1), "KBNHC")
     remote = region_table(engine_caches("KBNHC", "KBHNC", 4, 16, 8, seed=2), "KBNHC")
-    plan = plan_ranks(local, 0, 1, [remote])
-    assert plan.local_blocks_for(np.int64(8)) == plan.local_blocks_for(8) == 2
-    assert plan.bytes_for(0) == 0 and plan.bytes_for(8) == 2 * plan.bytes_for(4) > 0
-    for bad in ("ab", -1, 2.5, True, None):
-        with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
-            plan.bytes_for(bad)  # type: ignore[arg-type]
-        with pytest.raises(ArgumentError, match="a count of blocks must be an int >= 0"):
-            plan.local_blocks_for(bad)  # type: ignore[arg-type]
+    check_block_counts(plan_ranks(local, 0, 1, [remote]))
     assert latent_source(3, 1024, 1024) == 3 and latent_source(1023, 1024, 1) == 0
     for local_tp, remote_tp in ((2**63, 2), (2, 2**63), (2048, 1), (1, 2048), (1025, 1), (1, 1025)):
         with pytest.raises(LayoutError, match="an engine has 1 to 1024 ranks"):
