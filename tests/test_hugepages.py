@@ -251,7 +251,8 @@ def test_spans_are_checked_before_the_kernel_is_asked() -> None:
         [(buffer.data_ptr(), 2**63)],
         [(2.5, 4096)],
         [(True, 4096)],
-        [(-4096, 4096)],
+        [(-1, 4096)],
+        [(4096, -1)],
         [(4096,)],
         [None],
         [(1 << 57, 1)],
@@ -264,3 +265,5 @@ def test_spans_are_checked_before_the_kernel_is_asked() -> None:
     with pytest.raises(ArgumentError, match="takes tensors"):
         back_host_tensors_with_huge_pages([None])  # type: ignore[list-item]
     assert back_with_huge_pages([(np.int64(buffer.data_ptr()), 4096)]).asked == 0  # inside one page: nothing asked
+    edges = [(0, 0), (buffer.data_ptr(), 0), ((1 << 57) - 4096, 4096)]  # empty spans, the address space's last page
+    assert back_with_huge_pages(edges).asked == 0

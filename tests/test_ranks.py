@@ -1062,3 +1062,19 @@ def test_counts_a_rank_plan_is_asked_of_are_ints_and_tp_is_bounded():
     for local_tp, remote_tp in ((2**63, 2), (2, 2**63), (2048, 1), (1, 2048), (1025, 1), (1, 1025)):
         with pytest.raises(LayoutError, match="an engine has 1 to 1024 ranks"):
             latent_source(0, local_tp, remote_tp)
+
+
+def test_a_rank_reader_refuses_a_plan_peers_or_a_peer_name_of_the_wrong_kind():
+    """Checked before the agent is asked anything (it stands in here as nothing at all)."""
+    from kvhost.errors import ArgumentError
+    from kvhost.nixl.ranks import RankReader
+
+    local = decode_table("KBNHC", 4, blocks=8)
+    plan = plan_ranks(local, 0, 1, peer_tables("NHC", 4, 16, 1))
+    nothing = SimpleNamespace()  # an agent with nothing: any use of it would raise AttributeError
+    for bad_plan, peers in ((None, {0: "p"}), (plan, [(0, "p")]), (plan, None)):
+        with pytest.raises(ArgumentError, match="a RankReader takes a RankPlan"):
+            RankReader(nothing, bad_plan, peers)  # type: ignore[arg-type]
+    for name in (True, None, b"p"):
+        with pytest.raises(ArgumentError, match="a peer is named by the text add_peer returned"):
+            RankReader(nothing, plan, {0: name})  # type: ignore[dict-item]
