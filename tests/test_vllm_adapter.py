@@ -479,6 +479,7 @@ def test_engine_and_request_ids_are_strings_and_odd_sizes_are_refused():
     assert case.same_as(before)
     with pytest.raises(kvhost.LayoutError, match=r"a cache's shape has a negative size: \(2, -1, 8, 2, 4\)"):
         kv_cache_axes("flash_attn", (2, -1, 8, 2, 4))
+    assert kv_cache_axes("flash_attn", (2, 0, 8, 2, 4)) == "KBNHC"  # a size of 0 is a size (kvhost refuses it later)
     with pytest.raises(kvhost.LayoutError, match="host buffers of 9223372036854775808 blocks cannot be made"):
         kv.host_buffers(num_blocks=2**63)
 
