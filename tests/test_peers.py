@@ -2731,6 +2731,10 @@ def test_the_entry_points_refuse_arguments_of_the_wrong_kind_as_kvhost_errors(tm
         read_secret_file(5)  # type: ignore[arg-type]
     with pytest.raises(ArgumentError, match="embedded null byte"):
         read_secret_file(str(tmp_path / "a\x00b"))
+    with pytest.raises(InvalidTimeoutError, match="secret timeout"):
+        read_secret_file(str(tmp_path / "absent"), timeout="x")  # type: ignore[arg-type]  # a file, not "-"
+    with pytest.raises(ArgumentError, match="extra fields must be a mapping, got list"):
+        connect(("127.0.0.1", 1), SECRET, DECODE, timeout=0.3, extra=[])  # type: ignore[arg-type]
     with socket.create_server(("127.0.0.1", 0)) as listener:
         with pytest.raises(ArgumentError, match="spec must be an EngineSpec, got NoneType"):
             Server(listener, SECRET, None, lambda hello: None)  # type: ignore[arg-type]

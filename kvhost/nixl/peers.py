@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhost.errors import ArgumentError
+from kvhost.errors import ArgumentError, shown
 from kvhost.nixl.engine import (
     EngineSpec,
     IncompatibleEngineError,
@@ -126,11 +126,12 @@ def read_secret_file(path: str, *, timeout: float = 10.0) -> bytes:
     anything but a regular file (a FIFO with no writer would block its open forever).
     """
     most = MAX_SECRET_DIGITS + 2  # and a line end
+    seconds = check_seconds(timeout, "secret timeout")  # checked whatever the path: not only for standard input
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentError(f"a secret file is a path, got {type(path).__name__}")
     if path == "-":
         where = "standard input"
-        data = _read_line(sys.stdin.fileno(), check_seconds(timeout, "secret timeout"), most, where)
+        data = _read_line(sys.stdin.fileno(), seconds, most, where)
         data = data.split(b"\n", 1)[0]  # what followed the line is not ours
     else:
         where = f"secret file {path}"
@@ -234,7 +235,7 @@ def _check_extra(extra: Mapping[str, Any], reserved: Sequence[str], what: str) -
         raise ArgumentError(f"{what}'s extra fields must be a mapping, got {type(extra).__name__}")
     for key in extra:
         if not isinstance(key, str):
-            raise ArgumentError(f"{what}'s extra fields must be named by strings, got {key!r:.40}")
+            raise ArgumentError(f"{what}'s extra fields must be named by strings, got {shown(key, 40)}")
         if key in reserved:
             raise ArgumentError(f"{what}'s extra field {key!r} is the protocol's own: name it otherwise")
 
@@ -502,7 +503,7 @@ def connect(
     _check_address(address)
     if not isinstance(spec, EngineSpec):
         raise ArgumentError(f"spec must be an EngineSpec, got {type(spec).__name__}")
-    _check_extra(extra or {}, ("proof", "engine"), "the engine message")
+    _check_extra({} if extra is None else extra, ("proof", "engine"), "the engine message")
     # Its size as sent (the proof is 64 hex digits whatever the nonces): prefill would drop a
     # larger one unread, and this side would hear only that the connection was reset.
     size = len(encode(ENGINE, {**(extra or {}), "proof": "0" * 64, "engine": spec.to_dict()}))
