@@ -2789,6 +2789,9 @@ def test_bounds_a_caller_sets_are_integers_not_nan():
         for limit in (float("nan"), True, -1, "64"):
             with pytest.raises(ArgumentError, match="limit must be None or an integer >= 0"):
                 receive(mine, timeout=1, limit=limit)  # type: ignore[arg-type]
+        send(theirs, "hello", {}, timeout=1)
+        with pytest.raises(ProtocolError, match="exceeds the limit of 0 bytes"):
+            receive(mine, timeout=1, limit=0)  # the least bound: a frame of anything is past it
     for bound in (float("nan"), True, -1):
         with pytest.raises(ArgumentError, match="max_streams must be an integer >= 0"):
             RegionTable.from_dict({}, max_streams=bound)  # type: ignore[arg-type]
