@@ -109,8 +109,8 @@ class EventCompletion(Completion):
 
 
 def check_sizes(**options: object) -> None:
-    """A backend's size options (bytes, counts): each a non-negative int (a bool or a float
-    is none); an ArgumentError names the first that is not."""
+    """Size options and bounds (bytes, counts): each a non-negative int (a bool, a float or
+    NaN is none); an ArgumentError names the first that is not."""
     for name, value in options.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ArgumentError(f"{name} must be a non-negative integer, got {shown(value)}")

@@ -31,7 +31,7 @@ from kvhost.caches import CacheSet, Layer
 from kvhost.errors import ArgumentError, LayoutError
 from kvhost.ids import Ids
 from kvhost.nixl.errors import InvalidTimeoutError, NixlUnavailableError, ProtocolError, TransferError
-from kvhost.nixl.fields import check_seconds, check_text, show
+from kvhost.nixl.fields import check_flag, check_seconds, check_text, show
 from kvhost.nixl.hugepages import HugePages, back_host_tensors_with_huge_pages
 from kvhost.nixl.plans import MAX_DESCRIPTOR_BYTES, TransferPlan, extent_rows, stream_extents
 from kvhost.nixl.tables import RegionTable, as_cache_set, memory_spans, region_table
@@ -173,12 +173,6 @@ def load_nixl() -> ModuleType:
     )
 
 
-def _check_flag(value: object, name: str) -> None:
-    """Refuse a flag that is not a bool: "no" or 0.0 would be read as yes or no unsaid."""
-    if not isinstance(value, bool):
-        raise ArgumentError(f"{name} must be True or False, got {show(value)}")
-
-
 class Agent:
     """A NIXL agent and the caches it exposes: what one engine holds for its lifetime.
 
@@ -213,7 +207,7 @@ class Agent:
     ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
             raise ArgumentError(f"threads {threads!r} must be an integer from 0 to {MAX_THREADS}")
-        _check_flag(progress_thread, "progress_thread")
+        check_flag(progress_thread, "progress_thread")
         if not isinstance(name, str) or not name:
             raise ArgumentError(f"an agent's name must be a non-empty str, got {show(name)}")
         if not isinstance(backends, (list, tuple)) or not all(isinstance(b, str) for b in backends):
@@ -276,7 +270,7 @@ class Agent:
         Memory that overlaps memory this agent registered before (the same caches again
         among it) is refused, an ArgumentError naming the layer, before NIXL is asked.
         """
-        _check_flag(huge_pages, "huge_pages")
+        check_flag(huge_pages, "huge_pages")
         cache_set = as_cache_set(caches, axes)
         table = region_table(cache_set)
         tensors = [m.tensor for m in cache_set.members]

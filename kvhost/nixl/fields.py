@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhost.errors import shown
+from kvhost.errors import ArgumentError, shown
 from kvhost.nixl.errors import InvalidTimeoutError, ProtocolError
 
 U64_MAX = (1 << 64) - 1
@@ -179,6 +179,12 @@ def check_array(
     view = array.view()
     view.flags.writeable = False
     return view
+
+
+def check_flag(value: object, name: str) -> None:
+    """Refuse a flag that is not a bool: "no" or 0.0 would be read as yes or no unsaid."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{name} must be True or False, got {show(value)}")
 
 
 def show(value: Any) -> str:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhost.errors import ArgumentError
+from kvhost.backend import check_sizes
 from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.fields import MAX_ARRAY_BYTES, Fields, check_seconds, show
 
@@ -193,8 +193,8 @@ def receive(sock: socket.socket, *, timeout: float, expect: str | None = None, l
     yet said who it is), checked from the header before anything else is read.
     """
     seconds = check_seconds(timeout, "receive timeout")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):  # NaN: no bound
-        raise ArgumentError(f"limit must be None or an integer >= 0, got {show(limit)}")
+    if limit is not None:
+        check_sizes(limit=limit)  # NaN would bound nothing
     deadline = time.monotonic() + seconds
     json_len, blob_len, array_len, crc = parse_header(_read(sock, HEADER_BYTES, deadline, "header"))
     if limit is not None and json_len + blob_len + array_len > limit:

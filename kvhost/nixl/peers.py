@@ -57,7 +57,7 @@ from kvhost.nixl.engine import (
     table_shape_refusal,
 )
 from kvhost.nixl.errors import HoldLostError, PeerClosedError, ProtocolError
-from kvhost.nixl.fields import Fields, check_seconds, show
+from kvhost.nixl.fields import Fields, check_flag, check_seconds, show
 from kvhost.nixl.framing import MAX_BLOB_BYTES, Message, encode, read_arrived, receive, send
 from kvhost.nixl.handshake import AUTH_FRAME_BYTES, RemoteRequest, parse_requests, request_columns
 from kvhost.nixl.tables import MAX_STREAMS, RegionTable
@@ -385,8 +385,7 @@ class Session:
         # Not 0: no answer can come in no time, so done(timeout=0) could only ever fail, and
         # its send would stop half-way through the frame; refused as the mistake it is.
         seconds = check_seconds(timeout, "done timeout", positive=True)
-        if not isinstance(ok, bool):  # sent to prefill as given: "no" would be read as a word, not as False
-            raise ArgumentError(f"ok must be True or False, got {show(ok)}")
+        check_flag(ok, "ok")  # sent to prefill as given: "no" would be read as a word, not as False
         deadline = time.monotonic() + seconds
         self._stop.set()
         # The beat thread may hold the socket through a beat's send (up to a beat's interval,

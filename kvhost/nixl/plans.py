@@ -48,6 +48,12 @@ def block_count(value: object) -> int:
     return count
 
 
+def _check_max_bytes(max_bytes: object) -> None:
+    """A merge's bound on one descriptor's bytes: an int of at least 1 (NaN would bound nothing)."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ArgumentError(f"max_bytes must be an integer of at least 1, got {shown(max_bytes)}")
+
+
 @dataclass(frozen=True)
 class TransferPlan:
     """How requests' remote blocks land in their local blocks, as two NIXL descriptor lists.
@@ -181,8 +187,7 @@ class TransferPlan:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Merged rows of the batch's pieces in each group of local streams (indices into
         ``local.streams``), pieces merging only with pieces of their own group."""
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ArgumentError(f"max_bytes must be an integer of at least 1, got {shown(max_bytes)}")
+        _check_max_bytes(max_bytes)
         checked, local = checked_batch(requests, self._checked)
         remote = checked[0][1] if len(checked) == 1 else np.concatenate([c[1] for c in checked])
         kinds = self._merge_kinds(local_domains, remote_domains)
@@ -526,8 +531,7 @@ def merge_rows(
     run of mergeable pairs is cut every ``max_bytes // length`` rows. Vectorised: a few
     numpy passes over the rows.
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:  # NaN: merged without a bound
-        raise ArgumentError(f"max_bytes must be an integer of at least 1, got {shown(max_bytes)}")
+    _check_max_bytes(max_bytes)
     count = local_rows.shape[0]
     if count == 0:
         return local_rows, remote_rows

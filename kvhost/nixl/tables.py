@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhost.backend import check_sizes
 from kvhost.caches import CacheSet, Layer
-from kvhost.errors import ArgumentError, LayoutError, shown
+from kvhost.errors import LayoutError, shown
 from kvhost.ids import integer_value
 from kvhost.layout import AXIS_LETTERS
 from kvhost.memory import byte_extent
@@ -279,8 +280,7 @@ class RegionTable:
         ``max_streams`` streams (a message of several tables shares one budget: their arrays
         may all point at the same bytes), and nothing per declared block. ``check`` is given
         the table without its streams, before they are read (it raises to refuse it)."""
-        if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 0:  # NaN: no bound
-            raise ArgumentError(f"max_streams must be an integer >= 0, got {shown(max_streams)}")
+        check_sizes(max_streams=max_streams)  # NaN would bound nothing
         fields = Fields(data, where, arrays)
         memory = fields.text("memory")
         if memory not in MEMORY_OF_DEVICE.values():
