@@ -12,7 +12,7 @@ A Layout holds only shape, strides and item size, never data, so it can key plan
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from functools import cached_property
 
 import numpy as np
@@ -67,6 +67,31 @@ class Layout:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     itemsize: int
+    # What messages call the tensor; not a field (two layouts of one geometry are equal).
+    name: InitVar[str] = "layout"
+
+    def __post_init__(self, name: str) -> None:
+        # Plans and kernels trust a layout's numbers as addresses: one made by hand is held
+        # to what ``of`` reads from a tensor, and validated the same way.
+        checked_letters(self.axes, what=f"{name}: axes")
+        for field in ("shape", "strides"):
+            values = getattr(self, field)
+            if not isinstance(values, tuple) or not all(type(v) is int for v in values):
+                raise LayoutError(f"{name}: {field} must be a tuple of ints, got {shown(values)}")
+            object.__setattr__(self, field, tuple(values))  # a torch.Size is kept as the tuple it is
+        if type(self.itemsize) is not int or self.itemsize not in (1, 2, 4, 8):
+            raise LayoutError(f"{name}: item size {shown(self.itemsize)} is not 1, 2, 4 or 8 bytes")
+        missing = [a for a in REQUIRED_LETTERS if a not in self.axes]
+        if missing:
+            raise LayoutError(f"{name}: axes {self.axes!r} lack required letter(s) {''.join(missing)!r}")
+        if len(self.shape) != len(self.axes):
+            raise LayoutError(
+                f"{name}: axes {self.axes!r} name {len(self.axes)} dims but the tensor has {len(self.shape)} "
+                f"(shape {self.shape})"
+            )
+        if len(self.strides) != len(self.shape):
+            raise LayoutError(f"{name}: shape {self.shape} has {len(self.shape)} dims but strides {self.strides}")
+        self.validate(name)
 
     def __hash__(self) -> int:
         # Layouts key every plan cache; hash the fields once, not on every lookup.
@@ -90,16 +115,7 @@ class Layout:
         key = _key(tensor, axes)
         layout = _known.get(key)
         if layout is None:
-            shape = key[1]
-            missing = [a for a in REQUIRED_LETTERS if a not in axes]
-            if missing:
-                raise LayoutError(f"{name}: axes {axes!r} lack required letter(s) {''.join(missing)!r}")
-            if len(shape) != len(axes):
-                raise LayoutError(
-                    f"{name}: axes {axes!r} name {len(axes)} dims but the tensor has {len(shape)} (shape {shape})"
-                )
-            layout = cls(*key)
-            layout.validate(name)
+            layout = cls(*key, name=name)
             _known.put(key, layout)  # only valid layouts are remembered
         return layout
 

@@ -328,3 +328,35 @@ def test_a_batched_tensor_under_vmap_is_refused_as_having_no_memory_of_its_own()
 
     torch.func.vmap(call)(torch.zeros(2, 8, 8, 2, 4))
     assert refused == ["caches layer 'l'[0]: a Tensor with no memory of its own has no address to move its blocks at"]
+
+
+# --- a layout made by hand -----------------------------------------------------------------
+
+
+def test_a_layout_made_by_hand_is_the_one_of_reads_from_a_tensor():
+    t = torch.zeros(4, 16, 2, 8, dtype=torch.float16)
+    made = Layout("BNHC", t.shape, t.stride(), 2)  # a torch.Size is a tuple
+    assert made == Layout.of(t, "BNHC")
+    assert type(made.shape) is tuple and hash(made) == hash(Layout.of(t, "BNHC"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        (("BNHC", (4, 8, 2, 4), (64, 8, 8, 1), 4), "axes N and H share stride 8: memory overlaps"),
+        (("BNHC", (4, 8, 2, 4), (64, 8, 4, 1), 3), "item size 3 is not 1, 2, 4 or 8 bytes"),
+        (("BNHC", (4, 8, 2, 4), (64, 8, 4, 1), True), "item size True is not"),
+        (("BNHC", [4, 8, 2, 4], (64, 8, 4, 1), 4), "shape must be a tuple of ints, got [4, 8, 2, 4]"),
+        (("BNHC", (4, 8, True, 4), (64, 8, 4, 1), 4), "shape must be a tuple of ints"),
+        (("BNHC", (4, 8, 2, 4), (64, 8, 4.0, 1), 4), "strides must be a tuple of ints"),
+        (("BNHC", (4, 8, 2, 4), (64, 8, 4), 4), "shape (4, 8, 2, 4) has 4 dims but strides (64, 8, 4)"),
+        (("BNHC", (4, 8, 2), (16, 2, 1), 4), "axes 'BNHC' name 4 dims but the tensor has 3"),
+        (("BHC", (4, 2, 4), (8, 4, 1), 4), "lack required letter(s) 'N'"),
+        (("BNHX", (4, 8, 2, 4), (64, 8, 4, 1), 4), "unknown letter(s) 'X'"),
+        ((None, (4,), (1,), 4), "axes"),
+    ],
+)
+def test_a_layout_made_by_hand_is_checked_as_of_checks_a_tensor(fields, words):
+    with pytest.raises(kvhost.LayoutError) as raised:
+        Layout(*fields, name="hand-made")
+    assert str(raised.value).startswith("hand-made: ") and words in str(raised.value)
