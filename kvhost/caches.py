@@ -144,10 +144,8 @@ class CacheSet:
                 tensors = tuple(layer)
                 member_axes = tuple_member_axes(axes, tensors)
             else:
-                raise LayoutError(
-                    f"{role}: layer {shown_name(name)} must be a tensor or a tuple of tensors, "
-                    f"got {type(layer).__name__}"
-                )
+                what = f"{role}: layer {shown_name(name)}"
+                raise LayoutError(f"{what} must be a tensor or a tuple of tensors, got {_not_tensors(layer)}")
             members = []
             for i, tensor in enumerate(tensors):
                 # A cache's layers mostly share one layout: the last one read is tried first.
@@ -389,6 +387,15 @@ def _devices_differ(role: str, layer: str, device: torch.device, first: str, fir
     return LayoutError(
         f"{role}: layer {layer!r} is on {device} but layer {first!r} is on {first_device}; one call serves one device"
     )
+
+
+def _not_tensors(layer: object) -> str:
+    """What a layer that is no tensor nor tuple of them is, for a message: its kind, and
+    which item of a tuple or list is not a tensor."""
+    if not isinstance(layer, (tuple, list)) or not layer:
+        return f"{'an empty ' if isinstance(layer, (tuple, list)) else ''}{type(layer).__name__}"
+    index = next(i for i, t in enumerate(layer) if not isinstance(t, torch.Tensor))
+    return f"a {type(layer).__name__} whose item {index} is {shown(layer[index])}"
 
 
 def _holds_more(layout: Layout) -> bool:

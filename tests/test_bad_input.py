@@ -243,12 +243,17 @@ ROWS: dict[str, Row] = {
     "first layer a list of ints": (
         lambda w: kvhost.receive({"x": [1, 2]} | w.caches, GOOD, axes="KBNHC"),
         kvhost.LayoutError,
-        "layer 'x' must be a tensor or a tuple of tensors, got list",
+        "layer 'x' must be a tensor or a tuple of tensors, got a list whose item 0 is 1",
     ),
     "first layer an empty tuple": (
         lambda w: kvhost.receive({"x": ()} | w.caches, GOOD, axes="KBNHC"),
         kvhost.LayoutError,
-        "layer 'x' must be a tensor or a tuple of tensors, got tuple",
+        "layer 'x' must be a tensor or a tuple of tensors, got an empty tuple",
+    ),
+    "a layer's tuple holding None": (
+        lambda w: kvhost.receive({"x": (w.caches["layer0"][0], None)} | w.caches, GOOD, axes="KBNHC"),
+        kvhost.LayoutError,
+        "layer 'x' must be a tensor or a tuple of tensors, got a tuple whose item 1 is None",
     ),
     "first layer without rows": (
         lambda w: kvhost.receive({"x": torch.zeros(0, 4)} | w.caches, GOOD, axes="KBNHC"),

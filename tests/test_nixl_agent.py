@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -547,6 +548,30 @@ def test_peers_are_removed_and_the_same_metadata_again_keeps_them(monkeypatch):
             receiver.reader(plan, peer)
         receiver.remove_peer(peer)  # twice: nothing left to do
         assert removed.calls == [(peer,), (peer,)]
+
+
+@needs_nixl
+@pytest.mark.timeout(60)
+def test_a_notification_that_is_no_bytes_and_a_post_to_no_peer_are_refused_before_nixl_sees_them(monkeypatch):
+    with Agent("notify-sender") as sender, Agent("notify-receiver") as receiver:
+        remote_table = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=4), "KBNHC")
+        local_table = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=5), "KBNHC")
+        reader = receiver.reader(plan_transfer(local_table, remote_table), receiver.add_peer(sender.metadata()))
+        made = Spy(monkeypatch, receiver.nixl, "initialize_xfer")
+        for bad in ("done", bytearray(b"done"), None, 7):
+            said = f"READ from 'notify-sender': notify must be bytes, got {bad!r}"
+            with pytest.raises(ArgumentError, match="^" + re.escape(said)):
+                reader.read([1], [0, 1, 2, 3], notify=bad)
+            with pytest.raises(ArgumentError, match="notify must be bytes"):
+                reader.read_batch([([1], [0, 1, 2, 3])], notify=bad)
+        no_peer = pytest.raises(ArgumentError, match="a peer is named by the text add_peer returned, got None")
+        with no_peer, receiver.posting(None):  # type: ignore[arg-type]
+            pass
+        assert made.calls == [] and not receiver.posted
+        transfer = reader.read([1], [0, 1, 2, 3], notify=b"done")  # bytes: posted
+        transfer.wait(timeout=20)
+        transfer.release()
+        assert len(made.calls) == 1 and made.calls[0][-1] == b"done"
 
 
 @needs_nixl

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from test_nixl import needs_nixl
 
-from kvhost.errors import KVHostError
+from kvhost.errors import ArgumentError, KVHostError
 from kvhost.nixl import (
     EngineSpec,
     Fields,
@@ -46,6 +46,7 @@ from kvhost.nixl.errors import PeerClosedError
 from kvhost.nixl.framing import (
     HEADER_BYTES,
     MAGIC,
+    MAX_BLOB_BYTES,
     MAX_JSON_VALUES,
     VERSION,
     Message,
@@ -78,6 +79,33 @@ def offer_header():
 
 HEADER = offer_header()
 FRAME = encode(OFFER, HEADER, METADATA)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (dict(spec=None), "an offer's spec must be an EngineSpec, got None"),
+        (dict(tables=[]), "an offer's tables must be a sequence of 1 (a rank's each), got []"),
+        (dict(tables=[TABLE, TABLE]), "an offer's tables must be a sequence of 1"),
+        (dict(tables=TABLE), "an offer's tables must be a sequence of 1"),
+        (dict(tables=[TABLE.to_dict()]), "an offer's tables[0] must be a RegionTable, got {"),
+        (dict(metadata=["nixl"]), "an offer's metadata[0] must be an agent's metadata (1 to"),
+        (dict(metadata=[b""]), "an offer's metadata[0] must be an agent's metadata"),
+        (dict(metadata=[b"x" * (MAX_BLOB_BYTES + 1)]), "an offer's metadata[0] must be an agent's metadata"),
+        (dict(metadata=[]), "an offer's metadata must be a sequence of 1"),
+        (dict(beat_seconds=0.01), "an offer's beat_seconds 0.01 is not in [0.05, 60.0]"),
+        (dict(beat_seconds=61), "an offer's beat_seconds 61 is not in"),
+        (dict(beat_seconds="1"), "an offer's beat_seconds: expected a number of seconds"),
+        (dict(beat_seconds=float("nan")), "an offer's beat_seconds: expected a number of seconds"),
+    ],
+)
+def test_an_offer_decode_would_refuse_is_refused_as_the_senders_mistake(change, words):
+    offer = dataclasses.replace(Offer(SPEC, [TABLE], [METADATA], REQUESTS), **change)
+    with pytest.raises(KVHostError) as raised:
+        offer.header()
+    assert str(raised.value).startswith(words)
+    header = dataclasses.replace(offer, **{k: getattr(Offer(SPEC, [TABLE], [METADATA], REQUESTS), k) for k in change})
+    assert header.header()["beat_seconds"] == 1.0  # the same offer, mended, is sent
 
 
 def parse_message(message):
@@ -330,6 +358,18 @@ def test_a_coordinate_out_of_range_is_named_by_its_place_in_the_array_and_its_st
         RegionTable.from_dict(table)
 
 
+def test_numpy_integers_travel_as_the_numbers_they_hold():
+    header = {"count": np.int64(-3), "sizes": [np.uint32(7), np.int8(1)], "nested": {"n": np.uint64(2**64 - 1)}}
+    a, b = socket.socketpair()
+    with a, b:
+        send(a, "hello", header, timeout=1.0)
+        got = receive(b, timeout=1.0, expect="hello").header
+    assert got == {"count": -3, "sizes": [7, 1], "nested": {"n": 2**64 - 1}}
+    assert all(type(v) is int for v in (got["count"], *got["sizes"], got["nested"]["n"]))
+    with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
+        encode(OFFER, {"flag": np.bool_(True)})  # a numpy bool is not a number, nor JSON's true
+
+
 def test_unsendable_headers_are_protocol_errors():
     with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
         encode(OFFER, {"pid": float("inf")})
@@ -509,6 +549,11 @@ def test_a_frame_of_another_kind_than_expected_is_named():
             receive(b, timeout=1.0, expect="hello")
         send(a, "hello", {"n": 1}, timeout=1.0)
         assert receive(b, timeout=1.0, expect="hello").header == {"n": 1}
+        for bad in (True, b"hello", ["hello"]):  # the caller's mistake, said before anything is read
+            send(a, "hello", {"n": 2}, timeout=1.0)
+            with pytest.raises(ArgumentError, match=r"^expect names a message kind \(a str\), got "):
+                receive(b, timeout=1.0, expect=bad)  # type: ignore[arg-type]
+            assert receive(b, timeout=1.0, expect="hello").header == {"n": 2}  # the frame was left unread
 
 
 def _arrived(sock: socket.socket, data: bytearray) -> Message | None:

@@ -414,6 +414,7 @@ class Agent:
         """A post towards ``peer`` under way (``post_rows``): refused once the agent is
         closed, and waited for by ``close``, so that every transfer close must release is
         known to it by then; ``remove_peer`` refuses the peer meanwhile (the post uses its keys)."""
+        check_peer_name(peer)
         counted = False
         try:
             with self._lock:
@@ -820,6 +821,8 @@ def post_rows(
 ) -> Transfer:
     """Post one transfer of descriptor rows (a ``Reader``'s, or ``kvhost.nixl.ranks``'): local
     rows ``memory[0]``, the peer's ``memory[1]``."""
+    if type(notify) is not bytes:  # NIXL would send a str's UTF-8 and take other kinds its own way
+        raise ArgumentError(f"{op} from {peer!r}: notify must be bytes, got {show(notify)}")
     nixl = agent.nixl
     with agent.posting(peer):
         try:

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from kvhost.backend import check_sizes
+from kvhost.errors import ArgumentError
+from kvhost.ids import integer_value
 from kvhost.nixl.errors import PeerClosedError, ProtocolError
 from kvhost.nixl.fields import MAX_ARRAY_BYTES, Fields, check_seconds, show
 
@@ -88,6 +90,8 @@ def encode(kind: str, header: Mapping[str, Any], blob: bytes = b"") -> bytes:
             return {key: pack(item) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
             return [pack(item) for item in value]
+        if isinstance(value, np.integer):  # a count read from an array: the same number in JSON
+            return integer_value(value)
         return value
 
     try:
@@ -193,6 +197,8 @@ def receive(sock: socket.socket, *, timeout: float, expect: str | None = None, l
     yet said who it is), checked from the header before anything else is read.
     """
     seconds = check_seconds(timeout, "receive timeout")
+    if expect is not None and type(expect) is not str:  # the caller's mistake, not the peer's
+        raise ArgumentError(f"expect names a message kind (a str), got {show(expect)}")
     if limit is not None:
         check_sizes(limit=limit)  # NaN would bound nothing
     deadline = time.monotonic() + seconds

@@ -216,6 +216,7 @@ class Offer:
     def header(self) -> dict[str, Any]:
         """The offer's JSON (bulk integers as arrays); its metadata travels as the blob."""
         _check_extra(self.extra, ("engine", "tables", "metadata_bytes", "requests", "beat_seconds"), "offer")
+        self._check_sendable()
         return {
             **self.extra,
             "engine": self.spec.to_dict(),
@@ -226,6 +227,29 @@ class Offer:
             ),
             "beat_seconds": self.beat_seconds,
         }
+
+    def _check_sendable(self) -> None:
+        """What decode would refuse of an offer, said here as the application's mistake
+        (decode would name it a ProtocolError of prefill's, or the blob would not join)."""
+        if not isinstance(self.spec, EngineSpec):
+            raise ArgumentError(f"an offer's spec must be an EngineSpec, got {show(self.spec)}")
+        ranks = self.spec.tp_size
+        for name in ("tables", "metadata"):
+            items = getattr(self, name)
+            if not isinstance(items, Sequence) or len(items) != ranks:
+                expected = f"a sequence of {ranks} (a rank's each)"
+                raise ArgumentError(f"an offer's {name} must be {expected}, got {show(items)}")
+        for rank, (table, metadata) in enumerate(zip(self.tables, self.metadata)):
+            if not isinstance(table, RegionTable):
+                raise ArgumentError(f"an offer's tables[{rank}] must be a RegionTable, got {show(table)}")
+            if type(metadata) is not bytes or not 1 <= len(metadata) <= MAX_BLOB_BYTES:
+                raise ArgumentError(
+                    f"an offer's metadata[{rank}] must be an agent's metadata (1 to {MAX_BLOB_BYTES} bytes), "
+                    f"got {show(metadata)}"
+                )
+        beat = check_seconds(self.beat_seconds, "an offer's beat_seconds")
+        if not MIN_BEAT_SECONDS <= beat <= MAX_BEAT_SECONDS:
+            raise ArgumentError(f"an offer's beat_seconds {beat:g} is not in [{MIN_BEAT_SECONDS}, {MAX_BEAT_SECONDS}]")
 
 
 def _check_extra(extra: Mapping[str, Any], reserved: Sequence[str], what: str) -> None:
