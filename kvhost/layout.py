@@ -155,19 +155,27 @@ class Layout:
 
         A size-1 dim has no meaningful stride; on a tie it goes inside its partner. Tokens
         and channels must lie in the block region: one of size 1 whose stride puts it before
-        ``B`` (a permuted or ``as_strided`` view) goes just inside ``B`` instead.
+        ``B`` (a permuted or ``as_strided`` view) goes just inside ``B`` instead. A single
+        block (``B`` of size 1) whose stride puts it inside sized tokens or channels (numpy's
+        ``newaxis`` gives it stride 0) is read as ``unsqueeze`` at its place in the shape
+        would have made it.
         """
-        order = sorted(
-            range(len(self.axes)),
-            key=lambda i: (-self.strides[i], self.shape[i] == 1, i),
-        )
-        letters = "".join(self.axes[i] for i in order)
+        letters = self._by_stride(self.strides)
         b = letters.index("B")
+        if self.size("B") == 1 and any(self.size(a) > 1 for a in letters[:b] if a in "NC"):
+            i = self.axes.index("B")
+            unsqueezed = self.strides[i + 1] * self.shape[i + 1] if i + 1 < len(self.axes) else 1
+            letters = self._by_stride((*self.strides[:i], unsqueezed, *self.strides[i + 1 :]))
+            b = letters.index("B")
         stray = "".join(a for a in letters[:b] if a in "NC" and self.size(a) == 1)
         if not stray:
             return letters
         outer = "".join(a for a in letters[:b] if a not in stray)
         return outer + "B" + stray + letters[b + 1 :]
+
+    def _by_stride(self, strides: tuple[int, ...]) -> str:
+        order = sorted(range(len(self.axes)), key=lambda i: (-strides[i], self.shape[i] == 1, i))
+        return "".join(self.axes[i] for i in order)
 
     @cached_property
     def physical_dims(self) -> tuple[int, ...]:

@@ -186,6 +186,48 @@ def test_a_one_block_cache_reads_as_its_many_block_twin_in_every_allocation_orde
         assert read[1] == read[2] or (read[2] is None and read[1] is not None), (allocated, read)
 
 
+@pytest.mark.parametrize("sizes", [(2, 4, 2, 8), (1, 4, 2, 8), (2, 4, 1, 8), (2, 1, 2, 8), (2, 4, 2, 1)])
+def test_a_single_block_reads_the_same_whatever_stride_its_b_was_given(sizes):
+    """A ``B`` of size 1 has no block stride: numpy's ``newaxis`` gives it 0, ``as_strided``
+    anything. In every allocation order of the sized letters, a stride that puts it last
+    (inside the tokens and channels: stride 0 was refused) reads as ``unsqueeze`` makes it
+    (the same physical order of the sized letters, the same region, or the same refusal),
+    and a receive into it writes exactly the truth."""
+    import itertools
+
+    import kvhost
+    from kvhost.testing import ReceiveCase
+
+    k, n, h, c = sizes
+    accepted = 0
+    for allocated in map("".join, itertools.permutations("KNHC")):
+        size = dict(K=k, N=n, H=h, C=c)
+        base = torch.zeros([size[a] for a in allocated]).permute([allocated.index(a) for a in "KNHC"])
+
+        def read(stride: int, base: torch.Tensor = base) -> tuple[str, int] | None:
+            shape, strides = list(base.shape), list(base.stride())
+            tensor = base.as_strided([shape[0], 1, *shape[1:]], [strides[0], stride, *strides[1:]])
+            try:
+                layout = Layout.of(tensor, "KBNHC")
+            except kvhost.LayoutError:
+                return None
+            return "".join(a for a in layout.physical if a == "B" or layout.size(a) > 1), layout.region_bytes
+
+        unsqueezed = base.unsqueeze(1).stride()[1]
+        for stride in (0, 1):  # strides that put it last, inside the tokens and channels
+            assert read(stride) == read(unsqueezed), (allocated, stride)
+        outermost = read(1 << 20)  # a stride that puts it first reads as allocated first: valid too
+        assert outermost is not None and outermost[0].startswith("B"), (allocated, outermost)
+        accepted += read(0) is not None
+    assert accepted >= 6  # at least every order with the tokens outside the channels
+    cache = torch.from_numpy(torch.zeros(2, 8, 2, 4).numpy()[:, None])  # K, (B), N, H, C: B's stride 0
+    assert cache.stride()[1] == 0
+    case = ReceiveCase({"l": cache}, "KBNHC", seed=5)
+    case.send("one", [0], "HNC", 4)
+    kvhost.receive({"l": cache}, {"one": [0]}, axes="KBNHC", remote_order="HNC", remote_block_size=4)
+    case.check()
+
+
 def test_a_layout_describes_the_tensors_of_its_shape_strides_item_size_and_names():
     tensor = fill_random(make_cache("KBNHC", "KBNHC", dict(K=2, B=8, N=8, H=2, C=4)), 1)
     layout = Layout.of(tensor, "KBNHC")
