@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -237,3 +240,69 @@ def test_a_dropped_save_finished_by_the_collector_inside_the_scratch_deadlocks_n
     words = run.stdout.split()
     assert run.returncode == 0 and words[:2] == ["alive", "0"], run.stdout + run.stderr[-2000:]
     assert int(words[-1]) >= 1  # the collector did start inside the scratch's allocation
+
+
+FORKED = r"""
+import os, signal, sys, time
+import numba
+import torch
+import kvhost
+from kvhost.testing import CopyCase, ReceiveCase, make_cache
+
+def receive_and_copy(seed):
+    sizes = dict(K=2, B=64, N=16, H=8, C=128)  # 4 MiB a layer: the kernels' parallel launches
+    caches = {f"l{i}": make_cache("KBNHC", "KBNHC", sizes) for i in range(2)}
+    case = ReceiveCase(caches, "KBNHC", seed=seed)
+    ids = list(range(seed % 2, 64, 2))
+    case.send("r", ids, "HNC", 16)
+    kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=16, backend="cpu")
+    case.check()
+    host = {name: make_cache("KBNHC", "KBHNC", sizes) for name in caches}
+    copy = CopyCase(caches, host, "KBNHC", "KBNHC")
+    kvhost.copy_blocks(caches, host, ids, ids[::-1], axes="KBNHC", backend="cpu")
+    copy.check(ids, ids[::-1])
+
+def in_child(seed):
+    child = os.fork()
+    if child == 0:
+        torch.set_num_threads(1)  # torch's own GNU OpenMP hangs in a forked child otherwise
+        receive_and_copy(seed)
+        if seed == 2:
+            in_child(3)  # a child of a child: a pool's worker forking again
+        os._exit(0)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            if status:
+                sys.exit(f"the forked child ended with status {status}")
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    sys.exit("the forked child hung")
+
+receive_and_copy(1)
+print("layer", numba.threading_layer(), flush=True)
+in_child(2)
+receive_and_copy(4)  # and the parent still works
+print("children done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("layer", [None, "omp", "workqueue"])
+def test_a_process_forked_after_parallel_kernels_ran_runs_them_too(layer, tmp_path):
+    """A pool's worker forked from a process that has already used kvhost. GNU OpenMP
+    cannot start threads in such a child (numba ends it at its first parallel launch:
+    "fork() called from a process already using GNU OpenMP"): there, the kernels run on
+    the calling thread. Other threading layers start their threads again."""
+    pytest.importorskip("numba")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    if layer is not None:
+        env["NUMBA_THREADING_LAYER"] = layer
+    env["NUMBA_NUM_THREADS"] = "2"
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "children done" in run.stdout
+    assert f"layer {layer or 'omp'}" in run.stdout  # numba's default where no TBB is installed

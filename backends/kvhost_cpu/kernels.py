@@ -18,7 +18,9 @@ for small batches.
 
 from __future__ import annotations
 
+import os
 import platform
+import sys
 from functools import cache
 
 import numba
@@ -27,6 +29,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.ufunc import parallel as numba_parallel
 
 from kvhost.transform import MAX_LOOP_DIMS, Loops
 from kvhost_cpu.cache_dir import ensure_writable_cache
@@ -409,6 +412,24 @@ def threads() -> int:
     return int(numba.get_num_threads())
 
 
+def _forked() -> None:
+    """In a child forked after the kernels ran GNU OpenMP threads (numba's ``omp`` layer on
+    Linux), whose runtime cannot start threads again there (numba ends such a child at its
+    first parallel launch): every kernel runs on the calling thread. ``workqueue`` and
+    ``tbb`` start their threads again in a child."""
+    global _serial_only
+    try:
+        layer = numba_parallel.threading_layer()
+    except ValueError:  # no parallel launch yet: the child starts the runtime afresh
+        return
+    if layer == "omp" and sys.platform.startswith("linux"):
+        _serial_only = True
+
+
+_serial_only = False
+os.register_at_fork(after_in_child=_forked)
+
+
 # Each kernel a backend launches by name: its parallel form and its form for the calling thread.
 KERNELS = {
     "rearrange_units": (rearrange_units, rearrange_units_serial),
@@ -421,10 +442,10 @@ def launcher(kernel_name: str, nbytes: int) -> tuple[object, int]:
 
     Small jobs run on the calling thread: a parallel launch costs microseconds on an idle
     machine and up to a scheduler time slice (milliseconds) on a busy one, more than the
-    copy itself.
+    copy itself. So does every job of a child forked after GNU OpenMP ran (``_forked``).
     """
     parallel, serial = KERNELS[kernel_name]
-    if nbytes < SERIAL_BYTES or threads() == 1:
+    if nbytes < SERIAL_BYTES or threads() == 1 or _serial_only:
         return serial, 1
     return parallel, threads()
 
