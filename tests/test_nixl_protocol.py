@@ -108,6 +108,13 @@ def test_an_offer_decode_would_refuse_is_refused_as_the_senders_mistake(change, 
     assert header.header()["beat_seconds"] == 1.0  # the same offer, mended, is sent
 
 
+def test_an_offer_at_its_bounds_is_sent():
+    for beat in (0.05, 60.0):
+        assert Offer(SPEC, [TABLE], [METADATA], REQUESTS, beat_seconds=beat).header()["beat_seconds"] == beat
+    most = b"x" * MAX_BLOB_BYTES
+    assert Offer(SPEC, [TABLE], [most], REQUESTS).header()["metadata_bytes"].tolist() == [MAX_BLOB_BYTES]
+
+
 def parse_message(message):
     """The offer, and the application's own fields read as an application reads them: a
     pid in [1, 2^31], a number of seconds."""
