@@ -36,6 +36,7 @@ from kvhost.nixl import (
     extent_rows,
     memory_spans,
     merge_rows,
+    plan_ranks,
     plan_transfer,
     region_table,
     stream_extents,
@@ -1401,3 +1402,43 @@ def test_a_plan_s_counts_of_blocks_and_a_table_s_heads_are_ints():
         with pytest.raises(LayoutError, match="heads: first and count must be ints"):
             remote.heads(first, count)  # type: ignore[arg-type]
     assert remote.heads(np.int64(heads - 1), 1).sizes["H"] == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (dict(num_blocks=-1), "local table: num_blocks must be an int of at least 1, got -1"),
+        (dict(num_blocks="8"), "local table: num_blocks must be an int of at least 1, got '8'"),
+        (dict(device_id=None), "local table: device_id must be an int of at least 0, got None"),
+        (dict(memory="GPU"), "local table: memory 'GPU' is not one of ['DRAM', 'VRAM']"),
+        (dict(itemsize=3), "local table: item size 3 is not 1, 2, 4 or 8"),
+        (dict(sizes={"K": 2, "N": 0, "H": 2, "C": 4}), "local table: sizes must map letters to ints of at least 1"),
+        (dict(sizes={"K": 2, "N": 4.0, "H": 2, "C": 4}), "local table: sizes must map letters to ints of at least 1"),
+        (dict(order="HXC"), "local table: order 'HXC' must be letters that have sizes"),
+        (dict(order="HC"), "local table: order 'HC' and sizes must name the tokens (N)"),
+        (dict(split=None), "local table: split None must be letters that have sizes"),
+        (dict(streams=[]), "local table: streams must be a tuple of Streams, got []"),
+        (dict(streams=(Stream("l", (("K", 0),), "x", 4),)), "local table: a stream must be a Stream of int address"),
+        (dict(streams=(Stream("l", (("K", 0),), 4096, -1),)), "local table: a stream must be a Stream of int address"),
+        (dict(streams=(Stream("l", (("K", 0),), 2**64, 4),)), "local table: a stream must be a Stream of int address"),
+        (dict(streams=("l",)), "local table: a stream must be a Stream of int address and stride, got 'l'"),
+    ],
+)
+def test_a_table_made_by_hand_is_refused_naming_the_field_before_it_is_planned(change, words):
+    """Planning trusts a table's numbers as addresses and lengths: a table made by hand
+    (not by region_table or from_dict, which check them) is held to their kinds and ranges.
+    A size of 0 was a ZeroDivisionError, a count of -1 or "8" was planned."""
+    table = region_table({"l": make_cache("KBNHC", "KBHNC", dict(K=2, B=8, N=4, H=2, C=4))}, "KBNHC")
+    bad = replace(table, **change)
+    with pytest.raises(LayoutError) as raised:
+        plan_transfer(bad, table)
+    assert str(raised.value).startswith(words)
+    with pytest.raises(LayoutError, match=r"^remote table: "):
+        plan_transfer(table, bad)
+    with pytest.raises(LayoutError, match=r"^(the )?remote rank 1"):
+        plan_ranks(table, 0, 1, [table, bad])
+    with pytest.raises(ArgumentError, match="plan_transfer takes two RegionTables, got"):
+        plan_transfer(table, table.to_dict())  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="plan_ranks takes RegionTables, got"):
+        plan_ranks(table.to_dict(), 0, 1, [table])  # type: ignore[arg-type]
+    assert plan_transfer(table, table).remote_order == "HNC"  # the table it was made from plans

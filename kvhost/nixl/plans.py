@@ -472,6 +472,16 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
     Letters of size 1 (but ``N``) may sit anywhere on either side: they are left out
     (``RegionTable.without_unit_letters``), and so out of the plan's ``remote_order``.
     """
+    for side, table in (("local", local), ("remote", remote)):
+        if not isinstance(table, RegionTable):
+            raise ArgumentError(f"plan_transfer takes two RegionTables, got {shown(table)} as the {side} one")
+        table.check_fields(side)
+    return pair_tables(local, remote)
+
+
+def pair_tables(local: RegionTable, remote: RegionTable) -> TransferPlan:
+    """``plan_transfer`` of tables made here from checked ones (``kvhost.nixl.ranks``' head
+    shares and windows), which need not read back as tables a peer could send."""
     local, remote = local.without_unit_letters(), remote.without_unit_letters()
     if local.itemsize != remote.itemsize:
         raise LayoutError(f"local item size {local.itemsize} != remote item size {remote.itemsize}")

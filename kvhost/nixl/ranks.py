@@ -64,7 +64,7 @@ from kvhost.nixl.plans import (
     block_count,
     checked_batch,
     checked_request_ids,
-    plan_transfer,
+    pair_tables,
 )
 from kvhost.nixl.tables import MAX_STREAMS, WINDOW_RUN, RegionTable, Stream
 from kvhost.transform import block_ratio
@@ -320,8 +320,11 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
     if not remotes:
         raise LayoutError("no remote ranks to read from")
     for name, table in (("local", local), *((f"remote rank {q}", t) for q, t in enumerate(remotes))):
+        if not isinstance(table, RegionTable):
+            raise ArgumentError(f"plan_ranks takes RegionTables, got {shown(table)} as the {name}'s")
         if not table.streams:  # a table made by hand; from_dict refuses it
             raise LayoutError(f"the {name}'s table has no streams")
+        table.check_fields(name)
     first = remotes[0]
     for rank, table in enumerate(remotes):
         for field in ("order", "split", "sizes", "coordinates"):  # the sizes hold the block size (N)
@@ -339,7 +342,7 @@ def plan_ranks(local: RegionTable, local_rank: int, local_tp: int, remotes: Sequ
     remote_tp = len(remotes)
     if "H" not in local.sizes and "H" not in first.sizes:
         rank = latent_source(local_rank, local_tp, remote_tp)
-        plan = plan_transfer(local, remotes[rank])  # its remote order names no letter of size 1
+        plan = pair_tables(local, remotes[rank])  # its remote order names no letter of size 1
         latent = Source(rank, None, (Part(plan),))
         return RankPlan(local, tuple(remotes), (latent,), plan.remote_order, first.block_size)
     if "H" not in local.sizes or "H" not in first.sizes:
@@ -491,12 +494,12 @@ def _parts(
     """The plans that move one remote rank's share of the heads into the local rank's blocks
     (``runs``: the share's runs, when it moves by byte windows)."""
     if way == "whole regions":
-        return (Part(plan_transfer(local, remote)),)
+        return (Part(pair_tables(local, remote)),)
     count = share.count
     if way == "head streams":  # pick and renumber the heads on both sides
-        return (Part(plan_transfer(local.heads(share.local_first, count), remote.heads(share.remote_first, count))),)
+        return (Part(pair_tables(local.heads(share.local_first, count), remote.heads(share.remote_first, count))),)
     if way == "head run":  # a share of a head-major region: one run
-        return (Part(plan_transfer(local, remote.heads(share.remote_first, count))),)
+        return (Part(pair_tables(local, remote.heads(share.remote_first, count))),)
     return _window_parts(local, remote, runs)
 
 
@@ -576,7 +579,7 @@ def _window_parts(local: RegionTable, remote: RegionTable, runs: Sequence[Run]) 
         groups.setdefault((phase, length), []).append((local_offset, remote_offset))
     return tuple(
         Part(
-            plan_transfer(
+            pair_tables(
                 _window(local, [o for o, _ in offsets], length), _window(remote, [o for _, o in offsets], length)
             ),
             phase,

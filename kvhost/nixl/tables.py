@@ -31,7 +31,7 @@ from kvhost.ids import integer_value
 from kvhost.layout import AXIS_LETTERS
 from kvhost.memory import byte_extent
 from kvhost.nixl.errors import ProtocolError
-from kvhost.nixl.fields import Fields
+from kvhost.nixl.fields import U64_MAX, Fields
 
 # Letters that may index a stream: outer letters, letters cut from the region, and "#" for
 # the place in a layer's tuple when that place is not K.
@@ -87,6 +87,38 @@ class RegionTable:
     @property
     def block_size(self) -> int:
         return self.sizes["N"]
+
+    def check_fields(self, side: str) -> None:
+        """Refuse (LayoutError) fields of a kind or range no table ``region_table`` or
+        ``from_dict`` makes holds: a table made by hand is planned from its numbers, which
+        become descriptor addresses and lengths."""
+        where = f"{side} table"
+        _check_memory(self.memory, f"{where}: memory", LayoutError)
+        for name, value, least in (("device_id", self.device_id, 0), ("num_blocks", self.num_blocks, 1)):
+            if type(value) is not int or value < least:
+                raise LayoutError(f"{where}: {name} must be an int of at least {least}, got {shown(value)}")
+        if type(self.itemsize) is not int or self.itemsize not in (1, 2, 4, 8):
+            raise LayoutError(f"{where}: item size {shown(self.itemsize)} is not 1, 2, 4 or 8")
+        if not isinstance(self.sizes, dict) or not all(
+            type(n) is int and n >= 1 and isinstance(a, str) for a, n in self.sizes.items()
+        ):
+            raise LayoutError(f"{where}: sizes must map letters to ints of at least 1, got {shown(self.sizes)}")
+        for letters, name in ((self.order, "order"), (self.split, "split")):
+            if not isinstance(letters, str) or any(a not in self.sizes for a in letters):
+                raise LayoutError(f"{where}: {name} {shown(letters)} must be letters that have sizes")
+        if "N" not in self.sizes or "N" not in self.order:
+            raise LayoutError(f"{where}: order {self.order!r} and sizes must name the tokens (N)")
+        if not isinstance(self.streams, tuple):
+            raise LayoutError(f"{where}: streams must be a tuple of Streams, got {shown(self.streams)}")
+        for stream in self.streams:
+            if not (
+                isinstance(stream, Stream)
+                and type(stream.address) is int
+                and type(stream.block_stride) is int
+                and 0 <= stream.address <= U64_MAX
+                and 0 <= stream.block_stride <= U64_MAX
+            ):
+                raise LayoutError(f"{where}: a stream must be a Stream of int address and stride, got {shown(stream)}")
 
     @property
     def run_order(self) -> str:
@@ -283,8 +315,7 @@ class RegionTable:
         check_sizes(max_streams=max_streams)  # NaN would bound nothing
         fields = Fields(data, where, arrays)
         memory = fields.text("memory")
-        if memory not in MEMORY_OF_DEVICE.values():
-            raise ProtocolError(f"{where}.memory: {memory!r} is not one of {sorted(MEMORY_OF_DEVICE.values())}")
+        _check_memory(memory, f"{where}.memory:", ProtocolError)
         sizes_field = fields.fields("sizes")
         sizes = {}
         for letter in sizes_field.data:
@@ -319,6 +350,11 @@ class RegionTable:
                 f"{''.join(sorted(covered))}"
             )
         return cls(memory, device_id, order, split, sizes, itemsize, num_blocks, streams)
+
+
+def _check_memory(memory: object, what: str, error: type[Exception]) -> None:
+    if memory not in MEMORY_OF_DEVICE.values():
+        raise error(f"{what} {shown(memory)} is not one of {sorted(MEMORY_OF_DEVICE.values())}")
 
 
 def _letters(value: str, where: str, sizes: Mapping[str, int]) -> str:
