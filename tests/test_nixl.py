@@ -1442,3 +1442,26 @@ def test_a_table_made_by_hand_is_refused_naming_the_field_before_it_is_planned(c
     with pytest.raises(ArgumentError, match="plan_ranks takes RegionTables, got"):
         plan_ranks(table.to_dict(), 0, 1, [table])  # type: ignore[arg-type]
     assert plan_transfer(table, table).remote_order == "HNC"  # the table it was made from plans
+
+
+@pytest.mark.parametrize("first", ["head inside", "head outside"])
+def test_layers_whose_one_head_sits_apart_make_one_table_and_land_the_truth(first):
+    """A letter of size 1 moves no byte wherever it sits (``kvhost.receive`` takes such
+    layers): one layer's single head inside its block region and another's outside make
+    one table, in the first layer's order, whichever comes first (it was refused)."""
+    sizes = dict(B=8, N=4, H=1, C=8)
+    inside = fill_random(make_cache("BNHC", "BNHC", sizes), 1)  # region NHC
+    outside = fill_random(make_cache("BNHC", "HBNC", sizes), 2)  # H before B: region NC
+    local = {"a": inside, "b": outside} if first == "head inside" else {"b": outside, "a": inside}
+    remote = {name: fill_random(make_cache("BNHC", "BHNC", dict(sizes, N=2)), 3 + i) for i, name in enumerate(local)}
+    table = region_table(local, "BNHC")
+    assert table.order == ("NHC" if first == "head inside" else "NC")
+    assert len({s.coords for s in table.streams}) == 1  # every stream indexed alike
+    plan = plan_transfer(table, region_table(remote, "BNHC"))
+    local_ids, remote_ids = [5, 2], [0, 3, 7, 1]
+    before = {name: raw(t).clone() for name, t in local.items()}
+    memmove_rows(*plan.merged_pairs(local_ids, remote_ids))
+    kvhost.receive(local, {"r": local_ids}, axes="BNHC", remote_order=plan.remote_order, remote_block_size=2)
+    for r, lo in zip(CacheSet(remote, "BNHC").members, CacheSet(local, "BNHC").members):
+        assert torch.equal(read_tokens(lo.tensor, lo.layout, local_ids), read_tokens(r.tensor, r.layout, remote_ids))
+        assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)

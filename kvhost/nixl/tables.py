@@ -28,7 +28,7 @@ from kvhost.backend import check_sizes
 from kvhost.caches import CacheSet, Layer
 from kvhost.errors import LayoutError, shown
 from kvhost.ids import integer_value
-from kvhost.layout import AXIS_LETTERS
+from kvhost.layout import AXIS_LETTERS, Layout
 from kvhost.memory import byte_extent
 from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.fields import U64_MAX, Fields
@@ -465,7 +465,7 @@ def region_table(caches: Mapping[str, Layer] | CacheSet, axes: str | None = None
     streams = []
     for member in cache_set.members:
         layout = member.layout
-        if layout.region != first.region:
+        if _sized_letters(layout, layout.region) != _sized_letters(first, first.region):
             raise LayoutError(
                 f"{cache_set.role}: layer {member.layer!r} has block region {layout.region!r} but layer "
                 f"{cache_set.members[0].layer!r} has {first.region!r}; one table needs one region order"
@@ -475,9 +475,13 @@ def region_table(caches: Mapping[str, Layer] | CacheSet, axes: str | None = None
             base["K"] = member.index
         elif len(cache_set.layers[member.layer]) > 1:
             base["#"] = member.index
-        for index in itertools.product(*(range(layout.size(a)) for a in layout.outer)):
-            offset = sum(i * layout.stride(a) * layout.itemsize for a, i in zip(layout.outer, index))
-            coords = _canonical(base | dict(zip(layout.outer, index)))
+        # A letter of size 1 moves no byte wherever it sits: it indexes streams as the first
+        # layer's does (index 0), in or out of this layer's region.
+        outer = [a for a in layout.outer if a not in first.region]
+        base |= {a: 0 for a in first.outer if a not in outer}
+        for index in itertools.product(*(range(layout.size(a)) for a in outer)):
+            offset = sum(i * layout.stride(a) * layout.itemsize for a, i in zip(outer, index))
+            coords = _canonical(base | dict(zip(outer, index)))
             streams.append(Stream(member.layer, coords, member.tensor.data_ptr() + offset, layout.block_stride_bytes))
     return RegionTable(
         memory=memory,
@@ -489,6 +493,11 @@ def region_table(caches: Mapping[str, Layer] | CacheSet, axes: str | None = None
         num_blocks=first.num_blocks,
         streams=tuple(streams),
     )
+
+
+def _sized_letters(layout: Layout, letters: str) -> str:
+    """``letters`` without those of size 1 but the tokens: the bytes' order they name."""
+    return "".join(a for a in letters if a == "N" or layout.size(a) > 1)
 
 
 def memory_spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
