@@ -1465,3 +1465,41 @@ def test_layers_whose_one_head_sits_apart_make_one_table_and_land_the_truth(firs
     for r, lo in zip(CacheSet(remote, "BNHC").members, CacheSet(local, "BNHC").members):
         assert torch.equal(read_tokens(lo.tensor, lo.layout, local_ids), read_tokens(r.tensor, r.layout, remote_ids))
         assert untouched_blocks_same(lo.tensor, before[lo.layer], lo.layout, local_ids)
+
+
+@pytest.mark.parametrize(
+    ("local_memory", "remote_memory", "local_size", "remote_size", "cut", "in_local_layout"),
+    [
+        ("KBHNC", "KBHNC", 16, 4, True, True),  # token runs cut at H, one order
+        ("KBNHC", "KBNHC", 16, 4, True, True),  # a region that begins with N is its own token runs
+        ("KBNHC", "KBNCH", 16, 4, True, False),  # N first on both sides, two orders: regions
+        ("KBNHC", "KBNCH", 8, 8, True, False),
+        ("KBHNC", "KBHNC", 16, 4, False, False),  # regions cut at r: wire bytes
+        ("KBHNC", "KBHNC", 8, 8, False, True),  # one order, one block size: nothing to rearrange
+        ("KBHNC", "KBNHC", 8, 8, False, False),
+    ],
+)
+def test_a_plan_says_whether_its_bytes_land_in_the_local_layout(
+    local_memory, remote_memory, local_size, remote_size, cut, in_local_layout
+):
+    """``in_local_layout`` is what a connector asks before it skips ``kvhost.receive``:
+    where True, the bytes that land are the local layout's; where False, the plan's
+    remote order and block size make them so (two N-first orders paired by
+    ``token_runs()`` tables landed in the sender's order, unsaid)."""
+    sizes = dict(K=2, H=2, C=4)
+    remote = caches_for("KBNHC", remote_memory, sizes, remote_size, 16, seed=3)
+    local = caches_for("KBNHC", local_memory, sizes, local_size, 24, seed=30)
+    tables = [region_table(side, "KBNHC") for side in (local, remote)]
+    plan = plan_transfer(*[t.token_runs() if cut else t for t in tables])
+    assert plan.in_local_layout is in_local_layout
+    count = 3
+    local_ids, remote_ids = [7, 2, 11, 4, 9][: plan.local_blocks_for(count)], [5, 0, 12]
+    memmove_rows(*plan.merged_pairs(local_ids, remote_ids))
+    if not plan.in_local_layout:
+        kvhost.receive(
+            local, {"r": local_ids}, axes="KBNHC", remote_order=plan.remote_order, remote_block_size=remote_size
+        )
+    tokens = count * remote_size
+    for r, lo in zip(CacheSet(remote, "KBNHC").members, CacheSet(local, "KBNHC").members):
+        got = read_tokens(lo.tensor, lo.layout, local_ids)[:tokens]
+        assert torch.equal(got, read_tokens(r.tensor, r.layout, remote_ids))

@@ -80,6 +80,15 @@ class TransferPlan:
     def remote_block_size(self) -> int:
         return self.remote.block_size
 
+    @property
+    def in_local_layout(self) -> bool:
+        """Whether the bytes land in the local layout itself, with nothing for
+        ``kvhost.receive`` to do: both sides in one order, and each block one run that
+        begins at its tokens (``token_runs()`` tables, or regions that begin with ``N``)
+        or blocks of one size. Tables in two orders pair as regions, whatever made them."""
+        same_blocks = self.local.block_size == self.remote.block_size
+        return self.local.order == self.remote.order and (same_blocks or self.local.run_order.startswith("N"))
+
     def local_blocks_for(self, remote_blocks: int) -> int:
         """Local blocks that hold ``remote_blocks`` sender blocks (whole groups when g > 1)."""
         return -(-block_count(remote_blocks) * self.remote_parts // self.local_parts)
@@ -468,7 +477,8 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
     """Pair two tables: same streams, same letters and sizes but ``N``, block sizes dividing.
 
     With region tables the bytes land as wire bytes (``kvhost.receive`` finishes the job);
-    with ``token_runs()`` tables in one order they land in the local layout itself.
+    with ``token_runs()`` tables in one order they land in the local layout itself
+    (``TransferPlan.in_local_layout`` says which).
     Letters of size 1 (but ``N``) may sit anywhere on either side: they are left out
     (``RegionTable.without_unit_letters``), and so out of the plan's ``remote_order``.
     """

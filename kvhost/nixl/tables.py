@@ -176,7 +176,9 @@ class RegionTable:
         """The same memory with the letters before ``N`` in the region made into streams.
 
         Each block of each stream is then one run of tokens (``N`` and what follows it), so
-        pairing two such tables moves tokens, not regions: bytes land in the local order.
+        pairing two such tables in one order moves tokens, not regions: bytes land in the
+        local order. A region that begins with ``N`` is its own token runs; two tables in
+        two orders pair as regions (``TransferPlan.in_local_layout`` is False).
         """
         cut = self.order[: self.order.index("N")]
         if not cut or self.split:
