@@ -521,13 +521,18 @@ def test_close_ends_the_nixl_agent_while_its_caller_keeps_a_released_transfer():
     assert transfer.released and transfer.poll()  # what it says of itself stays true
 
 
+def registered_plan(sender, receiver):
+    """Caches of 4-token blocks registered with ``sender``, of 16 with ``receiver``: their plan."""
+    remote_table = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=4), "KBNHC")
+    local_table = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=5), "KBNHC")
+    return plan_transfer(local_table, remote_table)
+
+
 @needs_nixl
 @pytest.mark.timeout(60)
 def test_peers_are_removed_and_the_same_metadata_again_keeps_them(monkeypatch):
     with Agent("peer-sender") as sender, Agent("peer-receiver") as receiver:
-        remote_table = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=4), "KBNHC")
-        local_table = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=5), "KBNHC")
-        plan = plan_transfer(local_table, remote_table)
+        plan = registered_plan(sender, receiver)
         removed = Spy(monkeypatch, receiver.nixl, "remove_remote_agent")
         receiver.remove_peer("nobody")  # a peer never added: nothing to do
         peer = receiver.add_peer(sender.metadata())
@@ -554,9 +559,7 @@ def test_peers_are_removed_and_the_same_metadata_again_keeps_them(monkeypatch):
 @pytest.mark.timeout(60)
 def test_a_notification_that_is_no_bytes_and_a_post_to_no_peer_are_refused_before_nixl_sees_them(monkeypatch):
     with Agent("notify-sender") as sender, Agent("notify-receiver") as receiver:
-        remote_table = sender.register(caches_for("KBNHC", "KBHNC", SIZES, 4, 8, seed=4), "KBNHC")
-        local_table = receiver.register(caches_for("KBNHC", "KBNHC", SIZES, 16, 4, seed=5), "KBNHC")
-        reader = receiver.reader(plan_transfer(local_table, remote_table), receiver.add_peer(sender.metadata()))
+        reader = receiver.reader(registered_plan(sender, receiver), receiver.add_peer(sender.metadata()))
         made = Spy(monkeypatch, receiver.nixl, "initialize_xfer")
         for bad in ("done", bytearray(b"done"), None, 7):
             said = f"READ from 'notify-sender': notify must be bytes, got {bad!r}"
