@@ -60,3 +60,30 @@ def test_a_license_and_type_hints_ship():
     assert pyproject["project"]["license"] == "Apache-2.0" and pyproject["project"]["license-files"] == ["LICENSE"]
     assert "Apache License" in (PYPROJECT.parent / "LICENSE").read_text()
     assert (PYPROJECT.parent / "kvhost" / "py.typed").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "kvhost_tools.cli", "--help"],
+        ["-m", "kvhost_tools.cli", "bench", "--help"],
+        ["-m", "kvhost_tools.cli", "demo", "--help"],
+        ["-m", "kvhost_tools.device_checks.gpucheck", "--help"],
+        ["-m", "kvhost_tools.device_checks.handoff", "--help"],
+        ["-m", "kvhost_tools.device_checks.xla_scaling", "--help"],
+        ["-m", "kvhost_accelerator.aot", "--help"],
+    ],
+)
+def test_every_command_starts_under_python_dash_oo(command):
+    """``python -OO`` drops docstrings: a command that built its description from
+    ``__doc__.split`` died of AttributeError before it parsed anything (kvhost bench did)."""
+    import os
+    import subprocess
+    import sys
+
+    root = PYPROJECT.parent
+    path = os.pathsep.join([str(root), str(root / "backends"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONOPTIMIZE="2", PYTHONPATH=path)
+    run = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "usage:" in run.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -306,3 +307,50 @@ def test_a_process_forked_after_parallel_kernels_ran_runs_them_too(layer, tmp_pa
     assert run.returncode == 0, run.stdout + run.stderr
     assert "children done" in run.stdout
     assert f"layer {layer or 'omp'}" in run.stdout  # numba's default where no TBB is installed
+
+
+NUMBA_SETTINGS = r"""
+import kvhost
+from kvhost.testing import CopyCase, ReceiveCase, make_cache
+
+sizes = dict(K=2, B=64, N=16, H=8, C=128)  # 4 MiB a layer: jobs past the calling thread's share
+caches = {f"l{i}": make_cache("KBNHC", "KBNHC", sizes) for i in range(2)}
+case = ReceiveCase(caches, "KBNHC", seed=1)
+ids = list(range(1, 64, 2))
+case.send("r", ids, "HNC", 16)
+kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=16, backend="cpu")
+case.check()
+host = {name: make_cache("KBNHC", "KBHNC", sizes) for name in caches}
+copy = CopyCase(caches, host, "KBNHC", "KBNHC")
+kvhost.copy_blocks(caches, host, ids, ids[::-1], axes="KBNHC", backend="cpu")
+copy.check(ids, ids[::-1])
+print("cpu ->", kvhost.get_backend("cpu").describe())
+"""
+
+
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ({"NUMBA_THREADING_LAYER": "bogus"}, "numba kernels on the calling thread (The threading layer requested"),
+        ({"NUMBA_THREADING_LAYER": "safe"}, "numba kernels on the calling thread (No threading layer could be loaded"),
+        ({"NUMBA_DISABLE_JIT": "1"}, "torch ops (numba unavailable: NUMBA_DISABLE_JIT is set: numba compiles nothing)"),
+        ({"NUMBA_THREADING_LAYER": "workqueue"}, "numba kernels"),
+    ],
+)
+def test_numba_settings_that_rule_out_its_threads_or_its_compiler_leave_every_call_working(setting, said, tmp_path):
+    """An operator's numba settings: a threading layer that cannot load (TBB absent, a
+    typo) failed every job of 1 MiB or more, for the life of the process, while smaller
+    ones ran; under NUMBA_DISABLE_JIT every call failed (the kernels' intrinsics have no
+    Python form) while ``info`` said "numba kernels". Now the kernels run on the calling
+    thread, or the torch path runs, and ``describe`` says which and why."""
+    pytest.importorskip("numba")
+    if setting.get("NUMBA_THREADING_LAYER") == "safe" and importlib.util.find_spec("tbb") is not None:
+        pytest.skip("TBB is installed here: the safe layer loads")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "NUMBA_DISABLE_JIT")} | setting
+    script = tmp_path / "settings.py"
+    script.write_text(NUMBA_SETTINGS)
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"cpu -> {said}" in run.stdout
+    if said == "numba kernels":
+        assert run.stdout.strip().endswith("cpu -> numba kernels")

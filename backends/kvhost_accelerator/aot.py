@@ -405,7 +405,8 @@ def count_compiles(target: Any, batches: Iterable[int], limits: Limits | None = 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kvhost_accelerator.aot", description=__doc__.splitlines()[0])
+    summary = __doc__ and __doc__.splitlines()[0]  # None under python -OO
+    parser = argparse.ArgumentParser(prog="python -m kvhost_accelerator.aot", description=summary)
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="default: sm_90")
     parser.add_argument("--programs", type=int, default=132 * 4, help="the device's program cap (default 528)")
     parser.add_argument("--batches", type=int, default=1000, help="compiles for every batch of 1..N blocks")

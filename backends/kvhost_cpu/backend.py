@@ -48,7 +48,7 @@ REORDER_MIN_RUN = 128  # the kernels' STREAM_RUN: streamed runs, whose walks wer
 # Re-entrant: a device copy's handle dropped while this thread holds it (the collector runs
 # at any allocation, the scratch's included) finishes a bounced save with a copy here.
 _launch = threading.RLock()
-KERNELS = OptionalKernels("kvhost_cpu.kernels")
+KERNELS = OptionalKernels("kvhost_cpu.kernels", lambda kernels: kernels.unusable())
 
 
 class CpuBackend(Backend):
@@ -80,7 +80,11 @@ class CpuBackend(Backend):
         self._derived = "cpu" if options == defaults else "cpu/{}/{}/{}".format(*options)
 
     def describe(self) -> str:
-        return "numba kernels" if KERNELS.module is not None else f"torch ops (numba unavailable: {KERNELS.reason})"
+        kernels = KERNELS.module
+        if kernels is None:
+            return f"torch ops (numba unavailable: {KERNELS.reason})"
+        problem = kernels.threading_problem()
+        return "numba kernels" if problem is None else f"numba kernels on the calling thread ({problem})"
 
     def exclusive(self) -> AbstractContextManager[object]:
         return _scratch.call()  # the scratch a call reserved stays until its last job has run

@@ -406,10 +406,30 @@ def copy_runs_serial(src_bases, dst_bases, src_ids, dst_ids, params, threads):
     _copy_span(src_bases, dst_bases, src_ids, dst_ids, starts, lengths, params, 0, items)
 
 
+def unusable() -> str | None:
+    """Why these kernels cannot run in this process, or None: under ``NUMBA_DISABLE_JIT``
+    numba compiles nothing, and the intrinsics the kernels stand on have no Python form."""
+    if getattr(numba.config, "DISABLE_JIT", False):  # set from NUMBA_DISABLE_JIT when numba loads
+        return "NUMBA_DISABLE_JIT is set: numba compiles nothing"
+    return None
+
+
 @cache
 def threads() -> int:
-    """numba's thread count, read once (the query costs microseconds on every call)."""
-    return int(numba.get_num_threads())
+    """numba's thread count, read once (the query costs microseconds on every call); 1
+    where numba's threading layer cannot load (``threading_problem`` says why)."""
+    return 1 if threading_problem() else int(numba.get_num_threads())
+
+
+@cache
+def threading_problem() -> str | None:
+    """Why numba cannot run kernels on several threads here (a ``NUMBA_THREADING_LAYER``
+    whose library is absent, or unknown), or None. Asking starts numba's threads."""
+    try:
+        numba.get_num_threads()
+    except ValueError as err:  # numba's words for a layer it cannot load
+        return " ".join(str(err).split())
+    return None
 
 
 def _forked() -> None:

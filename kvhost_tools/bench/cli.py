@@ -69,7 +69,7 @@ def _kvhost_results(path: Path) -> bool:
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = Parser(prog="kvhost bench", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvhost bench", description=__doc__ and __doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few rounds, for CI (a few seconds)")
     parser.add_argument("--device", default="cpu", help="torch device of the caches (default cpu)")
     parser.add_argument("--requests", help="batch sizes to sweep, comma-separated (default 1..256 doubling)")

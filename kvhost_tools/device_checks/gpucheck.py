@@ -489,7 +489,7 @@ def machine(device: torch.device, chosen: Backend, sizes: Sizes) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvhost_tools.device_checks.gpucheck", description=__doc__.splitlines()[0]
+        prog="python -m kvhost_tools.device_checks.gpucheck", description=__doc__ and __doc__.splitlines()[0]
     )
     parser.add_argument("--device", default="cuda", help="cuda or xpu (default cuda)")
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")

@@ -195,7 +195,7 @@ def line(row: Row) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvhost_tools.device_checks.handoff", description=__doc__.splitlines()[0]
+        prog="python -m kvhost_tools.device_checks.handoff", description=__doc__ and __doc__.splitlines()[0]
     )
     parser.add_argument("--device", default="cuda", help="where both caches live (default cuda)")
     parser.add_argument(

@@ -206,7 +206,7 @@ def format_table(rows: Sequence[ScalingRow]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvhost_tools.device_checks.xla_scaling", description=__doc__.split("\n\n")[0]
+        prog="python -m kvhost_tools.device_checks.xla_scaling", description=__doc__ and __doc__.split("\n\n")[0]
     )
     parser.add_argument("--cache-blocks", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 64])
