@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -110,15 +111,13 @@ class RegionTable:
             raise LayoutError(f"{where}: order {self.order!r} and sizes must name the tokens (N)")
         if not isinstance(self.streams, tuple):
             raise LayoutError(f"{where}: streams must be a tuple of Streams, got {shown(self.streams)}")
-        for stream in self.streams:
-            if not (
-                isinstance(stream, Stream)
-                and type(stream.address) is int
-                and type(stream.block_stride) is int
-                and 0 <= stream.address <= U64_MAX
-                and 0 <= stream.block_stride <= U64_MAX
-            ):
-                raise LayoutError(f"{where}: a stream must be a Stream of int address and stride, got {shown(stream)}")
+        # A table may hold 65,536 streams: each check below is one pass in C, not a loop here.
+        streams = self.streams
+        plain = set(map(type, streams)) <= {Stream}
+        numbers = [*map(attrgetter("address"), streams), *map(attrgetter("block_stride"), streams)] if plain else []
+        if not plain or (numbers and (set(map(type, numbers)) != {int} or min(numbers) < 0 or max(numbers) > U64_MAX)):
+            bad = next(s for s in streams if not _plain_stream(s))
+            raise LayoutError(f"{where}: a stream must be a Stream of int address and stride, got {shown(bad)}")
 
     @property
     def run_order(self) -> str:
@@ -352,6 +351,12 @@ class RegionTable:
                 f"{''.join(sorted(covered))}"
             )
         return cls(memory, device_id, order, split, sizes, itemsize, num_blocks, streams)
+
+
+def _plain_stream(stream: object) -> bool:
+    return isinstance(stream, Stream) and all(
+        type(v) is int and 0 <= v <= U64_MAX for v in (stream.address, stream.block_stride)
+    )
 
 
 def _check_memory(memory: object, what: str, error: type[Exception]) -> None:
