@@ -491,7 +491,7 @@ def plan_transfer(local: RegionTable, remote: RegionTable) -> TransferPlan:
 
 def pair_tables(local: RegionTable, remote: RegionTable) -> TransferPlan:
     """``plan_transfer`` of tables made here from checked ones (``kvhost.nixl.ranks``' head
-    shares and windows), which need not read back as tables a peer could send."""
+    shares and windows): their fields are not checked again."""
     local, remote = local.without_unit_letters(), remote.without_unit_letters()
     if local.itemsize != remote.itemsize:
         raise LayoutError(f"local item size {local.itemsize} != remote item size {remote.itemsize}")
