@@ -67,10 +67,13 @@ class Layout:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     itemsize: int
-    # What messages call the tensor; not a field (two layouts of one geometry are equal).
+    # What messages call the tensor, and whether its block regions are held to be contiguous
+    # (False only for a sender's view read as it is: kvhost.testing's connectors). Not fields:
+    # two layouts of one geometry are equal.
     name: InitVar[str] = "layout"
+    regions_checked: InitVar[bool] = True
 
-    def __post_init__(self, name: str) -> None:
+    def __post_init__(self, name: str, regions_checked: bool) -> None:
         # Plans and kernels trust a layout's numbers as addresses: one made by hand is held
         # to what ``of`` reads from a tensor, and validated the same way.
         checked_letters(self.axes, what=f"{name}: axes")
@@ -91,7 +94,8 @@ class Layout:
             )
         if len(self.strides) != len(self.shape):
             raise LayoutError(f"{name}: shape {self.shape} has {len(self.shape)} dims but strides {self.strides}")
-        self.validate(name)
+        if regions_checked:
+            self.validate(name)
 
     def __hash__(self) -> int:
         # Layouts key every plan cache; hash the fields once, not on every lookup.

@@ -360,3 +360,17 @@ def test_a_layout_made_by_hand_is_checked_as_of_checks_a_tensor(fields, words):
     with pytest.raises(kvhost.LayoutError) as raised:
         Layout(*fields, name="hand-made")
     assert str(raised.value).startswith("hand-made: ") and words in str(raised.value)
+
+
+def test_a_senders_view_may_be_read_without_its_regions_checked_but_not_its_kinds():
+    """kvhost.testing's connectors read a sender's share of heads (regions with other heads
+    between) as it is: ``regions_checked=False`` skips the contiguity rule, nothing else."""
+    shape, strides = (6, 2, 2, 4), (48, 24, 4, 1)  # H every 24 elements: N, C fill 8 of them
+    with pytest.raises(kvhost.LayoutError, match="is not contiguous"):
+        Layout("BHNC", shape, strides, 2)
+    read = Layout("BHNC", shape, strides, 2, regions_checked=False)
+    assert read.region == "HNC" and read == Layout("BHNC", shape, strides, 2, name="other", regions_checked=False)
+    with pytest.raises(kvhost.LayoutError, match="item size 3"):
+        Layout("BHNC", shape, strides, 3, regions_checked=False)
+    with pytest.raises(kvhost.LayoutError, match="shape must be a tuple of ints"):
+        Layout("BHNC", [6, 2, 2, 4], strides, 2, regions_checked=False)

@@ -99,7 +99,8 @@ def _split_k(member: Member) -> list[Member]:
 def _layout(tensor: torch.Tensor, axes: str) -> Layout:
     if tensor.dim() != len(axes):
         raise ValueError(f"axes {axes!r} name {len(axes)} dims but the tensor has {tensor.dim()}")
-    return Layout(axes, tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    return Layout(axes, shape, strides, tensor.element_size(), name="sender", regions_checked=False)
 
 
 def _read_member(name: str, src: Member, dst: Member, remote_ids: list[int], local_ids: list[int]) -> None:
