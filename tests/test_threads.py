@@ -243,10 +243,7 @@ def test_a_dropped_save_finished_by_the_collector_inside_the_scratch_deadlocks_n
     assert int(words[-1]) >= 1  # the collector did start inside the scratch's allocation
 
 
-FORKED = r"""
-import os, signal, sys, time
-import numba
-import torch
+CHECKED_CALLS = r"""
 import kvhost
 from kvhost.testing import CopyCase, ReceiveCase, make_cache
 
@@ -262,6 +259,15 @@ def receive_and_copy(seed):
     copy = CopyCase(caches, host, "KBNHC", "KBNHC")
     kvhost.copy_blocks(caches, host, ids, ids[::-1], axes="KBNHC", backend="cpu")
     copy.check(ids, ids[::-1])
+"""
+
+
+FORKED = (
+    CHECKED_CALLS
+    + r"""
+import os, signal, sys, time
+import numba
+import torch
 
 def in_child(seed):
     child = os.fork()
@@ -288,6 +294,7 @@ in_child(2)
 receive_and_copy(4)  # and the parent still works
 print("children done", flush=True)
 """
+)
 
 
 @pytest.mark.parametrize("layer", [None, "omp", "workqueue"])
@@ -309,23 +316,13 @@ def test_a_process_forked_after_parallel_kernels_ran_runs_them_too(layer, tmp_pa
     assert f"layer {layer or 'omp'}" in run.stdout  # numba's default where no TBB is installed
 
 
-NUMBA_SETTINGS = r"""
-import kvhost
-from kvhost.testing import CopyCase, ReceiveCase, make_cache
-
-sizes = dict(K=2, B=64, N=16, H=8, C=128)  # 4 MiB a layer: jobs past the calling thread's share
-caches = {f"l{i}": make_cache("KBNHC", "KBNHC", sizes) for i in range(2)}
-case = ReceiveCase(caches, "KBNHC", seed=1)
-ids = list(range(1, 64, 2))
-case.send("r", ids, "HNC", 16)
-kvhost.receive(caches, {"r": ids}, axes="KBNHC", remote_order="HNC", remote_block_size=16, backend="cpu")
-case.check()
-host = {name: make_cache("KBNHC", "KBHNC", sizes) for name in caches}
-copy = CopyCase(caches, host, "KBNHC", "KBNHC")
-kvhost.copy_blocks(caches, host, ids, ids[::-1], axes="KBNHC", backend="cpu")
-copy.check(ids, ids[::-1])
+NUMBA_SETTINGS = (
+    CHECKED_CALLS
+    + r"""
+receive_and_copy(1)
 print("cpu ->", kvhost.get_backend("cpu").describe())
 """
+)
 
 
 @pytest.mark.parametrize(
