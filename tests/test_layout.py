@@ -186,6 +186,40 @@ def test_a_one_block_cache_reads_as_its_many_block_twin_in_every_allocation_orde
         assert read[1] == read[2] or (read[2] is None and read[1] is not None), (allocated, read)
 
 
+@pytest.mark.parametrize("place", range(5))
+@pytest.mark.parametrize("sizes", [(2, 4, 2, 8), (2, 2, 2, 1), (1, 1, 2, 2)])
+def test_a_single_block_reads_as_unsqueeze_at_its_place_in_the_shape_would_make_it(sizes, place):
+    """Wherever ``B`` sits in the shape (first, between, last), a stride of 0 or 1 that puts
+    it inside the tokens and channels reads as ``unsqueeze(place)`` makes it: the same
+    physical order, region and refusal."""
+    import itertools
+
+    import kvhost
+
+    k, n, h, c = sizes
+    axes = "KNHC"[:place] + "B" + "KNHC"[place:]
+    for allocated in map("".join, itertools.permutations("KNHC")):
+        size = dict(K=k, N=n, H=h, C=c)
+        base = torch.zeros([size[a] for a in allocated]).permute([allocated.index(a) for a in "KNHC"])
+        unsqueezed = base.unsqueeze(place)
+
+        def read(tensor: torch.Tensor) -> tuple[str, str] | None:
+            try:
+                layout = Layout.of(tensor, axes)
+            except kvhost.LayoutError:
+                return None
+            return layout.physical, layout.region
+
+        for stride in (0, 1):
+            strides = list(unsqueezed.stride())
+            strides[place] = stride
+            given = unsqueezed.as_strided(unsqueezed.shape, strides)
+            if read(unsqueezed) is not None or stride == 0:
+                assert read(given) == read(unsqueezed), (allocated, axes, stride)
+            if place == 4:  # last in the shape: unsqueeze gives stride 1, inside every sized letter
+                assert read(given) is None, (allocated, axes, stride)
+
+
 @pytest.mark.parametrize("sizes", [(2, 4, 2, 8), (1, 4, 2, 8), (2, 4, 1, 8), (2, 1, 2, 8), (2, 4, 2, 1)])
 def test_a_single_block_reads_the_same_whatever_stride_its_b_was_given(sizes):
     """A ``B`` of size 1 has no block stride: numpy's ``newaxis`` gives it 0, ``as_strided``

@@ -1503,3 +1503,14 @@ def test_a_plan_says_whether_its_bytes_land_in_the_local_layout(
     for r, lo in zip(CacheSet(remote, "KBNHC").members, CacheSet(local, "KBNHC").members):
         got = read_tokens(lo.tensor, lo.layout, local_ids)[:tokens]
         assert torch.equal(got, read_tokens(r.tensor, r.layout, remote_ids))
+
+
+def test_a_table_made_by_hand_at_the_edges_of_its_ranges_is_taken():
+    """Every item size a cache may have, and the last address a descriptor can name."""
+    table = region_table({"l": make_cache("KBNHC", "KBHNC", dict(K=2, B=8, N=4, H=2, C=4))}, "KBNHC")
+    for itemsize in (1, 2, 4, 8):
+        replace(table, itemsize=itemsize).check_fields("local")
+    last = replace(table, streams=(Stream("l", (("K", 0),), 2**64 - 1, 2**64 - 1),))
+    last.check_fields("local")
+    with pytest.raises(LayoutError, match="a stream must be a Stream of int address"):
+        replace(table, streams=(Stream("l", (("K", 0),), 2**64, 0),)).check_fields("local")
