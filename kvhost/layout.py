@@ -24,6 +24,7 @@ from kvhost.memory import Lane, find_overlap, strided_extent
 
 AXIS_LETTERS = "LKBNHC"
 REQUIRED_LETTERS = "BNC"
+ITEM_SIZES = (1, 2, 4, 8)  # bytes an element may take: the kernels move 1-, 2-, 4- and 8-byte words
 
 
 def checked_letters(letters: object, *, what: str, error: type[Exception] = LayoutError) -> str:
@@ -82,7 +83,7 @@ class Layout:
             if not isinstance(values, tuple) or not all(type(v) is int for v in values):
                 raise LayoutError(f"{name}: {field} must be a tuple of ints, got {shown(values)}")
             object.__setattr__(self, field, tuple(values))  # a torch.Size is kept as the tuple it is
-        if type(self.itemsize) is not int or self.itemsize not in (1, 2, 4, 8):
+        if type(self.itemsize) is not int or self.itemsize not in ITEM_SIZES:
             raise LayoutError(f"{name}: item size {shown(self.itemsize)} is not 1, 2, 4 or 8 bytes")
         missing = [a for a in REQUIRED_LETTERS if a not in self.axes]
         if missing:
@@ -113,7 +114,7 @@ class Layout:
         problem = not_plain(tensor)
         if problem is not None:
             raise LayoutError(f"{name}: {problem}")
-        if tensor.element_size() not in (1, 2, 4, 8):
+        if tensor.element_size() not in ITEM_SIZES:
             raise LayoutError(f"{name}: item size {tensor.element_size()} of {tensor.dtype} is not 1, 2, 4 or 8 bytes")
         axes = checked_letters(axes, what=f"{name}: axes")
         key = _key(tensor, axes)

@@ -247,9 +247,15 @@ class Offer:
                     f"an offer's metadata[{rank}] must be an agent's metadata (1 to {MAX_BLOB_BYTES} bytes), "
                     f"got {show(metadata)}"
                 )
-        beat = check_seconds(self.beat_seconds, "an offer's beat_seconds")
-        if not MIN_BEAT_SECONDS <= beat <= MAX_BEAT_SECONDS:
-            raise ArgumentError(f"an offer's beat_seconds {beat:g} is not in [{MIN_BEAT_SECONDS}, {MAX_BEAT_SECONDS}]")
+        _check_beat(
+            check_seconds(self.beat_seconds, "an offer's beat_seconds"), "an offer's beat_seconds", ArgumentError
+        )
+
+
+def _check_beat(beat: float, what: str, error: type[Exception]) -> None:
+    """A beat interval decode can keep and prefill can watch; ``error`` says whose mistake."""
+    if not MIN_BEAT_SECONDS <= beat <= MAX_BEAT_SECONDS:
+        raise error(f"{what} {beat:g} is not in [{MIN_BEAT_SECONDS}, {MAX_BEAT_SECONDS}]")
 
 
 def _check_extra(extra: Mapping[str, Any], reserved: Sequence[str], what: str) -> None:
@@ -304,8 +310,7 @@ def parse_offer(message: Message, local: EngineSpec) -> Offer:
     metadata = [message.blob[start:end] for start, end in zip([0, *ends[:-1]], ends)]
     requests = parse_requests(fields.fields("requests"), spec.block_size, min(t.num_blocks for t in tables))
     beat = fields.seconds("beat_seconds")
-    if not MIN_BEAT_SECONDS <= beat <= MAX_BEAT_SECONDS:
-        raise ProtocolError(f"offer.beat_seconds: {beat:g} is not in [{MIN_BEAT_SECONDS}, {MAX_BEAT_SECONDS}]")
+    _check_beat(beat, "offer.beat_seconds:", ProtocolError)
     return Offer(spec, tables, metadata, requests, beat, fields=fields)
 
 

@@ -29,7 +29,7 @@ from kvhost.backend import check_sizes
 from kvhost.caches import CacheSet, Layer
 from kvhost.errors import LayoutError, shown
 from kvhost.ids import integer_value
-from kvhost.layout import AXIS_LETTERS, Layout
+from kvhost.layout import AXIS_LETTERS, ITEM_SIZES, Layout
 from kvhost.memory import byte_extent
 from kvhost.nixl.errors import ProtocolError
 from kvhost.nixl.fields import U64_MAX, Fields
@@ -98,7 +98,7 @@ class RegionTable:
         for name, value, least in (("device_id", self.device_id, 0), ("num_blocks", self.num_blocks, 1)):
             if type(value) is not int or value < least:
                 raise LayoutError(f"{where}: {name} must be an int of at least {least}, got {shown(value)}")
-        if type(self.itemsize) is not int or self.itemsize not in (1, 2, 4, 8):
+        if type(self.itemsize) is not int or self.itemsize not in ITEM_SIZES:
             raise LayoutError(f"{where}: item size {shown(self.itemsize)} is not 1, 2, 4 or 8")
         if not isinstance(self.sizes, dict) or not all(
             type(n) is int and n >= 1 and isinstance(a, str) for a, n in self.sizes.items()
@@ -331,7 +331,7 @@ class RegionTable:
         if split not in ("", order[: order.index("N")]):
             raise ProtocolError(f"{where}.split: {split!r:.20} must be empty or {order[: order.index('N')]!r}")
         itemsize = fields.integer("itemsize", minimum=1, maximum=8)
-        if itemsize not in (1, 2, 4, 8):
+        if itemsize not in ITEM_SIZES:
             raise ProtocolError(f"{where}.itemsize: {itemsize} is not 1, 2, 4 or 8")
         num_blocks = fields.integer("num_blocks", minimum=1, maximum=1 << 32)
         device_id = fields.integer("device_id", maximum=1 << 16)
